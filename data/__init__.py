@@ -1,0 +1,134 @@
+"""Data set registry (`--dataset`) and the data loaders of training and evaluation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.sampler import ResumableDistributedSampler, ShardSampler
+from data.synthetic import SyntheticImages
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
+__all__ = ["DataSpec", "build_datasets", "build_loader", "ResumableDistributedSampler", "ShardSampler",
+           "SyntheticImages"]
+
+TORCHVISION_SETS = {
+    # name: (torchvision class, image shape, classes, mean, std)
+    "mnist": ("MNIST", (1, 28, 28), 10, (0.1307,), (0.3081,)),
+    "fashion-mnist": ("FashionMNIST", (1, 28, 28), 10, (0.2860,), (0.3530,)),
+    "cifar10": ("CIFAR10", (3, 32, 32), 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("CIFAR100", (3, 32, 32), 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+@dataclass
+class DataSpec:
+    """The training and validation sets and what a model needs to know about them."""
+
+    train: Dataset
+    val: Dataset
+    input_shape: tuple[int, ...]  # of one sample as the model sees it
+    num_classes: int
+
+
+class Flattened(Dataset):
+    """Presents each CxHxW sample of `dataset` as a vector (--mode flatten)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        image, target = self.dataset[index]
+        return image.reshape(-1), target
+
+
+def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSpec:
+    """The data sets named by --dataset, flattened for --mode flatten.
+
+    `download_allowed` is False on every rank but 0, so one process downloads.
+    """
+    name = config.dataset
+    if name == "synthetic":
+        shape, classes = config.image_dims(), config.num_classes
+        train = SyntheticImages(config.train_size, shape, classes, config.seed, "train")
+        val = SyntheticImages(config.val_size, shape, classes, config.seed, "val")
+    elif name == "fake":
+        import torchvision
+        shape, classes = config.image_dims(), config.num_classes
+        to_tensor = torchvision.transforms.ToTensor()
+        train = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
+        val = torchvision.datasets.FakeData(config.val_size, shape, classes, to_tensor, random_offset=10**6)
+    elif name == "imagefolder":
+        train, val, shape, classes = _image_folder(config)
+    else:
+        train, val, shape, classes = _torchvision_set(config, download_allowed)
+    if config.mode == "flatten":
+        train, val = Flattened(train), Flattened(val)
+        return DataSpec(train, val, (shape[0] * shape[1] * shape[2],), classes)
+    return DataSpec(train, val, tuple(shape), classes)
+
+
+def _torchvision_set(config: TrainConfig, download_allowed: bool):
+    import torchvision
+    from torchvision import transforms
+
+    class_name, shape, classes, mean, std = TORCHVISION_SETS[config.dataset]
+    dataset_class = getattr(torchvision.datasets, class_name)
+    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    augment = [transforms.RandomCrop(shape[1], padding=4), transforms.RandomHorizontalFlip()] if shape[0] == 3 else []
+    download = config.download and download_allowed
+    try:
+        train = dataset_class(config.data_dir, train=True, download=download,
+                              transform=transforms.Compose(augment + normalize))
+        val = dataset_class(config.data_dir, train=False, download=download, transform=transforms.Compose(normalize))
+    except RuntimeError as error:
+        if "not found" not in str(error).lower() and "corrupted" not in str(error).lower():
+            raise
+        raise UsageError(f"--dataset {config.dataset}: files not found in --data-dir {os.path.abspath(config.data_dir)}; "
+                         f"pass --download to fetch them (or point --data-dir at a copy)") from None
+    return train, val, shape, classes
+
+
+def _image_folder(config: TrainConfig):
+    import torchvision
+    from torchvision import transforms
+
+    channels, height, width = config.image_dims()
+    missing = [split for split in ("train", "val") if not os.path.isdir(os.path.join(config.data_dir, split))]
+    if missing:
+        raise UsageError(f"--dataset imagefolder needs {', '.join(missing)}/ inside --data-dir "
+                         f"{os.path.abspath(config.data_dir)} (one sub-folder per class)")
+    to_tensor = [transforms.Resize((height, width)), transforms.ToTensor()]
+    if channels == 1:
+        to_tensor.insert(0, transforms.Grayscale())
+    train_transform = transforms.Compose([transforms.RandomHorizontalFlip()] + to_tensor)
+    train = torchvision.datasets.ImageFolder(os.path.join(config.data_dir, "train"), train_transform)
+    val = torchvision.datasets.ImageFolder(os.path.join(config.data_dir, "val"), transforms.Compose(to_tensor))
+    return train, val, (channels, height, width), len(train.classes)
+
+
+def default_num_workers(device: torch.device) -> int:
+    """0 on CPU (workers would compete with the training processes for cores), 4 per GPU."""
+    return 4 if device.type == "cuda" else 0
+
+
+def build_loader(dataset: Dataset, sampler, batch_size: int, device: torch.device,
+                 num_workers: Optional[int], seed: int = 0) -> DataLoader:
+    """A DataLoader with the settings that matter for speed on GPUs.
+
+    Pinned memory lets the trainer's non_blocking copies overlap with compute;
+    persistent workers are not restarted every epoch. The generator makes the
+    workers' base seeds a function of `seed`, so augmentation repeats on a rerun.
+    """
+    workers = default_num_workers(device) if num_workers is None else num_workers
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      generator=torch.Generator().manual_seed(seed), drop_last=False)

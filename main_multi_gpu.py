@@ -1,0 +1,65 @@
+"""Command line: train a registered model on a registered data set with MultiGPUTrainer.
+
+    python main_multi_gpu.py                                  # one device (or DataParallel over all GPUs)
+    torchrun --nproc_per_node=4 main_multi_gpu.py --multi-gpu ddp
+    python main_multi_gpu.py --help                           # every flag = a TrainConfig field
+
+Exit status: 0 done (or stopped cleanly by a signal), 1 training failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from data import build_datasets
+from models import build_model
+from multigpu.config import TrainConfig, parse_config
+from multigpu.distributed import barrier, setup, teardown
+from multigpu.errors import TrainingStopped, UsageError
+from train_multi_gpu import MultiGPUTrainer
+
+
+def run(config: TrainConfig) -> dict:
+    """Set up devices, data and model, train, and return the final metrics."""
+    runtime = setup(config)
+    try:
+        # Rank 0 downloads (if asked) while the others wait, then they read its files.
+        if not runtime.is_main:
+            barrier()
+        data = build_datasets(config, download_allowed=runtime.is_main)
+        if runtime.is_main:
+            barrier()
+        torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
+        model = build_model(config.model_name, data.input_shape, data.num_classes)
+        if runtime.is_main:
+            print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+                  f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)
+        trainer = MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime)
+        return trainer.fit()
+    finally:
+        teardown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: bad input is one line and exit 2, a failed run one line and exit 1."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(parse_config(argv))
+    except (UsageError, TrainingStopped) as error:
+        # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once.
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
+    except BaseException:
+        if rank != 0:
+            print(f"rank {rank} failed:", file=sys.stderr, flush=True)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

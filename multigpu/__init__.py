@@ -1,0 +1,10 @@
+"""Building blocks of the multi-GPU trainer, one concern per module.
+
+- config:       TrainConfig, the one typed description of a run (CLI, checkpoint, hparams)
+- errors:       UsageError, the one-line, exit-2 way to reject bad input
+- distributed:  which mode/device/backend to use, and process-group set-up
+- optim:        optimizer, LR scaling rule and LR schedule
+- checkpoint:   atomic rank-0 saves, safe loads, finding the newest good checkpoint
+- reporting:    rank-0 console, progress bar and TensorBoard
+- preemption:   SIGTERM/SIGINT handling and the test-only fault injector
+"""

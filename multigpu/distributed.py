@@ -1,0 +1,171 @@
+"""Which mode, device and backend a run uses, and the process-group set-up.
+
+torchrun is the only launcher of processes: this module reads RANK, LOCAL_RANK
+and WORLD_SIZE from the environment it sets and never starts a rendezvous of
+its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: the resolved mode, device and rank layout."""
+
+    mode: str  # "ddp", "dp" or "none"
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: Optional[str] = None  # "nccl"/"gloo" under ddp
+    dp_device_ids: list[int] = field(default_factory=list)  # GPUs nn.DataParallel splits over
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that prints, logs and writes files."""
+        return self.rank == 0
+
+    @property
+    def devices_per_step(self) -> int:
+        """Devices that each process one --batch-size per micro-batch."""
+        return self.world_size * max(1, len(self.dp_device_ids))
+
+    def describe(self) -> str:
+        if self.mode == "ddp":
+            return (f"mode ddp: {self.world_size} processes, backend {self.backend}, "
+                    f"this rank on {self.device}")
+        if self.mode == "dp":
+            return f"mode dp: nn.DataParallel over cuda:{','.join(map(str, self.dp_device_ids))}"
+        return f"mode none: one device, {self.device}"
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def torchrun_hint(argv: Optional[list[str]] = None) -> str:
+    """The exact torchrun command that runs this script with the same arguments under DDP."""
+    argv = sys.argv if argv is None else argv
+    nproc = torch.cuda.device_count() or 2
+    return shlex.join(["torchrun", f"--nproc_per_node={nproc}", *argv])
+
+
+def resolve_mode(config: TrainConfig) -> str:
+    """--multi-gpu auto -> ddp under torchrun, dp with several visible GPUs, else none."""
+    if config.multi_gpu != "auto":
+        return config.multi_gpu
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return "ddp"
+    return "dp" if torch.cuda.device_count() > 1 else "none"
+
+
+def parse_gpu_ids(text: Optional[str]) -> list[int]:
+    """--gpu-ids '0,1,3' checked against the visible GPUs; None means all of them."""
+    visible = torch.cuda.device_count()
+    if text is None:
+        return list(range(visible))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--gpu-ids must be comma-separated integers like 0,1,3; got {text!r}") from None
+    unknown = [i for i in ids if not 0 <= i < visible]
+    if unknown or not ids or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: GPU id(s) {unknown or ids} not usable; "
+                         f"visible GPUs are {list(range(visible)) or 'none'} (check CUDA_VISIBLE_DEVICES)")
+    return ids
+
+
+def setup(config: TrainConfig) -> Runtime:
+    """Resolve the mode and, under DDP, join torchrun's process group.
+
+    The process-group timeout is --dist-timeout: a rank that died makes the others
+    fail after that long instead of hanging forever.
+    """
+    mode = resolve_mode(config)
+    if mode == "ddp":
+        return _setup_ddp(config)
+    if config.gpu_ids is not None and mode != "dp":
+        raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
+                         "set CUDA_VISIBLE_DEVICES instead")
+    if mode == "dp":
+        ids = parse_gpu_ids(config.gpu_ids)
+        if len(ids) >= 2:
+            return Runtime("dp", torch.device(f"cuda:{ids[0]}"), dp_device_ids=ids)
+        where = f"cuda:{ids[0]}" if ids else "cpu"
+        print(f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device {where}",
+              flush=True)
+        return Runtime("none", torch.device(where))
+    return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
+
+
+def _setup_ddp(config: TrainConfig) -> Runtime:
+    if not launched_by_torchrun():
+        raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
+    if config.gpu_ids is not None:
+        raise UsageError("--gpu-ids is for --multi-gpu dp; under torchrun choose GPUs with CUDA_VISIBLE_DEVICES")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+                             f"are visible; use --nproc_per_node={torch.cuda.device_count()}")
+        device, backend = torch.device(f"cuda:{local_rank}"), "nccl"
+        torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.dist_timeout),
+                                device_id=device if backend == "nccl" else None)
+    return Runtime("ddp", device, rank, local_rank, world_size, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op in one process)."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """rank src's `obj` on every rank."""
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

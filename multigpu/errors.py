@@ -1,0 +1,16 @@
+"""Errors that end a run with one line and a chosen exit status, never a traceback."""
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2.
+
+    The message says what is wrong and how to fix it.
+    """
+
+    exit_code = 2
+
+
+class TrainingStopped(Exception):
+    """Training cannot go on (non-finite loss, failed save, dead peer): one line, exit 1."""
+
+    exit_code = 1

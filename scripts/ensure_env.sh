@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv with requirements.txt installed, unless it is already there and up to date.
+# Used by README's two commands and by .ci/run, so all three set up the same way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python_bin=${PYTHON:-}
+if [ -z "$python_bin" ]; then
+    for candidate in python3.11 python3; do
+        if command -v "$candidate" >/dev/null 2>&1; then python_bin=$candidate; break; fi
+    done
+fi
+[ -n "$python_bin" ] || { echo "error: no python3 found; install Python 3.11" >&2; exit 2; }
+
+# The stamp records which requirements.txt the environment was built from.
+stamp=.venv/.requirements.sha256
+wanted=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
+    exit 0
+fi
+echo "setting up .venv (torch, torchvision, tensorboard, tqdm, pytest)..." >&2
+"$python_bin" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+echo "$wanted" > "$stamp"

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/ensure_env.sh
+exec .venv/bin/python -m pytest -q "$@"
