@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from data import build_loader
-from data.sampler import ResumableDistributedSampler, ShardSampler
+from data.sampler import ResumableDistributedSampler, ShardedBatchSampler
 from multigpu import checkpoint, rng
 from multigpu.config import TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects, setup
@@ -79,8 +79,8 @@ class MultiGPUTrainer:
         self.loader_batch = config.batch_size * max(1, len(rt.dp_device_ids))
         self.effective_batch = config.batch_size * rt.devices_per_step * config.grad_accum_steps
         self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
-        self.train_loader = build_loader(train_dataset, self.sampler, self.loader_batch, self.device,
-                                         config.num_workers, config.seed + rt.rank)
+        self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
+                                         sampler=self.sampler, batch_size=self.loader_batch)
         samples_per_rank = len(self.sampler)
         self.steps_per_epoch = math.ceil(samples_per_rank / (self.loader_batch * config.grad_accum_steps))
 
@@ -293,34 +293,35 @@ class MultiGPUTrainer:
     def evaluate(self, dataset: Optional[Dataset] = None) -> dict[str, float]:
         """Loss and top-1 accuracy over every sample of `dataset` (default: the validation set) exactly once.
 
-        Each rank evaluates its own unpadded shard; sums and counts, not means, are
-        all-reduced, so any world size gives the single-process numbers (PITFALLS 1).
-        The plain module is used so no DDP collective runs per batch (PITFALLS 3).
+        The set is cut into the same batches for any world size and each rank
+        evaluates its share of them without padding. Per-batch sums and counts go
+        into one table that is all-reduced (each row comes from one rank, the rest
+        add zeros) and summed in batch order, so 1, 2 or 3 ranks give bit-identical
+        numbers (PITFALLS 1). The plain module runs, so no DDP collective happens
+        per batch and uneven shards cannot hang (PITFALLS 3).
         """
         dataset = dataset if dataset is not None else self.val_dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
         rt = self.runtime
-        loader = build_loader(dataset, ShardSampler(len(dataset), rt.rank, rt.world_size), self.loader_batch,
-                              self.device, self.config.num_workers)
+        batches = ShardedBatchSampler(len(dataset), self.loader_batch, rt.rank, rt.world_size)
+        loader = build_loader(dataset, self.device, self.config.num_workers, batch_sampler=batches)
         model = self.wrapped if rt.mode == "dp" else self.model
         was_training = model.training
         model.eval()
         per_sample_loss = self._per_sample_loss_fn()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
-        count = 0
-        for inputs, targets in loader:
+        table = torch.zeros(batches.num_batches, 3, dtype=torch.float64, device=self.device)  # loss, correct, n
+        for row, (inputs, targets) in zip(batches.batch_indices, loader):
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 logits = model(inputs)
-            losses = per_sample_loss(logits.float(), targets)
-            batch_loss = losses.double().sum() if losses.dim() else losses.double() * targets.shape[0]
-            totals += torch.stack([batch_loss, (logits.argmax(1) == targets).sum().double()])
-            count += targets.shape[0]
+            losses = per_sample_loss(logits.float(), targets).double()
+            table[row, 0] = losses.sum() if losses.dim() else losses * targets.shape[0]
+            table[row, 1] = (logits.argmax(1) == targets).sum()
+            table[row, 2] = targets.shape[0]
         model.train(was_training)
-        totals = torch.cat([totals, torch.tensor([count], dtype=torch.float64, device=self.device)])
-        loss_sum, correct, count = all_reduce_sum(totals).tolist()
+        loss_sum, correct, count = all_reduce_sum(table).sum(0).tolist()
         return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}
 
     def _per_sample_loss_fn(self) -> nn.Module:

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from data.sampler import ResumableDistributedSampler, ShardSampler
+from data.sampler import ResumableDistributedSampler, ShardedBatchSampler
 from data.synthetic import SyntheticImages
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
-__all__ = ["DataSpec", "build_datasets", "build_loader", "ResumableDistributedSampler", "ShardSampler",
+__all__ = ["DataSpec", "build_datasets", "build_loader", "ResumableDistributedSampler", "ShardedBatchSampler",
            "SyntheticImages"]
 
 TORCHVISION_SETS = {
@@ -120,8 +120,9 @@ def default_num_workers(device: torch.device) -> int:
     return 4 if device.type == "cuda" else 0
 
 
-def build_loader(dataset: Dataset, sampler, batch_size: int, device: torch.device,
-                 num_workers: Optional[int], seed: int = 0) -> DataLoader:
+def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[int], seed: int = 0, *,
+                 sampler: Optional[Sampler] = None, batch_size: Optional[int] = None,
+                 batch_sampler: Optional[Sampler] = None) -> DataLoader:
     """A DataLoader with the settings that matter for speed on GPUs.
 
     Pinned memory lets the trainer's non_blocking copies overlap with compute;
@@ -129,6 +130,6 @@ def build_loader(dataset: Dataset, sampler, batch_size: int, device: torch.devic
     workers' base seeds a function of `seed`, so augmentation repeats on a rerun.
     """
     workers = default_num_workers(device) if num_workers is None else num_workers
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      generator=torch.Generator().manual_seed(seed), drop_last=False)
+    return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
+                      batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
+                      persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))

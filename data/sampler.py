@@ -64,18 +64,23 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.consumed + remaining - remaining % self.world_size
 
 
-class ShardSampler(Sampler[int]):
-    """Evaluation sampler: rank r takes r, r+W, ... in order, with no padding.
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Evaluation batches: the set is cut into the same fixed batches whatever the world size,
+    and rank r takes batches r, r+W, r+2W, ... with no padding.
 
-    Every sample is seen exactly once whatever the world size; shards may differ
-    in length by one, which is fine because evaluation has no collective per batch.
+    Every sample is seen exactly once, and each batch holds the same samples as in
+    one process, so per-batch results are bit-identical for any world size. Ranks
+    may get one batch more or less: fine, evaluation has no collective per batch.
     """
 
-    def __init__(self, dataset_size: int, rank: int = 0, world_size: int = 1):
-        self.indices = range(rank, dataset_size, world_size)
+    def __init__(self, dataset_size: int, batch_size: int, rank: int = 0, world_size: int = 1):
+        self.dataset_size, self.batch_size = dataset_size, batch_size
+        self.num_batches = (dataset_size + batch_size - 1) // batch_size
+        self.batch_indices = range(rank, self.num_batches, world_size)  # global numbers of this rank's batches
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batch_indices:
+            yield list(range(batch * self.batch_size, min((batch + 1) * self.batch_size, self.dataset_size)))
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batch_indices)
