@@ -379,7 +379,7 @@ class MultiGPUTrainer:
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile'd modules save plain keys
         return {
             "format_version": checkpoint.FORMAT_VERSION,
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
             "model": model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),

@@ -104,7 +104,7 @@ def _image_folder(config: TrainConfig):
     channels, height, width = config.image_dims()
     missing = [split for split in ("train", "val") if not os.path.isdir(os.path.join(config.data_dir, split))]
     if missing:
-        raise UsageError(f"--dataset imagefolder needs {', '.join(missing)}/ inside --data-dir "
+        raise UsageError(f"--dataset imagefolder needs {', '.join(s + '/' for s in missing)} inside --data-dir "
                          f"{os.path.abspath(config.data_dir)} (one sub-folder per class)")
     to_tensor = [transforms.Resize((height, width)), transforms.ToTensor()]
     if channels == 1:

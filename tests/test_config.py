@@ -1,0 +1,55 @@
+"""TrainConfig is the one source of the CLI flags, the checkpoint's config and the hparams."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from multigpu.config import TrainConfig, build_parser, flag, parse_config, to_argv
+from multigpu.errors import UsageError
+
+
+def test_every_field_is_a_flag_and_every_flag_a_field():
+    parser = build_parser()
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for field in dataclasses.fields(TrainConfig):
+        assert f"--{flag(field.name)}" in flags, field.name
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    own = {a.dest for a in parser._actions if a.dest not in ("help", "local_rank")}
+    assert own == fields
+
+
+def test_defaults_of_the_cli_are_the_dataclass_defaults():
+    assert parse_config([]) == TrainConfig()
+
+
+def test_to_argv_round_trips_through_the_parser():
+    config = TrainConfig(batch_size=16, grad_accum_steps=4, lr=3e-4, lr_scaling="sqrt", progress=False,
+                         multi_gpu="ddp", warmup_epochs=0.5, log_dir="runs/x")
+    assert parse_config(to_argv(config)) == config
+    assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+def test_old_launchers_local_rank_flag_is_tolerated():
+    assert parse_config(["--local-rank", "3"]) == TrainConfig()
+    assert parse_config(["--local_rank=1"]) == TrainConfig()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"batch_size": 0}, "--batch-size must be at least 1"),
+    ({"lr": -1.0}, "--lr must be positive"),
+    ({"warmup_epochs": -0.5}, "--warmup-epochs must not be negative"),
+    ({"image_shape": "3x32x32"}, "--image-shape must be C,H,W"),
+    ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, step, constant"),
+])
+def test_invalid_values_are_usage_errors_naming_the_flag(values, message):
+    with pytest.raises(UsageError, match=message):
+        TrainConfig(**values)
+
+
+def test_default_model_follows_the_mode():
+    assert TrainConfig().model_name == "cnn"
+    assert TrainConfig(mode="flatten").model_name == "mlp"
+    assert TrainConfig(mode="flatten", model="mlp").model_name == "mlp"
+    assert TrainConfig(save_dir="out").tensorboard_dir == "out/tb"

@@ -1,0 +1,59 @@
+"""The data set registry: the built-in synthetic set, flatten mode and the torchvision sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SHARED_DATA
+from data import SyntheticImages, build_datasets
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
+
+def test_synthetic_samples_are_a_pure_function_of_seed_and_index():
+    first, again = SyntheticImages(50, (3, 8, 8), 5, seed=3), SyntheticImages(50, (3, 8, 8), 5, seed=3)
+    for index in (0, 17, 49):
+        assert torch.equal(first[index][0], again[index][0]) and first[index][1] == again[index][1]
+    other_seed = SyntheticImages(50, (3, 8, 8), 5, seed=4)
+    assert not torch.equal(first[0][0], other_seed[0][0])
+    assert first[0][0].shape == (3, 8, 8)
+    assert {first[i][1] for i in range(50)} == set(range(5))
+    with pytest.raises(IndexError):
+        first[50]
+
+
+def test_train_and_val_splits_differ_but_share_the_classes():
+    data = build_datasets(TrainConfig(train_size=20, val_size=10))
+    assert len(data.train) == 20 and len(data.val) == 10
+    assert not torch.equal(data.train[0][0], data.val[0][0])
+    assert data.input_shape == (1, 28, 28) and data.num_classes == 10
+
+
+def test_flatten_mode_presents_vectors():
+    data = build_datasets(TrainConfig(mode="flatten", image_shape="3,4,5", train_size=4, val_size=4))
+    assert data.input_shape == (60,)
+    assert data.train[0][0].shape == (60,)
+
+
+def test_missing_torchvision_files_name_the_directory_and_the_download_flag(tmp_path):
+    with pytest.raises(UsageError, match=rf"files not found in --data-dir {tmp_path}; pass --download"):
+        build_datasets(TrainConfig(dataset="mnist", data_dir=str(tmp_path)))
+
+
+def test_imagefolder_needs_train_and_val_folders(tmp_path):
+    with pytest.raises(UsageError, match="needs train/, val/ inside --data-dir"):
+        build_datasets(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path)))
+
+
+def test_real_fashion_mnist_loads_from_the_shared_gz_files(tmp_path):
+    import shutil
+
+    raw = SHARED_DATA / "FashionMNIST" / "raw"
+    if not raw.exists():
+        pytest.skip(f"real FashionMNIST not available at {raw}")
+    shutil.copytree(raw, tmp_path / "FashionMNIST" / "raw")
+    data = build_datasets(TrainConfig(dataset="fashion-mnist", data_dir=str(tmp_path), download=True))
+    assert (len(data.train), len(data.val)) == (60000, 10000)
+    image, label = data.val[0]
+    assert image.shape == (1, 28, 28) and 0 <= label < 10

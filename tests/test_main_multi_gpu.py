@@ -1,0 +1,160 @@
+"""The command line end to end: real torchrun/gloo processes, real checkpoints and TensorBoard event files."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_ok, event_files, read_scalars, run_cli
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """One 2-process DDP run of the default model on the default data, shared by the tests below."""
+    save_dir = tmp_path_factory.mktemp("ddp")
+    result = run_cli(["--multi-gpu", "ddp", "--epochs", "3", "--train-size", "2048", "--val-size", "500",
+                      "--batch-size", "32", "--log-every", "8", "--no-progress", "--dist-timeout", "60",
+                      "--save-dir", str(save_dir)], nproc=2)
+    assert_ok(result)
+    return save_dir, result
+
+
+def test_ddp_run_learns_the_default_data(ddp_run):
+    save_dir, result = ddp_run
+    scalars = read_scalars(save_dir / "tb")
+    losses = [value for _, value in sorted(scalars["train/loss"])]
+    assert losses[-1] < losses[0] / 5
+    val_acc = [value for _, value in sorted(scalars["val/acc"])]
+    assert len(val_acc) == 3 and val_acc[-1] > 0.9
+    assert re.search(r"done: best val acc 0\.9\d+, 3 epochs, wall time [\d.]+s, \d+ samples/s", result.stdout)
+
+
+def test_ddp_run_prints_its_plan_once_from_rank_0(ddp_run):
+    _, result = ddp_run
+    out = result.stdout
+    assert out.count("mode ddp: 2 processes, backend gloo") == 1
+    assert out.count("batch 32 per device x 2 devices x 1 accumulation = 64 effective") == 1
+    assert out.count("done:") == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_ddp_run_writes_one_event_file_and_rank0_checkpoints(ddp_run):
+    save_dir, _ = ddp_run
+    assert len(event_files(save_dir)) == 1
+    assert sorted(p.name for p in save_dir.iterdir()) == ["best.pt", "last.pt", "tb"]  # no temp files left
+    state = torch.load(save_dir / "last.pt", map_location="cpu", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "config", "metrics"):
+        assert key in state
+    assert not any(name.startswith("module.") for name in state["model"])
+    assert state["epoch"] == 3 and state["config"]["batch_size"] == 32 and state["world_size"] == 2
+    assert state["metrics"]["val_acc"] > 0.9
+    scalars = read_scalars(save_dir / "tb")
+    for tag in ("train/loss", "train/lr", "train/samples_per_sec", "val/loss", "val/acc"):
+        assert tag in scalars, tag
+
+
+def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
+    save_dir, _ = ddp_run
+    result = run_cli(["--epochs", "4", "--train-size", "2048", "--val-size", "500", "--batch-size", "32",
+                      "--no-progress", "--save-dir", str(tmp_path), "--resume", str(save_dir / "last.pt")])
+    assert_ok(result)
+    assert "resumed from" in result.stdout
+    assert result.stdout.count("epoch 4/4: val loss") == 1 and "epoch 3/4" not in result.stdout
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 4
+
+
+def test_single_device_and_dp_fallback_train(tmp_path):
+    single = run_cli(["--multi-gpu", "none", "--mode", "flatten", "--epochs", "2", *TINY,
+                      "--save-dir", str(tmp_path / "single")])
+    assert_ok(single)
+    assert "mode none: one device, cpu" in single.stdout
+    dp = run_cli(["--multi-gpu", "dp", "--mode", "flatten", "--epochs", "2", *TINY, "--save-dir", str(tmp_path / "dp")])
+    assert_ok(dp)
+    assert "--multi-gpu dp needs 2 or more GPUs, found 0: training on the single device cpu" in dp.stdout
+    # Same seed, same data, same device: the fallback trains exactly what single-device mode trains.
+    weights = [torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in ("single", "dp")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
+    runs = {"a": "0", "b": "0", "c": "1"}
+    for name, seed in runs.items():
+        assert_ok(run_cli(["--mode", "flatten", "--epochs", "1", *TINY, "--seed", seed,
+                           "--save-dir", str(tmp_path / name)]))
+    weights = {name: torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in runs}
+    assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
+    assert not all(torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
+
+
+def test_ddp_with_accumulation_and_lr_scaling_reports_the_effective_batch(tmp_path):
+    result = run_cli(["--multi-gpu", "ddp", "--mode", "flatten", "--epochs", "1", *TINY, "--grad-accum-steps", "2",
+                      "--lr", "0.001", "--lr-scaling", "sqrt", "--save-dir", str(tmp_path)], nproc=2)
+    assert_ok(result)
+    assert "batch 32 per device x 2 devices x 2 accumulation = 128 effective" in result.stdout
+    assert "lr 0.002 = 0.001 x sqrt(128/32) (--lr-scaling sqrt)" in result.stdout
+    # 512 samples / 2 ranks / 32 per micro-batch = 8 micro-batches = 4 optimizer steps
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["global_step"] == 4
+
+
+BAD_INPUT = {
+    "ddp without torchrun": (["--multi-gpu", "ddp"], "torchrun --nproc_per_node=2"),
+    "unknown GPU id": (["--multi-gpu", "dp", "--gpu-ids", "0,5"], "--gpu-ids 0,5"),
+    "zero batch": (["--batch-size", "0"], "--batch-size must be at least 1"),
+    "not a number": (["--lr", "fast"], "argument --lr: invalid float value"),
+    "unknown choice": (["--amp", "fp8"], "--amp"),
+    "bad image shape": (["--image-shape", "3,32"], "--image-shape must be C,H,W"),
+    "flatten with cnn": (["--mode", "flatten", "--model", "cnn"], "--model cnn needs image samples"),
+    "missing data set": (["--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--download"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    args, expected = BAD_INPUT[case]
+    result = run_cli([*args, "--save-dir", str(tmp_path / "ckpt")])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+    assert not (tmp_path / "ckpt" / "last.pt").exists()
+
+
+def test_mnist_reaches_97_percent_in_one_epoch_under_ddp(mnist_root, tmp_path):
+    result = run_cli(["--multi-gpu", "ddp", "--dataset", "mnist", "--data-dir", str(mnist_root), "--download",
+                      "--model", "cnn", "--epochs", "1", "--batch-size", "32", "--lr", "2e-3", "--no-progress",
+                      "--log-every", "200", "--dist-timeout", "60", "--save-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert_ok(result)
+    state = torch.load(tmp_path / "ckpt" / "last.pt", weights_only=True)
+    assert state["metrics"]["val_acc"] >= 0.97, result.stdout
+    assert "(10000 samples)" in result.stdout  # the whole test set, each image once
+
+
+def guide_commands() -> list[str]:
+    """The training commands of MULTI_GPU_GUIDE.md's code blocks (lines starting with torchrun/python)."""
+    text = (REPO / "MULTI_GPU_GUIDE.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines()
+            if re.match(r"\s*(torchrun|python) .*main_multi_gpu\.py", line)]
+
+
+def test_guide_commands_run_as_written_on_the_cpu(tmp_path):
+    commands = guide_commands()
+    assert len(commands) >= 4
+    for command in commands:
+        argv = shlex.split(command)
+        script = argv.index("main_multi_gpu.py")
+        nproc = next((int(a.split("=")[1]) for a in argv[:script] if a.startswith("--nproc_per_node=")), None)
+        args = argv[script + 1:]
+        if "--epochs" not in args:
+            args += ["--epochs", "1"]
+        # Fewer samples than the default so the suite stays fast; everything else as written.
+        args += ["--train-size", "1024", "--val-size", "200", "--no-progress", "--dist-timeout", "60"]
+        result = run_cli(args, nproc=nproc, cwd=tmp_path)
+        assert_ok(result)
+        assert "done: best val acc" in result.stdout, command

@@ -1,0 +1,71 @@
+"""TensorBoard output as users see it: the real tensorboard server reading a real run's log dir."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from conftest import PYTHON, TINY, assert_ok, event_files, read_scalars, run_cli
+
+TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "val/loss", "val/acc"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+def wait_for_tags(base: str, server: subprocess.Popen, deadline_s: float = 90) -> dict:
+    """Poll the scalars plugin until the run's tags are served (the server loads logs in the background)."""
+    deadline = time.monotonic() + deadline_s
+    last_error = None
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"tensorboard exited: {server.stderr.read()}"
+        try:
+            tags = get_json(f"{base}/data/plugin/scalars/tags")
+            if any(TAGS <= set(run_tags) for run_tags in tags.values()):
+                return tags
+        except OSError as error:  # not listening yet
+            last_error = error
+        time.sleep(0.5)  # polling interval of a deadline loop, not a guess at readiness
+    raise AssertionError(f"tensorboard never served the tags ({last_error})")
+
+
+def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
+    log_dir = tmp_path / "tb"
+    assert_ok(run_cli(["--mode", "flatten", "--epochs", "2", "--log-every", "4", *TINY,
+                       "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(log_dir)]))
+    assert len(event_files(log_dir)) == 1
+    port = free_port()
+    server = subprocess.Popen([PYTHON, "-m", "tensorboard.main", "--logdir", str(log_dir), "--host", "127.0.0.1",
+                               "--port", str(port), "--load_fast=false"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        tags = wait_for_tags(base, server)
+        (run,) = tags  # one run: rank 0 is the only writer
+        query = urllib.parse.urlencode({"run": run, "tag": "train/loss"})
+        served = [(step, value) for _, step, value in get_json(f"{base}/data/plugin/scalars/scalars?{query}")]
+        on_disk = sorted(read_scalars(log_dir)["train/loss"])
+        assert len(served) == len(on_disk) == 8  # 512 samples / 32 = 16 steps, logged every 4
+        assert [step for step, _ in served] == [step for step, _ in on_disk]
+        assert [value for _, value in served] == [value for _, value in on_disk]
+        request = urllib.request.Request(f"{base}/data/plugin/hparams/experiment", data=b'{"experimentName": ""}',
+                                         headers={"Content-Type": "application/json"})
+        experiment = json.load(urllib.request.urlopen(request, timeout=10))
+        names = {info["name"] for info in experiment["hparamInfos"]}
+        assert {"batch_size", "grad_accum_steps", "multi_gpu", "lr"} <= names  # the config, as hparams
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
