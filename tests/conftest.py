@@ -21,6 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.data import TensorDataset
+
+from multigpu.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -142,3 +145,32 @@ def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Module:
     """A small model without BatchNorm or dropout, identical on every rank for a given seed."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(input_dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
+
+
+def blobs(size: int, seed: int, input_dim: int = 16, classes: int = 4) -> TensorDataset:
+    """A user's own map-style data set: Gaussian blobs around fixed class centres."""
+    centres = torch.randn(classes, input_dim, generator=torch.Generator().manual_seed(1234)) * 3
+    generator = torch.Generator().manual_seed(seed)
+    targets = torch.randint(classes, (size,), generator=generator)
+    inputs = centres[targets] + torch.randn(size, input_dim, generator=generator)
+    return TensorDataset(inputs, targets)
+
+
+def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig:
+    """A small, quiet TrainConfig for in-process trainer tests: ddp when world_size > 1, short dist timeout."""
+    values = dict(multi_gpu="ddp" if world_size > 1 else "none", save_dir=str(tmp_path / "ckpt"),
+                  batch_size=8, epochs=2, lr=0.01, progress=False, dist_timeout=float(DIST_TIMEOUT), log_every=5)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> None:
+    """Switch a built trainer to fp16 autocast with a GradScaler, on the CPU.
+
+    --amp fp16 is CUDA-only (the CPU falls back to bf16), but CPU autocast runs
+    float16 and torch.amp.GradScaler("cpu") is the class the trainer builds on
+    CUDA, so the trainer's own scale/unscale/clip/step/update path runs here.
+    The default scale is low enough that the tiny test models never overflow.
+    """
+    trainer.amp_dtype = torch.float16
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)

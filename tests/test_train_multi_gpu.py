@@ -6,26 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from conftest import run_ranks, tiny_model
-from train_multi_gpu import MultiGPUTrainer, TrainConfig
-
-
-def blobs(size: int, seed: int, input_dim: int = 16, classes: int = 4) -> TensorDataset:
-    """A user's own map-style data set: Gaussian blobs around fixed class centres."""
-    centres = torch.randn(classes, input_dim, generator=torch.Generator().manual_seed(1234)) * 3
-    generator = torch.Generator().manual_seed(seed)
-    targets = torch.randint(classes, (size,), generator=generator)
-    inputs = centres[targets] + torch.randn(size, input_dim, generator=generator)
-    return TensorDataset(inputs, targets)
-
-
-def config_for(tmp_path: Path, world_size: int, **overrides) -> TrainConfig:
-    values = dict(multi_gpu="ddp" if world_size > 1 else "none", save_dir=str(tmp_path / "ckpt"),
-                  batch_size=8, epochs=2, lr=0.01, progress=False, dist_timeout=60.0, log_every=5)
-    values.update(overrides)
-    return TrainConfig(**values)
+from conftest import blobs, config_for, run_ranks, tiny_model
+from train_multi_gpu import MultiGPUTrainer
 
 
 VAL_SIZES = (4, 5, 7, 101)  # not multiples of 2 or 3, one smaller than 2 batches

@@ -1,0 +1,85 @@
+"""The LR: scaling rule, warm-up and schedule per optimizer step, and TensorBoard showing the LR applied (issue 5).
+
+The applied LR is read where it is used: an optimizer step pre-hook records
+param_groups[0]["lr"] as each real optimizer step starts. The LR does not
+depend on the number of processes (the equivalence tests check DDP's scaled LR
+equals one process's), so these run in-process.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import blobs, config_for, read_scalars, tiny_model, use_fp16_on_cpu
+from multigpu.config import TrainConfig
+from multigpu.lr_scaling import scaled_lr
+from multigpu.optim import lr_factor
+from train_multi_gpu import MultiGPUTrainer
+
+BASE_LR = 0.1
+
+
+def train_recording_lr(tmp_path: Path, **overrides: Any) -> tuple[MultiGPUTrainer, list[float]]:
+    """Train 2 epochs of 160 samples with a half-epoch warm-up; return the trainer and the LR of every step."""
+    config = config_for(tmp_path, 1, optimizer="sgd", lr=BASE_LR, warmup_epochs=0.5, epochs=2, **overrides)
+    trainer = MultiGPUTrainer(tiny_model(), blobs(160, 0), None, config)
+    applied: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs:
+                                             applied.append(optimizer.param_groups[0]["lr"]))
+    trainer.fit()
+    return trainer, applied
+
+
+def test_schedule_advances_per_optimizer_step_and_tensorboard_shows_the_applied_lr(tmp_path):
+    big, big_lrs = train_recording_lr(tmp_path / "big", batch_size=16, log_every=3)
+    accumulated, accumulated_lrs = train_recording_lr(tmp_path / "accum", batch_size=8, grad_accum_steps=2,
+                                                      log_every=1)
+    # Accumulation 2 x 8 covers the same 10 optimizer steps per epoch as batches of 16, with the same LRs.
+    assert big.steps_per_epoch == accumulated.steps_per_epoch == 10
+    assert accumulated_lrs == big_lrs and len(big_lrs) == 20
+    assert big_lrs == [BASE_LR * lr_factor(step, big.config, 10) for step in range(20)]
+    assert big_lrs[:5] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1])  # warm-up: 0.5 epoch = 5 optimizer steps
+    assert all(a > b for a, b in zip(big_lrs[5:], big_lrs[6:]))  # then cosine from 1.0, falling every step
+    for trainer, applied in ((big, big_lrs), (accumulated, accumulated_lrs)):
+        logged = read_scalars(Path(trainer.config.tensorboard_dir))["train/lr"]
+        every = trainer.config.log_every  # log steps, and the epoch ends (steps 10 and 20) are sync points too
+        assert [step for step, _ in logged] == sorted(set(range(every, 21, every)) | {10, 20})
+        for step, value in logged:  # TensorBoard's value at step s is the LR step s applied (float32-rounded)
+            assert value == pytest.approx(applied[step - 1], rel=1e-6)
+
+
+def test_lr_factor_warm_up_cosine_and_step_decay_count_optimizer_steps():
+    cosine = TrainConfig(epochs=4, warmup_epochs=1, lr_schedule="cosine")
+    factors = [lr_factor(step, cosine, steps_per_epoch=5) for step in range(20)]
+    assert factors[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert factors[5] == 1.0 and factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 14 / 15)))
+    decay = TrainConfig(epochs=4, lr_schedule="step", lr_step_epochs=1.0, lr_gamma=0.5)
+    assert [lr_factor(step, decay, 5) for step in range(0, 20, 5)] == [1.0, 0.5, 0.25, 0.125]
+    assert lr_factor(19, TrainConfig(lr_schedule="constant"), 5) == 1.0
+
+
+def test_lr_is_scaled_by_the_effective_batch_of_devices_times_accumulation(tmp_path):
+    assert scaled_lr(0.1, "linear", 256, 32) == pytest.approx(0.8)
+    assert scaled_lr(1e-3, "sqrt", 128, 32) == pytest.approx(2e-3)
+    assert scaled_lr(0.1, "none", 256, 32) == 0.1
+    config = config_for(tmp_path, 1, batch_size=8, grad_accum_steps=3, lr=0.1, lr_scaling="linear", lr_base_batch=8)
+    trainer = MultiGPUTrainer(tiny_model(), blobs(48, 0), None, config)
+    assert trainer.effective_batch == 24
+    assert trainer.optimizer.param_groups[0]["initial_lr"] == trainer.lr == pytest.approx(0.3)
+
+
+def test_fp16_gradients_are_clipped_after_unscaling(tmp_path):
+    """Clipping the scaled gradients would leave them 1024x too small after unscaling (PITFALLS 5)."""
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, clip_grad_norm=0.05))
+    use_fp16_on_cpu(trainer)  # scale 1024
+    norms: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: norms.append(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()])).item()))
+    trainer.fit()
+    assert len(norms) == trainer.progress.global_step == 16  # no step skipped
+    assert norms == pytest.approx([0.05] * 16, rel=1e-4)  # every step clipped to the norm asked for
