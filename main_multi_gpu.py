@@ -20,6 +20,7 @@ from models import build_model
 from multigpu.config import TrainConfig, parse_config
 from multigpu.distributed import barrier, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.preemption import PeerLost, error_detail, is_peer_failure
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -49,12 +50,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         run(parse_config(argv))
+    except PeerLost as error:
+        return error.exit_code  # every survivor has already said which rank it lost
     except (UsageError, TrainingStopped) as error:
         # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once.
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
-    except BaseException:
+    except KeyboardInterrupt:
+        # Training turns Ctrl-C into a checkpoint and exit 0; this one came before or after training.
+        if rank == 0:
+            print("interrupted outside training: the interrupt wrote no checkpoint", file=sys.stderr, flush=True)
+        return 130
+    except BaseException as error:
+        if is_peer_failure(error) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank died or hung outside training (set-up, a barrier): the group is gone, no rank can be named.
+            print(f"rank {rank}: lost contact with another rank, which died or hung ({error_detail(error)}); "
+                  f"stopping", file=sys.stderr, flush=True)
+            return TrainingStopped.exit_code
         if rank != 0:
             print(f"rank {rank} failed:", file=sys.stderr, flush=True)
         raise

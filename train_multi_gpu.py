@@ -18,10 +18,11 @@ import copy
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -30,11 +31,12 @@ from torch.utils.data import Dataset
 
 from data import build_loader
 from data.sampler import ResumableDistributedSampler, ShardedBatchSampler
-from multigpu import checkpoint, rng
+from multigpu import checkpoint, preemption, rng
 from multigpu.config import TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects, setup
-from multigpu.errors import TrainingStopped
-from multigpu.optim import build_optimizer, build_scheduler, describe_lr, scaled_lr
+from multigpu.errors import TrainingStopped, UsageError
+from multigpu.lr_scaling import describe_lr, scaled_lr
+from multigpu.optim import build_optimizer, build_scheduler
 from multigpu.preemption import StopRequest, fault_step
 from multigpu.reporting import Reporter
 
@@ -94,8 +96,7 @@ class MultiGPUTrainer:
 
         # Dropout and augmentation differ per rank but repeat on a rerun (PITFALLS 20).
         rng.seed_all(config.seed + rt.rank)
-        if rt.is_main:
-            checkpoint.check_writable(config.save_dir)
+        checkpoint.check_writable(config.save_dir)  # on every rank: all of them stop with the same line
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
         self._resume()
         self.stop = StopRequest()
@@ -115,13 +116,15 @@ class MultiGPUTrainer:
         return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """--sync-bn conversion (before the DDP wrap) and the small-batch BatchNorm warning (PITFALLS 18)."""
         has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        if self.config.sync_bn and self.runtime.mode == "ddp" and self.device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before the DDP wrap, keeps weights
+        # SyncBatchNorm raises in training mode on the CPU: it is a CUDA feature.
+        synced = self.config.sync_bn and self.runtime.mode == "ddp" and self.device.type == "cuda"
+        if synced:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
         elif self.config.sync_bn:
             self.report.line("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
-        if has_batchnorm and not self.config.sync_bn and self.runtime.devices_per_step > 1 \
-                and self.config.batch_size < 16:
+        if has_batchnorm and not synced and self.runtime.devices_per_step > 1 and self.config.batch_size < 16:
             self.report.line(f"warning: BatchNorm statistics come from {self.config.batch_size} samples per device; "
                              f"results will depend on the device count (consider --sync-bn or a larger batch)")
         return model.to(self.device)
@@ -162,17 +165,20 @@ class MultiGPUTrainer:
                 if not self._run_epoch():
                     return self._stop_for_signal()
                 self._end_epoch()
-        wall_time = time.perf_counter() - started
-        summary = {**self.metrics, "best_val_acc": self.progress.best_val_acc, "epochs": self.progress.epoch,
-                   "global_step": self.progress.global_step, "wall_time": wall_time,
-                   "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9)}
-        self.report.line(f"done: best val acc {summary['best_val_acc']:.4f}, {summary['epochs']} epochs, "
-                         f"wall time {wall_time:.1f}s, {summary['samples_per_sec']:.0f} samples/s "
+        summary = self._summary(wall_time=time.perf_counter() - started)
+        best = f"best val acc {summary['best_val_acc']:.4f}" if self.val_dataset is not None else "no validation set"
+        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+                         f"{summary['samples_per_sec']:.0f} samples/s "
                          f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
-        self.report.hparams(config, {k: v for k, v in summary.items() if k in ("val_acc", "val_loss",
-                                                                                "best_val_acc")})
+        self.report.hparams(config, {k: v for k, v in summary.items() if k in ("val_acc", "val_loss", "best_val_acc")})
         self.report.close()
         return summary
+
+    def _summary(self, **extra: Any) -> dict[str, Any]:
+        """What fit returns: the last validation metrics, the best accuracy, progress and throughput."""
+        return {**self.metrics, "best_val_acc": self.progress.best_val_acc, "epochs": self.progress.epoch,
+                "global_step": self.progress.global_step,
+                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
@@ -182,6 +188,7 @@ class MultiGPUTrainer:
         done_steps = self.steps_per_epoch - math.ceil(samples_left / (self.loader_batch * config.grad_accum_steps))
         self.report.start_epoch(progress.epoch, config.epochs, self.steps_per_epoch, done_steps)
         self.wrapped.train()
+        self.interval_started = time.perf_counter()  # evaluation and saving are not training time
         batches = iter(self.train_loader)
         while samples_left > 0:
             window = min(config.grad_accum_steps * self.loader_batch, samples_left)
@@ -263,7 +270,10 @@ class MultiGPUTrainer:
         """
         steps = self.interval_steps
         flags = torch.tensor([self.interval_samples, float(self.stop.requested)], device=self.device)
-        packed = torch.cat([self.interval_loss[:steps], flags, self.skipped_steps.float().reshape(1)])
+        # Skips: rank 0's count only. DDP gives every rank the same gradients, so every rank skips the same
+        # steps; summing the ranks' counts would report each skip world-size times.
+        skips = self.skipped_steps.float().reshape(1) * float(self.runtime.is_main)
+        packed = torch.cat([self.interval_loss[:steps], flags, skips])
         values = all_reduce_sum(packed).tolist()
         step_losses, (samples, stop_votes, skipped) = values[:steps], values[steps:]
         elapsed = time.perf_counter() - self.interval_started
@@ -280,7 +290,11 @@ class MultiGPUTrainer:
         self.report.scalars({"train/loss": loss, "train/lr": self.applied_lr, "train/samples_per_sec": per_sec,
                              "train/samples_per_sec_per_device": per_sec / self.runtime.devices_per_step}, step)
         if self.scaler.is_enabled():
-            self.report.scalars({"train/skipped_steps": skipped, "train/loss_scale": self.scaler.get_scale()}, step)
+            scale = self.scaler.get_scale()
+            self.report.scalars({"train/skipped_steps": skipped, "train/loss_scale": scale}, step)
+            if skipped:
+                self.report.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped:.0f} step(s) "
+                                 f"with inf/NaN gradients (weights unchanged there); loss scale now {scale:g}")
         self.report.advance(steps, {"loss": f"{loss:.4f}", "lr": f"{self.applied_lr:.3g}",
                                     "samples/s": f"{per_sec:.0f}"})
         if not self.config.progress:
@@ -354,8 +368,9 @@ class MultiGPUTrainer:
         """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this).
 
         The ranks' RNG states are gathered first; the success flag all-reduced at
-        the end is also the barrier, so no rank runs ahead and a failed write stops
-        every rank with one line instead of leaving them waiting (PITFALLS 6, 7).
+        the end is also the barrier, so no rank runs ahead and a failed write (full
+        disk, lost permission) stops every rank with one line instead of leaving
+        them waiting; the previous checkpoint is untouched (PITFALLS 6, 7, 11).
         """
         rng_states = gather_objects(rng.rng_state(self.device))
         path = os.path.join(self.config.save_dir, name)
@@ -363,19 +378,28 @@ class MultiGPUTrainer:
         if self.runtime.is_main:
             try:
                 state = self._checkpoint_state(rng_states)
-                checkpoint.atomic_save(state, path)
+                checkpoint.atomic_save(state, path, before_rename=self._save_fault())
                 if also_as:
                     checkpoint.atomic_save(state, os.path.join(self.config.save_dir, also_as))
             except OSError as failure:
                 error = f"{failure.strerror or failure}"
         failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.device)).item()
         if failed:
-            raise TrainingStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}; "
-                                  f"the previous checkpoint is kept")
+            raise TrainingStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}; stopped at step "
+                                  f"{self.progress.global_step}, the previous checkpoint is kept: "
+                                  f"{self._newest_checkpoint_name()}")
         self.last_saved = path
         return path
 
+    def _save_fault(self) -> Optional[Callable[[], None]]:
+        """Test-only: the fault injector's kill between writing and renaming, at its chosen step."""
+        if preemption.save_fault_step(self.runtime.rank) == self.progress.global_step:
+            return preemption.kill_self
+        return None
+
     def _checkpoint_state(self, rng_states: list[Any]) -> dict[str, Any]:
+        # Plain types only, so it loads with weights_only=True (PITFALLS 12). Saves happen between
+        # optimizer steps only, so no gradient accumulation is ever in flight: nothing to save for it.
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile'd modules save plain keys
         return {
             "format_version": checkpoint.FORMAT_VERSION,
@@ -387,7 +411,8 @@ class MultiGPUTrainer:
             "epoch": self.progress.epoch,
             "global_step": self.progress.global_step,
             "samples_in_epoch": self.progress.samples_in_epoch,
-            "sampler_seed": self.config.seed,
+            "sampler_seed": self.sampler.seed,
+            "train_size": self.sampler.dataset_size,
             "best_val_acc": self.progress.best_val_acc,
             "metrics": dict(self.metrics),
             "world_size": self.runtime.world_size,
@@ -406,48 +431,88 @@ class MultiGPUTrainer:
 
     def _resume(self) -> None:
         """Continue from --resume PATH, --resume auto, or the newest checkpoint after a torchrun restart."""
-        config = self.config
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if config.resume is None and not restarted:
+        if self.runtime.is_main:
+            removed = checkpoint.remove_unfinished(self.config.save_dir)
+            if removed:
+                self.report.line(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
+        found = self._find_resume_checkpoint()
+        # Every rank reads --save-dir itself: on nodes without a shared file system they could
+        # silently continue from different points (or from scratch), so they must agree.
+        steps = gather_objects(None if found is None else found[1]["global_step"])
+        if len(set(steps)) > 1:
+            raise checkpoint.CheckpointError(f"ranks found different checkpoints to resume (steps by rank: {steps}); "
+                                             f"put --save-dir on storage that every node shares")
+        if found is None:
             return
-        if config.resume in (None, "auto"):
-            found = checkpoint.load_newest(config.save_dir, self.report.line)
-            if found is None:
-                self.report.line(f"no checkpoint to resume in {config.save_dir}: starting from scratch")
-                return
-            path, state = found
-        else:
-            path, state = config.resume, checkpoint.load(config.resume)
+        path, state = found
         self._check_resumable(path, state)
-        self._load_state(state)
+        self._load_state(path, state)
+        self.last_saved = path  # the checkpoint to fall back on until this run writes one
         self.report.line(f"resumed from {path}: epoch {self.progress.epoch + 1}, step {self.progress.global_step}, "
                          f"{self.progress.samples_in_epoch} samples into the epoch")
         self.report.purge_step = self.progress.global_step + 1
 
+    def _find_resume_checkpoint(self) -> Optional[tuple[str, dict[str, Any]]]:
+        """(path, state) to continue from, or None to start from scratch.
+
+        After a torchrun restart the newest checkpoint in --save-dir wins, even
+        over --resume PATH: it holds the work done since PATH was loaded (PITFALLS 15).
+        """
+        config = self.config
+        restarted = preemption.restart_count() > 0
+        if config.resume is None and not restarted:
+            existing = checkpoint.resumable_files(config.save_dir)
+            if existing:
+                self.report.line(f"{config.save_dir} already holds checkpoints (newest {os.path.basename(existing[0])})"
+                                 f"; this run starts from scratch and replaces them (--resume auto continues instead)")
+            return None
+        if restarted or config.resume == "auto":
+            found = checkpoint.load_newest(config.save_dir, self.report.line)
+            if found is not None:
+                return found
+            if config.resume in (None, "auto"):
+                self.report.line(f"no checkpoint to resume in {config.save_dir}: starting from scratch")
+                return None
+            # restarted before this run saved anything: what --resume PATH named is still the newest
+        return config.resume, checkpoint.load(config.resume)
+
     def _check_resumable(self, path: str, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another model or data set in one line naming the field; log changed settings."""
         saved = state["config"]
-        for name in MUST_MATCH_ON_RESUME:
-            if saved.get(name) != getattr(self.config, name):
+        ours = {name: getattr(self.config, name) for name in MUST_MATCH_ON_RESUME}
+        theirs = {name: saved.get(name) for name in MUST_MATCH_ON_RESUME}
+        ours["model"], theirs["model"] = self.config.model_name, _model_name(saved)  # None means the default
+        ours["train_size"], theirs["train_size"] = self.sampler.dataset_size, state.get("train_size")
+        for name in ours:
+            if theirs[name] is not None and ours[name] != theirs[name]:
+                what = "a training set of" if name == "train_size" else f"--{name.replace('_', '-')}"
                 raise checkpoint.CheckpointError(
-                    f"--{name.replace('_', '-')} {getattr(self.config, name)} contradicts checkpoint {path} "
-                    f"(saved with {saved.get(name)}): resume with the same value or start a new --save-dir")
+                    f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): resume "
+                    f"with the same value or start a new --save-dir")
         changed = [f"{k}: {saved.get(k)} -> {v}" for k, v in self.config.to_dict().items()
                    if k in saved and saved[k] != v and k != "resume"]
         if changed:
-            self.report.line(f"resuming with changed settings: {'; '.join(changed)}")
+            keeps_seed = "; data order and random state continue the checkpoint's" if self.config.seed != \
+                saved.get("seed", self.config.seed) else ""
+            self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
 
-    def _load_state(self, state: dict[str, Any]) -> None:
+    def _load_state(self, path: str, state: dict[str, Any]) -> None:
         try:
             self.model.load_state_dict(state["model"])
-        except RuntimeError as error:
-            raise checkpoint.CheckpointError(f"checkpoint model does not fit --model {self.config.model_name}: "
-                                             f"{str(error).splitlines()[1].strip()[:300]}") from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this --model/--optimizer: "
+                                             f"{lines[min(1, len(lines) - 1)][:300]}") from None
+        if self.scaler.is_enabled() and not state["scaler"]:
+            self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
+        else:
+            self.scaler.load_state_dict(state["scaler"])
         self.progress = Progress(state["epoch"], state["global_step"], state["samples_in_epoch"],
                                  state["best_val_acc"])
         self.metrics = dict(state.get("metrics", {}))
+        self.sampler.seed = state.get("sampler_seed", self.sampler.seed)  # the epoch's order must not change
         if state["world_size"] == self.runtime.world_size:
             rng.set_rng_state(state["rng"][self.runtime.rank], self.device)
         else:
@@ -455,17 +520,27 @@ class MultiGPUTrainer:
                              f"model and optimizer continue and the data position is kept by global sample count, "
                              f"but results are not bit-identical to an uninterrupted run")
 
-    # ------------------------------------------------------------------ signals
+    # ------------------------------------------------------------------ signals and lost ranks
     @contextlib.contextmanager
-    def _signals_handled(self):
-        """Turn SIGTERM/SIGINT into a clean stop at the next sync point, during fit only."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-        self.stop.install()
+    def _signals_handled(self) -> Iterator[None]:
+        """During fit: SIGTERM/SIGINT become a clean stop at the next sync point, and a collective that
+        fails because another rank died or hung becomes one line on every survivor (PeerLost, exit 1)."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+            self.stop.install()
         try:
             yield
+        except RuntimeError as error:
+            if self.runtime.world_size == 1 or not preemption.is_peer_failure(error):
+                raise
+            rt = self.runtime
+            line = preemption.lost_contact_line(rt.rank, rt.world_size, error, min(self.config.dist_timeout, 10.0))
+            if line is None:  # every rank is alive: not a lost peer
+                raise
+            # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
+            print(line, file=sys.stderr, flush=True)
+            raise preemption.PeerLost(line) from None
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -476,6 +551,12 @@ class MultiGPUTrainer:
                          f"{self.progress.global_step}; checkpoint {path} written. Continue with the same "
                          f"command plus --resume auto")
         self.report.close()
-        return {**self.metrics, "best_val_acc": self.progress.best_val_acc, "epochs": self.progress.epoch,
-                "global_step": self.progress.global_step, "stopped": True,
-                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9)}
+        return self._summary(stopped=True)
+
+
+def _model_name(saved_config: dict[str, Any]) -> Optional[str]:
+    """The model a checkpoint's config built (its --model, or the default of its --mode)."""
+    try:
+        return TrainConfig.from_dict(saved_config).model_name
+    except UsageError:  # a config this version cannot parse: compare what was written
+        return saved_config.get("model")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.nn as nn
-import torchvision
 
 
 def resnet(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -13,6 +12,8 @@ def resnet(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Modu
     28x28 image to 7x7 before the first block, so they become a 3x3 stride-1
     conv (the usual CIFAR adaptation).
     """
+    import torchvision  # here, not at the top: it costs seconds at start-up and only ResNets need it
+
     model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
     channels, height, width = input_shape
     if min(height, width) < 64:

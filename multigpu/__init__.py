@@ -6,5 +6,5 @@
 - optim:        optimizer, LR scaling rule and LR schedule
 - checkpoint:   atomic rank-0 saves, safe loads, finding the newest good checkpoint
 - reporting:    rank-0 console, progress bar and TensorBoard
-- preemption:   SIGTERM/SIGINT handling and the test-only fault injector
+- preemption:   SIGTERM/SIGINT handling, naming a lost rank, torchrun restarts, the test-only fault injector
 """

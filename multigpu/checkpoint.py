@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import tempfile
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from multigpu.errors import UsageError
 
 FORMAT_VERSION = 1
+TMP_SUFFIX = ".tmp"  # unfinished saves: never loaded, removed at the next start
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
 
 
@@ -25,21 +28,26 @@ class CheckpointError(UsageError):
     """A checkpoint that cannot be used: one line naming the file and why."""
 
 
-def atomic_save(state: dict[str, Any], path: str) -> None:
+def atomic_save(state: dict[str, Any], path: str, before_rename: Optional[Callable[[], None]] = None) -> None:
     """Write `state` to `path` so that a crash at any instant leaves the old file intact.
 
     Temporary file in the same directory (same file system, so the rename is
     atomic), flushed and fsynced, then renamed over the target; the directory is
-    fsynced so the rename itself survives a power cut.
+    fsynced so the rename itself survives a power cut. A failed write (full disk,
+    file too large) raises the OSError that caused it and leaves no temporary file.
+    `before_rename` runs between the fsync and the rename: the test-only fault
+    injector kills the process there.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    handle, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(handle, "wb") as tmp_file:
-            torch.save(state, tmp_file)
+            _save_to(state, tmp_file)
             tmp_file.flush()
             os.fsync(tmp_file.fileno())
         os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is an ordinary file
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):
@@ -52,6 +60,37 @@ def atomic_save(state: dict[str, Any], path: str) -> None:
         os.close(dir_fd)
 
 
+class _RecordingWriter:
+    """A file wrapper that remembers the OSError of a failed write.
+
+    torch.save turns a failed write into an opaque RuntimeError ("unexpected pos
+    ..."); the recorded error says what really happened (No space left on device).
+    """
+
+    def __init__(self, file: Any):
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save_to(state: dict[str, Any], file: Any) -> None:
+    writer = _RecordingWriter(file)
+    try:
+        torch.save(state, writer)
+    except RuntimeError:
+        if writer.error is not None:
+            raise writer.error from None
+        raise
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -61,13 +100,15 @@ def _umask() -> int:
 def load(path: str) -> dict[str, Any]:
     """Load and validate a checkpoint on the CPU; CheckpointError (one line) if it is unusable."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # its multi-line pickle-protocol warning would break the one line
+            warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
     except Exception as error:  # truncated, random bytes, or a pickle that holds code
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"checkpoint {path} is not a valid weights-only checkpoint, refused: "
-                              f"{reason[:200]}") from None
+        raise CheckpointError(f"checkpoint {path} refused: {_load_failure(error)}") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not written by this trainer")
@@ -77,41 +118,68 @@ def load(path: str) -> dict[str, Any]:
     return state
 
 
+def _load_failure(error: Exception) -> str:
+    """Why torch.load(weights_only=True) failed, in a few words plus torch's one telling line.
+
+    torch's messages run over many lines and suggest weights_only=False, which
+    would run whatever code the file holds: never repeat that advice.
+    """
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
+    lines = [line.replace("WeightsUnpickler error:", "").strip() for line in str(error).splitlines()]
+    telling = [line for line in lines if line and not line.startswith(boilerplate)]
+    detail = (telling or [type(error).__name__])[0]
+    if isinstance(error, pickle.UnpicklingError):
+        kind = "it holds something other than tensors and plain data, or is not a checkpoint"
+    else:
+        kind = "truncated or corrupt"
+    return f"{kind} ({detail.split('. ')[0][:160]})"
+
+
 def step_checkpoint_path(save_dir: str, global_step: int) -> str:
     return os.path.join(save_dir, f"step-{global_step:09d}.pt")
 
 
+def _newest_first(paths: list[str]) -> list[str]:
+    """Most recently written first. On an equal mtime (coarse file-system clocks) last.pt, written
+    after the step checkpoint of the same step, and then the higher step count as newer."""
+    return sorted(paths, key=lambda path: (os.path.getmtime(path), os.path.basename(path) == "last.pt",
+                                           os.path.basename(path)), reverse=True)
+
+
 def resumable_files(save_dir: str) -> list[str]:
     """Checkpoints in `save_dir` that a resume may use, newest first (best.pt is not one: it is older)."""
-    files = glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt"))
-    return sorted(files, key=os.path.getmtime, reverse=True)
+    return _newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt")))
 
 
 def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[str, dict[str, Any]]]:
-    """The newest checkpoint in `save_dir` that loads and validates, skipping (and reporting) broken ones.
+    """The most recently written checkpoint in `save_dir` that loads and validates, or None.
 
-    Among files that load, the one with the highest global step wins, so a
-    step checkpoint written after last.pt is preferred to it.
+    A broken newer file (truncated by a full disk, overwritten by something
+    else) is reported through `warn` in one line and skipped for the next one.
     """
-    loaded = []
     for path in resumable_files(save_dir):
         try:
-            loaded.append((path, load(path)))
+            return path, load(path)
         except CheckpointError as error:
             warn(f"{error}; trying an older one")
-            continue
-        if len(loaded) == 2:  # last.pt and the newest step file are all that can compete
-            break
-    if not loaded:
-        return None
-    return max(loaded, key=lambda item: (item[1]["global_step"], item[1].get("samples_in_epoch", 0) == 0))
+    return None
 
 
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints (called only after a new one is in place)."""
-    steps = sorted(glob.glob(os.path.join(save_dir, "step-*.pt")))
-    for path in steps[:-keep]:
+    for path in _newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")))[keep:]:
         os.unlink(path)
+
+
+def remove_unfinished(save_dir: str) -> list[str]:
+    """Delete the temporary files of saves that a killed process never finished; return their names.
+
+    Only one run may use a save dir at a time, so no other process is writing them.
+    """
+    unfinished = sorted(glob.glob(os.path.join(save_dir, "*.pt.*" + TMP_SUFFIX)))
+    for path in unfinished:
+        os.unlink(path)
+    return [os.path.basename(path) for path in unfinished]
 
 
 def check_writable(save_dir: str) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
+from multigpu.preemption import restart_safe_store
 
 
 @dataclass
@@ -127,8 +128,9 @@ def _setup_ddp(config: TrainConfig) -> Runtime:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.dist_timeout),
-                                device_id=device if backend == "nccl" else None)
+        timeout = timedelta(seconds=config.dist_timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **restart_safe_store(timeout))
     return Runtime("ddp", device, rank, local_rank, world_size, backend)
 
 

@@ -1,6 +1,6 @@
-"""Stopping cleanly on SIGTERM/SIGINT, and the test-only fault injector.
+"""Stopping cleanly on SIGTERM/SIGINT, naming a rank that was lost, and the test-only fault injector.
 
-A signal only sets a flag; the trainer checks it at its logging boundary, where
+A signal only sets a flag; the trainer checks it at its sync points, where
 the ranks agree on it with one all-reduce, so every rank stops after the same
 step and rank 0 can write a checkpoint that all of them reached.
 """
@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
+import time
+from datetime import timedelta
 from types import FrameType
-from typing import Optional
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from multigpu.errors import TrainingStopped, UsageError
 
 
 class StopRequest:
@@ -21,32 +26,142 @@ class StopRequest:
         self.signal_name: Optional[str] = None
 
     def install(self) -> None:
+        """Make SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signal_name is not None:
-            print(f"second {signal.Signals(signum).name}: exiting now without a checkpoint", file=sys.stderr,
-                  flush=True)
+            # os.write, not print: the handler may interrupt a print to the same stream.
+            os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
 
     @property
     def requested(self) -> bool:
+        """True once SIGTERM or SIGINT reached this process."""
         return self.signal_name is not None
 
 
+def restart_count() -> int:
+    """How often torchrun restarted the worker group (0 on the first attempt and without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
+    """init_process_group arguments that keep a torchrun restart away from the previous attempt's keys.
+
+    torchrun lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    keeps it across restarts, while every attempt's process group writes the same
+    keys: a restarted rank can read a dead peer's address and hang in
+    init_process_group (with gloo here, about one restart in two; for NCCL see
+    pytorch/pytorch#135712). A prefix per attempt keeps the attempts apart. Empty
+    (torch's own env:// set-up) when torchrun does not lend its store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": rank,
+            "world_size": world_size}
+
+
+# ---------------------------------------------------------------- a lost rank
+class PeerLost(TrainingStopped):
+    """Another rank died or hung: a collective failed. Exit 1; the line was printed by every survivor."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another rank is gone or stuck."""
+    if not isinstance(error, RuntimeError):  # DistError is one too
+        return False
+    marks = ("gloo", "NCCL", "Connection closed")  # gloo's errors are plain RuntimeErrors naming it
+    return isinstance(error, dist.DistError) or any(mark in str(error) for mark in marks)
+
+
+def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list[int]]:
+    """The ranks that did not report in after a failed collective, or None if that cannot be told.
+
+    A failed collective names no rank (gloo says "Connection closed by peer
+    [address]"), so every survivor writes its rank into the rendezvous store and
+    looks for the others: the ones missing are the dead or hung ones. It waits
+    until all but one rank are in, or `wait_seconds`. The store is torchrun's
+    agent's, so it outlives the workers; without torchrun it lives in rank 0,
+    and losing it means rank 0 is gone.
+    """
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = "multigpu/lost/"  # the store is this attempt's own (restart_safe_store)
+        store.set(prefix + str(rank), "1")
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            missing = [r for r in range(world_size) if not store.check([prefix + str(r)])]
+            if len(missing) <= 1 or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.1)  # polling the store: a few cheap requests per second while waiting
+    except Exception:  # the store is gone too: it lived in rank 0
+        return [0] if rank != 0 else None
+
+
+def lost_contact_line(rank: int, world_size: int, error: BaseException, wait_seconds: float) -> Optional[str]:
+    """One line for a survivor: which rank was lost, and torch's own words for how.
+
+    None when every rank answered the roll call: then the collective failed for
+    another reason, and the caller lets the original error through.
+    """
+    missing = lost_ranks(rank, world_size, wait_seconds)
+    if missing == []:
+        return None
+    who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "another rank"
+    return f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}); stopping"
+
+
+def error_detail(error: BaseException) -> str:
+    """The telling part of a collective's error: gloo prefixes its source file and appends advice."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return detail.split("] ", 1)[-1].split(". ")[0][:200]
+
+
+# ---------------------------------------------------------------- test-only fault injection
 FAULT_ENV = "MULTIGPU_FAULT_INJECT"
 
 
+def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
+    """(step, where) for this rank from MULTIGPU_FAULT_INJECT='rank:step[:save]', first attempt only."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or restart_count() > 0:
+        return None
+    parts = spec.split(":")
+    try:
+        fault_rank, step = int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        parts = []
+    where = parts[2] if len(parts) == 3 else "step"
+    if len(parts) not in (2, 3) or where not in ("step", "save"):
+        raise UsageError(f"{FAULT_ENV} must be RANK:STEP or RANK:STEP:save, got {spec!r}")
+    return (step, where) if fault_rank == rank else None
+
+
 def fault_step(rank: int) -> Optional[int]:
-    """Test-only: the step at which this rank must die, from MULTIGPU_FAULT_INJECT='rank:step'.
+    """Test-only: the step after which this rank exits at once, from MULTIGPU_FAULT_INJECT='rank:step'.
 
     Only on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restarted
     group runs through and the test can check that it resumed correctly.
     """
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return None
-    fault_rank, step = (int(part) for part in spec.split(":"))
-    return step if fault_rank == rank else None
+    fault = _fault_spec(rank)
+    return fault[0] if fault and fault[1] == "step" else None
+
+
+def save_fault_step(rank: int) -> Optional[int]:
+    """Test-only: the step whose checkpoint save this rank is SIGKILLed in, after the temporary
+    file is written and before it is renamed (MULTIGPU_FAULT_INJECT='0:step:save'; only rank 0 writes)."""
+    fault = _fault_spec(rank)
+    return fault[0] if fault and fault[1] == "save" else None
+
+
+def kill_self() -> None:
+    """Die by SIGKILL, as a preempted or OOM-killed process does: no handler, no clean-up."""
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,162 @@
+"""Checkpoint files (multigpu/checkpoint.py): atomic saves, refused files, the fallback to an older
+good checkpoint, and a full disk. Distributed kill-and-resume scenarios live in test_resume.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, tiny_model
+from data import build_datasets
+from models import build_model
+from multigpu import checkpoint, preemption, rng
+from multigpu.errors import UsageError
+from train_multi_gpu import MultiGPUTrainer
+
+
+def plain_state(step: int) -> dict:
+    """The smallest dict `checkpoint.load` accepts, marked with `step`."""
+    return {"format_version": checkpoint.FORMAT_VERSION, "model": {"w": torch.full((3,), float(step))},
+            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 0, "global_step": step, "config": {}}
+
+
+class RunsCode:
+    """Unpickling this would run a shell command that creates a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def write_broken(path: Path, kind: str, marker: Path) -> None:
+    """A file that must be refused: a truncated checkpoint, random bytes, or a pickle that runs code."""
+    if kind == "truncated":
+        checkpoint.atomic_save(plain_state(99), str(path))
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "random-bytes":
+        path.write_bytes(random.Random(0).randbytes(4096))
+    else:
+        torch.save({**plain_state(99), "model": RunsCode(marker)}, path)
+
+
+def set_age(path: Path, seconds_ago: float) -> None:
+    """Give `path` a modification time `seconds_ago` seconds in the past: "newest" is by mtime."""
+    when = path.stat().st_mtime - seconds_ago
+    os.utime(path, (when, when))
+
+
+BROKEN_KINDS = ("truncated", "random-bytes", "code-running-pickle")
+
+
+@pytest.mark.parametrize("kind", BROKEN_KINDS)
+def test_broken_file_is_refused_in_one_line_without_running_code(tmp_path, kind):
+    path, marker = tmp_path / "last.pt", tmp_path / "code-ran"
+    write_broken(path, kind, marker)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.load(str(path))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {path} refused: ")
+    assert "weights_only=False" not in message and "weights_only` set to `False" not in message  # never advise it
+    assert not marker.exists()
+
+
+def test_load_newest_skips_broken_newer_files_for_the_previous_good_one(tmp_path):
+    checkpoint.atomic_save(plain_state(5), str(tmp_path / "step-000000005.pt"))
+    set_age(tmp_path / "step-000000005.pt", 60)
+    for age, (name, kind) in enumerate(zip(["step-000000010.pt", "step-000000015.pt", "last.pt"], BROKEN_KINDS)):
+        write_broken(tmp_path / name, kind, tmp_path / "code-ran")
+        set_age(tmp_path / name, 30 - age)
+    warnings: list[str] = []
+    path, state = checkpoint.load_newest(str(tmp_path), warnings.append)
+    assert (Path(path).name, state["global_step"]) == ("step-000000005.pt", 5)
+    assert [w.split(" refused")[0] for w in warnings] == [f"checkpoint {tmp_path / n}" for n in
+                                                          ("last.pt", "step-000000015.pt", "step-000000010.pt")]
+    assert not (tmp_path / "code-ran").exists()
+
+
+def test_save_killed_between_writing_and_renaming_leaves_the_old_checkpoint(tmp_path):
+    target = tmp_path / "last.pt"
+    checkpoint.atomic_save(plain_state(1), str(target))
+    before = target.read_bytes()
+    child = os.fork()
+    if child == 0:  # the child dies by SIGKILL after the new file is complete, before the rename
+        checkpoint.atomic_save(plain_state(2), str(target), before_rename=preemption.kill_self)
+        os._exit(0)  # not reached
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert target.read_bytes() == before and checkpoint.load(str(target))["global_step"] == 1
+    leftovers = checkpoint.remove_unfinished(str(tmp_path))
+    assert len(leftovers) == 1 and leftovers[0].startswith("last.pt.")  # the finished-but-unrenamed file
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_prune_keeps_the_newest_step_checkpoints(tmp_path):
+    for step in (3, 6, 9, 12):
+        checkpoint.atomic_save(plain_state(step), checkpoint.step_checkpoint_path(str(tmp_path), step))
+        set_age(Path(checkpoint.step_checkpoint_path(str(tmp_path), step)), 100 - step)
+    checkpoint.prune_step_checkpoints(str(tmp_path), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000009.pt", "step-000000012.pt"]
+
+
+def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
+    rng.seed_all(123)
+    checkpoint.atomic_save({**plain_state(0), "rng": rng.rng_state(torch.device("cpu"))}, str(tmp_path / "r.pt"))
+    expected = (torch.rand(3).tolist(), random.random(), np.random.rand())
+    rng.seed_all(0)
+    rng.set_rng_state(checkpoint.load(str(tmp_path / "r.pt"))["rng"], torch.device("cpu"))
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == expected
+
+
+def test_unwritable_save_dir_is_refused_before_training(tmp_path):
+    (tmp_path / "a-file").write_text("")  # root may write anywhere, but not below a file
+    config = config_for(tmp_path, 1, save_dir=str(tmp_path / "a-file" / "x"))
+    with pytest.raises(UsageError, match="is not writable"):
+        MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config)
+
+
+def test_resume_auto_in_a_trainer_uses_the_previous_good_checkpoint(tmp_path, capsys):
+    good = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1))
+    good.fit()  # 8 steps: last.pt at step 8
+    for age, kind in enumerate(BROKEN_KINDS):
+        write_broken(tmp_path / "ckpt" / f"step-00000001{age}.pt", kind, tmp_path / "code-ran")
+    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"))
+    assert resumed.progress.global_step == 8 and resumed.progress.epoch == 1
+    out = capsys.readouterr().out
+    assert out.count("refused") == 3 and f"resumed from {tmp_path / 'ckpt' / 'last.pt'}" in out
+    assert not (tmp_path / "code-ran").exists()
+
+
+def _limit_file_size() -> None:
+    """Runs in the child before exec: files may not grow past 1 MB, and a write past it fails
+    with EFBIG instead of killing the process, as a full disk fails with ENOSPC."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+
+def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    args = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1", "--save-every-steps", "2",
+            "--save-dir", str(save_dir)]
+    config = config_for(tmp_path, 1, model="mlp", mode="flatten", train_size=512, val_size=100, batch_size=32)
+    data = build_datasets(config)
+    MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val,
+                    config).save_checkpoint("last.pt")  # 3.2 MB: larger than the limit below
+    before = (save_dir / "last.pt").read_bytes()
+    result = subprocess.run(cli_command([*args, "--resume", "auto"]), cwd=REPO, env=cli_env(), text=True,
+                            capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=_limit_file_size)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: could not write checkpoint {save_dir / 'step-000000002.pt'}: File too large; stopped at step 2, "
+        f"the previous checkpoint is kept: {save_dir / 'last.pt'}"]
+    assert (save_dir / "last.pt").read_bytes() == before
+    assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == ["last.pt"]  # no temporary file left

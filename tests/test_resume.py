@@ -1,0 +1,290 @@
+"""Killed, preempted and restarted 2-process DDP runs (real torchrun, gloo, CPU) continue to the same weights.
+
+Every scenario is compared with one uninterrupted run of the same command (the
+module-scoped `reference`). Processes die through the test-only fault injector
+(MULTIGPU_FAULT_INJECT), so each one dies at an exact step, or in an exact
+phase of a save, without sleeps or timing guesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import threading
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from conftest import REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, run_cli
+from data import build_datasets
+from models import build_model
+from multigpu import checkpoint
+from multigpu.config import TrainConfig
+from multigpu.preemption import FAULT_ENV, StopRequest
+from train_multi_gpu import MultiGPUTrainer
+
+# 8 steps per epoch with 2 processes; step checkpoints at 5, 10, 15, 20 (2 kept); last.pt at 8, 16, 24.
+ARGS = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "3", "--log-every", "1",
+        "--save-every-steps", "5", "--keep-last", "2"]
+FINAL_STEP = 24
+
+
+def run(save_dir: Path, *extra: str, fault: str = "", nproc: Optional[int] = 2,
+        torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """One CLI run into `save_dir`, with rank:step[:save] of the fault injector when given."""
+    return run_cli([*ARGS, "--save-dir", str(save_dir), *extra], nproc=nproc, torchrun_args=torchrun_args,
+                   env={FAULT_ENV: fault} if fault else None)
+
+
+def output(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + (result.stderr or "")
+
+
+def assert_failed(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode != 0, output(result)
+
+
+def resumed_from(output: str) -> str:
+    """The 'resumed from PATH: epoch E, step S, N samples into the epoch' part of the run's output."""
+    lines = [line for line in output.splitlines() if line.startswith("resumed from ")]
+    assert len(lines) == 1, output
+    return lines[0].split("resumed from ", 1)[1]
+
+
+def files(save_dir: Path) -> list[str]:
+    return sorted(p.name for p in save_dir.iterdir() if p.is_file())
+
+
+def assert_same_training_state(path: Path, reference: Path) -> float:
+    """Model, optimizer and scheduler of two checkpoints are bitwise equal; returns the max weight difference."""
+    ours, theirs = checkpoint.load(str(path)), checkpoint.load(str(reference))
+    assert (ours["global_step"], ours["epoch"]) == (theirs["global_step"], theirs["epoch"]) == (FINAL_STEP, 3)
+    for name, tensor in theirs["model"].items():
+        assert torch.equal(ours["model"][name], tensor), name
+    for index, state in theirs["optimizer"]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(ours["optimizer"]["state"][index][key], tensor), (index, key)
+    assert ours["scheduler"] == theirs["scheduler"]
+    return max((ours["model"][n] - t).abs().max().item() for n, t in theirs["model"].items())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """last.pt of the uninterrupted run that every interrupted one must reproduce."""
+    save_dir = tmp_path_factory.mktemp("reference")
+    assert_ok(run(save_dir))
+    assert files(save_dir) == ["best.pt", "last.pt", "step-000000015.pt", "step-000000020.pt"]  # --keep-last 2
+    return save_dir
+
+
+def test_reference_checkpoint_is_complete_and_loads_weights_only(reference):
+    state = checkpoint.load(str(reference / "last.pt"))  # weights_only=True, the only way the project loads
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])  # unwrapped (PITFALLS 8)
+    assert (state["world_size"], len(state["rng"]), state["sampler_seed"], state["train_size"]) == (2, 2, 0, 512)
+    assert set(state["rng"][0]) == {"torch", "cuda", "python", "numpy"}
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # per rank: seed + rank
+    assert state["config"]["model"] == "mlp" and state["torch_version"] == str(torch.__version__)
+    assert state["best_val_acc"] > 0.5 and state["scaler"] == {}
+
+
+def start_cli(save_dir: Path, *extra: str) -> subprocess.Popen:
+    """A 2-process run whose output the test reads line by line as it is printed."""
+    return subprocess.Popen(cli_command([*ARGS, "--save-dir", str(save_dir), *extra], nproc=2), cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank: a child of the launcher with that variable set."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or it just ended
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def sigterm_rank_at(save_dir: Path, rank: int, line_start: str, *extra: str) -> subprocess.CompletedProcess:
+    """Run, send SIGTERM to one rank's process when rank 0 prints a line starting with `line_start`,
+    and return the whole output once the run ends."""
+    with start_cli(save_dir, *extra) as process:
+        watchdog = threading.Timer(RUN_TIMEOUT, process.kill)  # a hang fails the test instead of stalling CI
+        watchdog.start()
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(line_start):
+                os.kill(worker_pid(process.pid, rank), signal.SIGTERM)
+        watchdog.cancel()
+        return subprocess.CompletedProcess(process.args, process.wait(), "".join(lines), "")
+
+
+def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_path):
+    """One job interrupted four times, each leg continuing the last with --resume auto."""
+    save_dir = tmp_path / "run"
+
+    # Leg 1: rank 1 dies at step 7, mid-epoch; its peer names it instead of waiting for the timeout.
+    result = run(save_dir, fault="1:7")
+    assert_failed(result)
+    out = output(result)
+    assert "rank 0: lost contact with rank 1, which died or hung" in out
+    assert files(save_dir) == ["step-000000005.pt"]
+
+    # Leg 2: continues mid-epoch from step 5, passes the epoch end and dies right after it, at step 9.
+    result = run(save_dir, "--resume", "auto", fault="1:9")
+    assert_failed(result)
+    out = output(result)
+    assert resumed_from(out) == f"{save_dir / 'step-000000005.pt'}: epoch 1, step 5, 320 samples into the epoch"
+
+    # Leg 3: continues from the epoch boundary; rank 0 is SIGKILLed inside the save of step 10, with the
+    # new file complete but not yet renamed: the previous checkpoints stay as they were.
+    result = run(save_dir, "--resume", "auto", fault="0:10:save")
+    assert_failed(result)
+    out = output(result)
+    assert resumed_from(out) == f"{save_dir / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch"
+    assert "rank 1: lost contact with rank 0" in out
+    assert [name for name in files(save_dir) if name.endswith(".tmp")] != []
+    assert "step-000000010.pt" not in files(save_dir)
+
+    # Leg 4: continues from last.pt again (the half-done save is cleaned up); SIGTERM to rank 1 only:
+    # both ranks stop at the next step, rank 0 saves, exit 0.
+    result = sigterm_rank_at(save_dir, 1, "step 9:", "--resume", "auto")
+    assert_ok(result)
+    out = output(result)
+    assert resumed_from(out).startswith(f"{save_dir / 'last.pt'}: epoch 2, step 8,")
+    assert "removed 1 unfinished save(s) of a killed run: step-000000010.pt." in out
+    stop_line = next(line for line in out.splitlines() if line.startswith("stopped by"))
+    assert stop_line.endswith("Continue with the same command plus --resume auto")
+    stopped = checkpoint.load(str(save_dir / "last.pt"))
+    assert 9 < stopped["global_step"] < FINAL_STEP and stopped["samples_in_epoch"] > 0, stop_line
+
+    # Leg 5: continues mid-epoch from the SIGTERM checkpoint to the end.
+    result = run(save_dir, "--resume", "auto")
+    assert_ok(result)
+    out = output(result)
+    assert resumed_from(out).startswith(f"{save_dir / 'last.pt'}: epoch {stopped['epoch'] + 1}, "
+                                        f"step {stopped['global_step']},")
+    assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
+
+
+def test_elastic_restart_resumes_by_itself_to_identical_weights(reference, tmp_path):
+    save_dir = tmp_path / "run"
+    result = run(save_dir, fault="1:7", torchrun_args=("--max-restarts", "1"))
+    assert_ok(result)
+    out = output(result)
+    assert resumed_from(out) == f"{save_dir / 'step-000000005.pt'}: epoch 1, step 5, 320 samples into the epoch"
+    assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
+
+
+def test_two_process_checkpoint_resumes_in_one_process_and_trains_on(reference, tmp_path):
+    save_dir = tmp_path / "run"
+    result = run(save_dir, "--resume", str(reference / "step-000000020.pt"), nproc=None)
+    assert_ok(result)
+    out = output(result)
+    assert resumed_from(out).endswith("epoch 3, step 20, 256 samples into the epoch")
+    assert "resuming 2 ranks' checkpoint with 1: " in out and "not bit-identical" in out
+    final = checkpoint.load(str(save_dir / "last.pt"))
+    assert (final["epoch"], final["global_step"], final["world_size"]) == (3, 20 + 256 // 32, 1)
+    assert final["metrics"]["val_acc"] > 0.5
+
+
+def resume_in_process(reference: Path, tmp_path: Path, **changes) -> MultiGPUTrainer:
+    """A one-process trainer built as the CLI builds it, resuming the reference's last.pt with `changes`."""
+    values = {**checkpoint.load(str(reference / "last.pt"))["config"], "save_dir": str(tmp_path),
+              "resume": str(reference / "last.pt"), **changes}
+    config = TrainConfig(**values)
+    data = build_datasets(config)
+    return MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"model": "cnn"}, "--model cnn contradicts checkpoint"),
+    ({"train_size": 256}, "a training set of 256 contradicts checkpoint"),
+    ({"optimizer": "sgd"}, "--optimizer sgd contradicts checkpoint"),
+])
+def test_resume_refuses_another_model_or_data_set_in_one_line(reference, tmp_path, change, refusal):
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        resume_in_process(reference, tmp_path, **change)
+    assert refusal in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_resume_allows_and_logs_changed_epochs_lr_and_log_dir(reference, tmp_path, capsys):
+    trainer = resume_in_process(reference, tmp_path, epochs=4, lr=0.002, log_dir=str(tmp_path / "tb"))
+    assert trainer.progress.global_step == FINAL_STEP
+    changed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming with"))
+    assert "epochs: 3 -> 4" in changed and "lr: 0.001 -> 0.002" in changed and "log_dir: None ->" in changed
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it), for a rendezvous without torchrun."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(tmp_path):
+    """Two ranks started by hand (no torchrun to clean up): rank 1 freezes, rank 0 must not wait forever."""
+    env = cli_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
+    command = cli_command([*ARGS, "--save-dir", str(tmp_path), "--dist-timeout", "3"])
+    ranks = [subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    watchdog = threading.Timer(RUN_TIMEOUT, lambda: [rank.kill() for rank in ranks])
+    watchdog.start()
+    try:
+        lines = []
+        for line in ranks[0].stdout:
+            lines.append(line)
+            if line.startswith("step 3:"):
+                ranks[1].send_signal(signal.SIGSTOP)  # alive but silent: only the timeout can tell
+        assert ranks[0].wait() == 1, "".join(lines)
+    finally:
+        watchdog.cancel()
+        ranks[1].kill()
+        ranks[1].wait()
+    assert "rank 0: lost contact with rank 1, which died or hung (Timed out waiting 3000ms" in "".join(lines)
+
+
+def dropout_model() -> torch.nn.Module:
+    """Dropout makes the weights depend on the restored RNG state, not only on the data order."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                               torch.nn.Linear(32, 4))
+
+
+def test_resume_from_every_step_checkpoint_is_exact_with_accumulation_and_dropout(tmp_path):
+    # 100 samples in windows of 2 x 8: six full optimizer steps and a short seventh per epoch.
+    config = config_for(tmp_path, 1, grad_accum_steps=2, save_every_steps=3, keep_last=10, epochs=2)
+    uninterrupted = MultiGPUTrainer(dropout_model(), blobs(100, 0), None, config)
+    uninterrupted.fit()
+    steps = sorted(p.name for p in Path(config.save_dir).glob("step-*.pt"))
+    assert steps == [f"step-{s:09d}.pt" for s in (3, 6, 9, 12)]  # 6 and 12: one step before an epoch end
+    for name in steps:
+        resumed = MultiGPUTrainer(dropout_model(), blobs(100, 0), None,
+                                  dataclasses.replace(config, save_dir=str(tmp_path / name),
+                                                      resume=str(Path(config.save_dir) / name)))
+        resumed.fit()
+        for key, tensor in uninterrupted.model.state_dict().items():
+            assert torch.equal(resumed.model.state_dict()[key], tensor), (name, key)
+
+
+def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
+    child = os.fork()
+    if child == 0:  # a process in training: the first Ctrl-C only asks for a stop at the next step
+        stop = StopRequest()
+        stop.install()
+        os.kill(os.getpid(), signal.SIGINT)
+        if not stop.requested:
+            os._exit(3)  # the first signal should have set the flag and nothing else
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(4)  # not reached: the second one exits
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGINT
+    assert capfd.readouterr().err == "second SIGINT: exiting now without a checkpoint\n"
