@@ -201,7 +201,7 @@ class MultiGPUTrainer:
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 self._save_step_checkpoint()
             if progress.global_step == self.die_at_step:
-                os._exit(1)  # test-only fault injection: die like a crashed worker
+                preemption.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
         self.report.end_epoch()
         return True
 

@@ -146,7 +146,7 @@ def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
 
 
 def fault_step(rank: int) -> Optional[int]:
-    """Test-only: the step after which this rank exits at once, from MULTIGPU_FAULT_INJECT='rank:step'.
+    """Test-only: the step after which this rank SIGKILLs itself, from MULTIGPU_FAULT_INJECT='rank:step'.
 
     Only on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restarted
     group runs through and the test can check that it resumed correctly.
