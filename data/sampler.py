@@ -1,8 +1,9 @@
 """Samplers that give every rank its share of the data, resumable mid-epoch.
 
-Why not torch's DistributedSampler: it pads the last shard with repeated
-samples (wrong validation numbers, PITFALLS 1) and has no way to start in the
-middle of an epoch without iterating the skipped items (PITFALLS 10).
+Training uses a DistributedSampler that can also start in the middle of an
+epoch without iterating the skipped items (PITFALLS 10). Evaluation does not
+use DistributedSampler at all: it pads the last shard with repeated samples,
+which makes validation numbers wrong (PITFALLS 1).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 
 def epoch_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -21,8 +22,11 @@ def epoch_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) 
     return torch.randperm(dataset_size, generator=generator)
 
 
-class ResumableDistributedSampler(Sampler[int]):
+class ResumableDistributedSampler(DistributedSampler):
     """Training sampler: rank r takes positions r, r+W, r+2W, ... of the epoch's global order.
+
+    A DistributedSampler with drop_last=True (it is one, so code that checks for
+    one finds it), plus `start_at`.
 
     Interleaving makes global batch i of W ranks with batch B exactly batch i of
     one process with batch W*B, so 1 and W devices see the same data.
@@ -36,9 +40,10 @@ class ResumableDistributedSampler(Sampler[int]):
     """
 
     def __init__(self, dataset_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
-        self.dataset_size, self.rank, self.world_size = dataset_size, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.consumed = 0, 0
+        super().__init__(range(dataset_size), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=True)
+        self.dataset_size, self.world_size = dataset_size, world_size
+        self.consumed = 0
         self.usable = dataset_size - dataset_size % world_size
         if self.usable == 0:
             raise ValueError(f"{dataset_size} training samples cannot be shared by {world_size} ranks")
