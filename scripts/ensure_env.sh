@@ -20,5 +20,11 @@ if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; the
 fi
 echo "setting up .venv (torch, torchvision, tensorboard, tqdm, pytest)..." >&2
 "$python_bin" -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+# pip's log goes to a file (this machine's pip config adds pages of warnings); shown only if it fails.
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt \
+        > .venv/pip-install.log 2>&1; then
+    cat .venv/pip-install.log >&2
+    echo "error: installing requirements.txt failed (log above, also in .venv/pip-install.log)" >&2
+    exit 1
+fi
 echo "$wanted" > "$stamp"
