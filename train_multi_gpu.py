@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import signal
@@ -72,6 +73,8 @@ class MultiGPUTrainer:
         self.device = rt.device
         self.report = Reporter(config, rt.is_main)
         self.amp_dtype = self._resolve_amp()
+        self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=self.amp_dtype)
+                         if self.amp_dtype is not None else contextlib.nullcontext)
         self.model = self._prepare_model(model)  # the plain module: checkpoints and evaluation use it
         self.wrapped = self._wrap(self.model)  # what training calls: DDP, DataParallel or the module itself
         self.loss_fn = loss_fn or nn.CrossEntropyLoss()
@@ -220,10 +223,11 @@ class MultiGPUTrainer:
             with contextlib.nullcontext() if sync or self.runtime.mode != "ddp" else self.wrapped.no_sync():
                 inputs = inputs.to(self.device, non_blocking=True)
                 targets = targets.to(self.device, non_blocking=True)
-                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                with self.autocast():
                     loss = self.loss_fn(self.wrapped(inputs), targets)
                 samples = targets.shape[0]
-                self.scaler.scale(loss * (samples / window_samples)).backward()
+                share = loss if samples == window_samples else loss * (samples / window_samples)
+                self.scaler.scale(share).backward()
             # Kept on the device: read only at the next sync point, never per step.
             self.interval_loss[self.interval_steps] += loss.detach().float() * samples
         self.interval_steps += 1
@@ -328,7 +332,7 @@ class MultiGPUTrainer:
         for row, (inputs, targets) in zip(batches.batch_indices, loader):
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with self.autocast():
                 logits = model(inputs)
             losses = per_sample_loss(logits.float(), targets).double()
             table[row, 0] = losses.sum() if losses.dim() else losses * targets.shape[0]
