@@ -57,3 +57,27 @@ def test_real_fashion_mnist_loads_from_the_shared_gz_files(tmp_path):
     assert (len(data.train), len(data.val)) == (60000, 10000)
     image, label = data.val[0]
     assert image.shape == (1, 28, 28) and 0 <= label < 10
+
+
+def test_imagefolder_reads_class_folders_resized_to_the_image_shape(tmp_path):
+    from PIL import Image
+
+    for split, count in (("train", 3), ("val", 2)):
+        for class_name, colour in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
+            folder = tmp_path / split / class_name
+            folder.mkdir(parents=True)
+            for index in range(count):
+                Image.new("RGB", (40, 30), colour).save(folder / f"{index}.png")
+    data = build_datasets(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), image_shape="3,16,16"))
+    assert (len(data.train), len(data.val), data.num_classes) == (6, 4, 2)
+    image, label = data.val[3]
+    assert image.shape == (3, 16, 16) and label == 1  # dog: the second class, blue
+    assert image[2].mean() > 0.9 > image[0].mean()
+
+
+def test_fake_data_has_the_requested_shape_and_classes():
+    data = build_datasets(TrainConfig(dataset="fake", train_size=8, val_size=4, image_shape="3,12,10", num_classes=5))
+    image, label = data.train[0]
+    assert image.shape == (3, 12, 10) and 0 <= label < 5
+    assert (len(data.train), len(data.val), data.num_classes) == (8, 4, 5)
+    assert not torch.equal(data.train[0][0], data.val[0][0])
