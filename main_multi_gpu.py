@@ -18,7 +18,7 @@ import torch
 from data import build_datasets
 from models import build_model
 from multigpu.config import TrainConfig, parse_config
-from multigpu.distributed import barrier, setup, teardown
+from multigpu.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.preemption import PeerLost, error_detail, is_peer_failure
 from train_multi_gpu import MultiGPUTrainer
@@ -28,21 +28,26 @@ def run(config: TrainConfig) -> dict:
     """Set up devices, data and model, train, and return the final metrics."""
     runtime = setup(config)
     try:
-        # Rank 0 downloads (if asked) while the others wait, then they read its files.
-        if not runtime.is_main:
-            barrier()
-        data = build_datasets(config, download_allowed=runtime.is_main)
-        if runtime.is_main:
-            barrier()
-        torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
-        model = build_model(config.model_name, data.input_shape, data.num_classes)
-        if runtime.is_main:
-            print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
-                  f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)
-        trainer = MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime)
-        return trainer.fit()
+        return _train(config, runtime)
     finally:
+        # After _train returned, so the trainer and its DDP wrapper (which hold the process group)
+        # are gone first: a group still referenced at interpreter exit can abort the process.
         teardown()
+
+
+def _train(config: TrainConfig, runtime: Runtime) -> dict:
+    # Rank 0 downloads (if asked) while the others wait, then they read its files.
+    if not runtime.is_main:
+        barrier()
+    data = build_datasets(config, download_allowed=runtime.is_main)
+    if runtime.is_main:
+        barrier()
+    torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
+    model = build_model(config.model_name, data.input_shape, data.num_classes)
+    if runtime.is_main:
+        print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+              f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)
+    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -7,6 +7,7 @@ its own.
 
 from __future__ import annotations
 
+import gc
 import os
 import shlex
 import sys
@@ -135,7 +136,15 @@ def _setup_ddp(config: TrainConfig) -> Runtime:
 
 
 def teardown() -> None:
+    """Destroy the process group; call it after the trainer (whose DDP reducer holds the group) is gone.
+
+    Then the group's gloo/NCCL threads are joined here, not during the
+    interpreter's shutdown, where they can abort the process ("terminate called
+    without an active exception"); gc.collect frees what only reference cycles
+    still hold.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
