@@ -101,6 +101,7 @@ class MultiGPUTrainer:
         rng.seed_all(config.seed + rt.rank)
         checkpoint.check_writable(config.save_dir)  # on every rank: all of them stop with the same line
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
+        self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
         self._resume()
         self.stop = StopRequest()
         self.die_at_step = fault_step(rt.rank)
@@ -252,9 +253,13 @@ class MultiGPUTrainer:
 
     # ------------------------------------------------------------------ sync points
     def _at_sync_point(self, epoch_end: bool) -> bool:
-        """Log steps, epoch ends, save steps and the fault step: where ranks compare notes."""
+        """Log steps, epoch ends and save steps: where ranks compare notes.
+
+        Only conditions that are the same on every rank may be here, since each sync
+        point is a collective (the fault injector's step, set on one rank, is not).
+        """
         step, config = self.progress.global_step, self.config
-        return (epoch_end or step % config.log_every == 0 or step == self.die_at_step
+        return (epoch_end or step % config.log_every == 0
                 or (config.save_every_steps > 0 and step % config.save_every_steps == 0)
                 or (self.runtime.world_size == 1 and self.stop.requested))
 
@@ -274,12 +279,8 @@ class MultiGPUTrainer:
         """
         steps = self.interval_steps
         flags = torch.tensor([self.interval_samples, float(self.stop.requested)], device=self.device)
-        # Skips: rank 0's count only. DDP gives every rank the same gradients, so every rank skips the same
-        # steps; summing the ranks' counts would report each skip world-size times.
-        skips = self.skipped_steps.float().reshape(1) * float(self.runtime.is_main)
-        packed = torch.cat([self.interval_loss[:steps], flags, skips])
-        values = all_reduce_sum(packed).tolist()
-        step_losses, (samples, stop_votes, skipped) = values[:steps], values[steps:]
+        values = all_reduce_sum(torch.cat([self.interval_loss[:steps], flags])).tolist()
+        step_losses, (samples, stop_votes) = values[:steps], values[steps:]
         elapsed = time.perf_counter() - self.interval_started
         first_step = self.progress.global_step - steps + 1
         bad = [first_step + i for i, loss in enumerate(step_losses) if not math.isfinite(loss)]
@@ -294,7 +295,8 @@ class MultiGPUTrainer:
         self.report.scalars({"train/loss": loss, "train/lr": self.applied_lr, "train/samples_per_sec": per_sec,
                              "train/samples_per_sec_per_device": per_sec / self.runtime.devices_per_step}, step)
         if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()
+            # This rank's own count, not a sum: DDP gives every rank the same gradients, so all skip alike.
+            skipped, scale = int(self.skipped_steps), self.scaler.get_scale()
             self.report.scalars({"train/skipped_steps": skipped, "train/loss_scale": scale}, step)
             if skipped:
                 self.report.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped:.0f} step(s) "
@@ -425,13 +427,12 @@ class MultiGPUTrainer:
         }
 
     def _save_step_checkpoint(self) -> None:
-        self.save_checkpoint(os.path.basename(checkpoint.step_checkpoint_path(self.config.save_dir,
-                                                                               self.progress.global_step)))
+        self.save_checkpoint(checkpoint.step_checkpoint_name(self.progress.global_step))
         if self.runtime.is_main:
             checkpoint.prune_step_checkpoints(self.config.save_dir, self.config.keep_last)
 
     def _newest_checkpoint_name(self) -> str:
-        return getattr(self, "last_saved", None) or "none written by this run"
+        return self.last_saved or "none written by this run"
 
     def _resume(self) -> None:
         """Continue from --resume PATH, --resume auto, or the newest checkpoint after a torchrun restart."""

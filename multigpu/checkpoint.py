@@ -135,8 +135,13 @@ def _load_failure(error: Exception) -> str:
     return f"{kind} ({detail.split('. ')[0][:160]})"
 
 
+def step_checkpoint_name(global_step: int) -> str:
+    """File name of the step checkpoint of `global_step` (zero-padded, so names sort by step)."""
+    return f"step-{global_step:09d}.pt"
+
+
 def step_checkpoint_path(save_dir: str, global_step: int) -> str:
-    return os.path.join(save_dir, f"step-{global_step:09d}.pt")
+    return os.path.join(save_dir, step_checkpoint_name(global_step))
 
 
 def _newest_first(paths: list[str]) -> list[str]:

@@ -164,15 +164,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """rank src's `obj` on every rank."""
-    if not is_distributed():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
-
-
 def gather_objects(obj: object) -> list[object]:
     """Every rank's `obj`, in rank order, on every rank."""
     if not is_distributed():
