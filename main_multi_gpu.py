@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from data import build_datasets
-from models import build_model
+from multigpu.data import build_datasets
+from multigpu.models import build_model
 from multigpu.config import TrainConfig, parse_config
 from multigpu.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
@@ -52,9 +52,16 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: bad input is one line and exit 2, a failed run one line and exit 1."""
+    return main_guarded(lambda args: run(parse_config(args)), argv)
+
+
+def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:
+    """Run `train(argv)` and turn how it ends into an exit status: 0 done (or stopped cleanly by a signal),
+    1 training failed, 2 bad input, each with one line and no traceback. Scripts of your own
+    (examples/) use it too."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run(parse_config(argv))
+        train(argv)
     except PeerLost as error:
         return error.exit_code  # every survivor has already said which rank it lost
     except (UsageError, TrainingStopped) as error:
@@ -79,5 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `multigpu-train` console command (pip install .): the same as `python main_multi_gpu.py`."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,9 +1,11 @@
 """MultiGPUTrainer: one training loop for DDP, DataParallel, one GPU and the CPU.
 
 Read `fit` first: it is the whole story (resume, epochs, evaluation,
-checkpoints); every other method is one step of it. Each step costs what the
-same step of a hand-written loop costs: the only host syncs are at
-`--log-every` steps, where the ranks also agree on stopping.
+checkpoints); every other method is one step of it, and every other concern
+lives in its own module of `multigpu/` (checkpointer, evaluation, meters,
+preemption, ...). Each step costs what the same step of a hand-written loop
+costs: the only host syncs are at `--log-every` steps, where the ranks also
+agree on stopping.
 
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
     metrics = MultiGPUTrainer(model, train_set, val_set, TrainConfig(epochs=3)).fit()
@@ -14,13 +16,8 @@ Run under `torchrun --nproc_per_node=N` and the same code trains with DDP.
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
+import gc
 import math
-import os
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -30,21 +27,25 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from data import build_loader
-from data.sampler import ResumableDistributedSampler, ShardedBatchSampler
-from multigpu import checkpoint, preemption, rng
+from multigpu import checkpoint, faults, rng
+from multigpu.amp import Amp, resolve_dtype
+from multigpu.batches import ForwardFn, batch_size, check_first_batch, compute_loss, default_forward, to_device
+from multigpu.checkpointer import Checkpointer
 from multigpu.config import TrainConfig
-from multigpu.distributed import Runtime, all_reduce_sum, gather_objects, setup
+from multigpu.data import build_loader
+from multigpu.data.sampler import ResumableDistributedSampler
+from multigpu.distributed import Runtime, gather_objects, is_distributed, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.evaluation import Evaluator
 from multigpu.lr_scaling import describe_lr, scaled_lr
-from multigpu.optim import build_optimizer, build_scheduler
-from multigpu.preemption import StopRequest, fault_step
+from multigpu.meters import IntervalMeter
+from multigpu.metrics import MetricsSpec, lower_is_better
+from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
+                            move_schedule_to, users_optimizer, users_scheduler)
+from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
-
-# Config fields a resumed run must share with its checkpoint: another value means another model or data.
-MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "optimizer")
 
 
 @dataclass
@@ -54,73 +55,87 @@ class Progress:
     epoch: int = 0  # the epoch being trained (== epochs when done)
     global_step: int = 0  # optimizer steps taken
     samples_in_epoch: int = 0  # global samples of `epoch` already trained on, in the sampler's order
-    best_val_acc: float = -1.0
+    best_value: Optional[float] = None  # of the monitored validation metric
 
 
 class MultiGPUTrainer:
     """Trains `model` on `train_dataset` with the devices and settings in `config`.
 
-    `train_dataset`/`val_dataset` are map-style data sets of (input, target)
-    pairs; `loss_fn` defaults to cross-entropy. Every rank constructs the trainer
-    and calls `fit`; only rank 0 prints, logs and writes files.
+    Bring your own task (MULTI_GPU_GUIDE.md, "Your own task"): `loss_fn` is any
+    `(outputs, targets) -> scalar` (default cross-entropy); `optimizer` an
+    Optimizer on the model's parameters or a function `params -> Optimizer`
+    (default: `config.optimizer`); `scheduler` a function `optimizer -> scheduler`
+    or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
+    per epoch (default: `config.lr_schedule`); `metrics` names and/or functions
+    (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
+    batch) -> (outputs, targets)` where the default pair/dict handling does not fit.
+
+    Every rank constructs the trainer and calls `fit`; only rank 0 prints, logs
+    and writes files. A trainer that set up the process group itself destroys it
+    on `close()` (or at the end of a `with` block); one given a `runtime` leaves it alone.
     """
 
     def __init__(self, model: nn.Module, train_dataset: Dataset, val_dataset: Optional[Dataset] = None,
-                 config: Optional[TrainConfig] = None, loss_fn: Optional[nn.Module] = None,
-                 runtime: Optional[Runtime] = None):
+                 config: Optional[TrainConfig] = None, *, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                 optimizer: OptimizerArg = None, scheduler: SchedulerArg = None, scheduler_interval: str = "step",
+                 metrics: MetricsSpec = None, collate_fn: Optional[Callable] = None,
+                 forward_fn: Optional[ForwardFn] = None, runtime: Optional[Runtime] = None):
+        if scheduler_interval not in INTERVALS:
+            raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
         self.config = config = config or TrainConfig()
+        owned_before = is_distributed()
         self.runtime = rt = runtime or setup(config)
+        self.owns_process_group = runtime is None and is_distributed() and not owned_before
         self.device = rt.device
         self.report = Reporter(config, rt.is_main)
-        self.amp_dtype = self._resolve_amp()
-        self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=self.amp_dtype)
-                         if self.amp_dtype is not None else contextlib.nullcontext)
+        self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type)
         self.model = self._prepare_model(model)  # the plain module: checkpoints and evaluation use it
         self.wrapped = self._wrap(self.model)  # what training calls: DDP, DataParallel or the module itself
-        self.loss_fn = loss_fn or nn.CrossEntropyLoss()
+        self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        self.forward = forward_fn or default_forward
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
 
         # --- batches: --batch-size is per device, DataParallel splits its bigger batch over its GPUs ---
-        self.loader_batch = config.batch_size * max(1, len(rt.dp_device_ids))
+        per_step = max(1, len(rt.dp_device_ids))
+        self.loader_batch = config.batch_size * per_step
+        self.eval_batch = (config.eval_batch_size or config.batch_size) * per_step
         self.effective_batch = config.batch_size * rt.devices_per_step * config.grad_accum_steps
-        self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
+        self.sampler = self._sampler(len(train_dataset))  # type: ignore[arg-type]
         self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
-                                         sampler=self.sampler, batch_size=self.loader_batch)
-        samples_per_rank = len(self.sampler)
-        self.steps_per_epoch = math.ceil(samples_per_rank / (self.loader_batch * config.grad_accum_steps))
+                                         sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
+        self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
 
-        # --- optimisation ---
-        self.lr = scaled_lr(config.lr, config.lr_scaling, self.effective_batch, config.lr_base_batch)
-        self.optimizer = build_optimizer(self.model, config, self.lr)
-        self.scheduler = build_scheduler(self.optimizer, config, self.steps_per_epoch)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
+        if optimizer is None:
+            self.optimizer = build_optimizer(self.model, config, scaled_lr(config.lr, config.lr_scaling,
+                                                                           self.effective_batch, config.lr_base_batch))
+        else:
+            self.optimizer = users_optimizer(optimizer, self.model, scaled_lr(1.0, config.lr_scaling,
+                                                                              self.effective_batch, config.lr_base_batch))
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        self.builtin_optimizer, self.builtin_schedule = optimizer is None, scheduler is None
+        self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
+                          else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
+        self.scheduler_interval = "step" if scheduler is None else scheduler_interval
+
+        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn)
+        self.checkpointer = Checkpointer(config, rt, self.report)
         self.progress = Progress()
         self.metrics: dict[str, float] = {}
+        self.monitor: Optional[str] = config.monitor  # resolved at the first evaluation when not given
 
-        # Dropout and augmentation differ per rank but repeat on a rerun (PITFALLS 20).
+        # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
         rng.seed_all(config.seed + rt.rank)
         checkpoint.check_writable(config.save_dir)  # on every rank: all of them stop with the same line
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
-        self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
-        self._resume()
         self.stop = StopRequest()
-        self.die_at_step = fault_step(rt.rank)
-        self._reset_interval()
-        self._print_plan()
+        self.die_at_step = faults.fault_step(rt.rank)
+        self.meter = IntervalMeter(config.log_every, self.device)
+        self._resumed, self._batch_checked = False, False
 
     # ------------------------------------------------------------------ set-up
-    def _resolve_amp(self) -> Optional[torch.dtype]:
-        amp = self.config.amp
-        if amp == "fp16" and self.device.type != "cuda":
-            self.report.line("--amp fp16 needs a CUDA device; using bf16 autocast on the CPU instead")
-            return torch.bfloat16
-        if amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            self.report.line("--amp bf16 is not supported by this GPU; using fp16 with a GradScaler instead")
-            return torch.float16
-        return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
-
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """--sync-bn conversion (before the DDP wrap) and the small-batch BatchNorm warning (PITFALLS 18)."""
+        """--sync-bn conversion (before the DDP wrap) and the small-batch BatchNorm warning."""
         has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         # SyncBatchNorm raises in training mode on the CPU: it is a CUDA feature.
         synced = self.config.sync_bn and self.runtime.mode == "ddp" and self.device.type == "cuda"
@@ -143,56 +158,71 @@ class MultiGPUTrainer:
             return nn.DataParallel(model, device_ids=rt.dp_device_ids, output_device=rt.dp_device_ids[0])
         return model
 
+    def _sampler(self, size: int) -> ResumableDistributedSampler:
+        rt = self.runtime
+        if size < rt.world_size:
+            raise UsageError(f"a training set of {size} sample(s) cannot be shared by {rt.world_size} processes: "
+                             f"use more data or fewer processes")
+        return ResumableDistributedSampler(size, rt.rank, rt.world_size, self.config.seed)
+
     def _print_plan(self) -> None:
         config, rt = self.config, self.runtime
         batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
                       else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
-        total_steps = config.epochs * self.steps_per_epoch
+        steps_left = (config.epochs - self.progress.epoch) * self.steps_per_epoch - self._steps_done_in_epoch()
+        last_step = self.progress.global_step + max(0, steps_left)
+        resumed = f" ({steps_left} left)" if self.progress.global_step else ""
+        schedule = (f"schedule {config.lr_schedule}, warm-up {round(config.warmup_epochs * self.steps_per_epoch)} "
+                    f"steps" if self.builtin_schedule else
+                    f"scheduler {type(self.scheduler).__name__} per {self.scheduler_interval}")
         self.report.line(rt.describe())
         self.report.line(f"batch {config.batch_size} per device x {rt.devices_per_step} devices x "
                          f"{config.grad_accum_steps} accumulation = {self.effective_batch} effective ({batch_rule})")
-        self.report.line(f"{describe_lr(config, self.effective_batch)}; schedule {config.lr_schedule}, warm-up "
-                         f"{round(config.warmup_epochs * self.steps_per_epoch)} steps, {self.steps_per_epoch} "
-                         f"steps/epoch, {total_steps} steps; amp {self.amp_name}")
+        self.report.line(f"optimizer {type(self.optimizer).__name__}, {self._describe_lr()}; {schedule}, "
+                         f"{self.steps_per_epoch} steps/epoch, {last_step} steps{resumed}; amp {self.amp.name}")
+
+    def _describe_lr(self) -> str:
+        if self.builtin_optimizer:
+            return describe_lr(self.config, self.effective_batch)
+        scaling = self.config.lr_scaling
+        return f"lr {self.lr:g} (the optimizer's own{'' if scaling == 'none' else f', --lr-scaling {scaling}'})"
 
     @property
-    def amp_name(self) -> str:
-        return {None: "off", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.amp_dtype]
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        return self.amp.dtype
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        return self.amp.scaler
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
-        """Train to `config.epochs`, evaluating and checkpointing after each epoch; return the final metrics."""
-        config = self.config
+        """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch,
+        and return the final metrics. The progress bar and TensorBoard writer are closed however it ends."""
+        config, rt = self.config, self.runtime
         started = time.perf_counter()
-        with self._signals_handled():
-            while self.progress.epoch < config.epochs:
-                if not self._run_epoch():
-                    return self._stop_for_signal()
-                self._end_epoch()
-        summary = self._summary(wall_time=time.perf_counter() - started)
-        best = f"best val acc {summary['best_val_acc']:.4f}" if self.val_dataset is not None else "no validation set"
-        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
-                         f"{summary['samples_per_sec']:.0f} samples/s "
-                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
-        self.report.hparams(config, {k: v for k, v in summary.items() if k in ("val_acc", "val_loss", "best_val_acc")})
-        self.report.close()
-        return summary
-
-    def _summary(self, **extra: Any) -> dict[str, Any]:
-        """What fit returns: the last validation metrics, the best accuracy, progress and throughput."""
-        return {**self.metrics, "best_val_acc": self.progress.best_val_acc, "epochs": self.progress.epoch,
-                "global_step": self.progress.global_step,
-                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
+        try:
+            with stops_handled(self.stop, rt.rank, rt.world_size, min(config.dist_timeout, 10.0)):
+                self.resume()
+                self._print_plan()
+                while self.progress.epoch < config.epochs:
+                    if not self._run_epoch():
+                        return self._stop_for_signal()
+                    self._end_epoch()
+            summary = self._summary(wall_time=time.perf_counter() - started)
+            self._report_done(summary)
+            return summary
+        finally:
+            self.report.close()
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
         progress, config = self.progress, self.config
-        self.sampler.start_at(progress.epoch, progress.samples_in_epoch)
+        done_steps = self._steps_done_in_epoch()
         samples_left = len(self.sampler)  # this rank's, equal on every rank
-        done_steps = self.steps_per_epoch - math.ceil(samples_left / (self.loader_batch * config.grad_accum_steps))
         self.report.start_epoch(progress.epoch, config.epochs, self.steps_per_epoch, done_steps)
         self.wrapped.train()
-        self.interval_started = time.perf_counter()  # evaluation and saving are not training time
+        self.meter.started = time.perf_counter()  # evaluation and saving are not training time
         batches = iter(self.train_loader)
         while samples_left > 0:
             window = min(config.grad_accum_steps * self.loader_batch, samples_left)
@@ -203,53 +233,61 @@ class MultiGPUTrainer:
             if self._at_sync_point(samples_left == 0) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
-                self._save_step_checkpoint()
+                self.checkpointer.save_step(self.state_dict())
             if progress.global_step == self.die_at_step:
-                preemption.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
+                faults.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
         self.report.end_epoch()
         return True
+
+    def _steps_done_in_epoch(self) -> int:
+        """Optimizer steps of the current epoch already taken; also points the sampler at the rest."""
+        self.sampler.start_at(self.progress.epoch, self.progress.samples_in_epoch)
+        return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.config.grad_accum_steps))
 
     def _train_step(self, batches: Iterator, window_samples: int) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
 
         Each micro-batch's mean loss is weighted by its share of the window, so the
         gradient is the mean over the window whatever its size, including a short
-        last window at the end of an epoch (PITFALLS 4). DDP all-reduces only in the
-        last micro-batch's backward: the others run forward and backward in no_sync.
+        last window at the end of an epoch. DDP all-reduces only in the last
+        micro-batch's backward: the others run forward and backward in no_sync
+        (MULTI_GPU_GUIDE.md, "The effective-batch rule").
         """
         micro_batches = math.ceil(window_samples / self.loader_batch)
         for index in range(micro_batches):
-            inputs, targets = next(batches)
+            batch = to_device(next(batches), self.device)
             sync = index == micro_batches - 1
             with contextlib.nullcontext() if sync or self.runtime.mode != "ddp" else self.wrapped.no_sync():
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
-                with self.autocast():
-                    loss = self.loss_fn(self.wrapped(inputs), targets)
-                samples = targets.shape[0]
+                with self.amp.autocast():
+                    outputs, targets = self.forward(self.wrapped, batch)
+                    if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
+                        check_first_batch(outputs, targets, self.loss_fn)
+                        self._batch_checked = True
+                    loss = compute_loss(outputs, targets, self.loss_fn)
+                samples = batch_size(batch)
                 share = loss if samples == window_samples else loss * (samples / window_samples)
                 self.scaler.scale(share).backward()
-            # Kept on the device: read only at the next sync point, never per step.
-            self.interval_loss[self.interval_steps] += loss.detach().float() * samples
-        self.interval_steps += 1
-        self.interval_samples += window_samples
+            self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
+        self.meter.end_step(window_samples)
         self._optimizer_step()
 
     def _optimizer_step(self) -> None:
-        """unscale -> clip -> step -> update, in the only order that is right (PITFALLS 5)."""
+        """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
+        scaler = self.scaler
         if self.config.clip_grad_norm > 0:
-            self.scaler.unscale_(self.optimizer)
+            scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.applied_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, as TensorBoard shows it
-        if self.scaler.is_enabled():
-            scale_before = self.scaler._scale.clone()  # private, but get_scale() would sync the host
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.skipped_steps += (self.scaler._scale < scale_before).to(torch.int64)  # a lowered scale = a skip
+        if scaler.is_enabled():
+            scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
+            scaler.step(self.optimizer)
+            scaler.update()
+            self.meter.skipped_steps += (scaler._scale < scale_before).to(torch.int64)  # a lowered scale = a skip
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if self.scheduler_interval == "step":
+            self.scheduler.step()
 
     # ------------------------------------------------------------------ sync points
     def _at_sync_point(self, epoch_end: bool) -> bool:
@@ -263,305 +301,225 @@ class MultiGPUTrainer:
                 or (config.save_every_steps > 0 and step % config.save_every_steps == 0)
                 or (self.runtime.world_size == 1 and self.stop.requested))
 
-    def _reset_interval(self) -> None:
-        self.interval_loss = torch.zeros(self.config.log_every + 1, device=self.device)
-        self.interval_steps = 0
-        self.interval_samples = 0
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.interval_started = time.perf_counter()
-
     def _sync_and_log(self) -> bool:
-        """Reduce the interval's losses and flags over ranks (the one host sync), log, and say whether to stop.
+        """Reduce the interval over ranks (the one host sync), log it, and say whether to stop.
 
         One all-reduce carries everything, so ranks always make the same decision:
         stop on a signal that reached any rank, stop on a non-finite loss (unless
         fp16's scaler handles it by skipping the step).
         """
-        steps = self.interval_steps
-        flags = torch.tensor([self.interval_samples, float(self.stop.requested)], device=self.device)
-        values = all_reduce_sum(torch.cat([self.interval_loss[:steps], flags])).tolist()
-        step_losses, (samples, stop_votes) = values[:steps], values[steps:]
-        elapsed = time.perf_counter() - self.interval_started
-        first_step = self.progress.global_step - steps + 1
-        bad = [first_step + i for i, loss in enumerate(step_losses) if not math.isfinite(loss)]
+        interval = self.meter.reduce(self.stop.requested)
+        step = self.progress.global_step
+        first_step = step - len(interval.step_losses) + 1
+        bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
         if bad and not self.scaler.is_enabled():
             raise TrainingStopped(f"loss became non-finite at step {bad[0]}; stopped without saving, last good "
-                                  f"checkpoint kept: {self._newest_checkpoint_name()}")
-        self.train_samples += samples
-        self.train_seconds += elapsed
-        loss = sum(step_losses) / samples if samples else float("nan")
-        per_sec = samples / max(elapsed, 1e-9)
-        step = self.progress.global_step
+                                  f"checkpoint kept: {self.checkpointer.newest()}")
+        self.train_samples += interval.samples
+        self.train_seconds += interval.seconds
+        loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
         self.report.scalars({"train/loss": loss, "train/lr": self.applied_lr, "train/samples_per_sec": per_sec,
                              "train/samples_per_sec_per_device": per_sec / self.runtime.devices_per_step}, step)
         if self.scaler.is_enabled():
             # This rank's own count, not a sum: DDP gives every rank the same gradients, so all skip alike.
-            skipped, scale = int(self.skipped_steps), self.scaler.get_scale()
+            skipped, scale = int(self.meter.skipped_steps), self.scaler.get_scale()
             self.report.scalars({"train/skipped_steps": skipped, "train/loss_scale": scale}, step)
             if skipped:
                 self.report.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped:.0f} step(s) "
                                  f"with inf/NaN gradients (weights unchanged there); loss scale now {scale:g}")
-        self.report.advance(steps, {"loss": f"{loss:.4f}", "lr": f"{self.applied_lr:.3g}",
-                                    "samples/s": f"{per_sec:.0f}"})
+        self.report.advance(len(interval.step_losses), {"loss": f"{loss:.4f}", "lr": f"{self.applied_lr:.3g}",
+                                                        "samples/s": f"{per_sec:.0f}"})
         if not self.config.progress:
             self.report.line(f"step {step}: loss {loss:.4f}, lr {self.applied_lr:.3g}, {per_sec:.0f} samples/s")
-        self._reset_interval()
-        return stop_votes > 0
+        self.meter.reset()
+        return interval.stop_votes > 0
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, dataset: Optional[Dataset] = None) -> dict[str, float]:
-        """Loss and top-1 accuracy over every sample of `dataset` (default: the validation set) exactly once.
-
-        The set is cut into the same batches for any world size and each rank
-        evaluates its share of them without padding. Per-batch sums and counts go
-        into one table that is all-reduced (each row comes from one rank, the rest
-        add zeros) and summed in batch order, so 1, 2 or 3 ranks give bit-identical
-        numbers (PITFALLS 1). The plain module runs, so no DDP collective happens
-        per batch and uneven shards cannot hang (PITFALLS 3).
-        """
+        """Loss and metrics over every sample of `dataset` (default: the validation set) exactly once:
+        `{"loss": ..., <each metric>: ..., "count": ...}`, the same numbers for any world size."""
         dataset = dataset if dataset is not None else self.val_dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
-        rt = self.runtime
-        batches = ShardedBatchSampler(len(dataset), self.loader_batch, rt.rank, rt.world_size)
-        loader = build_loader(dataset, self.device, self.config.num_workers, batch_sampler=batches)
-        model = self.wrapped if rt.mode == "dp" else self.model
-        was_training = model.training
-        model.eval()
-        per_sample_loss = self._per_sample_loss_fn()
-        table = torch.zeros(batches.num_batches, 3, dtype=torch.float64, device=self.device)  # loss, correct, n
-        for row, (inputs, targets) in zip(batches.batch_indices, loader):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with self.autocast():
-                logits = model(inputs)
-            losses = per_sample_loss(logits.float(), targets).double()
-            table[row, 0] = losses.sum() if losses.dim() else losses * targets.shape[0]
-            table[row, 1] = (logits.argmax(1) == targets).sum()
-            table[row, 2] = targets.shape[0]
-        model.train(was_training)
-        loss_sum, correct, count = all_reduce_sum(table).sum(0).tolist()
-        return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}
-
-    def _per_sample_loss_fn(self) -> nn.Module:
-        """The loss with reduction='none' where it has one, so evaluation sums per-sample losses."""
-        if getattr(self.loss_fn, "reduction", None) == "mean":
-            per_sample = copy.copy(self.loss_fn)
-            per_sample.reduction = "none"
-            return per_sample
-        return self.loss_fn
+        # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
+        model = self.wrapped if self.runtime.mode == "dp" else self.model
+        return self.evaluator.run(model, dataset, self.eval_batch)
 
     def _end_epoch(self) -> None:
         """Evaluate, log, move to the next epoch and save last.pt (and best.pt on a new best)."""
         progress = self.progress
         progress.epoch += 1
         progress.samples_in_epoch = 0
+        if self.scheduler_interval == "epoch":
+            self.scheduler.step()
         if self.val_dataset is not None:
             result = self.evaluate()
-            self.metrics = {"val_loss": result["loss"], "val_acc": result["acc"]}
-            self.report.scalars({"val/loss": result["loss"], "val/acc": result["acc"]}, progress.global_step)
-            self.report.line(f"epoch {progress.epoch}/{self.config.epochs}: val loss {result['loss']:.4f}, "
-                             f"val acc {result['acc']:.4f} ({result['count']} samples)")
-        is_best = self.metrics.get("val_acc", -1.0) > progress.best_val_acc
-        if is_best:
-            progress.best_val_acc = self.metrics["val_acc"]
-        self.save_checkpoint("last.pt", also_as="best.pt" if is_best else None)
+            self.metrics = {f"val_{name}": value for name, value in result.items() if name != "count"}
+            self.report.scalars({f"val/{name}": value for name, value in result.items() if name != "count"},
+                                progress.global_step)
+            shown = ", ".join(f"val {name} {value:.4f}" for name, value in result.items() if name != "count")
+            self.report.line(f"epoch {progress.epoch}/{self.config.epochs}: {shown} ({result['count']} samples)")
+        is_best = self._is_new_best()
+        self.checkpointer.save(self.state_dict(), "last.pt", also_as="best.pt" if is_best else None)
         self.report.flush()
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
-        """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this).
+    def _is_new_best(self) -> bool:
+        """Whether this epoch's monitored metric beats the best so far (and record it): timm's eval_metric."""
+        if not self.metrics:
+            return False
+        self.monitor = self.monitor or ("val_acc" if "val_acc" in self.metrics else "val_loss")
+        if self.monitor not in self.metrics:
+            raise UsageError(f"--monitor {self.monitor} is not a validation metric of this run; it has "
+                             f"{', '.join(self.metrics)}")
+        value, best = self.metrics[self.monitor], self.progress.best_value
+        lower = (self.config.monitor_mode == "min" or
+                 (self.config.monitor_mode == "auto" and lower_is_better(self.monitor)))
+        better = math.isfinite(value) and (best is None or (value < best if lower else value > best))
+        if better:
+            self.progress.best_value = value
+        return better
 
-        The ranks' RNG states are gathered first; the success flag all-reduced at
-        the end is also the barrier, so no rank runs ahead and a failed write (full
-        disk, lost permission) stops every rank with one line instead of leaving
-        them waiting; the previous checkpoint is untouched (PITFALLS 6, 7, 11).
+    def _summary(self, **extra: Any) -> dict[str, Any]:
+        """What fit returns: the last validation metrics, the best monitored value, progress and throughput."""
+        best = {"monitor": self.monitor, "best": self.progress.best_value}
+        if self.monitor:
+            best[f"best_{self.monitor}"] = self.progress.best_value
+        return {**self.metrics, **best, "epochs": self.progress.epoch, "global_step": self.progress.global_step,
+                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
+
+    def _report_done(self, summary: dict[str, Any]) -> None:
+        best = (f"best {self.monitor.replace('_', ' ', 1)} {summary['best']:.4f}" if summary["best"] is not None
+                else "no validation set" if self.val_dataset is None else "no finite validation metric")
+        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+                         f"{summary['samples_per_sec']:.0f} samples/s "
+                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
+        final = {key: value for key, value in summary.items()
+                 if isinstance(value, float) and (key.startswith("val_") or key.startswith("best_"))}
+        self.report.hparams(self.config, final)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, in plain types so it loads with weights_only=True.
+
+        Every rank must call it (the ranks' RNG states are gathered). Saves happen
+        between optimizer steps only, so no gradient accumulation is ever in flight.
         """
         rng_states = gather_objects(rng.rng_state(self.device))
-        path = os.path.join(self.config.save_dir, name)
-        error = ""
-        if self.runtime.is_main:
-            try:
-                state = self._checkpoint_state(rng_states)
-                checkpoint.atomic_save(state, path, before_rename=self._save_fault())
-                if also_as:
-                    checkpoint.atomic_save(state, os.path.join(self.config.save_dir, also_as))
-            except OSError as failure:
-                error = f"{failure.strerror or failure}"
-        failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.device)).item()
-        if failed:
-            raise TrainingStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}; stopped at step "
-                                  f"{self.progress.global_step}, the previous checkpoint is kept: "
-                                  f"{self._newest_checkpoint_name()}")
-        self.last_saved = path
-        return path
-
-    def _save_fault(self) -> Optional[Callable[[], None]]:
-        """Test-only: the fault injector's kill between writing and renaming, at its chosen step."""
-        if preemption.save_fault_step(self.runtime.rank) == self.progress.global_step:
-            return preemption.kill_self
-        return None
-
-    def _checkpoint_state(self, rng_states: list[Any]) -> dict[str, Any]:
-        # Plain types only, so it loads with weights_only=True (PITFALLS 12). Saves happen between
-        # optimizer steps only, so no gradient accumulation is ever in flight: nothing to save for it.
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile'd modules save plain keys
         return {
             "format_version": checkpoint.FORMAT_VERSION,
             "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
             "model": model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
             "scheduler": self.scheduler.state_dict(),
+            "scheduler_class": type(self.scheduler).__name__,
+            "scheduler_interval": self.scheduler_interval,
             "scaler": self.scaler.state_dict(),
             "epoch": self.progress.epoch,
             "global_step": self.progress.global_step,
             "samples_in_epoch": self.progress.samples_in_epoch,
+            "steps_per_epoch": self.steps_per_epoch,
             "sampler_seed": self.sampler.seed,
             "train_size": self.sampler.dataset_size,
-            "best_val_acc": self.progress.best_val_acc,
+            "monitor": self.monitor,
+            "best_value": self.progress.best_value,
             "metrics": dict(self.metrics),
             "world_size": self.runtime.world_size,
             "rng": rng_states,
             "config": self.config.to_dict(),
         }
 
-    def _save_step_checkpoint(self) -> None:
-        self.save_checkpoint(checkpoint.step_checkpoint_name(self.progress.global_step))
-        if self.runtime.is_main:
-            checkpoint.prune_step_checkpoints(self.config.save_dir, self.config.keep_last)
+    def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
+        """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this)."""
+        return self.checkpointer.save(self.state_dict(), name, also_as)
 
-    def _newest_checkpoint_name(self) -> str:
-        return self.last_saved or "none written by this run"
-
-    def _resume(self) -> None:
-        """Continue from --resume PATH, --resume auto, or the newest checkpoint after a torchrun restart."""
-        if self.runtime.is_main:
-            removed = checkpoint.remove_unfinished(self.config.save_dir)
-            if removed:
-                self.report.line(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
-        found = self._find_resume_checkpoint()
-        # Every rank reads --save-dir itself: on nodes without a shared file system they could
-        # silently continue from different points (or from scratch), so they must agree.
-        steps = gather_objects(None if found is None else found[1]["global_step"])
-        if len(set(steps)) > 1:
-            raise checkpoint.CheckpointError(f"ranks found different checkpoints to resume (steps by rank: {steps}); "
-                                             f"put --save-dir on storage that every node shares")
+    def resume(self) -> bool:
+        """Load --resume PATH, --resume auto's newest good checkpoint, or after a torchrun restart the newest
+        one, into the live objects; True if one was loaded. fit() calls it first; once per trainer."""
+        if self.scheduler.optimizer is not self.optimizer:
+            raise UsageError("trainer.optimizer was replaced after construction, but the LR scheduler still drives "
+                             "the old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
+        if self._resumed:
+            return False
+        self._resumed = True
+        found = self.checkpointer.find()
         if found is None:
-            return
+            return False
         path, state = found
-        self._check_resumable(path, state)
-        self._load_state(path, state)
-        self.last_saved = path  # the checkpoint to fall back on until this run writes one
+        self.checkpointer.check(path, state, self._identity())
+        self.load_state_dict(state, path)
         self.report.line(f"resumed from {path}: epoch {self.progress.epoch + 1}, step {self.progress.global_step}, "
                          f"{self.progress.samples_in_epoch} samples into the epoch")
         self.report.purge_step = self.progress.global_step + 1
+        return True
 
-    def _find_resume_checkpoint(self) -> Optional[tuple[str, dict[str, Any]]]:
-        """(path, state) to continue from, or None to start from scratch.
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to be resumed by it."""
+        return {**{name: getattr(self.config, name) for name in ("mode", "dataset", "image_shape", "num_classes")},
+                "model": self.config.model_name, "train_size": self.sampler.dataset_size,
+                "optimizer_class": type(self.optimizer).__name__, "scheduler_class": type(self.scheduler).__name__}
 
-        After a torchrun restart the newest checkpoint in --save-dir wins, even
-        over --resume PATH: it holds the work done since PATH was loaded (PITFALLS 15).
-        """
-        config = self.config
-        restarted = preemption.restart_count() > 0
-        if config.resume is None and not restarted:
-            existing = checkpoint.resumable_files(config.save_dir)
-            if existing:
-                self.report.line(f"{config.save_dir} already holds checkpoints (newest {os.path.basename(existing[0])})"
-                                 f"; this run starts from scratch and replaces them (--resume auto continues instead)")
-            return None
-        if restarted or config.resume == "auto":
-            found = checkpoint.load_newest(config.save_dir, self.report.line)
-            if found is not None:
-                return found
-            if config.resume in (None, "auto"):
-                self.report.line(f"no checkpoint to resume in {config.save_dir}: starting from scratch")
-                return None
-            # restarted before this run saved anything: what --resume PATH named is still the newest
-        return config.resume, checkpoint.load(config.resume)
-
-    def _check_resumable(self, path: str, state: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another model or data set in one line naming the field; log changed settings."""
-        saved = state["config"]
-        ours = {name: getattr(self.config, name) for name in MUST_MATCH_ON_RESUME}
-        theirs = {name: saved.get(name) for name in MUST_MATCH_ON_RESUME}
-        ours["model"], theirs["model"] = self.config.model_name, _model_name(saved)  # None means the default
-        ours["train_size"], theirs["train_size"] = self.sampler.dataset_size, state.get("train_size")
-        for name in ours:
-            if theirs[name] is not None and ours[name] != theirs[name]:
-                what = "a training set of" if name == "train_size" else f"--{name.replace('_', '-')}"
-                raise checkpoint.CheckpointError(
-                    f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): resume "
-                    f"with the same value or start a new --save-dir")
-        changed = [f"{k}: {saved.get(k)} -> {v}" for k, v in self.config.to_dict().items()
-                   if k in saved and saved[k] != v and k != "resume"]
-        if changed:
-            keeps_seed = "; data order and random state continue the checkpoint's" if self.config.seed != \
-                saved.get("seed", self.config.seed) else ""
-            self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
-
-    def _load_state(self, path: str, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
+        """Load a checkpoint into the live model, optimizer, scheduler, scaler, progress and RNG."""
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         except (RuntimeError, ValueError, KeyError) as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this --model/--optimizer: "
+            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
                                              f"{lines[min(1, len(lines) - 1)][:300]}") from None
         if self.scaler.is_enabled() and not state["scaler"]:
             self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
         else:
             self.scaler.load_state_dict(state["scaler"])
+        same_monitor = state["monitor"] is None or self.monitor in (None, state["monitor"])
+        self.monitor = self.monitor or state["monitor"]
         self.progress = Progress(state["epoch"], state["global_step"], state["samples_in_epoch"],
-                                 state["best_val_acc"])
+                                 state["best_value"] if same_monitor else None)
         self.metrics = dict(state.get("metrics", {}))
         self.sampler.seed = state.get("sampler_seed", self.sampler.seed)  # the epoch's order must not change
         if state["world_size"] == self.runtime.world_size:
             rng.set_rng_state(state["rng"][self.runtime.rank], self.device)
         else:
-            self.report.line(f"resuming {state['world_size']} ranks' checkpoint with {self.runtime.world_size}: "
-                             f"model and optimizer continue and the data position is kept by global sample count, "
-                             f"but results are not bit-identical to an uninterrupted run")
+            self._continue_on_another_world_size(state["world_size"])
 
-    # ------------------------------------------------------------------ signals and lost ranks
-    @contextlib.contextmanager
-    def _signals_handled(self) -> Iterator[None]:
-        """During fit: SIGTERM/SIGINT become a clean stop at the next sync point, and a collective that
-        fails because another rank died or hung becomes one line on every survivor (PeerLost, exit 1)."""
-        previous = {}
-        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-            self.stop.install()
-        try:
-            yield
-        except RuntimeError as error:
-            if self.runtime.world_size == 1 or not preemption.is_peer_failure(error):
-                raise
-            rt = self.runtime
-            line = preemption.lost_contact_line(rt.rank, rt.world_size, error, min(self.config.dist_timeout, 10.0))
-            if line is None:  # every rank is alive: not a lost peer
-                raise
-            # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
-            print(line, file=sys.stderr, flush=True)
-            raise preemption.PeerLost(line) from None
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+    def _continue_on_another_world_size(self, saved_world_size: int) -> None:
+        """The data position is kept in global samples; the built-in schedule moves to the same point of
+        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
+        if self.builtin_schedule:
+            step = self.progress.epoch * self.steps_per_epoch + self._steps_done_in_epoch()
+            move_schedule_to(self.scheduler, step, self.lr)
+            schedule = "the LR schedule continues at the same point in samples"
+        elif self.scheduler_interval == "step":
+            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
+        else:
+            schedule = "your per-epoch scheduler continues"
+        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
+                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
+                         f"but results are not bit-identical to an uninterrupted run")
 
     def _stop_for_signal(self) -> dict[str, Any]:
         path = self.save_checkpoint("last.pt")
         self.report.line(f"stopped by {self.stop.signal_name or 'a signal on another rank'} at step "
                          f"{self.progress.global_step}; checkpoint {path} written. Continue with the same "
                          f"command plus --resume auto")
-        self.report.close()
         return self._summary(stopped=True)
 
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close the writer and, if this trainer set up the process group, destroy it (after the DDP
+        wrapper that holds it is gone)."""
+        self.report.close()
+        if self.owns_process_group:
+            self.wrapped = self.model
+            gc.collect()
+            teardown()
+            self.owns_process_group = False
 
-def _model_name(saved_config: dict[str, Any]) -> Optional[str]:
-    """The model a checkpoint's config built (its --model, or the default of its --mode)."""
-    try:
-        return TrainConfig.from_dict(saved_config).model_name
-    except UsageError:  # a config this version cannot parse: compare what was written
-        return saved_config.get("model")
+    def __enter__(self) -> "MultiGPUTrainer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -29,7 +29,7 @@ def make_data(size: int):
     import torch
     from torch.utils.data import TensorDataset
 
-    from data import SyntheticImages
+    from multigpu.data import SyntheticImages
 
     source = SyntheticImages(size, (1, 28, 28), 10, seed=0)
     return TensorDataset(torch.stack([source[i][0] for i in range(size)]),
@@ -39,7 +39,7 @@ def make_data(size: int):
 def make_model():
     import torch
 
-    from models import build_model
+    from multigpu.models import build_model
 
     torch.manual_seed(0)
     return build_model("cnn", (1, 28, 28), 10)

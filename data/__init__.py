@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from data.sampler import ResumableDistributedSampler, ShardedBatchSampler
-from data.synthetic import SyntheticImages
+from .sampler import ResumableDistributedSampler, ShardedBatchSampler
+from .synthetic import SyntheticImages
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
@@ -122,14 +122,16 @@ def default_num_workers(device: torch.device) -> int:
 
 def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[int], seed: int = 0, *,
                  sampler: Optional[Sampler] = None, batch_size: Optional[int] = None,
-                 batch_sampler: Optional[Sampler] = None) -> DataLoader:
+                 batch_sampler: Optional[Sampler] = None, collate_fn: Optional[Callable] = None) -> DataLoader:
     """A DataLoader with the settings that matter for speed on GPUs.
 
     Pinned memory lets the trainer's non_blocking copies overlap with compute;
-    persistent workers are not restarted every epoch. The generator makes the
+    persistent workers are not restarted every epoch. `collate_fn` is the user's
+    (None: torch's default, which stacks tensors inside any tuple/dict nesting). The generator makes the
     workers' base seeds a function of `seed`, so augmentation repeats on a rerun.
     """
     workers = default_num_workers(device) if num_workers is None else num_workers
     return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
                       batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
+                      persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
+                      collate_fn=collate_fn)

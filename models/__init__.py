@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch.nn as nn
 
-from models.cnn import SmallCNN
-from models.mlp import MLP
-from models.resnet import resnet
+from .cnn import SmallCNN
+from .mlp import MLP
+from .resnet import resnet
 
 MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": lambda shape, classes: MLP(shape, classes),

@@ -3,10 +3,29 @@
 - config:       TrainConfig, the one typed description of a run (CLI, checkpoint, hparams)
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
-- optim:        optimizer and LR schedule
+- amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
+- batches:      moving any nesting of tensors to the device; how a batch becomes outputs and a loss
+- optim:        optimizer and LR schedule (built-in, or the user's own)
 - lr_scaling:   the LR scaling rule (torch-free, so the launcher can ask it)
+- metrics:      evaluation metrics reduced exactly across ranks (sums and counts)
+- evaluation:   exact distributed evaluation: every sample once, any world size
+- meters:       per-interval loss/throughput, the one host sync of a logging interval
+- checkpoint:   checkpoint files: atomic saves, safe loads, finding the newest good one
+- checkpointer: the trainer's resume and save protocol (what goes in, what must match)
 - rng:          seeding, and RNG state as plain types for checkpoints
-- checkpoint:   atomic rank-0 saves, safe loads, finding the newest good checkpoint
 - reporting:    rank-0 console, progress bar and TensorBoard
-- preemption:   SIGTERM/SIGINT handling, naming a lost rank, torchrun restarts, the test-only fault injector
+- preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts
+- faults:       the test-only fault injector
+- data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """
+
+import os as _os
+
+# data/ and models/ sit at the top of the checkout, where the layout shows the architecture, yet they
+# belong to this package: installed, pyproject maps them to multigpu.data and multigpu.models; run from
+# a checkout, this line finds them beside multigpu/. So nothing named plain `data` or `models` is ever
+# imported, and a user's own data.py or models.py cannot shadow the framework's.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "data")) \
+        and _os.path.isfile(_os.path.join(_checkout, "data", "__init__.py")):
+    __path__.append(_checkout)  # type: ignore[name-defined]  # noqa: F821

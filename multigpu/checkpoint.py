@@ -19,7 +19,8 @@ import torch
 
 from multigpu.errors import UsageError
 
-FORMAT_VERSION = 1
+# 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
+FORMAT_VERSION = 2
 TMP_SUFFIX = ".tmp"  # unfinished saves: never loaded, removed at the next start
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
 
@@ -115,6 +116,16 @@ def load(path: str) -> dict[str, Any]:
     if state["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state['format_version']}, newer than this code "
                               f"({FORMAT_VERSION}): update the code")
+    return _upgrade(state)
+
+
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 checkpoint in today's terms: it trained a built-in optimizer and schedule, best by val_acc."""
+    if state["format_version"] == 1:
+        best = state.pop("best_val_acc", -1.0)
+        state.update(format_version=2, monitor="val_acc", best_value=None if best < 0 else best,
+                     optimizer_class={"sgd": "SGD"}.get(state["config"].get("optimizer"), "AdamW"),
+                     scheduler_class="LambdaLR", scheduler_interval="step")
     return state
 
 

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence
 from multigpu.errors import UsageError
 
 
-def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, group: str) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
 
 
 @dataclass
@@ -28,52 +28,69 @@ class TrainConfig:
     # --- devices -------------------------------------------------------
     multi_gpu: str = _opt("auto", "ddp: one process per device under torchrun; dp: nn.DataParallel in one process; "
                           "none: one device; auto: ddp under torchrun, else dp with several GPUs, else none",
-                          ["auto", "ddp", "dp", "none"])
-    gpu_ids: Optional[str] = _opt(None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)")
-    dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails")
+                          ["auto", "ddp", "dp", "none"], group="devices")
+    gpu_ids: Optional[str] = _opt(None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)",
+                                  group="devices")
+    dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails",
+                               group="devices")
     # --- data ----------------------------------------------------------
     dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                                  "imagefolder", "fake"])
-    data_dir: str = _opt("datasets", "where torchvision data sets live (imagefolder: a folder with train/ and val/)")
-    download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir")
-    train_size: int = _opt(8192, "samples in the synthetic/fake training set")
-    val_size: int = _opt(1000, "samples in the synthetic/fake validation set")
-    image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder)")
-    num_classes: int = _opt(10, "classes of the synthetic/fake data sets")
-    num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)")
+                                                  "imagefolder", "fake"], group="data")
+    data_dir: str = _opt("datasets", "where torchvision data sets live (imagefolder: a folder with train/ and val/)",
+                         group="data")
+    download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir", group="data")
+    train_size: int = _opt(8192, "samples in the synthetic/fake training set", group="data")
+    val_size: int = _opt(1000, "samples in the synthetic/fake validation set", group="data")
+    image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder)",
+                            group="data")
+    num_classes: int = _opt(10, "classes of the synthetic/fake data sets", group="data")
+    num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
+                                      group="data")
+    eval_batch_size: Optional[int] = _opt(None, "samples per device per evaluation batch (default: --batch-size)",
+                                          group="data")
     # --- model ---------------------------------------------------------
-    mode: str = _opt("image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"])
+    mode: str = _opt("image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"],
+                     group="model")
     model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten)",
-                                ["mlp", "cnn", "resnet18", "resnet50"])
-    sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)")
+                                ["mlp", "cnn", "resnet18", "resnet50"], group="model")
+    sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model")
     # --- optimisation ----------------------------------------------------
-    epochs: int = _opt(3, "training epochs")
+    epochs: int = _opt(3, "training epochs", group="optimisation")
     batch_size: int = _opt(64, "samples per GPU/process per micro-batch (effective batch = "
-                           "batch_size x devices x grad_accum_steps)")
-    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step")
-    optimizer: str = _opt("adamw", "optimizer", ["sgd", "adamw"])
-    lr: float = _opt(1e-3, "learning rate, used as given unless --lr-scaling says otherwise")
+                           "batch_size x devices x grad_accum_steps)", group="optimisation")
+    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step", group="optimisation")
+    optimizer: str = _opt("adamw", "optimizer", ["sgd", "adamw"], group="optimisation")
+    lr: float = _opt(1e-3, "learning rate, used as given unless --lr-scaling says otherwise", group="optimisation")
     lr_scaling: str = _opt("none", "scale --lr from --lr-base-batch to the effective batch",
-                           ["none", "linear", "sqrt"])
-    lr_base_batch: int = _opt(32, "the batch size --lr was tuned for")
+                           ["none", "linear", "sqrt"], group="optimisation")
+    lr_base_batch: int = _opt(32, "the batch size --lr was tuned for", group="optimisation")
     lr_schedule: str = _opt("cosine", "schedule after warm-up, stepped per optimizer step",
-                            ["cosine", "step", "constant"])
-    warmup_epochs: float = _opt(0.0, "linear LR warm-up length in epochs (may be fractional)")
-    lr_step_epochs: float = _opt(30.0, "--lr-schedule step: epochs between LR decays")
-    lr_gamma: float = _opt(0.1, "--lr-schedule step: factor applied at each decay")
-    weight_decay: float = _opt(0.01, "weight decay")
-    momentum: float = _opt(0.9, "SGD momentum")
-    clip_grad_norm: float = _opt(0.0, "clip the global gradient norm to this value after unscaling (0: off)")
-    amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast", ["off", "fp16", "bf16"])
-    seed: int = _opt(0, "seed of model init, data order and augmentation")
+                            ["cosine", "step", "constant"], group="optimisation")
+    warmup_epochs: float = _opt(0.0, "linear LR warm-up length in epochs (may be fractional)", group="optimisation")
+    lr_step_epochs: float = _opt(30.0, "--lr-schedule step: epochs between LR decays", group="optimisation")
+    lr_gamma: float = _opt(0.1, "--lr-schedule step: factor applied at each decay", group="optimisation")
+    weight_decay: float = _opt(0.01, "weight decay", group="optimisation")
+    momentum: float = _opt(0.9, "SGD momentum", group="optimisation")
+    clip_grad_norm: float = _opt(0.0, "clip the global gradient norm to this value after unscaling (0: off)",
+                                 group="optimisation")
+    amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast", ["off", "fp16", "bf16"],
+                    group="optimisation")
+    seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
     # --- output --------------------------------------------------------
-    save_dir: str = _opt("checkpoints", "where last.pt, best.pt and step checkpoints are written")
-    log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)")
-    log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)")
-    progress: bool = _opt(True, "show the rank-0 progress bar")
-    resume: Optional[str] = _opt(None, "checkpoint to continue from, or 'auto' for the newest good one in --save-dir")
-    save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)")
-    keep_last: int = _opt(3, "step checkpoints to keep")
+    save_dir: str = _opt("checkpoints", "where last.pt, best.pt and step checkpoints are written", group="output")
+    log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
+    log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output")
+    progress: bool = _opt(True, "show the rank-0 progress bar", group="output")
+    resume: Optional[str] = _opt(None, "checkpoint to continue from, or 'auto' for the newest good one in --save-dir",
+                                 group="output")
+    save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",
+                                 group="output")
+    keep_last: int = _opt(3, "step checkpoints to keep", group="output")
+    monitor: Optional[str] = _opt(None, "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
+                                  "(default: val_acc when accuracy is computed, else val_loss)", group="output")
+    monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
+                             "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
+                             group="output")
 
     def __post_init__(self) -> None:
         positive = ["epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
@@ -89,10 +106,15 @@ class TrainConfig:
                 raise UsageError(f"--{flag(name)} must not be negative, got {getattr(self, name)}")
         if self.keep_last < 1:
             raise UsageError(f"--keep-last must be at least 1, got {self.keep_last}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise UsageError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
+        if self.monitor is not None and not self.monitor.startswith("val_"):
+            raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
         if self.num_workers is not None and self.num_workers < 0:
             raise UsageError(f"--num-workers must not be negative, got {self.num_workers}")
         self.image_dims()  # validates --image-shape
-        for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp"]:
+        for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
+                     "monitor_mode"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
@@ -143,18 +165,32 @@ class _OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+GROUPS = ("devices", "data", "model", "optimisation", "output")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default once: not where its help already says it, nor for an empty default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.option_strings == ["-h", "--help"]:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    """An ArgumentParser whose flags are exactly TrainConfig's fields."""
-    parser = _OneLineParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """An ArgumentParser whose flags are exactly TrainConfig's fields, grouped as in --help."""
+    parser = _OneLineParser(description=description, formatter_class=_HelpFormatter)
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for f in dataclasses.fields(TrainConfig):
-        option = f"--{flag(f.name)}"
+        group, option = groups[f.metadata["group"]], f"--{flag(f.name)}"
         if f.type in ("bool", bool):
-            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
+            group.add_argument(option, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-        parser.add_argument(option, type=kind, default=f.default, choices=f.metadata["choices"],
-                            help=f.metadata["help"])
+        group.add_argument(option, type=kind, default=f.default, choices=f.metadata["choices"],
+                           help=f.metadata["help"])
     # Old launchers (torch.distributed.launch) pass --local-rank/--local_rank; ranks come from the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -168,7 +204,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
 
 
 def to_argv(config: TrainConfig) -> list[str]:
-    """The flags that reproduce `config` (only those that differ from the defaults)."""
+    """The flags that reproduce `config` (only those that differ from the defaults, group="output")."""
     argv: list[str] = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(config, f.name)

@@ -1,4 +1,4 @@
-"""Stopping cleanly on SIGTERM/SIGINT, naming a rank that was lost, and the test-only fault injector.
+"""Stopping cleanly on SIGTERM/SIGINT, and naming a rank that was lost.
 
 A signal only sets a flag; the trainer checks it at its sync points, where
 the ranks agree on it with one all-reduce, so every rank stops after the same
@@ -7,16 +7,19 @@ step and rank 0 can write a checkpoint that all of them reached.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from multigpu.errors import TrainingStopped, UsageError
+from multigpu.errors import TrainingStopped
 
 
 class StopRequest:
@@ -125,43 +128,25 @@ def error_detail(error: BaseException) -> str:
     return detail.split("] ", 1)[-1].split(". ")[0][:200]
 
 
-# ---------------------------------------------------------------- test-only fault injection
-FAULT_ENV = "MULTIGPU_FAULT_INJECT"
-
-
-def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
-    """(step, where) for this rank from MULTIGPU_FAULT_INJECT='rank:step[:save]', first attempt only."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or restart_count() > 0:
-        return None
-    parts = spec.split(":")
+@contextlib.contextmanager
+def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: float) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` (checked at the trainer's sync points), and a collective that fails
+    because another rank died or hung becomes one line on every survivor (PeerLost, exit 1)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        stop.install()
     try:
-        fault_rank, step = int(parts[0]), int(parts[1])
-    except (ValueError, IndexError):
-        parts = []
-    where = parts[2] if len(parts) == 3 else "step"
-    if len(parts) not in (2, 3) or where not in ("step", "save"):
-        raise UsageError(f"{FAULT_ENV} must be RANK:STEP or RANK:STEP:save, got {spec!r}")
-    return (step, where) if fault_rank == rank else None
-
-
-def fault_step(rank: int) -> Optional[int]:
-    """Test-only: the step after which this rank SIGKILLs itself, from MULTIGPU_FAULT_INJECT='rank:step'.
-
-    Only on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restarted
-    group runs through and the test can check that it resumed correctly.
-    """
-    fault = _fault_spec(rank)
-    return fault[0] if fault and fault[1] == "step" else None
-
-
-def save_fault_step(rank: int) -> Optional[int]:
-    """Test-only: the step whose checkpoint save this rank is SIGKILLed in, after the temporary
-    file is written and before it is renamed (MULTIGPU_FAULT_INJECT='0:step:save'; only rank 0 writes)."""
-    fault = _fault_spec(rank)
-    return fault[0] if fault and fault[1] == "save" else None
-
-
-def kill_self() -> None:
-    """Die by SIGKILL, as a preempted or OOM-killed process does: no handler, no clean-up."""
-    os.kill(os.getpid(), signal.SIGKILL)
+        yield
+    except RuntimeError as error:
+        if world_size == 1 or not is_peer_failure(error):
+            raise
+        line = lost_contact_line(rank, world_size, error, wait_seconds)
+        if line is None:  # every rank is alive: not a lost peer
+            raise
+        # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
+        print(line, file=sys.stderr, flush=True)
+        raise PeerLost(line) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -12,9 +12,9 @@ if [ -z "$python_bin" ]; then
 fi
 [ -n "$python_bin" ] || { echo "error: no python3 found; install Python 3.11" >&2; exit 2; }
 
-# The stamp records which requirements.txt the environment was built from.
+# The stamp records which requirements.txt and pyproject.toml the environment was built from.
 stamp=.venv/.requirements.sha256
-wanted=$(sha256sum requirements.txt | cut -d' ' -f1)
+wanted=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
     exit 0
 fi
@@ -25,6 +25,13 @@ if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requ
         > .venv/pip-install.log 2>&1; then
     cat .venv/pip-install.log >&2
     echo "error: installing requirements.txt failed (log above, also in .venv/pip-install.log)" >&2
+    exit 1
+fi
+# The framework itself, editable: `from train_multi_gpu import ...` and `multigpu-train` work from any folder.
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
+        >> .venv/pip-install.log 2>&1; then
+    tail -20 .venv/pip-install.log >&2
+    echo "error: installing this checkout into .venv failed (log in .venv/pip-install.log)" >&2
     exit 1
 fi
 echo "$wanted" > "$stamp"

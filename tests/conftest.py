@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import traceback
@@ -36,16 +37,18 @@ TINY = ["--train-size", "512", "--val-size", "100", "--batch-size", "32", "--no-
         "--dist-timeout", str(DIST_TIMEOUT)]
 
 
-def cli_command(args: Sequence[str], nproc: Optional[int] = None, torchrun_args: Sequence[str] = ()) -> list[str]:
-    """`python main_multi_gpu.py ARGS`, or the same under torchrun with `nproc` processes."""
+def cli_command(args: Sequence[str], nproc: Optional[int] = None, torchrun_args: Sequence[str] = (),
+                script: Path = REPO / "main_multi_gpu.py") -> list[str]:
+    """`python main_multi_gpu.py ARGS` (or another script), or the same under torchrun with `nproc` processes."""
     if nproc is None:
-        return [PYTHON, str(REPO / "main_multi_gpu.py"), *args]
+        return [PYTHON, str(script), *args]
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-            str(REPO / "main_multi_gpu.py"), *args]
+            str(script), *args]
 
 
 def cli_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # PYTHONPATH: scripts outside the checkout's root (examples/) import the framework from this checkout.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(extra or {})
     return env
@@ -53,10 +56,17 @@ def cli_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def run_cli(args: Sequence[str], nproc: Optional[int] = None, env: Optional[dict[str, str]] = None,
             timeout: float = RUN_TIMEOUT, torchrun_args: Sequence[str] = (),
-            cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run the real CLI to completion and return its result (stdout/stderr as text)."""
-    return subprocess.run(cli_command(args, nproc, torchrun_args), cwd=cwd, env=cli_env(env), timeout=timeout,
-                          capture_output=True, text=True)
+            cwd: Path = REPO, script: Path = REPO / "main_multi_gpu.py") -> subprocess.CompletedProcess:
+    """Run the real CLI (or another script) to completion and return its result (stdout/stderr as text)."""
+    return subprocess.run(cli_command(args, nproc, torchrun_args, script), cwd=cwd, env=cli_env(env),
+                          timeout=timeout, capture_output=True, text=True)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it), for a rendezvous without torchrun."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
@@ -80,10 +90,11 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue: Any, args: tuple) -> None:
+def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue: Any, args: tuple,
+                join_group: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
-        if world_size > 1:
+        if world_size > 1 and join_group:
             dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=DIST_TIMEOUT))
         # Plain pickle copies tensors into the message; torch's default would pass shared-memory
@@ -96,8 +107,11 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_group: bool = True) -> list[Any]:
     """Run fn(rank, world_size, *args) in `world_size` real processes joined in a gloo group.
+
+    With join_group=False the processes get torchrun's variables (RANK, WORLD_SIZE, ...,
+    MASTER_ADDR/PORT of a free port) but no group: the code under test sets it up itself.
 
     Returns the ranks' results in rank order. `fn` must be a module-level function
     (processes are spawned); its result must be picklable. A file store avoids
@@ -107,8 +121,11 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list
 
     context = mp.get_context("spawn")
     queue = context.Queue()
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"
-    processes = [context.Process(target=_rank_entry, args=(rank, fn, world_size, str(store), queue, args))
+    if not join_group:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # inherited by the spawned ranks
+    processes = [context.Process(target=_rank_entry, args=(rank, fn, world_size, str(store), queue, args, join_group))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -164,13 +181,19 @@ def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig
     return TrainConfig(**values)
 
 
-def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> None:
-    """Switch a built trainer to fp16 autocast with a GradScaler, on the CPU.
+def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.dtype]:
+    """Switch a built trainer to float16 autocast with a GradScaler, on the CPU; return the list the
+    model's forward passes record their output dtypes in (a test asserts float16 is there).
 
     --amp fp16 is CUDA-only (the CPU falls back to bf16), but CPU autocast runs
     float16 and torch.amp.GradScaler("cpu") is the class the trainer builds on
     CUDA, so the trainer's own scale/unscale/clip/step/update path runs here.
     The default scale is low enough that the tiny test models never overflow.
     """
-    trainer.amp_dtype = torch.float16
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    from multigpu.amp import Amp
+
+    trainer.amp = Amp(torch.float16, "cpu", init_scale=init_scale)
+    trainer.evaluator.amp = trainer.amp
+    dtypes: list[torch.dtype] = []
+    trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    return dtypes

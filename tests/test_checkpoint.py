@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, tiny_model
-from data import build_datasets
-from models import build_model
-from multigpu import checkpoint, preemption, rng
+from multigpu.data import build_datasets
+from multigpu.models import build_model
+from multigpu import checkpoint, faults, rng
 from multigpu.errors import UsageError
 from train_multi_gpu import MultiGPUTrainer
 
@@ -90,7 +90,7 @@ def test_save_killed_between_writing_and_renaming_leaves_the_old_checkpoint(tmp_
     before = target.read_bytes()
     child = os.fork()
     if child == 0:  # the child dies by SIGKILL after the new file is complete, before the rename
-        checkpoint.atomic_save(plain_state(2), str(target), before_rename=preemption.kill_self)
+        checkpoint.atomic_save(plain_state(2), str(target), before_rename=faults.kill_self)
         os._exit(0)  # not reached
     _, status = os.waitpid(child, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
@@ -130,7 +130,8 @@ def test_resume_auto_in_a_trainer_uses_the_previous_good_checkpoint(tmp_path, ca
     for age, kind in enumerate(BROKEN_KINDS):
         write_broken(tmp_path / "ckpt" / f"step-00000001{age}.pt", kind, tmp_path / "code-ran")
     resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"))
-    assert resumed.progress.global_step == 8 and resumed.progress.epoch == 1
+    assert resumed.progress.global_step == 0  # resuming is fit()'s first step, not the constructor's
+    assert resumed.fit()["global_step"] == 16  # continued at step 8, so one more epoch of 8 steps
     out = capsys.readouterr().out
     assert out.count("refused") == 3 and f"resumed from {tmp_path / 'ckpt' / 'last.pt'}" in out
     assert not (tmp_path / "code-ran").exists()
@@ -160,3 +161,17 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_pat
         f"the previous checkpoint is kept: {save_dir / 'last.pt'}"]
     assert (save_dir / "last.pt").read_bytes() == before
     assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == ["last.pt"]  # no temporary file left
+
+
+def test_a_checkpoint_written_before_format_2_still_resumes(tmp_path):
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(20, 1), config_for(tmp_path, 1, epochs=1)).fit()
+    path = tmp_path / "ckpt" / "last.pt"
+    state = checkpoint.load(str(path))
+    new_keys = ("optimizer_class", "scheduler_class", "scheduler_interval", "monitor", "best_value", "steps_per_epoch")
+    old = {key: value for key, value in state.items() if key not in new_keys}
+    torch.save({**old, "format_version": 1, "best_val_acc": state["best_value"]}, path)  # as the old trainer wrote it
+    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(20, 1), config_for(tmp_path, 1, epochs=2,
+                                                                                     resume="auto"))
+    assert resumed.resume()
+    assert (resumed.monitor, resumed.progress.best_value) == ("val_acc", state["best_value"])
+    assert resumed.fit()["global_step"] == 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA
-from data import SyntheticImages, build_datasets
+from multigpu.data import SyntheticImages, build_datasets
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 

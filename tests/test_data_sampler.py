@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from conftest import blobs, config_for, run_ranks
-from data.sampler import ResumableDistributedSampler, epoch_order
+from multigpu.data.sampler import ResumableDistributedSampler, epoch_order
 from train_multi_gpu import MultiGPUTrainer
 
 WORLD, SIZE, BATCH, EPOCHS = 2, 64, 8, 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import MODELS, build_model
+from multigpu.models import MODELS, build_model
 from multigpu.errors import UsageError
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model, use_fp16_on_cpu
-from data.sampler import epoch_order
+from multigpu.data.sampler import epoch_order
 from multigpu import checkpoint
 from multigpu.errors import TrainingStopped
 from train_multi_gpu import MultiGPUTrainer
@@ -79,7 +79,7 @@ def train_until_stopped(tmp_path: Path, world_size: int, rank: int, data: Poison
 def train_fp16_with_scaler(tmp_path: Path, world_size: int, data: PoisonedSample) -> dict[str, Any]:
     """The same training with fp16 autocast and a GradScaler: the step with the bad sample is skipped."""
     trainer = trainer_on(data, tmp_path, world_size)
-    use_fp16_on_cpu(trainer)  # scale 1024
+    forward_dtypes = use_fp16_on_cpu(trainer)  # scale 1024
     taken = []
     trainer.optimizer.register_step_pre_hook(lambda *args: taken.append(1))
     printed = io.StringIO()
@@ -90,6 +90,7 @@ def train_fp16_with_scaler(tmp_path: Path, world_size: int, data: PoisonedSample
             "scale": trainer.scaler.get_scale(),
             "logged_skips": sum(value for _, value in logged.get("train/skipped_steps", [])),
             "finite": all(t.isfinite().all() for t in trainer.model.state_dict().values()),
+            "float16_forwards": forward_dtypes.count(torch.float16) == len(forward_dtypes) > 0,
             "lines": [line for line in printed.getvalue().splitlines() if "loss scaler skipped" in line]}
 
 
@@ -134,7 +135,7 @@ def test_inf_loss_stops_a_single_process_before_any_checkpoint(tmp_path):
 def test_fp16_scaler_skips_the_bad_step_counts_it_once_and_keeps_training(ranks):
     for result in ranks:
         fp16 = result["fp16"]
-        assert fp16["finite"]
+        assert fp16["finite"] and fp16["float16_forwards"]
         assert fp16["steps"] == 16 and fp16["optimizer_steps"] == 15  # one step skipped on every rank
         assert fp16["scale"] == 2.0 ** 9  # backed off once
     assert ranks[0]["fp16"]["logged_skips"] == 1  # one skip, not one per rank

@@ -17,6 +17,7 @@ import torch
 
 from conftest import blobs, config_for, read_scalars, tiny_model, use_fp16_on_cpu
 from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
 from multigpu.lr_scaling import scaled_lr
 from multigpu.optim import lr_factor
 from train_multi_gpu import MultiGPUTrainer
@@ -76,10 +77,64 @@ def test_lr_is_scaled_by_the_effective_batch_of_devices_times_accumulation(tmp_p
 def test_fp16_gradients_are_clipped_after_unscaling(tmp_path):
     """Clipping the scaled gradients would leave them 1024x too small after unscaling (PITFALLS 5)."""
     trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, clip_grad_norm=0.05))
-    use_fp16_on_cpu(trainer)  # scale 1024
+    forward_dtypes = use_fp16_on_cpu(trainer)  # scale 1024
     norms: list[float] = []
     trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: norms.append(
         torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()])).item()))
     trainer.fit()
     assert len(norms) == trainer.progress.global_step == 16  # no step skipped
     assert norms == pytest.approx([0.05] * 16, rel=1e-4)  # every step clipped to the norm asked for
+    assert set(forward_dtypes) == {torch.float16}  # the forward really ran in float16
+
+
+# ---------------------------------------------------------------- the user's own optimizer and schedule
+def test_a_users_optimizer_is_used_and_lr_scaling_applies_to_it(tmp_path, capsys):
+    model = tiny_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    config = config_for(tmp_path, 1, batch_size=8, grad_accum_steps=2, lr_scaling="linear", lr_base_batch=8)
+    trainer = MultiGPUTrainer(model, blobs(64, 0), None, config, optimizer=sgd)
+    assert trainer.optimizer is sgd and sgd.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.05 x 16/8
+    built = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1),
+                            optimizer=lambda params: torch.optim.Adagrad(params, lr=0.02))
+    assert isinstance(built.optimizer, torch.optim.Adagrad) and built.lr == 0.02
+    built.fit()
+    assert "optimizer Adagrad, lr 0.02 (the optimizer's own)" in capsys.readouterr().out
+
+
+def test_an_epoch_scheduler_steps_once_per_epoch_and_tensorboard_shows_its_lr(tmp_path):
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, log_every=4),
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                              scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5),
+                              scheduler_interval="epoch")
+    applied: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs:
+                                             applied.append(optimizer.param_groups[0]["lr"]))
+    trainer.fit()
+    assert applied == [0.1] * 8 + [0.05] * 8 + [0.025] * 8  # 8 steps per epoch
+    logged = read_scalars(Path(trainer.config.tensorboard_dir))["train/lr"]
+    assert [(step, round(value, 6)) for step, value in logged] == [(4, 0.1), (8, 0.1), (12, 0.05), (16, 0.05),
+                                                                   (20, 0.025), (24, 0.025)]
+
+
+def test_a_scheduler_built_before_lr_scaling_is_refused(tmp_path):
+    model = tiny_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="--lr-scaling linear cannot rescale a scheduler that is already built"):
+        MultiGPUTrainer(model, blobs(64, 0), None, config_for(tmp_path, 1, lr_scaling="linear"), optimizer=sgd,
+                        scheduler=torch.optim.lr_scheduler.StepLR(sgd, 1))
+
+
+def test_replacing_the_optimizer_after_construction_is_refused_not_silently_ignored(tmp_path):
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1))
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="trainer.optimizer was replaced after construction"):
+        trainer.fit()
+
+
+def test_resuming_with_another_optimizer_class_is_refused_naming_both(tmp_path):
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1),
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1)).fit()
+    other = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"),
+                            optimizer=lambda params: torch.optim.Adam(params, lr=0.1))
+    with pytest.raises(UsageError, match=r"optimizer Adam contradicts checkpoint .*last.pt \(saved with SGD\)"):
+        other.fit()

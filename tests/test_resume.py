@@ -8,10 +8,11 @@ phase of a save, without sleeps or timing guesses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import signal
-import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -20,12 +21,14 @@ from typing import Optional
 import pytest
 import torch
 
-from conftest import REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, run_cli
-from data import build_datasets
-from models import build_model
+from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port, run_cli,
+                      run_ranks, tiny_model)
+from multigpu.data import build_datasets
+from multigpu.models import build_model
 from multigpu import checkpoint
 from multigpu.config import TrainConfig
-from multigpu.preemption import FAULT_ENV, StopRequest
+from multigpu.faults import FAULT_ENV
+from multigpu.preemption import StopRequest
 from train_multi_gpu import MultiGPUTrainer
 
 # 8 steps per epoch with 2 processes; step checkpoints at 5, 10, 15, 20 (2 kept); last.pt at 8, 16, 24.
@@ -89,7 +92,8 @@ def test_reference_checkpoint_is_complete_and_loads_weights_only(reference):
     assert set(state["rng"][0]) == {"torch", "cuda", "python", "numpy"}
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # per rank: seed + rank
     assert state["config"]["model"] == "mlp" and state["torch_version"] == str(torch.__version__)
-    assert state["best_val_acc"] > 0.5 and state["scaler"] == {}
+    assert state["monitor"] == "val_acc" and state["best_value"] > 0.5 and state["scaler"] == {}
+    assert (state["optimizer_class"], state["scheduler_class"], state["format_version"]) == ("AdamW", "LambdaLR", 2)
 
 
 def start_cli(save_dir: Path, *extra: str) -> subprocess.Popen:
@@ -201,13 +205,15 @@ def resume_in_process(reference: Path, tmp_path: Path, **changes) -> MultiGPUTra
               "resume": str(reference / "last.pt"), **changes}
     config = TrainConfig(**values)
     data = build_datasets(config)
-    return MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+    trainer = MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+    trainer.resume()
+    return trainer
 
 
 @pytest.mark.parametrize("change, refusal", [
     ({"model": "cnn"}, "--model cnn contradicts checkpoint"),
     ({"train_size": 256}, "a training set of 256 contradicts checkpoint"),
-    ({"optimizer": "sgd"}, "--optimizer sgd contradicts checkpoint"),
+    ({"optimizer": "sgd"}, "optimizer SGD contradicts checkpoint"),
 ])
 def test_resume_refuses_another_model_or_data_set_in_one_line(reference, tmp_path, change, refusal):
     with pytest.raises(checkpoint.CheckpointError) as refused:
@@ -220,13 +226,6 @@ def test_resume_allows_and_logs_changed_epochs_lr_and_log_dir(reference, tmp_pat
     assert trainer.progress.global_step == FINAL_STEP
     changed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming with"))
     assert "epochs: 3 -> 4" in changed and "lr: 0.001 -> 0.002" in changed and "log_dir: None ->" in changed
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it), for a rendezvous without torchrun."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(tmp_path):
@@ -288,3 +287,45 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
     _, status = os.waitpid(child, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGINT
     assert capfd.readouterr().err == "second SIGINT: exiting now without a checkpoint\n"
+
+
+# ---------------------------------------------------------------- resume on another number of processes
+def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[int], resume: bool) -> dict:
+    """2 epochs of 160 samples, batch 8 per rank, warm-up then cosine: (global-sample position, LR) of every
+    optimizer step. `stop_after` steps it stops cleanly (the SIGTERM path, so last.pt is written)."""
+    config = config_for(tmp_path, world_size, optimizer="sgd", lr=0.1, warmup_epochs=0.5, epochs=2, log_every=1,
+                        resume="auto" if resume else None)
+    trainer = MultiGPUTrainer(tiny_model(), blobs(160, 0), None, config)
+    trace: list[tuple[int, float]] = []
+
+    def record(optimizer, args, kwargs) -> None:
+        trace.append((trainer.progress.epoch * 160 + trainer.progress.samples_in_epoch,
+                      optimizer.param_groups[0]["lr"]))
+        if len(trace) == stop_after:
+            trainer.stop.signal_name = "SIGTERM"
+
+    trainer.optimizer.register_step_pre_hook(record)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit()
+    plan = [line for line in printed.getvalue().splitlines() if " steps/epoch, " in line]
+    return {"trace": trace, "final_lr": trainer.optimizer.param_groups[0]["lr"], "plan": plan,
+            "global_step": trainer.progress.global_step}
+
+
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
+def test_resume_on_another_world_size_continues_the_lr_schedule_at_the_same_sample(tmp_path, before, after):
+    reference = run_ranks(_lr_trace, after, tmp_path / "reference", tmp_path / "reference", None, False)[0]
+    stop_after = 48 // (8 * before)  # 48 samples in: a step boundary of both world sizes
+    first = run_ranks(_lr_trace, before, tmp_path / "resumed", tmp_path / "resumed", stop_after, False)[0]
+    resumed = run_ranks(_lr_trace, after, tmp_path / "resumed", tmp_path / "resumed", None, True)[0]
+    assert first["global_step"] == stop_after
+    positions = [position for position, _ in resumed["trace"]]
+    assert positions[0] == 48 and positions[-1] == reference["trace"][-1][0]  # the rest of the samples, once
+    expected = dict(reference["trace"])
+    for position, lr in resumed["trace"]:
+        assert lr == pytest.approx(expected[position], abs=1e-6), position
+    assert abs(resumed["final_lr"]) < 1e-9 and abs(reference["final_lr"]) < 1e-9  # cosine ends at 0
+    steps_left = len(reference["trace"]) - 48 // (8 * after)
+    assert resumed["global_step"] == stop_after + steps_left
+    assert f"{resumed['global_step']} steps ({steps_left} left)" in resumed["plan"][0]  # the plan is what ran

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import blobs, config_for, run_ranks, tiny_model
+from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model
+from multigpu import checkpoint
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -67,3 +69,68 @@ def test_ddp_ranks_end_with_identical_weights(tmp_path):
     rank0, rank1 = run_ranks(_train_and_return_weights, 2, tmp_path, tmp_path)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+
+
+# ---------------------------------------------------------------- best checkpoint, evaluation batch, lifecycle
+def test_best_checkpoint_follows_the_monitored_metric_in_its_direction(tmp_path):
+    from test_metrics import regression_model, regression_set
+
+    for mode, pick in (("auto", min), ("max", max)):  # auto: val_loss, lower is better; max overrides it
+        config = config_for(tmp_path / mode, 1, epochs=3, monitor_mode=mode, lr=0.002)
+        trainer = MultiGPUTrainer(regression_model(), regression_set(64, 0), regression_set(30, 1), config,
+                                  loss_fn=torch.nn.functional.mse_loss)
+        summary = trainer.fit()
+        assert summary["monitor"] == "val_loss" and "val_acc" not in summary and "best_val_acc" not in summary
+        losses = [value for _, value in read_scalars(Path(config.tensorboard_dir))["val/loss"]]
+        assert len(set(losses)) == 3 and summary["best"] == pytest.approx(pick(losses), rel=1e-6)
+        best = checkpoint.load(str(Path(config.save_dir) / "best.pt"))
+        assert (best["monitor"], best["best_value"]) == ("val_loss", summary["best"])
+        assert best["epoch"] == 1 + losses.index(pick(losses))
+
+
+def test_eval_batch_size_sets_the_evaluation_batches(tmp_path):
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, eval_batch_size=25))
+    sizes: list[int] = []
+    trainer.model.register_forward_hook(lambda module, args, output: sizes.append(output.shape[0]))
+    assert trainer.evaluate(blobs(101, 1))["count"] == 101
+    assert sizes == [25, 25, 25, 25, 1]
+
+
+def test_fit_closes_its_writer_and_progress_bar_when_training_raises(tmp_path):
+    calls: list[int] = []
+
+    def failing_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the user's loss failed")
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    config = config_for(tmp_path, 1, log_every=1, progress=True)
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config, loss_fn=failing_loss)
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+        trainer.fit()
+    assert trainer.report.bar is None and trainer.report._writer is None
+    assert [step for step, _ in read_scalars(Path(config.tensorboard_dir))["train/loss"]] == [1, 2]  # flushed
+
+
+def test_resume_waits_for_fit_so_a_user_can_attach_things_first(tmp_path):
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1)).fit()
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"))
+    assert trainer.progress.global_step == 0
+    steps: list[int] = []
+    trainer.optimizer.register_step_post_hook(lambda *args: steps.append(trainer.progress.global_step))
+    assert trainer.fit()["global_step"] == 16 and steps == list(range(8, 16))
+
+
+def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str, bool]:
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path, world_size, epochs=1)) as trainer:
+        trainer.fit()
+        during = dist.is_initialized() and trainer.owns_process_group
+    return {"during": during, "after": dist.is_initialized()}
+
+
+def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
+    owned = run_ranks(_process_group_owner, 2, tmp_path / "owned", tmp_path / "owned", join_group=False)
+    assert owned == [{"during": True, "after": False}] * 2
+    given = run_ranks(_process_group_owner, 2, tmp_path / "given", tmp_path / "given")  # the test set it up
+    assert given == [{"during": False, "after": True}] * 2

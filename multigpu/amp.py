@@ -1,0 +1,45 @@
+"""Mixed precision: which autocast dtype a run uses, its context, and the fp16 GradScaler.
+
+bf16 needs no loss scaling; fp16 does (its gradients underflow), so only fp16 gets
+an enabled GradScaler. The autocast context is built once, not per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+NAMES = {None: "off", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) -> Optional[torch.dtype]:
+    """--amp as a dtype for `device`, with a one-line note where the device cannot do what was asked."""
+    if amp == "fp16" and device.type != "cuda":
+        say("--amp fp16 needs a CUDA device; using bf16 autocast on the CPU instead")
+        return torch.bfloat16
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        say("--amp bf16 is not supported by this GPU; using fp16 with a GradScaler instead")
+        return torch.float16
+    return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
+
+
+class Amp:
+    """The precision of one run: `autocast()` for forward passes, `scaler` for fp16 backward passes."""
+
+    def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16):
+        self.dtype = dtype
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
+        self._autocast: Callable[[], ContextManager] = (
+            functools.partial(torch.autocast, device_type, dtype=dtype) if dtype is not None
+            else contextlib.nullcontext)
+
+    def autocast(self) -> ContextManager:
+        """The autocast context of this run (a no-op without --amp)."""
+        return self._autocast()
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.dtype]

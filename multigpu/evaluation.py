@@ -1,0 +1,108 @@
+"""Exact distributed evaluation: every sample once, the same numbers for any world size.
+
+The set is cut into the same fixed batches whatever the world size, and rank r
+evaluates batches r, r+W, ... with no padding (DistributedSampler would repeat
+samples, MULTI_GPU_GUIDE.md "Exact evaluation"). Each batch's sums and counts go
+into one row of a table; the table is all-reduced (each row comes from one rank,
+the others add zeros) and summed in batch order, so 1, 2 or 3 ranks give
+bit-identical numbers. No collective runs per batch, so ranks with one batch
+more or less cannot hang.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from multigpu import metrics as metric_lib
+from multigpu.amp import Amp
+from multigpu.batches import ForwardFn, batch_size, compute_loss, own_loss, predictions, to_device
+from multigpu.data import build_loader
+from multigpu.data.sampler import ShardedBatchSampler
+from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
+
+
+class Evaluator:
+    """Evaluates a model on a data set: {"loss", each metric, "count"}, exact over ranks."""
+
+    def __init__(self, runtime: Runtime, amp: Amp, forward: ForwardFn, loss_fn: Any,
+                 metrics: metric_lib.MetricsSpec = None, num_workers: Optional[int] = None,
+                 collate_fn: Optional[Callable] = None):
+        self.runtime, self.amp, self.forward, self.loss_fn = runtime, amp, forward, loss_fn
+        self.spec, self.num_workers, self.collate_fn = metrics, num_workers, collate_fn
+        self.names: Optional[list[str]] = None  # result keys, agreed by all ranks at the first evaluation
+        self._metrics: dict[str, metric_lib.Metric] = {}
+        self.per_sample_loss = _per_sample(loss_fn)
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int) -> dict[str, float]:
+        """Loss and metrics over every sample of `dataset`; every rank must call it."""
+        rt = self.runtime
+        batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]
+        loader = build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
+                              collate_fn=self.collate_fn)
+        was_training = model.training
+        model.eval()
+        rows: dict[int, list[torch.Tensor]] = {}
+        try:
+            for row, batch in zip(batches.batch_indices, loader):
+                rows[row] = self._batch_sums(model, to_device(batch, rt.device))
+        finally:
+            model.train(was_training)
+        return self._reduce(rows, batches.num_batches)
+
+    def _batch_sums(self, model: torch.nn.Module, batch: Any) -> list[torch.Tensor]:
+        """[loss sum, samples, then sum and count of each metric] of one batch."""
+        with self.amp.autocast():
+            outputs, targets = self.forward(model, batch)
+        samples = batch_size(batch)
+        scores = _float(predictions(outputs))
+        if not self._metrics:  # resolved from the first batch this rank sees
+            self._metrics = metric_lib.resolve(self.spec, scores, targets)
+        sums = [self._loss_sum(outputs, targets, samples), torch.tensor(samples, dtype=torch.float64)]
+        for name in self.names or self._metrics:
+            total, count = metric_lib.sum_and_count(self._metrics[name], scores, targets)
+            sums += [total.to(torch.float64), torch.as_tensor(count, dtype=torch.float64)]
+        return sums
+
+    def _loss_sum(self, outputs: Any, targets: Any, samples: int) -> torch.Tensor:
+        if own_loss(outputs) is None and self.per_sample_loss is not None:
+            losses = self.per_sample_loss(_float(outputs), targets).double()
+            if losses.dim():
+                return losses.sum()
+        return compute_loss(_float(outputs), targets, self.loss_fn).double() * samples
+
+    def _reduce(self, rows: dict[int, list[torch.Tensor]], num_batches: int) -> dict[str, float]:
+        if self.names is None:
+            # A rank with no batch (a set smaller than the world) learns the metric names from the others.
+            local = list(self._metrics) if rows else None
+            self.names = next((names for names in gather_objects(local) if names is not None), [])
+        device = self.runtime.device
+        table = torch.zeros(num_batches, 2 + 2 * len(self.names), dtype=torch.float64, device=device)
+        for row, sums in rows.items():
+            table[row] = torch.stack([value.to(device) for value in sums])
+        totals = all_reduce_sum(table).sum(0).tolist()
+        loss_sum, count = totals[0], totals[1]
+        result = {"loss": loss_sum / count if count else float("nan")}
+        for index, name in enumerate(self.names):
+            total, n = totals[2 + 2 * index], totals[3 + 2 * index]
+            result[name] = total / n if n else float("nan")
+        result["count"] = int(count)
+        return result
+
+
+def _per_sample(loss_fn: Any) -> Optional[Callable]:
+    """The loss with reduction='none' where it has one, so evaluation sums per-sample losses."""
+    if getattr(loss_fn, "reduction", None) == "mean":
+        per_sample = copy.copy(loss_fn)
+        per_sample.reduction = "none"
+        return per_sample
+    return None
+
+
+def _float(value: Any) -> Any:
+    """Autocast outputs in float32 for the sums (a bf16 sum of a thousand losses is off in the 3rd digit)."""
+    return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value

@@ -1,0 +1,114 @@
+"""Evaluation metrics that reduce exactly across ranks.
+
+A metric is a function `(outputs, targets) -> per-sample values` (a tensor with
+one value per sample) or `-> (sum, count)`. Evaluation adds up sums and counts
+over every batch and rank and divides once at the end, never a mean of means,
+so any world size gives the single-process numbers (MULTI_GPU_GUIDE.md,
+"Exact evaluation").
+
+Built-ins: `acc` (top-1 accuracy; also spelt `accuracy`), `acc_top5` (any k:
+`acc_topK`, also `topK`), `mse`, `mae`. Without a choice: class scores (N, C)
+with integer targets get `acc`; outputs shaped like their targets get `mse`
+and `mae`; anything else gets the loss alone. The loss is always computed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+Metric = Callable[[Any, Any], Union[torch.Tensor, tuple[Any, Any]]]
+MetricsSpec = Union[None, Sequence[Union[str, Metric]], Mapping[str, Union[str, Metric]]]
+LOWER_IS_BETTER = ("loss", "mse", "mae", "error", "perplexity")
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """1.0 where the top-scoring class is the target, per sample."""
+    return (outputs.argmax(-1) == targets).double()
+
+
+def top_k_accuracy(k: int) -> Metric:
+    """1.0 where the target is among the k top-scoring classes, per sample."""
+    def metric(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        top = outputs.topk(min(k, outputs.shape[-1]), dim=-1).indices
+        return (top == targets.unsqueeze(-1)).any(-1).double()
+    return metric
+
+
+def _errors(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # (N, 1) outputs against (N,) targets would broadcast to N x N: compare them sample by sample.
+    targets = targets.reshape(outputs.shape) if targets.numel() == outputs.numel() else targets
+    return (outputs.double() - targets.double()).reshape(outputs.shape[0], -1)
+
+
+def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Squared error, averaged over each sample's values."""
+    return _errors(outputs, targets).pow(2).mean(1)
+
+
+def mae(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Absolute error, averaged over each sample's values."""
+    return _errors(outputs, targets).abs().mean(1)
+
+
+def builtin(name: str) -> Metric:
+    """The built-in metric called `name`; ValueError naming the choices otherwise."""
+    if name in ("acc", "accuracy"):
+        return accuracy
+    if name in ("mse", "mae"):
+        return {"mse": mse, "mae": mae}[name]
+    top = re.fullmatch(r"(?:acc_)?top(\d+)", name)
+    if top:
+        return top_k_accuracy(int(top.group(1)))
+    raise ValueError(f"unknown metric {name!r}: built-ins are acc, acc_topK (e.g. acc_top5), mse, mae; "
+                     f"or pass a function (outputs, targets) -> per-sample values")
+
+
+def key_of(name: str) -> str:
+    """The result key of a built-in's name: accuracy -> acc, top5 -> acc_top5."""
+    top = re.fullmatch(r"(?:acc_)?top(\d+)", name)
+    return "acc" if name == "accuracy" else f"acc_top{top.group(1)}" if top else name
+
+
+def resolve(spec: MetricsSpec, outputs: Any, targets: Any) -> dict[str, Metric]:
+    """{result key: metric} for `spec`, or the defaults for outputs/targets like these."""
+    if spec is None:
+        return {name: builtin(name) for name in default_names(outputs, targets)}
+    items = spec.items() if isinstance(spec, Mapping) else ((None, metric) for metric in spec)
+    chosen: dict[str, Metric] = {}
+    for name, metric in items:
+        if isinstance(metric, str):
+            if metric == "loss":
+                continue  # always computed
+            name, metric = name or key_of(metric), builtin(metric)
+        chosen[name or getattr(metric, "__name__", f"metric{len(chosen)}")] = metric
+    return chosen
+
+
+def default_names(outputs: Any, targets: Any) -> list[str]:
+    """acc for class scores with class-index targets; mse and mae for outputs shaped like targets."""
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return []
+    if (outputs.dim() == 2 and outputs.shape[1] > 1 and targets.dim() == 1 and not targets.is_floating_point()
+            and not targets.is_complex() and targets.dtype != torch.bool):
+        return ["acc"]
+    if outputs.numel() == targets.numel() and outputs.is_floating_point() and targets.is_floating_point():
+        return ["mse", "mae"]
+    return []
+
+
+def sum_and_count(metric: Metric, outputs: Any, targets: Any) -> tuple[torch.Tensor, Any]:
+    """A metric's (sum, count) for one batch, whichever form it returns."""
+    value = metric(outputs, targets)
+    if isinstance(value, tuple):
+        total, count = value
+        return torch.as_tensor(total, dtype=torch.float64), count
+    value = torch.as_tensor(value)
+    return value.double().sum(), value.numel()
+
+
+def lower_is_better(name: str) -> bool:
+    """Direction of a monitored metric inferred from its name: losses and errors go down."""
+    return any(word in name for word in LOWER_IS_BETTER)
