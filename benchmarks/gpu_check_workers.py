@@ -337,6 +337,8 @@ def throughput(params: dict[str, Any]) -> dict[str, Any]:
                 rate = (trainer_rate(params, amp, runtime, save_dir) if loop == "trainer"
                         else raw_rate(params, amp, runtime))
                 rates[amp][loop].append(rate)
+                if runtime.is_main:  # progress, and the last words if the check runs out of time
+                    print(f"amp {amp}, round {round_index + 1}: {loop} {rate:.0f} samples/s", flush=True)
                 peak = peak_memory(runtime.device)
                 if peak is not None:
                     memory[amp][loop] = max(memory[amp][loop] or 0, peak)

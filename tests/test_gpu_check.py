@@ -60,7 +60,14 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
     result = run_script("--output", str(output), env=cli_env({"CUDA_VISIBLE_DEVICES": ""}), timeout=120)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 1 and "no CUDA device" in result.stdout, result.stdout
-    assert result.stderr == "" and not output.exists()
+    assert not output.exists()
+
+
+def test_an_unknown_row_is_refused_in_one_line_naming_the_rows() -> None:
+    result = run_script("--only", "dp,warp-drive", "--cpu-dry-run", timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"gpu_check: --only: unknown row(s) warp-drive; rows are: "
+                                          f"{', '.join(gpu_check.row_names())} (see --help)"]
 
 
 def test_a_row_that_raises_fails_in_one_line_and_the_next_row_still_runs(tmp_path: Path) -> None:
