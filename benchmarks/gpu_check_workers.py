@@ -101,6 +101,11 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
+def device_of(model: nn.Module) -> str:
+    """Where the trainer put the model (from its public `.model`)."""
+    return str(next(model.parameters()).device)
+
+
 def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -178,7 +183,7 @@ def fp16_overflow(params: dict[str, Any]) -> dict[str, Any]:
     scales = probe.scales + [trainer.scaler.get_scale()]  # scales[i]: the scale of step i + 1
     skipped = [step for step in range(1, len(scales)) if scales[step] < scales[step - 1]]
     logged = read_scalars(os.path.join(params["save_dir"], "tb"))
-    return {"device": str(trainer.device), "steps": probe.calls, "injected_step": bad, "skipped_steps_seen": skipped,
+    return {"device": device_of(trainer.model), "steps": probe.calls, "injected_step": bad, "skipped_steps_seen": skipped,
             "skipped_steps_logged": sum(value for _, value in logged.get("train/skipped_steps", [])),
             "loss_scale_logged": [value for _, value in logged.get("train/loss_scale", [])],
             "scale_before": scales[bad - 1], "scale_after": scales[bad],
@@ -252,7 +257,7 @@ def data_path(params: dict[str, Any]) -> dict[str, Any]:
 
     config = TrainConfig(multi_gpu="none", epochs=1, batch_size=8, progress=False, save_dir=params["save_dir"])
     trainer = MultiGPUTrainer(small_net(3, 10), class_blobs(64, (3, 16, 16)), None, config)
-    result: dict[str, Any] = {"device": str(trainer.device), "loader_pin_memory": trainer.train_loader.pin_memory,
+    result: dict[str, Any] = {"device": device_of(trainer.model), "loader_pin_memory": trainer.train_loader.pin_memory,
                               "loader_workers": trainer.train_loader.num_workers}
     del trainer
     if torch.cuda.is_available():
