@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -61,6 +63,15 @@ def run_cli(args: Sequence[str], nproc: Optional[int] = None, env: Optional[dict
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def file_size_limit(max_bytes: int) -> Callable[[], None]:
+    """A subprocess preexec_fn: files may not grow past `max_bytes`, and a write past it fails with
+    EFBIG instead of killing the process, as a full disk fails with ENOSPC."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return limit
 
 
 def event_files(log_dir: Path) -> list[Path]:
