@@ -152,6 +152,20 @@ def mnist_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def image_folder(root: Path, classes: dict[str, Sequence[str]], per_class: int = 2) -> Path:
+    """An --dataset imagefolder tree: root/SPLIT/CLASS/i.png, each class its own solid colour."""
+    from PIL import Image
+
+    for split, names in classes.items():
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (root / split / name).mkdir(exist_ok=True)
+            colour = tuple(sum(map(ord, name)) * k % 256 for k in (1, 7, 13))
+            for index in range(per_class):
+                Image.new("RGB", (12, 10), colour).save(root / split / name / f"{index}.png")
+    return root
+
+
 def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Module:
     """A small model without BatchNorm or dropout, identical on every rank for a given seed."""
     torch.manual_seed(0)
