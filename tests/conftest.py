@@ -12,6 +12,7 @@ import pickle
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import traceback
@@ -59,6 +60,53 @@ def run_cli(args: Sequence[str], nproc: Optional[int] = None, env: Optional[dict
     """Run the real CLI to completion and return its result (stdout/stderr as text)."""
     return subprocess.run(cli_command(args, nproc, torchrun_args), cwd=cwd, env=cli_env(env), timeout=timeout,
                           capture_output=True, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]] = None,
+                  timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
+    """`main_multi_gpu.py ARGS` as torchrun runs its workers: `nproc` processes with the environment torchrun
+    gives them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so each worker's own exit status and
+    output can be checked, which torchrun itself folds into its own status and report."""
+    port = str(free_port())
+    workers = [subprocess.Popen(cli_command(args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
+                                env=cli_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+               for rank in range(nproc)]
+    try:
+        outputs = [worker.communicate(timeout=timeout) for worker in workers]
+        return [subprocess.CompletedProcess(worker.args, worker.returncode, *output)
+                for worker, output in zip(workers, outputs)]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+
+
+# A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
+SAVE_DIR_HOLDER = """
+import sys
+from multigpu.savedir import SaveDirLock
+with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Start a process that owns `save_dir` (multigpu.savedir) until its standard input is closed."""
+    holder = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(save_dir)], cwd=REPO, env=cli_env(env), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.communicate()
+    return holder
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

@@ -12,27 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, RUN_TIMEOUT, cli_env
+from conftest import PYTHON, REPO, RUN_TIMEOUT, SAVE_DIR_HOLDER, cli_env, hold_save_dir
 from multigpu import savedir
 from multigpu.errors import UsageError
 from multigpu.savedir import SaveDirLock
-
-# A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
-HOLDER = """
-import sys
-from multigpu.savedir import SaveDirLock
-with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
-    print("held", flush=True)
-    sys.stdin.read()
-"""
-
-
-def start_holder(save_dir: Path, **env: str) -> subprocess.Popen:
-    holder = subprocess.Popen([PYTHON, "-c", HOLDER, str(save_dir)], cwd=REPO, env=cli_env(env), text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert holder.stdout.readline().strip() == "held", holder.stderr.read()
-    return holder
-
 
 def acquire_in_process(save_dir: Path) -> tuple[SaveDirLock, list[str]]:
     lines: list[str] = []
@@ -40,7 +23,7 @@ def acquire_in_process(save_dir: Path) -> tuple[SaveDirLock, list[str]]:
 
 
 def test_a_second_run_is_refused_in_one_line_naming_the_owner_and_touches_nothing(tmp_path):
-    holder = start_holder(tmp_path / "ckpt")
+    holder = hold_save_dir(tmp_path / "ckpt")
     lock_file = tmp_path / "ckpt" / savedir.LOCK_NAME
     before = (lock_file.read_bytes(), sorted(os.listdir(tmp_path / "ckpt")))
     with pytest.raises(UsageError) as refused:
@@ -58,7 +41,7 @@ def test_a_second_run_is_refused_in_one_line_naming_the_owner_and_touches_nothin
 
 
 def test_a_sigkilled_owners_lock_is_taken_over_with_one_line(tmp_path):
-    holder = start_holder(tmp_path / "ckpt")
+    holder = hold_save_dir(tmp_path / "ckpt")
     holder.send_signal(signal.SIGKILL)
     holder.wait(RUN_TIMEOUT)
     lock, lines = acquire_in_process(tmp_path / "ckpt")
@@ -74,7 +57,7 @@ def test_an_exception_releases_the_save_dir(tmp_path):
             raise RuntimeError("boom")
     owner = savedir.read_owner(str(tmp_path))
     assert owner is not None and owner.released and owner.pid == os.getpid()
-    holder = start_holder(tmp_path)  # another process takes it without a take-over line ("held" comes first)
+    holder = hold_save_dir(tmp_path)  # another process takes it without a take-over line ("held" comes first)
     out, err = holder.communicate("", timeout=RUN_TIMEOUT)
     assert holder.returncode == 0 and out == "", err
 
@@ -105,12 +88,12 @@ def test_a_torchrun_restart_of_the_same_job_keeps_the_save_dir(tmp_path):
 
 
 def test_a_restart_waits_for_its_earlier_attempt_but_another_job_is_refused(tmp_path):
-    holder = start_holder(tmp_path, TORCHELASTIC_RUN_ID="job-a", TORCHELASTIC_RESTART_COUNT="0")
-    other_job = subprocess.run([PYTHON, "-c", HOLDER, str(tmp_path)], cwd=REPO, input="", capture_output=True,
-                               text=True, timeout=RUN_TIMEOUT,
+    holder = hold_save_dir(tmp_path, {"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "0"})
+    other_job = subprocess.run([PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)], cwd=REPO, input="", text=True,
+                               capture_output=True, timeout=RUN_TIMEOUT,
                                env=cli_env({"TORCHELASTIC_RUN_ID": "job-b", "TORCHELASTIC_RESTART_COUNT": "1"}))
     assert other_job.returncode != 0 and f"in use by another run (pid {holder.pid}" in other_job.stderr
-    restarted = subprocess.Popen([PYTHON, "-c", HOLDER, str(tmp_path)], cwd=REPO, text=True,
+    restarted = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)], cwd=REPO, text=True,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  env=cli_env({"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "1"}))
     holder.kill()  # as torchrun stops the earlier attempt's workers
