@@ -101,8 +101,9 @@ class SaveDirLock:
         with SaveDirLock(config.save_dir).acquire(report.line):
             ...  # clean up unfinished saves, resume, train
 
-    `release` is idempotent and also runs when the `with` block ends by an
-    exception. A second `acquire` of a held save-dir in the same process is refused too.
+    `release` is idempotent and runs when the `with` block ends, by an
+    exception too; a lock never acquired (as on ranks other than 0) releases
+    nothing. A second `acquire` of a held save-dir in the same process is refused too.
     """
 
     _held_here: dict[str, "SaveDirLock"] = {}  # POSIX locks do not exclude the process that holds them
@@ -215,9 +216,7 @@ class SaveDirLock:
             self._held_here.pop(os.path.realpath(self.path), None)
 
     def __enter__(self) -> "SaveDirLock":
-        if not self.held:
-            self.acquire()
-        return self
+        return self  # acquire() is explicit (only rank 0 calls it); the block's end releases what was acquired
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()

@@ -30,6 +30,7 @@ from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, blobs, cli_command, cli_en
                       hold_save_dir, image_folder, run_cli_ranks, tiny_model)
 from data.sampler import ResumableDistributedSampler
 from models import build_model
+from multigpu import savedir
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 from train_multi_gpu import MultiGPUTrainer
@@ -57,7 +58,10 @@ def save_dir(prepared: Path, tmp_path: Path) -> Path:
 
 
 def contents(directory: Path) -> dict[Path, bytes]:
-    return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*") if path.is_file()}
+    """Every file's bytes, but the lock file's owner record: runs that own the save-dir rewrite it
+    (that a refused run leaves it alone is tested in test_savedir.py)."""
+    return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*")
+            if path.is_file() and path.name != savedir.LOCK_NAME}
 
 
 def assert_untouched(directory: Path, before: dict[Path, bytes]) -> None:
