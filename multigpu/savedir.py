@@ -15,7 +15,8 @@ decide whether an owner is still alive, because neither works everywhere:
   without -o flock) or do not support them at all; there a lost node's record
   counts as stale once its heartbeat is older than `STALE_SECONDS`. This
   compares the file's modification time with the local clock, so it assumes
-  the nodes' clocks agree to well within that (NTP).
+  the nodes' clocks agree to well within that (NTP). Without any locks, two
+  runs that start in the same instant could both take the save-dir.
 
 A starting run takes the lock when nobody holds it, then reads the record:
 empty or released -> ours; written by an earlier attempt of this torchrun job
@@ -153,7 +154,9 @@ class SaveDirLock:
         locked = _try_lock(fd)
         if locked is False:
             previous = _read_record(fd)
-            if previous is None or not previous.is_earlier_attempt_of_this_job():
+            if previous is None or previous.released:  # the holder has not written its record yet
+                raise self._refusal(None, "")
+            if not previous.is_earlier_attempt_of_this_job():
                 raise self._refusal(previous, "it is running")
             locked = _wait_for_lock(fd, STALE_SECONDS)  # the earlier attempt's process is being stopped
             if locked is False:
@@ -174,9 +177,10 @@ class SaveDirLock:
                 f"({previous.describe()})")
 
     def _refusal(self, owner: Optional[Owner], why: str) -> UsageError:
-        who = owner.describe() if owner else "a run that is just starting"
-        return UsageError(f"--save-dir {self.save_dir} is in use by another run ({who}; {why}): wait for it "
-                          f"to finish, or choose another --save-dir")
+        """The one line of a refused run: the save-dir, and the owner (None: it is just starting)."""
+        who = f" ({owner.describe()}; {why})" if owner else " that is just starting"
+        return UsageError(f"--save-dir {self.save_dir} is in use by another run{who}: wait for it to finish, "
+                          f"or choose another --save-dir")
 
     def _write_record(self, owner: Owner) -> None:
         assert self._fd is not None
