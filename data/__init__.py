@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .files import image_folders, torchvision_problem
 from .sampler import ResumableDistributedSampler, ShardedBatchSampler
 from .synthetic import SyntheticImages
 from multigpu.config import TrainConfig
@@ -89,16 +90,12 @@ def _torchvision_set(config: TrainConfig, download_allowed: bool):
         train = dataset_class(config.data_dir, train=True, download=download,
                               transform=transforms.Compose(augment + normalize))
         val = dataset_class(config.data_dir, train=False, download=download, transform=transforms.Compose(normalize))
-    except RuntimeError as error:
-        if "not found" not in str(error).lower() and "corrupted" not in str(error).lower():
-            raise
-        raise UsageError(f"--dataset {config.dataset}: files not found in --data-dir {os.path.abspath(config.data_dir)}; "
-                         f"pass --download to fetch them (or point --data-dir at a copy)") from None
+    except (RuntimeError, OSError, ValueError, TypeError, AssertionError) as error:  # what torchvision raises
+        raise UsageError(torchvision_problem(config.dataset, dataset_class, config.data_dir, download, error)) from None
     return train, val, shape, classes
 
 
 def _image_folder(config: TrainConfig):
-    import torchvision
     from torchvision import transforms
 
     channels, height, width = config.image_dims()
@@ -110,8 +107,7 @@ def _image_folder(config: TrainConfig):
     if channels == 1:
         to_tensor.insert(0, transforms.Grayscale())
     train_transform = transforms.Compose([transforms.RandomHorizontalFlip()] + to_tensor)
-    train = torchvision.datasets.ImageFolder(os.path.join(config.data_dir, "train"), train_transform)
-    val = torchvision.datasets.ImageFolder(os.path.join(config.data_dir, "val"), transforms.Compose(to_tensor))
+    train, val = image_folders(config.data_dir, train_transform, transforms.Compose(to_tensor))
     return train, val, (channels, height, width), len(train.classes)
 
 

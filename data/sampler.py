@@ -13,6 +13,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
+from multigpu.errors import UsageError
+
 
 def epoch_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The global order of one epoch, a pure function of (seed, epoch): the same on every rank and every rerun."""
@@ -46,7 +48,8 @@ class ResumableDistributedSampler(DistributedSampler):
         self.consumed = 0
         self.usable = dataset_size - dataset_size % world_size
         if self.usable == 0:
-            raise ValueError(f"{dataset_size} training samples cannot be shared by {world_size} ranks")
+            raise UsageError(f"a training set of {dataset_size} sample(s) cannot be shared by {world_size} ranks, "
+                             f"each needs at least one: use a larger training set or fewer processes")
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (call once per epoch, as with DistributedSampler)."""

@@ -7,10 +7,12 @@ import torch.nn as nn
 
 
 class SmallCNN(nn.Module):
-    """Two conv blocks and a linear head; works for any CxHxW input.
+    """Two conv blocks and a linear head; works for any CxHxW input of at least MIN_SIZE x MIN_SIZE.
 
     Adaptive pooling makes the head independent of the image size.
     """
+
+    MIN_SIZE = 2  # height and width: the first max-pool halves them, and 1 // 2 is nothing left
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 32):
         super().__init__()

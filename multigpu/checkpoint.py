@@ -8,9 +8,11 @@ the trainer decides what goes in.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import pickle
+import resource
 import tempfile
 import warnings
 from typing import Any, Callable, Optional
@@ -101,6 +103,9 @@ def _umask() -> int:
 def load(path: str) -> dict[str, Any]:
     """Load and validate a checkpoint on the CPU; CheckpointError (one line) if it is unusable."""
     try:
+        kind = _file_kind(path)
+        if kind is not None:
+            raise CheckpointError(f"checkpoint {path} refused: not a checkpoint ({kind})")
         with warnings.catch_warnings():  # its multi-line pickle-protocol warning would break the one line
             warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -108,6 +113,8 @@ def load(path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
+    except CheckpointError:
+        raise
     except Exception as error:  # truncated, random bytes, or a pickle that holds code
         raise CheckpointError(f"checkpoint {path} refused: {_load_failure(error)}") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
@@ -127,6 +134,30 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
                      optimizer_class={"sgd": "SGD"}.get(state["config"].get("optimizer"), "AdamW"),
                      scheduler_class="LambdaLR", scheduler_interval="step")
     return state
+
+
+# How torch.save files begin: a zip archive (the default since torch 1.6), or the legacy pickle's protocol mark.
+TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _file_kind(path: str) -> Optional[str]:
+    """None for what may be a torch.save file; else what the file is instead, in a few words.
+
+    Without this, torch's unpickler reports a text file as a bare opcode number.
+    """
+    with open(path, "rb") as file:
+        head = file.read(512)
+    if not head:
+        return "the file is empty"
+    if head.startswith(TORCH_SAVE_MAGIC):
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:  # possibly a multi-byte character cut at 512 bytes: still text if the rest is
+        text = head[:-4].decode("utf-8", errors="replace")
+    if "\ufffd" not in text and all(char.isprintable() or char.isspace() for char in text):
+        return "it holds text; a checkpoint is what torch.save writes"
+    return "not a file written by torch.save"
 
 
 def _load_failure(error: Exception) -> str:
@@ -198,12 +229,55 @@ def remove_unfinished(save_dir: str) -> list[str]:
     return [os.path.basename(path) for path in unfinished]
 
 
-def check_writable(save_dir: str) -> None:
-    """Fail at start, not after an epoch of training, when checkpoints cannot be written."""
+PROBE_BYTES = 64 * 1024  # real bytes: an empty file can be created on a full disk
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def check_writable(directory: str, expected_bytes: Optional[int] = None, flag: str = "--save-dir") -> Optional[str]:
+    """Fail at start, not after an epoch of training, when files cannot be written to `directory`.
+
+    Creates the directory, writes PROBE_BYTES real bytes, fsyncs (network file
+    systems report a full disk or quota there) and deletes them; UsageError
+    naming `flag` if that fails. Returns a one-line warning (else None) when
+    `expected_bytes`, the size of one checkpoint (`estimate_size`), will not fit
+    in the free space or under the file-size limit (ulimit -f).
+    """
     try:
-        os.makedirs(save_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".write-test-"):
-            pass
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-") as probe:
+            probe.write(b"\0" * PROBE_BYTES)
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as error:
-        raise UsageError(f"--save-dir {save_dir} is not writable ({error.strerror}); choose another directory") \
-            from None
+        fix = "free some space or choose another directory" if error.errno in _NO_ROOM else "choose another directory"
+        raise UsageError(f"{flag} {directory} is not writable ({error.strerror or error}); {fix}") from None
+    if expected_bytes is None:
+        return None
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    need = f"one checkpoint needs about {_megabytes(expected_bytes)}"
+    if free < expected_bytes:
+        return f"warning: {flag} {directory} has {_megabytes(free)} free, {need}: saving will fail; free some space"
+    if limit != resource.RLIM_INFINITY and limit < expected_bytes:
+        return f"warning: the file size limit (ulimit -f) is {_megabytes(limit)}, {need}: saving will fail"
+    return None
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def estimate_size(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+    """About how many bytes one checkpoint of `model` takes: its state, plus the optimizer's per-parameter
+    state (created at the first step, so counted from the optimizer's kind: 2 tensors for Adam-like
+    optimizers, 1 for SGD with momentum), plus a little for the rest."""
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if optimizer is None:
+        slots = 0
+    elif isinstance(optimizer, torch.optim.SGD):
+        slots = 1 if any(group.get("momentum") for group in optimizer.param_groups) else 0
+    else:
+        slots = 2  # Adam, AdamW and most others keep two tensors per parameter
+    return model_bytes + slots * params + 64 * 1024

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -93,25 +95,12 @@ class TrainConfig:
                              group="output")
 
     def __post_init__(self) -> None:
-        positive = ["epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
-                    "train_size", "val_size", "num_classes"]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{flag(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ["lr", "dist_timeout"]:
-            if not getattr(self, name) > 0:
-                raise UsageError(f"--{flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ["warmup_epochs", "weight_decay", "clip_grad_norm", "save_every_steps", "momentum"]:
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{flag(name)} must not be negative, got {getattr(self, name)}")
-        if self.keep_last < 1:
-            raise UsageError(f"--keep-last must be at least 1, got {self.keep_last}")
-        if self.eval_batch_size is not None and self.eval_batch_size < 1:
-            raise UsageError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), str(f.type)))
+        for name, allowed in RANGES.items():
+            allowed.check(name, getattr(self, name))
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise UsageError(f"--num-workers must not be negative, got {self.num_workers}")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
                      "monitor_mode"]:
@@ -151,6 +140,64 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field allows; NaN and infinities are never allowed."""
+
+    low: float
+    high: Optional[float] = None
+    low_allowed: bool = True  # False: strictly above `low`
+
+    def check(self, name: str, value: Optional[float]) -> None:
+        if value is None:
+            return
+        rule = self.describe()
+        if not math.isfinite(value):
+            raise UsageError(f"--{flag(name)} must be a finite number ({rule}), got {value}")
+        if not ((value >= self.low if self.low_allowed else value > self.low)
+                and (self.high is None or value <= self.high)):
+            must = "must not be" if rule.startswith("not ") else "must be"
+            raise UsageError(f"--{flag(name)} {must} {rule.removeprefix('not ')}, got {value}")
+
+    def describe(self) -> str:
+        """The rule in words: "at least 1", "positive", "not negative", "between 0 and 1"."""
+        if self.high is not None and self.low_allowed:
+            return f"between {self.low} and {self.high}"
+        if not self.low_allowed:
+            text = "positive" if self.low == 0 else f"above {self.low}"
+        else:
+            text = "not negative" if self.low == 0 else f"at least {self.low}"
+        return text + ("" if self.high is None else f" and at most {self.high:g}")
+
+
+# Every numeric field and what it allows, so no flag can take a value that makes the run mean nothing.
+RANGES = {
+    **{name: Range(1) for name in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
+                                   "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size")},
+    **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
+                                   "clip_grad_norm")},
+    **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
+    "momentum": Range(0, 1),
+    "dist_timeout": Range(0, 1e9, low_allowed=False),  # longer overflows torch's store timeout (milliseconds)
+    # The data order and the synthetic set derive 64-bit generator seeds from it (seed x 7919 x 1000003).
+    "seed": Range(0, 2**31 - 1),
+}
+
+_KINDS = {"int": numbers.Integral, "float": numbers.Real, "bool": bool, "str": str}
+
+
+def _checked_type(name: str, value: Any, annotation: str) -> Any:
+    """`value` as the field's type (an int is accepted for a float), or UsageError naming the field."""
+    optional = annotation.startswith("Optional[")
+    kind = annotation.removeprefix("Optional[").removesuffix("]")
+    if value is None and optional:
+        return value
+    if isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool)):
+        return {"int": int, "float": float}.get(kind, lambda same: same)(value)  # plain types for checkpoints
+    raise UsageError(f"TrainConfig {name} (--{flag(name)}) must be {'an' if kind == 'int' else 'a'} {kind}"
+                     f"{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
 
 
 def flag(name: str) -> str:

@@ -99,6 +99,10 @@ def setup(config: TrainConfig) -> Runtime:
     mode = resolve_mode(config)
     if mode == "ddp":
         return _setup_ddp(config)
+    processes = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if processes > 1:  # each process would train its own copy into the same files
+        raise UsageError(f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
+                         f"use --multi-gpu ddp under torchrun, or run without torchrun")
     if config.gpu_ids is not None and mode != "dp":
         raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
                          "set CUDA_VISIBLE_DEVICES instead")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -69,8 +71,58 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]] = None,
+                  timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
+    """`main_multi_gpu.py ARGS` as torchrun runs its workers: `nproc` processes with the environment torchrun
+    gives them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so each worker's own exit status and
+    output can be checked, which torchrun itself folds into its own status and report."""
+    port = str(free_port())
+    workers = [subprocess.Popen(cli_command(args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
+                                env=cli_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+               for rank in range(nproc)]
+    try:
+        outputs = [worker.communicate(timeout=timeout) for worker in workers]
+        return [subprocess.CompletedProcess(worker.args, worker.returncode, *output)
+                for worker, output in zip(workers, outputs)]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+
+
+# A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
+SAVE_DIR_HOLDER = """
+import sys
+from multigpu.savedir import SaveDirLock
+with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Start a process that owns `save_dir` (multigpu.savedir) until its standard input is closed."""
+    holder = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(save_dir)], cwd=REPO, env=cli_env(env), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.communicate()
+    return holder
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def file_size_limit(max_bytes: int) -> Callable[[], None]:
+    """A subprocess preexec_fn: files may not grow past `max_bytes`, and a write past it fails with
+    EFBIG instead of killing the process, as a full disk fails with ENOSPC."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return limit
 
 
 def event_files(log_dir: Path) -> list[Path]:
@@ -166,6 +218,20 @@ def mnist_root(tmp_path: Path) -> Path:
         pytest.skip(f"real MNIST not available at {raw}")
     shutil.copytree(raw, tmp_path / "MNIST" / "raw")
     return tmp_path
+
+
+def image_folder(root: Path, classes: dict[str, Sequence[str]], per_class: int = 2) -> Path:
+    """An --dataset imagefolder tree: root/SPLIT/CLASS/i.png, each class its own solid colour."""
+    from PIL import Image
+
+    for split, names in classes.items():
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (root / split / name).mkdir(exist_ok=True)
+            colour = tuple(sum(map(ord, name)) * k % 256 for k in (1, 7, 13))
+            for index in range(per_class):
+                Image.new("RGB", (12, 10), colour).save(root / split / name / f"{index}.png")
+    return root
 
 
 def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Module:

@@ -3,9 +3,9 @@ good checkpoint, and a full disk. Distributed kill-and-resume scenarios live in 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
-import resource
 import signal
 import subprocess
 from pathlib import Path
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, tiny_model
+from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, file_size_limit,
+                      tiny_model)
+from multigpu import checkpoint, faults, rng
 from multigpu.data import build_datasets
 from multigpu.models import build_model
-from multigpu import checkpoint, faults, rng
 from multigpu.errors import UsageError
 from train_multi_gpu import MultiGPUTrainer
 
@@ -137,13 +138,6 @@ def test_resume_auto_in_a_trainer_uses_the_previous_good_checkpoint(tmp_path, ca
     assert not (tmp_path / "code-ran").exists()
 
 
-def _limit_file_size() -> None:
-    """Runs in the child before exec: files may not grow past 1 MB, and a write past it fails
-    with EFBIG instead of killing the process, as a full disk fails with ENOSPC."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
-
-
 def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     save_dir = tmp_path / "ckpt"
     args = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1", "--save-every-steps", "2",
@@ -154,7 +148,7 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_pat
                     config).save_checkpoint("last.pt")  # 3.2 MB: larger than the limit below
     before = (save_dir / "last.pt").read_bytes()
     result = subprocess.run(cli_command([*args, "--resume", "auto"]), cwd=REPO, env=cli_env(), text=True,
-                            capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=_limit_file_size)
+                            capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=file_size_limit(2**20))
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: could not write checkpoint {save_dir / 'step-000000002.pt'}: File too large; stopped at step 2, "
@@ -175,3 +169,46 @@ def test_a_checkpoint_written_before_format_2_still_resumes(tmp_path):
     assert resumed.resume()
     assert (resumed.monitor, resumed.progress.best_value) == ("val_acc", state["best_value"])
     assert resumed.fit()["global_step"] == 16
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"epoch 3: val acc 0.97\n", "it holds text; a checkpoint is what torch.save writes"),
+    (b"", "the file is empty"),
+])
+def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, content, why):
+    (tmp_path / "notes.txt").write_bytes(content)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.load(str(tmp_path / "notes.txt"))
+    assert str(refused.value) == f"checkpoint {tmp_path / 'notes.txt'} refused: not a checkpoint ({why})"
+
+
+def test_the_start_probe_writes_real_bytes_so_a_full_disk_is_refused(tmp_path):
+    probe = "import sys; from multigpu import checkpoint; print(checkpoint.check_writable(sys.argv[1], 2 * 2**20))"
+    run = functools.partial(subprocess.run, [PYTHON, "-c", probe, str(tmp_path)], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    full = run(preexec_fn=file_size_limit(checkpoint.PROBE_BYTES // 2))  # an empty file would still fit
+    assert full.returncode == 1 and full.stderr.strip().splitlines()[-1] == (
+        f"multigpu.errors.UsageError: --save-dir {tmp_path} is not writable (File too large); "
+        f"free some space or choose another directory")
+    small = run(preexec_fn=file_size_limit(2**20))  # room for the probe, not for a 2 MB checkpoint
+    assert small.stdout.strip() == ("warning: the file size limit (ulimit -f) is 1.0 MB, one checkpoint needs "
+                                    "about 2.1 MB: saving will fail")
+    assert checkpoint.check_writable(str(tmp_path), 2 * 2**20) is None
+    assert "MB free, one checkpoint needs about" in checkpoint.check_writable(str(tmp_path), 10**18)
+    assert list(tmp_path.iterdir()) == []  # the probe is gone
+
+
+def test_an_unwritable_log_dir_names_its_flag(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UsageError, match=f"--log-dir {tmp_path / 'a-file' / 'tb'} is not writable"):
+        checkpoint.check_writable(str(tmp_path / "a-file" / "tb"), flag="--log-dir")
+
+
+def test_the_size_estimate_is_close_to_a_real_checkpoint(tmp_path):
+    config = config_for(tmp_path, 1, model="mlp", mode="flatten", train_size=64, val_size=16, epochs=1)
+    data = build_datasets(config)
+    trainer = MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+    estimate = checkpoint.estimate_size(trainer.model, trainer.optimizer)
+    trainer.fit()  # AdamW's state exists after the first step
+    real = (tmp_path / "ckpt" / "last.pt").stat().st_size
+    assert abs(estimate - real) / real < 0.05, (estimate, real)

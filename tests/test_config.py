@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from multigpu.config import TrainConfig, build_parser, flag, parse_config, to_argv
+from multigpu.config import RANGES, TrainConfig, build_parser, flag, parse_config, to_argv
 from multigpu.errors import UsageError
 
 
@@ -53,3 +53,14 @@ def test_default_model_follows_the_mode():
     assert TrainConfig(mode="flatten").model_name == "mlp"
     assert TrainConfig(mode="flatten", model="mlp").model_name == "mlp"
     assert TrainConfig(save_dir="out").tensorboard_dir == "out/tb"
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = {f.name for f in dataclasses.fields(TrainConfig)
+               if str(f.type).removeprefix("Optional[").removesuffix("]") in ("int", "float")}
+    assert numeric == set(RANGES)
+
+
+def test_ints_are_accepted_for_float_fields_and_stored_as_floats():
+    config = TrainConfig(lr=1, dist_timeout=60)
+    assert (config.lr, type(config.lr), type(config.dist_timeout)) == (1.0, float, float)

@@ -27,6 +27,18 @@ def test_auto_mode_under_torchrun_with_several_processes_is_ddp(monkeypatch):
     assert resolve_mode(TrainConfig()) == "ddp"
 
 
+@pytest.mark.parametrize("mode", ["dp", "none"])
+def test_one_process_modes_under_torchrun_with_several_processes_are_refused(monkeypatch, mode):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match=f"--multi-gpu {mode} trains in one process, but torchrun started 2: "
+                                         f"use --multi-gpu ddp under torchrun, or run without torchrun"):
+        setup(TrainConfig(multi_gpu=mode))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: one process is what it asked for
+    assert setup(TrainConfig(multi_gpu=mode)).mode == "none"
+
+
 def test_ddp_without_torchrun_says_the_command_to_use(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(UsageError, match="started by torchrun: torchrun --nproc_per_node=2 "):
