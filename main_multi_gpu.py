@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from data import build_datasets
 from models import build_model
+from multigpu import sweep
 from multigpu.config import TrainConfig, parse_config
 from multigpu.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
@@ -50,11 +51,22 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
     return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: bad input is one line and exit 2, a failed run one line and exit 1."""
+def main(argv: Optional[Sequence[str]] = None, on_summary: Optional[Callable[[dict], None]] = None) -> int:
+    """Entry point: bad input is one line and exit 2, a failed run one line and exit 1.
+
+    A sweep flag (--num-seeds, --max-gpus, --grid, ...) makes it a sweep (MULTI_GPU_GUIDE.md, "Sweeps").
+    `on_summary` receives the final metrics of a finished run.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if sweep.requested(argv):
+        from multigpu.sweep.cli import main_mixed
+
+        return main_mixed(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run(parse_config(argv))
+        summary = run(parse_config(argv))
+        if on_summary is not None:
+            on_summary(summary)
     except PeerLost as error:
         return error.exit_code  # every survivor has already said which rank it lost
     except (UsageError, TrainingStopped) as error:
