@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
 import statistics
 from pathlib import Path
 
@@ -149,3 +151,24 @@ def test_a_changed_base_config_is_refused_on_resume(two_workers):
     assert len(lines) == 1 and lines[0].startswith("error: --sweep-dir"), result.stderr
     assert "--epochs 2 (the sweep's) vs 3 (this command's)" in lines[0]
     assert (sweep_dir / "results.jsonl").read_bytes() == before
+
+
+def guide_sweep_commands() -> list[list[str]]:
+    """The sweep commands of MULTI_GPU_GUIDE.md's bash blocks, as argv lists after the script name."""
+    text = (Path(__file__).resolve().parent.parent / "MULTI_GPU_GUIDE.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [shlex.split(line)[2:] for block in blocks for line in block.splitlines()
+            if line.startswith("python sweep_multi_gpu.py")]
+
+
+def test_guide_sweep_commands_run_as_written(tmp_path):
+    commands = guide_sweep_commands()
+    assert len(commands) >= 2
+    for argv in commands:
+        cut = argv.index("--")
+        # One seed and fewer samples, so the suite stays fast; everything else as written.
+        result = run_sweep([*argv[:cut], "--num-seeds", "1", "--", *argv[cut + 1:], "--train-size", "256",
+                            "--val-size", "64", "--epochs", "1", "--no-progress"], cwd=tmp_path)
+        assert_ok(result)
+        expected = "sweep.sbatch: 2 experiments in 2 array tasks" if "--slurm" in argv else "sweep done: 2 of 2"
+        assert expected in result.stdout

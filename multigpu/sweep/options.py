@@ -150,7 +150,7 @@ def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
         max_gpus=args.max_gpus, workers=args.workers, gpus_per_run=args.gpus_per_run,
         threads_per_run=args.threads_per_run, checkpoint_interval=args.checkpoint_interval, retries=args.retries,
         retry_failed=args.retry_failed, shard=_shard(args.shard, environ) if not args.slurm else (0, 1),
-        slurm=args.slurm or args.submit, submit=args.submit, shards=args.shards, sbatch_args=list(args.sbatch_args))
+        slurm=args.slurm, submit=args.submit, shards=args.shards, sbatch_args=list(args.sbatch_args))
 
 
 def _seeds(text: Optional[str], count: Optional[int]) -> list[int]:

@@ -129,17 +129,20 @@ class Scheduler:
         return [worker for worker in self.workers.values() if worker.task is not None]
 
     def _hand_out(self) -> None:
+        """Give every idle slot the next experiment, starting a worker where the slot has none."""
+        handed = False
         for slot in self.slots:
-            if not self.queue:
-                return
             worker = self.workers.get(slot.index)
-            if worker is not None and worker.task is not None:
+            if not self.queue or (worker is not None and worker.task is not None):
                 continue
             if worker is None or not worker.process.is_alive():
                 worker = self.workers[slot.index] = self._start(slot)
             worker.task, worker.started = self.queue.popleft(), time.monotonic()
-            worker.conn.send(worker.task)
-        self._write_progress(force=True)
+            with contextlib.suppress(OSError):  # it died just now: its sentinel reports it, with this task
+                worker.conn.send(worker.task)
+            handed = True
+        if handed:
+            self._write_progress(force=True)
 
     def _start(self, slot: Slot) -> _Worker:
         ours, theirs = self.context.Pipe()
@@ -147,7 +150,8 @@ class Scheduler:
         # Set before the process starts: CUDA reads CUDA_VISIBLE_DEVICES once, OpenMP its thread count once.
         with _environment(CUDA_VISIBLE_DEVICES=slot.devices, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
             process = self.context.Process(target=worker_main, name=f"sweep-{slot.label}",
-                                           args=(slot.index, theirs, self.options.threads_per_run, os.getpid()))
+                                           args=(theirs, self.options.threads_per_run, os.getpid(),
+                                                 self.options.gpus_per_run == 1))
             process.start()
         theirs.close()
         return _Worker(slot, process, ours)

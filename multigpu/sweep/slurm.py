@@ -1,8 +1,7 @@
 """--slurm: the sbatch job-array script that runs a sweep's shards on a SLURM cluster, and --submit.
 
-Array task I of N runs `sweep_multi_gpu.py` with the same flags; the sweep reads its shard I/N from
-SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT. Every task writes into the one sweep dir (its own
-results file), and each one that ends rewrites the merged summary.
+Array task I of N runs `sweep_multi_gpu.py` with the same flags and `--shard I/N`. Every task writes
+into the one sweep dir (its own results file), and each one that ends rewrites the merged summary.
 """
 
 from __future__ import annotations
@@ -43,13 +42,17 @@ def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: st
     on_cpu = options.workers is not None
     per_task = options.workers * options.gpus_per_run * options.threads_per_run if on_cpu else 0
     resources = f"--cpus-per-task={per_task}" if on_cpu else f"--gres=gpu:{options.gpus_per_run}"
-    command = [sys.executable, ENTRY, *to_argv(options, for_task=True), "--", *train_argv]
+    sweep_flags = shlex.join([sys.executable, ENTRY, *to_argv(options, for_task=True)])
+    # The shard count is written here, not read from SLURM_ARRAY_TASK_COUNT: resubmitting only some
+    # tasks (sbatch --array=3,5) must still cut the list into the same shards.
+    shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{tasks}"'
+
     lines = [
         "#!/bin/bash",
         f"# Sweep {plan.sweep_dir}: {len(plan.experiments)} experiments in {tasks} array tasks"
         f"{f', at most {parallel} at a time' if parallel else ''}.",
         f"# Written by sweep_multi_gpu.py --slurm. Submit: sbatch {shlex.quote(script_path(plan))}",
-        "# Task I runs shard I of the experiment list (from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT);",
+        f"# Array task I runs shard I/{tasks} of the experiment list, into the one sweep dir;",
         "# submitting it again continues the sweep: finished experiments are skipped.",
         f"#SBATCH --job-name=sweep-{os.path.basename(plan.sweep_dir)}",
         f"#SBATCH --array=0-{tasks - 1}{limit}",
@@ -59,7 +62,7 @@ def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: st
         *[f"#SBATCH {arg}" for arg in options.sbatch_args],
         "set -euo pipefail",
         f"cd {shlex.quote(workdir)}",
-        f"exec {shlex.join(command)}",
+        f"exec {sweep_flags} {shard} -- {shlex.join(train_argv)}".rstrip(),
     ]
     return "\n".join(lines) + "\n"
 

@@ -44,8 +44,11 @@ def outcome(task: Task, status: str, exit_status: int, error: Optional[str], met
             "metrics": metrics, "wall_time": wall_time, "attempt": task.attempt, "log": task.experiment.log_path}
 
 
-def worker_main(slot: int, conn: Connection, threads: int, parent_pid: int) -> None:
-    """The worker process: run tasks from `conn` until told to stop (None), the pipe closes, or a signal."""
+def worker_main(conn: Connection, threads: int, parent_pid: int, in_process: bool) -> None:
+    """The worker process: run tasks from `conn` until told to stop (None), the pipe closes, or a signal.
+
+    `in_process`: its runs train in this process (one device each), so it imports the trainer up front.
+    """
     _die_with_parent(parent_pid)
     # SIGTERM outside training (training turns it into a checkpoint) stops the worker like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -54,7 +57,8 @@ def worker_main(slot: int, conn: Connection, threads: int, parent_pid: int) -> N
     import torch
 
     torch.set_num_threads(threads)
-    _import_run_dependencies()
+    if in_process:
+        _import_run_dependencies()
     try:
         while True:
             try:
@@ -72,7 +76,10 @@ def worker_main(slot: int, conn: Connection, threads: int, parent_pid: int) -> N
 
 
 def _import_run_dependencies() -> None:
-    """Import the trainer and TensorBoard before the first run, so a run's wall time is the run's own."""
+    """Import the trainer, TensorBoard and torch._dynamo (which a torch optimizer imports when first built,
+    about 3 s) before the first run, so a run's wall time is the run's own."""
+    import torch._dynamo  # noqa: F401
+
     import main_multi_gpu  # noqa: F401
     from torch.utils.tensorboard import SummaryWriter  # noqa: F401
 
