@@ -95,8 +95,8 @@ def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_
     """cnn cannot take --mode flatten's vectors (fails at run time); mlp/seed-1's worker is SIGKILLed at step 3."""
     reference, _ = two_workers
     killed = {"MULTIGPU_SWEEP_FAULT_INJECT": "model=mlp/seed-1@0:3"}
-    result = run_sweep(["--sweep-dir", str(tmp_path), "--seeds", "0,1", "--grid", "model=mlp,cnn", "--retries", "1",
-                        "--workers", "2", "--", *RUN], env=killed)
+    args = ["--sweep-dir", str(tmp_path), "--seeds", "0,1", "--grid", "model=mlp,cnn", "--retries", "1", "--", *RUN]
+    result = run_sweep(["--workers", "2", *args], env=killed)
     assert result.returncode == 1, result.stderr
     results = read_results(tmp_path)
     assert {name: r["status"] for name, r in results.items()} == {
@@ -113,6 +113,13 @@ def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_
     assert error[0].startswith("error: 2 of 4 experiments failed")
     assert any(line.startswith("  model=cnn/seed-1: --model cnn needs image samples") for line in error)
     assert "| model=cnn | 0/2 | 2 |" in (tmp_path / "summary.md").read_text()
+
+    again = run_sweep(args)  # failed runs are kept as they are unless asked for
+    assert again.returncode == 1 and "nothing to run" in again.stdout and "2 of 4 experiments failed" in again.stderr
+    assert read_results(tmp_path) == results
+    retried = run_sweep(["--retry-failed", "--workers", "1", *args])
+    assert retried.returncode == 1 and retried.stdout.count("FAILED  model=cnn/seed-") == 2
+    assert "model=mlp/seed" not in retried.stdout
 
 
 def test_a_killed_sweep_resumes_where_it_stopped(two_workers, tmp_path):
@@ -166,9 +173,9 @@ def test_guide_sweep_commands_run_as_written(tmp_path):
     assert len(commands) >= 2
     for argv in commands:
         cut = argv.index("--")
-        # One seed and fewer samples, so the suite stays fast; everything else as written.
-        result = run_sweep([*argv[:cut], "--num-seeds", "1", "--", *argv[cut + 1:], "--train-size", "256",
-                            "--val-size", "64", "--epochs", "1", "--no-progress"], cwd=tmp_path)
+        # One seed, one worker and fewer samples, so the suite stays fast; everything else as written.
+        result = run_sweep([*argv[:cut], "--num-seeds", "1", "--workers", "1", "--", *argv[cut + 1:],
+                            "--train-size", "256", "--val-size", "64", "--epochs", "1", "--no-progress"], cwd=tmp_path)
         assert_ok(result)
         expected = "sweep.sbatch: 2 experiments in 2 array tasks" if "--slurm" in argv else "sweep done: 2 of 2"
         assert expected in result.stdout

@@ -43,7 +43,8 @@ def test_bools_and_values_with_commas():
 
 BAD_GRIDS = {
     "unknown key": (["--grid", "lrr=0.1"], "lrr is not a training setting (did you mean lr?)"),
-    "value TrainConfig refuses": (["--grid", "batch_size=8,0"], "--grid batch_size=8,0: --batch-size must be at least 1"),
+    "value TrainConfig refuses": (["--grid", "batch_size=8,0"],
+                                  "--grid batch_size=8,0: --batch-size must be at least 1"),
     "not a number": (["--grid", "lr=fast"], "argument --lr: invalid float value"),
     "not a choice": (["--grid", "amp=fp8"], "--amp"),
     "same value twice": (["--grid", "lr=1e-3,0.001"], "the value 0.001 is given twice"),

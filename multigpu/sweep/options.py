@@ -50,8 +50,8 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _spellings(flag: str) -> list[str]:
-    underscored = flag.replace("-", "_")
-    return [flag] if underscored == flag else [flag, "--" + underscored[2:]]
+    underscored = "--" + flag[2:].replace("-", "_")
+    return [flag] if underscored == flag else [flag, underscored]
 
 
 # flag -> (argparse keyword arguments). The table is the one list of sweep flags: the parser and
