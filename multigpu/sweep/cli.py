@@ -43,6 +43,9 @@ def _one_line_errors(action: Callable[[], int]) -> int:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except KeyboardInterrupt:  # while the runs go, the scheduler turns Ctrl-C into a clean stop
+        print("interrupted while no run was going", file=sys.stderr, flush=True)
+        return 130
 
 
 def run(options: SweepOptions, train_argv: list[str]) -> int:
