@@ -9,4 +9,5 @@
 - checkpoint:   atomic rank-0 saves, safe loads, finding the newest good checkpoint
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT handling, naming a lost rank, torchrun restarts, the test-only fault injector
+- sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 """
