@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from multigpu import sweep
 from multigpu.data import build_datasets
 from multigpu.models import build_model
 from multigpu.config import TrainConfig, parse_config
@@ -50,9 +51,24 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
     return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: bad input is one line and exit 2, a failed run one line and exit 1."""
-    return main_guarded(lambda args: run(parse_config(args)), argv)
+def main(argv: Optional[Sequence[str]] = None, on_summary: Optional[Callable[[dict], None]] = None) -> int:
+    """Entry point: bad input is one line and exit 2, a failed run one line and exit 1.
+
+    A sweep flag (--num-seeds, --max-gpus, --grid, ...) makes it a sweep (MULTI_GPU_GUIDE.md, "Sweeps").
+    `on_summary` receives the final metrics of a finished run.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if sweep.requested(argv):
+        from multigpu.sweep.cli import main_mixed
+
+        return main_mixed(argv)
+
+    def train(args: Optional[Sequence[str]]) -> None:
+        summary = run(parse_config(args))
+        if on_summary is not None:
+            on_summary(summary)
+
+    return main_guarded(train, argv)
 
 
 def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:

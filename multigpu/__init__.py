@@ -16,6 +16,8 @@
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts
 - faults:       the test-only fault injector
+- savedir:      one run owns a save-dir; numbered run folders; --overwrite's set-aside copies
+- sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """
 

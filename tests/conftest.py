@@ -273,3 +273,27 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.d
     dtypes: list[torch.dtype] = []
     trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
     return dtypes
+
+
+# ---------------------------------------------------------------- sweeps
+# Tiny runs for sweeps: 4 optimizer steps an epoch, a step checkpoint every 2 steps.
+TINY_SWEEP_RUN = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--mode", "flatten",
+                  "--image-shape", "1,8,8", "--save-every-steps", "2", "--log-every", "2"]
+
+
+def run_sweep(args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: float = RUN_TIMEOUT,
+              entry: str = "sweep_multi_gpu.py", cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `python sweep_multi_gpu.py ARGS` (or main_multi_gpu.py's sweep form) to its end, on the CPU."""
+    env = cli_env({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    return subprocess.run([PYTHON, str(REPO / entry), *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def read_results(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """A sweep's results.jsonl as {experiment: record} (asserting one line per experiment)."""
+    import json
+
+    lines = [json.loads(line) for line in (Path(sweep_dir) / "results.jsonl").read_text().splitlines()]
+    by_name = {record["experiment"]: record for record in lines}
+    assert len(by_name) == len(lines), f"an experiment was recorded twice: {[r['experiment'] for r in lines]}"
+    return by_name

@@ -1,0 +1,21 @@
+"""Experiment sweeps: seeds x a grid of TrainConfig values, one full training run per experiment.
+
+    python sweep_multi_gpu.py --num-seeds 3 --grid lr=1e-3,3e-3 -- --epochs 5
+    python main_multi_gpu.py --num-seeds 3 --max-gpus 4 --epochs 5     # the same sweep
+
+One concern per module (MULTI_GPU_GUIDE.md, "Sweeps"):
+
+- options:    the sweep's own flags, and telling them apart from the training flags
+- plan:       the grid, the experiment list, its shards, and the fingerprint that a resume must match
+- records:    the sweep directory: results.jsonl, progress.json, sweep.json, locks
+- worker:     one worker process per device slot, running experiments one after another
+- scheduler:  the slots, the queue, dead workers and retries, the progress bar
+- summary:    mean, std and 95% confidence interval over seeds per grid point
+- slurm:      the sbatch job-array script that runs the shards on a cluster
+- child:      the torchrun entry of an experiment that is itself a multi-process DDP run
+- cli:        the command line that ties them together
+"""
+
+from multigpu.sweep.options import requested
+
+__all__ = ["requested"]

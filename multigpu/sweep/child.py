@@ -1,0 +1,32 @@
+"""The torchrun entry of an experiment that is a K-process DDP run (--gpus-per-run K > 1).
+
+    torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child SUMMARY.json [training flags]
+
+It is main_multi_gpu.py (same flags, same messages, same exit status), except that rank 0 also
+writes the run's final metrics to SUMMARY.json for the worker that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from multigpu.sweep.records import write_json_atomic
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run main_multi_gpu.main on the training flags; rank 0 writes the summary file."""
+    import main_multi_gpu
+
+    summary_path, *train_argv = list(sys.argv[1:] if argv is None else argv)
+
+    def record(summary: dict[str, Any]) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            write_json_atomic(summary_path, summary)
+
+    return main_multi_gpu.main(train_argv, on_summary=record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The sweep's command line: plan, check the sweep dir, run this shard's experiments, summarize.
+
+Exit status: 0 every experiment of this shard succeeded, 1 some failed (listed), 2 bad input (one
+line), 128 + N stopped by signal N (rerun the same command to continue).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from multigpu.errors import UsageError
+from multigpu.sweep import records, slurm, summary
+from multigpu.sweep.options import SweepOptions, parse, split_separated
+from multigpu.sweep.plan import Experiment, Plan, build_plan
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`sweep_multi_gpu.py [sweep flags] -- [training flags]`."""
+    sweep_argv, train_argv = split_separated(sys.argv[1:] if argv is None else argv)
+    return _one_line_errors(lambda: run(*_parsed(sweep_argv, train_argv, mixed=False)))
+
+
+def main_mixed(argv: Sequence[str]) -> int:
+    """The design notes' form, `main_multi_gpu.py --num-seeds N --max-gpus G [training flags]`."""
+    sweep_argv, train_argv = split_separated(argv)
+    return _one_line_errors(lambda: run(*_parsed(sweep_argv, train_argv, mixed=True)))
+
+
+def _parsed(sweep_argv: list[str], train_argv: list[str], mixed: bool) -> tuple[SweepOptions, list[str]]:
+    options, rest = parse(sweep_argv, mixed=mixed)
+    return options, rest + train_argv
+
+
+def _one_line_errors(action: Callable[[], int]) -> int:
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise UsageError("a sweep starts its own processes (torchrun ones too, with --gpus-per-run): "
+                             "run it with python, not under torchrun")
+        return action()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
+    except KeyboardInterrupt:  # while the runs go, the scheduler turns Ctrl-C into a clean stop
+        print("interrupted while no run was going", file=sys.stderr, flush=True)
+        return 130
+
+
+def run(options: SweepOptions, train_argv: list[str]) -> int:
+    """Run the sweep (or, with --slurm, write its job array); return the exit status."""
+    plan = build_plan(options, train_argv)
+    records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
+    if options.slurm:
+        return _write_slurm_script(plan, options, train_argv)
+    mine = plan.shard(*options.shard)
+    with records.exclusive(plan.sweep_dir, options.shard):
+        earlier = records.read_results(plan.sweep_dir)
+        to_run = [e for e in mine if _runs_again(earlier.get(e.name), options.retry_failed)]
+        print(_plan_line(plan, options, len(mine)), flush=True)
+        stopped = _run_experiments(plan, options, mine, to_run, earlier) if to_run else None
+        if not to_run:
+            print("nothing to run: every experiment of this sweep has a result", flush=True)
+        return _finish(plan, options, mine, stopped)
+
+
+def _runs_again(record: Optional[dict[str, Any]], retry_failed: bool) -> bool:
+    return record is None or (record["status"] == "failed" and retry_failed)
+
+
+def _plan_line(plan: Plan, options: SweepOptions, in_shard: int) -> str:
+    grid = " x ".join(f"{len(axis.values)} {axis.field}" for axis in plan.axes)
+    seeds = len(plan.experiments) // max(1, len(plan.points))
+    shape = f"{grid} x {seeds} seed(s)" if grid else f"{seeds} seed(s)"
+    shard = f"; shard {options.shard[0]}/{options.shard[1]}: {in_shard} of them" if options.sharded else ""
+    return f"sweep {plan.sweep_dir}: {shape} = {len(plan.experiments)} experiments{shard}"
+
+
+def _run_experiments(plan: Plan, options: SweepOptions, mine: list[Experiment], to_run: list[Experiment],
+                     earlier: dict[str, dict[str, Any]]) -> Optional[str]:
+    from multigpu.sweep.scheduler import Scheduler, find_slots
+
+    slots, slot_line = find_slots(options, _visible_gpus())
+    done = sum(earlier.get(e.name, {}).get("status") == "ok" for e in mine)
+    failed = sum(earlier.get(e.name, {}).get("status") == "failed" for e in mine) - \
+        sum(e.name in earlier for e in to_run)
+    resuming = sum(bool(glob.glob(os.path.join(glob.escape(e.save_dir), "*.pt"))) for e in to_run)
+    parts = [f"{done} done"] if done else []
+    if failed:
+        parts.append(f"{failed} failed before (not run again; --retry-failed runs them)")
+    parts.append(f"{len(to_run)} to run" + (f" ({resuming} continue from their checkpoints)" if resuming else ""))
+    print(f"{', '.join(parts)}; {slot_line}", flush=True)
+    progress_file = records.progress_path(plan.sweep_dir, options.shard)
+    static = {"sweep_dir": plan.sweep_dir, "shard": f"{options.shard[0]}/{options.shard[1]}",
+              "experiments": len(mine), "done_before": done}
+
+    def write_progress(state: dict[str, Any]) -> None:
+        records.write_json_atomic(progress_file, {**static, **state})
+
+    scheduler = Scheduler(slots, to_run, options, records.results_path(plan.sweep_dir, options.shard),
+                          write_progress, show_bar=plan.base.progress)
+    return scheduler.run()
+
+
+def _visible_gpus() -> list[str]:
+    """The ids of the GPUs this process may use, as CUDA_VISIBLE_DEVICES names them."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and not listed.strip():
+        return []  # no GPU wanted: no need to load torch to count them
+    import torch
+
+    count = torch.cuda.device_count()
+    ids = [part.strip() for part in listed.split(",") if part.strip()] if listed is not None else []
+    return (ids or [str(index) for index in range(count)])[:count]
+
+
+def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: Optional[str]) -> int:
+    with records.summary_lock(plan.sweep_dir):  # shards ending together: the last one sees every result
+        results = records.read_results(plan.sweep_dir)
+        table = summary.write(plan.sweep_dir, summary.summarize(plan, results), [axis.field for axis in plan.axes])
+    print(table, end="", flush=True)
+    ok = [e for e in mine if results.get(e.name, {}).get("status") == "ok"]
+    failed = [results[e.name] for e in mine if results.get(e.name, {}).get("status") == "failed"]
+    whose = f"shard {options.shard[0]}/{options.shard[1]}: " if options.sharded else ""
+    if stopped:
+        print(f"stopped by {stopped}: {whose}{len(ok)} of {len(mine)} experiments done; rerun the same command "
+              f"to continue", file=sys.stderr, flush=True)
+        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(stopped, 15)
+    merged = sum(e.name in results for e in plan.experiments)
+    if options.sharded and merged < len(plan.experiments):
+        print(f"the summary covers {merged} of {len(plan.experiments)} experiments so far (other shards have not "
+              f"finished)", flush=True)
+    where = os.path.join(plan.sweep_dir, "summary.md")
+    if failed:
+        print(f"error: {whose}{len(failed)} of {len(mine)} experiments failed (summary: {where}):",
+              file=sys.stderr, flush=True)
+        for record in failed:
+            print(f"  {record['experiment']}: {record['error']} (log {record['log']})", file=sys.stderr, flush=True)
+        print("  rerun with --retry-failed to run them again", file=sys.stderr, flush=True)
+        return 1
+    print(f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok; summary {where} (and summary.csv); "
+          f"compare the runs with: tensorboard --logdir {plan.sweep_dir}", flush=True)
+    return 0
+
+
+def _write_slurm_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> int:
+    path = slurm.write_script(plan, options, train_argv)
+    tasks, parallel = slurm.array_size(plan, options)
+    at_once = f", at most {parallel} at a time" if parallel else ""
+    print(f"wrote {path}: {len(plan.experiments)} experiments in {tasks} array tasks{at_once}", flush=True)
+    if not options.submit:
+        print(f"submit it with: sbatch {path}", flush=True)
+        return 0
+    job = slurm.submit(path)
+    print(f"submitted job array {job}; task output in {os.path.join(plan.sweep_dir, 'slurm')}; the merged summary "
+          f"is {os.path.join(plan.sweep_dir, 'summary.md')} once the tasks end", flush=True)
+    return 0

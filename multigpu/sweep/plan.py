@@ -1,0 +1,172 @@
+"""What a sweep runs: the grid, the experiment list, its shards, and the fingerprint a resume must match.
+
+Every grid value goes through TrainConfig's own parser and checks (`parse_config`): a value that
+main_multi_gpu.py would refuse is refused here, before anything runs, with the same words.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+from urllib.parse import quote
+
+from multigpu.config import FIELDS, TrainConfig, build_parser, flag, parse_config
+from multigpu.errors import UsageError
+from multigpu.sweep.options import SweepOptions
+
+# Set by the sweep for each run, so neither a training flag nor a grid key may set them.
+PER_EXPERIMENT = {"seed": "--num-seeds/--seeds", "save_dir": "--sweep-dir", "resume": "the sweep itself (resume "
+                  "is automatic)", "log_dir": "the sweep (each run logs to <its dir>/tb)"}
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One --grid KEY: a TrainConfig field and its values (as TrainConfig prints them, so 1e-3 == 0.001)."""
+
+    field: str
+    values: tuple[Any, ...]
+    flags: tuple[tuple[str, ...], ...]  # the training flags that set each value
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One full training run: a grid point and a seed, with its own save dir."""
+
+    point: str  # "lr=0.001,batch_size=32"; "" without a grid
+    seed: int
+    save_dir: str
+    argv: tuple[str, ...]  # main_multi_gpu.py's flags for this run
+
+    @property
+    def name(self) -> str:
+        """Its path inside the sweep dir, which is also its name in results and messages."""
+        return f"{self.point}/seed-{self.seed}" if self.point else f"seed-{self.seed}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.save_dir, "train.log")
+
+
+@dataclass
+class Plan:
+    """The whole sweep: every experiment in a fixed order (grid points in --grid order, then seeds)."""
+
+    sweep_dir: str
+    base: TrainConfig
+    axes: list[Axis]
+    points: list[tuple[str, dict[str, Any]]]  # (name, {field: value}) per grid point
+    experiments: list[Experiment]
+    fingerprint: dict[str, Any]
+
+    def shard(self, index: int, count: int) -> list[Experiment]:
+        """The experiments of shard `index` of `count`: every count-th one, so each shard gets every grid point."""
+        return self.experiments[index::count]
+
+
+def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
+    """Check the training flags and the grid, and list the experiments."""
+    train_argv = list(train_argv)
+    _refuse_per_experiment_flags(train_argv)
+    base = parse_config(train_argv)
+    axes = [_axis(token, train_argv) for token in options.grid]
+    repeated = {axis.field for axis in axes if [a.field for a in axes].count(axis.field) > 1}
+    if repeated:
+        raise UsageError(f"--grid names {', '.join(sorted(repeated))} twice: give all values of a key in one "
+                         f"KEY=V1,V2")
+    sweep_dir = os.path.abspath(options.sweep_dir)
+    points, experiments = [], []
+    for combination in itertools.product(*[range(len(axis.values)) for axis in axes]):
+        values = {axis.field: axis.values[i] for axis, i in zip(axes, combination)}
+        point = ",".join(f"{name}={quote(str(value), safe=',:+@')}" for name, value in values.items())
+        point_flags = [text for axis, i in zip(axes, combination) for text in axis.flags[i]]
+        parse_config(train_argv + point_flags)  # each value was checked alone; check them together too
+        points.append((point, values))
+        for seed in options.seeds:
+            save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir,
+                                                                                                 f"seed-{seed}")
+            argv = [*train_argv, *point_flags, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
+                    "--no-progress"]  # the sweep's one bar replaces each run's own
+            experiments.append(Experiment(point, seed, save_dir, tuple(argv)))
+    fingerprint = {"base": {name: value for name, value in base.to_dict().items()
+                            if name not in PER_EXPERIMENT and name != "progress"},
+                   "grid": {axis.field: list(axis.values) for axis in axes},
+                   "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run}
+    return Plan(sweep_dir, base, axes, points, experiments, fingerprint)
+
+
+def _refuse_per_experiment_flags(train_argv: list[str]) -> None:
+    unset = object()
+    parser = build_parser()
+    parser.set_defaults(**{name: unset for name in PER_EXPERIMENT})  # tells "given" from "given the default"
+    args = vars(parser.parse_args(train_argv))
+    for name, setter in PER_EXPERIMENT.items():
+        if args[name] is not unset:
+            raise UsageError(f"--{flag(name)} is set for each run by {setter}; leave it out of the training flags")
+
+
+def _axis(token: str, train_argv: list[str]) -> Axis:
+    key, sep, text = token.partition("=")
+    name = key.strip().lstrip("-").replace("-", "_")
+    if not sep or not key.strip():
+        raise UsageError(f"--grid {token}: expected KEY=V1,V2, e.g. lr=1e-3,3e-3")
+    if name not in FIELDS:
+        close = difflib.get_close_matches(name, FIELDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"--grid {token}: {key} is not a training setting{hint}; the keys are the flags of "
+                         f"main_multi_gpu.py --help, e.g. lr or batch_size")
+    if name in PER_EXPERIMENT:
+        raise UsageError(f"--grid {token}: --{flag(name)} is set for each run by {PER_EXPERIMENT[name]}")
+    texts = [part.strip() for part in text.split(";" if ";" in text else ",")]
+    if not all(texts):
+        raise UsageError(f"--grid {token}: empty value; give KEY=V1,V2")
+    values, flags = [], []
+    for value_text in texts:
+        value_flags = _value_flags(name, value_text, token)
+        try:
+            value = getattr(parse_config(train_argv + value_flags), name)
+        except UsageError as error:
+            hint = " (values holding commas: separate them with ';')" if name == "image_shape" else ""
+            raise UsageError(f"--grid {token}: {error}{hint}") from None
+        if value in values:
+            raise UsageError(f"--grid {token}: the value {value} is given twice")
+        values.append(value)
+        flags.append(tuple(value_flags))
+    return Axis(name, tuple(values), tuple(flags))
+
+
+def _value_flags(name: str, text: str, token: str) -> list[str]:
+    """The training flags that set field `name` to `text` (a bool field is --x or --no-x)."""
+    if FIELDS[name].type not in ("bool", bool):
+        return [f"--{flag(name)}", text]
+    if text.lower() in TRUE_WORDS:
+        return [f"--{flag(name)}"]
+    if text.lower() in FALSE_WORDS:
+        return [f"--no-{flag(name)}"]
+    raise UsageError(f"--grid {token}: --{flag(name)} is on or off; give true or false, not {text!r}")
+
+
+def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+    """The first setting in which two fingerprints differ, as 'FLAG THERE (sweep) vs HERE (command)'; None if equal."""
+    for name in sorted(set(saved.get("base", {})) | set(current["base"])):
+        there, here = saved.get("base", {}).get(name), current["base"].get(name)
+        if there != here:
+            return f"--{flag(name)} {_shown(there)} (the sweep's) vs {_shown(here)} (this command's)"
+    if saved.get("grid") != current["grid"]:
+        return f"--grid {_grid_text(saved.get('grid', {}))} (the sweep's) vs {_grid_text(current['grid'])} " \
+               f"(this command's)"
+    for name in ("gpus_per_run", "threads_per_run"):
+        if saved.get(name) != current[name]:
+            return f"--{flag(name)} {saved.get(name)} (the sweep's) vs {current[name]} (this command's)"
+    return None
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+def _grid_text(grid: dict[str, list[Any]]) -> str:
+    return " ".join(f"{name}={','.join(map(str, values))}" for name, values in grid.items()) or "(none)"

@@ -1,0 +1,94 @@
+"""--slurm: the sbatch job-array script that runs a sweep's shards on a SLURM cluster, and --submit.
+
+Array task I of N runs `sweep_multi_gpu.py` with the same flags and `--shard I/N`. Every task writes
+into the one sweep dir (its own results file), and each one that ends rewrites the merged summary.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Optional
+
+from multigpu.errors import UsageError
+from multigpu.sweep.options import MAX_ARRAY_TASKS, SweepOptions, to_argv
+from multigpu.sweep.plan import Plan
+
+SCRIPT_NAME = "sweep.sbatch"
+ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "sweep_multi_gpu.py")
+
+
+def array_size(plan: Plan, options: SweepOptions) -> tuple[int, Optional[int]]:
+    """(N array tasks, at most P at once or None): one task per experiment unless --shards says otherwise;
+    P keeps the GPUs in use at once within --max-gpus."""
+    tasks = options.shards or max(1, min(len(plan.experiments), MAX_ARRAY_TASKS))
+    if tasks > MAX_ARRAY_TASKS:
+        raise UsageError(f"--shards {tasks}: SLURM arrays hold at most {MAX_ARRAY_TASKS} tasks by default")
+    if options.max_gpus is None:
+        return tasks, None
+    if options.max_gpus < options.gpus_per_run:
+        raise UsageError(f"--max-gpus {options.max_gpus} is fewer than --gpus-per-run {options.gpus_per_run}")
+    return tasks, options.max_gpus // options.gpus_per_run
+
+
+def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: str) -> str:
+    """The text of the sbatch script (bash; passes shellcheck)."""
+    tasks, parallel = array_size(plan, options)
+    limit = f"%{parallel}" if parallel else ""
+    on_cpu = options.workers is not None
+    per_task = options.workers * options.gpus_per_run * options.threads_per_run if on_cpu else 0
+    resources = f"--cpus-per-task={per_task}" if on_cpu else f"--gres=gpu:{options.gpus_per_run}"
+    sweep_flags = shlex.join([sys.executable, ENTRY, *to_argv(options, for_task=True)])
+    # The shard count is written here, not read from SLURM_ARRAY_TASK_COUNT: resubmitting only some
+    # tasks (sbatch --array=3,5) must still cut the list into the same shards.
+    shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{tasks}"'
+
+    lines = [
+        "#!/bin/bash",
+        f"# Sweep {plan.sweep_dir}: {len(plan.experiments)} experiments in {tasks} array tasks"
+        f"{f', at most {parallel} at a time' if parallel else ''}.",
+        f"# Written by sweep_multi_gpu.py --slurm. Submit: sbatch {shlex.quote(script_path(plan))}",
+        f"# Array task I runs shard I/{tasks} of the experiment list, into the one sweep dir;",
+        "# submitting it again continues the sweep: finished experiments are skipped.",
+        f"#SBATCH --job-name=sweep-{os.path.basename(plan.sweep_dir)}",
+        f"#SBATCH --array=0-{tasks - 1}{limit}",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH {resources}",
+        f"#SBATCH --output={os.path.join(plan.sweep_dir, 'slurm', '%A_%a.out')}",
+        *[f"#SBATCH {arg}" for arg in options.sbatch_args],
+        "set -euo pipefail",
+        f"cd {shlex.quote(workdir)}",
+        f"exec {sweep_flags} {shard} -- {shlex.join(train_argv)}".rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def script_path(plan: Plan) -> str:
+    return os.path.join(plan.sweep_dir, SCRIPT_NAME)
+
+
+def write_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> str:
+    """Write DIR/sweep.sbatch (and DIR/slurm/ for the tasks' output: SLURM does not create it); return its path."""
+    path = script_path(plan)
+    os.makedirs(os.path.join(plan.sweep_dir, "slurm"), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(script(plan, options, train_argv, os.getcwd()))
+    os.chmod(path, 0o755)
+    return path
+
+
+def submit(path: str) -> str:
+    """sbatch the script; return the job id."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise UsageError(f"--submit: sbatch not found (not a SLURM machine?); the script is written: submit it "
+                         f"where SLURM runs with: sbatch {shlex.quote(path)}")
+    result = subprocess.run([sbatch, "--parsable", path], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        said = (result.stderr.strip() or result.stdout.strip() or f"exit status {result.returncode}").splitlines()
+        raise UsageError(f"--submit: sbatch refused {path}: {said[0]}")
+    return result.stdout.strip().split(";")[0]

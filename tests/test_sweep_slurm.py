@@ -1,0 +1,89 @@
+"""--slurm: the job-array script's text, its array tasks run as SLURM would start them, and --submit."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from conftest import PYTHON, REPO, RUN_TIMEOUT, TINY_SWEEP_RUN, assert_ok, cli_env, run_sweep
+
+SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
+RUN = [*TINY_SWEEP_RUN, "--epochs", "1"]
+
+
+def write_script(sweep_dir: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_sweep(["--sweep-dir", str(sweep_dir), "--num-seeds", "2", "--grid", "lr=1e-3,3e-3", "--slurm", *flags,
+                      "--", *RUN], env=env)
+
+
+def sbatch_lines(script: Path) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in script.read_text().splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_cpu_array_script(tmp_path):
+    result = write_script(tmp_path, "--shards", "2", "--workers", "1", "--sbatch-arg=--time=00:10:00")
+    assert_ok(result)
+    script = tmp_path / "sweep.sbatch"
+    assert f"wrote {script}: 4 experiments in 2 array tasks" in result.stdout
+    assert sbatch_lines(script) == ["--job-name=sweep-" + tmp_path.name, "--array=0-1", "--ntasks=1",
+                                    "--cpus-per-task=1", f"--output={tmp_path}/slurm/%A_%a.out", "--time=00:10:00"]
+    command = script.read_text().splitlines()[-1]
+    assert command.startswith(f"exec {PYTHON} {REPO / 'sweep_multi_gpu.py'} --sweep-dir {tmp_path} --seeds 0,1 ")
+    assert '--workers 1 --shard "${SLURM_ARRAY_TASK_ID}/2" -- ' + " ".join(RUN) in command
+    assert (tmp_path / "slurm").is_dir() and (tmp_path / "sweep.json").exists()  # SLURM does not create dirs
+    assert_ok(subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True))
+
+
+def test_gpu_array_script_keeps_within_max_gpus(tmp_path):
+    assert_ok(write_script(tmp_path, "--max-gpus", "4", "--gpus-per-run", "2"))
+    script = tmp_path / "sweep.sbatch"
+    lines = sbatch_lines(script)
+    assert "--array=0-3%2" in lines and "--gres=gpu:2" in lines  # one task per experiment, 2 x 2 GPUs at once
+    command = script.read_text().splitlines()[-1]
+    assert "--gpus-per-run 2" in command and "--max-gpus" not in command and "--workers" not in command
+    assert_ok(subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True))
+
+
+def test_array_tasks_share_one_sweep_dir_and_merge_their_results(tmp_path):
+    """Both tasks of a 2-task array at once, started the way SLURM starts them: the script, with the task id."""
+    assert_ok(write_script(tmp_path, "--shards", "2", "--workers", "1"))
+    tasks = [subprocess.Popen(["bash", str(tmp_path / "sweep.sbatch")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=cli_env({"CUDA_VISIBLE_DEVICES": "", "SLURM_ARRAY_TASK_ID": str(task),
+                                                      "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0"}))
+             for task in range(2)]
+    outputs = [task.communicate(timeout=RUN_TIMEOUT) for task in tasks]
+    for task, (stdout, stderr) in zip(tasks, outputs):
+        assert task.returncode == 0, stderr
+    shards = {}
+    for task in range(2):
+        lines = (tmp_path / f"results.shard-{task}-of-2.jsonl").read_text().splitlines()
+        shards[task] = {json.loads(line)["experiment"] for line in lines}
+        assert f"shard {task}/2: 2 of them" in outputs[task][0]
+    # Every other experiment of the list: each shard holds one seed of each grid point.
+    assert shards == {0: {"lr=0.001/seed-0", "lr=0.003/seed-0"}, 1: {"lr=0.001/seed-1", "lr=0.003/seed-1"}}
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [(row["point"], row["done"]) for row in rows] == [("lr=0.001", "2"), ("lr=0.003", "2")]
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_submit_hands_the_script_to_sbatch(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"  # stands in for SLURM's sbatch: records its arguments, answers like --parsable
+    sbatch.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\necho "4242;cluster"\n')
+    sbatch.chmod(0o755)
+    result = write_script(tmp_path / "sweep", "--submit", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert_ok(result)
+    assert "submitted job array 4242" in result.stdout
+    assert (bin_dir / "args").read_text().split() == ["--parsable", str(tmp_path / "sweep" / "sweep.sbatch")]
+
+
+def test_submit_without_sbatch_is_one_line(tmp_path):
+    result = write_script(tmp_path, "--submit", env={"PATH": str(tmp_path / "empty")})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --submit: sbatch not found"), result.stderr
+    assert (tmp_path / "sweep.sbatch").exists()  # written, to be submitted where SLURM runs
