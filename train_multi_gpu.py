@@ -24,24 +24,23 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from multigpu import checkpoint, faults, rng
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import ForwardFn, batch_size, check_first_batch, compute_loss, default_forward, to_device
-from multigpu.checkpointer import Checkpointer
+from multigpu.checkpointer import Checkpointer, with_run_folder
 from multigpu.config import TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import Runtime, gather_objects, is_distributed, setup, teardown
+from multigpu.distributed import Runtime, is_distributed, place_model, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.lr_scaling import describe_lr, scaled_lr
 from multigpu.meters import IntervalMeter
-from multigpu.metrics import MetricsSpec, lower_is_better
-from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            move_schedule_to, users_optimizer, users_scheduler)
+from multigpu.metrics import MetricsSpec, Monitor
+from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, lr_factor,
+                            users_optimizer, users_scheduler)
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 
@@ -52,10 +51,11 @@ __all__ = ["MultiGPUTrainer", "TrainConfig"]
 class Progress:
     """Where training stands; saved in every checkpoint."""
 
-    epoch: int = 0  # the epoch being trained (== epochs when done)
+    epoch: int = 0  # epochs whose training is done (== epochs at the end)
     global_step: int = 0  # optimizer steps taken
-    samples_in_epoch: int = 0  # global samples of `epoch` already trained on, in the sampler's order
+    samples_in_epoch: int = 0  # global samples of the current epoch already trained on, in the sampler's order
     best_value: Optional[float] = None  # of the monitored validation metric
+    evaluated: bool = True  # False between an epoch's last step and the end of its evaluation
 
 
 class MultiGPUTrainer:
@@ -82,15 +82,17 @@ class MultiGPUTrainer:
                  forward_fn: Optional[ForwardFn] = None, runtime: Optional[Runtime] = None):
         if scheduler_interval not in INTERVALS:
             raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
-        self.config = config = config or TrainConfig()
-        owned_before = is_distributed()
+        config = config or TrainConfig()
+        group_before = is_distributed()
         self.runtime = rt = runtime or setup(config)
-        self.owns_process_group = runtime is None and is_distributed() and not owned_before
-        self.device = rt.device
+        self.owns_process_group = runtime is None and is_distributed() and not group_before
+        self.config, run_folder = with_run_folder(config, rt)
+        config, self.device = self.config, rt.device
         self.report = Reporter(config, rt.is_main)
+        if run_folder:
+            self.report.line(run_folder)
         self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type)
-        self.model = self._prepare_model(model)  # the plain module: checkpoints and evaluation use it
-        self.wrapped = self._wrap(self.model)  # what training calls: DDP, DataParallel or the module itself
+        self.model, self.wrapped = place_model(model, config, rt, self.report.line)  # plain module, what trains
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or default_forward
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
@@ -100,92 +102,34 @@ class MultiGPUTrainer:
         self.loader_batch = config.batch_size * per_step
         self.eval_batch = (config.eval_batch_size or config.batch_size) * per_step
         self.effective_batch = config.batch_size * rt.devices_per_step * config.grad_accum_steps
-        self.sampler = self._sampler(len(train_dataset))  # type: ignore[arg-type]
+        self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
         self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
                                          sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
         self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
-        if optimizer is None:
-            self.optimizer = build_optimizer(self.model, config, scaled_lr(config.lr, config.lr_scaling,
-                                                                           self.effective_batch, config.lr_base_batch))
-        else:
-            self.optimizer = users_optimizer(optimizer, self.model, scaled_lr(1.0, config.lr_scaling,
-                                                                              self.effective_batch, config.lr_base_batch))
-        self.lr = self.optimizer.param_groups[0]["lr"]
+        lr_factor_ = scaled_lr(1.0, config.lr_scaling, self.effective_batch, config.lr_base_batch)
         self.builtin_optimizer, self.builtin_schedule = optimizer is None, scheduler is None
+        self.optimizer = (build_optimizer(self.model, config, scaled_lr(config.lr, config.lr_scaling,
+                                                                        self.effective_batch, config.lr_base_batch))
+                          if optimizer is None else users_optimizer(optimizer, self.model, lr_factor_))
+        self.lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
                           else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
 
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn)
-        self.checkpointer = Checkpointer(config, rt, self.report)
-        self.progress = Progress()
-        self.metrics: dict[str, float] = {}
-        self.monitor: Optional[str] = config.monitor  # resolved at the first evaluation when not given
-
+        self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
+        self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
         rng.seed_all(config.seed + rt.rank)
-        checkpoint.check_writable(config.save_dir)  # on every rank: all of them stop with the same line
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
         self.meter = IntervalMeter(config.log_every, self.device)
         self._resumed, self._batch_checked = False, False
-
-    # ------------------------------------------------------------------ set-up
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """--sync-bn conversion (before the DDP wrap) and the small-batch BatchNorm warning."""
-        has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        # SyncBatchNorm raises in training mode on the CPU: it is a CUDA feature.
-        synced = self.config.sync_bn and self.runtime.mode == "ddp" and self.device.type == "cuda"
-        if synced:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
-        elif self.config.sync_bn:
-            self.report.line("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
-        if has_batchnorm and not synced and self.runtime.devices_per_step > 1 and self.config.batch_size < 16:
-            self.report.line(f"warning: BatchNorm statistics come from {self.config.batch_size} samples per device; "
-                             f"results will depend on the device count (consider --sync-bn or a larger batch)")
-        return model.to(self.device)
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        rt = self.runtime
-        if rt.mode == "ddp":
-            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if rt.mode == "dp":
-            self.report.line("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, "
-                             "other replicas' BatchNorm statistics are lost); DDP via torchrun is faster")
-            return nn.DataParallel(model, device_ids=rt.dp_device_ids, output_device=rt.dp_device_ids[0])
-        return model
-
-    def _sampler(self, size: int) -> ResumableDistributedSampler:
-        rt = self.runtime
-        if size < rt.world_size:
-            raise UsageError(f"a training set of {size} sample(s) cannot be shared by {rt.world_size} processes: "
-                             f"use more data or fewer processes")
-        return ResumableDistributedSampler(size, rt.rank, rt.world_size, self.config.seed)
-
-    def _print_plan(self) -> None:
-        config, rt = self.config, self.runtime
-        batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
-                      else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
-        steps_left = (config.epochs - self.progress.epoch) * self.steps_per_epoch - self._steps_done_in_epoch()
-        last_step = self.progress.global_step + max(0, steps_left)
-        resumed = f" ({steps_left} left)" if self.progress.global_step else ""
-        schedule = (f"schedule {config.lr_schedule}, warm-up {round(config.warmup_epochs * self.steps_per_epoch)} "
-                    f"steps" if self.builtin_schedule else
-                    f"scheduler {type(self.scheduler).__name__} per {self.scheduler_interval}")
-        self.report.line(rt.describe())
-        self.report.line(f"batch {config.batch_size} per device x {rt.devices_per_step} devices x "
-                         f"{config.grad_accum_steps} accumulation = {self.effective_batch} effective ({batch_rule})")
-        self.report.line(f"optimizer {type(self.optimizer).__name__}, {self._describe_lr()}; {schedule}, "
-                         f"{self.steps_per_epoch} steps/epoch, {last_step} steps{resumed}; amp {self.amp.name}")
-
-    def _describe_lr(self) -> str:
-        if self.builtin_optimizer:
-            return describe_lr(self.config, self.effective_batch)
-        scaling = self.config.lr_scaling
-        return f"lr {self.lr:g} (the optimizer's own{'' if scaling == 'none' else f', --lr-scaling {scaling}'})"
+        self.checkpointer = Checkpointer(config, rt, self.report)
+        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer))
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -197,28 +141,30 @@ class MultiGPUTrainer:
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
-        """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch,
-        and return the final metrics. The progress bar and TensorBoard writer are closed however it ends."""
-        config, rt = self.config, self.runtime
-        started = time.perf_counter()
+        """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch, and return
+        the final metrics. The save-dir lock, progress bar and TensorBoard writer are released however it ends."""
+        rt, started = self.runtime, time.perf_counter()
         try:
-            with stops_handled(self.stop, rt.rank, rt.world_size, min(config.dist_timeout, 10.0)):
+            with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0)):
+                self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 self.resume()
                 self._print_plan()
-                while self.progress.epoch < config.epochs:
-                    if not self._run_epoch():
+                while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
+                    if self.progress.evaluated and not self._run_epoch():
                         return self._stop_for_signal()
-                    self._end_epoch()
+                    if not self._evaluate_and_save():
+                        return self._stop_for_signal()
             summary = self._summary(wall_time=time.perf_counter() - started)
             self._report_done(summary)
             return summary
         finally:
             self.report.close()
+            self.checkpointer.release()
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
         progress, config = self.progress, self.config
-        done_steps = self._steps_done_in_epoch()
+        done_steps = self.steps_done_in_epoch()
         samples_left = len(self.sampler)  # this rank's, equal on every rank
         self.report.start_epoch(progress.epoch, config.epochs, self.steps_per_epoch, done_steps)
         self.wrapped.train()
@@ -237,9 +183,12 @@ class MultiGPUTrainer:
             if progress.global_step == self.die_at_step:
                 faults.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
         self.report.end_epoch()
+        progress.epoch, progress.samples_in_epoch, progress.evaluated = progress.epoch + 1, 0, False
+        if self.scheduler_interval == "epoch":
+            self.scheduler.step()
         return True
 
-    def _steps_done_in_epoch(self) -> int:
+    def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already taken; also points the sampler at the rest."""
         self.sampler.start_at(self.progress.epoch, self.progress.samples_in_epoch)
         return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.config.grad_accum_steps))
@@ -308,8 +257,7 @@ class MultiGPUTrainer:
         stop on a signal that reached any rank, stop on a non-finite loss (unless
         fp16's scaler handles it by skipping the step).
         """
-        interval = self.meter.reduce(self.stop.requested)
-        step = self.progress.global_step
+        interval, step = self.meter.reduce(self.stop.requested), self.progress.global_step
         first_step = step - len(interval.step_losses) + 1
         bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
         if bad and not self.scaler.is_enabled():
@@ -317,20 +265,9 @@ class MultiGPUTrainer:
                                   f"checkpoint kept: {self.checkpointer.newest()}")
         self.train_samples += interval.samples
         self.train_seconds += interval.seconds
-        loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
-        self.report.scalars({"train/loss": loss, "train/lr": self.applied_lr, "train/samples_per_sec": per_sec,
-                             "train/samples_per_sec_per_device": per_sec / self.runtime.devices_per_step}, step)
-        if self.scaler.is_enabled():
-            # This rank's own count, not a sum: DDP gives every rank the same gradients, so all skip alike.
-            skipped, scale = int(self.meter.skipped_steps), self.scaler.get_scale()
-            self.report.scalars({"train/skipped_steps": skipped, "train/loss_scale": scale}, step)
-            if skipped:
-                self.report.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped:.0f} step(s) "
-                                 f"with inf/NaN gradients (weights unchanged there); loss scale now {scale:g}")
-        self.report.advance(len(interval.step_losses), {"loss": f"{loss:.4f}", "lr": f"{self.applied_lr:.3g}",
-                                                        "samples/s": f"{per_sec:.0f}"})
-        if not self.config.progress:
-            self.report.line(f"step {step}: loss {loss:.4f}, lr {self.applied_lr:.3g}, {per_sec:.0f} samples/s")
+        skipped = int(self.meter.skipped_steps) if self.scaler.is_enabled() else None  # this rank's: all skip alike
+        self.report.interval(step, first_step, interval, self.applied_lr, self.runtime.devices_per_step,
+                             skipped, self.scaler.get_scale() if skipped is not None else None)
         self.meter.reset()
         return interval.stop_votes > 0
 
@@ -341,94 +278,48 @@ class MultiGPUTrainer:
         dataset = dataset if dataset is not None else self.val_dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
-        # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
-        model = self.wrapped if self.runtime.mode == "dp" else self.model
-        return self.evaluator.run(model, dataset, self.eval_batch)
+        result = self.evaluator.run(self._eval_model(), dataset, self.eval_batch)
+        assert result is not None  # no stop request without one
+        return result
 
-    def _end_epoch(self) -> None:
-        """Evaluate, log, move to the next epoch and save last.pt (and best.pt on a new best)."""
+    def _eval_model(self) -> nn.Module:
+        # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
+        return self.wrapped if self.runtime.mode == "dp" else self.model
+
+    def _evaluate_and_save(self) -> bool:
+        """Evaluate the epoch just trained, log it, save last.pt (and best.pt on a new best).
+        False when a stop signal came during evaluation: the epoch's training is saved, unevaluated."""
         progress = self.progress
-        progress.epoch += 1
-        progress.samples_in_epoch = 0
-        if self.scheduler_interval == "epoch":
-            self.scheduler.step()
         if self.val_dataset is not None:
-            result = self.evaluate()
+            result = self.evaluator.run(self._eval_model(), self.val_dataset, self.eval_batch, stop=self.stop)
+            if result is None:
+                return False
             self.metrics = {f"val_{name}": value for name, value in result.items() if name != "count"}
-            self.report.scalars({f"val/{name}": value for name, value in result.items() if name != "count"},
-                                progress.global_step)
-            shown = ", ".join(f"val {name} {value:.4f}" for name, value in result.items() if name != "count")
-            self.report.line(f"epoch {progress.epoch}/{self.config.epochs}: {shown} ({result['count']} samples)")
+            self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step)
+        progress.evaluated = True
         is_best = self._is_new_best()
         self.checkpointer.save(self.state_dict(), "last.pt", also_as="best.pt" if is_best else None)
         self.report.flush()
+        return True
 
     def _is_new_best(self) -> bool:
-        """Whether this epoch's monitored metric beats the best so far (and record it): timm's eval_metric."""
+        """Whether this epoch's monitored metric beats the best so far (and record it)."""
         if not self.metrics:
             return False
-        self.monitor = self.monitor or ("val_acc" if "val_acc" in self.metrics else "val_loss")
-        if self.monitor not in self.metrics:
-            raise UsageError(f"--monitor {self.monitor} is not a validation metric of this run; it has "
-                             f"{', '.join(self.metrics)}")
-        value, best = self.metrics[self.monitor], self.progress.best_value
-        lower = (self.config.monitor_mode == "min" or
-                 (self.config.monitor_mode == "auto" and lower_is_better(self.monitor)))
-        better = math.isfinite(value) and (best is None or (value < best if lower else value > best))
-        if better:
-            self.progress.best_value = value
-        return better
-
-    def _summary(self, **extra: Any) -> dict[str, Any]:
-        """What fit returns: the last validation metrics, the best monitored value, progress and throughput."""
-        best = {"monitor": self.monitor, "best": self.progress.best_value}
-        if self.monitor:
-            best[f"best_{self.monitor}"] = self.progress.best_value
-        return {**self.metrics, **best, "epochs": self.progress.epoch, "global_step": self.progress.global_step,
-                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
-
-    def _report_done(self, summary: dict[str, Any]) -> None:
-        best = (f"best {self.monitor.replace('_', ' ', 1)} {summary['best']:.4f}" if summary["best"] is not None
-                else "no validation set" if self.val_dataset is None else "no finite validation metric")
-        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
-                         f"{summary['samples_per_sec']:.0f} samples/s "
-                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
-        final = {key: value for key, value in summary.items()
-                 if isinstance(value, float) and (key.startswith("val_") or key.startswith("best_"))}
-        self.report.hparams(self.config, final)
+        value = self.metrics[self.monitor.choose(self.metrics)]
+        if not self.monitor.improves(value, self.progress.best_value):
+            return False
+        self.progress.best_value = value
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs, in plain types so it loads with weights_only=True.
+        """Everything a resume needs (every rank must call it: the ranks' RNG states are gathered)."""
+        return self.checkpointer.state_of(self)
 
-        Every rank must call it (the ranks' RNG states are gathered). Saves happen
-        between optimizer steps only, so no gradient accumulation is ever in flight.
-        """
-        rng_states = gather_objects(rng.rng_state(self.device))
-        model = getattr(self.model, "_orig_mod", self.model)  # torch.compile'd modules save plain keys
-        return {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-            "model": model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_class": type(self.optimizer).__name__,
-            "scheduler": self.scheduler.state_dict(),
-            "scheduler_class": type(self.scheduler).__name__,
-            "scheduler_interval": self.scheduler_interval,
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.progress.epoch,
-            "global_step": self.progress.global_step,
-            "samples_in_epoch": self.progress.samples_in_epoch,
-            "steps_per_epoch": self.steps_per_epoch,
-            "sampler_seed": self.sampler.seed,
-            "train_size": self.sampler.dataset_size,
-            "monitor": self.monitor,
-            "best_value": self.progress.best_value,
-            "metrics": dict(self.metrics),
-            "world_size": self.runtime.world_size,
-            "rng": rng_states,
-            "config": self.config.to_dict(),
-        }
+    def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
+        """Load a checkpoint into the live model, optimizer, scheduler, scaler, progress and RNG."""
+        self.checkpointer.load_into(self, state, path)
 
     def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
         """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this)."""
@@ -447,58 +338,15 @@ class MultiGPUTrainer:
         if found is None:
             return False
         path, state = found
-        self.checkpointer.check(path, state, self._identity())
+        identity = {**{name: getattr(self.config, name) for name in ("mode", "dataset", "image_shape", "num_classes")},
+                    "model": self.config.model_name, "train_size": self.sampler.dataset_size,
+                    "optimizer_class": type(self.optimizer).__name__, "scheduler_class": type(self.scheduler).__name__}
+        self.checkpointer.check(path, state, identity)
         self.load_state_dict(state, path)
         self.report.line(f"resumed from {path}: epoch {self.progress.epoch + 1}, step {self.progress.global_step}, "
                          f"{self.progress.samples_in_epoch} samples into the epoch")
         self.report.purge_step = self.progress.global_step + 1
         return True
-
-    def _identity(self) -> dict[str, Any]:
-        """What a checkpoint must share with this run to be resumed by it."""
-        return {**{name: getattr(self.config, name) for name in ("mode", "dataset", "image_shape", "num_classes")},
-                "model": self.config.model_name, "train_size": self.sampler.dataset_size,
-                "optimizer_class": type(self.optimizer).__name__, "scheduler_class": type(self.scheduler).__name__}
-
-    def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
-        """Load a checkpoint into the live model, optimizer, scheduler, scaler, progress and RNG."""
-        try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError) as error:
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                                             f"{lines[min(1, len(lines) - 1)][:300]}") from None
-        if self.scaler.is_enabled() and not state["scaler"]:
-            self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
-        else:
-            self.scaler.load_state_dict(state["scaler"])
-        same_monitor = state["monitor"] is None or self.monitor in (None, state["monitor"])
-        self.monitor = self.monitor or state["monitor"]
-        self.progress = Progress(state["epoch"], state["global_step"], state["samples_in_epoch"],
-                                 state["best_value"] if same_monitor else None)
-        self.metrics = dict(state.get("metrics", {}))
-        self.sampler.seed = state.get("sampler_seed", self.sampler.seed)  # the epoch's order must not change
-        if state["world_size"] == self.runtime.world_size:
-            rng.set_rng_state(state["rng"][self.runtime.rank], self.device)
-        else:
-            self._continue_on_another_world_size(state["world_size"])
-
-    def _continue_on_another_world_size(self, saved_world_size: int) -> None:
-        """The data position is kept in global samples; the built-in schedule moves to the same point of
-        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
-        if self.builtin_schedule:
-            step = self.progress.epoch * self.steps_per_epoch + self._steps_done_in_epoch()
-            move_schedule_to(self.scheduler, step, self.lr)
-            schedule = "the LR schedule continues at the same point in samples"
-        elif self.scheduler_interval == "step":
-            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
-        else:
-            schedule = "your per-epoch scheduler continues"
-        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
-                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
-                         f"but results are not bit-identical to an uninterrupted run")
 
     def _stop_for_signal(self) -> dict[str, Any]:
         path = self.save_checkpoint("last.pt")
@@ -507,11 +355,62 @@ class MultiGPUTrainer:
                          f"command plus --resume auto")
         return self._summary(stopped=True)
 
+    # ------------------------------------------------------------------ start-up and end lines
+    def _print_plan(self) -> None:
+        config, rt = self.config, self.runtime
+        batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
+                      else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
+        steps_left = (config.epochs - self.progress.epoch) * self.steps_per_epoch - self.steps_done_in_epoch()
+        last_step = self.progress.global_step + max(0, steps_left)
+        warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
+        schedule = (f"schedule {config.lr_schedule}, warm-up {warmup_steps} steps" if self.builtin_schedule
+                    else f"scheduler {type(self.scheduler).__name__} per {self.scheduler_interval}")
+        lr = (describe_lr(config, self.effective_batch) if self.builtin_optimizer else f"lr {self.lr:g} (the "
+              f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
+        self.report.line(rt.describe())
+        self.report.line(f"batch {config.batch_size} per device x {rt.devices_per_step} devices x "
+                         f"{config.grad_accum_steps} accumulation = {self.effective_batch} effective ({batch_rule})")
+        self.report.line(f"optimizer {type(self.optimizer).__name__}, {lr}; {schedule}, {self.steps_per_epoch} "
+                         f"steps/epoch, {last_step} steps{f' ({steps_left} left)' if self.progress.global_step else ''}"
+                         f"; amp {self.amp.name}")
+        self._warn_about_the_plan(warmup_steps)
+
+    def _warn_about_the_plan(self, warmup_steps: int) -> None:
+        """One line for each setting that the plan line's numbers do not really describe."""
+        config, samples_per_rank = self.config, self.sampler.usable // self.runtime.world_size
+        total_steps = config.epochs * self.steps_per_epoch
+        if samples_per_rank < self.loader_batch * config.grad_accum_steps:
+            self.report.line(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than "
+                             f"one step's {self.loader_batch} x {config.grad_accum_steps}: every step uses "
+                             f"{samples_per_rank} samples per process, not the effective batch above")
+        if self.builtin_schedule and warmup_steps > total_steps:
+            self.report.line(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} "
+                             f"steps): the LR peaks at {self.lr * lr_factor(total_steps - 1, config, self.steps_per_epoch):g}"
+                             f", never at {self.lr:g}")
+
+    def _summary(self, **extra: Any) -> dict[str, Any]:
+        """What fit returns: the last validation metrics, the best monitored value, progress and throughput."""
+        name, best = self.monitor.name, self.progress.best_value
+        return {**self.metrics, "monitor": name, "best": best, **({f"best_{name}": best} if name else {}),
+                "epochs": self.progress.epoch, "global_step": self.progress.global_step,
+                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
+
+    def _report_done(self, summary: dict[str, Any]) -> None:
+        name = self.monitor.name
+        best = (f"best {name.replace('_', ' ', 1)} {summary['best']:.4f}" if name and summary["best"] is not None
+                else "no validation set" if self.val_dataset is None else "no finite validation metric")
+        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+                         f"{summary['samples_per_sec']:.0f} samples/s "
+                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
+        self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
+                                          and (key.startswith("val_") or key.startswith("best_"))})
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close the writer and, if this trainer set up the process group, destroy it (after the DDP
-        wrapper that holds it is gone)."""
+        """Release the save-dir and the writer and, if this trainer set up the process group, destroy it
+        (after the DDP wrapper that holds it is gone)."""
         self.report.close()
+        self.checkpointer.release()
         if self.owns_process_group:
             self.wrapped = self.model
             gc.collect()

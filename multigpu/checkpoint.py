@@ -202,13 +202,14 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
     """The most recently written checkpoint in `save_dir` that loads and validates, or None.
 
     A broken newer file (truncated by a full disk, overwritten by something
-    else) is reported through `warn` in one line and skipped for the next one.
+    else) is reported through `warn` in one line (why it was refused) and
+    skipped for the next one.
     """
     for path in resumable_files(save_dir):
         try:
             return path, load(path)
         except CheckpointError as error:
-            warn(f"{error}; trying an older one")
+            warn(str(error))
     return None
 
 

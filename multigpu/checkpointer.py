@@ -1,43 +1,115 @@
-"""The trainer's checkpoint protocol: finding what to resume, checking it fits, saving on rank 0.
+"""The trainer's checkpoint protocol: owning the save-dir, what a checkpoint holds, finding what to resume,
+checking that it fits, loading it into the live objects, and saving from rank 0.
 
-The trainer says what a checkpoint holds (`MultiGPUTrainer.state_dict`) and
-how to load one into its live objects (`load_state_dict`); this module decides
-which file, refuses one that belongs to another model or data set, and writes
-atomically from rank 0 while every rank waits for the verdict
+Every rank calls every method here; only rank 0 writes files, and every
+decision is taken on rank 0 and shared, so ranks never disagree
 (MULTI_GPU_GUIDE.md, "Checkpoints, resume and preemption").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from multigpu import checkpoint, faults, preemption
+from multigpu import checkpoint, faults, preemption, rng, savedir
 from multigpu.checkpoint import CheckpointError
-from multigpu.config import TrainConfig
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.optim import move_schedule_to
 from multigpu.reporting import Reporter
+
+if TYPE_CHECKING:
+    from train_multi_gpu import MultiGPUTrainer
 
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
 MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "train_size", "optimizer_class",
                         "scheduler_class")
 
 
+def with_run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Optional[str]]:
+    """`config` with its save-dir chosen when --save-dir was not given, and the line that says so.
+
+    Each run then gets a folder of its own under checkpoints/ (run-1, run-2, ...),
+    so running one command twice keeps both runs; --resume auto continues the
+    newest. Rank 0 chooses, every rank learns its choice.
+    """
+    if config.save_dir is not None:
+        return config, None
+    choice = savedir.choose_run_dir(DEFAULT_SAVE_ROOT, config.resume == "auto") if runtime.is_main else None
+    path, line = gather_objects(choice)[0]  # type: ignore[misc]
+    return dataclasses.replace(config, save_dir=path), line
+
+
 class Checkpointer:
-    """Where a run's checkpoints come from and go to. Every rank calls `find` and `save`."""
+    """Where a run's checkpoints come from and go to."""
 
     def __init__(self, config: TrainConfig, runtime: Runtime, report: Reporter):
         self.config, self.runtime, self.report = config, runtime, report
+        self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by with_run_folder
+        self.lock = savedir.SaveDirLock(self.save_dir)
         self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
+        self.set_aside: Optional[str] = None  # --overwrite's copy of the previous run, dropped after our first save
+
+    # ------------------------------------------------------------------ owning the save-dir
+    def check_folders(self, expected_bytes: int) -> None:
+        """At start, on every rank: the save-dir and --log-dir take real bytes (not after an epoch of
+        training), with a warning when one checkpoint of `expected_bytes` will not fit."""
+        warning = checkpoint.check_writable(self.save_dir, expected_bytes)
+        if warning:
+            self.report.line(warning)
+        checkpoint.check_writable(self.config.tensorboard_dir, flag="--log-dir" if self.config.log_dir else "--save-dir")
+
+    def claim(self) -> None:
+        """Own the save-dir while training, before anything is written there.
+
+        Rank 0 takes the lock (a second run in the same folder is refused; one
+        left by a dead run is taken over with one line), and a fresh run never
+        replaces another run's checkpoints: refused, or with --overwrite kept
+        aside until this run's first save. Every rank learns the verdict.
+        """
+        refusal, lines = None, []
+        if self.runtime.is_main and not self.lock.held:
+            try:
+                self.lock.acquire(lines.append)
+                refusal = self._refuse_fresh_start_over_checkpoints()
+            except UsageError as error:
+                refusal = str(error)
+        refusal = gather_objects(refusal)[0]
+        for line in lines:
+            self.report.line(line)
+        if refusal:
+            self.release()
+            raise UsageError(refusal)
+
+    def _refuse_fresh_start_over_checkpoints(self) -> Optional[str]:
+        """Rank 0: the refusal of a fresh run in a folder of checkpoints, or None (after --overwrite's set-aside)."""
+        config = self.config
+        existing = checkpoint.resumable_files(self.save_dir) + savedir.checkpoint_files(self.save_dir)
+        if config.resume is not None or preemption.restart_count() > 0 or not existing:
+            return None
+        if not config.overwrite:
+            return (f"--save-dir {self.save_dir} holds another run's checkpoints "
+                    f"({os.path.basename(existing[0])}): continue it with --resume auto, choose another --save-dir, "
+                    f"or start afresh with --overwrite (the old files are kept aside until this run saves)")
+        self.set_aside = savedir.set_aside(self.save_dir, extra=(os.path.join(self.save_dir, "tb"),))
+        self.report.line(f"--overwrite: the previous run's files are kept in {self.set_aside} until this run's "
+                         f"first checkpoint is written")
+        return None
+
+    def release(self) -> None:
+        """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held)."""
+        if self.lock.held:
+            self.lock.release()
 
     # ------------------------------------------------------------------ resume
     def find(self) -> Optional[tuple[str, dict[str, Any]]]:
         """(path, state) to continue from, the same on every rank; None to start from scratch."""
         if self.runtime.is_main:
-            removed = checkpoint.remove_unfinished(self.config.save_dir)
+            removed = checkpoint.remove_unfinished(self.save_dir)
             if removed:
                 self.report.line(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
         found = self._find_here()
@@ -53,21 +125,23 @@ class Checkpointer:
 
     def _find_here(self) -> Optional[tuple[str, dict[str, Any]]]:
         """After a torchrun restart the newest checkpoint in --save-dir wins, even over --resume PATH:
-        it holds the work done since PATH was loaded (MULTI_GPU_GUIDE.md, "Elastic restarts")."""
+        it holds the work done since PATH was loaded (MULTI_GPU_GUIDE.md, "Elastic restarts under torchrun")."""
         config = self.config
         restarted = preemption.restart_count() > 0
         if config.resume is None and not restarted:
-            existing = checkpoint.resumable_files(config.save_dir)
-            if existing:
-                self.report.line(f"{config.save_dir} already holds checkpoints (newest {os.path.basename(existing[0])})"
-                                 f"; this run starts from scratch and replaces them (--resume auto continues instead)")
             return None
         if restarted or config.resume == "auto":
-            found = checkpoint.load_newest(config.save_dir, self.report.line)
+            reasons: list[str] = []
+            found = checkpoint.load_newest(self.save_dir, reasons.append)
             if found is not None:
+                for reason in reasons:
+                    self.report.line(f"{reason}; trying an older one")
                 return found
+            if reasons:  # checkpoints are there, yet none loads: never a silent fresh start over them
+                raise CheckpointError(f"--resume auto found no usable checkpoint in {self.save_dir}: "
+                                      f"{'; '.join(reasons)}")
             if config.resume in (None, "auto"):
-                self.report.line(f"no checkpoint to resume in {config.save_dir}: starting from scratch")
+                self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
         return config.resume, checkpoint.load(config.resume)
@@ -75,52 +149,128 @@ class Checkpointer:
     def check(self, path: str, state: dict[str, Any], ours: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model, data set or optimizer in one line naming the field;
         log the settings that changed."""
-        theirs = {**state["config"], **{key: state.get(key) for key in ("train_size", "optimizer_class",
-                                                                           "scheduler_class")}}
-        theirs["model"] = _model_name(state["config"])
+        saved = state["config"]
+        theirs = {**saved, "model": _model_name(saved),
+                  **{key: state.get(key) for key in ("train_size", "optimizer_class", "scheduler_class")}}
         for name in MUST_MATCH_ON_RESUME:
             if theirs.get(name) is not None and ours[name] != theirs[name]:
                 what = {"train_size": "a training set of", "optimizer_class": "optimizer",
                         "scheduler_class": "LR scheduler"}.get(name, f"--{name.replace('_', '-')}")
                 raise CheckpointError(f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): "
                                       f"resume with the same one or start a new --save-dir")
-        saved = state["config"]
         changed = [f"{key}: {saved.get(key)} -> {value}" for key, value in self.config.to_dict().items()
-                   if key in saved and saved[key] != value and key != "resume"]
+                   if key in saved and saved[key] != value and key not in ("resume", "overwrite")]
         if changed:
             keeps_seed = "; data order and random state continue the checkpoint's" if self.config.seed != \
                 saved.get("seed", self.config.seed) else ""
             self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
 
+    # ------------------------------------------------------------------ what a checkpoint holds
+    def state_of(self, trainer: "MultiGPUTrainer") -> dict[str, Any]:
+        """Everything a resume needs, in plain types so it loads with weights_only=True.
+
+        The ranks' RNG states are gathered, so every rank must call it. Saves happen
+        between optimizer steps only, so no gradient accumulation is ever in flight.
+        """
+        rng_states = gather_objects(rng.rng_state(self.runtime.device))
+        model = getattr(trainer.model, "_orig_mod", trainer.model)  # torch.compile'd modules save plain keys
+        progress = trainer.progress
+        return {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
+            "model": model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "optimizer_class": type(trainer.optimizer).__name__,
+            "scheduler": trainer.scheduler.state_dict(),
+            "scheduler_class": type(trainer.scheduler).__name__,
+            "scheduler_interval": trainer.scheduler_interval,
+            "scaler": trainer.scaler.state_dict(),
+            **dataclasses.asdict(progress),  # epoch, global_step, samples_in_epoch, best_value, evaluated
+            "steps_per_epoch": trainer.steps_per_epoch,
+            "sampler_seed": trainer.sampler.seed,
+            "train_size": trainer.sampler.dataset_size,
+            "monitor": trainer.monitor.name,
+            "metrics": dict(trainer.metrics),
+            "world_size": self.runtime.world_size,
+            "rng": rng_states,
+            "config": self.config.to_dict(),
+        }
+
+    def load_into(self, trainer: "MultiGPUTrainer", state: dict[str, Any], path: str) -> None:
+        """Load a checkpoint into the trainer's live model, optimizer, scheduler, scaler, progress and RNG."""
+        try:
+            trainer.model.load_state_dict(state["model"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            trainer.scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+            raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
+                                  f"{lines[min(1, len(lines) - 1)][:300]}") from None
+        if trainer.scaler.is_enabled() and not state["scaler"]:
+            self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
+        else:
+            trainer.scaler.load_state_dict(state["scaler"])
+        same_monitor = state["monitor"] is None or trainer.monitor.name in (None, state["monitor"])
+        trainer.monitor.name = trainer.monitor.name or state["monitor"]
+        trainer.progress = type(trainer.progress)(state["epoch"], state["global_step"], state["samples_in_epoch"],
+                                                  state["best_value"] if same_monitor else None,
+                                                  state.get("evaluated", True))
+        trainer.metrics = dict(state.get("metrics", {}))
+        trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
+        if state["world_size"] == self.runtime.world_size:
+            rng.set_rng_state(state["rng"][self.runtime.rank], self.runtime.device)
+        else:
+            self._continue_on_another_world_size(trainer, state["world_size"])
+
+    def _continue_on_another_world_size(self, trainer: "MultiGPUTrainer", saved_world_size: int) -> None:
+        """The data position is kept in global samples; the built-in schedule moves to the same point of
+        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
+        if trainer.builtin_schedule:
+            step = trainer.progress.epoch * trainer.steps_per_epoch + trainer.steps_done_in_epoch()
+            move_schedule_to(trainer.scheduler, step, trainer.lr)
+            schedule = "the LR schedule continues at the same point in samples"
+        elif trainer.scheduler_interval == "step":
+            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
+        else:
+            schedule = "your per-epoch scheduler continues"
+        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
+                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
+                         f"but results are not bit-identical to an uninterrupted run")
+
     # ------------------------------------------------------------------ save
     def save(self, state: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
-        """Write `state` to <save-dir>/name from rank 0; every rank must call this.
+        """Write `state` to <save-dir>/name (and also_as) from rank 0; every rank must call this.
 
         The success flag all-reduced at the end is also the barrier, so no rank
         runs ahead, and a failed write (full disk, lost permission) stops every
-        rank with one line while the previous checkpoint stays untouched.
+        rank with one line naming the file, while the previous checkpoint stays.
         """
-        path = os.path.join(self.config.save_dir, name)
-        error = ""
+        path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
-            try:
-                checkpoint.atomic_save(state, path, before_rename=self._save_fault(state["global_step"]))
-                if also_as:
-                    checkpoint.atomic_save(state, os.path.join(self.config.save_dir, also_as))
-            except OSError as failure:
-                error = f"{failure.strerror or failure}"
+            for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
+                try:
+                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(state["global_step"]))
+                except OSError as failure:
+                    failed_path, error = target, f"{failure.strerror or failure}"
+                    break
+                if target == path:
+                    self.last_saved = path
         failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.runtime.device)).item()
         if failed:
-            raise TrainingStopped(f"could not write checkpoint {path}: {error or 'failed on rank 0'}; stopped at step "
-                                  f"{state['global_step']}, the previous checkpoint is kept: {self.newest()}")
+            kept = "the previous checkpoint is kept" if failed_path in ("", path) else "the newest checkpoint is kept"
+            raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
+                                  f"stopped at step {state['global_step']}, {kept}: {self.newest()}")
         self.last_saved = path
+        if self.runtime.is_main and self.set_aside:
+            savedir.drop_set_aside(self.set_aside)  # our first checkpoint is safely written
+            self.set_aside = None
         return path
 
     def save_step(self, state: dict[str, Any]) -> None:
         """A step checkpoint, then the oldest ones beyond --keep-last go (only once the new one is in place)."""
         self.save(state, checkpoint.step_checkpoint_name(state["global_step"]))
         if self.runtime.is_main:
-            checkpoint.prune_step_checkpoints(self.config.save_dir, self.config.keep_last)
+            checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
 
     def newest(self) -> str:
         """The checkpoint a user can fall back on, for error messages."""

@@ -23,6 +23,9 @@ def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, gr
     return field(default=default, metadata={"help": help, "choices": choices, "group": group})
 
 
+DEFAULT_SAVE_ROOT = "checkpoints"  # without --save-dir, each run gets its own run-N folder here
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a run. Field names are the long CLI flags with '-' as '_'."""
@@ -79,7 +82,11 @@ class TrainConfig:
                     group="optimisation")
     seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
     # --- output --------------------------------------------------------
-    save_dir: str = _opt("checkpoints", "where last.pt, best.pt and step checkpoints are written", group="output")
+    save_dir: Optional[str] = _opt(None, "where last.pt, best.pt, step checkpoints and TensorBoard logs are written "
+                                   "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
+                                   group="output")
+    overwrite: bool = _opt(False, "start afresh in a --save-dir that holds another run's checkpoints (they are kept "
+                           "aside until this run's first checkpoint is written)", group="output")
     log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
     log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output")
     progress: bool = _opt(True, "show the rank-0 progress bar", group="output")
@@ -127,7 +134,8 @@ class TrainConfig:
 
     @property
     def tensorboard_dir(self) -> str:
-        return self.log_dir or os.path.join(self.save_dir, "tb")
+        """--log-dir, or <save-dir>/tb (the save-dir is chosen before anything is logged)."""
+        return self.log_dir or os.path.join(self.save_dir or DEFAULT_SAVE_ROOT, "tb")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (str/int/float/bool/None only): safe for weights_only checkpoints and hparams."""

@@ -13,7 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -175,3 +175,32 @@ def gather_objects(obj: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def place_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+                say: Callable[[str], None]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the plain module on this process's device, what training calls: DDP, DataParallel or the module).
+
+    --sync-bn converts BatchNorm before the DDP wrap (a CUDA feature: it raises in
+    training mode on the CPU); small per-device batches with BatchNorm get a warning,
+    since their statistics then depend on the device count (MULTI_GPU_GUIDE.md, "BatchNorm").
+    """
+    nn = torch.nn
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    synced = config.sync_bn and runtime.mode == "ddp" and runtime.device.type == "cuda"
+    if synced:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
+    elif config.sync_bn:
+        say("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
+    if has_batchnorm and not synced and runtime.devices_per_step > 1 and config.batch_size < 16:
+        say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
+            f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    model = model.to(runtime.device)
+    if runtime.mode == "ddp":
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        return model, torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if runtime.mode == "dp":
+        say("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, other replicas' "
+            "BatchNorm statistics are lost); DDP via torchrun is faster")
+        return model, nn.DataParallel(model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0])
+    return model, model

@@ -23,6 +23,7 @@ from multigpu.batches import ForwardFn, batch_size, compute_loss, own_loss, pred
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
+from multigpu.preemption import StopRequest
 
 
 class Evaluator:
@@ -38,18 +39,30 @@ class Evaluator:
         self.per_sample_loss = _per_sample(loss_fn)
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int) -> dict[str, float]:
-        """Loss and metrics over every sample of `dataset`; every rank must call it."""
+    def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int,
+            stop: Optional[StopRequest] = None) -> Optional[dict[str, float]]:
+        """Loss and metrics over every sample of `dataset`; every rank must call it.
+
+        With `stop` (during fit), the ranks agree after each round of batches
+        whether SIGTERM/SIGINT reached any of them, and return None at once if so:
+        a long validation set cannot outlast torchrun's grace period.
+        """
         rt = self.runtime
         batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]
-        loader = build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
-                              collate_fn=self.collate_fn)
+        loader = iter(build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
+                                   collate_fn=self.collate_fn))
         was_training = model.training
         model.eval()
         rows: dict[int, list[torch.Tensor]] = {}
         try:
-            for row, batch in zip(batches.batch_indices, loader):
-                rows[row] = self._batch_sums(model, to_device(batch, rt.device))
+            # Round r is batch r*W + rank on each rank: every rank runs the same number of rounds, so the
+            # stop vote after each round is a collective all of them reach (a rank may sit the last one out).
+            for round_start in range(0, batches.num_batches, rt.world_size):
+                row = round_start + rt.rank
+                if row < batches.num_batches:
+                    rows[row] = self._batch_sums(model, to_device(next(loader), rt.device))
+                if stop is not None and _agreed(stop.requested, rt):
+                    return None
         finally:
             model.train(was_training)
         return self._reduce(rows, batches.num_batches)
@@ -92,6 +105,13 @@ class Evaluator:
             result[name] = total / n if n else float("nan")
         result["count"] = int(count)
         return result
+
+
+def _agreed(requested: bool, runtime: Runtime) -> bool:
+    """Whether any rank was asked to stop (one small all-reduce; none in a single process)."""
+    if runtime.world_size == 1:
+        return requested
+    return all_reduce_sum(torch.tensor([float(requested)], device=runtime.device)).item() > 0
 
 
 def _per_sample(loss_fn: Any) -> Optional[Callable]:

@@ -14,6 +14,7 @@ and `mae`; anything else gets the loss alone. The loss is always computed.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -112,3 +113,25 @@ def sum_and_count(metric: Metric, outputs: Any, targets: Any) -> tuple[torch.Ten
 def lower_is_better(name: str) -> bool:
     """Direction of a monitored metric inferred from its name: losses and errors go down."""
     return any(word in name for word in LOWER_IS_BETTER)
+
+
+class Monitor:
+    """Which validation metric picks best.pt and which way is better: timm's eval_metric and decreasing."""
+
+    def __init__(self, name: Optional[str], mode: str = "auto"):
+        self.name, self.mode = name, mode
+
+    def choose(self, results: Mapping[str, float]) -> str:
+        """The monitored name (default val_acc when accuracy is computed, else val_loss), checked against `results`."""
+        self.name = self.name or ("val_acc" if "val_acc" in results else "val_loss")
+        if self.name not in results:
+            from multigpu.errors import UsageError
+
+            raise UsageError(f"--monitor {self.name} is not a validation metric of this run; it has "
+                             f"{', '.join(results)}")
+        return self.name
+
+    def improves(self, value: float, best: Optional[float]) -> bool:
+        """Whether `value` beats `best` (None: nothing yet); a NaN never does."""
+        lower = self.mode == "min" or (self.mode == "auto" and lower_is_better(self.name or ""))
+        return math.isfinite(value) and (best is None or (value < best if lower else value > best))

@@ -6,10 +6,13 @@ Other ranks get a Reporter that does nothing, so call sites need no `if rank == 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from multigpu.config import TrainConfig
+from multigpu.errors import TrainingStopped
+from multigpu.meters import Interval
 
 
 class Reporter:
@@ -61,30 +64,67 @@ class Reporter:
             self.bar = None
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+        with self._writing():
+            if self.writer is not None:
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
+
+    def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
+                 skipped: Optional[int], loss_scale: Optional[float]) -> None:
+        """A logging interval: TensorBoard scalars, the bar's postfix (or a line without the bar), fp16 skips."""
+        loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
+        self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
+                      "train/samples_per_sec_per_device": per_sec / devices}, step)
+        if skipped is not None:
+            self.scalars({"train/skipped_steps": skipped, "train/loss_scale": loss_scale}, step)
+            if skipped:
+                self.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped} step(s) with inf/NaN "
+                          f"gradients (weights unchanged there); loss scale now {loss_scale:g}")
+        self.advance(len(interval.step_losses), {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{per_sec:.0f}"})
+        if not self.show_progress:
+            self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s")
+
+    def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int) -> None:
+        """An epoch's validation results: `val/<name>` scalars and one line."""
+        values = {name: value for name, value in result.items() if name != "count"}
+        self.scalars({f"val/{name}": value for name, value in values.items()}, step)
+        shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
+        self.line(f"epoch {epoch}/{epochs}: {shown} ({result['count']} samples)")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A TensorBoard write that fails (full disk, lost permission) stops the run with one line, exit 1:
+        checkpoints are written before the epoch's logs are flushed, so none is lost."""
+        try:
+            yield
+        except OSError as error:
+            self._writer = None  # its file is broken: closing it would raise again
+            raise TrainingStopped(f"could not write TensorBoard logs to {self.log_dir}: {error.strerror or error}; "
+                                  f"the checkpoints are kept (free some space, or choose another --log-dir)") from None
 
     def hparams(self, config: TrainConfig, metrics: dict[str, float]) -> None:
         """The config as TensorBoard hparams (None shown as ''), with the final metrics."""
-        if self.writer is None:
-            return
         from torch.utils.tensorboard.summary import hparams
 
         params = {key: ("" if value is None else value) for key, value in config.to_dict().items()}
         metric_values = {f"hparam/{key}": value for key, value in metrics.items()}
-        # Written through our own writer: SummaryWriter.add_hparams would open a second event file.
-        for summary in hparams(params, metric_values):
-            self.writer.file_writer.add_summary(summary)
-        for tag, value in metric_values.items():
-            self.writer.add_scalar(tag, value)
+        with self._writing():
+            if self.writer is None:
+                return
+            # Written through our own writer: SummaryWriter.add_hparams would open a second event file.
+            for summary in hparams(params, metric_values):
+                self.writer.file_writer.add_summary(summary)
+            for tag, value in metric_values.items():
+                self.writer.add_scalar(tag, value)
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        with self._writing():
+            if self._writer is not None:
+                self._writer.flush()
 
     def close(self) -> None:
         self.end_epoch()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with self._writing():
+                writer.close()

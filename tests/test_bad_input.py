@@ -38,7 +38,6 @@ from train_multi_gpu import MultiGPUTrainer
 # Small enough that a case which wrongly trains still ends in about a second.
 BASE = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--no-progress",
         "--dist-timeout", "60"]
-NEEDS_WIRING = pytest.mark.xfail(reason="needs trainer wiring", strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -204,14 +203,12 @@ CLI = {
                                  lambda tmp, ckpt: ["--resume", empty_file(tmp)]),
     "resume a missing file": Case(["--resume", "/nonexistent/last.pt"], "checkpoint /nonexistent/last.pt does not exist"),
     "save-dir is a file": Case([], "is not writable", lambda tmp, ckpt: ["--save-dir", text_file(tmp)]),
-    "log-dir is unwritable": Case([], "--log-dir", lambda tmp, ckpt: ["--log-dir", text_file(tmp) + "/tb"],
-                                  [NEEDS_WIRING]),
+    "log-dir is unwritable": Case([], "--log-dir", lambda tmp, ckpt: ["--log-dir", text_file(tmp) + "/tb"]),
     "save-dir owned by a running run": Case(["--resume", "auto"], "is in use by another run (pid ",
-                                            marks=[NEEDS_WIRING], owned=True),
-    "fresh run over an explicit save-dir's checkpoints": Case([], "--overwrite", None, [NEEDS_WIRING]),
+                                            owned=True),
+    "fresh run over an explicit save-dir's checkpoints": Case([], "--overwrite", None),
     "resume auto where no checkpoint loads": Case(["--resume", "auto"], "last.pt",
-                                                  lambda tmp, ckpt: unreadable_checkpoints_only(ckpt),
-                                                  [NEEDS_WIRING]),
+                                                  lambda tmp, ckpt: unreadable_checkpoints_only(ckpt)),
     # data sets
     "imagefolder without class folders": Case([], "Couldn't find any class folder in",
                                               lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})),
@@ -335,11 +332,10 @@ API = {
     "sampler for more ranks than samples": api(lambda tmp: ResumableDistributedSampler(1, rank=0, world_size=2),
                                                UsageError, "cannot be shared by 2 ranks"),
     "image too small for the cnn": api(lambda tmp: build_model("cnn", (3, 1, 1), 10), UsageError, "at least 2x2"),
-    "data set without targets": api(lambda tmp: api_fit(tmp, tiny_model(), InputsOnly()), ValueError, "target",
-                                    NEEDS_WIRING),
+    "data set without targets": api(lambda tmp: api_fit(tmp, tiny_model(), InputsOnly()), ValueError, "target"),
     "model outputs fewer than the classes": api(lambda tmp: api_fit(tmp, tiny_model(classes=2),
                                                                     blobs(32, 0, classes=4)),
-                                                ValueError, "class", NEEDS_WIRING),
+                                                ValueError, "class"),
 }
 
 

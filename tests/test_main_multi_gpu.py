@@ -47,7 +47,7 @@ def test_ddp_run_prints_its_plan_once_from_rank_0(ddp_run):
 def test_ddp_run_writes_one_event_file_and_rank0_checkpoints(ddp_run):
     save_dir, _ = ddp_run
     assert len(event_files(save_dir)) == 1
-    assert sorted(p.name for p in save_dir.iterdir()) == ["best.pt", "last.pt", "tb"]  # no temp files left
+    assert sorted(p.name for p in save_dir.iterdir()) == [".run.lock", "best.pt", "last.pt", "tb"]  # no temp files
     state = torch.load(save_dir / "last.pt", map_location="cpu", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "config", "metrics"):
         assert key in state

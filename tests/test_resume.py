@@ -60,7 +60,7 @@ def resumed_from(output: str) -> str:
 
 
 def files(save_dir: Path) -> list[str]:
-    return sorted(p.name for p in save_dir.iterdir() if p.is_file())
+    return sorted(p.name for p in save_dir.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def assert_same_training_state(path: Path, reference: Path) -> float:

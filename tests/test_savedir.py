@@ -201,7 +201,6 @@ def test_set_aside_keeps_the_old_checkpoints_until_dropped(tmp_path):
 
 
 # ---------------------------------------------------------------- through the command line
-@pytest.mark.xfail(reason="needs trainer wiring", strict=True)
 def test_a_second_cli_run_is_refused_while_the_first_trains_on_untouched(tmp_path):
     save_dir = tmp_path / "ckpt"
     first = subprocess.Popen(cli_command([*TINY, "--epochs", "1000", "--log-every", "1", "--seed", "1", "--save-dir",
