@@ -191,7 +191,7 @@ CLI = {
     "image-shape zero channels": Case(["--image-shape", "0,28,28"], "--image-shape must be C,H,W"),
     # model and devices
     "image too small for the cnn": Case(["--image-shape", "3,1,1", "--model", "cnn"],
-                                        "--model cnn needs images of at least 2x2 pixels, got 1x1"),
+                                        "--model cnn needs images of at least 4x4 pixels, got 1x1"),
     "ddp without torchrun": Case(["--multi-gpu", "ddp"], "started by torchrun: torchrun --nproc_per_node="),
     "none as one of torchrun's 2 workers": Case(["--multi-gpu", "none"], "--multi-gpu none trains in one process, "
                                                 "but torchrun started 2", env=dict(RANK="0", LOCAL_RANK="0",
@@ -331,7 +331,7 @@ API = {
     "seed beyond the generators": api(lambda tmp: TrainConfig(seed=2**40), UsageError, "--seed must be between"),
     "sampler for more ranks than samples": api(lambda tmp: ResumableDistributedSampler(1, rank=0, world_size=2),
                                                UsageError, "cannot be shared by 2 ranks"),
-    "image too small for the cnn": api(lambda tmp: build_model("cnn", (3, 1, 1), 10), UsageError, "at least 2x2"),
+    "image too small for the cnn": api(lambda tmp: build_model("cnn", (3, 1, 1), 10), UsageError, "at least 4x4"),
     "data set without targets": api(lambda tmp: api_fit(tmp, tiny_model(), InputsOnly()), ValueError, "target"),
     "model outputs fewer than the classes": api(lambda tmp: api_fit(tmp, tiny_model(classes=2),
                                                                     blobs(32, 0, classes=4)),
