@@ -46,13 +46,13 @@ def worker_status(exitcode: int) -> int:
 def verdict(failures: dict[int, Any], ranks: str = "rank") -> tuple[int, str]:
     """(exit status, "rank R") of the first failure torchrun observed, or (0, "") when none failed.
 
-    `failures` maps ranks to torch's ProcessFailure (exitcode, timestamp in whole
-    seconds). The first one is the cause: torchrun then stops the others with a
-    signal, so within the same second a worker that exited by itself comes first.
+    `failures` maps ranks to torch's ProcessFailure (exit code, time in whole seconds),
+    in the order torchrun observed them. The first one is the cause: torchrun then
+    stops the others, whose statuses only echo it.
     """
     if not failures:
         return 0, ""
-    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0]))
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)  # ties: the first observed
     return worker_status(failure.exitcode), f"{ranks} {rank}"
 
 

@@ -469,6 +469,36 @@ def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path
         assert (tmp_path / f"node{rank}" / DEFAULTS.save_dir / "last.pt").is_file() == (rank in reporting)
 
 
+# --- the workers' verdict: their line and their exit status, torchrun's reports in a log ------------
+
+def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(tmp_path: Path) -> None:
+    args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
+            "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1", "--save-every-steps", "3"]
+    launcher = Launcher(args, launcher_env(), tmp_path)
+    save_dir = tmp_path / DEFAULTS.save_dir
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not list(save_dir.glob("step-*.pt")) and launcher.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the file system for the run's first step checkpoint
+    launcher.proc.send_signal(signal.SIGTERM)  # the launcher's own pid: it became torchrun
+    result = launcher.wait(deadline)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "checkpoint checkpoints/last.pt written. Continue with the same command plus --resume auto" in output
+    assert "Traceback" not in output and "SignalException" not in output
+    assert "torchrun's own messages go to checkpoints/torchrun.log" in result.stderr
+    assert "SignalException" in (save_dir / "torchrun.log").read_text()
+    assert (save_dir / "last.pt").is_file()
+
+
+def test_bad_input_found_by_the_workers_is_their_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_launcher(["--yes", "--epochs", "1", "--", "--dataset", "mnist", "--data-dir", "nowhere",
+                           "--no-progress"], launcher_env(), tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    run_lines = result.stderr.split("Saved as checkpoints/launch_command.sh\n", 1)[1].strip().splitlines()
+    assert len(run_lines) == 1 and run_lines[0].startswith("error: --dataset mnist: files not found"), run_lines
+    assert "ChildFailedError" in (tmp_path / DEFAULTS.save_dir / "torchrun.log").read_text()
+
+
 # --- a real terminal ---------------------------------------------------------------
 
 class Tmux:
