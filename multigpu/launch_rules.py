@@ -578,7 +578,7 @@ fail() {{ echo "launch_slurm.sbatch: $*" >&2; exit 2; }}
 RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):{port}
 export RDZV_ENDPOINT
 
-# --- on every node (one task each): read there, $SLURM_NODEID says which node hosts the rendezvous
+# --- on every node (one task each): what differs between nodes, as which one hosts the rendezvous, is read there
 run_node() {{
     local threads=$((SLURM_CPUS_PER_TASK / PROCS_PER_NODE))
     exec env OMP_NUM_THREADS=$((threads > 0 ? threads : 1)){restart_env} \\
@@ -592,7 +592,8 @@ export -f run_node
 # --- preemption: SIGUSR1 (120 s before the time limit) stops the training cleanly (a checkpoint, exit 0)
 # and requeues the job, which resumes. SIGTERM (preemption, scancel) reaches the training directly.
 requeue=0
-trap 'requeue=1; kill -TERM "$srun_pid" 2>/dev/null' USR1
+# (scancel, not kill: srun takes a SIGTERM as "end the step now")
+trap 'requeue=1; scancel --signal=TERM "$SLURM_JOB_ID"' USR1
 trap ':' TERM
 srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\
     bash -c run_node &

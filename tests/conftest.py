@@ -15,7 +15,7 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
 from multigpu.config import TrainConfig
+from slurm_cluster import SlurmCluster, why_not_available
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -174,3 +175,25 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> None:
     """
     trainer.amp_dtype = torch.float16
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+
+@pytest.fixture(scope="session")
+def _slurm_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = why_not_available()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_daemons: SlurmCluster) -> Iterator[SlurmCluster]:
+    """A real single-node SLURM cluster (tests/slurm_cluster.py), one per session; skips where SLURM cannot run.
+
+    Jobs a test submitted through it (or `track`ed) and left queued are cancelled after the test.
+    """
+    yield _slurm_daemons
+    _slurm_daemons.cancel_left_over()

