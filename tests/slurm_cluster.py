@@ -162,10 +162,10 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         except (RuntimeError, subprocess.TimeoutExpired):
             return ""
 
-    def submit(self, script: Path, cwd: Optional[Path] = None) -> str:
-        """sbatch `script`; the job id."""
-        result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=self.env,
-                                cwd=cwd, timeout=60)
+    def submit(self, script: Path, *options: str, cwd: Optional[Path] = None) -> str:
+        """sbatch [options] `script`; the job id."""
+        result = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
+                                env=self.env, cwd=cwd, timeout=60)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {script} failed: {result.stderr.strip()}")
         return self.track(result.stdout.strip().split(";")[0])

@@ -84,7 +84,7 @@ def wait_for_output(path: Path, pattern: str, timeout: float, after: str = "") -
 
 def test_a_real_slurm_job_trains_requeues_stops_with_a_checkpoint_and_resumes(tmp_path: Path,
                                                                               slurm_cluster: SlurmCluster) -> None:
-    env = launcher_env(**{k: v for k, v in slurm_cluster.env.items() if k == "SLURM_CONF"})
+    env = launcher_env(SLURM_CONF=slurm_cluster.env["SLURM_CONF"])
     args = ["--slurm", "--submit", "--yes", "--gpus", "0", "--epochs", "1", "--batch-size", "16", "--save-dir", "run",
             "--", "--train-size", "4000", "--val-size", "64", "--mode", "flatten", "--no-progress",
             "--dist-timeout", "60", "--log-every", "1", "--save-every-steps", "50"]
@@ -119,3 +119,16 @@ def test_a_real_slurm_job_trains_requeues_stops_with_a_checkpoint_and_resumes(tm
     assert "resumed from run/last.pt" in text and "done: best val acc" in text and "Traceback" not in text
     assert (tmp_path / "run" / "best.pt").is_file()
     assert (tmp_path / "run" / f"torchrun-{slurm_cluster.node}.log").is_file()
+
+
+def test_the_pre_flight_check_refuses_an_allocation_the_script_was_not_written_for(
+        tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    env = launcher_env(SLURM_CONF=slurm_cluster.env["SLURM_CONF"])
+    written = launch(["--slurm", "--yes", "--nnodes", "2", "--gpus", "0", "--save-dir", str(tmp_path / "run")], env,
+                     cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    job = slurm_cluster.submit(tmp_path / "run" / "launch_slurm.sbatch", "--nodes=1", cwd=tmp_path)
+    fields = slurm_cluster.wait(job, JOB_TIMEOUT)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0"
+    assert (tmp_path / "run" / f"slurm-{job}.out").read_text() == (
+        f"launch_slurm.sbatch: written for 2 node(s), SLURM gave 1 ({slurm_cluster.node}); do not override --nodes\n")
