@@ -14,7 +14,11 @@
 # script) to stdout, so `cmd=$(bash launch_multi_gpu.sh --dry-run --yes)`
 # captures just the command.
 
-if [ -z "${BASH_VERSINFO[0]:-}" ] || ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+if [ -z "${BASH_VERSION:-}" ]; then
+    echo "launch_multi_gpu.sh: run it with bash: bash launch_multi_gpu.sh" >&2
+    exit 2
+fi
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
     echo "launch_multi_gpu.sh: needs bash 4.4 or newer" >&2
     exit 2
 fi

@@ -9,4 +9,6 @@
 - checkpoint:   atomic rank-0 saves, safe loads, finding the newest good checkpoint
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT handling, naming a lost rank, torchrun restarts, the test-only fault injector
+- launch_rules: the launcher's rule set: checks, numbers, the command and the SLURM script (torch-free)
+- torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
 """

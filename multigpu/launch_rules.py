@@ -367,15 +367,19 @@ def command(s: Settings, devices: Devices, nodes: Nodes, port: int, config: Trai
 
 # --------------------------------------------------------------------------- what is shown
 
+def devices_per_step(devices: Devices, nodes: Nodes) -> int:
+    """The devices whose batches make one step: every process on every node under DDP, dp's GPUs, or one."""
+    return devices.count * nodes.count if devices.mode == "ddp" else devices.count
+
+
 def effective_batch_text(config: TrainConfig, devices: Devices, nodes: Nodes) -> str:
-    total = devices.count * nodes.count if devices.mode == "ddp" else devices.count
+    total = devices_per_step(devices, nodes)
     return (f"{effective_batch(config, total)} = {config.batch_size} per {devices.unit} x "
             f"{plural(total, devices.unit)} x {plural(config.grad_accum_steps, 'accumulation step')}")
 
 
 def lr_text(s: Settings, config: TrainConfig, devices: Devices, nodes: Nodes) -> str:
-    total = devices.count * nodes.count if devices.mode == "ddp" else devices.count
-    batch = effective_batch(config, total)
+    batch = effective_batch(config, devices_per_step(devices, nodes))
     lr = scaled_lr(config.lr, config.lr_scaling, batch, config.lr_base_batch)
     if config.lr_scaling == "none":
         return f"lr {lr!r} (not scaled)"
