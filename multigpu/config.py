@@ -13,6 +13,8 @@ import dataclasses
 import math
 import numbers
 import os
+import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -251,8 +253,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
+# Test-only: flags read before the command line's own, which win over them. The docs test
+# (tests/test_docs.py) runs the documented commands as written, with smaller data and fewer epochs.
+TEST_ARGS_ENV = "MULTIGPU_TEST_ARGS"
+
+
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """Parse command-line arguments into a validated TrainConfig."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
     return TrainConfig(**args)

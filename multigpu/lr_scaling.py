@@ -1,13 +1,12 @@
 """The LR scaling rule: the one place its formula lives.
 
-The trainer uses `scaled_lr`, and the launcher runs `python -m multigpu.lr_scaling`
-(which imports no torch, so it answers at once), so the LR the launcher prints
-is exactly the LR the run will use.
+The trainer uses `scaled_lr`, and so does the launcher's rule set
+(multigpu/launch_rules.py, torch-free like this module), so the LR the launcher
+prints is exactly the LR the run will use.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from multigpu.config import TrainConfig
@@ -29,6 +28,11 @@ def scaled_lr(lr: float, rule: str, effective_batch: int, base_batch: int) -> fl
     raise ValueError(f"unknown LR scaling rule {rule!r}")
 
 
+def effective_batch(config: TrainConfig, devices_per_step: int) -> int:
+    """Samples in one optimizer step: --batch-size x devices x --grad-accum-steps."""
+    return config.batch_size * devices_per_step * config.grad_accum_steps
+
+
 def describe_lr(config: TrainConfig, effective_batch: int) -> str:
     """One line saying which LR is used and how it was derived."""
     lr = scaled_lr(config.lr, config.lr_scaling, effective_batch, config.lr_base_batch)
@@ -36,19 +40,3 @@ def describe_lr(config: TrainConfig, effective_batch: int) -> str:
         return f"lr {lr:g} (as given; --lr-scaling none)"
     return (f"lr {lr:g} = {config.lr:g} x {config.lr_scaling}({effective_batch}/{config.lr_base_batch}) "
             f"(--lr-scaling {config.lr_scaling})")
-
-
-def _main() -> None:
-    """`python -m multigpu.lr_scaling --lr 0.1 --lr-scaling linear --effective-batch 256 --lr-base-batch 32`"""
-    parser = argparse.ArgumentParser(description="print the LR a run would use")
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none")
-    parser.add_argument("--effective-batch", type=int, required=True)
-    parser.add_argument("--lr-base-batch", type=int, default=32)
-    args = parser.parse_args()
-    # repr: the shortest text that round-trips, so the printed LR is bit-exactly the one used.
-    print(repr(scaled_lr(args.lr, args.lr_scaling, args.effective_batch, args.lr_base_batch)))
-
-
-if __name__ == "__main__":
-    _main()

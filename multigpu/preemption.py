@@ -23,10 +23,18 @@ from multigpu.errors import TrainingStopped
 
 
 class StopRequest:
-    """Remembers that SIGTERM or SIGINT arrived; a second one exits at once."""
+    """Remembers that SIGTERM or SIGINT arrived; a second one exits at once.
 
-    def __init__(self) -> None:
+    A SIGTERM within `repeat_window` seconds of the first is the same request
+    delivered twice, not a second one: SLURM signals every process of a job step
+    (torchrun and its workers), and torchrun forwards the signal to the workers
+    as well (MULTI_GPU_GUIDE.md, "SLURM").
+    """
+
+    def __init__(self, repeat_window: float = 2.0) -> None:
         self.signal_name: Optional[str] = None
+        self.repeat_window = repeat_window
+        self._first_at = 0.0
 
     def install(self) -> None:
         """Make SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
@@ -34,11 +42,15 @@ class StopRequest:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        now = time.monotonic()
         if self.signal_name is not None:
+            if signum == signal.SIGTERM and self.signal_name == "SIGTERM" and now - self._first_at < self.repeat_window:
+                return
             # os.write, not print: the handler may interrupt a print to the same stream.
             os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
+        self._first_at = now
 
     @property
     def requested(self) -> bool:

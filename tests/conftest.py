@@ -18,7 +18,7 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
 from multigpu.config import TrainConfig
+from slurm_cluster import SlurmCluster, why_not_available
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -297,3 +298,25 @@ def read_results(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     by_name = {record["experiment"]: record for record in lines}
     assert len(by_name) == len(lines), f"an experiment was recorded twice: {[r['experiment'] for r in lines]}"
     return by_name
+
+
+@pytest.fixture(scope="session")
+def _slurm_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = why_not_available()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_daemons: SlurmCluster) -> Iterator[SlurmCluster]:
+    """A real single-node SLURM cluster (tests/slurm_cluster.py), one per session; skips where SLURM cannot run.
+
+    Jobs a test submitted through it (or `track`ed) and left queued are cancelled after the test.
+    """
+    yield _slurm_daemons
+    _slurm_daemons.cancel_left_over()

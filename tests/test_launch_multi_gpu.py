@@ -38,7 +38,8 @@ RUN_TIMEOUT = 240
 
 sys.path.insert(0, str(REPO))
 from conftest import needs_shellcheck, shellcheck_path  # noqa: E402
-from multigpu.config import TrainConfig  # noqa: E402  (after the path tweak)
+from multigpu.config import TrainConfig, parse_config  # noqa: E402  (after the path tweak)
+from multigpu.errors import UsageError  # noqa: E402
 from multigpu.lr_scaling import scaled_lr  # noqa: E402
 
 DEFAULTS = TrainConfig()
@@ -79,14 +80,12 @@ def shown(path: str) -> str:
     return path[len(prefix):] if path.startswith(prefix) else path
 
 
-def torchrun_shown() -> str:
-    """How the launcher prints torchrun for this interpreter (the one next to it first)."""
-    beside = Path(sys.executable).parent / "torchrun"
-    if os.access(beside, os.X_OK):
-        return shown(str(beside))
-    if shutil.which("torchrun"):
-        return "torchrun"
-    return f"{shown(sys.executable)} -m torch.distributed.run"
+def ddp_head(nproc: int, port: int, ids: Optional[str] = None, log: str = "checkpoints/torchrun.log") -> str:
+    """The start of the launcher's ddp command: torchrun (through multigpu/torchrun.py) with its threads per worker."""
+    cores = len(os.sched_getaffinity(0))
+    env = f"CUDA_VISIBLE_DEVICES={ids} " if ids else ""
+    return (f"{env}OMP_NUM_THREADS={max(1, cores // nproc)} {shown(sys.executable)} multigpu/torchrun.py "
+            f"--log-file {log} --nproc_per_node={nproc} --master_port={port}")
 
 
 def training_flags(epochs: int = DEFAULTS.epochs, batch: int = DEFAULTS.batch_size, lr: str = repr(DEFAULTS.lr),
@@ -178,33 +177,35 @@ def test_fake_nvidia_smi_gpus_are_listed_and_the_default_is_ddp_on_all_of_them()
     assert result.returncode == 0, result.stderr
     for i in range(4):
         assert f"GPU {i}  NVIDIA A100-SXM4-80GB  81920 MiB" in result.stderr
-    assert result.stdout == (f"{torchrun_shown()} --nproc_per_node=4 --master_port={port} main_multi_gpu.py "
-                             f"--multi-gpu ddp {training_flags()}\n")
+    assert result.stdout == f"{ddp_head(4, port)} main_multi_gpu.py --multi-gpu ddp {training_flags()}\n"
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--mode", "ddp"], "{torchrun} --nproc_per_node=4 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
-    (["--mode", "ddp", "--gpu-ids", "1,3"],
-     "CUDA_VISIBLE_DEVICES=1,3 {torchrun} --nproc_per_node=2 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
-    (["--mode", "ddp", "--gpus", "2", "--max-restarts", "3"],
-     "{torchrun} --nproc_per_node=2 --master_port={port} --max_restarts=3 main_multi_gpu.py --multi-gpu ddp"),
-    (["--mode", "dp"], "{python} main_multi_gpu.py --multi-gpu dp"),
-    (["--mode", "dp", "--gpus", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
-    (["--mode", "dp", "--gpu-ids", "0,2,3"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2,3"),
-    (["--mode", "single"], "CUDA_VISIBLE_DEVICES=0 {python} main_multi_gpu.py --multi-gpu none"),
+    (["--multi-gpu", "ddp"], "{ddp4} main_multi_gpu.py --multi-gpu ddp"),
+    (["--multi-gpu", "ddp", "--gpu-ids", "1,3"], "{ddp2_ids13} main_multi_gpu.py --multi-gpu ddp"),
+    (["--multi-gpu", "ddp", "--gpus", "2", "--max-restarts", "3"],
+     "{ddp2} --max_restarts=3 main_multi_gpu.py --multi-gpu ddp"),
+    (["--multi-gpu", "dp"], "{python} main_multi_gpu.py --multi-gpu dp"),
+    (["--multi-gpu", "dp", "--gpus", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
+    (["--multi-gpu", "dp", "--gpu-ids", "0,2,3"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2,3"),
+    (["--multi-gpu", "none"], "CUDA_VISIBLE_DEVICES=0 {python} main_multi_gpu.py --multi-gpu none"),
+    (["--multi-gpu", "none", "--gpu-ids", "2"], "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
     (["--mode", "single", "--gpu-ids", "2"], "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
-], ids=["ddp", "ddp-gpu-ids", "ddp-count-restarts", "dp", "dp-count", "dp-gpu-ids", "single", "single-gpu-id"])
+    (["--mode", "dp", "--nproc", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
+], ids=["ddp", "ddp-gpu-ids", "ddp-count-restarts", "dp", "dp-count", "dp-gpu-ids", "none", "none-gpu-id",
+        "alias-mode-single", "alias-mode-dp-nproc"])
 def test_dry_run_prints_the_command_of_each_gpu_mode(args: list[str], expected: str) -> None:
     port = free_port()
     result = launch([*args, "--dry-run"], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)))
     assert result.returncode == 0, result.stderr
-    head = expected.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port)
+    head = expected.format(ddp4=ddp_head(4, port), ddp2=ddp_head(2, port), ddp2_ids13=ddp_head(2, port, "1,3"),
+                           python=shown(sys.executable))
     assert result.stdout == f"{head} {training_flags()}\n"
 
 
 @pytest.mark.parametrize("args, expected", [
-    ([], "{torchrun} --nproc_per_node=2 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
-    (["--nproc", "3"], "{torchrun} --nproc_per_node=3 --master_port={port} main_multi_gpu.py --multi-gpu ddp"),
+    ([], "{ddp2} main_multi_gpu.py --multi-gpu ddp"),
+    (["--nproc", "3"], "{ddp3} main_multi_gpu.py --multi-gpu ddp"),
     (["--mode", "single"], "{python} main_multi_gpu.py --multi-gpu none"),
 ], ids=["ddp-default-2-processes", "ddp-nproc-alias", "single"])
 def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], expected: str) -> None:
@@ -212,7 +213,7 @@ def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], exp
     result = launch([*args, "--dry-run"], launcher_env(LAUNCH_DEFAULT_PORT=str(port)))
     assert result.returncode == 0, result.stderr
     assert "No CUDA GPU found" in result.stderr
-    head = expected.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port)
+    head = expected.format(ddp2=ddp_head(2, port), ddp3=ddp_head(3, port), python=shown(sys.executable))
     assert result.stdout == f"{head} {training_flags()}\n"
 
 
@@ -225,8 +226,9 @@ def test_dry_run_of_a_two_node_job_uses_c10d_rendezvous_hosted_by_node_0(rank: i
     result = launch(args, launcher_env(gpus=4))
     assert result.returncode == 0, result.stderr
     # Node 0 hosts the rendezvous store; the id and endpoint are the same on every node.
+    head = ddp_head(4, port, log=f"runs/two/torchrun-node{rank}.log").replace(f" --master_port={port}", "")
     assert result.stdout == (
-        f"{torchrun_shown()} --nproc_per_node=4 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=10.1.2.3:{port} "
+        f"{head} --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=10.1.2.3:{port} "
         f"--rdzv_id=multigpu-{port} --rdzv_conf=is_host={int(rank == 0)} --max_restarts=2 main_multi_gpu.py "
         f"--multi-gpu ddp {training_flags(5, 32, '0.1', 'linear', 'runs/two')}\n")
     assert f"per node x 2 nodes (this is node {rank})" in result.stderr
@@ -259,49 +261,100 @@ def test_dry_run_from_another_directory_names_the_trainer_by_path_and_writes_not
 def test_help_lists_every_flag() -> None:
     result = subprocess.run(["bash", str(LAUNCHER), "--help"], text=True, capture_output=True, timeout=DRY_TIMEOUT)
     assert result.returncode == 0
-    for flag in ["--mode", "--gpus", "--nproc", "--gpu-ids", "--epochs", "--batch-size", "--lr", "--scale-lr",
-                 "--save-dir", "--yes", "--dry-run", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                 "--max-restarts"]:
-        assert re.search(rf"^\s+(-\w, )?{re.escape(flag)}\b", result.stdout, re.M), flag
+    for flag in ["--multi-gpu", "--mode", "--gpus", "--nproc", "--gpu-ids", "--epochs", "--batch-size", "--lr",
+                 "--lr-scaling", "--scale-lr", "--save-dir", "--yes", "--dry-run", "--nnodes", "--node-rank",
+                 "--master-addr", "--master-port", "--max-restarts", "--slurm", "--partition", "--time", "--account",
+                 "--cpus-per-task", "--submit"]:
+        assert re.search(rf"^\s+(-\w, |--[\w-]+ \w+, )*{re.escape(flag)}\b", result.stdout, re.M), flag
 
 
 # --- bad input ------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (["--gpus", "0"], "--gpus 0: must be at least 1"),
+    (["--gpus", "0"], "--gpus must be at least 1, got 0"),
     (["--gpus", "5"], "--gpus 5: only 4 GPUs found (ids 0,1,2,3)"),
-    (["--gpus", "two"], "--gpus two: not a whole number"),
+    (["--gpus", "two"], "--gpus must be a whole number, got 'two'"),
     (["--gpu-ids", "0,7"], "--gpu-ids 0,7: no GPU with id 7 (found: 0,1,2,3)"),
     (["--gpu-ids", "1,1"], "--gpu-ids 1,1: GPU 1 is listed twice"),
     (["--gpus", "2", "--gpu-ids", "0,1"], "give --gpus or --gpu-ids, not both"),
-    (["--mode", "fsdp"], "--mode fsdp: choose ddp, dp or single"),
-    (["--mode", "single", "--gpus", "2"], "--gpus 2: single mode uses one device"),
-    (["--epochs", "-1"], "--epochs -1: not a whole number"),
-    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
-    (["--lr", "0.0"], "--lr 0.0: must be greater than 0"),
-    (["--lr", "fast"], "--lr fast: not a positive number"),
-    (["--scale-lr", "cubic"], "--scale-lr cubic: choose linear, sqrt or none"),
-    (["--master-port", "70000"], "--master-port 70000: not a port number"),
+    (["--mode", "fsdp"], "--multi-gpu must be one of ddp, dp, none; got 'fsdp'"),
+    (["--multi-gpu", "auto"], "--multi-gpu must be one of ddp, dp, none; got 'auto'"),
+    (["--mode", "single", "--gpus", "2"], "--gpus 2: --multi-gpu none uses one device"),
+    (["--master-port", "70000"], "--master-port must be at most 65535, got 70000"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1"], "--nnodes 2 needs --node-rank"),
     (["--nnodes", "2", "--node-rank", "0"], "--nnodes 2 needs --master-addr"),
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2: must be below --nnodes 2"),
-    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--node-rank -1: not a whole number (0 or more)"),
-    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--mode", "dp"], "--nnodes 2 needs --mode ddp"),
+    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--node-rank must be at least 0, got -1"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--mode", "dp"],
+     "--nnodes 2 needs --multi-gpu ddp"),
     (["--frobnicate"], "unknown option --frobnicate"),
     (["--epochs"], "--epochs needs a value"),
     (["--", "--batch-size", "8"], "--batch-size after -- would override the launcher's setting"),
-    (["--", "--grad-accum-steps", "0"], "--grad-accum-steps 0 (after --): must be at least 1"),
-])
+    (["--", "--epoch", "8"], "--epochs after -- would override the launcher's setting"),
+    (["--", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--slurm", "--time", "soon"], "--time 'soon': not a SLURM time"),
+    (["--slurm", "--nnodes", "2"], "--nnodes 2 needs --save-dir on storage every node shares"),
+    (["--slurm", "--node-rank", "1"], "--node-rank is SLURM's to decide"),
+    (["--slurm", "--", "--resume", "last.pt"], "the job script continues with --resume auto by itself"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = launch([*args, "--dry-run"], launcher_env(gpus=4))
+    result = launch(["--dry-run", *args], launcher_env(gpus=4))
     assert_one_line_usage_error(result)
     assert message in result.stderr
+
+
+@pytest.mark.parametrize("args, trainer_argv", [
+    (["--epochs", "0"], ["--epochs", "0"]),
+    (["--epochs", "-1"], ["--epochs", "-1"]),
+    (["--epochs", "many"], ["--epochs", "many"]),
+    (["--batch-size", "0"], ["--batch-size", "0"]),
+    (["--lr", "0.0"], ["--lr", "0.0"]),
+    (["--lr", "fast"], ["--lr", "fast"]),
+    (["--scale-lr", "cubic"], ["--lr-scaling", "cubic"]),
+    (["--", "--grad-accum-steps", "0"], ["--grad-accum-steps", "0"]),
+    (["--", "--image-shape", "3,1"], ["--image-shape", "3,1"]),
+], ids=lambda value: " ".join(value))
+def test_a_value_the_trainer_refuses_is_refused_by_the_launcher_in_the_same_words(
+        args: list[str], trainer_argv: list[str]) -> None:
+    with pytest.raises(UsageError) as refused:
+        parse_config(trainer_argv)  # the trainer's own parser and TrainConfig
+    result = launch(["--dry-run", *args], launcher_env(gpus=4))
+    assert_one_line_usage_error(result)
+    assert result.stderr == f"launch_multi_gpu.sh: {refused.value}\n"
+
+
+def test_a_save_dir_that_is_a_file_is_refused_in_one_line_and_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    for extra in (["--dry-run"], ["--yes"]):
+        result = launch(["--save-dir", "notes.txt", *extra], launcher_env(), cwd=tmp_path)
+        assert_one_line_usage_error(result)
+        assert "--save-dir notes.txt is a file, not a folder" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_flag_aliases_give_the_same_command_as_the_trainers_names() -> None:
+    port = free_port()
+    env = launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port))
+    old = launch(["--mode", "single", "--scale-lr", "sqrt", "--nproc", "1", "--dry-run"], env)
+    new = launch(["--multi-gpu", "none", "--lr-scaling", "sqrt", "--gpus", "1", "--dry-run"], env)
+    assert old.returncode == new.returncode == 0, old.stderr + new.stderr
+    assert old.stdout == new.stdout
+    assert "--multi-gpu none" in new.stdout and "--lr-scaling sqrt" in new.stdout
+
+
+def test_each_cpu_worker_gets_its_share_of_the_cores_in_the_printed_command() -> None:
+    cores = len(os.sched_getaffinity(0))
+    for processes in (1, 2, 2 * cores + 1):
+        result = launch(["--gpus", str(processes), "--dry-run"], launcher_env())
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"OMP_NUM_THREADS={max(1, cores // processes)} ")
 
 
 def test_dp_on_a_cpu_machine_is_refused_with_the_alternatives() -> None:
     result = launch(["--mode", "dp", "--dry-run"], launcher_env())
     assert_one_line_usage_error(result)
-    assert "--mode dp needs CUDA GPUs" in result.stderr and "ddp" in result.stderr
+    assert "--multi-gpu dp needs CUDA GPUs" in result.stderr and "ddp" in result.stderr
 
 
 def test_an_explicit_busy_master_port_is_refused_before_torchrun_starts() -> None:
@@ -322,28 +375,30 @@ def test_piped_answers_are_reasked_when_impossible_and_no_ends_without_running()
     port = free_port()
     result = launch([], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)), input=answers)
     assert result.returncode == 0, result.stderr
-    assert "'5': only 4 GPUs found (ids 0,1,2,3)." in result.stderr
-    assert "'0,9': no GPU with id 9 (found: 0,1,2,3)." in result.stderr
+    assert "  --gpus 5: only 4 GPUs found (ids 0,1,2,3)\n" in result.stderr
+    assert "  --gpu-ids 0,9: no GPU with id 9 (found: 0,1,2,3)\n" in result.stderr
     assert result.stderr.count("GPUs: all, a count") == 3
     assert "effective batch 32 = 16 per GPU x 2 GPUs x 1 accumulation step" in result.stderr
     assert f"lr {scaled_lr(0.01, 'linear', 32, 32)!r} = 0.01 x linear(32/32)" in result.stderr
-    assert result.stdout == (f"CUDA_VISIBLE_DEVICES=1,3 {torchrun_shown()} --nproc_per_node=2 --master_port={port} "
-                             f"main_multi_gpu.py --multi-gpu ddp {training_flags(2, 16, '0.01', 'linear')}\n")
-    assert "Not started" in result.stderr
+    assert result.stdout == (f"{ddp_head(2, port, '1,3')} main_multi_gpu.py --multi-gpu ddp "
+                             f"{training_flags(2, 16, '0.01', 'linear')}\n")
+    assert "Not done" in result.stderr
 
 
 @pytest.mark.parametrize("answers, head", [
-    ("ddp\n3,\n", "CUDA_VISIBLE_DEVICES=3 {torchrun} --nproc_per_node=1 --master_port={port}"),
-    ("ddp\n2\n", "{torchrun} --nproc_per_node=2 --master_port={port}"),
-    ("dp\n0,2\n", "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2"),
-    ("3\n9\n2\n", "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
-], ids=["ddp-one-id", "ddp-count", "dp-ids", "single-id-reasked"])
+    ("ddp\n3,\n", "{ddp1_id3} "),
+    ("ddp\n2\n", "{ddp2} "),
+    ("dp\n0,2\n", "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2 "),
+    ("3\n9\n2\n", "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none "),
+    ("single\n\n", "CUDA_VISIBLE_DEVICES=0 {python} main_multi_gpu.py --multi-gpu none "),
+], ids=["ddp-one-id", "ddp-count", "dp-ids", "none-by-number-id-reasked", "single-by-its-old-name"])
 def test_piped_gpu_choices_become_the_right_command(answers: str, head: str) -> None:
     port = free_port()
     result = launch([], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)), input=answers + "\n\n\n\nn\n")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(head.format(torchrun=torchrun_shown(), python=shown(sys.executable), port=port))
-    assert "Not started" in result.stderr
+    assert result.stdout.startswith(head.format(ddp1_id3=ddp_head(1, port, "3"), ddp2=ddp_head(2, port),
+                                                python=shown(sys.executable)))
+    assert "Not done" in result.stderr
 
 
 def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_busy(tmp_path: Path) -> None:
@@ -357,7 +412,7 @@ def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_bu
         result = run_launcher(TINY, launcher_env(LAUNCH_DEFAULT_PORT=str(port)), tmp_path, answers)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Mode [ddp]: ddp" in result.stderr
-    assert "'0': must be at least 1." in result.stderr
+    assert "  --gpus must be at least 1, got 0\n" in result.stderr
     assert result.stderr.count("CPU processes [2]:") == 2
     assert "Scale the LR for it: linear, sqrt or none [none]: sqrt" in result.stderr
     expected_lr = scaled_lr(DEFAULTS.lr, "sqrt", 64, DEFAULTS.lr_base_batch)
@@ -415,6 +470,36 @@ def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path
         assert (tmp_path / f"node{rank}" / DEFAULTS.save_dir / "last.pt").is_file() == (rank in reporting)
 
 
+# --- the workers' verdict: their line and their exit status, torchrun's reports in a log ------------
+
+def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(tmp_path: Path) -> None:
+    args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
+            "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1", "--save-every-steps", "3"]
+    launcher = Launcher(args, launcher_env(), tmp_path)
+    save_dir = tmp_path / DEFAULTS.save_dir
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not list(save_dir.glob("step-*.pt")) and launcher.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the file system for the run's first step checkpoint
+    launcher.proc.send_signal(signal.SIGTERM)  # the launcher's own pid: it became torchrun
+    result = launcher.wait(deadline)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "checkpoint checkpoints/last.pt written. Continue with the same command plus --resume auto" in output
+    assert "Traceback" not in output and "SignalException" not in output
+    assert "torchrun's own messages go to checkpoints/torchrun.log" in result.stderr
+    assert "SignalException" in (save_dir / "torchrun.log").read_text()
+    assert (save_dir / "last.pt").is_file()
+
+
+def test_bad_input_found_by_the_workers_is_their_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_launcher(["--yes", "--epochs", "1", "--", "--dataset", "mnist", "--data-dir", "nowhere",
+                           "--no-progress"], launcher_env(), tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    run_lines = result.stderr.split("Saved as checkpoints/launch_command.sh\n", 1)[1].strip().splitlines()
+    assert len(run_lines) == 1 and run_lines[0].startswith("error: --dataset mnist: files not found"), run_lines
+    assert "ChildFailedError" in (tmp_path / DEFAULTS.save_dir / "torchrun.log").read_text()
+
+
 # --- a real terminal ---------------------------------------------------------------
 
 class Tmux:
@@ -465,12 +550,12 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
         term.type(f"{env} bash {shlex.quote(str(LAUNCHER))} {' '.join(TINY)}; echo LAUNCH_EXIT=$?")
         term.wait_for(r"Mode \[ddp\]: ")
         term.type("dp")  # offered only with GPUs
-        term.wait_for(r"'dp': dp needs CUDA GPUs")
+        term.wait_for(r"--multi-gpu dp needs CUDA GPUs")
         term.wait_for(r"Mode \[ddp\]: ", count=2)
-        term.type("2")  # single, by its menu number (one process: the piped test runs DDP)
+        term.type("2")  # none (one process), by its menu number (the piped test runs DDP)
         term.wait_for(r"Epochs \[\d+\]: ")
         term.type("many")
-        term.wait_for(r"'many': not a whole number")
+        term.wait_for(r"argument --epochs: invalid int value: 'many'")
         term.wait_for(r"Epochs \[\d+\]: ", count=2)
         term.type("1")
         for prompt, answer in [(r"Batch size per process \[\d+\]: ", "16"), (r"Base learning rate .*\]: ", ""),
@@ -494,7 +579,8 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
 # --- lint ----------------------------------------------------------------------------
 
 @needs_shellcheck
-def test_launcher_and_fake_nvidia_smi_pass_shellcheck() -> None:
-    result = subprocess.run([shellcheck_path(), "--severity=style", str(LAUNCHER), str(FAKE_BIN / "nvidia-smi")],
+def test_launcher_and_the_other_shell_scripts_pass_shellcheck() -> None:
+    scripts = [LAUNCHER, FAKE_BIN / "nvidia-smi", REPO / ".ci" / "run", *sorted((REPO / "scripts").glob("*.sh"))]
+    result = subprocess.run([shellcheck_path(), "--severity=style", *map(str, scripts)],
                             text=True, capture_output=True, timeout=DRY_TIMEOUT)
     assert result.returncode == 0, result.stdout

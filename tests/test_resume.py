@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -272,6 +273,24 @@ def test_resume_from_every_step_checkpoint_is_exact_with_accumulation_and_dropou
         resumed.fit()
         for key, tensor in uninterrupted.model.state_dict().items():
             assert torch.equal(resumed.model.state_dict()[key], tensor), (name, key)
+
+
+def test_a_sigterm_delivered_twice_at_once_is_one_stop_request(capfd):
+    # SLURM signals every process of a job step and torchrun forwards the signal too: each worker gets two.
+    child = os.fork()
+    if child == 0:
+        stop = StopRequest(repeat_window=0.5)
+        stop.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not stop.requested:
+            os._exit(3)
+        time.sleep(0.6)  # past the window: now a SIGTERM is a second request
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(4)  # not reached
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+    assert capfd.readouterr().err == "second SIGTERM: exiting now without a checkpoint\n"
 
 
 def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
