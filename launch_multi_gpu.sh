@@ -375,6 +375,30 @@ ask_training() {
     fi
 }
 
+# A --save-dir that holds another run's checkpoints: continue it, a new folder beside it, or
+# overwrite it (the trainer keeps the old files aside until the new run saves). --yes: a new folder.
+ask_save_dir() {
+    rules check || die_usage "${RULES[error]}"
+    [[ -n ${RULES[save-dir-holds]:-} ]] || return 0
+    local answer=n
+    if [[ $ASK != none ]]; then
+        say "${SET[save-dir]} holds another run's checkpoints (${RULES[save-dir-holds]})."
+        while true; do
+            printf 'Continue that run (c), start in a new folder %s (n), or overwrite it (o)? [n]: ' \
+                "${RULES[new-save-dir]}" >&2
+            read_line || true
+            answer=${LINE:-n}
+            case ${answer,,} in c | n | o) break ;; esac
+            say "  '$answer': answer c, n or o."
+        done
+    fi
+    case ${answer,,} in
+        c) PASSTHROUGH+=(--resume auto) ;;
+        n) SET[save-dir]=${RULES[new-save-dir]} ;;
+        o) PASSTHROUGH+=(--overwrite) ;;
+    esac
+}
+
 confirm() {
     local question=$1 answer
     [[ $ASK == none ]] && return 0  # --yes, or nothing to ask
@@ -449,6 +473,7 @@ main() {
         ask_devices
     fi
     ask_training
+    ask_save_dir
     if [[ -n ${SET[slurm]:-} ]]; then write_slurm_job; else run_here; fi
 }
 

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from multigpu.config import TrainConfig, build_parser, flag, parse_config
+from multigpu import savedir
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, build_parser, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
@@ -411,6 +412,9 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     nodes = nodes_of(s, mode)
     devices = slurm_devices(s) if s.slurm else devices_of(s, mode)
     config = training_config(s)
+    if not (s.slurm and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
+        yield from settle_save_dir(s, config)
+        config = training_config(s)
     check_save_dir(config.save_dir)
     if s.slurm:
         check_slurm_job(s, nodes, config)
@@ -440,6 +444,25 @@ def settle_training(s: Settings, config: TrainConfig) -> None:
             setattr(s, name, repr(value) if isinstance(value, float) else str(value))
 
 
+def settle_save_dir(s: Settings, config: TrainConfig) -> Iterator[tuple[str, str]]:
+    """The save-dir the command names (launch_command.sh goes there too).
+
+    Without --save-dir: a new run folder under checkpoints/ (with --resume auto,
+    the newest), as the trainer would choose. A --save-dir holding another run's
+    checkpoints, with neither --resume nor --overwrite, is reported
+    ("save-dir-holds") with a fresh folder beside it, for the launcher to ask.
+    """
+    if s.save_dir is None:
+        newest = savedir.newest_run_dir(DEFAULT_SAVE_ROOT)
+        s.save_dir = newest if config.resume == "auto" and newest else savedir.next_run_dir(DEFAULT_SAVE_ROOT)
+        yield "set:save-dir", s.save_dir
+    elif config.resume is None and not config.overwrite and os.path.isdir(s.save_dir):
+        held = savedir.checkpoint_files(s.save_dir)
+        if held:
+            yield "save-dir-holds", ", ".join(os.path.basename(path) for path in held)
+            yield "new-save-dir", savedir.sibling_dir(s.save_dir)
+
+
 def check_save_dir(save_dir: str) -> None:
     """The launcher writes launch_command.sh (or the SLURM script) there: a folder, or nothing yet."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
@@ -452,6 +475,7 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     apply_gpu_choice(s)
     devices = devices_of(s, mode)
     nodes = nodes_of(s, mode)
+    yield from settle_save_dir(s, training_config(s, devices))
     config = training_config(s, devices)
     check_save_dir(config.save_dir)
     settle_training(s, config)

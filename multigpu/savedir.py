@@ -291,6 +291,19 @@ def newest_run_dir(root: str) -> Optional[str]:
     return os.path.join(root, f"{RUN_PREFIX}{numbers[-1]}") if numbers else None
 
 
+def next_run_dir(root: str) -> str:
+    """The name `new_run_dir` would create now (the launcher names it in its command; nothing is created)."""
+    return os.path.join(root, f"{RUN_PREFIX}{(_run_numbers(root) or [0])[-1] + 1}")
+
+
+def sibling_dir(save_dir: str) -> str:
+    """A folder beside `save_dir` that does not exist yet: `<save-dir>-2`, `-3`, ..."""
+    number = 2
+    while os.path.lexists(f"{save_dir.rstrip(os.sep)}-{number}"):
+        number += 1
+    return f"{save_dir.rstrip(os.sep)}-{number}"
+
+
 def new_run_dir(root: str) -> str:
     """Create and return `root/run-N`, N one above the highest there (two runs starting together get two)."""
     os.makedirs(root, exist_ok=True)

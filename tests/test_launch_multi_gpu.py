@@ -38,11 +38,15 @@ RUN_TIMEOUT = 240
 
 sys.path.insert(0, str(REPO))
 from conftest import needs_shellcheck, shellcheck_path  # noqa: E402
+from multigpu import savedir  # noqa: E402
 from multigpu.config import TrainConfig, parse_config  # noqa: E402  (after the path tweak)
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.lr_scaling import scaled_lr  # noqa: E402
 
 DEFAULTS = TrainConfig()
+# Without --save-dir the launcher names a new run folder: run-1 in a fresh directory; in the checkout,
+# whatever comes next there (a dry run creates nothing, so it stays the same during the tests).
+FIRST_RUN = Path("checkpoints") / "run-1"
 
 
 # --- helpers -------------------------------------------------------------------
@@ -80,16 +84,23 @@ def shown(path: str) -> str:
     return path[len(prefix):] if path.startswith(prefix) else path
 
 
-def ddp_head(nproc: int, port: int, ids: Optional[str] = None, log: str = "checkpoints/torchrun.log") -> str:
+def dry_run_save_dir() -> str:
+    """The save-dir a dry run in the checkout names by default."""
+    return shown(savedir.next_run_dir(str(REPO / "checkpoints")))
+
+
+def ddp_head(nproc: int, port: int, ids: Optional[str] = None, log: Optional[str] = None) -> str:
     """The start of the launcher's ddp command: torchrun (through multigpu/torchrun.py) with its threads per worker."""
     cores = len(os.sched_getaffinity(0))
     env = f"CUDA_VISIBLE_DEVICES={ids} " if ids else ""
+    log = log or f"{dry_run_save_dir()}/torchrun.log"
     return (f"{env}OMP_NUM_THREADS={max(1, cores // nproc)} {shown(sys.executable)} multigpu/torchrun.py "
             f"--log-file {log} --nproc_per_node={nproc} --master_port={port}")
 
 
 def training_flags(epochs: int = DEFAULTS.epochs, batch: int = DEFAULTS.batch_size, lr: str = repr(DEFAULTS.lr),
-                   scaling: str = DEFAULTS.lr_scaling, save_dir: str = DEFAULTS.save_dir) -> str:
+                   scaling: str = DEFAULTS.lr_scaling, save_dir: Optional[str] = None) -> str:
+    save_dir = save_dir or dry_run_save_dir()
     return f"--epochs {epochs} --batch-size {batch} --lr {lr} --lr-scaling {scaling} --save-dir {save_dir}"
 
 
@@ -425,7 +436,7 @@ def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_bu
     assert command.endswith(f" --nproc_per_node=2 --master_port={chosen} {REPO}/main_multi_gpu.py --multi-gpu ddp "
                             f"{training_flags(1, 32, repr(DEFAULTS.lr), 'sqrt')} {' '.join(TINY[1:])}")
     assert "done:" in result.stdout
-    save_dir = tmp_path / DEFAULTS.save_dir
+    save_dir = tmp_path / FIRST_RUN
     assert (save_dir / "last.pt").is_file()
     saved = (save_dir / "launch_command.sh").read_text()
     assert f'{command} "$@"' in saved
@@ -439,7 +450,7 @@ def test_a_silent_stdin_pipe_times_out_to_the_defaults_instead_of_hanging(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no answer on standard input within 1s: taking the defaults" in result.stderr
     assert f"main_multi_gpu.py --multi-gpu none {training_flags(epochs=1, batch=32)} --train-size" in result.stdout
-    assert (tmp_path / DEFAULTS.save_dir / "last.pt").is_file()
+    assert (tmp_path / FIRST_RUN / "last.pt").is_file()
 
 
 # --- nodes ------------------------------------------------------------------------
@@ -467,7 +478,7 @@ def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path
     reporting = [rank for rank, output in enumerate(outputs) if "done:" in output]
     assert len(reporting) == 1, outputs
     for rank in (0, 1):
-        assert (tmp_path / f"node{rank}" / DEFAULTS.save_dir / "last.pt").is_file() == (rank in reporting)
+        assert (tmp_path / f"node{rank}" / FIRST_RUN / "last.pt").is_file() == (rank in reporting)
 
 
 # --- the workers' verdict: their line and their exit status, torchrun's reports in a log ------------
@@ -476,7 +487,7 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
     args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
             "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1", "--save-every-steps", "3"]
     launcher = Launcher(args, launcher_env(), tmp_path)
-    save_dir = tmp_path / DEFAULTS.save_dir
+    save_dir = tmp_path / FIRST_RUN
     deadline = time.monotonic() + RUN_TIMEOUT
     while not list(save_dir.glob("step-*.pt")) and launcher.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # polling the file system for the run's first step checkpoint
@@ -484,9 +495,9 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
     result = launcher.wait(deadline)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "checkpoint checkpoints/last.pt written. Continue with the same command plus --resume auto" in output
+    assert "checkpoint checkpoints/run-1/last.pt written. Continue with the same command plus --resume auto" in output
     assert "Traceback" not in output and "SignalException" not in output
-    assert "torchrun's own messages go to checkpoints/torchrun.log" in result.stderr
+    assert "torchrun's own messages go to checkpoints/run-1/torchrun.log" in result.stderr
     assert "SignalException" in (save_dir / "torchrun.log").read_text()
     assert (save_dir / "last.pt").is_file()
 
@@ -495,9 +506,9 @@ def test_bad_input_found_by_the_workers_is_their_one_line_and_exit_2(tmp_path: P
     result = run_launcher(["--yes", "--epochs", "1", "--", "--dataset", "mnist", "--data-dir", "nowhere",
                            "--no-progress"], launcher_env(), tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    run_lines = result.stderr.split("Saved as checkpoints/launch_command.sh\n", 1)[1].strip().splitlines()
+    run_lines = result.stderr.split("Saved as checkpoints/run-1/launch_command.sh\n", 1)[1].strip().splitlines()
     assert len(run_lines) == 1 and run_lines[0].startswith("error: --dataset mnist: files not found"), run_lines
-    assert "ChildFailedError" in (tmp_path / DEFAULTS.save_dir / "torchrun.log").read_text()
+    assert "ChildFailedError" in (tmp_path / FIRST_RUN / "torchrun.log").read_text()
 
 
 # --- a real terminal ---------------------------------------------------------------
@@ -569,8 +580,8 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
         assert "No CUDA GPU found" in screen
         assert f"lr {scaled_lr(DEFAULTS.lr, 'linear', 16, DEFAULTS.lr_base_batch)!r}" in screen
         assert "done:" in screen
-        assert (directory / DEFAULTS.save_dir / "last.pt").is_file()
-        assert (directory / DEFAULTS.save_dir / "launch_command.sh").is_file()
+        assert (directory / FIRST_RUN / "last.pt").is_file()
+        assert (directory / FIRST_RUN / "launch_command.sh").is_file()
     finally:
         term.close()
         shutil.rmtree(directory, ignore_errors=True)
@@ -584,3 +595,41 @@ def test_launcher_and_the_other_shell_scripts_pass_shellcheck() -> None:
     result = subprocess.run([shellcheck_path(), "--severity=style", *map(str, scripts)],
                             text=True, capture_output=True, timeout=DRY_TIMEOUT)
     assert result.returncode == 0, result.stdout
+
+
+# --- a save-dir that holds another run -------------------------------------------
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
+@pytest.mark.parametrize("answer, expected", [("c", "--save-dir {dir} --resume auto"), ("o", "--save-dir {dir} --overwrite"),
+                                              ("", "--save-dir {dir}-2")])
+def test_a_save_dir_with_checkpoints_asks_to_continue_start_anew_or_overwrite(answer: str, expected: str) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="launch-held-"))
+    (directory / "old").mkdir()
+    (directory / "old" / "last.pt").write_bytes(b"a run's checkpoint")
+    term = Tmux(directory)
+    try:
+        env = f"CUDA_VISIBLE_DEVICES= PYTHON={shlex.quote(sys.executable)}"
+        term.type(f"{env} bash {shlex.quote(str(LAUNCHER))} --dry-run --save-dir old; echo LAUNCH_EXIT=$?")
+        for prompt, reply in [(r"Mode \[ddp\]: ", ""), (r"CPU processes \[\d+\]: ", ""), (r"Epochs \[\d+\]: ", ""),
+                              (r"Batch size per process \[\d+\]: ", ""), (r"Base learning rate .*\]: ", ""),
+                              (r"Scale the LR .*\]: ", "")]:
+            term.wait_for(prompt)
+            term.type(reply)
+        term.wait_for(r"old holds another run's checkpoints \(last.pt\)")
+        term.wait_for(r"Continue that run \(c\), start in a new folder old-2 \(n\), or overwrite it \(o\)\? \[n\]: ")
+        term.type(answer)
+        screen = term.wait_for(r"LAUNCH_EXIT=\d+")
+        assert "LAUNCH_EXIT=0" in screen and expected.format(dir="old") in screen, screen
+        assert (directory / "old" / "last.pt").read_bytes() == b"a run's checkpoint"
+    finally:
+        term.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_with_yes_a_save_dir_with_checkpoints_gives_way_to_a_new_folder(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "best.pt").write_bytes(b"a better model")
+    result = launch(["--yes", "--dry-run", "--save-dir", "old"], launcher_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("--save-dir old-2")
+    assert (tmp_path / "old" / "best.pt").read_bytes() == b"a better model" and not (tmp_path / "old-2").exists()

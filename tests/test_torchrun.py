@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from multigpu.preemption import FAULT_ENV
+from multigpu.faults import FAULT_ENV
 from multigpu.torchrun import verdict, worker_status
 from conftest import PYTHON, REPO, RUN_TIMEOUT, TINY, cli_env
 

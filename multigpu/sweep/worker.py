@@ -150,7 +150,7 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
 
 
 def _fault_env() -> str:
-    from multigpu.preemption import FAULT_ENV
+    from multigpu.faults import FAULT_ENV
 
     return FAULT_ENV
 
