@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -90,7 +89,11 @@ def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(
 
     whole = start("/dev/null", tmp_path / "whole")  # the marker exists: never stopped
     assert whole.wait(RUN_TIMEOUT) == 0, whole.stdout.read()
-    stopped = start(str(tmp_path / "marker"), tmp_path / "stopped")
+    # Through the launcher's torchrun (multigpu/torchrun.py), whose exit status is the workers'.
+    stopped = subprocess.Popen([sys.executable, str(REPO / "multigpu" / "torchrun.py"), "--log-file",
+                                str(tmp_path / "torchrun.log"), "--standalone", "--nproc_per_node=2", str(script),
+                                str(tmp_path / "marker"), *args, "--save-dir", str(tmp_path / "stopped")],
+                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, signalled = [], None
     for line in stopped.stdout:
         output.append(line)
@@ -98,8 +101,8 @@ def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(
             break  # never reached: evaluation of epoch 1 is where the stop comes
         if "stopped by SIGTERM" in line:
             signalled = line
-    stopped.wait(RUN_TIMEOUT)
     text = "".join(output)
+    assert stopped.wait(RUN_TIMEOUT) == 0, text  # a clean stop: exit 0 through the launcher's torchrun
     assert signalled and "at step 8;" in signalled, text  # 128 samples / (2 x 8): the end of epoch 1
     state = checkpoint.load(str(tmp_path / "stopped" / "last.pt"))
     assert (state["epoch"], state["evaluated"], state["metrics"]) == (1, False, {})
