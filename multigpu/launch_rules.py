@@ -415,10 +415,10 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     if not (s.slurm and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
         yield from settle_save_dir(s, config)
         config = training_config(s)
-    check_save_dir(config.save_dir)
     if s.slurm:
         check_slurm_job(s, nodes, config)
-    elif devices.mode == "ddp" and (nodes.port is not None or nodes.count > 1):
+    check_save_dir(config.save_dir)
+    if not s.slurm and devices.mode == "ddp" and (nodes.port is not None or nodes.count > 1):
         rendezvous_port(s, nodes)  # a port the user named must be free before anything is asked
     # The settings as the launcher should keep them: the mode by its name, the GPU answer as a count or ids.
     if mode is not None:

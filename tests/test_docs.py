@@ -98,7 +98,7 @@ def workspace() -> Path:
     """A fresh folder linking to the checkout's files, so commands run as from the checkout but write here.
 
     Its .venv is the environment running the tests, stamped as built from this
-    requirements.txt, as scripts/ensure_env.sh leaves it: the README's set-up
+    requirements.txt and pyproject.toml, as scripts/ensure_env.sh leaves it: the README's set-up
     command then finds it ready, as it does after the first time.
     """
     folder = Path(tempfile.mkdtemp(prefix="docs-"))
@@ -111,8 +111,9 @@ def workspace() -> Path:
     for entry in Path(sys.prefix).iterdir():
         if not entry.name.startswith("."):
             (venv / entry.name).symlink_to(entry)
-    (venv / ".requirements.sha256").write_text(
-        hashlib.sha256((REPO / "requirements.txt").read_bytes()).hexdigest() + "\n")
+    # The stamp scripts/ensure_env.sh writes: the hash of requirements.txt and pyproject.toml together.
+    built_from = (REPO / "requirements.txt").read_bytes() + (REPO / "pyproject.toml").read_bytes()
+    (venv / ".requirements.sha256").write_text(hashlib.sha256(built_from).hexdigest() + "\n")
     return folder
 
 

@@ -257,7 +257,7 @@ def test_shown_lr_and_effective_batch_come_from_the_trainers_formula() -> None:
     assert "effective batch 576 = 48 per GPU x 4 GPUs x 3 accumulation steps" in result.stderr
     assert f"lr {scaled_lr(3e-4, 'sqrt', 576, 64)!r} = 3e-4 x sqrt(576/64)" in result.stderr
     # The trainer gets the base LR and the rule, and computes the same value itself.
-    assert result.stdout.rstrip().endswith("--lr 3e-4 --lr-scaling sqrt --save-dir checkpoints "
+    assert result.stdout.rstrip().endswith(f"--lr 3e-4 --lr-scaling sqrt --save-dir {dry_run_save_dir()} "
                                            "--grad-accum-steps 3 --lr-base-batch 64")
 
 

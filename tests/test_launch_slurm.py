@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from slurm_cluster import SlurmCluster
-from test_launch_multi_gpu import REPO, launch, launcher_env
+from test_launch_multi_gpu import REPO, dry_run_save_dir, launch, launcher_env
 
 DRY = ["--slurm", "--dry-run", "--yes"]
 JOB_TIMEOUT = 240  # seconds for one job segment; each takes well under a minute here
@@ -33,7 +33,7 @@ def test_one_gpu_node_script_asks_slurm_for_one_task_with_its_gpus_and_requeues(
                                "--max-restarts", "2", "--", "--amp", "bf16"], launcher_env(gpus=4)))
     for directive in ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=20",
                       "--partition=gpu", "--time=04:00:00", "--account=proj", "--requeue", "--signal=B:USR1@120",
-                      "--output=checkpoints/slurm-%j.out", "--open-mode=append"]:
+                      f"--output={dry_run_save_dir()}/slurm-%j.out", "--open-mode=append"]:
         assert f"\n#SBATCH {directive}\n" in script, directive
     # Every $SLURM_* is left for the job to read; the rendezvous is c10d on the allocation's first node.
     assert 'RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$((20000 + SLURM_JOB_ID ' \
