@@ -42,6 +42,7 @@ from multigpu.meters import IntervalMeter
 from multigpu.metrics import MetricsSpec, lower_is_better
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             move_schedule_to, users_optimizer, users_scheduler)
+from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 
@@ -344,6 +345,17 @@ class MultiGPUTrainer:
         # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
         model = self.wrapped if self.runtime.mode == "dp" else self.model
         return self.evaluator.run(model, dataset, self.eval_batch)
+
+    def predict(self, dataset: Optional[Dataset] = None, *, batch_size: Optional[int] = None,
+                output_path: Optional[str] = None, to: Any = "cpu") -> Any:
+        """The model's outputs for every sample of `dataset` (default: the validation set) in dataset order,
+        on every rank, exactly as one process gets them; `batch_size` per device (default: the evaluation's).
+        With `output_path`, rank 0 streams them to that file instead (MULTI_GPU_GUIDE.md, "Prediction")."""
+        model = self.wrapped if self.runtime.mode == "dp" else self.model
+        batch = self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
+        predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers,
+                              self.evaluator.collate_fn)
+        return predictor.run(model, dataset if dataset is not None else self.val_dataset, batch, output_path, to)
 
     def _end_epoch(self) -> None:
         """Evaluate, log, move to the next epoch and save last.pt (and best.pt on a new best)."""
