@@ -13,12 +13,13 @@ less cannot hang.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import struct
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import IO, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -51,17 +52,19 @@ class Predictor:
         if dataset is None:
             raise ValueError("predict() needs a dataset: none given and the trainer has no val_dataset")
         if output_path is not None:
-            with PredictionWriter(output_path, self.runtime.is_main) as writer:
-                self.each_chunk(model, dataset, batch_size, writer.write, everywhere=False)
+            with written_whole(output_path) if self.runtime.is_main else contextlib.nullcontext() as file:
+                if file is not None:
+                    file.write(FILE_MAGIC)
+                self.each_chunk(model, dataset, batch_size, lambda chunk: _append(file, chunk), everywhere=False)
             return None
         chunks: list[Any] = []
         self.each_chunk(model, dataset, batch_size, chunks.append, everywhere=True)
         return to_device(concat(chunks), torch.device(to))
 
     def each_chunk(self, model: torch.nn.Module, dataset: Dataset, batch_size: int, receive: Callable[[Any], None],
-                   everywhere: bool = True) -> None:
+                   everywhere: bool = True, with_targets: bool = False) -> None:
         """Call `receive(outputs)` for consecutive runs of samples from the first to the last, on every rank
-        (`everywhere`) or on rank 0 only. Every rank must call it."""
+        (`everywhere`) or on rank 0 only; `receive((outputs, targets))` `with_targets`. Every rank must call it."""
         rt = self.runtime
         size = len(dataset)  # type: ignore[arg-type]
         if size == 0:
@@ -76,7 +79,7 @@ class Predictor:
         try:
             for first in range(0, rounds, per_chunk):
                 last = min(first + per_chunk, rounds)
-                mine = [self._outputs(model, next(loader)) for round_ in range(first, last)
+                mine = [self._outputs(model, next(loader), with_targets) for round_ in range(first, last)
                         if round_ * rt.world_size + rt.rank < batches.num_batches]
                 by_rank = _exchange(mine, everywhere)
                 if by_rank is not None:
@@ -86,27 +89,28 @@ class Predictor:
             model.train(was_training)
 
     @torch.no_grad()
-    def _outputs(self, model: torch.nn.Module, batch: Any) -> Any:
-        """One batch's per-sample outputs, on the CPU (complete: the host waited for the copy)."""
+    def _outputs(self, model: torch.nn.Module, batch: Any, with_targets: bool) -> Any:
+        """One batch's per-sample outputs (and targets), on the CPU (complete: the host waited for the copy)."""
         batch = to_device(batch, self.runtime.device)
         with self.amp.autocast():
-            outputs = _per_sample(model_outputs(self.forward, model, batch))
-        outputs = to_device(outputs, torch.device("cpu"))
+            outputs, targets = forward_for_prediction(self.forward, model, batch)
+        result = to_device((_per_sample(outputs), targets) if with_targets else _per_sample(outputs),
+                           torch.device("cpu"))
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)  # non_blocking copies to the host are complete only now
-        return outputs
+        return result
 
 
-def model_outputs(forward: ForwardFn, model: torch.nn.Module, batch: Any) -> Any:
-    """What the model returns for `batch`: through `forward` (the trainer's forward_fn, or the default
-    pair/dict handling), except that inputs alone (a tensor, or the 1-tuple TensorDataset(inputs) gives)
-    go straight in: a prediction set often has no targets."""
+def forward_for_prediction(forward: ForwardFn, model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
+    """(outputs, targets) of `batch`: through `forward` (the trainer's forward_fn, or the default pair/dict
+    handling), except that inputs alone (a tensor, or the 1-tuple TensorDataset(inputs) gives) go straight
+    in, with no targets: a prediction set often has none."""
     if forward is default_forward:
         if isinstance(batch, torch.Tensor):
-            return model(batch)
+            return model(batch), None
         if isinstance(batch, (list, tuple)) and len(batch) == 1:
-            return model(batch[0])
-    return forward(model, batch)[0]
+            return model(batch[0]), None
+    return forward(model, batch)
 
 
 def _per_sample(outputs: Any) -> Any:
@@ -130,44 +134,29 @@ def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:
 
 
 # ---------------------------------------------------------------- the streamed file
-class PredictionWriter:
-    """Rank 0's file of predictions: chunks appended as they come, in order; complete only at the end.
+# A header line and then, per chunk, its length and its torch.save bytes (tensors in plain
+# dicts/lists/tuples, so that it loads with weights_only=True).
+@contextlib.contextmanager
+def written_whole(path: str, mode: str = "wb", **open_args: Any) -> Iterator[IO]:
+    """A file written under a temporary name and renamed to `path` only once complete, so a run that
+    fails never leaves a file that looks finished (nor touches an older one)."""
+    partial = f"{path}.partial"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        with open(partial, mode, **open_args) as file:
+            yield file
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise
+    os.replace(partial, path)
 
-    The file is a header line and then, per chunk, its length and its
-    torch.save bytes (tensors in plain dicts/lists/tuples, so it loads with
-    weights_only=True). It is written under a temporary name and renamed when
-    complete, so a run that fails never leaves a file that looks finished.
-    Other ranks get a writer that does nothing.
-    """
 
-    def __init__(self, path: str, enabled: bool):
-        self.path, self.enabled = path, enabled
-        self.partial = f"{path}.partial"
-        self.file: Any = None
-
-    def __enter__(self) -> "PredictionWriter":
-        if self.enabled:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self.file = open(self.partial, "wb")
-            self.file.write(FILE_MAGIC)
-        return self
-
-    def write(self, outputs: Any) -> None:
-        if not self.enabled:
-            return
-        buffer = io.BytesIO()
-        torch.save(_plain(outputs), buffer)
-        self.file.write(_LENGTH.pack(buffer.tell()))
-        self.file.write(buffer.getbuffer())
-
-    def __exit__(self, kind: Any, *rest: Any) -> None:
-        if not self.enabled:
-            return
-        self.file.close()
-        if kind is None:
-            os.replace(self.partial, self.path)
-        else:
-            os.unlink(self.partial)
+def _append(file: IO, outputs: Any) -> None:
+    buffer = io.BytesIO()
+    torch.save(_plain(outputs), buffer)
+    file.write(_LENGTH.pack(buffer.tell()))
+    file.write(buffer.getbuffer())
 
 
 def iter_predictions(path: str) -> Iterator[Any]:
