@@ -46,6 +46,18 @@ def chunk_sizes(samples: int, parts: int) -> list[int]:
     return [base + 1] * extra + [base] * (parts - extra)
 
 
+def crossover(batches: Sequence[int], split_wins: Sequence[bool]) -> Optional[int]:
+    """Where splitting starts to win: the smallest of the measured `batches` (ascending) at which the split
+    was faster both there and at the next measured batch (the largest counts on its own); None if nowhere.
+
+    Asking for two wins in a row keeps one lucky timing from setting the threshold.
+    """
+    for index, (batch, won) in enumerate(zip(batches, split_wins)):
+        if won and (index + 1 == len(batches) or split_wins[index + 1]):
+            return batch
+    return None
+
+
 class BatchParallel:
     """A callable that runs `module` on each batch split over `devices` (see the module docstring).
 
@@ -116,28 +128,32 @@ class BatchParallel:
         return measured[key]
 
     def _measure_crossover(self, inputs: tuple, kwargs: dict, samples: int) -> float:
-        """The smallest batch (powers of 2 from one sample per device) at which splitting beats one device
-        at that size and the next; inf when it never does up to AUTO_LARGEST samples (or memory runs out).
-        Batches are this input's samples repeated; timed in eval mode without gradients."""
+        """The `crossover` of split against one device, timed at powers of 2 from one sample per device up
+        to AUTO_LARGEST samples (or as far as memory allows); inf when splitting never wins. Batches are this
+        input's samples repeated; timed in eval mode without gradients."""
         template = to_device((inputs, kwargs), self.devices[0])
-        sizes = [size for size in (len(self.devices) * 2 ** k for k in range(32)) if size <= AUTO_LARGEST]
-        wins: list[int] = []
+        measured: list[int] = []
+        wins: list[bool] = []
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
-                for size in sizes:
+                for size in (len(self.devices) * 2 ** k for k in range(32)):
+                    if size > AUTO_LARGEST:
+                        break
                     batch_inputs, batch_kwargs = _repeat(template, samples, size)
                     single = self._time(lambda: self._single(batch_inputs, batch_kwargs))
                     spread = self._time(lambda: self._split(batch_inputs, batch_kwargs, size))
-                    wins = wins + [size] if spread < single else []
-                    if len(wins) == 2:
-                        return wins[0]
+                    measured.append(size)
+                    wins.append(spread < single)
+                    if len(wins) >= 2 and wins[-1] and wins[-2]:
+                        break  # confirmed: larger batches need not be timed
         except torch.OutOfMemoryError:
             pass  # the largest batches do not fit: what was measured so far decides
         finally:
             self.module.train(was_training)
-        return wins[0] if wins and wins[0] == sizes[-1] else math.inf
+        found = crossover(measured, wins)
+        return math.inf if found is None else found
 
     def _time(self, run: Any) -> float:
         """Median seconds of `run()` after one warm-up call, waiting for every device."""
