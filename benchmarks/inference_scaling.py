@@ -10,7 +10,7 @@ replicas (threads) and DDP over CPU processes (gloo, 1 thread each); and with
 CUDA, 1 GPU, then BatchParallel and DDP over every GPU. DDP is each rank
 running its contiguous share of the batch, then a fixed-size all_gather that
 puts the outputs back in order on rank 0, timed on rank 0 from a barrier.
-Each figure is the median of several timed runs after a warm-up.
+Each figure is the fastest of several timed runs after a warm-up.
 
 Columns: milliseconds per batch, samples/s, speed-up against the CPU with all
 threads and against one device of the same kind, and the correctness check:
@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ RESULT = "INFERENCE_SCALING_RESULT "
 
 @dataclass
 class Point:
-    """One device set at one batch size: the median seconds per batch and the correctness check."""
+    """One device set at one batch size: the seconds per batch and the correctness check."""
 
     batch: int
     seconds: float
@@ -92,8 +91,9 @@ def synchronize() -> None:
 
 
 @torch.no_grad()
-def median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of `run()` over at least 3 and at most `repeats` timed runs, after a warm-up."""
+def fastest_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """The shortest wall time of `run()` over at least 3 and at most `repeats` timed runs, after a warm-up:
+    on a shared machine other jobs only ever add time, so the fastest run is the least disturbed one."""
     run()
     synchronize()
     times: list[float] = []
@@ -103,7 +103,7 @@ def median_seconds(run: Callable[[], Any], repeats: int) -> float:
         run()
         synchronize()
         times.append(time.perf_counter() - before)
-    return statistics.median(times)
+    return min(times)
 
 
 def max_difference(outputs: torch.Tensor, reference: torch.Tensor) -> float:
@@ -123,7 +123,7 @@ def measure(series: Series, run: Callable[[torch.Tensor], torch.Tensor], device:
             outputs = run(inputs)
         if isinstance(run, BatchParallel) and run.last_path != "split":
             raise RuntimeError(f"BatchParallel ran batch {batch} on one device: this row would not measure a split")
-        point = Point(batch, median_seconds(lambda: run(inputs), args.repeats))
+        point = Point(batch, fastest_seconds(lambda: run(inputs), args.repeats))
         if reference is not None:
             point.max_difference, point.tolerance = max_difference(outputs, reference[batch]), tolerance
         if keep is not None:
@@ -223,7 +223,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
 
         with torch.no_grad():
             outputs = split_and_gather()
-            seconds = median_seconds(timed, args.repeats)
+            seconds = fastest_seconds(timed, args.repeats)
             if runtime.is_main:
                 whole = model(make_inputs(batch, args.shape).to(runtime.device))
                 points.append({"batch": batch, "seconds": seconds, "max_difference": max_difference(outputs, whole),

@@ -11,18 +11,20 @@ import pytest
 import torch
 
 import predict_multi_gpu
-from conftest import REPO, TINY, assert_ok, image_folder, run_cli
+from conftest import REPO, TINY, assert_ok, guide_commands, image_folder, run_cli
 from multigpu import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
+from multigpu.models import build_model
 
 SCRIPT = REPO / "predict_multi_gpu.py"
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """best.pt of one real epoch (an MLP on 100 synthetic validation samples), trained as a user would."""
-    save_dir = tmp_path_factory.mktemp("trained") / "ckpt"
+    """best.pt of one real epoch (an MLP on 100 synthetic validation samples), trained as the guide's Prediction
+    section says, with fewer samples."""
+    save_dir = tmp_path_factory.mktemp("trained") / "runs" / "demo"
     assert_ok(run_cli([*TINY, "--epochs", "1", "--mode", "flatten", "--save-dir", str(save_dir)]))
     return save_dir / "best.pt"
 
@@ -37,15 +39,23 @@ def validation_labels(state: dict) -> list[int]:
     return [int(val[index][1]) for index in range(len(val))]
 
 
-def test_ddp_predictions_are_in_dataset_order_with_the_accuracy_training_recorded(trained, tmp_path):
+def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training_recorded(trained, tmp_path):
+    """The guide's commands as written (2-process DDP to .csv and .pt, then a folder of unlabeled images)."""
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    shutil.copy(trained, tmp_path / "runs" / "demo" / "best.pt")
+    image_folder(tmp_path / "photos", {"batch1": ["cat", "dog"], "batch0": ["x"]}, per_class=2)
+    commands = guide_commands("predict_multi_gpu.py")
+    assert [(nproc, args[args.index("--output") + 1]) for nproc, args in commands] == [
+        (2, "predictions.csv"), (2, "outputs.pt"), (None, "photos.csv")]
+    results = [run_cli(args, nproc=nproc, cwd=tmp_path, script=SCRIPT) for nproc, args in commands]
+    for result in results:
+        assert_ok(result)
+    assert "mode ddp: 2 processes" in results[0].stdout
+
     state = checkpoint.load(str(trained))
-    result = run_cli(["--checkpoint", str(trained), "--output", str(tmp_path / "p.csv"), "--topk", "3"], nproc=2,
-                     script=SCRIPT)
-    assert_ok(result)
-    assert "mode ddp: 2 processes" in result.stdout
-    metric_lines = [line for line in result.stdout.splitlines() if line.startswith("val set (100 samples)")]
+    metric_lines = [line for line in results[0].stdout.splitlines() if line.startswith("val set (100 samples)")]
     assert len(metric_lines) == 1 and metric_lines[0].endswith("the same as training recorded in this checkpoint")
-    rows = read_csv(tmp_path / "p.csv")
+    rows = read_csv(tmp_path / "predictions.csv")
     assert [int(row["index"]) for row in rows] == list(range(100))  # one row per sample, in dataset order
     labels = validation_labels(state)
     assert [int(row["label"]) for row in rows] == labels
@@ -55,28 +65,29 @@ def test_ddp_predictions_are_in_dataset_order_with_the_accuracy_training_recorde
     assert all(row["top1"] == row["predicted"] and float(row["top1_probability"]) >= float(row["top2_probability"])
                >= float(row["top3_probability"]) for row in rows)
 
-    result = run_cli(["--checkpoint", str(trained), "--output", str(tmp_path / "p.pt")], nproc=2, script=SCRIPT)
-    assert_ok(result)
-    outputs = torch.load(tmp_path / "p.pt", weights_only=True)
+    outputs = torch.load(tmp_path / "outputs.pt", weights_only=True)
     assert outputs.shape == (100, 10) and outputs.dtype == torch.float32
     assert outputs.argmax(1).tolist() == [int(row["predicted"]) for row in rows]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["p.csv", "p.pt"]  # no temporary files left
+
+    photos = read_csv(tmp_path / "photos.csv")
+    assert list(photos[0]) == ["index", "file", "predicted", "probability"]  # no labels: no label column
+    assert [row["file"] for row in photos] == ["batch0/x/0.png", "batch0/x/1.png", "batch1/cat/0.png",
+                                               "batch1/cat/1.png", "batch1/dog/0.png", "batch1/dog/1.png"]
+    assert "set (" not in results[2].stdout  # and no metrics
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_folder_of_unlabeled_images_and_the_training_split_predict_in_one_process(trained, tmp_path, capsys):
-    folder = image_folder(tmp_path / "photos", {"batch1": ["cat", "dog"], "batch0": ["x"]}, per_class=2)
-    assert predict_multi_gpu.main(["--checkpoint", str(trained), "--imagefolder", str(folder),
-                                   "--output", str(tmp_path / "photos.csv"), "--topk", "2"]) == 0
-    rows = read_csv(tmp_path / "photos.csv")
-    assert list(rows[0]) == ["index", "file", "predicted", "probability", "top1", "top1_probability", "top2",
-                             "top2_probability"]  # no labels: no label column, and no metrics printed
-    assert [row["file"] for row in rows] == ["batch0/x/0.png", "batch0/x/1.png", "batch1/cat/0.png",
-                                             "batch1/cat/1.png", "batch1/dog/0.png", "batch1/dog/1.png"]
-    assert "set (" not in capsys.readouterr().out
-    assert predict_multi_gpu.main(["--checkpoint", str(trained), "--split", "train", "--output",
-                                   str(tmp_path / "train.pt")]) == 0
-    assert torch.load(tmp_path / "train.pt", weights_only=True).shape == (512, 10)
+def test_the_training_split_in_other_batches_gives_the_models_outputs_in_order(trained, tmp_path, capsys):
+    assert predict_multi_gpu.main(["--checkpoint", str(trained), "--split", "train", "--batch-size", "7",
+                                   "--output", str(tmp_path / "train.pt")]) == 0
     assert "train set (512 samples): loss" in capsys.readouterr().out
+    state = checkpoint.load(str(trained))
+    model = build_model("mlp", (784,), 10)
+    model.load_state_dict(state["model"])
+    train = build_datasets(TrainConfig.from_dict(state["config"])).train
+    with torch.no_grad():
+        expected = model(torch.stack([train[index][0] for index in range(len(train))]))
+    torch.testing.assert_close(torch.load(tmp_path / "train.pt", weights_only=True), expected)
 
 
 BAD_INPUT = {
