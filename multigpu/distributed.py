@@ -175,3 +175,12 @@ def gather_objects(obj: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def gather_objects_to_main(obj: object) -> Optional[list[object]]:
+    """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
+    if not is_distributed():
+        return [obj]
+    gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered

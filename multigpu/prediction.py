@@ -22,14 +22,13 @@ from collections.abc import Mapping
 from typing import IO, Any, Callable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from multigpu.amp import Amp
 from multigpu.batches import ForwardFn, concat, default_forward, predictions, to_device
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
-from multigpu.distributed import Runtime, gather_objects, is_distributed
+from multigpu.distributed import Runtime, gather_objects, gather_objects_to_main
 
 CHUNK_SAMPLES = 8192  # about how many samples one exchange moves: what streaming holds in memory at once
 FILE_MAGIC = b"MULTIGPU-PREDICTIONS 1\n"
@@ -124,13 +123,7 @@ def _per_sample(outputs: Any) -> Any:
 
 def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:
     """Every rank's list of outputs, in rank order: on every rank, or on rank 0 (None elsewhere)."""
-    if not is_distributed():
-        return [mine]
-    if everywhere:
-        return gather_objects(mine)  # type: ignore[return-value]
-    received: Optional[list[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, received, dst=0)
-    return received
+    return gather_objects(mine) if everywhere else gather_objects_to_main(mine)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- the streamed file
