@@ -41,6 +41,7 @@ from multigpu.meters import IntervalMeter
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, lr_factor,
                             users_optimizer, users_scheduler)
+from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 
@@ -281,6 +282,17 @@ class MultiGPUTrainer:
         result = self.evaluator.run(self._eval_model(), dataset, self.eval_batch)
         assert result is not None  # no stop request without one
         return result
+
+    def predict(self, dataset: Optional[Dataset] = None, *, batch_size: Optional[int] = None,
+                output_path: Optional[str] = None, to: Any = "cpu") -> Any:
+        """The model's outputs for every sample of `dataset` (default: the validation set) in dataset order,
+        on every rank, exactly as one process gets them; `batch_size` per device (default: the evaluation's).
+        With `output_path`, rank 0 streams them to that file instead (MULTI_GPU_GUIDE.md, "Prediction")."""
+        model = self._eval_model()
+        batch = self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
+        predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers,
+                              self.evaluator.collate_fn)
+        return predictor.run(model, dataset if dataset is not None else self.val_dataset, batch, output_path, to)
 
     def _eval_model(self) -> nn.Module:
         # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.

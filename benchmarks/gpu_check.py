@@ -63,6 +63,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "overflow": {"batch": 64, "steps": 60, "bad_step": 30, "log_every": 10},
         "sync_bn": {"batch": 16, "steps": 12, "log_every": 4},
         "data_path": {"batch_shape": [128, 3, 224, 224], "steps": 20},
+        "predict": {"samples": 20000, "batch": 512, "shape": [3, 16, 16]},
         "throughput": {"model": "resnet50", "image_shape": [3, 224, 224], "classes": 1000, "steps": 40,
                        "log_every": 10, "rounds": 3, "workers": 4, "amps": ["off", "bf16"]},
     },
@@ -74,6 +75,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "overflow": {"batch": 16, "steps": 12, "bad_step": 6, "log_every": 4},
         "sync_bn": {"batch": 8, "steps": 8, "log_every": 4},
         "data_path": {},
+        "predict": {"samples": 101, "batch": 16, "shape": [3, 8, 8]},
         "throughput": {"model": "small", "image_shape": [3, 16, 16], "classes": 10, "steps": 8, "log_every": 2,
                        "rounds": 2, "workers": 0, "amps": ["off", "bf16"], "batch": 8},  # 2 rounds: both orders
     },
@@ -510,7 +512,30 @@ def peak_text(peaks: dict[str, Optional[int]]) -> str:
     return f", max_memory_allocated trainer {gib(peaks['trainer'])} / raw {gib(peaks['raw'])}"
 
 
-# ---------------------------------------------------------------------------- 8. later issues' features
+# ---------------------------------------------------------------------------- 8. prediction
+PREDICT_TOLERANCE = 1e-4  # max abs difference of GPU and CPU outputs, fp32 without TF32 (different kernels)
+
+
+@row("predict GPU vs CPU")
+def row_predict(ctx: Context) -> Verdict:
+    sizes, nproc = ctx.sizes("predict"), ctx.nproc
+    raw, _ = ctx.worker("predict", {**sizes, "save_dir": ctx.folder("predict")}, timeout=120, nproc=nproc)
+    problems = [text for failed, text in [
+        (raw["samples"] != sizes["samples"], f"{raw['samples']} outputs for {sizes['samples']} samples"),
+        (not raw["in_order"], "the CPU outputs are not in dataset order"),
+        (not raw["max_abs_difference"] <= PREDICT_TOLERANCE,
+         f"differs from the CPU by {raw['max_abs_difference']:.3g} > {PREDICT_TOLERANCE}"),
+    ] if failed]
+    where = f"{raw['world_size']} process(es) on {raw['device']}" + (" (DDP)" if raw["world_size"] > 1 else "")
+    figure = (f"MultiGPUTrainer.predict of {raw['samples']} samples, batch {sizes['batch']}, on {where}: "
+              f"{raw['samples'] / raw['seconds']:.0f} samples/s, CPU {raw['samples'] / raw['cpu_seconds']:.0f} "
+              f"samples/s (x{raw['cpu_seconds'] / raw['seconds']:.1f}); max abs difference "
+              f"{raw['max_abs_difference']:.3g} (tolerance {PREDICT_TOLERANCE}); CPU outputs "
+              f"{'in' if raw['in_order'] else 'NOT in'} dataset order")
+    return judge(ctx, figure, raw, problems)
+
+
+# ---------------------------------------------------------------------------- 9. later issues' features
 def config_fields() -> set[str]:
     from multigpu.config import FIELDS
 
@@ -548,11 +573,6 @@ def module_row(module: Optional[str], wanted: str) -> Verdict:
         return Verdict(NOT_APPLICABLE, f"{wanted} not present yet", {"present": False})
     return Verdict(NOT_APPLICABLE, f"{module} is present but has no GPU check yet: add a row in "
                                    f"benchmarks/gpu_check.py", {"present": True, "module": module})
-
-
-@row("predict GPU vs CPU")
-def row_predict(ctx: Context) -> Verdict:
-    return module_row(module_present("multigpu.predict", "predict_multi_gpu"), "prediction")
 
 
 @row("--compile")

@@ -177,7 +177,7 @@ def fp16_overflow(params: dict[str, Any]) -> dict[str, Any]:
     if not torch.cuda.is_available():
         # --amp fp16 is CUDA-only (the CPU falls back to bf16 without a scaler); a CPU GradScaler runs
         # the trainer's same scale/step/update path, so the dry run checks this worker's logic.
-        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        trainer.amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # what trainer.scaler returns
     probe.trainer = trainer
     trainer.fit()
     scales = probe.scales + [trainer.scaler.get_scale()]  # scales[i]: the scale of step i + 1
@@ -350,6 +350,44 @@ def throughput(params: dict[str, Any]) -> dict[str, Any]:
                 free_cuda()
     result = {"world_size": runtime.world_size, "device": str(runtime.device), "samples_per_sec": rates,
               "max_memory_allocated": memory}
+    teardown()
+    return result
+
+
+def timed_predict(trainer: Any, data: Dataset) -> tuple[torch.Tensor, float]:
+    """trainer.predict(data) after a warm-up call, and its wall time (it returns complete CPU tensors)."""
+    trainer.predict(data)
+    started = time.perf_counter()
+    outputs = trainer.predict(data)
+    return outputs, time.perf_counter() - started
+
+
+@worker
+def predict(params: dict[str, Any]) -> dict[str, Any]:
+    """MultiGPUTrainer.predict on this run's devices (DDP over the GPUs under torchrun) against the same model
+    on the CPU, fp32 without TF32: the largest difference, whether both are in dataset order, and their times."""
+    from multigpu.distributed import Runtime, setup, teardown
+    from train_multi_gpu import MultiGPUTrainer, TrainConfig
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    config = TrainConfig(multi_gpu="auto", eval_batch_size=params["batch"], num_workers=0, progress=False,
+                         save_dir=params["save_dir"])
+    runtime = setup(config)
+    data = class_blobs(params["samples"], tuple(params["shape"]))
+    device_trainer = MultiGPUTrainer(small_net(params["shape"][0], 10), data, None, config, runtime=runtime)
+    outputs, seconds = timed_predict(device_trainer, data)
+    result: dict[str, Any] = {}
+    if runtime.is_main:
+        cpu_trainer = MultiGPUTrainer(small_net(params["shape"][0], 10), data, None, config,
+                                      runtime=Runtime("none", torch.device("cpu")))
+        reference, cpu_seconds = timed_predict(cpu_trainer, data)
+        inputs = data.tensors[0][: params["batch"]]
+        with torch.no_grad():  # the first batch through the plain CPU model: the outputs are in dataset order
+            in_order = torch.allclose(reference[: len(inputs)], cpu_trainer.model(inputs), atol=1e-6)
+        result = {"device": str(runtime.device), "world_size": runtime.world_size, "samples": len(outputs),
+                  "max_abs_difference": (outputs.double() - reference.double()).abs().max().item(),
+                  "in_order": in_order, "seconds": seconds, "cpu_seconds": cpu_seconds}
+    del device_trainer
     teardown()
     return result
 

@@ -9,6 +9,8 @@
 - lr_scaling:   the LR scaling rule (torch-free, so the launcher can ask it)
 - metrics:      evaluation metrics reduced exactly across ranks (sums and counts)
 - evaluation:   exact distributed evaluation: every sample once, any world size
+- prediction:   the outputs of every sample in dataset order, any world size, in memory or streamed to a file
+- inference:    BatchParallel: a batch split over several devices in one process, for prediction
 - meters:       per-interval loss/throughput, the one host sync of a logging interval
 - checkpoint:   checkpoint files: atomic saves, safe loads, finding the newest good one
 - checkpointer: the trainer's resume and save protocol (what goes in, what must match)

@@ -50,6 +50,48 @@ def batch_size(batch: Any) -> int:
     return -1
 
 
+def split(batch: Any, sizes: list[int]) -> list[Any]:
+    """`batch` cut along its first dimension into consecutive parts of `sizes` samples, each with the
+    batch's structure (views, no copies); what is not a tensor is shared by every part."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(sizes))
+    if isinstance(batch, Mapping):
+        columns = {key: split(value, sizes) for key, value in batch.items()}
+        parts = [{key: column[i] for key, column in columns.items()} for i in range(len(sizes))]
+        return parts if type(batch) is dict else [type(batch)(part) for part in parts]
+    if isinstance(batch, (list, tuple)):
+        rows = zip(*(split(value, sizes) for value in batch)) if batch else [()] * len(sizes)
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * len(sizes)
+
+
+def concat(parts: list[Any]) -> Any:
+    """The inverse of `split`: parts of one structure joined along the first dimension of each tensor.
+
+    ValueError for a tensor without a batch dimension (a batch's loss, say): it cannot be
+    given back per sample.
+    """
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError("an output without a batch dimension (a 0-dim tensor) cannot be joined sample by "
+                             "sample; return per-sample outputs, or pass a forward_fn that selects them")
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        joined = {key: concat([part[key] for part in parts]) for key in first}
+        return joined if type(first) is dict else type(first)(joined)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat(list(column)) for column in zip(*parts)))
+    if isinstance(first, (list, tuple)):
+        return type(first)(concat(list(column)) for column in zip(*parts))
+    if first is None or all(part == first for part in parts[1:]):
+        return first
+    raise ValueError(f"outputs must be tensors or tuples/lists/dicts of them to be joined sample by sample; "
+                     f"got {type(first).__name__} values that differ between batches")
+
+
 def default_forward(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
     """(outputs, targets) of a pair or dict batch; one clear ValueError for any other structure."""
     if isinstance(batch, Mapping):

@@ -204,3 +204,12 @@ def place_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
             "BatchNorm statistics are lost); DDP via torchrun is faster")
         return model, nn.DataParallel(model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0])
     return model, model
+
+
+def gather_objects_to_main(obj: object) -> Optional[list[object]]:
+    """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
+    if not is_distributed():
+        return [obj]
+    gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered

@@ -95,6 +95,23 @@ def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]]
                 worker.wait()
 
 
+def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
+    """The commands of MULTI_GPU_GUIDE.md's ```bash blocks that run `script` (lines starting with torchrun or
+    python), each as (torchrun's --nproc_per_node, or None without torchrun; the script's arguments)."""
+    import re
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "MULTI_GPU_GUIDE.md").read_text(), re.S)
+    commands = []
+    for line in (line.strip() for block in blocks for line in block.splitlines()):
+        if re.match(rf"(torchrun|python) .*{re.escape(script)}", line):
+            argv = shlex.split(line)
+            at = argv.index(script)
+            nproc = next((int(a.split("=")[1]) for a in argv[:at] if a.startswith("--nproc_per_node=")), None)
+            commands.append((nproc, argv[at + 1:]))
+    return commands
+
+
 # A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
 SAVE_DIR_HOLDER = """
 import sys

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.batches import batch_size, check_first_batch, default_forward, to_device
+from multigpu.batches import batch_size, check_first_batch, concat, default_forward, split, to_device
 from train_multi_gpu import MultiGPUTrainer
 
 Pair = namedtuple("Pair", "inputs targets")
@@ -72,3 +72,19 @@ def test_forward_fn_says_how_any_batch_goes_through_the_model(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), Triples(), Triples(), config_for(tmp_path, 1, epochs=3),
                               forward_fn=lambda model, batch: (model(batch[0]["features"]), batch[2]))
     assert trainer.fit()["val_acc"] > 0.9
+
+
+def test_split_cuts_every_tensor_in_consecutive_parts_and_concat_joins_them_back():
+    batch = {"a": (torch.arange(5.0), [torch.arange(10).reshape(5, 2)]), "b": Pair(torch.ones(5), torch.zeros(5)),
+             "name": "x"}
+    parts = split(batch, [2, 0, 3])
+    assert [batch_size(part) for part in parts] == [2, 0, 3]
+    assert parts[2]["a"][0].tolist() == [2.0, 3.0, 4.0] and isinstance(parts[1]["b"], Pair)
+    assert all(part["name"] == "x" for part in parts)
+    joined = concat(parts)
+    assert torch.equal(joined["a"][1][0], batch["a"][1][0]) and isinstance(joined["a"][1], list)
+    assert isinstance(joined["b"], Pair) and joined["name"] == "x"
+    with pytest.raises(ValueError, match="without a batch dimension"):
+        concat([torch.tensor(1.0), torch.tensor(2.0)])
+    with pytest.raises(ValueError, match="values that differ between batches"):
+        concat(["first", "second"])

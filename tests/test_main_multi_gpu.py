@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, assert_ok, event_files, read_scalars, run_cli
+from conftest import TINY, assert_ok, event_files, guide_commands, read_scalars, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,26 +134,14 @@ def test_mnist_reaches_97_percent_in_one_epoch_under_ddp(mnist_root, tmp_path):
     assert "(10000 samples)" in result.stdout  # the whole test set, each image once
 
 
-def guide_commands() -> list[str]:
-    """The training commands of MULTI_GPU_GUIDE.md's code blocks (lines starting with torchrun/python)."""
-    text = (REPO / "MULTI_GPU_GUIDE.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    return [line.strip() for block in blocks for line in block.splitlines()
-            if re.match(r"\s*(torchrun|python) .*main_multi_gpu\.py", line)]
-
-
 def test_guide_commands_run_as_written_on_the_cpu(tmp_path):
-    commands = guide_commands()
+    commands = guide_commands("main_multi_gpu.py")
     assert len(commands) >= 4
-    for command in commands:
-        argv = shlex.split(command)
-        script = argv.index("main_multi_gpu.py")
-        nproc = next((int(a.split("=")[1]) for a in argv[:script] if a.startswith("--nproc_per_node=")), None)
-        args = argv[script + 1:]
+    for nproc, args in commands:
         if "--epochs" not in args:
             args += ["--epochs", "1"]
         # Fewer samples than the default so the suite stays fast; everything else as written.
         args += ["--train-size", "1024", "--val-size", "200", "--no-progress", "--dist-timeout", "60"]
         result = run_cli(args, nproc=nproc, cwd=tmp_path)
         assert_ok(result)
-        assert "done: best val acc" in result.stdout, command
+        assert "done: best val acc" in result.stdout, args

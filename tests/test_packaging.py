@@ -56,3 +56,7 @@ def test_installed_package_trains_a_user_script_with_its_own_data_py(tmp_path):
                              capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert_ok(command)
     assert all(group in command.stdout for group in ("devices:", "data:", "model:", "optimisation:", "output:"))
+    predict = subprocess.run([str(site / "bin" / "multigpu-predict"), "--help"], cwd=user, env=env,
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert_ok(predict)
+    assert "--checkpoint" in predict.stdout and "--imagefolder" in predict.stdout
