@@ -105,7 +105,7 @@ def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
     commands = []
     for line in (line.strip() for block in blocks for line in block.splitlines()):
         if re.match(rf"(torchrun|python) .*{re.escape(script)}", line):
-            argv = shlex.split(line)
+            argv = shlex.split(line, comments=True)
             at = argv.index(script)
             nproc = next((int(a.split("=")[1]) for a in argv[:at] if a.startswith("--nproc_per_node=")), None)
             commands.append((nproc, argv[at + 1:]))
