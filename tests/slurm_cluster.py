@@ -191,6 +191,18 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 raise AssertionError(f"job {job} still {fields.get('JobState')} after {timeout}s")
             time.sleep(0.5)  # polling slurmctld
 
+    def wait_array(self, job: str, timeout: float) -> list[str]:
+        """Poll until every task of job array `job` has finished; their states, in task order."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line for line in self.run("scontrol", "show", "job", "-o", job).splitlines() if line.strip()]
+            states = [dict(re.findall(r"(\w+)=(\S*)", line)).get("JobState", "") for line in lines]
+            if states and all(state in FINISHED for state in states):
+                return states
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job array {job} still {states} after {timeout}s")
+            time.sleep(0.5)  # polling slurmctld
+
     def signal(self, job: str, name: str, batch: bool = False) -> None:
         """scancel --signal=NAME: to the job's steps, or with `batch` to its batch script only."""
         self.run("scancel", f"--signal={name}", *(["--batch"] if batch else []), job)

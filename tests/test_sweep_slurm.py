@@ -87,3 +87,20 @@ def test_submit_without_sbatch_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --submit: sbatch not found"), result.stderr
     assert (tmp_path / "sweep.sbatch").exists()  # written, to be submitted where SLURM runs
+
+
+def test_a_real_slurm_job_array_runs_the_shards_into_one_merged_summary(tmp_path, slurm_cluster):
+    """The generated array script submitted to a real single-node SLURM (tests/slurm_cluster.py): 4 experiments
+    in 2 array tasks, both writing into one sweep dir, whose summary merges them."""
+    sweep_dir = tmp_path / "sweep"
+    assert_ok(run_sweep(["--sweep-dir", str(sweep_dir), "--num-seeds", "2", "--grid", "lr=1e-3,3e-3", "--slurm",
+                         "--shards", "2", "--workers", "1", "--", *RUN], env=slurm_cluster.env))
+    job = slurm_cluster.submit(sweep_dir / "sweep.sbatch", cwd=tmp_path)
+    states = slurm_cluster.wait_array(job, RUN_TIMEOUT)
+    outputs = "\n".join(path.read_text() for path in sorted((sweep_dir / "slurm").glob("*.out")))
+    assert states == ["COMPLETED", "COMPLETED"], outputs[-3000:]
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(row["point"], row["done"], row["failed"]) for row in rows] == [("lr=0.001", "2", "0"),
+                                                                            ("lr=0.003", "2", "0")]
+    assert len((sweep_dir / "results.shard-0-of-2.jsonl").read_text().splitlines()) == 2
+    assert len((sweep_dir / "results.shard-1-of-2.jsonl").read_text().splitlines()) == 2
