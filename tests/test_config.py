@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from multigpu.config import RANGES, TrainConfig, build_parser, flag, parse_config, to_argv
+from multigpu.config import RANGES, TrainConfig, build_parser, field_kind, flag, parse_config, to_argv
 from multigpu.errors import UsageError
 
 
@@ -57,7 +57,7 @@ def test_default_model_follows_the_mode():
 
 def test_every_numeric_field_has_a_range():
     numeric = {f.name for f in dataclasses.fields(TrainConfig)
-               if str(f.type).removeprefix("Optional[").removesuffix("]") in ("int", "float")}
+               if field_kind(f) in ("int", "float")}
     assert numeric == set(RANGES)
 
 
