@@ -377,7 +377,8 @@ def row_ddp_torchrun(ctx: Context) -> Verdict:
     first = ctx.cli([*args, "--epochs", "1"], timeout=150, nproc=nproc).stdout
     backend = "nccl" if ctx.cuda else "gloo"
     events = sorted(str(path.relative_to(save_dir)) for path in Path(save_dir).rglob("events.out.tfevents.*"))
-    files = sorted(path.name for path in Path(save_dir).iterdir() if path.is_file())
+    # Rank 0's files; the save-dir's lock (.run.lock) is the run's own and not an output.
+    files = sorted(path.name for path in Path(save_dir).iterdir() if path.is_file() and path.name != ".run.lock")
     state = load_checkpoint(os.path.join(save_dir, "last.pt"))
     second = ctx.cli([*args, "--epochs", "2", "--resume", "auto"], timeout=150, nproc=nproc).stdout
     resumed = load_checkpoint(os.path.join(save_dir, "last.pt"))

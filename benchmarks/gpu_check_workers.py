@@ -177,7 +177,7 @@ def fp16_overflow(params: dict[str, Any]) -> dict[str, Any]:
     if not torch.cuda.is_available():
         # --amp fp16 is CUDA-only (the CPU falls back to bf16 without a scaler); a CPU GradScaler runs
         # the trainer's same scale/step/update path, so the dry run checks this worker's logic.
-        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        trainer.amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # what trainer.scaler returns
     probe.trainer = trainer
     trainer.fit()
     scales = probe.scales + [trainer.scaler.get_scale()]  # scales[i]: the scale of step i + 1
