@@ -113,10 +113,10 @@ class MultiGPUTrainer:
                                          sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
         self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
 
-        # --- telemetry: FLOPs counted on the plain module, before a wrapper could run a collective ---
+        # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
         self.telemetry = Telemetry(rt, self.amp.dtype, self.train_loader.num_workers, self.report.line)
+        self.telemetry.flops_per_sample = self._flops_per_sample(collate_fn)
         self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
-        self._count_flops(collate_fn)
         self.wrapped = wrap_model(self.model, config, rt, self.report.line)  # what trains: DDP, DataParallel or it
         self.no_sync = self.wrapped.no_sync if rt.mode == "ddp" else None
 
@@ -163,14 +163,14 @@ class MultiGPUTrainer:
         return batch_size_search.choose(self.model, probe_optimizer, self.forward, self.loss_fn, self.amp, self.move,
                                         self.train_dataset, collate_fn, self.runtime, self.report.line)
 
-    def _count_flops(self, collate_fn: Optional[Callable]) -> None:
-        """FLOPs per sample for perf/ (MFU), from one small batch of the training set."""
+    def _flops_per_sample(self, collate_fn: Optional[Callable]) -> Optional[float]:
+        """FLOPs per training sample for perf/ (MFU), counted on a small batch of the training set."""
         batch = sample_batch(self.train_dataset, min(self.config.batch_size, 8), collate_fn)
 
         def forward(moved: Any) -> Any:
             with self.amp.autocast():
                 return self.forward(self.model, moved)[0]
-        self.telemetry.count_flops(self.model, forward, self.move(batch), batch_size(batch))
+        return self.telemetry.count_flops(self.model, forward, self.move(batch), batch_size(batch))
 
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:

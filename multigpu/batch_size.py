@@ -77,12 +77,12 @@ class StepProbe:
         except Exception as error:  # noqa: BLE001  (shared with the other ranks below, then raised)
             failure = error
         out_of_memory = failure is not None and is_out_of_memory(failure)
-        if out_of_memory:
-            failure = None  # its traceback holds the step's tensors: drop it before freeing the memory
         self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
+        if out_of_memory:
+            failure = None  # its traceback holds the step's tensors: drop it, and any cycles, to free them
+            gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the next candidate starts from the same free memory
         verdict = all_reduce_sum(torch.tensor([float(out_of_memory), float(failure is not None)], device=self.device))
         too_big, failed = verdict.tolist()
         if failure is not None:

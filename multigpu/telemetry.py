@@ -126,7 +126,7 @@ class Telemetry:
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.cuda else None
         self.precision = flop_lib.precision_of(amp_dtype)
         self.peak = flop_lib.peak_flops(self.gpu_name, self.precision) if self.gpu_name else None
-        self.flops_per_sample: Optional[float] = None
+        self.flops_per_sample: Optional[float] = None  # set at start by count_flops
         self.seconds = {"data": 0.0, "copy": 0.0, "compute": 0.0}  # over the run
         self.samples, self.train_seconds = 0.0, 0.0
         self.max_allocated: Optional[float] = None
@@ -135,17 +135,18 @@ class Telemetry:
         self.intervals = 0
 
     # ------------------------------------------------------------------ at start
-    def count_flops(self, model: torch.nn.Module, forward: Callable[[Any], Any], batch: Any, samples: int) -> None:
-        """FLOPs per training sample from one forward and backward of `batch` on the plain module (before any
-        wrapper, so no collective runs); buffers, gradients and RNG are restored, so training is unchanged."""
+    def count_flops(self, model: torch.nn.Module, forward: Callable[[Any], Any], batch: Any,
+                    samples: int) -> Optional[float]:
+        """FLOPs per training sample from one forward and backward of `batch` on the plain module (outside
+        any wrapper, so no collective runs); buffers, gradients and RNG are restored, so training is unchanged."""
         try:
             with kept(model, self.device):
                 counted = flop_lib.count_flops(lambda: forward(batch))
-        except Exception as error:  # noqa: BLE001  (training reports a broken model or batch in its own words)
+        except Exception as error:  # noqa: BLE001  (a failed count costs the perf/ figures, not the run)
             self.say(f"perf/ not logged: counting the model's FLOPs on one batch failed ({type(error).__name__}: "
                      f"{str(error).splitlines()[0][:200] if str(error) else 'no message'})")
-            return
-        self.flops_per_sample = counted / samples if counted else None
+            return None
+        return counted / samples if counted else None
 
     def start(self) -> None:
         """Training begins: memory peaks and allocator counts from here on."""

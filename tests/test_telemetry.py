@@ -71,8 +71,9 @@ def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
                                 torch.nn.Linear(8, 4)).eval()
-    statistics = model[1].running_mean.clone()
     trainer = MultiGPUTrainer(model, blobs(64, 0), None, config_for(tmp_path, 1))
-    assert trainer.telemetry.flops_per_sample > 0  # the count ran a forward and backward in training mode ...
-    assert torch.equal(model[1].running_mean, statistics)  # ... and put the BatchNorm statistics back
-    assert all(p.grad is None for p in model.parameters()) and not model.training
+    statistics, random_state = model[1].running_mean.clone(), torch.get_rng_state()
+    assert trainer._flops_per_sample(None) > 0  # a forward and backward in training mode ...
+    assert torch.equal(model[1].running_mean, statistics)  # ... and the BatchNorm statistics put back,
+    assert torch.equal(torch.get_rng_state(), random_state)  # the random state (dropout drew from it),
+    assert all(p.grad is None for p in model.parameters()) and not model.training  # no gradient, eval mode
