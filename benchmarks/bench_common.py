@@ -71,3 +71,22 @@ def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10):
 
     torch.manual_seed(0)
     return build_model("cnn", shape, classes)
+
+
+def logged_rates(log_dir: str) -> list[float]:
+    """The train/samples_per_sec a run logged to TensorBoard, one per logging interval, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rates: list[tuple[int, float]] = []
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        rates += [(event.step, event.value) for event in accumulator.Scalars("train/samples_per_sec")]
+    return [rate for _, rate in sorted(rates)]
+
+
+def steady(rates: Sequence[float]) -> float:
+    """Samples/s over every logging interval but the first (start-up, warm-up, compilation). The intervals hold
+    equal numbers of samples, so the rate over them is the harmonic mean."""
+    kept = rates[1:]
+    return len(kept) / sum(1.0 / rate for rate in kept)

@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import machine_line, make_cnn, make_images, write_markdown  # noqa: E402  (after the path set-up)
+from bench_common import (logged_rates, machine_line, make_cnn, make_images, steady,  # noqa: E402  (path set-up)
+                          write_markdown)
 
 RESULT = "SCALING_RESULT "
 LOOPS = ("trainer", "raw")
@@ -69,11 +70,6 @@ def all_setups(gpus: int) -> list[Setup]:
 
 
 # ---------------------------------------------------------------------------- inside the launched processes
-def steady_rate(boundaries: list[float], samples_per_interval: float) -> float:
-    """Samples/s over every logging interval but the first (start-up, allocator and kernel warm-up)."""
-    return samples_per_interval * (len(boundaries) - 2) / (boundaries[-1] - boundaries[1])
-
-
 def first_step_clock(optimizer: Any) -> dict[str, float]:
     """Records the wall-clock time at which `optimizer` finished its first step (the GPU's work included)."""
     import torch
@@ -99,18 +95,7 @@ def run_trainer(args: argparse.Namespace, devices: int) -> dict[str, float]:
         trainer.fit()
         if not trainer.runtime.is_main:
             return {}  # rank 0 logs and reports
-        rates = [value for _, value in read_rates(os.path.join(config.save_dir, "tb"))]
-    intervals = [args.log_every * args.batch * devices / rate for rate in rates[1:]]  # seconds, first left out
-    return {"samples_per_sec": args.log_every * args.batch * devices * len(intervals) / sum(intervals), **seen}
-
-
-def read_rates(log_dir: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = [str(path) for path in Path(log_dir).rglob("events.out.tfevents.*")]
-    accumulator = EventAccumulator(events[0], size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return sorted((event.step, event.value) for event in accumulator.Scalars("train/samples_per_sec"))
+    return {"samples_per_sec": steady(logged_rates(os.path.join(config.save_dir, "tb"))), **seen}
 
 
 def run_raw(args: argparse.Namespace, devices: int) -> dict[str, float]:
@@ -151,7 +136,9 @@ def run_raw(args: argparse.Namespace, devices: int) -> dict[str, float]:
             boundaries.append(time.perf_counter())
     if args.mode == "ddp":
         dist.destroy_process_group()
-    return {"samples_per_sec": steady_rate(boundaries, args.log_every * args.batch * devices), **seen}
+    samples = args.log_every * args.batch * devices  # per logging interval
+    return {"samples_per_sec": steady([samples / (end - start) for start, end in zip(boundaries, boundaries[1:])]),
+            **seen}
 
 
 def worker(args: argparse.Namespace) -> None:
