@@ -300,8 +300,8 @@ class MultiGPUTrainer:
         """
         interval, step = self.meter.reduce(self.stop.requested), self.progress.global_step
         first_step = step - len(interval.step_losses) + 1
-        bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
-        if bad and not self.scaler.is_enabled():
+        if not math.isfinite(sum(interval.step_losses)) and not self.scaler.is_enabled():  # one check per interval
+            bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
             raise TrainingStopped(f"loss became non-finite at step {bad[0]}; stopped without saving, last good "
                                   f"checkpoint kept: {self.checkpointer.newest()}")
         self.train_samples += interval.samples

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from multigpu.distributed import all_reduce_sum
+from multigpu.distributed import all_reduce_sum, is_distributed
 
 
 @dataclass
@@ -46,7 +47,7 @@ class IntervalMeter:
         self.step_losses: list[torch.Tensor] = []  # per step: the loss summed over its samples / full_batch
         self.micro: list[torch.Tensor] = []  # the current step's micro-batches so far
         self.samples = 0
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.skipped_steps: Any = 0  # fp16 steps the scaler skipped: becomes a device tensor at the first add
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
@@ -63,6 +64,9 @@ class IntervalMeter:
         steps = len(self.step_losses)
         per_step = (torch.stack(self.step_losses).float() * float(self.full_batch) if steps  # stack promotes dtypes
                     else torch.zeros(0, device=self.device))
+        if not is_distributed():  # nothing to add up: the counts are this process's own
+            return Interval(per_step.tolist(), float(self.samples), float(stop_requested),
+                            time.perf_counter() - self.started)
         flags = torch.tensor([self.samples, float(stop_requested)], device=self.device)
         values = all_reduce_sum(torch.cat([per_step, flags])).tolist()
         return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started)

@@ -77,10 +77,10 @@ class Reporter:
         """A logging interval: TensorBoard scalars (`more` too), the bar's postfix (or a line without the bar),
         fp16 skips."""
         loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
+        fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
         self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
-                      "train/samples_per_sec_per_device": per_sec / devices, **(more or {})}, step)
+                      "train/samples_per_sec_per_device": per_sec / devices, **fp16, **(more or {})}, step)
         if skipped is not None:
-            self.scalars({"train/skipped_steps": skipped, "train/loss_scale": loss_scale}, step)
             if skipped:
                 self.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped} step(s) with inf/NaN "
                           f"gradients (weights unchanged there); loss scale now {loss_scale:g}")
