@@ -131,7 +131,8 @@ class MultiGPUTrainer:
                           else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
 
-        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn)
+        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
+                                   self.move)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
         self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").

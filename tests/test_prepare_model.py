@@ -81,13 +81,13 @@ def test_channels_last_trains_to_the_same_weights_as_channels_first(tmp_path):
         model = build_model("cnn", (3, 12, 12), 10)
         config = config_for(tmp_path / str(channels_last), 1, epochs=1, batch_size=16, optimizer="sgd", lr=0.05,
                             channels_last=channels_last)  # SGD: no Adam division to magnify rounding
-        trainer = MultiGPUTrainer(model, images(64), None, config)
+        trainer = MultiGPUTrainer(model, images(64), images(16), config)
         trainer.model.register_forward_pre_hook(lambda module, args: layouts.append(
             args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()))
         trainer.fit()
         conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
         assert conv.weight.is_contiguous(memory_format=torch.channels_last) == channels_last
         results[channels_last] = weights(tmp_path / str(channels_last) / "ckpt" / "last.pt")
-    assert layouts == [False] * 4 + [True] * 4  # each training batch reached the model in the layout asked for
+    assert layouts == [False] * 5 + [True] * 5  # 4 training batches and 1 evaluation batch, in the layout asked for
     for key in results[False]:
         assert torch.allclose(results[True][key], results[False][key], atol=1e-5), key
