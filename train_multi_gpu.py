@@ -15,7 +15,7 @@ Run under `torchrun --nproc_per_node=N` and the same code trains with DDP.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -26,14 +26,16 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
+from multigpu import batch_size as batch_size_search
 from multigpu import checkpoint, faults, rng
 from multigpu.amp import Amp, resolve_dtype
-from multigpu.batches import ForwardFn, batch_size, check_first_batch, compute_loss, default_forward, to_device
+from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, default_forward,
+                              sample_batch)
 from multigpu.checkpointer import Checkpointer, with_run_folder
-from multigpu.config import TrainConfig
+from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import Runtime, is_distributed, place_model, setup, teardown
+from multigpu.distributed import Runtime, is_distributed, prepare_model, setup, teardown, wrap_model
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.lr_scaling import describe_lr, scaled_lr
@@ -44,6 +46,7 @@ from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimiz
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
+from multigpu.telemetry import Telemetry
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
 
@@ -93,10 +96,13 @@ class MultiGPUTrainer:
         if run_folder:
             self.report.line(run_folder)
         self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type)
-        self.model, self.wrapped = place_model(model, config, rt, self.report.line)  # plain module, what trains
+        self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or default_forward
+        self.move = batch_mover(self.device, config.channels_last)  # a batch from the loader to the device
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        if config.batch_size == AUTO:  # measured before anything that depends on the batch is built
+            self.config = config = dataclasses.replace(config, batch_size=self._auto_batch_size(optimizer, collate_fn))
 
         # --- batches: --batch-size is per device, DataParallel splits its bigger batch over its GPUs ---
         per_step = max(1, len(rt.dp_device_ids))
@@ -107,6 +113,13 @@ class MultiGPUTrainer:
         self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
                                          sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
         self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
+
+        # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
+        self.telemetry = Telemetry(rt, self.amp.dtype, self.train_loader.num_workers, self.report.line)
+        self.telemetry.flops_per_sample = self._flops_per_sample(collate_fn)
+        self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
+        self.wrapped = wrap_model(self.model, config, rt, self.report.line)  # what trains: DDP, DataParallel or it
+        self.no_sync = self.wrapped.no_sync if rt.mode == "ddp" else None
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
         lr_factor_ = scaled_lr(1.0, config.lr_scaling, self.effective_batch, config.lr_base_batch)
@@ -119,7 +132,8 @@ class MultiGPUTrainer:
                           else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
 
-        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn)
+        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
+                                   self.move)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
         self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
@@ -127,7 +141,7 @@ class MultiGPUTrainer:
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
-        self.meter = IntervalMeter(config.log_every, self.device)
+        self.meter = IntervalMeter(self.device, self.loader_batch)
         self._resumed, self._batch_checked = False, False
         self.checkpointer = Checkpointer(config, rt, self.report)
         self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer))
@@ -140,6 +154,26 @@ class MultiGPUTrainer:
     def scaler(self) -> torch.amp.GradScaler:
         return self.amp.scaler
 
+    def _auto_batch_size(self, optimizer: OptimizerArg, collate_fn: Optional[Callable]) -> int:
+        """--batch-size auto: the largest batch whose step fits in GPU memory, on a probe optimizer of the same
+        kind (a given one is restored after), or the default batch without CUDA."""
+        def probe_optimizer() -> torch.optim.Optimizer:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                return optimizer
+            return (build_optimizer(self.model, self.config, self.config.lr) if optimizer is None
+                    else users_optimizer(optimizer, self.model, 1.0))
+        return batch_size_search.choose(self.model, probe_optimizer, self.forward, self.loss_fn, self.amp, self.move,
+                                        self.train_dataset, collate_fn, self.runtime, self.report.line)
+
+    def _flops_per_sample(self, collate_fn: Optional[Callable]) -> Optional[float]:
+        """FLOPs per training sample for perf/ (MFU), counted on a small batch of the training set."""
+        batch = sample_batch(self.train_dataset, min(self.config.batch_size, 8), collate_fn)
+
+        def forward(moved: Any) -> Any:
+            with self.amp.autocast():
+                return self.forward(self.model, moved)[0]
+        return self.telemetry.count_flops(self.model, forward, self.move(batch), batch_size(batch))
+
     # ------------------------------------------------------------------ training
     def fit(self) -> dict[str, Any]:
         """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch, and return
@@ -150,6 +184,7 @@ class MultiGPUTrainer:
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 self.resume()
                 self._print_plan()
+                self.telemetry.start()
                 while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
                     if self.progress.evaluated and not self._run_epoch():
                         return self._stop_for_signal()
@@ -197,29 +232,36 @@ class MultiGPUTrainer:
     def _train_step(self, batches: Iterator, window_samples: int) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
 
-        Each micro-batch's mean loss is weighted by its share of the window, so the
-        gradient is the mean over the window whatever its size, including a short
-        last window at the end of an epoch. DDP all-reduces only in the last
-        micro-batch's backward: the others run forward and backward in no_sync
-        (MULTI_GPU_GUIDE.md, "The effective-batch rule").
+        DDP all-reduces only in the last micro-batch's backward: the others run
+        forward and backward in no_sync (MULTI_GPU_GUIDE.md, "The effective-batch rule").
         """
-        micro_batches = math.ceil(window_samples / self.loader_batch)
-        for index in range(micro_batches):
-            batch = to_device(next(batches), self.device)
-            sync = index == micro_batches - 1
-            with contextlib.nullcontext() if sync or self.runtime.mode != "ddp" else self.wrapped.no_sync():
-                with self.amp.autocast():
-                    outputs, targets = self.forward(self.wrapped, batch)
-                    if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
-                        check_first_batch(outputs, targets, self.loss_fn)
-                        self._batch_checked = True
-                    loss = compute_loss(outputs, targets, self.loss_fn)
-                samples = batch_size(batch)
-                share = loss if samples == window_samples else loss * (samples / window_samples)
-                self.scaler.scale(share).backward()
-            self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
+        last = math.ceil(window_samples / self.loader_batch) - 1
+        for index in range(last + 1):
+            batch = self.move(self.clock.fetch(batches))  # the clock times the wait for the loader
+            self.clock.copied()
+            if index == last or self.no_sync is None:
+                self._forward_backward(batch, window_samples)
+            else:
+                with self.no_sync():
+                    self._forward_backward(batch, window_samples)
         self.meter.end_step(window_samples)
         self._optimizer_step()
+        self.clock.computed()
+
+    def _forward_backward(self, batch: Any, window_samples: int) -> None:
+        """Forward and backward of one micro-batch. Its mean loss is weighted by its share of the window, so
+        the gradient is the mean over the window whatever its size, a short last window of an epoch included."""
+        with self.amp.autocast():
+            outputs, targets = self.forward(self.wrapped, batch)
+            if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
+                check_first_batch(outputs, targets, self.loss_fn)
+                self._batch_checked = True
+            loss = compute_loss(outputs, targets, self.loss_fn)
+        samples = batch_size(batch)
+        share = loss if samples == window_samples else loss * (samples / window_samples)
+        self.scaler.scale(share).backward()
+        self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
+        self.clock.computed()
 
     def _optimizer_step(self) -> None:
         """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
@@ -260,15 +302,16 @@ class MultiGPUTrainer:
         """
         interval, step = self.meter.reduce(self.stop.requested), self.progress.global_step
         first_step = step - len(interval.step_losses) + 1
-        bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
-        if bad and not self.scaler.is_enabled():
+        if not math.isfinite(sum(interval.step_losses)) and not self.scaler.is_enabled():  # one check per interval
+            bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
             raise TrainingStopped(f"loss became non-finite at step {bad[0]}; stopped without saving, last good "
                                   f"checkpoint kept: {self.checkpointer.newest()}")
         self.train_samples += interval.samples
         self.train_seconds += interval.seconds
         skipped = int(self.meter.skipped_steps) if self.scaler.is_enabled() else None  # this rank's: all skip alike
         self.report.interval(step, first_step, interval, self.applied_lr, self.runtime.devices_per_step,
-                             skipped, self.scaler.get_scale() if skipped is not None else None)
+                             skipped, self.scaler.get_scale() if skipped is not None else None,
+                             self.telemetry.interval(interval, first_step, step))
         self.meter.reset()
         return interval.stop_votes > 0
 
@@ -405,7 +448,8 @@ class MultiGPUTrainer:
         name, best = self.monitor.name, self.progress.best_value
         return {**self.metrics, "monitor": name, "best": best, **({f"best_{name}": best} if name else {}),
                 "epochs": self.progress.epoch, "global_step": self.progress.global_step,
-                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **extra}
+                "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **self.telemetry.summary(),
+                **extra}
 
     def _report_done(self, summary: dict[str, Any]) -> None:
         name = self.monitor.name
@@ -413,7 +457,8 @@ class MultiGPUTrainer:
                 else "no validation set" if self.val_dataset is None else "no finite validation metric")
         self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
                          f"{summary['samples_per_sec']:.0f} samples/s "
-                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)")
+                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)"
+                         f"{self.telemetry.summary_text(summary)}")
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
                                           and (key.startswith("val_") or key.startswith("best_"))})
 

@@ -1,6 +1,6 @@
 """The one command that proves the GPU path: every check is one row of a Markdown table.
 
-    bash benchmarks/gpu_check.sh                       # on a GPU machine: every row, within 8 minutes on one GPU
+    bash benchmarks/gpu_check.sh                       # on a GPU machine: every row, within 9.5 minutes on one GPU
     bash benchmarks/gpu_check.sh --cpu-dry-run         # every row's code path on the CPU, tiny sizes (a CI test)
     bash benchmarks/gpu_check.sh --only dp,sync-bn --output /tmp/gpu_check.md
 
@@ -46,8 +46,9 @@ from gpu_check_workers import RESULT, read_scalars  # noqa: E402  (after the pat
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:")  # torchrun's prefix of a worker's lines
 PASS, FAIL, NOT_APPLICABLE, NO_CUDA = "PASS", "FAIL", "n/a", "skipped: no CUDA"
-# The whole run's time: on GPUs within 8 minutes on one H100; the dry run's only catches hangs (CI machines are slow).
-BUDGET_S = {"gpu": 450.0, "dry": 600.0}
+# The whole run's time: on GPUs within 9.5 minutes on one H100 (under a 10-minute command limit); the dry
+# run's only catches hangs (CI machines are slow).
+BUDGET_S = {"gpu": 570.0, "dry": 600.0}
 LOSS_DROP = 0.9  # "the loss decreases": the last logged train/loss is below 0.9 x the first
 SYNC_BN_TOLERANCE = 1e-4  # max abs difference of weights and running statistics, fp32 without TF32
 TARGET_RATIO = 0.97  # trainer samples/s at least this share of the hand-written loop's
@@ -66,6 +67,16 @@ SIZES: dict[str, dict[str, Any]] = {
         "predict": {"samples": 20000, "batch": 512, "shape": [3, 16, 16]},
         "throughput": {"model": "resnet50", "image_shape": [3, 224, 224], "classes": 1000, "steps": 40,
                        "log_every": 10, "rounds": 3, "workers": 4, "amps": ["off", "bf16"]},
+        "compile": ["--train-size", "19200", "--val-size", "512", "--batch-size", "64", "--epochs", "1",
+                    "--log-every", "20", "--amp", "bf16"],
+        "channels_last": ["--model", "resnet18", "--image-shape", "3,32,32", "--train-size", "25600", "--val-size",
+                          "512", "--batch-size", "256", "--epochs", "1", "--log-every", "20", "--amp", "bf16"],
+        "batch_auto": ["--model", "resnet50", "--image-shape", "3,224,224", "--num-classes", "1000",
+                       "--train-size", "4096", "--val-size", "64", "--epochs", "1", "--log-every", "2",
+                       "--amp", "bf16"],
+        "mfu": ["--model", "resnet50", "--image-shape", "3,224,224", "--num-classes", "1000", "--val-size", "64",
+                "--epochs", "1", "--log-every", "10", "--amp", "bf16"],  # + batch and train size by GPU memory
+        "scaling": ["--rounds", "3", "--steps", "40", "--log-every", "8", "--batch", "64"],
     },
     "dry": {
         "train": ["--train-size", "512", "--val-size", "64", "--batch-size", "32", "--epochs", "2",
@@ -78,6 +89,14 @@ SIZES: dict[str, dict[str, Any]] = {
         "predict": {"samples": 101, "batch": 16, "shape": [3, 8, 8]},
         "throughput": {"model": "small", "image_shape": [3, 16, 16], "classes": 10, "steps": 8, "log_every": 2,
                        "rounds": 2, "workers": 0, "amps": ["off", "bf16"], "batch": 8},  # 2 rounds: both orders
+        # The CPU compiles C++ for --compile: a tiny MLP, so the dry run's compile takes seconds, not minutes.
+        "compile": ["--mode", "flatten", "--image-shape", "1,8,8", "--train-size", "256", "--val-size", "32",
+                    "--batch-size", "32", "--epochs", "1", "--log-every", "2", "--lr", "3e-3"],
+        "channels_last": ["--image-shape", "3,12,12", "--train-size", "256", "--val-size", "32", "--batch-size", "32",
+                          "--epochs", "1", "--log-every", "2", "--lr", "3e-3"],
+        "batch_auto": ["--train-size", "128", "--val-size", "32", "--epochs", "1", "--log-every", "1"],
+        "mfu": ["--image-shape", "3,16,16", "--val-size", "32", "--epochs", "1", "--log-every", "2", "--amp", "bf16"],
+        "scaling": ["--rounds", "1", "--steps", "6", "--log-every", "2", "--batch", "8", "--max-devices", "1"],
     },
 }
 
@@ -287,10 +306,11 @@ def row_environment(ctx: Context) -> Verdict:
 
 
 # ---------------------------------------------------------------------------- 2. one GPU, three precisions
-def train(ctx: Context, name: str, extra: Sequence[str]) -> tuple[dict[str, list[tuple[int, float]]], str]:
-    """Train through the CLI on one device; its TensorBoard scalars and its stdout."""
+def train(ctx: Context, name: str, extra: Sequence[str], sizes: str = "train",
+          timeout: float = 120) -> tuple[dict[str, list[tuple[int, float]]], str]:
+    """Train through the CLI on one device (the "train" sizes unless told); its TensorBoard scalars and stdout."""
     save_dir = ctx.folder(name)
-    result = ctx.cli([*ctx.sizes("train"), "--multi-gpu", "none", "--save-dir", save_dir, *extra], timeout=120)
+    result = ctx.cli([*ctx.sizes(sizes), "--multi-gpu", "none", "--save-dir", save_dir, *extra], timeout=timeout)
     return read_scalars(os.path.join(save_dir, "tb")), result.stdout
 
 
@@ -535,64 +555,173 @@ def row_predict(ctx: Context) -> Verdict:
     return judge(ctx, figure, raw, problems)
 
 
-# ---------------------------------------------------------------------------- 9. later issues' features
-def config_fields() -> set[str]:
-    from multigpu.config import FIELDS
-
-    return set(FIELDS)
+# ---------------------------------------------------------------------------- 9. speed (MULTI_GPU_GUIDE.md, "Speed")
+SHARES_TOLERANCE = 1e-3  # the time/ fractions of an interval sum to 1 within this
 
 
-def accepts_batch_size_auto() -> bool:
-    from multigpu.config import parse_config
-    from multigpu.errors import UsageError
-
-    try:
-        parse_config(["--batch-size", "auto"])
-    except UsageError:
-        return False
-    return True
+def split_at(scalars: dict[str, list[tuple[int, float]]], tag: str, step: int) -> tuple[list[float], list[float]]:
+    """The values of `tag` logged up to `step`, and after it (a run and its resumed continuation)."""
+    pairs = sorted(scalars.get(tag, []))
+    return [v for s, v in pairs if s <= step], [v for s, v in pairs if s > step]
 
 
-def module_present(*names: str) -> Optional[str]:
-    return next((name for name in names if importlib.util.find_spec(name) is not None), None)
-
-
-def flag_row(ctx: Context, present: bool, flag: list[str], name: str) -> Verdict:
-    """A CLI feature of a later issue: n/a until it exists, then trained with it (loss must decrease) on a GPU."""
-    if not present:
-        return Verdict(NOT_APPLICABLE, f"{' '.join(flag)} not present yet", {"present": False})
-    if not ctx.cuda:
-        return Verdict(NO_CUDA, f"{' '.join(flag)} present", {"present": True})
-    figure, raw, problems = loss_figure(train(ctx, name, flag)[0])
-    return judge(ctx, f"{' '.join(flag)}: {figure}", {"present": True, **raw}, problems)
-
-
-def module_row(module: Optional[str], wanted: str) -> Verdict:
-    """A Python feature of a later issue: n/a until it exists; its check is added with it."""
-    if module is None:
-        return Verdict(NOT_APPLICABLE, f"{wanted} not present yet", {"present": False})
-    return Verdict(NOT_APPLICABLE, f"{module} is present but has no GPU check yet: add a row in "
-                                   f"benchmarks/gpu_check.py", {"present": True, "module": module})
+def median_of(items: list[float]) -> Optional[float]:
+    return statistics.median(items) if items else None
 
 
 @row("--compile")
 def row_compile(ctx: Context) -> Verdict:
-    return flag_row(ctx, "compile" in config_fields(), ["--compile"], "compile")
+    """Trains compiled, then resumes uncompiled from its checkpoint: plain keys, and both speeds."""
+    save_dir = ctx.folder("compile")
+    args = [*ctx.sizes("compile"), "--multi-gpu", "none", "--save-dir", save_dir]
+    ctx.cli([*args, "--compile"], timeout=300)
+    first = load_checkpoint(os.path.join(save_dir, "last.pt"))
+    resumed = ctx.cli([*args, "--epochs", "2", "--resume", "auto"], timeout=150).stdout
+    scalars = read_scalars(os.path.join(save_dir, "tb"))
+    compiled_rates, plain_rates = split_at(scalars, "train/samples_per_sec", first["global_step"])
+    losses = split_at(scalars, "train/loss", first["global_step"])[0]
+    raw = {"compiled_samples_per_sec": median_of(compiled_rates), "uncompiled_samples_per_sec": median_of(plain_rates),
+           "losses": losses, "prefixed_keys": [key for key in first["model"] if "_orig_mod" in key]}
+    problems = loss_problems(losses) + [text for failed, text in [
+        (bool(raw["prefixed_keys"]), f"checkpoint keys carry _orig_mod: {raw['prefixed_keys'][:2]}"),
+        ("resumed from" not in resumed, "the uncompiled run did not resume the compiled run's checkpoint"),
+        (not plain_rates, "the resumed run logged no steps"),
+    ] if failed]
+    speed = (f"; compiled x{raw['compiled_samples_per_sec'] / raw['uncompiled_samples_per_sec']:.2f} (medians, "
+             f"compile time included)" if compiled_rates and plain_rates else "")
+    figure = (f"compiled: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {raw['compiled_samples_per_sec']:.0f} samples/s; "
+              f"resumed uncompiled from its checkpoint (plain keys) to epoch 2: "
+              f"{raw['uncompiled_samples_per_sec'] or 0:.0f} samples/s{speed}" if losses else "no loss logged")
+    return judge(ctx, figure, raw, problems)
 
 
 @row("--channels-last")
 def row_channels_last(ctx: Context) -> Verdict:
-    return flag_row(ctx, "channels_last" in config_fields(), ["--channels-last"], "channels-last")
+    """The same training channels-last and channels-first: both learn; their speeds."""
+    rates, raw, problems = {}, {}, []
+    for layout, extra in (("channels-first", []), ("channels-last", ["--channels-last"])):
+        figure, raw[layout], found = loss_figure(train(ctx, layout, extra, "channels_last", timeout=240)[0])
+        rates[layout] = raw[layout]["samples_per_sec"]
+        problems += [f"{layout}: {problem}" for problem in found]
+    speed = (f"; channels-last x{rates['channels-last'] / rates['channels-first']:.2f}"
+             if all(rates.values()) else "")
+    figure = (f"channels-last {rates['channels-last'] or 0:.0f} samples/s, channels-first "
+              f"{rates['channels-first'] or 0:.0f} samples/s{speed}; loss {raw['channels-last']['losses'][0]:.3f} -> "
+              f"{raw['channels-last']['losses'][-1]:.3f}" if raw["channels-last"]["losses"] else "no loss logged")
+    return judge(ctx, figure, raw, problems)
+
+
+AUTO_LINE = re.compile(r"^--batch-size auto: (\d+) per device")
 
 
 @row("--batch-size auto")
 def row_batch_size_auto(ctx: Context) -> Verdict:
-    return flag_row(ctx, accepts_batch_size_auto(), ["--batch-size", "auto"], "batch-size-auto")
+    """The largest batch that fits is found, used (the plan says so) and trains within the GPU's memory."""
+    scalars, stdout = train(ctx, "batch-size-auto", ["--batch-size", "auto"], "batch_auto", timeout=300)
+    lines = stdout.splitlines()
+    said = next((line for line in lines if line.startswith("--batch-size auto")), "")
+    chosen = AUTO_LINE.match(said)
+    batch = int(chosen.group(1)) if chosen else 64  # without CUDA: the default
+    raw: dict[str, Any] = {"line": said, "batch": batch,
+                           "peak_allocated_gib": max(values(scalars, "memory/max_allocated_gb"), default=None)}
+    problems = [text for failed, text in [
+        (not said, "no '--batch-size auto' line"),
+        (ctx.cuda and not chosen, f"no batch found: {said!r}"),
+        (not any(line.startswith(f"batch {batch} per device") for line in lines), f"the plan does not use {batch}"),
+        (not values(scalars, "train/loss"), "no step trained"),
+    ] if failed]
+    if not ctx.cuda:
+        return judge(ctx, f"{said}; the plan uses batch {batch}", raw, problems)
+    memory = raw["peak_allocated_gib"] or 0.0
+    if memory > ctx.gpu_memory_gib:
+        problems.append(f"peak memory {memory:.2f} GiB over the GPU's {ctx.gpu_memory_gib:.2f} GiB")
+    return judge(ctx, f"{said}; trained with it: peak allocated {memory:.2f} of {ctx.gpu_memory_gib:.2f} GiB "
+                      f"({memory / ctx.gpu_memory_gib:.0%})", raw, problems)
+
+
+@row("telemetry")
+def row_telemetry(ctx: Context) -> Verdict:
+    """The time split, memory and FLOP rate in TensorBoard, and the end-of-run line that sums them up."""
+    scalars, stdout = train(ctx, "telemetry", ["--amp", "bf16"])
+    kinds = ("data_wait", "copy", "compute") if ctx.cuda else ("data_wait", "compute")
+    shares = {kind: values(scalars, f"time/{kind}_frac") for kind in kinds}
+    sums = [sum(parts) for parts in zip(*shares.values())]
+    done = next((line for line in stdout.splitlines() if line.startswith("done:")), "")
+    raw: dict[str, Any] = {"shares": shares, "done": done,
+                           "tflops_per_device": median_of(values(scalars, "perf/tflops_per_device")),
+                           **{tag: values(scalars, tag) for tag in scalars if tag.startswith("memory/")}}
+    problems = [text for failed, text in [
+        (not sums, "no time/ fractions logged"),
+        (any(not 0 <= share <= 1 for parts in shares.values() for share in parts), "a fraction outside [0, 1]"),
+        (any(abs(total - 1) > SHARES_TOLERANCE for total in sums), f"fractions do not sum to 1: {sums[:3]}"),
+        (not raw["tflops_per_device"], "no perf/tflops_per_device"),
+        ("data wait" not in done, "the end-of-run line has no data wait"),
+        (ctx.cuda and not raw.get("memory/max_allocated_gb"), "no memory/max_allocated_gb"),
+        (ctx.cuda and "peak memory" not in done, "the end-of-run line has no peak memory"),
+        (ctx.cuda and any(raw.get("memory/ooms", [])), "out-of-memory errors during training"),
+    ] if failed]
+    split = ", ".join(f"{kind.replace('_', ' ')} {median_of(parts) or 0:.1%}" for kind, parts in shares.items())
+    memory = (f"; peak allocated {max(raw['memory/max_allocated_gb']):.2f} GiB, reserved "
+              f"{max(raw['memory/max_reserved_gb']):.2f} GiB, allocator retries "
+              f"{max(raw['memory/alloc_retries']):.0f}" if ctx.cuda else "")
+    figure = (f"medians per interval: {split}{memory}; {raw['tflops_per_device'] or 0:.3g} TFLOP/s per device; "
+              f"end-of-run line: {done.split('; ', 1)[-1] if '; ' in done else done}")
+    return judge(ctx, figure, raw, problems)
+
+
+def mfu_args(ctx: Context) -> list[str]:
+    """ResNet-50 at 224 px in bf16 with a batch by GPU memory, 30 steps (the small cnn, 4 steps, on the CPU)."""
+    batch = throughput_batch(ctx)
+    return ["--batch-size", str(batch), "--train-size", str(batch * (30 if ctx.cuda else 4))]
 
 
 @row("MFU")
 def row_mfu(ctx: Context) -> Verdict:
-    return module_row(module_present("multigpu.mfu", "multigpu.flops"), "MFU (model FLOPs utilisation)")
+    """perf/mfu on a GPU of multigpu/flops.py's table; on any other, none (never guessed)."""
+    from multigpu.flops import gpu_row
+
+    scalars, stdout = train(ctx, "mfu", mfu_args(ctx), "mfu", timeout=240)
+    steps = sorted(step for step, _ in scalars.get("perf/tflops_per_device", []))
+    later = [value for step, value in sorted(scalars.get("perf/mfu", [])) if step > steps[0]] if steps else []
+    tflops = median_of([value for step, value in sorted(scalars.get("perf/tflops_per_device", [])) if step > steps[0]]
+                       if steps else [])
+    name = torch_device_name() if ctx.cuda else None
+    raw = {"gpu": name, "row": gpu_row(name) if name else None, "mfu": later, "tflops_per_device": tflops}
+    if tflops is None:
+        return Verdict(FAIL, "no perf/tflops_per_device logged after the first interval", raw)
+    if not ctx.cuda:
+        return judge(ctx, f"{tflops:.3g} TFLOP/s per device (FLOPs counted once at start); no perf/mfu on the CPU",
+                     raw, ["perf/mfu logged on the CPU"] if later else [])
+    if raw["row"] is None:
+        return Verdict(NOT_APPLICABLE, f"{name} is not in multigpu/flops.py's table: no MFU (never guessed); "
+                                       f"{tflops:.3g} TFLOP/s per device", raw)
+    mfu = median_of(later)
+    problems = ["no perf/mfu logged"] if mfu is None else ([] if 0 < mfu <= 1 else [f"MFU {mfu:.3f} outside (0, 1]"])
+    done = next((line for line in stdout.splitlines() if line.startswith("done:")), "")
+    return judge(ctx, f"resnet50 224px bf16: MFU {mfu or 0:.1%} (median after the first interval), "
+                      f"{tflops:.1f} TFLOP/s per device against {raw['row']}'s bf16 peak; "
+                      f"{done.split('; ', 1)[-1] if '; ' in done else done}", raw, problems)
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+@row("scaling")
+def row_scaling(ctx: Context) -> Verdict:
+    """benchmarks/scaling.py on the devices present: samples/s, speed-up, efficiency and trainer/raw per set."""
+    output = ctx.scratch / "scaling" / "scaling.md"
+    ctx.launch("benchmarks/scaling.py", [*ctx.sizes("scaling"), "--output", str(output)], None, timeout=360)
+    rows = json.loads(output.with_suffix(".json").read_text())
+    parts = [f"{row['setup']}: {row['trainer_samples_per_sec']:.0f} samples/s (raw {row['raw_samples_per_sec']:.0f}, "
+             f"trainer/raw {row['ratio']:.3f}), x{row['trainer_speedup']:.2f}, efficiency "
+             f"{row['trainer_efficiency']:.0%}, first step {row['trainer_startup_s']:.1f} s "
+             f"(raw {row['raw_startup_s']:.1f} s)" for row in rows]
+    problems = [f"{row['setup']}: trainer/raw {row['ratio']:.3f} < {TARGET_RATIO}" for row in rows
+                if row["ratio"] < TARGET_RATIO]
+    return judge(ctx, "; ".join(parts), {"rows": rows}, problems if ctx.cuda else [])  # CPU rates: no verdict
 
 
 # ---------------------------------------------------------------------------- the table

@@ -21,28 +21,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-
-def make_data(size: int):
-    """The same in-memory data for both loops, so data loading is not what is compared."""
-    import torch
-    from torch.utils.data import TensorDataset
-
-    from multigpu.data import SyntheticImages
-
-    source = SyntheticImages(size, (1, 28, 28), 10, seed=0)
-    return TensorDataset(torch.stack([source[i][0] for i in range(size)]),
-                         torch.tensor([source[i][1] for i in range(size)]))
-
-
-def make_model():
-    import torch
-
-    from multigpu.models import build_model
-
-    torch.manual_seed(0)
-    return build_model("cnn", (1, 28, 28), 10)
+sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
+from bench_common import make_cnn as make_model, make_images as make_data  # noqa: E402  (after the path set-up)
 
 
 def run_trainer(args) -> float:

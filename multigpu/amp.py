@@ -1,7 +1,8 @@
 """Mixed precision: which autocast dtype a run uses, its context, and the fp16 GradScaler.
 
 bf16 needs no loss scaling; fp16 does (its gradients underflow), so only fp16 gets
-an enabled GradScaler. The autocast context is built once, not per step.
+an enabled GradScaler. Without autocast, every step shares one no-op context
+(a torch.autocast object keeps state while entered, so each use gets its own).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class Amp:
     def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16):
         self.dtype = dtype
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
+        nothing = contextlib.nullcontext()
         self._autocast: Callable[[], ContextManager] = (
-            functools.partial(torch.autocast, device_type, dtype=dtype) if dtype is not None
-            else contextlib.nullcontext)
+            functools.partial(torch.autocast, device_type, dtype=dtype) if dtype is not None else lambda: nothing)
 
     def autocast(self) -> ContextManager:
         """The autocast context of this run (a no-op without --amp)."""

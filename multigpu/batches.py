@@ -15,31 +15,63 @@ The loss is the model's own when its outputs carry one (`outputs.loss` or
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.data import default_collate
 
 LABEL_KEYS = ("labels", "label", "targets", "target")
 ForwardFn = Callable[[torch.nn.Module, Any], tuple[Any, Any]]
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """`batch` with every tensor in it on `device` (non_blocking: pinned host memory overlaps the copy)."""
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """`batch` with `fn` applied to every tensor in it, its structure (dicts, lists, tuples, namedtuples) kept."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, Mapping):
-        moved = {key: to_device(value, device) for key, value in batch.items()}
-        return moved if type(batch) is dict else type(batch)(moved)
+        mapped = {key: map_tensors(fn, value) for key, value in batch.items()}
+        return mapped if type(batch) is dict else type(batch)(mapped)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
-        return type(batch)(*(to_device(value, device) for value in batch))
+        return type(batch)(*(map_tensors(fn, value) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device) for value in batch)
+        return type(batch)(map_tensors(fn, value) for value in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """`batch` with every tensor in it on `device` (non_blocking: pinned host memory overlaps the copy).
+
+    With `channels_last`, image batches (4-D floating-point tensors) are made
+    channels-last on the device, after the copy, where the conversion is cheap.
+    """
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        moved = tensor.to(device, non_blocking=True)
+        if channels_last and moved.dim() == 4 and moved.is_floating_point():
+            return moved.contiguous(memory_format=torch.channels_last)
+        return moved
+    return map_tensors(move, batch)
+
+
+def batch_mover(device: torch.device, channels_last: bool = False) -> Callable[[Any], Any]:
+    """What the training loop calls on each batch: `to_device`, or nothing on the CPU without channels-last,
+    where the loader's batches already are (a per-step saving, MULTI_GPU_GUIDE.md "Speed")."""
+    if device.type == "cpu" and not channels_last:
+        return _as_it_is
+    return functools.partial(to_device, device=device, channels_last=channels_last)
+
+
+def _as_it_is(batch: Any) -> Any:
     return batch
 
 
 def batch_size(batch: Any) -> int:
     """Samples in `batch`: the first dimension of its first tensor."""
+    if type(batch) is list or type(batch) is tuple:  # the usual (inputs, targets) pair, without the general walk
+        first = batch[0] if batch else None
+        if type(first) is torch.Tensor and first.dim():
+            return first.shape[0]
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
@@ -92,13 +124,26 @@ def concat(parts: list[Any]) -> Any:
                      f"got {type(first).__name__} values that differ between batches")
 
 
+def sample_batch(dataset: Any, size: int, collate_fn: Optional[Callable] = None) -> Any:
+    """A batch of the data set's first `size` samples (fewer if it has fewer), collated as the loader does.
+    For measuring a step at start (FLOPs, the batch size that fits), not for training."""
+    return (collate_fn or default_collate)([dataset[index] for index in range(min(size, len(dataset)))])
+
+
+def repeat_batch(batch: Any, size: int) -> Any:
+    """`batch` with every tensor's first dimension cycled to `size` rows (structure kept)."""
+    return map_tensors(lambda tensor: tensor[torch.arange(size) % tensor.shape[0]] if tensor.dim() else tensor, batch)
+
+
 def default_forward(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
     """(outputs, targets) of a pair or dict batch; one clear ValueError for any other structure."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:  # checked first: the usual batch, and the cheap test
+        inputs, targets = batch
+        if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Mapping):
+            return model(inputs), targets
+        return model(**inputs), targets
     if isinstance(batch, Mapping):
         return model(**batch), next((batch[key] for key in LABEL_KEYS if key in batch), None)
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        inputs, targets = batch
-        return (model(**inputs) if isinstance(inputs, Mapping) else model(inputs)), targets
     shape = f"a {type(batch).__name__} of {len(batch)} item(s)" if isinstance(batch, (list, tuple)) \
         else f"a {type(batch).__name__}"
     raise ValueError(f"a batch must be an (inputs, targets) pair or a dict, got {shape}; pass "
@@ -122,7 +167,7 @@ def predictions(outputs: Any) -> Any:
 
 def compute_loss(outputs: Any, targets: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]) -> torch.Tensor:
     """The model's own loss, else `loss_fn(outputs, targets)`."""
-    loss = own_loss(outputs)
+    loss = None if isinstance(outputs, torch.Tensor) else own_loss(outputs)  # a plain tensor carries no loss
     if loss is not None:
         return loss
     if loss_fn is None or targets is None:

@@ -16,13 +16,18 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from multigpu.errors import UsageError
 
 
-def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, group: str) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, group: str,
+         words: Sequence[str] = ()) -> Any:
+    """A field; `words` are what a numeric field also accepts instead of a number (--batch-size auto)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group, "words": tuple(words)})
+
+
+AUTO = "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/batch_size.py)
 
 
 DEFAULT_SAVE_ROOT = "checkpoints"  # without --save-dir, each run gets its own run-N folder here
@@ -61,10 +66,15 @@ class TrainConfig:
     model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten)",
                                 ["mlp", "cnn", "resnet18", "resnet50"], group="model")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model")
+    compile: bool = _opt(False, "torch.compile the model (before the DDP wrap; the first steps take longer while it "
+                         "compiles; checkpoints stay loadable without it)", group="model")
+    channels_last: bool = _opt(False, "keep conv weights and image batches channels-last (NHWC): faster convolutions "
+                               "on tensor-core GPUs, above all with --amp", group="model")
     # --- optimisation ----------------------------------------------------
     epochs: int = _opt(3, "training epochs", group="optimisation")
-    batch_size: int = _opt(64, "samples per GPU/process per micro-batch (effective batch = "
-                           "batch_size x devices x grad_accum_steps)", group="optimisation")
+    batch_size: Union[int, str] = _opt(64, "samples per GPU/process per micro-batch (effective batch = batch_size x "
+                                       "devices x grad_accum_steps); auto: the largest that fits in GPU memory with a "
+                                       "10 percent margin (CUDA only)", group="optimisation", words=(AUTO,))
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step", group="optimisation")
     optimizer: str = _opt("adamw", "optimizer", ["sgd", "adamw"], group="optimisation")
     lr: float = _opt(1e-3, "learning rate, used as given unless --lr-scaling says otherwise", group="optimisation")
@@ -105,9 +115,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), str(f.type)))
+            setattr(self, f.name, _checked_type(f, getattr(self, f.name)))
         for name, allowed in RANGES.items():
-            allowed.check(name, getattr(self, name))
+            if getattr(self, name) not in FIELDS[name].metadata["words"]:
+                allowed.check(name, getattr(self, name))
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
         self.image_dims()  # validates --image-shape
@@ -198,16 +209,34 @@ RANGES = {
 _KINDS = {"int": numbers.Integral, "float": numbers.Real, "bool": bool, "str": str}
 
 
-def _checked_type(name: str, value: Any, annotation: str) -> Any:
-    """`value` as the field's type (an int is accepted for a float), or UsageError naming the field."""
-    optional = annotation.startswith("Optional[")
-    kind = annotation.removeprefix("Optional[").removesuffix("]")
-    if value is None and optional:
+def field_kind(f: dataclasses.Field) -> str:
+    """A field's kind: int, float, bool or str (`Optional[...]` and the words of `Union[int, str]` aside)."""
+    return str(f.type).removeprefix("Optional[").removesuffix("]").removeprefix("Union[").split(",")[0]
+
+
+def _checked_type(f: dataclasses.Field, value: Any) -> Any:
+    """`value` as the field's type (an int is accepted for a float, a word where the field has words),
+    or UsageError naming the field."""
+    optional, kind, words = str(f.type).startswith("Optional["), field_kind(f), f.metadata["words"]
+    if (value is None and optional) or (isinstance(value, str) and value in words):
         return value
     if isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool)):
         return {"int": int, "float": float}.get(kind, lambda same: same)(value)  # plain types for checkpoints
-    raise UsageError(f"TrainConfig {name} (--{flag(name)}) must be {'an' if kind == 'int' else 'a'} {kind}"
-                     f"{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
+    alternatives = "".join(f" or {word!r}" for word in words) + (" or None" if optional else "")
+    raise UsageError(f"TrainConfig {f.name} (--{flag(f.name)}) must be {'an' if kind == 'int' else 'a'} {kind}"
+                     f"{alternatives}, got {value!r} ({type(value).__name__})")
+
+
+def _number_or_word(kind: Callable[[str], Any], words: Sequence[str]) -> Callable[[str], Any]:
+    """The command-line parser of a numeric field that also takes words: --batch-size 64 or --batch-size auto."""
+    def parse(text: str) -> Any:
+        if text in words:
+            return text
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number or {' or '.join(words)}, got {text!r}") from None
+    return parse
 
 
 def flag(name: str) -> str:
@@ -245,9 +274,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
             group.add_argument(option, action=argparse.BooleanOptionalAction, default=f.default,
                                help=f.metadata["help"])
             continue
-        kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-        group.add_argument(option, type=kind, default=f.default, choices=f.metadata["choices"],
-                           help=f.metadata["help"])
+        kind = {"int": int, "float": float}.get(field_kind(f), str)
+        words = f.metadata["words"]
+        group.add_argument(option, type=_number_or_word(kind, words) if words else kind, default=f.default,
+                           choices=f.metadata["choices"], help=f.metadata["help"])
     # Old launchers (torch.distributed.launch) pass --local-rank/--local_rank; ranks come from the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser

@@ -12,6 +12,7 @@ more or less cannot hang.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,9 +32,11 @@ class Evaluator:
 
     def __init__(self, runtime: Runtime, amp: Amp, forward: ForwardFn, loss_fn: Any,
                  metrics: metric_lib.MetricsSpec = None, num_workers: Optional[int] = None,
-                 collate_fn: Optional[Callable] = None):
+                 collate_fn: Optional[Callable] = None, move: Optional[Callable[[Any], Any]] = None):
         self.runtime, self.amp, self.forward, self.loss_fn = runtime, amp, forward, loss_fn
         self.spec, self.num_workers, self.collate_fn = metrics, num_workers, collate_fn
+        # How a batch reaches the device: the trainer's (channels-last batches for a channels-last model).
+        self.move = move or functools.partial(to_device, device=runtime.device)
         self.names: Optional[list[str]] = None  # result keys, agreed by all ranks at the first evaluation
         self._metrics: dict[str, metric_lib.Metric] = {}
         self.per_sample_loss = _per_sample(loss_fn)
@@ -60,7 +63,7 @@ class Evaluator:
             for round_start in range(0, batches.num_batches, rt.world_size):
                 row = round_start + rt.rank
                 if row < batches.num_batches:
-                    rows[row] = self._batch_sums(model, to_device(next(loader), rt.device))
+                    rows[row] = self._batch_sums(model, self.move(next(loader)))
                 if stop is not None and _agreed(stop.requested, rt):
                     return None
         finally:

@@ -28,11 +28,11 @@ import shlex
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
 from multigpu import savedir
-from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, build_parser, flag, parse_config
+from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, build_parser, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
@@ -373,18 +373,32 @@ def devices_per_step(devices: Devices, nodes: Nodes) -> int:
     return devices.count * nodes.count if devices.mode == "ddp" else devices.count
 
 
+def per_device_batch(config: TrainConfig, devices: Devices) -> Optional[int]:
+    """--batch-size as the run will use it: None where --batch-size auto will find it on the GPUs at start, the
+    trainer's default where auto has no CUDA to measure (the trainer says so too)."""
+    if config.batch_size != AUTO:
+        return config.batch_size
+    return None if devices.on_gpu else FIELDS["batch_size"].default
+
+
 def effective_batch_text(config: TrainConfig, devices: Devices, nodes: Nodes) -> str:
-    total = devices_per_step(devices, nodes)
-    return (f"{effective_batch(config, total)} = {config.batch_size} per {devices.unit} x "
-            f"{plural(total, devices.unit)} x {plural(config.grad_accum_steps, 'accumulation step')}")
+    total, batch = devices_per_step(devices, nodes), per_device_batch(config, devices)
+    tail = f" x {plural(total, devices.unit)} x {plural(config.grad_accum_steps, 'accumulation step')}"
+    if batch is None:
+        return f"the largest batch that fits per GPU, found at start (--batch-size auto){tail}"
+    auto = " (--batch-size auto needs CUDA)" if config.batch_size == AUTO else ""
+    return f"{effective_batch(replace(config, batch_size=batch), total)} = {batch} per {devices.unit}{auto}{tail}"
 
 
 def lr_text(s: Settings, config: TrainConfig, devices: Devices, nodes: Nodes) -> str:
-    batch = effective_batch(config, devices_per_step(devices, nodes))
-    lr = scaled_lr(config.lr, config.lr_scaling, batch, config.lr_base_batch)
+    batch = per_device_batch(config, devices)
     if config.lr_scaling == "none":
-        return f"lr {lr!r} (not scaled)"
-    return f"lr {lr!r} = {s.lr} x {config.lr_scaling}({batch}/{config.lr_base_batch})"
+        return f"lr {config.lr!r} (not scaled)"
+    if batch is None:
+        return f"lr {s.lr} x {config.lr_scaling}(effective batch/{config.lr_base_batch}), once the batch is found"
+    total = effective_batch(replace(config, batch_size=batch), devices_per_step(devices, nodes))
+    lr = scaled_lr(config.lr, config.lr_scaling, total, config.lr_base_batch)
+    return f"lr {lr!r} = {s.lr} x {config.lr_scaling}({total}/{config.lr_base_batch})"
 
 
 def device_phrase(devices: Devices, nodes: Nodes) -> str:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from multigpu.distributed import all_reduce_sum
+from multigpu.distributed import all_reduce_sum, is_distributed
 
 
 @dataclass
@@ -31,30 +32,41 @@ class Interval:
 
 
 class IntervalMeter:
-    """Loss, samples and skipped fp16 steps of the steps since the last sync point."""
+    """Loss, samples and skipped fp16 steps of the steps since the last sync point.
 
-    def __init__(self, log_every: int, device: torch.device):
-        self.capacity, self.device = log_every + 1, device
+    A step only appends its loss tensor (detached, still on the device) to a
+    Python list: no host sync, and no kernel unless it has several micro-batches
+    or a short one. Weighting by samples and summing happen once, at the sync point.
+    """
+
+    def __init__(self, device: torch.device, full_batch: int):
+        self.device, self.full_batch = device, full_batch  # the samples of a full micro-batch
         self.reset()
 
     def reset(self) -> None:
-        self.losses = torch.zeros(self.capacity, device=self.device)
-        self.steps = 0
+        self.step_losses: list[torch.Tensor] = []  # per step: the loss summed over its samples / full_batch
+        self.micro: list[torch.Tensor] = []  # the current step's micro-batches so far
         self.samples = 0
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.skipped_steps: Any = 0  # fp16 steps the scaler skipped: becomes a device tensor at the first add
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """A micro-batch's mean loss over `samples` samples (stays on the device)."""
-        self.losses[self.steps] += loss.detach().float() * samples
+        self.micro.append(loss.detach() if samples == self.full_batch else loss.detach() * (samples / self.full_batch))
 
     def end_step(self, samples: int) -> None:
-        self.steps += 1
+        micro, self.micro = self.micro, []
+        self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
         self.samples += samples
 
     def reduce(self, stop_requested: bool) -> Interval:
         """Sum the interval over ranks: the one host sync of the interval."""
+        steps = len(self.step_losses)
+        per_step = (torch.stack(self.step_losses).float() * float(self.full_batch) if steps  # stack promotes dtypes
+                    else torch.zeros(0, device=self.device))
+        if not is_distributed():  # nothing to add up: the counts are this process's own
+            return Interval(per_step.tolist(), float(self.samples), float(stop_requested),
+                            time.perf_counter() - self.started)
         flags = torch.tensor([self.samples, float(stop_requested)], device=self.device)
-        values = all_reduce_sum(torch.cat([self.losses[:self.steps], flags])).tolist()
-        return Interval(values[:self.steps], values[self.steps], values[self.steps + 1],
-                        time.perf_counter() - self.started)
+        values = all_reduce_sum(torch.cat([per_step, flags])).tolist()
+        return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started)

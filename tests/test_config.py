@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from multigpu.config import RANGES, TrainConfig, build_parser, flag, parse_config, to_argv
+from multigpu.config import RANGES, TrainConfig, build_parser, field_kind, flag, parse_config, to_argv
 from multigpu.errors import UsageError
 
 
@@ -42,10 +42,23 @@ def test_old_launchers_local_rank_flag_is_tolerated():
     ({"warmup_epochs": -0.5}, "--warmup-epochs must not be negative"),
     ({"image_shape": "3x32x32"}, "--image-shape must be C,H,W"),
     ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, step, constant"),
+    ({"batch_size": "big"}, r"TrainConfig batch_size \(--batch-size\) must be an int or 'auto', got 'big' \(str\)"),
+    ({"batch_size": 6.5}, r"must be an int or 'auto', got 6.5 \(float\)"),
+    ({"compile": 1}, r"TrainConfig compile \(--compile\) must be a bool, got 1 \(int\)"),
 ])
 def test_invalid_values_are_usage_errors_naming_the_flag(values, message):
     with pytest.raises(UsageError, match=message):
         TrainConfig(**values)
+
+
+def test_batch_size_is_a_number_or_auto_in_the_dataclass_and_on_the_command_line():
+    assert TrainConfig(batch_size=64).batch_size == 64 and TrainConfig(batch_size="auto").batch_size == "auto"
+    assert parse_config(["--batch-size", "auto"]).batch_size == "auto"
+    assert parse_config(["--batch-size", "48"]).batch_size == 48
+    assert to_argv(TrainConfig(batch_size="auto")) == ["--batch-size", "auto"]
+    with pytest.raises(UsageError, match=r"^argument --batch-size: must be a whole number or auto, got 'lots' "
+                                         r"\(see --help\)$"):
+        parse_config(["--batch-size", "lots"])
 
 
 def test_default_model_follows_the_mode():
@@ -57,7 +70,7 @@ def test_default_model_follows_the_mode():
 
 def test_every_numeric_field_has_a_range():
     numeric = {f.name for f in dataclasses.fields(TrainConfig)
-               if str(f.type).removeprefix("Optional[").removesuffix("]") in ("int", "float")}
+               if field_kind(f) in ("int", "float")}
     assert numeric == set(RANGES)
 
 

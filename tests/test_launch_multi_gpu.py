@@ -261,6 +261,20 @@ def test_shown_lr_and_effective_batch_come_from_the_trainers_formula() -> None:
                                            "--grad-accum-steps 3 --lr-base-batch 64")
 
 
+def test_batch_size_auto_is_shown_as_found_at_start_on_gpus_and_as_the_default_without() -> None:
+    args = ["--batch-size", "auto", "--lr", "3e-4", "--scale-lr", "sqrt", "--save-dir", "runs/auto", "--dry-run"]
+    on_gpus = launch(args, launcher_env(gpus=4))
+    assert on_gpus.returncode == 0, on_gpus.stderr
+    assert ("effective batch the largest batch that fits per GPU, found at start (--batch-size auto) x 4 GPUs x "
+            "1 accumulation step") in on_gpus.stderr
+    assert "lr 3e-4 x sqrt(effective batch/32), once the batch is found" in on_gpus.stderr
+    assert " --batch-size auto " in on_gpus.stdout
+    on_cpu = launch(args, launcher_env())
+    assert on_cpu.returncode == 0, on_cpu.stderr
+    assert ("effective batch 128 = 64 per process (--batch-size auto needs CUDA) x 2 processes x 1 accumulation "
+            "step") in on_cpu.stderr
+
+
 def test_dry_run_from_another_directory_names_the_trainer_by_path_and_writes_nothing(tmp_path: Path) -> None:
     result = launch(["--dry-run", "--save-dir", "out"], launcher_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

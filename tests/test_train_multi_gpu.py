@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,35 @@ def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
     assert owned == [{"during": True, "after": False}] * 2
     given = run_ranks(_process_group_owner, 2, tmp_path / "given", tmp_path / "given")  # the test set it up
     assert given == [{"during": False, "after": True}] * 2
+
+
+# Calls that make the host wait for the device (on CUDA): reading a tensor's value, or synchronising.
+HOST_SYNCS = [(torch.Tensor, name) for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")] \
+    + [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time")]
+FRAMEWORK = (str(Path(__file__).resolve().parent.parent / "multigpu"),
+             str(Path(__file__).resolve().parent.parent / "train_multi_gpu.py"))
+
+
+def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int) -> int:
+    """How many host-sync calls the framework's own code makes in a fit() of `steps` steps. Calls from torch
+    itself (AdamW reads its CPU step counter each step) are not the trainer's: a plain loop makes them too."""
+    calls: list[str] = []
+    with monkeypatch.context() as patch:
+        for owner, name in HOST_SYNCS:
+            def counted(*args, _original=getattr(owner, name), **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(FRAMEWORK):
+                    calls.append(caller)
+                return _original(*args, **kwargs)
+            patch.setattr(owner, name, counted)
+        config = config_for(tmp_path / f"{steps}-{log_every}", 1, epochs=1, log_every=log_every)
+        MultiGPUTrainer(tiny_model(), blobs(8 * steps, 0), None, config).fit()
+    return len(calls)
+
+
+def test_training_adds_no_host_sync_per_step_only_per_logging_interval(monkeypatch, tmp_path):
+    once = host_syncs_in_fit(monkeypatch, tmp_path, steps=4, log_every=4)  # one interval; start and end
+    assert host_syncs_in_fit(monkeypatch, tmp_path, steps=32, log_every=32) == once  # 8x the steps: no more
+    per_interval = host_syncs_in_fit(monkeypatch, tmp_path, steps=8, log_every=4) - once
+    assert per_interval > 0  # the sync point reads the interval, and the counter sees it
+    assert host_syncs_in_fit(monkeypatch, tmp_path, steps=32, log_every=4) == once + 7 * per_interval

@@ -1,0 +1,92 @@
+"""What the benchmarks share: the machine they ran on, and writing their tables (Markdown and CSV)."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+from pathlib import Path
+from typing import Sequence
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """Where and when a figure was measured: CPU (or GPUs), cores, torch, Python, date."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"no GPU, {cpu_name()}"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"{devices}, {os.cpu_count()} CPU cores; torch {torch.__version__}, Python {platform.python_version()}; "
+            f"{date}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+                   notes: Sequence[str]) -> None:
+    """Print the table with its notes, and write it to `path` (Markdown) and beside it as CSV."""
+    text = f"{title}\n\n{markdown_table(header, rows)}\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
+    print(text, end="", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    with path.with_suffix(".csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+    print(f"written: {path} and {path.with_suffix('.csv')}", flush=True)
+
+
+def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10):
+    """The same in-memory synthetic images for every loop compared, so data loading is not what differs."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from multigpu.data import SyntheticImages
+
+    source = SyntheticImages(size, shape, classes, seed=0)
+    return TensorDataset(torch.stack([source[i][0] for i in range(size)]),
+                         torch.tensor([source[i][1] for i in range(size)]))
+
+
+def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10):
+    """The project's default model with the same initial weights in every process."""
+    import torch
+
+    from multigpu.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("cnn", shape, classes)
+
+
+def logged_rates(log_dir: str) -> list[float]:
+    """The train/samples_per_sec a run logged to TensorBoard, one per logging interval, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rates: list[tuple[int, float]] = []
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        rates += [(event.step, event.value) for event in accumulator.Scalars("train/samples_per_sec")]
+    return [rate for _, rate in sorted(rates)]
+
+
+def steady(rates: Sequence[float]) -> float:
+    """Samples/s over every logging interval but the first (start-up, warm-up, compilation). The intervals hold
+    equal numbers of samples, so the rate over them is the harmonic mean."""
+    kept = rates[1:]
+    return len(kept) / sum(1.0 / rate for rate in kept)

@@ -1,0 +1,150 @@
+"""Benchmark: the trainer's per-step cost over a plain loop, where Python dominates.
+
+    python benchmarks/step_overhead.py [--rounds 15] [--steps 2000] [--output benchmarks/results/step_overhead.md]
+
+A tiny MLP with batch 16 in one process on one thread: each step computes
+little, so whatever the trainer does per step in Python shows. The plain loop
+has the same model, data, loader, optimizer (AdamW) and LR schedule (the
+built-in warm-up/cosine LambdaLR); both run in this process, alternating which
+goes first each round. A loop's cost per step is the time of a long run less
+that of a short one, over the steps between them, so start-up and the end (the
+trainer's checkpoint) cancel out and every per-step cost counts, the trainer's
+logging at --log-every steps included. Wall time and CPU time (which other
+processes on a shared machine do not inflate) are both shown, as medians over
+the rounds. Goal: trainer per-step overhead <= 15 us, trainer >=
+0.97 x the plain loop's samples/s (MULTI_GPU_GUIDE.md, "Speed").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+from bench_common import machine_line, write_markdown  # noqa: E402  (after the path set-up)
+
+from multigpu.config import TrainConfig  # noqa: E402
+from multigpu.data import build_loader  # noqa: E402
+from multigpu.data.sampler import ResumableDistributedSampler  # noqa: E402
+from multigpu.optim import build_scheduler  # noqa: E402
+
+INPUTS, HIDDEN, CLASSES = 32, 64, 10
+
+
+def make_data(samples: int) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(samples, INPUTS, generator=generator),
+                                          torch.randint(CLASSES, (samples,), generator=generator))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(INPUTS, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def config(args: argparse.Namespace, save_dir: str) -> TrainConfig:
+    return TrainConfig(multi_gpu="none", epochs=1, batch_size=args.batch, lr=1e-3, log_every=args.log_every,
+                       num_workers=0, progress=False, save_dir=save_dir)
+
+
+def run_trainer(args: argparse.Namespace, data: torch.utils.data.Dataset) -> None:
+    """fit() on `data` (quiet): the whole run, start-up, loop and final checkpoint."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    with tempfile.TemporaryDirectory() as save_dir, contextlib.redirect_stdout(io.StringIO()):
+        trainer = MultiGPUTrainer(make_model(), data, None, config(args, save_dir))
+        with trainer:
+            trainer.fit()
+
+
+def run_plain(args: argparse.Namespace, data: torch.utils.data.Dataset) -> None:
+    """What a careful user writes: the same loader, AdamW, the same LR schedule, a host sync every log_every."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = build_scheduler(optimizer, config(args, ""), len(data) // args.batch)
+    loader = build_loader(data, torch.device("cpu"), 0, sampler=ResumableDistributedSampler(len(data)),
+                          batch_size=args.batch)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step, (inputs, targets) in enumerate(loader, start=1):
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step % args.log_every == 0:
+            loss.item()
+
+
+def step_cost(run: Callable, args: argparse.Namespace, short: torch.utils.data.Dataset,
+              long: torch.utils.data.Dataset) -> tuple[float, float]:
+    """(wall, CPU) seconds per step: the long run's time less the short run's, over the steps between them,
+    so start-up and the end (the trainer's checkpoint, the loader's set-up) cancel out."""
+    times = []
+    for data in (short, long):
+        wall, cpu = time.perf_counter(), time.process_time()
+        run(args, data)
+        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+    steps = (len(long) - len(short)) // args.batch
+    return (times[1][0] - times[0][0]) / steps, (times[1][1] - times[0][1]) / steps
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the long run (the short: 1/10)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "step_overhead.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    short, long = make_data(args.steps // 10 * args.batch), make_data(args.steps * args.batch)
+    runs = {"trainer": run_trainer, "plain loop": run_plain}
+    for run in runs.values():  # warm-up: imports, allocator, first-call costs
+        run(args, short)
+    costs: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    load_before = os.getloadavg()[0]
+    for round_index in range(args.rounds):
+        for name in (list(runs) if round_index % 2 == 0 else list(reversed(runs))):
+            costs[name].append(step_cost(runs[name], args, short, long))
+        print(f"round {round_index + 1}: " + ", ".join(f"{name} {1e6 * costs[name][-1][0]:.1f} us/step wall, "
+                                                      f"{1e6 * costs[name][-1][1]:.1f} CPU" for name in runs),
+              flush=True)
+    load_after = os.getloadavg()[0]
+    medians = {name: [statistics.median(cost[i] for cost in costs[name]) for i in (0, 1)] for name in runs}
+    fastest = {name: [min(cost[i] for cost in costs[name]) for i in (0, 1)] for name in runs}
+    rows = [[name, f"{1e6 * wall:.1f}", f"{1e6 * cpu:.1f}", f"{1e6 * fastest[name][0]:.1f}",
+             f"{1e6 * fastest[name][1]:.1f}"] for name, (wall, cpu) in medians.items()]
+    # Each round's trainer run is paired with its plain run: load that changes between rounds hits both.
+    paired = [statistics.median(1e6 * (t[i] - p[i]) for t, p in zip(costs["trainer"], costs["plain loop"]))
+              for i in (0, 1)]
+    rows.append(["trainer - plain loop", f"{paired[0]:+.1f}", f"{paired[1]:+.1f}",
+                 f"{1e6 * (fastest['trainer'][0] - fastest['plain loop'][0]):+.1f}",
+                 f"{1e6 * (fastest['trainer'][1] - fastest['plain loop'][1]):+.1f}"])
+    ratio = medians["plain loop"][0] / medians["trainer"][0]
+    notes = [machine_line(),
+             f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread; per-step cost = (run of "
+             f"{args.steps} steps - run of {args.steps // 10}) / {args.steps - args.steps // 10}, medians of "
+             f"{args.rounds} alternating rounds",
+             f"the difference row: the median of each round's trainer - plain (the two ran back to back), and the "
+             f"difference of the fastest runs (the least disturbed by other work); trainer/plain samples/s "
+             f"{ratio:.3f} (medians)",
+             f"load average {load_before:.2f} before, {load_after:.2f} after (the machine is shared: CPU time is "
+             f"what waiting for other processes does not inflate)"]
+    write_markdown(Path(args.output), "Per-step overhead: trainer vs plain loop",
+                   ["loop", "us/step wall (median)", "CPU (median)", "wall (fastest)", "CPU (fastest)"], rows, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
