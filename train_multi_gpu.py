@@ -167,7 +167,10 @@ class MultiGPUTrainer:
 
     def _flops_per_sample(self, collate_fn: Optional[Callable]) -> Optional[float]:
         """FLOPs per training sample for perf/ (MFU), counted on a small batch of the training set."""
-        batch = sample_batch(self.train_dataset, min(self.config.batch_size, 8), collate_fn)
+        try:
+            batch = sample_batch(self.train_dataset, min(self.config.batch_size, 8), collate_fn)
+        except Exception:  # a data set that only reads inside the loader's workers: no FLOP count, no perf/
+            return None
 
         def forward(moved: Any) -> Any:
             with self.amp.autocast():

@@ -318,7 +318,7 @@ def api(make: Callable[[Path], object], error: type, expected: str, *marks) -> o
 
 API = {
     "batch_size as text": api(lambda tmp: TrainConfig(batch_size="64"), UsageError,
-                              "TrainConfig batch_size (--batch-size) must be an int, got '64' (str)"),
+                              "TrainConfig batch_size (--batch-size) must be an int or 'auto', got '64' (str)"),
     "fractional epochs": api(lambda tmp: TrainConfig(epochs=1.5), UsageError,
                              "TrainConfig epochs (--epochs) must be an int, got 1.5 (float)"),
     "lr as text": api(lambda tmp: TrainConfig(lr="0.1"), UsageError, "TrainConfig lr (--lr) must be a float"),

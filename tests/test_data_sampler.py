@@ -66,10 +66,11 @@ def dropout_model(seed: int) -> torch.nn.Module:
 def train_recording(tmp_path: Path, world_size: int, seed: int) -> dict[str, Any]:
     """Train with augmentation and dropout; return the served indices and noise, dropout masks and weights."""
     model, data = dropout_model(seed), Augmented(SIZE)
-    masks: list[torch.Tensor] = []
-    model[2].register_forward_hook(lambda module, args, output: masks.append((output == 0) & (args[0] != 0)))
     config = config_for(tmp_path, world_size, seed=seed, epochs=EPOCHS, batch_size=BATCH, num_workers=0)
     trainer = MultiGPUTrainer(model, data, None, config)
+    data.log.clear()  # the samples the trainer read at start to count FLOPs per sample (MULTI_GPU_GUIDE.md, "MFU")
+    masks: list[torch.Tensor] = []
+    model[2].register_forward_hook(lambda module, args, output: masks.append((output == 0) & (args[0] != 0)))
     trainer.fit()
     per_epoch = len(data.log) // EPOCHS
     return {"order": [[index for index, _ in data.log[e * per_epoch:(e + 1) * per_epoch]] for e in range(EPOCHS)],
