@@ -32,7 +32,7 @@ from typing import Optional
 from conftest import REPO
 
 DOCS = ("README.md", "QUICK_REFERENCE.md", "MULTI_GPU_GUIDE.md")
-MAX_ILLUSTRATIVE = 5
+MAX_ILLUSTRATIVE = 6  # a handful: the test suite, multi-GPU examples, benchmarks of minutes
 SHRINK = "--epochs 1 --train-size 256 --val-size 32 --batch-size 16 --no-progress --log-every 4 --dist-timeout 60"
 COMMAND_TIMEOUT = 240
 FAKE_BIN = REPO / "tests" / "fake_bin"
