@@ -240,8 +240,7 @@ class MultiGPUTrainer:
         """
         last = math.ceil(window_samples / self.loader_batch) - 1
         for index in range(last + 1):
-            batch = self.move(self.clock.fetch(batches))  # the clock times the wait for the loader
-            self.clock.copied()
+            batch = self.clock.fetch(batches, self.move)  # the next batch on the device; its wait and copy timed
             if index == last or self.no_sync is None:
                 self._forward_backward(batch, window_samples)
             else:
@@ -262,13 +261,13 @@ class MultiGPUTrainer:
             loss = compute_loss(outputs, targets, self.loss_fn)
         samples = batch_size(batch)
         share = loss if samples == window_samples else loss * (samples / window_samples)
-        self.scaler.scale(share).backward()
+        self.amp.scaler.scale(share).backward()
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
         self.clock.computed()
 
     def _optimizer_step(self) -> None:
         """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
-        scaler = self.scaler
+        scaler = self.amp.scaler
         if self.config.clip_grad_norm > 0:
             scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)

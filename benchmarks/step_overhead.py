@@ -1,6 +1,7 @@
 """Benchmark: the trainer's per-step cost over a plain loop, where Python dominates.
 
     python benchmarks/step_overhead.py [--rounds 15] [--steps 2000] [--output benchmarks/results/step_overhead.md]
+    python benchmarks/step_overhead.py --instructions   # instructions per step under valgrind: load-proof
 
 A tiny MLP with batch 16 in one process on one thread: each step computes
 little, so whatever the trainer does per step in Python shows. The plain loop
@@ -21,7 +22,9 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,30 +102,23 @@ def step_cost(run: Callable, args: argparse.Namespace, short: torch.utils.data.D
     return (times[1][0] - times[0][0]) / steps, (times[1][1] - times[0][1]) / steps
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the long run (the short: 1/10)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "step_overhead.md"))
-    args = parser.parse_args(argv)
+def timed(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
+    """Alternating rounds in this process: per-step wall and CPU time of each loop."""
     torch.set_num_threads(1)
     short, long = make_data(args.steps // 10 * args.batch), make_data(args.steps * args.batch)
-    runs = {"trainer": run_trainer, "plain loop": run_plain}
-    for run in runs.values():  # warm-up: imports, allocator, first-call costs
+    for run in RUNS.values():  # warm-up: imports, allocator, first-call costs
         run(args, short)
-    costs: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    costs: dict[str, list[tuple[float, float]]] = {name: [] for name in RUNS}
     load_before = os.getloadavg()[0]
     for round_index in range(args.rounds):
-        for name in (list(runs) if round_index % 2 == 0 else list(reversed(runs))):
-            costs[name].append(step_cost(runs[name], args, short, long))
+        for name in (list(RUNS) if round_index % 2 == 0 else list(reversed(RUNS))):
+            costs[name].append(step_cost(RUNS[name], args, short, long))
         print(f"round {round_index + 1}: " + ", ".join(f"{name} {1e6 * costs[name][-1][0]:.1f} us/step wall, "
-                                                      f"{1e6 * costs[name][-1][1]:.1f} CPU" for name in runs),
+                                                      f"{1e6 * costs[name][-1][1]:.1f} CPU" for name in RUNS),
               flush=True)
     load_after = os.getloadavg()[0]
-    medians = {name: [statistics.median(cost[i] for cost in costs[name]) for i in (0, 1)] for name in runs}
-    fastest = {name: [min(cost[i] for cost in costs[name]) for i in (0, 1)] for name in runs}
+    medians = {name: [statistics.median(cost[i] for cost in costs[name]) for i in (0, 1)] for name in RUNS}
+    fastest = {name: [min(cost[i] for cost in costs[name]) for i in (0, 1)] for name in RUNS}
     rows = [[name, f"{1e6 * wall:.1f}", f"{1e6 * cpu:.1f}", f"{1e6 * fastest[name][0]:.1f}",
              f"{1e6 * fastest[name][1]:.1f}"] for name, (wall, cpu) in medians.items()]
     # Each round's trainer run is paired with its plain run: load that changes between rounds hits both.
@@ -132,17 +128,63 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"{1e6 * (fastest['trainer'][0] - fastest['plain loop'][0]):+.1f}",
                  f"{1e6 * (fastest['trainer'][1] - fastest['plain loop'][1]):+.1f}"])
     ratio = medians["plain loop"][0] / medians["trainer"][0]
-    notes = [machine_line(),
-             f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread; per-step cost = (run of "
-             f"{args.steps} steps - run of {args.steps // 10}) / {args.steps - args.steps // 10}, medians of "
-             f"{args.rounds} alternating rounds",
-             f"the difference row: the median of each round's trainer - plain (the two ran back to back), and the "
-             f"difference of the fastest runs (the least disturbed by other work); trainer/plain samples/s "
-             f"{ratio:.3f} (medians)",
+    header = ["loop", "us/step wall (median)", "CPU (median)", "wall (fastest)", "CPU (fastest)"]
+    notes = [f"medians of {args.rounds} alternating rounds; the difference row: the median of each round's trainer - "
+             f"plain (the two ran back to back), and the difference of the fastest runs (the least disturbed by "
+             f"other work); trainer/plain samples/s {ratio:.3f} (medians)",
              f"load average {load_before:.2f} before, {load_after:.2f} after (the machine is shared: CPU time is "
              f"what waiting for other processes does not inflate)"]
-    write_markdown(Path(args.output), "Per-step overhead: trainer vs plain loop",
-                   ["loop", "us/step wall (median)", "CPU (median)", "wall (fastest)", "CPU (fastest)"], rows, notes)
+    return [header, *rows], notes
+
+
+def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
+    """Instructions per step under valgrind's callgrind: exact, whatever else the machine runs."""
+    per_step = {}
+    for name in RUNS:
+        totals = []
+        for steps in (args.steps // 10, args.steps):
+            with tempfile.TemporaryDirectory() as folder:
+                out = os.path.join(folder, "callgrind.out")
+                subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                                str(Path(__file__).resolve()), "--one-run", name, "--steps", str(steps),
+                                "--batch", str(args.batch), "--log-every", str(args.log_every)],
+                               check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+                totals.append(int(re.search(r"^summary: (\d+)", Path(out).read_text(), re.M).group(1)))
+        per_step[name] = (totals[1] - totals[0]) / (args.steps - args.steps // 10)
+        print(f"{name}: {per_step[name]:,.0f} instructions per step", flush=True)
+    trainer, plain = per_step["trainer"], per_step["plain loop"]
+    rows = [["loop", "instructions per step"], ["trainer", f"{trainer:,.0f}"], ["plain loop", f"{plain:,.0f}"],
+            ["trainer - plain loop", f"{trainer - plain:+,.0f} ({(trainer - plain) / plain:+.1%})"]]
+    return rows, ["instructions counted by valgrind --tool=callgrind (the runs' difference, so start-up cancels); "
+                  "at the plain loop's rate, the extra instructions take the time share shown"]
+
+
+RUNS = {"trainer": run_trainer, "plain loop": run_plain}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the long run (the short: 1/10)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per step with valgrind instead of timing (minutes; load-proof)")
+    parser.add_argument("--output", help="default: benchmarks/results/step_overhead[_instructions].md")
+    parser.add_argument("--one-run", choices=RUNS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one_run:
+        torch.set_num_threads(1)
+        RUNS[args.one_run](args, make_data(args.steps * args.batch))
+        return 0
+    table, notes = counted(args) if args.instructions else timed(args)
+    setting = (f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread, --log-every {args.log_every}; "
+               f"per-step cost = (run of {args.steps} steps - run of {args.steps // 10}) / "
+               f"{args.steps - args.steps // 10}")
+    output = Path(args.output or REPO / "benchmarks" / "results" /
+                  f"step_overhead{'_instructions' if args.instructions else ''}.md")
+    write_markdown(output, "Per-step overhead: trainer vs plain loop", table[0], table[1:],
+                   [machine_line(), setting, *notes])
     return 0
 
 

@@ -12,6 +12,10 @@
 - prediction:   the outputs of every sample in dataset order, any world size, in memory or streamed to a file
 - inference:    BatchParallel: a batch split over several devices in one process, for prediction
 - meters:       per-interval loss/throughput, the one host sync of a logging interval
+- telemetry:    where the time goes (data wait, copy, compute), CUDA memory, MFU: logged at sync points only
+- flops:        FLOPs counted once per run, and the table of GPU peaks MFU divides by (never guessed)
+- batch_size:   --batch-size auto: the largest batch whose step fits in GPU memory, agreed by all ranks
+- snapshot:     probes at start that leave no trace (model, optimizer and RNG restored exactly)
 - checkpoint:   checkpoint files: atomic saves, safe loads, finding the newest good one
 - checkpointer: the trainer's resume and save protocol (what goes in, what must match)
 - rng:          seeding, and RNG state as plain types for checkpoints

@@ -8,7 +8,6 @@ an enabled GradScaler. Without autocast, every step shares one no-op context
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -33,13 +32,14 @@ class Amp:
     def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16):
         self.dtype = dtype
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
-        nothing = contextlib.nullcontext()
-        self._autocast: Callable[[], ContextManager] = (
-            functools.partial(torch.autocast, device_type, dtype=dtype) if dtype is not None else lambda: nothing)
+        self.device_type = device_type
+        self._nothing = contextlib.nullcontext()
 
     def autocast(self) -> ContextManager:
         """The autocast context of this run (a no-op without --amp)."""
-        return self._autocast()
+        if self.dtype is None:
+            return self._nothing
+        return torch.autocast(self.device_type, dtype=self.dtype)
 
     @property
     def name(self) -> str:

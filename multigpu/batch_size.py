@@ -134,7 +134,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: F
     ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()) if runtime.mode == "ddp" else 0
     probe = StepProbe(model, optimizer, forward, loss_fn, amp, lambda size: move(repeat_batch(sample, size)),
                       runtime.device, ddp_buckets)
-    limit = max(1, len(dataset) // runtime.world_size)
+    limit = max(1, len(dataset) // runtime.devices_per_step)  # DataParallel: each GPU gets its share too
     largest, chosen = find_batch_size(probe, limit)
     if largest == 0:
         raise TrainingStopped(f"--batch-size auto: not even a batch of 1 fits in the memory of {runtime.device}: "

@@ -34,25 +34,22 @@ DATA_WAIT_HINT = 0.10  # a larger share of the time spent waiting for data gets 
 class HostClock:
     """Seconds the training loop waited for the loader, and the seconds it ran, per interval (host wall clock).
 
-    `fetch` replaces `next(batches)`; `copied` and `computed` mark where a
-    batch's copy and its compute end (nothing to do on the host: everything
-    after the fetch is compute).
+    `fetch` replaces `move(next(batches))`; `computed` marks where a step's
+    compute ends (nothing to do on the host: everything but the wait is compute).
     """
 
     def __init__(self) -> None:
         self.waited = 0.0
         self.begun: Optional[float] = None  # the interval's first fetch (a checkpoint save before it is not counted)
 
-    def fetch(self, batches: Iterator[Any]) -> Any:
+    def fetch(self, batches: Iterator[Any], move: Callable[[Any], Any]) -> Any:
+        """The next batch, moved to the device by `move`."""
         started = time.perf_counter()
         if self.begun is None:
             self.begun = started
         batch = next(batches)
         self.waited += time.perf_counter() - started
-        return batch
-
-    def copied(self) -> None:
-        pass
+        return move(batch)
 
     def computed(self) -> None:
         pass
@@ -85,33 +82,36 @@ class CudaClock(HostClock):
         event.record(self.stream)
         self.marks.append((kind, event))
 
-    def fetch(self, batches: Iterator[Any]) -> Any:
+    def fetch(self, batches: Iterator[Any], move: Callable[[Any], Any]) -> Any:
         if not self.marks:
             self._mark("start")
-        batch = super().fetch(batches)
+        batch = next(batches)  # the GPU's wait for it is the stretch that ends at the next mark
         self._mark("data")
-        return batch
-
-    def copied(self) -> None:
+        moved = move(batch)
         self._mark("copy")
+        return moved
 
     def computed(self) -> None:
         self._mark("compute")
 
     def read(self) -> dict[str, float]:
-        super().read()
         marks, self.marks = self.marks, []
-        split = {"data": 0.0, "copy": 0.0, "compute": 0.0}
         if len(marks) < 2:
-            return split
+            return {"data": 0.0, "copy": 0.0, "compute": 0.0}
         marks[-1][1].synchronize()  # returns at once: the sync point has already waited for the GPU
-        start, before = marks[0][1], 0.0
-        for kind, event in marks[1:]:
-            at = start.elapsed_time(event) / 1000.0
-            split[kind] += at - before
-            before = at
+        start = marks[0][1]
+        seconds = [start.elapsed_time(event) / 1000.0 for _, event in marks]
         self.spare += [event for _, event in marks]
-        return split
+        return split_timeline([kind for kind, _ in marks], seconds)
+
+
+def split_timeline(kinds: list[str], seconds: list[float]) -> dict[str, float]:
+    """Seconds per kind from marks on one timeline (`kinds[i]` recorded at `seconds[i]`): each stretch between
+    two marks counts for the kind of the mark that ends it; the first mark only starts the timeline."""
+    split = {"data": 0.0, "copy": 0.0, "compute": 0.0}
+    for kind, before, at in zip(kinds[1:], seconds, seconds[1:]):
+        split[kind] += at - before
+    return split
 
 
 class Telemetry:
@@ -220,15 +220,20 @@ class Telemetry:
         return result
 
     def summary_text(self, summary: dict[str, Any]) -> str:
-        """The end-of-run line's additions: "; data wait 3%, peak memory 10.20 GiB, MFU 41% (bf16 peak of ...)"."""
+        """The end-of-run line's additions: "; data wait 3%, peak memory 10.20 GiB, MFU 41.0% (bf16 peak of ...)"."""
         parts = []
         if summary.get("data_wait_frac") is not None:
             parts.append(f"data wait {summary['data_wait_frac']:.0%}")
         if summary.get("max_memory_allocated_gb") is not None:
             parts.append(f"peak memory {summary['max_memory_allocated_gb']:.2f} GiB")
         if summary.get("mfu") is not None:
-            parts.append(f"MFU {summary['mfu']:.0%} ({self.precision} peak of {self.gpu_name})")
+            parts.append(f"MFU {summary['mfu']:.1%} ({self.precision} peak of {self.gpu_name})")
         elif self.cuda:
-            parts.append(f"no MFU: {self.gpu_name} is not in multigpu/flops.py's table of peaks"
-                         if self.peak is None else "no MFU: FLOPs not counted")
+            parts.append(f"no MFU: {self._why_no_mfu()}")
         return "; " + ", ".join(parts) if parts else ""
+
+    def _why_no_mfu(self) -> str:
+        row = flop_lib.gpu_row(self.gpu_name or "")
+        if row is None:
+            return f"{self.gpu_name} is not in multigpu/flops.py's table of peaks"
+        return f"no {self.precision} peak for {row}" if self.peak is None else "the FLOPs were not counted"

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, read_scalars, tiny_model
+from multigpu.telemetry import split_timeline
 from train_multi_gpu import MultiGPUTrainer
 
 FLOPS_PER_SAMPLE = 3 * (2 * 16 * 32 + 2 * 32 * 4) - 2 * 16 * 32  # tiny_model: forward, backward (no input gradient)
@@ -77,3 +78,10 @@ def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp
     assert torch.equal(model[1].running_mean, statistics)  # ... and the BatchNorm statistics put back,
     assert torch.equal(torch.get_rng_state(), random_state)  # the random state (dropout drew from it),
     assert all(p.grad is None for p in model.parameters()) and not model.training  # no gradient, eval mode
+
+
+def test_the_gpu_timeline_is_split_by_the_mark_that_ends_each_stretch():
+    # start, batch 1 (waited 2, copied 1, computed 5 with its optimizer step), batch 2 arrives at once
+    kinds = ["start", "data", "copy", "compute", "compute", "data", "copy", "compute"]
+    seconds = [0.0, 2.0, 3.0, 7.0, 8.0, 8.0, 8.5, 10.0]
+    assert split_timeline(kinds, seconds) == {"data": 2.0, "copy": 1.5, "compute": 6.5}
