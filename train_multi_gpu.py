@@ -15,6 +15,7 @@ Run under `torchrun --nproc_per_node=N` and the same code trains with DDP.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -38,6 +39,7 @@ from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.distributed import Runtime, is_distributed, prepare_model, setup, teardown, wrap_model
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
+from multigpu.gc_pauses import long_lived_objects_frozen
 from multigpu.lr_scaling import describe_lr, scaled_lr
 from multigpu.meters import IntervalMeter
 from multigpu.metrics import MetricsSpec, Monitor
@@ -119,7 +121,7 @@ class MultiGPUTrainer:
         self.telemetry.flops_per_sample = self._flops_per_sample(collate_fn)
         self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
         self.wrapped = wrap_model(self.model, config, rt, self.report.line)  # what trains: DDP, DataParallel or it
-        self.no_sync = self.wrapped.no_sync if rt.mode == "ddp" else None
+        self.no_sync = self.wrapped.no_sync if rt.mode == "ddp" else contextlib.nullcontext
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
         lr_factor_ = scaled_lr(1.0, config.lr_scaling, self.effective_batch, config.lr_base_batch)
@@ -188,11 +190,12 @@ class MultiGPUTrainer:
                 self.resume()
                 self._print_plan()
                 self.telemetry.start()
-                while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
-                    if self.progress.evaluated and not self._run_epoch():
-                        return self._stop_for_signal()
-                    if not self._evaluate_and_save():
-                        return self._stop_for_signal()
+                with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
+                    while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
+                        if self.progress.evaluated and not self._run_epoch():
+                            return self._stop_for_signal()
+                        if not self._evaluate_and_save():
+                            return self._stop_for_signal()
             summary = self._summary(wall_time=time.perf_counter() - started)
             self._report_done(summary)
             return summary
@@ -237,33 +240,32 @@ class MultiGPUTrainer:
 
         DDP all-reduces only in the last micro-batch's backward: the others run
         forward and backward in no_sync (MULTI_GPU_GUIDE.md, "The effective-batch rule").
+        The sampler decides each micro-batch's samples: full ones, then what is left.
         """
-        last = math.ceil(window_samples / self.loader_batch) - 1
-        for index in range(last + 1):
-            batch = self.clock.fetch(batches, self.move)  # the next batch on the device; its wait and copy timed
-            if index == last or self.no_sync is None:
-                self._forward_backward(batch, window_samples)
-            else:
-                with self.no_sync():
-                    self._forward_backward(batch, window_samples)
+        fetch, full = self.clock.fetch, self.loader_batch  # fetch: the next batch on the device, its wait timed
+        earlier = (window_samples - 1) // full  # micro-batches before the last one, all full
+        for _ in range(earlier):
+            with self.no_sync():
+                self._forward_backward(fetch(batches, self.move), full, window_samples)
+            self.clock.computed()  # on the GPU's timeline, what comes next is waiting for the next batch
+        self._forward_backward(fetch(batches, self.move), window_samples - earlier * full, window_samples)
         self.meter.end_step(window_samples)
         self._optimizer_step()
         self.clock.computed()
 
-    def _forward_backward(self, batch: Any, window_samples: int) -> None:
-        """Forward and backward of one micro-batch. Its mean loss is weighted by its share of the window, so
-        the gradient is the mean over the window whatever its size, a short last window of an epoch included."""
+    def _forward_backward(self, batch: Any, samples: int, window_samples: int) -> None:
+        """Forward and backward of one micro-batch of `samples` samples. Its mean loss is weighted by its share
+        of the window, so the gradient is the mean over the window whatever its size, a short last window of an
+        epoch included."""
         with self.amp.autocast():
             outputs, targets = self.forward(self.wrapped, batch)
             if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
                 check_first_batch(outputs, targets, self.loss_fn)
                 self._batch_checked = True
             loss = compute_loss(outputs, targets, self.loss_fn)
-        samples = batch_size(batch)
         share = loss if samples == window_samples else loss * (samples / window_samples)
         self.amp.scaler.scale(share).backward()
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
-        self.clock.computed()
 
     def _optimizer_step(self) -> None:
         """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
