@@ -30,11 +30,11 @@ class Reporter:
 
     @property
     def writer(self) -> Any:
-        """The SummaryWriter, opened on first use (after a resume has set purge_step); None off rank 0."""
+        """The TensorBoard event file, opened on first use (after a resume has set purge_step); None off rank 0."""
         if self._writer is None and self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            from multigpu.event_file import EventFile  # imports TensorBoard: only where it is used
 
-            self._writer = SummaryWriter(self.log_dir, purge_step=self.purge_step)
+            self._writer = EventFile(self.log_dir, purge_step=self.purge_step)
         return self._writer
 
     def line(self, text: str) -> None:
@@ -67,10 +67,7 @@ class Reporter:
         """TensorBoard scalars of one step, written as one event (a write per scalar costs about 30 us)."""
         with self._writing():
             if self.writer is not None and values:
-                from tensorboard.compat.proto.summary_pb2 import Summary
-
-                self.writer.file_writer.add_summary(Summary(value=[
-                    Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]), step)
+                self.writer.scalars(values, step)
 
     def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
                  skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
@@ -115,11 +112,10 @@ class Reporter:
         with self._writing():
             if self.writer is None:
                 return
-            # Written through our own writer: SummaryWriter.add_hparams would open a second event file.
+            # Written to the run's own file: SummaryWriter.add_hparams would open a second event file.
             for summary in hparams(params, metric_values):
-                self.writer.file_writer.add_summary(summary)
-            for tag, value in metric_values.items():
-                self.writer.add_scalar(tag, value)
+                self.writer.add_summary(summary)
+            self.writer.scalars(metric_values)
 
     def flush(self) -> None:
         with self._writing():

@@ -1,0 +1,43 @@
+"""TensorBoard's event file as the training loop writes it: readable by TensorBoard at once, purge on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import event_files, read_scalars
+from multigpu.event_file import EventFile
+
+
+def test_each_write_is_on_disk_for_tensorboard_before_the_file_is_closed(tmp_path: Path):
+    events = EventFile(str(tmp_path))
+    events.scalars({"train/loss": 2.5, "train/lr": 0.5}, step=50)
+    assert read_scalars(tmp_path) == {"train/loss": [(50, 2.5)], "train/lr": [(50, 0.5)]}  # still open
+    events.scalars({"train/loss": 1.25}, step=100)
+    assert read_scalars(tmp_path)["train/loss"] == [(50, 2.5), (100, 1.25)]
+    events.close()
+    events.close()  # a second close is harmless
+    assert len(event_files(tmp_path)) == 1
+
+
+def test_two_files_of_one_process_in_one_second_get_their_own_names(tmp_path: Path):
+    first, second = EventFile(str(tmp_path)), EventFile(str(tmp_path))
+    assert first.path != second.path
+    first.close()
+    second.close()
+
+
+def test_a_purge_step_drops_what_an_earlier_file_logged_from_that_step_on(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    crashed = EventFile(str(tmp_path))
+    for step in (10, 20, 30, 40):  # the crashed run logged 30 and 40 after its last checkpoint at 20
+        crashed.scalars({"train/loss": float(step)}, step)
+    crashed.close()
+    resumed = EventFile(str(tmp_path), purge_step=30)
+    for step in (30, 40, 50):
+        resumed.scalars({"train/loss": -float(step)}, step)
+    resumed.close()
+    accumulator = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})  # the directory, as TensorBoard
+    accumulator.Reload()
+    assert [(event.step, event.value) for event in accumulator.Scalars("train/loss")] == [
+        (10, 10.0), (20, 20.0), (30, -30.0), (40, -40.0), (50, -50.0)]
