@@ -85,11 +85,18 @@ def first_step_clock(optimizer: Any) -> dict[str, float]:
     return seen
 
 
+def process_batch(args: argparse.Namespace) -> int:
+    """The batch one process's loop is given: a device's batch, or every thread's when one process's threads
+    are the devices (weak scaling: each device, thread or GPU, always gets --batch samples per step)."""
+    return args.batch * args.devices if args.mode == "none" else args.batch
+
+
 def run_trainer(args: argparse.Namespace, devices: int) -> dict[str, float]:
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu=args.mode, epochs=1, batch_size=args.batch, lr=1e-3, lr_schedule="constant",
-                         log_every=args.log_every, num_workers=0, progress=False, save_dir=tempfile.mkdtemp())
+    config = TrainConfig(multi_gpu=args.mode, epochs=1, batch_size=process_batch(args), lr=1e-3,
+                         lr_schedule="constant", log_every=args.log_every, num_workers=0, progress=False,
+                         save_dir=tempfile.mkdtemp())
     with MultiGPUTrainer(make_cnn(), make_images(args.steps * args.batch * devices), None, config) as trainer:
         seen = first_step_clock(trainer.optimizer)
         trainer.fit()
@@ -121,8 +128,8 @@ def run_raw(args: argparse.Namespace, devices: int) -> dict[str, float]:
     data = make_images(args.steps * args.batch * devices)
     world = dist.get_world_size() if args.mode == "ddp" else 1
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=args.batch * (devices if args.mode == "dp" else 1), sampler=sampler,
-                        pin_memory=cuda)
+    loader = DataLoader(data, batch_size=process_batch(args) * (devices if args.mode == "dp" else 1),
+                        sampler=sampler, pin_memory=cuda)
     loss_fn = torch.nn.CrossEntropyLoss()
     boundaries = [time.perf_counter()]
     for step, (inputs, targets) in enumerate(loader, start=1):
