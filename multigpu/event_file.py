@@ -1,9 +1,10 @@
 """TensorBoard's event file, written by the training loop itself at its sync points.
 
 torch's SummaryWriter hands each event to a background thread. That thread
-competes with the training loop for Python's interpreter lock, and on a small
-model it cost the loop about 13 us per step (benchmarks/step_overhead.py,
-MULTI_GPU_GUIDE.md "Speed"). Events are only written at sync points (every
+competes with the training loop for Python's interpreter lock: on
+benchmarks/step_overhead.py's tiny model (about 300 us a step) the events cost
+the loop 19 us per step that way and 5 us written here, in one in-process
+comparison (MULTI_GPU_GUIDE.md, "Speed"). Events are only written at sync points (every
 --log-every steps), where the host has waited for the device anyway, so this
 file writes each one at once (about 30 us) and flushes it: TensorBoard shows an
 interval as soon as it ends rather than up to two minutes later, and a failed
