@@ -28,7 +28,7 @@ from main_multi_gpu import main_guarded
 from multigpu import checkpoint
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import default_forward
-from multigpu.config import FIELDS, TrainConfig, _OneLineParser, flag
+from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
 from multigpu.distributed import Runtime, barrier, setup, teardown
@@ -45,7 +45,7 @@ FROM_MACHINE = ("multi_gpu", "gpu_ids", "num_workers", "dist_timeout", "download
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="last.pt, best.pt or a step checkpoint of a training run")
     parser.add_argument("--split", choices=["val", "train"], default="val", help="which split of --dataset")
     parser.add_argument("--imagefolder", metavar="DIR",

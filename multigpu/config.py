@@ -244,7 +244,7 @@ def flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that reports bad input in one line (no usage block), exit 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -266,7 +266,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """An ArgumentParser whose flags are exactly TrainConfig's fields, grouped as in --help."""
-    parser = _OneLineParser(description=description, formatter_class=_HelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=_HelpFormatter)
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for f in dataclasses.fields(TrainConfig):
         group, option = groups[f.metadata["group"]], f"--{flag(f.name)}"

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from multigpu.config import OneLineParser
 from multigpu.errors import UsageError
 
 DEFAULT_SWEEP_DIR = os.path.join("checkpoints", "sweep")
@@ -42,11 +43,6 @@ class SweepOptions:
     @property
     def sharded(self) -> bool:
         return self.shard[1] > 1
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see --help)")
 
 
 def _spellings(flag: str) -> list[str]:
@@ -90,7 +86,7 @@ SPELLINGS = {spelling for flag in FLAGS for spelling in _spellings(flag)}
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the sweep flags (abbreviations off: --seeds must never be read as --seed)."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="sweep_multi_gpu.py", allow_abbrev=False,
         usage="%(prog)s [sweep flags] -- [training flags of main_multi_gpu.py]",
         description="Run many independent training runs (seeds x a grid) over the devices, "
