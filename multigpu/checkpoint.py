@@ -112,6 +112,8 @@ def load(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as error:
+        if error.errno == errno.EINVAL:  # torch's reader seeking past the end of a file cut short
+            raise CheckpointError(f"checkpoint {path} refused: truncated or corrupt ({error.strerror})") from None
         raise CheckpointError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
     except CheckpointError:
         raise

@@ -41,9 +41,9 @@ class RunsCode:
 
 def write_broken(path: Path, kind: str, marker: Path) -> None:
     """A file that must be refused: a truncated checkpoint, random bytes, or a pickle that runs code."""
-    if kind == "truncated":
+    if kind in ("truncated", "cut-near-the-end"):
         checkpoint.atomic_save(plain_state(99), str(path))
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2 if kind == "truncated" else -10])
     elif kind == "random-bytes":
         path.write_bytes(random.Random(0).randbytes(4096))
     else:
@@ -59,7 +59,7 @@ def set_age(path: Path, seconds_ago: float) -> None:
 BROKEN_KINDS = ("truncated", "random-bytes", "code-running-pickle")
 
 
-@pytest.mark.parametrize("kind", BROKEN_KINDS)
+@pytest.mark.parametrize("kind", (*BROKEN_KINDS, "cut-near-the-end"))
 def test_broken_file_is_refused_in_one_line_without_running_code(tmp_path, kind):
     path, marker = tmp_path / "last.pt", tmp_path / "code-ran"
     write_broken(path, kind, marker)
