@@ -1,6 +1,6 @@
 """Benchmark: what --compile and --channels-last do to training speed, here.
 
-    python benchmarks/faster_paths.py [--rounds 3] [--output benchmarks/results/faster_paths_cpu.md]
+    python benchmarks/faster_paths.py [--rounds 5] [--output benchmarks/results/faster_paths_cpu.md]
 
 Trains two workloads (the default cnn on 1x28x28, resnet18 on 3x32x32; bf16
 on GPUs) through main_multi_gpu.py on one device, plain and with each flag and
@@ -52,8 +52,8 @@ def run(args: argparse.Namespace, workload: list[str], variant: list[str], gpu: 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
