@@ -81,7 +81,8 @@ def _import_run_dependencies() -> None:
     import torch._dynamo  # noqa: F401
 
     import main_multi_gpu  # noqa: F401
-    from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    import multigpu.event_file  # noqa: F401  (the run's TensorBoard file)
+    from torch.utils.tensorboard.summary import hparams  # noqa: F401  (its end-of-run hparams)
 
 
 def run_task(task: Task) -> dict[str, Any]:
