@@ -1,15 +1,18 @@
 """TensorBoard's event file, written by the training loop itself at its sync points.
 
-torch's SummaryWriter hands each event to a background thread. That thread
-competes with the training loop for Python's interpreter lock: on
+torch's SummaryWriter hands each event to a background thread that competes
+with the training loop for Python's interpreter lock: on
 benchmarks/step_overhead.py's tiny model (about 300 us a step) the events cost
-the loop 19 us per step that way and 5 us written here, in one in-process
-comparison (MULTI_GPU_GUIDE.md, "Speed"). Events are only written at sync points (every
---log-every steps), where the host has waited for the device anyway, so this
-file writes each one at once (about 30 us) and flushes it: TensorBoard shows an
-interval as soon as it ends rather than up to two minutes later, and a failed
-write (a full disk) is raised here, in the loop, where it becomes one line.
-The file is the same as SummaryWriter's: name, version record, records.
+the loop 19 us per step that way, in one in-process comparison
+(MULTI_GPU_GUIDE.md, "Speed"). Here the loop writes them itself, at sync points
+(every --log-every steps), where the host has waited for the device anyway.
+Events are held for at most `max_delay` seconds (1 s) and then written and
+flushed together: a run whose logging intervals take longer than that writes
+each one as it ends, and one with intervals of milliseconds does not spend
+them on the file (each record's checksum is computed in Python). TensorBoard
+sees an interval within a second (SummaryWriter: up to two minutes), and a
+failed write (a full disk) is raised here, in the loop, where it becomes one
+line. The file is the same as SummaryWriter's: name, version record, records.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ class EventFile:
     """One TensorBoard event file in `log_dir`; `purge_step` makes TensorBoard drop earlier files' events
     from that step on (what a resumed run logs again)."""
 
-    def __init__(self, log_dir: str, purge_step: Optional[int] = None):
+    def __init__(self, log_dir: str, purge_step: Optional[int] = None, max_delay: float = 1.0):
         os.makedirs(log_dir, exist_ok=True)
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
                 f"{next(_FILE_NUMBERS)}{SUFFIX}")
         self.path = os.path.join(log_dir, name)
+        self.max_delay = max_delay
         self._file = open(self.path, "wb")
         self._records = RecordWriter(self._file)
+        self._pending: list[Event] = []
+        self._written_at = time.monotonic()
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:  # the two records SummaryWriter(purge_step=...) writes
             self._write(Event(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
@@ -46,22 +52,30 @@ class EventFile:
                               session_log=SessionLog(status=SessionLog.START)))
         self.flush()
 
-    def add_summary(self, summary: Summary, step: int = 0) -> None:
-        """A summary as one event at `step`, on disk when this returns."""
-        self._write(Event(wall_time=time.time(), step=int(step), summary=summary))
-        self.flush()
-
     def scalars(self, values: dict[str, float], step: int = 0) -> None:
-        """Several scalars as one event (one record rather than one per scalar)."""
-        self.add_summary(Summary(value=[Summary.Value(tag=tag, simple_value=float(value))
-                                        for tag, value in values.items()]), step)
+        """Several scalars as one event (one record rather than one per scalar), on disk within `max_delay` s."""
+        self._pending.append(Event(wall_time=time.time(), step=int(step), summary=Summary(value=[
+            Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])))
+        if time.monotonic() - self._written_at >= self.max_delay:
+            self.flush()
+
+    def add_summary(self, summary: Summary, step: int = 0) -> None:
+        """A summary as one event at `step`, on disk (with everything before it) when this returns."""
+        self._pending.append(Event(wall_time=time.time(), step=int(step), summary=summary))
+        self.flush()
 
     def _write(self, event: Event) -> None:
         self._records.write(event.SerializeToString())
 
     def flush(self) -> None:
+        """Write the events held so far, and hand them to the operating system."""
+        pending, self._pending = self._pending, []
+        for event in pending:
+            self._write(event)
         self._file.flush()
+        self._written_at = time.monotonic()
 
     def close(self) -> None:
         if not self._file.closed:
+            self.flush()
             self._file.close()

@@ -59,9 +59,12 @@ class Reporter:
             self.bar.update(steps)
 
     def end_epoch(self) -> None:
+        """The epoch's training is done: its bar closes, and TensorBoard gets its last intervals before
+        evaluation (which may be long) starts."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.flush()
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """TensorBoard scalars of one step, written as one event (a write per scalar costs about 30 us)."""

@@ -8,8 +8,8 @@ from conftest import event_files, read_scalars
 from multigpu.event_file import EventFile
 
 
-def test_each_write_is_on_disk_for_tensorboard_before_the_file_is_closed(tmp_path: Path):
-    events = EventFile(str(tmp_path))
+def test_with_no_delay_each_write_is_on_disk_before_the_file_is_closed(tmp_path: Path):
+    events = EventFile(str(tmp_path), max_delay=0)
     events.scalars({"train/loss": 2.5, "train/lr": 0.5}, step=50)
     assert read_scalars(tmp_path) == {"train/loss": [(50, 2.5)], "train/lr": [(50, 0.5)]}  # still open
     events.scalars({"train/loss": 1.25}, step=100)
@@ -17,6 +17,18 @@ def test_each_write_is_on_disk_for_tensorboard_before_the_file_is_closed(tmp_pat
     events.close()
     events.close()  # a second close is harmless
     assert len(event_files(tmp_path)) == 1
+
+
+def test_events_are_held_up_to_the_delay_then_written_together_in_order(tmp_path: Path):
+    events = EventFile(str(tmp_path), max_delay=3600)
+    for step in (1, 2, 3):
+        events.scalars({"train/loss": float(step)}, step)
+    assert read_scalars(tmp_path) == {}  # held: within the delay nothing is written
+    events.flush()  # a sync point that must be on disk (an epoch's end) flushes
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    events.scalars({"train/loss": 4.0}, 4)
+    events.close()  # closing writes what is held
+    assert read_scalars(tmp_path)["train/loss"][-1] == (4, 4.0)
 
 
 def test_two_files_of_one_process_in_one_second_get_their_own_names(tmp_path: Path):

@@ -10,7 +10,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from conftest import PYTHON, TINY, assert_ok, event_files, read_scalars, run_cli
+from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, assert_ok, cli_command, cli_env, event_files, file_size_limit,
+                      read_scalars, run_cli)
 
 TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "val/loss", "val/acc"}
 
@@ -69,3 +70,18 @@ def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_tensorboard_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path: Path):
+    log_dir = tmp_path / "tb"
+    # Files may not grow past 66 KiB: the 64 KiB start-up probe passes, the event file outgrows it mid-run.
+    result = subprocess.run(cli_command(["--mode", "flatten", "--epochs", "1", "--train-size", "16384", "--val-size",
+                                         "32", "--batch-size", "16", "--log-every", "1", "--no-progress",
+                                         "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(log_dir)]),
+                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                            preexec_fn=file_size_limit(66 * 1024))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"could not write TensorBoard logs to {log_dir}: File too large" in line
+    assert read_scalars(log_dir)["train/loss"][0][0] == 1  # what was written before the failure stays readable
