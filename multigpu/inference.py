@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch.nn.parallel import gather, parallel_apply, replicate
 
-from multigpu.batches import batch_size, concat, split, to_device
+from multigpu.batches import batch_size, concat, repeat_batch, split, to_device
 
 DeviceSpec = Union[int, str, torch.device]
 AUTO_LARGEST = 4096  # the largest batch "auto" times: a crossover above it counts as "never"
@@ -80,7 +80,7 @@ class BatchParallel:
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         samples = batch_size((inputs, kwargs))
-        self.last_threshold = self._threshold(inputs, kwargs, samples) if samples > 0 else math.inf
+        self.last_threshold = self._threshold(inputs, kwargs) if samples > 0 else math.inf
         if samples < self.last_threshold:
             self.last_path = "single"
             return self._single(inputs, kwargs)
@@ -115,7 +115,7 @@ class BatchParallel:
         return self._replicas
 
     # ------------------------------------------------------------------ the threshold
-    def _threshold(self, inputs: tuple, kwargs: dict, samples: int) -> float:
+    def _threshold(self, inputs: tuple, kwargs: dict) -> float:
         """The batch size from which this input is split."""
         if len(self.devices) == 1:
             return math.inf
@@ -124,10 +124,10 @@ class BatchParallel:
         key = (_shape_key((inputs, kwargs)), tuple(self.devices))
         measured = CROSSOVERS.setdefault(self.module, {})
         if key not in measured:
-            measured[key] = self._measure_crossover(inputs, kwargs, samples)
+            measured[key] = self._measure_crossover(inputs, kwargs)
         return measured[key]
 
-    def _measure_crossover(self, inputs: tuple, kwargs: dict, samples: int) -> float:
+    def _measure_crossover(self, inputs: tuple, kwargs: dict) -> float:
         """The `crossover` of split against one device, timed at powers of 2 from one sample per device up
         to AUTO_LARGEST samples (or as far as memory allows); inf when splitting never wins. Batches are this
         input's samples repeated; timed in eval mode without gradients."""
@@ -141,7 +141,7 @@ class BatchParallel:
                 for size in (len(self.devices) * 2 ** k for k in range(32)):
                     if size > AUTO_LARGEST:
                         break
-                    batch_inputs, batch_kwargs = _repeat(template, samples, size)
+                    batch_inputs, batch_kwargs = repeat_batch(template, size)
                     single = self._time(lambda: self._single(batch_inputs, batch_kwargs))
                     spread = self._time(lambda: self._split(batch_inputs, batch_kwargs, size))
                     measured.append(size)
@@ -223,9 +223,3 @@ def _shape_key(batch: Any) -> tuple:
     if isinstance(batch, (list, tuple)):
         return tuple(_shape_key(value) for value in batch)
     return ()
-
-
-def _repeat(batch: Any, samples: int, size: int) -> Any:
-    """A batch of `size` samples made of `batch`'s `samples` samples, repeated in order."""
-    whole, rest = divmod(size, samples)
-    return concat([batch] * whole + split(batch, [rest, samples - rest])[:1])
