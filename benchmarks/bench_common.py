@@ -1,13 +1,27 @@
-"""What the benchmarks share: the machine they ran on, and writing their tables (Markdown and CSV)."""
+"""What the benchmarks share: their common flags, the machine they ran on, and writing their tables (Markdown and CSV)."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
 import platform
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
+
+
+def benchmark_parser(description: Optional[str], *, rounds: int, steps: int, batch: int, log_every: int,
+                     steps_help: str = "optimizer steps per run", batch_help: Optional[str] = None,
+                     output_help: str) -> argparse.ArgumentParser:
+    """The flags every benchmark here has (--rounds, --steps, --batch, --log-every, --output), with its defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--batch", type=int, default=batch, help=batch_help)
+    parser.add_argument("--log-every", type=int, default=log_every)
+    parser.add_argument("--output", help=output_help)
+    return parser
 
 
 def cpu_name() -> str:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import logged_rates, machine_line, steady, write_markdown  # noqa: E402  (after the path set-up)
+from bench_common import benchmark_parser, logged_rates, machine_line, steady, write_markdown  # noqa: E402  (after the path set-up)
 
 WORKLOADS = {"cnn 1x28x28": ["--model", "cnn", "--image-shape", "1,28,28"],
              "resnet18 3x32x32": ["--model", "resnet18", "--image-shape", "3,32,32"]}
@@ -51,13 +51,9 @@ def run(args: argparse.Namespace, workload: list[str], variant: list[str], gpu: 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--log-every", type=int, default=4)
+    parser = benchmark_parser(__doc__, rounds=5, steps=24, batch=64, log_every=4,
+                              output_help="the Markdown table (default: benchmarks/results/faster_paths_<cpu|gpu>.md)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
-    parser.add_argument("--output", help="the Markdown table (default: benchmarks/results/faster_paths_<cpu|gpu>.md)")
     args = parser.parse_args(argv)
     import torch
 

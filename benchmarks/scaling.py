@@ -35,8 +35,8 @@ from typing import Any, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import (logged_rates, machine_line, make_cnn, make_images, steady,  # noqa: E402  (path set-up)
-                          write_markdown)
+from bench_common import (benchmark_parser, logged_rates, machine_line, make_cnn, make_images,  # noqa: E402
+                          steady, write_markdown)  # (after the path set-up)
 
 RESULT = "SCALING_RESULT "
 LOOPS = ("trainer", "raw")
@@ -268,15 +268,12 @@ def plot(rows: Sequence[dict[str, Any]], caption: str, path: Path) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
-    parser.add_argument("--batch", type=int, default=64, help="samples per device per step")
-    parser.add_argument("--log-every", type=int, default=8)
+    parser = benchmark_parser(__doc__, rounds=5, steps=40, batch=64, log_every=8,
+                              batch_help="samples per device per step",
+                              output_help="the Markdown table (default: benchmarks/results/scaling_<cpu|gpu>.md); "
+                                          "CSV, PNG and JSON beside it")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     parser.add_argument("--max-devices", type=int, help="measure only the device sets of at most this many devices")
-    parser.add_argument("--output", help="the Markdown table (default: benchmarks/results/scaling_<cpu|gpu>.md); "
-                                         "CSV, PNG and JSON beside it")
     parser.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_common import machine_line, write_markdown  # noqa: E402  (after the path set-up)
+from bench_common import benchmark_parser, machine_line, write_markdown  # noqa: E402  (after the path set-up)
 
 from multigpu.config import TrainConfig  # noqa: E402
 from multigpu.data import build_loader  # noqa: E402
@@ -163,14 +163,11 @@ RUNS = {"trainer": run_trainer, "plain loop": run_plain}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of the long run (the short: 1/10)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--log-every", type=int, default=50)
+    parser = benchmark_parser(__doc__, rounds=15, steps=2000, batch=16, log_every=50,
+                              steps_help="optimizer steps of the long run (the short: 1/10)",
+                              output_help="default: benchmarks/results/step_overhead[_instructions].md")
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions per step with valgrind instead of timing (minutes; load-proof)")
-    parser.add_argument("--output", help="default: benchmarks/results/step_overhead[_instructions].md")
     parser.add_argument("--one-run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_run:
