@@ -247,11 +247,9 @@ class MultiGPUTrainer:
         for _ in range(earlier):
             with self.no_sync():
                 self._forward_backward(fetch(batches, self.move), full, window_samples)
-            self.clock.computed()  # on the GPU's timeline, what comes next is waiting for the next batch
         self._forward_backward(fetch(batches, self.move), window_samples - earlier * full, window_samples)
         self.meter.end_step(window_samples)
         self._optimizer_step()
-        self.clock.computed()
 
     def _forward_backward(self, batch: Any, samples: int, window_samples: int) -> None:
         """Forward and backward of one micro-batch of `samples` samples. Its mean loss is weighted by its share
@@ -264,7 +262,9 @@ class MultiGPUTrainer:
                 self._batch_checked = True
             loss = compute_loss(outputs, targets, self.loss_fn)
         share = loss if samples == window_samples else loss * (samples / window_samples)
-        self.amp.scaler.scale(share).backward()
+        if self.amp.fp16:
+            share = self.amp.scaler.scale(share)
+        share.backward()
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
 
     def _optimizer_step(self) -> None:
@@ -274,7 +274,7 @@ class MultiGPUTrainer:
             scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.applied_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, as TensorBoard shows it
-        if scaler.is_enabled():
+        if self.amp.fp16:
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()

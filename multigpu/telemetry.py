@@ -34,8 +34,8 @@ DATA_WAIT_HINT = 0.10  # a larger share of the time spent waiting for data gets 
 class HostClock:
     """Seconds the training loop waited for the loader, and the seconds it ran, per interval (host wall clock).
 
-    `fetch` replaces `move(next(batches))`; `computed` marks where a step's
-    compute ends (nothing to do on the host: everything but the wait is compute).
+    `fetch` replaces `move(next(batches))`: everything between fetches (forward,
+    backward, optimizer step) is compute, so the loop marks nothing else.
     """
 
     def __init__(self) -> None:
@@ -51,9 +51,6 @@ class HostClock:
         self.waited += time.perf_counter() - started
         return move(batch)
 
-    def computed(self) -> None:
-        pass
-
     def read(self) -> dict[str, float]:
         """Seconds per kind ("data", "compute") since the interval's first fetch; starts the next interval."""
         total = time.perf_counter() - self.begun if self.begun is not None else 0.0
@@ -66,7 +63,8 @@ class CudaClock(HostClock):
     """The interval on the GPU's timeline: an event after each fetch, copy and compute, read at the sync point.
 
     Each stretch between two events is the kind of the event that ends it: the
-    stretch before a fetch's event is the GPU waiting for that batch. Events are
+    stretch before a fetch's event is the GPU waiting for that batch. A compute
+    ends where the next fetch begins, or where the interval is read. Events are
     reused; recording one does not wait for the GPU, and by the sync point the
     GPU has passed them all (the sync point waited for it).
     """
@@ -83,18 +81,16 @@ class CudaClock(HostClock):
         self.marks.append((kind, event))
 
     def fetch(self, batches: Iterator[Any], move: Callable[[Any], Any]) -> Any:
-        if not self.marks:
-            self._mark("start")
+        self._mark("compute" if self.marks else "start")  # what the GPU ran since the last copy was compute
         batch = next(batches)  # the GPU's wait for it is the stretch that ends at the next mark
         self._mark("data")
         moved = move(batch)
         self._mark("copy")
         return moved
 
-    def computed(self) -> None:
-        self._mark("compute")
-
     def read(self) -> dict[str, float]:
+        if self.marks:
+            self._mark("compute")  # the interval's last step
         marks, self.marks = self.marks, []
         if len(marks) < 2:
             return {"data": 0.0, "copy": 0.0, "compute": 0.0}

@@ -321,7 +321,7 @@ def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[i
         trace.append((trainer.progress.epoch * 160 + trainer.progress.samples_in_epoch,
                       optimizer.param_groups[0]["lr"]))
         if len(trace) == stop_after:
-            trainer.stop.signal_name = "SIGTERM"
+            trainer.stop._handle(signal.SIGTERM, None)  # as if SIGTERM arrived here
 
     trainer.optimizer.register_step_pre_hook(record)
     printed = io.StringIO()
