@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, faults, rng
+from multigpu import checkpoint, faults, plan, rng
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, default_forward,
                               sample_batch)
@@ -40,10 +40,10 @@ from multigpu.distributed import Runtime, is_distributed, prepare_model, setup, 
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
-from multigpu.lr_scaling import describe_lr, scaled_lr
+from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter
 from multigpu.metrics import MetricsSpec, Monitor
-from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, lr_factor,
+from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
@@ -188,7 +188,8 @@ class MultiGPUTrainer:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0)):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 self.resume()
-                self._print_plan()
+                for line in plan.plan_lines(self):  # what will train, and how (multigpu/plan.py)
+                    self.report.line(line)
                 self.telemetry.start()
                 with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
                     while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
@@ -414,39 +415,7 @@ class MultiGPUTrainer:
                          f"command plus --resume auto")
         return self._summary(stopped=True)
 
-    # ------------------------------------------------------------------ start-up and end lines
-    def _print_plan(self) -> None:
-        config, rt = self.config, self.runtime
-        batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
-                      else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
-        steps_left = (config.epochs - self.progress.epoch) * self.steps_per_epoch - self.steps_done_in_epoch()
-        last_step = self.progress.global_step + max(0, steps_left)
-        warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
-        schedule = (f"schedule {config.lr_schedule}, warm-up {warmup_steps} steps" if self.builtin_schedule
-                    else f"scheduler {type(self.scheduler).__name__} per {self.scheduler_interval}")
-        lr = (describe_lr(config, self.effective_batch) if self.builtin_optimizer else f"lr {self.lr:g} (the "
-              f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
-        self.report.line(rt.describe())
-        self.report.line(f"batch {config.batch_size} per device x {rt.devices_per_step} devices x "
-                         f"{config.grad_accum_steps} accumulation = {self.effective_batch} effective ({batch_rule})")
-        self.report.line(f"optimizer {type(self.optimizer).__name__}, {lr}; {schedule}, {self.steps_per_epoch} "
-                         f"steps/epoch, {last_step} steps{f' ({steps_left} left)' if self.progress.global_step else ''}"
-                         f"; amp {self.amp.name}")
-        self._warn_about_the_plan(warmup_steps)
-
-    def _warn_about_the_plan(self, warmup_steps: int) -> None:
-        """One line for each setting that the plan line's numbers do not really describe."""
-        config, samples_per_rank = self.config, self.sampler.usable // self.runtime.world_size
-        total_steps = config.epochs * self.steps_per_epoch
-        if samples_per_rank < self.loader_batch * config.grad_accum_steps:
-            self.report.line(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than "
-                             f"one step's {self.loader_batch} x {config.grad_accum_steps}: every step uses "
-                             f"{samples_per_rank} samples per process, not the effective batch above")
-        if self.builtin_schedule and warmup_steps > total_steps:
-            self.report.line(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} "
-                             f"steps): the LR peaks at {self.lr * lr_factor(total_steps - 1, config, self.steps_per_epoch):g}"
-                             f", never at {self.lr:g}")
-
+    # ------------------------------------------------------------------ the end
     def _summary(self, **extra: Any) -> dict[str, Any]:
         """What fit returns: the last validation metrics, the best monitored value, progress and throughput."""
         name, best = self.monitor.name, self.progress.best_value
@@ -456,13 +425,7 @@ class MultiGPUTrainer:
                 **extra}
 
     def _report_done(self, summary: dict[str, Any]) -> None:
-        name = self.monitor.name
-        best = (f"best {name.replace('_', ' ', 1)} {summary['best']:.4f}" if name and summary["best"] is not None
-                else "no validation set" if self.val_dataset is None else "no finite validation metric")
-        self.report.line(f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
-                         f"{summary['samples_per_sec']:.0f} samples/s "
-                         f"({summary['samples_per_sec'] / self.runtime.devices_per_step:.0f} per device)"
-                         f"{self.telemetry.summary_text(summary)}")
+        self.report.line(plan.done_line(self, summary))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
                                           and (key.startswith("val_") or key.startswith("best_"))})
 

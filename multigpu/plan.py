@@ -1,0 +1,62 @@
+"""What a run says before its first step and after its last: the plan, its warnings, and the done line.
+
+The lines read the live trainer, so they describe what really runs: the
+resumed position, the LR after scaling, the batch each device gets. Only rank 0
+prints them (the trainer passes them to its Reporter).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from multigpu.lr_scaling import describe_lr
+from multigpu.optim import lr_factor
+
+if TYPE_CHECKING:  # the trainer imports this module
+    from train_multi_gpu import MultiGPUTrainer
+
+
+def plan_lines(trainer: MultiGPUTrainer) -> list[str]:
+    """The device layout, the batch arithmetic, the optimizer and schedule, then a warning for each setting that
+    these numbers do not really describe."""
+    config, rt, progress = trainer.config, trainer.runtime, trainer.progress
+    batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
+                  else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
+    steps_left = (config.epochs - progress.epoch) * trainer.steps_per_epoch - trainer.steps_done_in_epoch()
+    last_step = progress.global_step + max(0, steps_left)
+    warmup_steps = round(config.warmup_epochs * trainer.steps_per_epoch)
+    schedule = (f"schedule {config.lr_schedule}, warm-up {warmup_steps} steps" if trainer.builtin_schedule
+                else f"scheduler {type(trainer.scheduler).__name__} per {trainer.scheduler_interval}")
+    lr = (describe_lr(config, trainer.effective_batch) if trainer.builtin_optimizer else f"lr {trainer.lr:g} (the "
+          f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
+    return [rt.describe(),
+            f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
+            f"accumulation = {trainer.effective_batch} effective ({batch_rule})",
+            f"optimizer {type(trainer.optimizer).__name__}, {lr}; {schedule}, {trainer.steps_per_epoch} steps/epoch, "
+            f"{last_step} steps{f' ({steps_left} left)' if progress.global_step else ''}; amp {trainer.amp.name}",
+            *_warnings(trainer, warmup_steps)]
+
+
+def _warnings(trainer: MultiGPUTrainer, warmup_steps: int) -> list[str]:
+    config, samples_per_rank = trainer.config, trainer.sampler.usable // trainer.runtime.world_size
+    total_steps, lines = config.epochs * trainer.steps_per_epoch, []
+    if samples_per_rank < trainer.loader_batch * config.grad_accum_steps:
+        lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
+                     f"step's {trainer.loader_batch} x {config.grad_accum_steps}: every step uses "
+                     f"{samples_per_rank} samples per process, not the effective batch above")
+    if trainer.builtin_schedule and warmup_steps > total_steps:
+        peak = trainer.lr * lr_factor(total_steps - 1, config, trainer.steps_per_epoch)
+        lines.append(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "
+                     f"the LR peaks at {peak:g}, never at {trainer.lr:g}")
+    return lines
+
+
+def done_line(trainer: MultiGPUTrainer, summary: dict[str, Any]) -> str:
+    """The end-of-run line: the best monitored value, epochs, wall time, throughput and the telemetry totals."""
+    name = trainer.monitor.name
+    best = (f"best {name.replace('_', ' ', 1)} {summary['best']:.4f}" if name and summary["best"] is not None
+            else "no validation set" if trainer.val_dataset is None else "no finite validation metric")
+    return (f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+            f"{summary['samples_per_sec']:.0f} samples/s "
+            f"({summary['samples_per_sec'] / trainer.runtime.devices_per_step:.0f} per device)"
+            f"{trainer.telemetry.summary_text(summary)}")

@@ -1,0 +1,47 @@
+"""The plan lines a run prints before its first step, their warnings, and the done line (multigpu/plan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import blobs, config_for, tiny_model
+from multigpu.plan import done_line, plan_lines
+from multigpu.optim import lr_factor
+from train_multi_gpu import MultiGPUTrainer
+
+
+def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_path: Path):
+    config = config_for(tmp_path, 1, grad_accum_steps=2, epochs=3, warmup_epochs=1.0)
+    with MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config) as trainer:  # 64 / (8 x 2): 4 steps per epoch
+        layout, batch, optimizer = plan_lines(trainer)
+    assert layout == "mode none: one device, cpu"
+    assert batch == "batch 8 per device x 1 devices x 2 accumulation = 16 effective (one device)"
+    assert optimizer.startswith("optimizer AdamW, lr 0.01")
+    assert optimizer.endswith("; schedule cosine, warm-up 4 steps, 4 steps/epoch, 12 steps; amp off")
+
+
+def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_path: Path):
+    config = config_for(tmp_path, 1, epochs=1, warmup_epochs=2.0)  # 8 steps of warm-up in a run of 8 steps
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config) as trainer:
+        warnings = [line for line in plan_lines(trainer) if line.startswith("warning:")]
+    peak = 0.01 * lr_factor(3, config, 4)  # the last of the run's 4 steps
+    assert warnings == [f"warning: the warm-up (8 steps) is longer than the run (4 steps): the LR peaks at "
+                        f"{peak:g}, never at 0.01"]
+
+
+def test_fewer_samples_than_one_step_is_a_warning(tmp_path: Path):
+    config = config_for(tmp_path, 1, batch_size=16, grad_accum_steps=2, epochs=1)
+    with MultiGPUTrainer(tiny_model(), blobs(20, 0), None, config) as trainer:
+        warnings = [line for line in plan_lines(trainer) if line.startswith("warning:")]
+    assert warnings == ["warning: each process gets 20 training samples per epoch, fewer than one step's 16 x 2: "
+                        "every step uses 20 samples per process, not the effective batch above"]
+
+
+def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path, capsys: pytest.CaptureFixture):
+    with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config_for(tmp_path, 1)) as trainer:
+        summary = trainer.fit()
+        line = done_line(trainer, summary)
+    assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
+    assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
