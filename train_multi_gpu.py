@@ -263,9 +263,7 @@ class MultiGPUTrainer:
                 self._batch_checked = True
             loss = compute_loss(outputs, targets, self.loss_fn)
         share = loss if samples == window_samples else loss * (samples / window_samples)
-        if self.amp.fp16:
-            share = self.amp.scaler.scale(share)
-        share.backward()
+        self.amp.scaler.scale(share).backward()
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
 
     def _optimizer_step(self) -> None:
@@ -275,7 +273,7 @@ class MultiGPUTrainer:
             scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.applied_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, as TensorBoard shows it
-        if self.amp.fp16:
+        if scaler.is_enabled():
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()

@@ -31,8 +31,7 @@ class Amp:
 
     def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16):
         self.dtype = dtype
-        self.fp16 = dtype == torch.float16  # the one precision whose loss is scaled
-        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=self.fp16)
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
         self.device_type = device_type
         self._nothing = contextlib.nullcontext()
 

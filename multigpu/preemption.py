@@ -33,7 +33,6 @@ class StopRequest:
 
     def __init__(self, repeat_window: float = 2.0) -> None:
         self.signal_name: Optional[str] = None
-        self.requested = False  # True once SIGTERM or SIGINT reached this process (read at every step)
         self.repeat_window = repeat_window
         self._first_at = 0.0
 
@@ -51,8 +50,12 @@ class StopRequest:
             os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
-        self.requested = True
         self._first_at = now
+
+    @property
+    def requested(self) -> bool:
+        """True once SIGTERM or SIGINT reached this process."""
+        return self.signal_name is not None
 
 
 def restart_count() -> int:
