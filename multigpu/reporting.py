@@ -75,7 +75,9 @@ class Reporter:
     def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
                  skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
         """A logging interval: TensorBoard scalars (`more` too), the bar's postfix (or a line without the bar),
-        fp16 skips."""
+        fp16 skips. Other ranks format nothing: their lines would go nowhere."""
+        if not self.enabled:
+            return
         loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
         fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
         self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
