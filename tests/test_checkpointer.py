@@ -30,7 +30,8 @@ QUICK = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1"]
 
 def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues_the_newest_with_its_settings(
         tmp_path):
-    first, second = run_cli(QUICK, cwd=tmp_path), run_cli([*QUICK, "--lr", "0.01"], cwd=tmp_path)  # README's first
+    # README's first command, then one with another LR.
+    first, second = run_cli(QUICK, cwd=tmp_path), run_cli([*QUICK, "--lr", "0.01"], cwd=tmp_path)
     assert_ok(first)
     assert_ok(second)
     # Said in the first lines (after the model line), before anything is trained.
