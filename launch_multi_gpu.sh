@@ -191,6 +191,17 @@ rules() {
     [[ -z ${RULES[error]:-} ]] || return 2
 }
 
+# Standard input becomes FILE (its folders created), written by the project's one writer
+# (multigpu/safe_files.py): whole or not at all, and never through a symbolic link planted at FILE.
+save_file() {
+    local file=$1 said status=0
+    said=$(PYTHONPATH=$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH} "$PY" -m multigpu.safe_files write "$@" 2>&1) ||
+        status=$?
+    ((status == 0)) && return 0
+    ((status == 2)) && die_usage "${said:-refused to write $file}"
+    die "${said:-cannot write $file}"
+}
+
 # --- devices --------------------------------------------------------------------------
 
 # GPUs nvidia-smi (or, without it, torch) lists, less those CUDA_VISIBLE_DEVICES hides.
@@ -428,16 +439,14 @@ run_here() {
     printf '%s\n' "${RULES[command]}"
     ((DRY_RUN)) && exit 0
     confirm "Run it?"
-    local save_dir=${RULES[save-dir]} file=${RULES[save-dir]}/launch_command.sh
-    mkdir -p "$save_dir" || die "cannot create $save_dir"
-    {
+    local file=${RULES[save-dir]}/launch_command.sh
+    save_file "$file" --executable < <(
         echo "#!/usr/bin/env bash"
         echo "# Written by $PROG on $(date '+%Y-%m-%d %H:%M:%S'): repeats this run."
         echo "# Extra arguments go to main_multi_gpu.py, e.g. --resume auto."
         echo "cd $(printf '%q' "$PWD") || exit 1"
         echo "${RULES[command]} \"\$@\""
-    } >"$file" || die "cannot write $file"
-    chmod +x "$file"
+    )
     say "Saved as $file"
     say ""
     # The line is the rule set's, every word shell-quoted: run exactly what was printed and saved.
@@ -450,8 +459,7 @@ write_slurm_job() {
     local file=${RULES[script-file]} job
     printf '%s' "${RULES[script]}"
     ((DRY_RUN)) && exit 0
-    mkdir -p "${RULES[save-dir]}" || die "cannot create ${RULES[save-dir]}"
-    printf '%s' "${RULES[script]}" >"$file" || die "cannot write $file"
+    save_file "$file" < <(printf '%s' "${RULES[script]}")
     say "Saved as $file"
     ((SUBMIT)) || return 0
     confirm "Submit it?"

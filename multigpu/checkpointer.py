@@ -61,7 +61,8 @@ class Checkpointer:
         warning = checkpoint.check_writable(self.save_dir, expected_bytes)
         if warning:
             self.report.line(warning)
-        checkpoint.check_writable(self.config.tensorboard_dir, flag="--log-dir" if self.config.log_dir else "--save-dir")
+        checkpoint.check_writable(self.config.tensorboard_dir, flag="--log-dir" if self.config.log_dir else "--save-dir",
+                                  inside=self.config.tensorboard_root)
 
     def claim(self) -> None:
         """Own the save-dir while training, before anything is written there.

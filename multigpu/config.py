@@ -150,6 +150,12 @@ class TrainConfig:
         """--log-dir, or <save-dir>/tb (the save-dir is chosen before anything is logged)."""
         return self.log_dir or os.path.join(self.save_dir or DEFAULT_SAVE_ROOT, "tb")
 
+    @property
+    def tensorboard_root(self) -> str:
+        """The folder the user named that holds tensorboard_dir: --log-dir itself, or the save-dir. Below it
+        the names are the project's (tb/), so a symbolic link there was planted and is refused."""
+        return self.log_dir or self.save_dir or DEFAULT_SAVE_ROOT
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (str/int/float/bool/None only): safe for weights_only checkpoints and hparams."""
         return dataclasses.asdict(self)

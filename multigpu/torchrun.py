@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence, TextIO
 if __package__ in (None, ""):  # run as a file: make the repository importable, not this folder
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from multigpu.errors import UsageError  # noqa: E402  (after the path fix)
+from multigpu import safe_files  # noqa: E402  (after the path fix)
+from multigpu.errors import UsageError  # noqa: E402
 
 PROG = "torchrun"
 
@@ -123,7 +124,7 @@ def run(argv: Sequence[str]) -> int:
     args = parse_args(torchrun_argv)  # a bad torchrun flag is reported on the terminal
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     # Left open until the process ends: torch may still log while Python shuts down.
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115
+    log = safe_files.open_no_follow(log_path, "a", buffering=1)
     _say(log, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: torchrun {' '.join(torchrun_argv)}")
     terminal = sys.stderr
     groups = _WorkerGroups()

@@ -50,6 +50,11 @@ class Experiment:
     def log_path(self) -> str:
         return os.path.join(self.save_dir, "train.log")
 
+    @property
+    def sweep_dir(self) -> str:
+        """The sweep dir that holds save_dir: the folders between (grid point, seed) are the sweep's names."""
+        return os.path.normpath(os.path.join(self.save_dir, *[os.pardir] * len(self.name.split("/"))))
+
 
 @dataclass
 class Plan:

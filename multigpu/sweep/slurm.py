@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from multigpu import safe_files
 from multigpu.errors import UsageError
 from multigpu.sweep.options import MAX_ARRAY_TASKS, SweepOptions, to_argv
 from multigpu.sweep.plan import Plan
@@ -74,10 +75,8 @@ def script_path(plan: Plan) -> str:
 def write_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> str:
     """Write DIR/sweep.sbatch (and DIR/slurm/ for the tasks' output: SLURM does not create it); return its path."""
     path = script_path(plan)
-    os.makedirs(os.path.join(plan.sweep_dir, "slurm"), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(script(plan, options, train_argv, os.getcwd()))
-    os.chmod(path, 0o755)
+    safe_files.make_folder(os.path.join(plan.sweep_dir, "slurm"), inside=plan.sweep_dir)
+    safe_files.write_atomically(path, script(plan, options, train_argv, os.getcwd()), 0o755)
     return path
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Optional
 
+from multigpu import safe_files
+from multigpu.errors import UsageError
 from multigpu.sweep.plan import Experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,12 +89,15 @@ def _import_run_dependencies() -> None:
 
 def run_task(task: Task) -> dict[str, Any]:
     """Run one attempt of an experiment to its end and say how it went; never raises."""
-    os.makedirs(task.experiment.save_dir, exist_ok=True)
     started = time.monotonic()
-    if task.gpus_per_run > 1:
-        status, exit_status, error, metrics = _run_torchrun(task)
-    else:
-        status, exit_status, error, metrics = _run_in_process(task)
+    try:
+        safe_files.make_folder(task.experiment.save_dir, inside=task.experiment.sweep_dir)
+        if task.gpus_per_run > 1:
+            status, exit_status, error, metrics = _run_torchrun(task)
+        else:
+            status, exit_status, error, metrics = _run_in_process(task)
+    except UsageError as refusal:  # a link planted in the sweep dir (safe_files): this run is refused, not the sweep
+        status, exit_status, error, metrics = "failed", refusal.exit_code, str(refusal), {}
     return outcome(task, status, exit_status, error, metrics, time.monotonic() - started)
 
 
@@ -131,7 +136,7 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     env.pop(_fault_env(), None)
     if task.fault:
         env[_fault_env()] = task.fault
-    with open(experiment.log_path, "ab") as log:
+    with safe_files.open_no_follow(experiment.log_path, "ab") as log:
         log.write(f"--- sweep: {experiment.name}, attempt {task.attempt}: {' '.join(command)}\n".encode())
         log.flush()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -177,7 +182,7 @@ def _output_to(path: str) -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = safe_files.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.dup2(log, 1)
         os.dup2(log, 2)
