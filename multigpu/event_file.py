@@ -29,7 +29,9 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from multigpu import safe_files
 
-_FILE_NUMBERS = itertools.count()  # two files of one process in one second still get different names
+# Two files of one process in one second still get different names; zero-padded, because TensorBoard reads
+# a folder's files in name order and a resumed run's purge must come after the file it purges (".10" < ".9").
+_FILE_NUMBERS = itertools.count()
 SUFFIX = ".multigpu"
 
 
@@ -42,7 +44,7 @@ class EventFile:
                  inside: Optional[str] = None):
         safe_files.make_folder(log_dir, inside)
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{next(_FILE_NUMBERS)}{SUFFIX}")
+                f"{next(_FILE_NUMBERS):06d}{SUFFIX}")
         self.path = os.path.join(log_dir, name)
         self.max_delay = max_delay
         self._file = safe_files.open_no_follow(self.path, "xb")  # a new name: nothing there may be written through
