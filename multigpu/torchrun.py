@@ -93,16 +93,26 @@ class _WorkerGroups:
 
 
 def _send_logs_to(log: TextIO) -> None:
-    """Point Python's stderr and every log handler writing to the terminal at `log`."""
+    """Point Python's stderr and every log handler writing to the terminal at `log`, whatever handlers other
+    libraries installed."""
     import logging
 
     loggers = [logging.getLogger()] + [item for item in logging.Logger.manager.loggerDict.values()
                                        if isinstance(item, logging.Logger)]
     for logger in loggers:
         for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout) \
+                    and _stream_settable(handler):
                 handler.setStream(log)
     sys.stderr = log
+
+
+def _stream_settable(handler: Any) -> bool:
+    """False for a handler whose stream is a read-only property: logging's _StderrHandler (which dill, imported
+    by torch when installed, adds to its logger) reads sys.stderr on every record, so it follows sys.stderr to
+    the log by itself."""
+    declared = getattr(type(handler), "stream", None)
+    return not (isinstance(declared, property) and declared.fset is None)
 
 
 def _say(stream: TextIO, text: str) -> None:
