@@ -25,6 +25,7 @@
 - savedir:      one run owns a save-dir; numbered run folders; --overwrite's set-aside copies
 - launch_rules: the launcher's rule set: checks, numbers, the command and the SLURM script (torch-free)
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
+- runner:       one training run from a config or a command line, and its exit status (CLI and sweep workers)
 - sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """
