@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from multigpu import console
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.distributed import Runtime, barrier, setup, teardown
@@ -64,7 +65,12 @@ def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable
 def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:
     """Run `train(argv)` and turn how it ends into an exit status: 0 done (or stopped cleanly by a signal),
     1 training failed, 2 bad input, each with one line and no traceback. Scripts of your own
-    (examples/) use it too."""
+    (examples/) use it too. The console is best-effort meanwhile (multigpu/console.py)."""
+    with console.best_effort():
+        return _exit_status(train, argv)
+
+
+def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         train(argv)

@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence, TextIO
 if __package__ in (None, ""):  # run as a file: make the repository importable, not this folder
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from multigpu.errors import UsageError  # noqa: E402  (after the path fix)
+from multigpu.console import best_effort  # noqa: E402  (after the path fix)
+from multigpu.errors import UsageError  # noqa: E402
 
 PROG = "torchrun"
 
@@ -163,11 +164,13 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main() -> None:
-    try:
-        sys.exit(run(sys.argv[1:]))
-    except UsageError as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+    with best_effort():  # `launcher | tee log`, Ctrl-C: tee dies first; the workers' verdict still counts
+        try:
+            status = run(sys.argv[1:])
+        except UsageError as error:
+            print(f"{PROG}: {error}", file=sys.stderr)
+            status = error.exit_code
+    sys.exit(status)
 
 
 if __name__ == "__main__":

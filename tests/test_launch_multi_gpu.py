@@ -120,13 +120,15 @@ class Launcher:
     or the end, so a test can also leave it open and silent.
     """
 
-    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path, read_stdout: bool = True) -> None:
+        """`read_stdout` False: the test reads proc.stdout itself."""
         self.proc = subprocess.Popen(["bash", str(LAUNCHER), *args], cwd=cwd, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
         self.output = {"stdout": "", "stderr": ""}
+        streams = (("stdout", self.proc.stdout), ("stderr", self.proc.stderr))[0 if read_stdout else 1:]
         self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr))]
+                        for name, stream in streams]
         for reader in self.readers:
             reader.start()
 
@@ -514,6 +516,29 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
     assert "torchrun's own messages go to checkpoints/run-1/torchrun.log" in result.stderr
     assert "SignalException" in (save_dir / "torchrun.log").read_text()
     assert (save_dir / "last.pt").is_file()
+
+
+def test_ctrl_c_with_the_output_piped_into_a_reader_that_died_still_checkpoints_and_exits_0(tmp_path: Path) -> None:
+    """`bash launch_multi_gpu.sh --yes | tee run.log`, then Ctrl-C: the SIGINT reaches tee too, which dies first.
+    The console is best-effort (multigpu/console.py): the checkpoint is written all the same, exit 0.
+
+    dill is installed here (requirements.txt), as Hugging Face datasets brings it; torch then imports it in
+    torchrun's process, and torchrun.py's log redirection must cope with the log handler dill adds."""
+    import importlib.util
+
+    assert importlib.util.find_spec("dill") is not None, "dill (requirements.txt, tests only) is not installed"
+    args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
+            "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1"]
+    launcher = Launcher(args, launcher_env(), tmp_path, read_stdout=False)  # read here, as tee reads it
+    first_step = next((line for line in iter(launcher.proc.stdout.readline, "") if line.startswith("step ")), None)
+    launcher.proc.stdout.close()  # the reader dies, then the Ctrl-C reaches the launcher's process group
+    if first_step is not None:
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+    result = launcher.wait(time.monotonic() + RUN_TIMEOUT)
+    assert first_step is not None, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / FIRST_RUN / "last.pt").is_file()
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
 
 
 def test_bad_input_found_by_the_workers_is_their_one_line_and_exit_2(tmp_path: Path) -> None:
