@@ -26,6 +26,8 @@
 - safe_files:   every file the project writes, never through a planted symbolic link (O_NOFOLLOW, or rename)
 - launch_rules: the launcher's rule set: checks, numbers, the command and the SLURM script (torch-free)
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
+- runner:       one training run from a config or a command line, and its exit status (CLI and sweep workers)
+- console:      the console is best-effort: a closed or broken stdout/stderr never stops a run
 - sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """
