@@ -198,5 +198,6 @@ def test_every_write_in_the_project_goes_through_safe_files():
                                                           for path in (REPO / folder).rglob("*.py"))]
     found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sources
              if path.name != "safe_files.py"
-             for number, line in enumerate(path.read_text().splitlines(), 1) if writes.search(line)]
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if writes.search(line) and "os.devnull" not in line]  # /dev/null is no file a run creates
     assert found == []
