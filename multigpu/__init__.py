@@ -1,6 +1,7 @@
 """Building blocks of the multi-GPU trainer, one concern per module.
 
 - config:       TrainConfig, the one typed description of a run (CLI, checkpoint, hparams)
+- config_checks: the warnings for flags the user gave that this run does not use
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
 from multigpu import savedir
-from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, build_parser, flag, parse_config
+from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
@@ -122,11 +122,8 @@ def whole(name: str, text: Optional[str], minimum: int, maximum: Optional[int] =
 # --------------------------------------------------------------------------- the trainer's rules
 
 def given_trainer_options(args: Sequence[str]) -> set[str]:
-    """The TrainConfig fields that `args` set, as the trainer's parser reads them (abbreviations too)."""
-    parser = build_parser()
-    for action in parser._actions:  # no defaults: the namespace then holds only what `args` gave
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(list(args))))
+    """The TrainConfig fields that `args` set, as the trainer's parser reads them."""
+    return set(given_fields(args))
 
 
 def training_config(s: Settings, devices: Optional[Devices] = None) -> TrainConfig:
@@ -675,7 +672,7 @@ def parse(argv: Sequence[str]) -> tuple[str, Settings]:
         argv, trainer_args = list(argv[:cut]), list(argv[cut + 1:])
     else:
         argv, trainer_args = list(argv), []
-    parser = argparse.ArgumentParser(prog="launch_rules", add_help=False)
+    parser = argparse.ArgumentParser(prog="launch_rules", add_help=False, allow_abbrev=False)
     parser.add_argument("step", choices=sorted(STEPS))
     for f in dataclasses.fields(Settings):
         if f.name != "trainer_args":

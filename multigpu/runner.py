@@ -46,6 +46,8 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
     if runtime.is_main:
         print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
               f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)
+        for line in data.warnings:
+            print(line, flush=True)
     return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
 
 
@@ -77,10 +79,17 @@ def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
     except PeerLost as error:
         return error.exit_code  # every survivor has already said which rank it lost
     except (UsageError, TrainingStopped) as error:
-        # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once.
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once. An error that
+        # one rank met alone (a data file its loader read mid-epoch) is said by that rank.
+        if rank == 0 or not error.agreed:
+            print(f"error: {'' if rank == 0 else f'rank {rank}: '}{error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except PermissionError as error:
+        # What no check named already (the current folder when it is not writable, say): the path, in one line.
+        path = os.path.abspath(error.filename) if error.filename else str(error)
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}cannot use {path}: permission denied; give this user "
+              f"access to it, or use another path", file=sys.stderr, flush=True)
+        return UsageError.exit_code
     except KeyboardInterrupt:
         # Training turns Ctrl-C into a checkpoint and exit 0; this one came before or after training.
         if rank == 0:

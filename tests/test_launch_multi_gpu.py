@@ -318,7 +318,7 @@ def test_help_lists_every_flag() -> None:
     (["--frobnicate"], "unknown option --frobnicate"),
     (["--epochs"], "--epochs needs a value"),
     (["--", "--batch-size", "8"], "--batch-size after -- would override the launcher's setting"),
-    (["--", "--epoch", "8"], "--epochs after -- would override the launcher's setting"),
+    (["--", "--epoch", "8"], "unrecognized arguments: --epoch 8"),  # an abbreviation is refused, not read as --epochs
     (["--", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--slurm", "--time", "soon"], "--time 'soon': not a SLURM time"),
     (["--slurm", "--nnodes", "2"], "--nnodes 2 needs --save-dir on storage every node shares"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import quote
 
-from multigpu.config import FIELDS, TrainConfig, build_parser, flag, parse_config
+from multigpu.config import FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.sweep.options import SweepOptions
 
@@ -104,12 +104,9 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
 
 
 def _refuse_per_experiment_flags(train_argv: list[str]) -> None:
-    unset = object()
-    parser = build_parser()
-    parser.set_defaults(**{name: unset for name in PER_EXPERIMENT})  # tells "given" from "given the default"
-    args = vars(parser.parse_args(train_argv))
+    given = given_fields(train_argv)  # given, even when given the default
     for name, setter in PER_EXPERIMENT.items():
-        if args[name] is not unset:
+        if name in given:
             raise UsageError(f"--{flag(name)} is set for each run by {setter}; leave it out of the training flags")
 
 
