@@ -35,8 +35,9 @@ Usage: bash $PROG [options] [-- main_multi_gpu.py options]
 
 Finds the GPUs, asks what it cannot guess (in a terminal), prints the command,
 saves it as <save-dir>/launch_command.sh and runs it. Flags answer the
-questions; with --yes, or with no terminal on standard input, unanswered
-questions take their defaults.
+questions; with --yes, or with flags and no terminal on standard input,
+unanswered questions take their defaults. End of input at a question (Ctrl-D)
+stops it without running anything.
 
 Devices:
   --multi-gpu {ddp,dp,none}
@@ -49,6 +50,8 @@ Devices:
   --nproc N               same as --gpus
   --gpu-ids 0,1,3         use these GPU ids (CUDA_VISIBLE_DEVICES for ddp and
                           none, --gpu-ids for dp)
+  --oversubscribe         CPU only: allow more processes than CPU cores
+                          (refused without it)
 Training (main_multi_gpu.py's flags of the same names):
   --epochs N              training epochs
   --batch-size N          samples per GPU/process per step
@@ -83,9 +86,10 @@ Everything after -- goes to main_multi_gpu.py unchanged, e.g.
   bash $PROG --gpus 2 --epochs 10 -- --dataset cifar10 --amp bf16
 
 Exit status: the run's (0 done or stopped cleanly by a signal, 1 failed,
-2 bad input); 2 for a bad flag here. Environment: PYTHON (interpreter; default
-.venv/bin/python next to this script, else python3), LAUNCH_DEFAULT_PORT,
-LAUNCH_INPUT_TIMEOUT (seconds to wait for a piped answer, default $INPUT_TIMEOUT).
+2 bad input); 2 for a bad flag here, 130 for end of input at a question.
+Environment: PYTHON (interpreter; default .venv/bin/python next to this
+script, else python3), LAUNCH_DEFAULT_PORT, LAUNCH_INPUT_TIMEOUT (seconds to
+wait for a piped answer, default $INPUT_TIMEOUT).
 EOF
 }
 
@@ -130,6 +134,7 @@ parse_args() {
             --dry-run) DRY_RUN=1; continue ;;
             --submit) SUBMIT=1; continue ;;
             --slurm) SET[slurm]=1; continue ;;
+            --oversubscribe) SET[oversubscribe]=1; continue ;;
         esac
         # Every other option takes a value, as "--opt value" or "--opt=value".
         name=${opt%%=*}
@@ -189,6 +194,17 @@ rules() {
     done
     [[ -n ${RULES[ok]:-} || -n ${RULES[error]:-} ]] || die "$PY -m multigpu.launch_rules $1 failed (status $status)"
     [[ -z ${RULES[error]:-} ]] || return 2
+}
+
+# Standard input becomes FILE (its folders created), written by the project's one writer
+# (multigpu/safe_files.py): whole or not at all, and never through a symbolic link planted at FILE.
+save_file() {
+    local file=$1 said status=0
+    said=$(PYTHONPATH=$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH} "$PY" -m multigpu.safe_files write "$@" 2>&1) ||
+        status=$?
+    ((status == 0)) && return 0
+    ((status == 2)) && die_usage "${said:-refused to write $file}"
+    die "${said:-cannot write $file}"
 }
 
 # --- devices --------------------------------------------------------------------------
@@ -270,15 +286,17 @@ decide_asking() {
     else
         ASK=none
     fi
-    INPUT_DONE=0
+    INPUT_DONE=0 INPUT_ENDED=0
 }
 
-# Read one answer into LINE. Returns 1 at end of input or after INPUT_TIMEOUT
-# seconds without a line on a pipe; from then on every question takes its
-# default, so an exhausted or silent stdin can never loop or hang.
+# Read one answer into LINE. End of input (Ctrl-D at a terminal, or piped answers
+# that run out) stops the launcher without running anything: only --yes takes the
+# defaults. Returns 1 after INPUT_TIMEOUT seconds without a line on a pipe; from
+# then on every question takes its default, so a silent stdin never hangs.
 read_line() {
     LINE=""
     ((INPUT_DONE)) && return 1
+    ((INPUT_ENDED)) && end_of_input
     local rc=0
     if [[ $ASK == terminal ]]; then
         IFS= read -r LINE || rc=$?
@@ -293,15 +311,20 @@ read_line() {
     fi
     LINE=$(trim "${LINE%$'\r'}")
     if ((rc != 0)); then
-        INPUT_DONE=1
-        [[ -n $LINE ]] && return 0  # last line without a newline
-        [[ $ASK == terminal ]] && printf '\n' >&2
-        return 1
+        [[ -n $LINE ]] || end_of_input
+        INPUT_ENDED=1  # a last line without a newline is still an answer; the next question ends the input
     fi
 }
 
+end_of_input() {
+    [[ $ASK == terminal ]] && printf '\n' >&2
+    printf '%s: end of input: nothing was run (answer every question, or give --yes to take the defaults)\n' \
+        "$PROG" >&2
+    exit 130
+}
+
 # ask PROMPT DEFAULT KEY: settles SET[KEY], asking again with the rule set's reason until
-# it accepts (it stores the answer, normalised). Enter (or no more input) takes DEFAULT,
+# it accepts (it stores the answer, normalised). Enter (or a silent pipe) takes DEFAULT,
 # which the rules gave. A number picks from MENU, when a menu was shown.
 ask() {
     local prompt=$1 default=$2 key=$3 answer
@@ -347,9 +370,6 @@ ask_devices() {
     local mode=${SET[multi-gpu]:-ddp}
     if ! on_gpu; then
         [[ $mode != ddp ]] || ask "CPU processes" "${RULES[default-processes]}" gpus
-        if [[ $mode == ddp ]] && ((SET[gpus] > $(cpu_cores))); then
-            say "  (note: ${SET[gpus]} processes on $(cpu_cores) cores will compete for the CPU)"
-        fi
     elif ((${#FOUND_IDS[@]} > 1)); then
         if [[ $mode == none ]]; then
             ask "GPU id" "${FOUND_IDS[0]}" gpu-ids
@@ -428,16 +448,14 @@ run_here() {
     printf '%s\n' "${RULES[command]}"
     ((DRY_RUN)) && exit 0
     confirm "Run it?"
-    local save_dir=${RULES[save-dir]} file=${RULES[save-dir]}/launch_command.sh
-    mkdir -p "$save_dir" || die "cannot create $save_dir"
-    {
+    local file=${RULES[save-dir]}/launch_command.sh
+    save_file "$file" --executable < <(
         echo "#!/usr/bin/env bash"
         echo "# Written by $PROG on $(date '+%Y-%m-%d %H:%M:%S'): repeats this run."
         echo "# Extra arguments go to main_multi_gpu.py, e.g. --resume auto."
         echo "cd $(printf '%q' "$PWD") || exit 1"
         echo "${RULES[command]} \"\$@\""
-    } >"$file" || die "cannot write $file"
-    chmod +x "$file"
+    )
     say "Saved as $file"
     say ""
     # The line is the rule set's, every word shell-quoted: run exactly what was printed and saved.
@@ -450,8 +468,7 @@ write_slurm_job() {
     local file=${RULES[script-file]} job
     printf '%s' "${RULES[script]}"
     ((DRY_RUN)) && exit 0
-    mkdir -p "${RULES[save-dir]}" || die "cannot create ${RULES[save-dir]}"
-    printf '%s' "${RULES[script]}" >"$file" || die "cannot write $file"
+    save_file "$file" < <(printf '%s' "${RULES[script]}")
     say "Saved as $file"
     ((SUBMIT)) || return 0
     confirm "Submit it?"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import fnmatch
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from main_multi_gpu import main_guarded
-from multigpu import checkpoint
+from multigpu import checkpoint, safe_files, savedir
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import default_forward
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
@@ -52,6 +53,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="predict every image under DIR (no labels) instead of a split of --dataset")
     parser.add_argument("--output", metavar="FILE", help=".csv: index, [file, label,] predicted class and its "
                         "probability, top-k with --topk; .pt: the raw outputs tensor, in dataset order")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never the "
+                        "checkpoint, a folder, nor a file named like a checkpoint: last.pt, best.pt, step-*.pt)")
     parser.add_argument("--topk", type=int, default=0, help="add the K most probable classes and their "
                         "probabilities to the CSV")
     parser.add_argument("--batch-size", type=int, help="samples per device per batch (default: the checkpoint's "
@@ -84,12 +87,34 @@ def prediction_config(args: argparse.Namespace, state: dict[str, Any]) -> TrainC
 def check_arguments(args: argparse.Namespace) -> None:
     if args.output is not None and os.path.splitext(args.output)[1] not in OUTPUT_KINDS:
         raise UsageError(f"--output {args.output}: the file name must end in {' or '.join(OUTPUT_KINDS)}")
+    if args.output is not None:
+        check_output(args.output, args.checkpoint, args.overwrite)
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.topk < 0 or (args.topk and (args.output or "").endswith(".pt")):
         raise UsageError("--topk K adds K >= 1 classes to a .csv --output")
     if args.imagefolder is not None and args.split != "val":
         raise UsageError("--split chooses a split of --dataset; --imagefolder predicts a folder of its own")
+
+
+def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
+    """Refuse an --output that would destroy something: a symbolic link (safe_files), a folder, the
+    checkpoint being read, a checkpoint's name (a training run in that folder would resume from it),
+    and, without --overwrite, any existing file. Refused: nothing is read or written."""
+    safe_files.refuse_link(output)
+    if os.path.isdir(output):
+        raise UsageError(f"--output {output} is a folder; name a file in it, e.g. {os.path.join(output, 'p.csv')}")
+    if os.path.exists(output) and os.path.exists(checkpoint_path) and os.path.samefile(output, checkpoint_path):
+        raise UsageError(f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
+                         f"choose another file")
+    name = os.path.basename(output)
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in savedir.CHECKPOINT_PATTERNS):
+        raise UsageError(f"--output {output}: {name} is a save-dir's checkpoint name "
+                         f"({', '.join(savedir.CHECKPOINT_PATTERNS)}), refused even with --overwrite; "
+                         f"choose another name")
+    if os.path.exists(output) and not overwrite:
+        raise UsageError(f"--output {output} exists; add --overwrite to replace it (only once the prediction "
+                         f"is complete), or choose another file")
 
 
 # ---------------------------------------------------------------- data and model

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, faults, plan, rng
+from multigpu import checkpoint, config_checks, faults, plan, rng
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, default_forward,
                               sample_batch)
@@ -89,6 +89,7 @@ class MultiGPUTrainer:
         if scheduler_interval not in INTERVALS:
             raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
         config = config or TrainConfig()
+        self.given = config_checks.given(config)  # the flags the user set (before copies of the config forget them)
         group_before = is_distributed()
         self.runtime = rt = runtime or setup(config)
         self.owns_process_group = runtime is None and is_distributed() and not group_before
@@ -137,6 +138,9 @@ class MultiGPUTrainer:
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
                                    self.move)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
+        # Every name evaluation looks up (metrics, --monitor, the batch's targets) tried on a few validation
+        # samples now: a typo costs seconds, not an epoch of training.
+        self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
         self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
         rng.seed_all(config.seed + rt.rank)

@@ -15,7 +15,9 @@ def benchmark_parser(description: Optional[str], *, rounds: int, steps: int, bat
                      steps_help: str = "optimizer steps per run", batch_help: Optional[str] = None,
                      output_help: str) -> argparse.ArgumentParser:
     """The flags every benchmark here has (--rounds, --steps, --batch, --log-every, --output), with its defaults."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: a prefix or typo of a flag is refused, never read as the flag it starts.
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--steps", type=int, default=steps, help=steps_help)
     parser.add_argument("--batch", type=int, default=batch, help=batch_help)

@@ -761,7 +761,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every row's code path on the CPU with tiny sizes (hides any GPU)")
     parser.add_argument("--output", default="gpu_check.md",

@@ -345,7 +345,8 @@ def machine() -> str:
 
 # ---------------------------------------------------------------------------- command line
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--model", default="cnn", choices=["mlp", "cnn", "resnet18", "resnet50"])
     parser.add_argument("--image-shape", default="1,28,28", help="C,H,W of the inputs (flattened for mlp)")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256,512,1024,2048")

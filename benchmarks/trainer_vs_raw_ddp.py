@@ -87,7 +87,8 @@ def launch(args, loop: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)

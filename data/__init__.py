@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +35,7 @@ class DataSpec:
     val: Dataset
     input_shape: tuple[int, ...]  # of one sample as the model sees it
     num_classes: int
+    warnings: list[str] = field(default_factory=list)  # one line each, printed by rank 0 before training
 
 
 class Flattened(Dataset):
@@ -57,6 +58,8 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     `download_allowed` is False on every rank but 0, so one process downloads.
     """
     name = config.dataset
+    if name in ("synthetic", "fake", "imagefolder"):  # --image-shape sizes their samples: refused before any is made
+        check_batch_fits_in_memory(config)
     if name == "synthetic":
         shape, classes = config.image_dims(), config.num_classes
         train = SyntheticImages(config.train_size, shape, classes, config.seed, "train")
@@ -71,10 +74,54 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
         train, val, shape, classes = _image_folder(config)
     else:
         train, val, shape, classes = _torchvision_set(config, download_allowed)
+    warnings = [one_class_warning(config, train)] if classes == 1 else []
     if config.mode == "flatten":
         train, val = Flattened(train), Flattened(val)
-        return DataSpec(train, val, (shape[0] * shape[1] * shape[2],), classes)
-    return DataSpec(train, val, tuple(shape), classes)
+        return DataSpec(train, val, (shape[0] * shape[1] * shape[2],), classes, warnings)
+    return DataSpec(train, val, tuple(shape), classes, warnings)
+
+
+def one_class_warning(config: TrainConfig, train: Dataset) -> str:
+    """The warning for a training set of one class: every label is the same, so there is nothing to learn."""
+    if config.dataset == "imagefolder":
+        which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore
+    else:
+        which, fix = "one class (--num-classes 1)", "use --num-classes 2 or more"
+    return (f"warning: --dataset {config.dataset} has {which}: every label is the same, so the loss is 0 from the "
+            f"first step and the model learns nothing; {fix}")
+
+
+def check_batch_fits_in_memory(config: TrainConfig) -> None:
+    """UsageError when one batch of --image-shape images (4 bytes a value) would not fit in the memory available
+    now: refused before anything is allocated, where it would otherwise take the machine's memory until the
+    kernel's OOM killer ends the run (or another process)."""
+    channels, height, width = config.image_dims()
+    batch = max((size for size in (config.batch_size, config.eval_batch_size) if isinstance(size, int)), default=1)
+    needed, available = batch * channels * height * width * 4, available_memory()
+    if available is not None and needed > available:
+        raise UsageError(f"--image-shape {config.image_shape}: one batch of {batch} such images takes "
+                         f"{_gigabytes(needed)}, more than the {_gigabytes(available)} of memory available; use smaller "
+                         f"images or a smaller --batch-size")
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available to new allocations now (Linux's MemAvailable, which counts the page cache the
+    kernel can drop), else the free pages; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gigabytes(count: int) -> str:
+    return f"{count / 1e9:,.1f} GB"
 
 
 def _torchvision_set(config: TrainConfig, download_allowed: bool):
@@ -111,6 +158,15 @@ def _image_folder(config: TrainConfig):
     return train, val, (channels, height, width), len(train.classes)
 
 
+def check_num_workers(workers: int) -> None:
+    """UsageError for more loader workers than 4 per CPU core this process may use: each is a process with its
+    own copy of the data set, and 100000 of them hang the machine before the first batch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > 4 * cores:
+        raise UsageError(f"--num-workers {workers} is more than 4 per CPU core ({cores} cores here), and each worker "
+                         f"is a process; use at most {4 * cores} (the default: 0 on CPU, 4 per GPU)")
+
+
 def default_num_workers(device: torch.device) -> int:
     """0 on CPU (workers would compete with the training processes for cores), 4 per GPU."""
     return 4 if device.type == "cuda" else 0
@@ -127,6 +183,7 @@ def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[i
     workers' base seeds a function of `seed`, so augmentation repeats on a rerun.
     """
     workers = default_num_workers(device) if num_workers is None else num_workers
+    check_num_workers(workers)
     return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
                       batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                       persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),

@@ -1,7 +1,9 @@
 """The files of on-disk data sets, checked at start so that a bad one is named before training, not mid-epoch.
 
-- imagefolder: class folders present, val/'s classes a subset of train/'s (and
-  labelled with train/'s numbers), every image's header readable.
+- imagefolder: every folder readable and no symbolic link looping back to a folder
+  that holds it, class folders present, val/'s classes a subset of train/'s (and
+  labelled with train/'s numbers), every image's header readable; an image that
+  still fails to decode mid-epoch (truncated after its header) is one line naming it.
 - torchvision sets (MNIST family, CIFAR): when torchvision cannot load them,
   say which file is missing, corrupt or not yet extracted, or why --download failed.
 """
@@ -28,7 +30,9 @@ def image_folders(data_dir: str, train_transform: Callable, val_transform: Calla
     from torchvision.datasets.folder import find_classes
 
     train_dir, val_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "val")
-    train = _folder(lambda: ImageFolder(train_dir, train_transform), train_dir)
+    for directory in (train_dir, val_dir):
+        refuse_link_loops(directory)
+    train = _folder(lambda: ImageFolder(train_dir, train_transform, loader=load_image), train_dir)
     val_classes = _folder(lambda: find_classes(val_dir)[0], val_dir)
     unknown = sorted(set(val_classes) - set(train.classes))
     if unknown:
@@ -39,11 +43,65 @@ def image_folders(data_dir: str, train_transform: Callable, val_transform: Calla
         def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
             return train.classes, train.class_to_idx
 
-    val = _folder(lambda: TrainClasses(val_dir, val_transform, allow_empty=True), val_dir)
+    val = _folder(lambda: TrainClasses(val_dir, val_transform, loader=load_image, allow_empty=True), val_dir)
     if len(val) == 0:
         raise UsageError(f"--dataset imagefolder: {val_dir} holds no images in its class folders")
     check_image_headers([path for path, _ in train.samples + val.samples])
     return train, val
+
+
+def refuse_link_loops(directory: str) -> None:
+    """UsageError naming a folder under `directory` that cannot be read, or a symbolic link that leads back to a
+    folder holding it. ImageFolder follows links (os.walk(followlinks=True)) with no end: such a link makes it
+    load the same images again and again (16 images gave 656 samples) under ever longer paths."""
+    real = os.path.realpath(directory)
+    outside = {real}  # the real folders that hold `directory`: a link to one of them loops too
+    while os.path.dirname(real) != real:
+        real = os.path.dirname(real)
+        outside.add(real)
+    above = {directory: frozenset(outside)}  # each folder still to walk -> the real folders that hold it
+    for folder, subfolders, _ in os.walk(directory, followlinks=True, onerror=_unreadable_folder):
+        holding = above.pop(folder) | {os.path.realpath(folder)}
+        for name in subfolders:
+            path = os.path.join(folder, name)
+            target = os.path.realpath(path)
+            if target in holding:
+                raise UsageError(f"--dataset imagefolder: {path} is a symbolic link to {target}, a folder that "
+                                 f"holds it, so its images would be read again and again; remove the link")
+            above[path] = holding
+
+
+def _unreadable_folder(error: OSError) -> None:
+    raise UsageError(f"--dataset imagefolder: cannot read the folder {error.filename} "
+                     f"({error.strerror or error}); give this user read access to it")
+
+
+class UnreadableFile(UsageError):
+    """A data file that fails to load mid-epoch: one line naming it, exit status 2 (bad input: retrying cannot
+    help, replacing the file does), said by the rank that read it; training's failure path keeps the last
+    checkpoint. A DataLoader worker's copy arrives with the worker's traceback as its message (torch re-raises
+    `type(error)(text)`): only the last line, this error's own, is kept."""
+
+    agreed = False  # met by one rank only: that rank says it (main_guarded)
+
+    def __init__(self, message: str):
+        last = message.rstrip().splitlines()[-1] if message.strip() else message
+        super().__init__(last.split(f"{type(self).__name__}: ", 1)[-1])
+
+
+def load_image(path: str) -> Any:
+    """ImageFolder's loader (the file as an RGB PIL image), with a file that does not decode (truncated after a
+    good header, damaged, unreadable) as an UnreadableFile naming it instead of PIL's traceback."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(path, "rb") as file:
+            return Image.open(file).convert("RGB")
+    except (OSError, SyntaxError, EOFError) as error:  # PIL's "image file is truncated", "broken PNG file", ...
+        reason = ("not an image PIL can read: damaged or cut short" if isinstance(error, UnidentifiedImageError)
+                  else (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0])
+        raise UnreadableFile(f"--dataset imagefolder: {path} cannot be read ({reason}); remove or replace it "
+                             f"(--resume auto then continues from the last checkpoint)") from None
 
 
 def _folder(build: Callable[[], Any], directory: str) -> Any:
@@ -116,24 +174,35 @@ def idx_problem(path: str) -> Optional[str]:
     return None
 
 
-def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]], list[str], list[str]]:
-    """(corrupt files with why, missing files, compressed files not yet extracted) of a torchvision set."""
+def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str],
+                                                          list[str]]:
+    """(unreadable files with why, corrupt files with why, missing files, compressed files not yet extracted)
+    of a torchvision set."""
     from torchvision.datasets.utils import check_integrity
 
-    corrupt, missing, unextracted = [], [], []
+    unreadable, corrupt, missing, unextracted = [], [], [], []
+
+    def sort_out(path: str, problem: Callable[[], Optional[str]]) -> bool:
+        """Whether the file at `path` is unusable, filed under unreadable or corrupt with why."""
+        try:
+            why = problem()
+        except OSError as error:  # no read permission, an I/O error: named as such, not as corrupt
+            unreadable.append((path, error.strerror or str(error)))
+            return True
+        if why:
+            corrupt.append((path, why))
+        return why is not None
+
     if hasattr(dataset_class, "resources"):  # the MNIST family: raw/NAME.gz, extracted to raw/NAME
         raw = os.path.join(root, dataset_class.__name__, "raw")
         for filename, md5 in dataset_class.resources:
             packed, unpacked = os.path.join(raw, filename), os.path.join(raw, os.path.splitext(filename)[0])
             if os.path.exists(unpacked):
-                problem = idx_problem(unpacked)
-                if problem:
-                    corrupt.append((unpacked, problem))
+                sort_out(unpacked, lambda: idx_problem(unpacked))
             elif not os.path.exists(packed):
                 missing.append(unpacked)
-            elif not check_integrity(packed, md5):
-                corrupt.append((packed, "checksum mismatch: a truncated or damaged download"))
-            else:
+            elif not sort_out(packed, lambda: None if check_integrity(packed, md5)
+                              else "checksum mismatch: a truncated or damaged download"):
                 unextracted.append(packed)
     else:  # CIFAR: the archive, and the batch files extracted from it
         folder = os.path.join(root, dataset_class.base_folder)
@@ -141,16 +210,20 @@ def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]],
             path = os.path.join(folder, filename)
             if not os.path.exists(path):
                 missing.append(path)
-            elif not check_integrity(path, md5):
-                corrupt.append((path, "checksum mismatch: a truncated or damaged file"))
-    return corrupt, missing, unextracted
+            else:
+                sort_out(path, lambda: None if check_integrity(path, md5)
+                         else "checksum mismatch: a truncated or damaged file")
+    return unreadable, corrupt, missing, unextracted
 
 
 def torchvision_problem(name: str, dataset_class: type, root: str, download: bool, error: BaseException) -> str:
     """One line for a torchvision set that failed to load: which file is corrupt, missing or not extracted,
     or why --download failed (`error` is what torchvision raised)."""
-    corrupt, missing, unextracted = _file_states(dataset_class, root)
+    unreadable, corrupt, missing, unextracted = _file_states(dataset_class, root)
     where = os.path.abspath(root)
+    if unreadable:
+        path, why = unreadable[0]
+        return f"--dataset {name}: {path} cannot be read ({why}); give this user read access to it"
     if corrupt:
         path, why = corrupt[0]
         more = f" (and {len(corrupt) - 1} more)" if len(corrupt) > 1 else ""

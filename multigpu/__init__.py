@@ -1,6 +1,7 @@
 """Building blocks of the multi-GPU trainer, one concern per module.
 
 - config:       TrainConfig, the one typed description of a run (CLI, checkpoint, hparams)
+- config_checks: the warnings for flags the user gave that this run does not use
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
@@ -24,8 +25,11 @@
 - faults:       the test-only fault injector
 - savedir:      one run owns a save-dir; numbered run folders; --overwrite's set-aside copies
 - run_settings: the settings a checkpoint was trained with, read torch-free; how a command differs from them
+- safe_files:   every file the project writes, never through a planted symbolic link (O_NOFOLLOW, or rename)
 - launch_rules: the launcher's rule set: checks, numbers, the command and the SLURM script (torch-free)
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
+- runner:       one training run from a config or a command line, and its exit status (CLI and sweep workers)
+- console:      the console is best-effort: a closed or broken stdout/stderr never stops a run
 - sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """

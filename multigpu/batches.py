@@ -20,7 +20,10 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import default_collate
+
+from multigpu.errors import UsageError
 
 LABEL_KEYS = ("labels", "label", "targets", "target")
 ForwardFn = Callable[[torch.nn.Module, Any], tuple[Any, Any]]
@@ -176,20 +179,39 @@ def compute_loss(outputs: Any, targets: Any, loss_fn: Optional[Callable[[Any, An
     return loss_fn(outputs, targets)
 
 
+class BatchMismatch(UsageError, ValueError):
+    """Outputs and targets that the loss cannot compare as meant: one line and exit 2 under the command line
+    (main_guarded), and a ValueError for Python code that catches those."""
+
+
+# torch's losses that compare outputs and targets value by value: given other shapes they broadcast (with only
+# a UserWarning), so (N, 1) outputs against (N,) targets compare every output with every target.
+ELEMENTWISE_LOSSES = (torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss)
+ELEMENTWISE_LOSS_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+
+
 def check_first_batch(outputs: Any, targets: Any, loss_fn: Any) -> None:
-    """One clear ValueError where class-index targets do not fit the model's class count.
+    """One clear BatchMismatch where class-index targets do not fit the model's class count, or where a
+    value-by-value loss (MSE, L1, Huber) would broadcast outputs and targets of different shapes.
 
     Checked once, on the first batch (one host sync at start): later the same
-    mistake would surface as an IndexError deep inside the loss.
+    mistake would surface as an IndexError deep inside the loss, or train on the wrong numbers.
     """
     logits = predictions(outputs)
     if not (isinstance(logits, torch.Tensor) and isinstance(targets, torch.Tensor)) or own_loss(outputs) is not None:
         return
     if isinstance(loss_fn, torch.nn.CrossEntropyLoss) and logits.dim() == 2 and not targets.is_floating_point():
         if targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
-            raise ValueError(f"targets of shape {tuple(targets.shape)} do not fit outputs of shape "
-                             f"{tuple(logits.shape)}: cross-entropy needs one class index per sample")
+            raise BatchMismatch(f"targets of shape {tuple(targets.shape)} do not fit outputs of shape "
+                                f"{tuple(logits.shape)}: cross-entropy needs one class index per sample")
         top = int(targets.max()) if targets.numel() else -1
         if top >= logits.shape[1] or (targets.numel() and int(targets.min()) < 0):
-            raise ValueError(f"target class {top} does not fit the model's {logits.shape[1]} outputs: build the "
-                             f"model with as many outputs as the data set has classes")
+            raise BatchMismatch(f"target class {top} does not fit the model's {logits.shape[1]} outputs: build the "
+                                f"model with as many outputs as the data set has classes")
+    elementwise = isinstance(loss_fn, ELEMENTWISE_LOSSES) or any(loss_fn is f for f in ELEMENTWISE_LOSS_FUNCTIONS)
+    if elementwise and logits.shape != targets.shape:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise BatchMismatch(f"outputs of shape {tuple(logits.shape)} and targets of shape {tuple(targets.shape)} "
+                            f"differ: {name} would broadcast them and compare every output with every target; give "
+                            f"them one shape (e.g. outputs.squeeze(-1) in a forward_fn, or targets of shape "
+                            f"{tuple(logits.shape)} from the data set)")

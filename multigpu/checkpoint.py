@@ -20,12 +20,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from multigpu import safe_files
 from multigpu.errors import UsageError
 from multigpu.savedir import newest_first, resumable_files
 
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2
-TMP_SUFFIX = ".tmp"  # unfinished saves: never loaded, removed at the next start
+TMP_SUFFIX = safe_files.TMP_SUFFIX  # unfinished saves: never loaded, removed at the next start
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
 
 
@@ -38,31 +39,14 @@ def atomic_save(state: dict[str, Any], path: str, before_rename: Optional[Callab
 
     Temporary file in the same directory (same file system, so the rename is
     atomic), flushed and fsynced, then renamed over the target; the directory is
-    fsynced so the rename itself survives a power cut. A failed write (full disk,
+    fsynced so the rename itself survives a power cut (`safe_files.replacing`,
+    which refuses a symbolic link planted at `path`). A failed write (full disk,
     file too large) raises the OSError that caused it and leaves no temporary file.
     `before_rename` runs between the fsync and the rename: the test-only fault
     injector kills the process there.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=directory)
-    try:
-        with os.fdopen(handle, "wb") as tmp_file:
-            _save_to(state, tmp_file)
-            tmp_file.flush()
-            os.fsync(tmp_file.fileno())
-        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is an ordinary file
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with safe_files.replacing(path, "wb", sync_folder=True, before_rename=before_rename) as tmp_file:
+        _save_to(state, tmp_file)
 
 
 class _RecordingWriter:
@@ -94,12 +78,6 @@ def _save_to(state: dict[str, Any], file: Any) -> None:
         if writer.error is not None:
             raise writer.error from None
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def load(path: str) -> dict[str, Any]:
@@ -236,15 +214,16 @@ PROBE_BYTES = 64 * 1024  # real bytes: an empty file can be created on a full di
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def check_writable(directory: str, flag: str = "--save-dir") -> None:
+def check_writable(directory: str, flag: str = "--save-dir", inside: Optional[str] = None) -> None:
     """Fail at start, not after an epoch of training, when files cannot be written to `directory`.
 
-    Creates the directory, writes PROBE_BYTES real bytes, fsyncs (network file
-    systems report a full disk or quota there) and deletes them; UsageError
-    naming `flag` if that fails.
+    Creates the directory (`safe_files.make_folder`: a symbolic link planted
+    below `inside`, a folder the user named, is refused), writes PROBE_BYTES
+    real bytes, fsyncs (network file systems report a full disk or quota there)
+    and deletes them; UsageError naming `flag` if that fails.
     """
     try:
-        os.makedirs(directory, exist_ok=True)
+        safe_files.make_folder(directory, inside)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-") as probe:
             probe.write(b"\0" * PROBE_BYTES)
             probe.flush()

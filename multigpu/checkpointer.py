@@ -84,7 +84,8 @@ class Checkpointer:
                 self.report.line(f"warning: --save-dir {self.save_dir} {shortfall[0]}; starting anyway "
                                  f"(--allow-low-disk): a save that does not fit stops the run")
             checkpoint.check_writable(self.config.tensorboard_dir,
-                                      flag="--log-dir" if self.config.log_dir else "--save-dir")
+                                      flag="--log-dir" if self.config.log_dir else "--save-dir",
+                                      inside=self.config.tensorboard_root)
         except UsageError as error:
             refusal = str(error)
         refusal = next(filter(None, gather_objects(refusal)), None)

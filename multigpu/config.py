@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, FrozenSet, Optional, Sequence, Union
 
 from multigpu.errors import UsageError
 
@@ -117,6 +117,11 @@ class TrainConfig:
                              "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
                              group="output")
 
+    # Not a field (no flag, not saved): the fields the command line named, whatever their values, as parse_config
+    # found them. None (a config built in Python, or a copy from dataclasses.replace): a field then counts as given
+    # when it differs from its default (multigpu/config_checks.py, which warns about flags that do nothing).
+    given: ClassVar[Optional[FrozenSet[str]]] = None
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f, getattr(self, f.name)))
@@ -157,6 +162,12 @@ class TrainConfig:
         """--log-dir, or <save-dir>/tb (the save-dir is chosen before anything is logged)."""
         return self.log_dir or os.path.join(self.save_dir or DEFAULT_SAVE_ROOT, "tb")
 
+    @property
+    def tensorboard_root(self) -> str:
+        """The folder the user named that holds tensorboard_dir: --log-dir itself, or the save-dir. Below it
+        the names are the project's (tb/), so a symbolic link there was planted and is refused."""
+        return self.log_dir or self.save_dir or DEFAULT_SAVE_ROOT
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (str/int/float/bool/None only): safe for weights_only checkpoints and hparams."""
         return dataclasses.asdict(self)
@@ -191,13 +202,19 @@ class Range:
 
     def describe(self) -> str:
         """The rule in words: "at least 1", "positive", "not negative", "between 0 and 1"."""
-        if self.high is not None and self.low_allowed:
-            return f"between {self.low} and {self.high}"
+        low, high = _number(self.low), None if self.high is None else _number(self.high)
+        if high is not None and self.low_allowed:
+            return f"between {low} and {high}"
         if not self.low_allowed:
-            text = "positive" if self.low == 0 else f"above {self.low}"
+            text = "positive" if self.low == 0 else f"above {low}"
         else:
-            text = "not negative" if self.low == 0 else f"at least {self.low}"
-        return text + ("" if self.high is None else f" and at most {self.high:g}")
+            text = "not negative" if self.low == 0 else f"at least {low}"
+        return text + ("" if high is None else f" and at most {high}")
+
+
+def _number(value: float) -> str:
+    """A bound as people write it: 1, 0.5, 1000000000 (not 1.0 or 1e+09)."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else f"{value:g}"
 
 
 # Every numeric field and what it allows, so no flag can take a value that makes the run mean nothing.
@@ -208,7 +225,9 @@ RANGES = {
                                    "clip_grad_norm")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),
-    "dist_timeout": Range(0, 1e9, low_allowed=False),  # longer overflows torch's store timeout (milliseconds)
+    # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
+    # overflows torch's store timeout (milliseconds).
+    "dist_timeout": Range(1, 1e9),
     # The data order and the synthetic set derive 64-bit generator seeds from it (seed x 7919 x 1000003).
     "seed": Range(0, 2**31 - 1),
 }
@@ -252,7 +271,15 @@ def flag(name: str) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports bad input in one line (no usage block), exit 2."""
+    """argparse that reports bad input in one line (no usage block), exit 2, and takes flags only as spelt.
+
+    argparse would read an abbreviation (--ep 2) as the flag it starts (--epochs): a typo would then be
+    accepted, and a flag added later could change what an old command means.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see --help)")
@@ -296,12 +323,22 @@ TEST_ARGS_ENV = "MULTIGPU_TEST_ARGS"
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
-    """Parse command-line arguments into a validated TrainConfig."""
+    """Parse command-line arguments into a validated TrainConfig that knows which flags they named (`given`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser().parse_args(shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv))
     args.pop("local_rank")
-    return TrainConfig(**args)
+    config = TrainConfig(**args)
+    config.given = given_fields(argv)  # the user's flags, not the test harness's
+    return config
+
+
+def given_fields(argv: Sequence[str]) -> FrozenSet[str]:
+    """The TrainConfig fields that `argv` names, whatever their values (--lr-gamma 0.1 names lr_gamma although
+    0.1 is its default): parsed with every default suppressed, the namespace holds only what `argv` gave."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(list(argv)))) & FIELDS.keys()
 
 
 def to_argv(config: TrainConfig) -> list[str]:

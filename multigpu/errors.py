@@ -8,9 +8,11 @@ class UsageError(Exception):
     """
 
     exit_code = 2
+    agreed = True  # every rank reaches the same verdict, so rank 0 alone says it (False: the rank that met it)
 
 
 class TrainingStopped(Exception):
     """Training cannot go on (non-finite loss, failed save, dead peer): one line, exit 1."""
 
     exit_code = 1
+    agreed = True

@@ -19,12 +19,17 @@ import torch
 from torch.utils.data import Dataset
 
 from multigpu import metrics as metric_lib
+from multigpu import snapshot
 from multigpu.amp import Amp
-from multigpu.batches import ForwardFn, batch_size, compute_loss, own_loss, predictions, to_device
+from multigpu.batches import (ForwardFn, batch_size, check_first_batch, compute_loss, own_loss, predictions,
+                              sample_batch, to_device)
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
+from multigpu.errors import UsageError
 from multigpu.preemption import StopRequest
+
+CHECK_SAMPLES = 8  # validation samples that check_names runs through the model at start
 
 
 class Evaluator:
@@ -39,7 +44,30 @@ class Evaluator:
         self.move = move or functools.partial(to_device, device=runtime.device)
         self.names: Optional[list[str]] = None  # result keys, agreed by all ranks at the first evaluation
         self._metrics: dict[str, metric_lib.Metric] = {}
+        self._first_batch_checked = False
         self.per_sample_loss = _per_sample(loss_fn)
+
+    def check_names(self, model: torch.nn.Module, dataset: Optional[Dataset], monitor: metric_lib.Monitor) -> None:
+        """Run the loss and every metric on the first few samples of `dataset`, and look the monitored name up in
+        the results they give, so that a wrong name, a failing metric function or a batch without targets stops
+        the run before training, not after its first epoch.
+
+        Every rank takes the same samples and runs no collective, so all reach the same verdict. It leaves no
+        trace: the RNG states (a random transform), the model's buffers and its mode are restored, and the
+        training data order is not touched.
+        """
+        if dataset is None or len(dataset) == 0:  # type: ignore[arg-type]
+            return
+        with snapshot.kept(model, self.runtime.device), torch.no_grad():
+            try:
+                batch = sample_batch(dataset, CHECK_SAMPLES, self.collate_fn)
+            except UsageError:
+                raise
+            except Exception:  # a data set that reads only inside loader workers: checked at the first evaluation
+                return
+            model.eval()
+            self._batch_sums(model, self.move(batch))
+        monitor.check([f"val_{name}" for name in ("loss", *self._metrics)])
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int,
@@ -76,8 +104,10 @@ class Evaluator:
             outputs, targets = self.forward(model, batch)
         samples = batch_size(batch)
         scores = _float(predictions(outputs))
-        if not self._metrics:  # resolved from the first batch this rank sees
+        if not self._first_batch_checked:  # the first batch this rank sees: checked, and the metrics resolved from it
+            check_first_batch(outputs, targets, self.loss_fn)
             self._metrics = metric_lib.resolve(self.spec, scores, targets)
+            self._first_batch_checked = True
         sums = [self._loss_sum(outputs, targets, samples), torch.tensor(samples, dtype=torch.float64)]
         for name in self.names or self._metrics:
             total, count = metric_lib.sum_and_count(self._metrics[name], scores, targets)

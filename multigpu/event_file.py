@@ -27,21 +27,27 @@ from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-_FILE_NUMBERS = itertools.count()  # two files of one process in one second still get different names
+from multigpu import safe_files
+
+# Two files of one process in one second still get different names; zero-padded, because TensorBoard reads
+# a folder's files in name order and a resumed run's purge must come after the file it purges (".10" < ".9").
+_FILE_NUMBERS = itertools.count()
 SUFFIX = ".multigpu"
 
 
 class EventFile:
     """One TensorBoard event file in `log_dir`; `purge_step` makes TensorBoard drop earlier files' events
-    from that step on (what a resumed run logs again)."""
+    from that step on (what a resumed run logs again). `inside`: the folder the user named that holds
+    `log_dir` (the save-dir of <save-dir>/tb): a symbolic link planted below it is refused (safe_files)."""
 
-    def __init__(self, log_dir: str, purge_step: Optional[int] = None, max_delay: float = 1.0):
-        os.makedirs(log_dir, exist_ok=True)
+    def __init__(self, log_dir: str, purge_step: Optional[int] = None, max_delay: float = 1.0,
+                 inside: Optional[str] = None):
+        safe_files.make_folder(log_dir, inside)
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{next(_FILE_NUMBERS)}{SUFFIX}")
+                f"{next(_FILE_NUMBERS):06d}{SUFFIX}")
         self.path = os.path.join(log_dir, name)
         self.max_delay = max_delay
-        self._file = open(self.path, "wb")
+        self._file = safe_files.open_no_follow(self.path, "xb")  # a new name: nothing there may be written through
         self._records = RecordWriter(self._file)
         self._pending: list[Event] = []
         self._written_at = time.monotonic()

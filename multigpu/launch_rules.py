@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
 from multigpu import savedir
-from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, build_parser, flag, parse_config
+from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
@@ -73,6 +73,7 @@ class Settings:
     time: Optional[str] = None
     account: Optional[str] = None
     cpus_per_task: Optional[str] = None
+    oversubscribe: Optional[str] = None  # "1": more CPU processes than cores, as the user asked
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable
@@ -121,11 +122,8 @@ def whole(name: str, text: Optional[str], minimum: int, maximum: Optional[int] =
 # --------------------------------------------------------------------------- the trainer's rules
 
 def given_trainer_options(args: Sequence[str]) -> set[str]:
-    """The TrainConfig fields that `args` set, as the trainer's parser reads them (abbreviations too)."""
-    parser = build_parser()
-    for action in parser._actions:  # no defaults: the namespace then holds only what `args` gave
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(list(args))))
+    """The TrainConfig fields that `args` set, as the trainer's parser reads them."""
+    return set(given_fields(args))
 
 
 def training_config(s: Settings, devices: Optional[Devices] = None) -> TrainConfig:
@@ -222,7 +220,10 @@ def devices_of(s: Settings, mode: Optional[str]) -> Devices:
         count = 1
         ids = found[0] if len(found) > 1 else None  # several GPUs: say which one, the first
     else:
-        count = len(found) or CPU_PROCESSES
+        count = len(found) or default_cpu_processes()
+    if not found and count > cores_here() and not s.oversubscribe:
+        raise UsageError(f"--gpus {count}: more processes than this machine's {plural(cores_here(), 'CPU core')}, "
+                         f"which they would only share; give at most {cores_here()}, or add --oversubscribe")
     if mode == "dp" and ids is None and count < len(found):
         ids = ",".join(found[:count])  # DataParallel is told its GPUs: the first `count`
     return Devices(mode, count, ids, bool(found))
@@ -330,6 +331,11 @@ def omp_threads(cores: int, processes: int) -> int:
 
 def cores_here() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_cpu_processes() -> int:
+    """ddp on a machine without GPUs: CPU_PROCESSES, or fewer where there are fewer cores."""
+    return min(CPU_PROCESSES, cores_here())
 
 
 def torchrun_log(save_dir: str, nodes: Nodes) -> str:
@@ -445,7 +451,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     defaults = parse_config([])
     for name in TRAINING:
         yield f"default-{flag(name)}", str(getattr(defaults, name))
-    yield "default-processes", str(CPU_PROCESSES)
+    yield "default-processes", str(default_cpu_processes())
     yield "lr-base-batch", str(config.lr_base_batch)
     yield "effective-batch", effective_batch_text(config, devices, nodes)
 
@@ -495,6 +501,8 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     settle_training(s, config)
     port, note = rendezvous_port(s, nodes) if devices.mode == "ddp" else (0, "")
     yield "plan", f"Plan: {device_phrase(devices, nodes)}"
+    if not devices.on_gpu and devices.count > cores_here():
+        yield "plan", f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}"
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     yield "plan", f"  checkpoints and launch_command.sh in {config.save_dir}/"
@@ -668,7 +676,7 @@ def parse(argv: Sequence[str]) -> tuple[str, Settings]:
         argv, trainer_args = list(argv[:cut]), list(argv[cut + 1:])
     else:
         argv, trainer_args = list(argv), []
-    parser = argparse.ArgumentParser(prog="launch_rules", add_help=False)
+    parser = argparse.ArgumentParser(prog="launch_rules", add_help=False, allow_abbrev=False)
     parser.add_argument("step", choices=sorted(STEPS))
     for f in dataclasses.fields(Settings):
         if f.name != "trainer_args":

@@ -124,12 +124,17 @@ class Monitor:
     def choose(self, results: Mapping[str, float]) -> str:
         """The monitored name (default val_acc when accuracy is computed, else val_loss), checked against `results`."""
         self.name = self.name or ("val_acc" if "val_acc" in results else "val_loss")
-        if self.name not in results:
+        self.check(list(results))
+        return self.name
+
+    def check(self, names: Sequence[str]) -> None:
+        """UsageError unless the monitored name, when one is set, is among `names` (the run's validation results).
+        The default is not chosen here: a resumed run may still take its checkpoint's."""
+        if self.name is not None and self.name not in names:
             from multigpu.errors import UsageError
 
             raise UsageError(f"--monitor {self.name} is not a validation metric of this run; it has "
-                             f"{', '.join(results)}")
-        return self.name
+                             f"{', '.join(names)}")
 
     def improves(self, value: float, best: Optional[float]) -> bool:
         """Whether `value` beats `best` (None: nothing yet); a NaN never does."""

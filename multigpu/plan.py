@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from multigpu import config_checks
 from multigpu.lr_scaling import describe_lr
 from multigpu.optim import lr_factor
 
@@ -39,7 +40,10 @@ def plan_lines(trainer: MultiGPUTrainer) -> list[str]:
 
 def _warnings(trainer: MultiGPUTrainer, warmup_steps: int) -> list[str]:
     config, samples_per_rank = trainer.config, trainer.sampler.usable // trainer.runtime.world_size
-    total_steps, lines = config.epochs * trainer.steps_per_epoch, []
+    total_steps = config.epochs * trainer.steps_per_epoch
+    facts = config_checks.RunFacts(trainer.builtin_optimizer, trainer.builtin_schedule,
+                                   convolutions=any(p.dim() == 4 for p in trainer.model.parameters()))
+    lines = config_checks.ignored_flags(config, trainer.given, facts)  # flags given that do nothing
     if samples_per_rank < trainer.loader_batch * config.grad_accum_steps:
         lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
                      f"step's {trainer.loader_batch} x {config.grad_accum_steps}: every step uses "

@@ -24,6 +24,7 @@ from typing import IO, Any, Callable, Iterator, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
+from multigpu import safe_files
 from multigpu.amp import Amp
 from multigpu.batches import ForwardFn, concat, default_forward, predictions, to_device
 from multigpu.data import build_loader
@@ -132,14 +133,17 @@ def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:
 @contextlib.contextmanager
 def written_whole(path: str, mode: str = "wb", **open_args: Any) -> Iterator[IO]:
     """A file written under a temporary name and renamed to `path` only once complete, so a run that
-    fails never leaves a file that looks finished (nor touches an older one)."""
+    fails never leaves a file that looks finished (nor touches an older one). Neither `path` nor
+    `<path>.partial` is written through a symbolic link planted there (safe_files): refused in one line."""
     partial = f"{path}.partial"
+    safe_files.refuse_link(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    file = safe_files.open_no_follow(partial, mode, **open_args)
     try:
-        with open(partial, mode, **open_args) as file:
+        with file:
             yield file
     except BaseException:
-        if os.path.exists(partial):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
         raise
     os.replace(partial, path)

@@ -20,7 +20,7 @@ class Reporter:
 
     def __init__(self, config: TrainConfig, enabled: bool):
         self.enabled = enabled
-        self.log_dir = config.tensorboard_dir
+        self.log_dir, self.log_root = config.tensorboard_dir, config.tensorboard_root
         self.show_progress = enabled and config.progress
         self.bar: Any = None
         self._writer: Any = None
@@ -34,7 +34,7 @@ class Reporter:
         if self._writer is None and self.enabled:
             from multigpu.event_file import EventFile  # imports TensorBoard: only where it is used
 
-            self._writer = EventFile(self.log_dir, purge_step=self.purge_step)
+            self._writer = EventFile(self.log_dir, purge_step=self.purge_step, inside=self.log_root)
         return self._writer
 
     def line(self, text: str) -> None:

@@ -69,7 +69,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
-from multigpu import run_settings
+from multigpu import run_settings, safe_files
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
@@ -143,7 +143,7 @@ class SaveDirLock:
                              f"({self._held_here[key].save_dir}); give each trainer its own --save-dir")
         try:
             os.makedirs(self.save_dir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = safe_files.open_fd(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # a planted link is refused
         except OSError as error:
             raise UsageError(f"--save-dir {self.save_dir} is not writable ({error.strerror}); "
                              f"choose another directory") from None

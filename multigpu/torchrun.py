@@ -33,7 +33,9 @@ from typing import Any, Optional, Sequence, TextIO
 if __package__ in (None, ""):  # run as a file: make the repository importable, not this folder
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from multigpu.errors import UsageError  # noqa: E402  (after the path fix)
+from multigpu import safe_files  # noqa: E402  (after the path fix)
+from multigpu.console import best_effort  # noqa: E402
+from multigpu.errors import UsageError  # noqa: E402
 
 PROG = "torchrun"
 
@@ -93,16 +95,26 @@ class _WorkerGroups:
 
 
 def _send_logs_to(log: TextIO) -> None:
-    """Point Python's stderr and every log handler writing to the terminal at `log`."""
+    """Point Python's stderr and every log handler writing to the terminal at `log`, whatever handlers other
+    libraries installed."""
     import logging
 
     loggers = [logging.getLogger()] + [item for item in logging.Logger.manager.loggerDict.values()
                                        if isinstance(item, logging.Logger)]
     for logger in loggers:
         for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout) \
+                    and _stream_settable(handler):
                 handler.setStream(log)
     sys.stderr = log
+
+
+def _stream_settable(handler: Any) -> bool:
+    """False for a handler whose stream is a read-only property: logging's _StderrHandler (which dill, imported
+    by torch when installed, adds to its logger) reads sys.stderr on every record, so it follows sys.stderr to
+    the log by itself."""
+    declared = getattr(type(handler), "stream", None)
+    return not (isinstance(declared, property) and declared.fset is None)
 
 
 def _say(stream: TextIO, text: str) -> None:
@@ -123,7 +135,7 @@ def run(argv: Sequence[str]) -> int:
     args = parse_args(torchrun_argv)  # a bad torchrun flag is reported on the terminal
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     # Left open until the process ends: torch may still log while Python shuts down.
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115
+    log = safe_files.open_no_follow(log_path, "a", buffering=1)
     _say(log, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: torchrun {' '.join(torchrun_argv)}")
     terminal = sys.stderr
     groups = _WorkerGroups()
@@ -153,11 +165,13 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main() -> None:
-    try:
-        sys.exit(run(sys.argv[1:]))
-    except UsageError as error:
-        print(f"{PROG}: {error}", file=sys.stderr)
-        sys.exit(error.exit_code)
+    with best_effort():  # `launcher | tee log`, Ctrl-C: tee dies first; the workers' verdict still counts
+        try:
+            status = run(sys.argv[1:])
+        except UsageError as error:
+            print(f"{PROG}: {error}", file=sys.stderr)
+            status = error.exit_code
+    sys.exit(status)
 
 
 if __name__ == "__main__":

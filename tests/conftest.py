@@ -172,6 +172,24 @@ def run_on_small_file_system(size: str, mount_point: Path, script: str, *args: s
                           text=True, timeout=RUN_TIMEOUT)
 
 
+def permissions_apply() -> Callable[[], None]:
+    """A subprocess preexec_fn under which file permissions hold as they do for any user. As root, it drops the
+    two capabilities that bypass them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) from the bounding set, so the
+    program it starts, still root and able to read every file it needs, gets a PermissionError from a chmod 000
+    file or a read-only folder. For other users there is nothing to drop."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
+
+    def apply() -> None:
+        if os.geteuid() != 0:
+            return
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+    return apply
+
+
 def event_files(log_dir: Path) -> list[Path]:
     return sorted(Path(log_dir).rglob("events.out.tfevents.*"))
 

@@ -6,11 +6,15 @@ real entry point in this process (`main_multi_gpu.main(argv)`); where a process
 boundary matters (torchrun's workers, a file-size limit) they run as
 subprocesses. The Python API's cases check the exception type instead. Cases
 marked "needs trainer wiring" fail until the trainer uses the checks they need.
+Groups: the command line's values, names checked before the first step, data
+that would hang or exhaust the machine, a file that fails mid-epoch, paths this
+user may not use, and abbreviated flags in every parser of the project.
 The launcher's own bad input is tested in test_launch_multi_gpu.py.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import shlex
@@ -18,21 +22,26 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
+import predict_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_untouched, blobs, cli_command, cli_env, config_for,
-                      contents, file_size_limit, hold_save_dir, image_folder, run_cli_ranks, run_on_small_file_system,
-                      tiny_model)
+                      contents, file_size_limit, hold_save_dir, image_folder, permissions_apply, run_cli_ranks,
+                      run_on_small_file_system, tiny_model)
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.models import build_model
+from multigpu import launch_rules
+from multigpu.sweep import cli as sweep_cli
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 from train_multi_gpu import MultiGPUTrainer
@@ -95,7 +104,7 @@ def mnist_downloads(tmp_path: Path, truncated: str) -> list[str]:
     return ["--dataset", "mnist", "--data-dir", str(tmp_path / "mnist")]
 
 
-def mnist_extracted(tmp_path: Path, truncated: str) -> list[str]:
+def mnist_extracted(tmp_path: Path, truncated: Optional[str]) -> list[str]:
     """A small extracted MNIST raw folder (well-formed IDX files, 20 + 10 blank images), one file cut short."""
     raw = tmp_path / "mnist" / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -103,7 +112,8 @@ def mnist_extracted(tmp_path: Path, truncated: str) -> list[str]:
         for kind, dims in (("images-idx3", (count, 28, 28)), ("labels-idx1", (count,))):
             header = struct.pack(f">4B{len(dims)}I", 0, 0, 0x08, len(dims), *dims)  # IDX: unsigned bytes
             (raw / f"{split}-{kind}-ubyte").write_bytes(header + bytes(math.prod(dims)))
-    truncate(raw / truncated)
+    if truncated:
+        truncate(raw / truncated)
     return ["--dataset", "mnist", "--data-dir", str(tmp_path / "mnist")]
 
 
@@ -181,18 +191,28 @@ CLI = {
     "seed negative": Case(["--seed", "-1"], "--seed must be between 0 and 2147483647, got -1"),
     "dist-timeout inf": finite("--dist-timeout", "inf"),
     "dist-timeout nan": finite("--dist-timeout", "nan"),
-    "dist-timeout zero": Case(["--dist-timeout", "0"], "--dist-timeout must be positive"),
+    "dist-timeout zero": Case(["--dist-timeout", "0"], "--dist-timeout must be between 1 and 1000000000, got 0.0"),
+    "dist-timeout below a second": Case(["--dist-timeout", "1e-9"], "--dist-timeout must be between 1 and "),
     "epochs zero": Case(["--epochs", "0"], "--epochs must be at least 1, got 0"),
     "epochs fractional": Case(["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
     "grad-accum-steps zero": Case(["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
     "keep-last zero": Case(["--keep-last", "0"], "--keep-last must be at least 1"),
     "num-workers negative": Case(["--num-workers", "-1"], "--num-workers must not be negative"),
+    "num-workers beyond the cores (a hang)": Case(["--num-workers", "100000"], "--num-workers 100000 is more than 4 "
+                                                  "per CPU core"),
+    "image-shape beyond memory (an OOM kill)": Case(["--image-shape", "3,100000,100000"], "--image-shape "
+                                                    "3,100000,100000: one batch of 16 such images takes 1,920.0 GB, "
+                                                    "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
     "lr-base-batch zero": Case(["--lr-base-batch", "0"], "--lr-base-batch must be at least 1"),
     "log-every zero": Case(["--log-every", "0"], "--log-every must be at least 1"),
     "train-size zero": Case(["--train-size", "0"], "--train-size must be at least 1"),
     "num-classes zero": Case(["--num-classes", "0"], "--num-classes must be at least 1"),
     "image-shape zero channels": Case(["--image-shape", "0,28,28"], "--image-shape must be C,H,W"),
+    # names, checked before the first step
+    "monitor that is not a metric": Case(["--monitor", "val_bogus"], "--monitor val_bogus is not a validation metric "
+                                         "of this run; it has val_loss, val_acc"),
+    "an abbreviated flag": Case(["--ep", "2"], "unrecognized arguments: --ep 2"),
     # model and devices
     "image too small for the cnn": Case(["--image-shape", "3,1,1", "--model", "cnn"],
                                         "--model cnn needs images of at least 4x4 pixels, got 1x1"),
@@ -245,6 +265,10 @@ CLI = {
         lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat"]},
                                       lambda root: (root / "train" / "dog" / "0.png").unlink()
                                       or (root / "train" / "dog" / "1.png").unlink())),
+    "imagefolder with a symlink loop": Case(
+        [], "train/cat/again is a symbolic link to ",
+        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]},
+                                      lambda root: (root / "train" / "cat" / "again").symlink_to(root / "train"))),
     "imagefolder without val/": Case([], "needs val/ inside --data-dir",
                                      lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat"]})),
     "mnist with a truncated .gz": Case(
@@ -285,6 +309,55 @@ def test_bad_command_line_is_one_line_and_exit_2(name, save_dir, tmp_path, capsy
             holder.communicate("", timeout=RUN_TIMEOUT)
     assert_one_line(code, capsys.readouterr().err, case.expected)
     assert_untouched(save_dir, before)
+
+
+def test_a_monitor_typo_is_refused_before_the_first_step(tmp_path, capsys):
+    code = main_multi_gpu.main([*BASE, "--save-dir", str(tmp_path / "ckpt"), "--monitor", "val_accuracy"])
+    out, err = capsys.readouterr()
+    assert_one_line(code, err, "--monitor val_accuracy is not a validation metric of this run")
+    assert not [line for line in out.splitlines() if line.startswith(("step ", "epoch "))], out  # nothing trained
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+# ---------------------------------------------------------------- abbreviations, in every parser
+def benchmark(name: str) -> Any:
+    """A script of benchmarks/, imported as its own folder sees it."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def script_main(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> object:
+    """A benchmark whose main() reads sys.argv."""
+    monkeypatch.setattr("sys.argv", [f"{module}.py", *argv])
+    return benchmark(module).main()
+
+
+# A prefix of a real flag of each command line: argparse would take it as that flag.
+ABBREVIATED = {
+    "main_multi_gpu.py (and examples/, through parse_config)": (lambda mp: main_multi_gpu.main(["--ep", "2"]), "--ep"),
+    "predict_multi_gpu.py": (lambda mp: predict_multi_gpu.main(["--checkpoint", "x.pt", "--out", "p.csv"]), "--out"),
+    "sweep_multi_gpu.py": (lambda mp: sweep_cli.main(["--num-se", "2"]), "--num-se"),
+    "the launcher's rules": (lambda mp: launch_rules.main(["check", "--epoch", "3"]), "--epoch"),
+    "the benchmarks' common flags": (lambda mp: benchmark("bench_common").benchmark_parser(
+        None, rounds=1, steps=1, batch=1, log_every=1, output_help="").parse_args(["--round", "2"]), "--round"),
+    "benchmarks/inference_scaling.py": (lambda mp: benchmark("inference_scaling").parse_args(["--repeat", "3"]),
+                                        "--repeat"),
+    "benchmarks/gpu_check.py": (lambda mp: benchmark("gpu_check").parse_args(["--cpu-dry"]), "--cpu-dry"),
+    "benchmarks/trainer_vs_raw_ddp.py": (lambda mp: script_main("trainer_vs_raw_ddp", ["--npro", "2"], mp), "--npro"),
+}
+
+
+@pytest.mark.parametrize("name", ABBREVIATED)
+def test_an_abbreviated_flag_is_refused_by_every_parser(name, capsys, monkeypatch):
+    run, abbreviation = ABBREVIATED[name]
+    try:
+        code = run(monkeypatch)
+    except SystemExit as exit_:
+        code = exit_.code
+    output = capsys.readouterr()
+    assert code == 2, output
+    assert abbreviation in output.err + output.out and "unrecognized" in output.err + output.out, output
 
 
 # ---------------------------------------------------------------- across a process boundary
@@ -334,6 +407,57 @@ def test_resume_auto_without_save_dir_refuses_another_commands_run(prepared, tmp
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["run-1"]
 
 
+@pytest.mark.parametrize("workers", [0, 1], ids=["in the main process", "in a loader worker"])
+def test_an_image_that_fails_to_decode_mid_epoch_is_one_line_naming_it_and_the_checkpoints_are_kept(
+        workers, tmp_path, capsys):
+    run = [*BASE, *imagefolder(tmp_path, {"train": ["cat", "dog"], "val": ["cat", "dog"]}),
+           "--save-dir", str(tmp_path / "ckpt"), "--num-workers", str(workers)]
+    assert main_multi_gpu.main(run) == 0
+    broken = tmp_path / "images" / "train" / "dog" / "1.png"
+    broken.write_bytes(broken.read_bytes()[:48])  # a copy cut short after its header: the start's checks pass it
+    before = contents(tmp_path / "ckpt")
+    capsys.readouterr()
+    code = main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"])
+    assert_one_line(code, capsys.readouterr().err, f"{broken} cannot be read (image file is truncated); remove or "
+                                                   f"replace it")
+    assert_untouched(tmp_path / "ckpt", before)
+
+
+def unreadable(path: Path) -> Path:
+    path.chmod(0)
+    return path
+
+
+# name: (tmp_path, save_dir -> (arguments, the folder to run in, the one line's text)). Root reads anything, so
+# these run with the capabilities that let it dropped (conftest.permissions_apply).
+PERMISSIONS = {
+    "an unreadable data file": lambda tmp, ckpt: (
+        [*mnist_extracted(tmp, None), "--save-dir", str(ckpt)], tmp,
+        f"--dataset mnist: {unreadable(tmp / 'mnist' / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte')} cannot be read "
+        f"(Permission denied); give this user read access to it"),
+    "an unreadable image folder": lambda tmp, ckpt: (
+        [*imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]}), "--save-dir", str(ckpt)], tmp,
+        f"cannot read the folder {unreadable(tmp / 'images' / 'train' / 'dog')} (Permission denied)"),
+    "a save-dir in a read-only folder": lambda tmp, ckpt: (
+        ["--save-dir", str(tmp / "locked" / "run")], tmp,
+        f"--save-dir {tmp / 'locked' / 'run'} is not writable (Permission denied)"),
+    "the current folder read-only, without --save-dir": lambda tmp, ckpt: (
+        [], tmp / "locked", f"cannot use {tmp / 'locked' / 'checkpoints'}: permission denied"),
+}
+
+
+@pytest.mark.parametrize("name", PERMISSIONS)
+def test_a_path_this_user_may_not_use_is_one_line_naming_it(name, save_dir, tmp_path):
+    (tmp_path / "locked").mkdir(mode=0o555)
+    args, cwd, expected = PERMISSIONS[name](tmp_path, save_dir)
+    before, cwd_before = contents(save_dir), sorted(cwd.iterdir())
+    result = subprocess.run(cli_command([*BASE, *args]), cwd=cwd, env=cli_env(), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT, preexec_fn=permissions_apply())
+    assert_one_line(result.returncode, result.stderr, expected)
+    assert_untouched(save_dir, before)
+    assert sorted(cwd.iterdir()) == cwd_before
+
+
 RANKS = {
     "dp under torchrun": (["--multi-gpu", "dp"], "--multi-gpu dp trains in one process, but torchrun started 2: "
                                                  "use --multi-gpu ddp under torchrun, or run without torchrun"),
@@ -364,8 +488,21 @@ class InputsOnly(Dataset):
         return (torch.randn(16),)
 
 
-def api_fit(tmp_path: Path, model: torch.nn.Module, dataset: Dataset) -> object:
-    return MultiGPUTrainer(model, dataset, None, config_for(tmp_path, 1, epochs=1)).fit()
+def api_fit(tmp_path: Path, model: torch.nn.Module, dataset: Dataset, **options: Any) -> object:
+    return MultiGPUTrainer(model, dataset, None, config_for(tmp_path, 1, epochs=1), **options).fit()
+
+
+def api_build(tmp_path: Path, val: Dataset, model: Optional[torch.nn.Module] = None, config: Optional[dict] = None,
+              **options: Any) -> object:
+    """The trainer built, not fitted: what this refuses is refused before the first step."""
+    return MultiGPUTrainer(model or tiny_model(), blobs(32, 0), val, config_for(tmp_path, 1, epochs=1, **(config or {})),
+                           **options)
+
+
+def regression_set(size: int) -> TensorDataset:
+    """Targets of shape (N,), for a model whose outputs are (N, 1)."""
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(size, 16, generator=generator), torch.randn(size, generator=generator))
 
 
 def api(make: Callable[[Path], object], error: type, expected: str, *marks) -> object:
@@ -392,6 +529,23 @@ API = {
     "model outputs fewer than the classes": api(lambda tmp: api_fit(tmp, tiny_model(classes=2),
                                                                     blobs(32, 0, classes=4)),
                                                 ValueError, "class"),
+    # names and shapes, checked on a few validation samples when the trainer is built
+    "monitor that is not a metric": api(lambda tmp: api_build(tmp, blobs(16, 1), config=dict(monitor="val_f1")),
+                                        UsageError, "--monitor val_f1 is not a validation metric of this run; it has "
+                                                    "val_loss, val_acc"),
+    "a metric name that does not exist": api(lambda tmp: api_build(tmp, blobs(16, 1), metrics=["acc", "f1"]),
+                                             ValueError, "unknown metric 'f1'"),
+    "a validation set without targets": api(lambda tmp: api_build(tmp, InputsOnly()), ValueError,
+                                            "a batch must be an (inputs, targets) pair or a dict"),
+    "a metric function that fails": api(lambda tmp: api_build(tmp, blobs(16, 1),
+                                                              metrics={"p": lambda outputs, targets: outputs.probs}),
+                                        AttributeError, "probs"),
+    "regression outputs (N, 1) against targets (N,)": api(
+        lambda tmp: api_build(tmp, regression_set(16), torch.nn.Linear(16, 1), loss_fn=torch.nn.MSELoss()),
+        UsageError, "outputs of shape (8, 1) and targets of shape (8,) differ: MSELoss would broadcast them"),
+    "the same without a validation set, at the first batch": api(
+        lambda tmp: api_fit(tmp, torch.nn.Linear(16, 1), regression_set(32), loss_fn=F.l1_loss),
+        ValueError, "outputs of shape (8, 1) and targets of shape (8,) differ: l1_loss would broadcast them"),
 }
 
 

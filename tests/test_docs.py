@@ -3,7 +3,9 @@
 - `bash` blocks run as written, each block in a fresh temporary folder that
   links to the checkout's files (nothing is written into the checkout), on the
   CPU, with smaller data and fewer epochs through MULTIGPU_TEST_ARGS (test-only
-  flags the trainer reads before the command line's own, which win).
+  flags the trainer reads before the command line's own, which win). Standard
+  input is a person pressing Enter at every question: the launcher's defaults
+  (end of input would stop it, as Ctrl-D does).
 - `sh` blocks need GPUs or a cluster: each command in them must be a launcher
   call, run with `--dry-run` on 8 fake GPUs (tests/fake_bin/nvidia-smi).
 - A block after `<!-- illustrative: why -->` is not run; there are at most a handful.
@@ -35,6 +37,7 @@ DOCS = ("README.md", "QUICK_REFERENCE.md", "MULTI_GPU_GUIDE.md")
 MAX_ILLUSTRATIVE = 6  # a handful: the test suite, multi-GPU examples, benchmarks of minutes
 SHRINK = "--epochs 1 --train-size 256 --val-size 32 --batch-size 16 --no-progress --log-every 4 --dist-timeout 60"
 COMMAND_TIMEOUT = 240
+ENTER_AT_EVERY_QUESTION = "\n" * 32  # more than the launcher asks
 FAKE_BIN = REPO / "tests" / "fake_bin"
 OUTPUTS = ("checkpoints", "runs", "datasets", ".pytest_cache")  # never linked: commands write their own
 
@@ -179,7 +182,7 @@ def run_block(block: Block, port_base: int) -> list[str]:
                 failures.append(f"{block.where}: `{command}`: {problem}")
             continue
         try:
-            result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, stdin=subprocess.DEVNULL,
+            result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, input=ENTER_AT_EVERY_QUESTION,
                                     capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
         except subprocess.TimeoutExpired:
             failures.append(f"{block.where}: `{runnable}` ran past {COMMAND_TIMEOUT}s")

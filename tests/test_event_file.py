@@ -38,6 +38,14 @@ def test_two_files_of_one_process_in_one_second_get_their_own_names(tmp_path: Pa
     second.close()
 
 
+def test_a_process_s_files_sort_in_the_order_it_made_them_past_the_tenth(tmp_path: Path):
+    # TensorBoard reads a folder's files in name order: a resumed run's purge only works after the file it purges.
+    made = [EventFile(str(tmp_path / "tb")) for _ in range(12)]
+    for events in made:
+        events.close()
+    assert sorted(Path(events.path).name for events in made) == [Path(events.path).name for events in made]
+
+
 def test_a_purge_step_drops_what_an_earlier_file_logged_from_that_step_on(tmp_path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

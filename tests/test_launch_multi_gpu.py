@@ -11,6 +11,7 @@ path even on a GPU machine; GPU tests put tests/fake_bin (a fake nvidia-smi with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -121,13 +122,15 @@ class Launcher:
     or the end, so a test can also leave it open and silent.
     """
 
-    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, args: Sequence[str], env: dict[str, str], cwd: Path, read_stdout: bool = True) -> None:
+        """`read_stdout` False: the test reads proc.stdout itself."""
         self.proc = subprocess.Popen(["bash", str(LAUNCHER), *args], cwd=cwd, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
         self.output = {"stdout": "", "stderr": ""}
+        streams = (("stdout", self.proc.stdout), ("stderr", self.proc.stderr))[0 if read_stdout else 1:]
         self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr))]
+                        for name, stream in streams]
         for reader in self.readers:
             reader.start()
 
@@ -217,7 +220,7 @@ def test_dry_run_prints_the_command_of_each_gpu_mode(args: list[str], expected: 
 
 @pytest.mark.parametrize("args, expected", [
     ([], "{ddp2} main_multi_gpu.py --multi-gpu ddp"),
-    (["--nproc", "3"], "{ddp3} main_multi_gpu.py --multi-gpu ddp"),
+    (["--nproc", "1"], "{ddp1} main_multi_gpu.py --multi-gpu ddp"),
     (["--mode", "single"], "{python} main_multi_gpu.py --multi-gpu none"),
 ], ids=["ddp-default-2-processes", "ddp-nproc-alias", "single"])
 def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], expected: str) -> None:
@@ -225,7 +228,7 @@ def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], exp
     result = launch([*args, "--dry-run"], launcher_env(LAUNCH_DEFAULT_PORT=str(port)))
     assert result.returncode == 0, result.stderr
     assert "No CUDA GPU found" in result.stderr
-    head = expected.format(ddp2=ddp_head(2, port), ddp3=ddp_head(3, port), python=shown(sys.executable))
+    head = expected.format(ddp2=ddp_head(2, port), ddp1=ddp_head(1, port), python=shown(sys.executable))
     assert result.stdout == f"{head} {training_flags()}\n"
 
 
@@ -290,7 +293,7 @@ def test_help_lists_every_flag() -> None:
     for flag in ["--multi-gpu", "--mode", "--gpus", "--nproc", "--gpu-ids", "--epochs", "--batch-size", "--lr",
                  "--lr-scaling", "--scale-lr", "--save-dir", "--yes", "--dry-run", "--nnodes", "--node-rank",
                  "--master-addr", "--master-port", "--max-restarts", "--slurm", "--partition", "--time", "--account",
-                 "--cpus-per-task", "--submit"]:
+                 "--cpus-per-task", "--submit", "--oversubscribe"]:
         assert re.search(rf"^\s+(-\w, |--[\w-]+ \w+, )*{re.escape(flag)}\b", result.stdout, re.M), flag
 
 
@@ -316,7 +319,7 @@ def test_help_lists_every_flag() -> None:
     (["--frobnicate"], "unknown option --frobnicate"),
     (["--epochs"], "--epochs needs a value"),
     (["--", "--batch-size", "8"], "--batch-size after -- would override the launcher's setting"),
-    (["--", "--epoch", "8"], "--epochs after -- would override the launcher's setting"),
+    (["--", "--epoch", "8"], "unrecognized arguments: --epoch 8"),  # an abbreviation is refused, not read as --epochs
     (["--", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--slurm", "--time", "soon"], "--time 'soon': not a SLURM time"),
     (["--slurm", "--nnodes", "2"], "--nnodes 2 needs --save-dir on storage every node shares"),
@@ -374,10 +377,25 @@ def test_flag_aliases_give_the_same_command_as_the_trainers_names() -> None:
 
 def test_each_cpu_worker_gets_its_share_of_the_cores_in_the_printed_command() -> None:
     cores = len(os.sched_getaffinity(0))
-    for processes in (1, 2, 2 * cores + 1):
-        result = launch(["--gpus", str(processes), "--dry-run"], launcher_env())
+    for processes in (1, cores, 2 * cores + 1):
+        result = launch(["--gpus", str(processes), "--oversubscribe", "--dry-run"], launcher_env())
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(f"OMP_NUM_THREADS={max(1, cores // processes)} ")
+        oversubscribed = f"--oversubscribe: {processes} processes share {cores} CPU core" in result.stderr
+        assert oversubscribed == (processes > cores), result.stderr
+
+
+def test_more_cpu_processes_than_cores_are_refused_unless_oversubscribe_is_given() -> None:
+    cores = len(os.sched_getaffinity(0))
+    refused = launch(["--yes", "--gpus", "999"], launcher_env())
+    assert_one_line_usage_error(refused)
+    assert (f"--gpus 999: more processes than this machine's {cores} CPU core" in refused.stderr
+            and "give at most" in refused.stderr and "or add --oversubscribe" in refused.stderr)
+    # Asked: the answer is refused in the same words and asked again; 'n' at the end runs nothing.
+    asked = launch([], launcher_env(), input=f"ddp\n{cores + 1}\n{cores}\n1\n32\n\nnone\nn\n")
+    assert asked.returncode == 0, asked.stderr
+    assert f"  --gpus {cores + 1}: more processes than this machine's" in asked.stderr
+    assert asked.stderr.count("CPU processes [") == 2 and "Not done" in asked.stderr
 
 
 def test_dp_on_a_cpu_machine_is_refused_with_the_alternatives() -> None:
@@ -430,10 +448,19 @@ def test_piped_gpu_choices_become_the_right_command(answers: str, head: str) -> 
     assert "Not done" in result.stderr
 
 
+def test_piped_answers_that_run_out_stop_the_launcher_and_run_nothing(tmp_path: Path) -> None:
+    """As Ctrl-D at a terminal question does (below): only --yes takes the defaults."""
+    result = launch([], launcher_env(), cwd=tmp_path, input="ddp\n")
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.splitlines()[-1] == ("launch_multi_gpu.sh: end of input: nothing was run (answer every "
+                                              "question, or give --yes to take the defaults)")
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_busy(tmp_path: Path) -> None:
-    # mode, processes (0 is impossible, then 2), epochs, batch, lr (Enter: default), scaling; the input
-    # ends there, without a final newline, so the confirmation takes its default (y).
-    answers = "ddp\n0\n2\n1\n32\n\nsqrt"
+    # mode, processes (0 is impossible, then 2), epochs, batch, lr (Enter: default), scaling, confirmation; the
+    # last answer has no final newline, and counts all the same.
+    answers = "ddp\n0\n2\n1\n32\n\nsqrt\ny"
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
@@ -520,6 +547,29 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
     assert (save_dir / "last.pt").is_file()
 
 
+def test_ctrl_c_with_the_output_piped_into_a_reader_that_died_still_checkpoints_and_exits_0(tmp_path: Path) -> None:
+    """`bash launch_multi_gpu.sh --yes | tee run.log`, then Ctrl-C: the SIGINT reaches tee too, which dies first.
+    The console is best-effort (multigpu/console.py): the checkpoint is written all the same, exit 0.
+
+    dill is installed here (requirements.txt), as Hugging Face datasets brings it; torch then imports it in
+    torchrun's process, and torchrun.py's log redirection must cope with the log handler dill adds."""
+    import importlib.util
+
+    assert importlib.util.find_spec("dill") is not None, "dill (requirements.txt, tests only) is not installed"
+    args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
+            "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1"]
+    launcher = Launcher(args, launcher_env(), tmp_path, read_stdout=False)  # read here, as tee reads it
+    first_step = next((line for line in iter(launcher.proc.stdout.readline, "") if line.startswith("step ")), None)
+    launcher.proc.stdout.close()  # the reader dies, then the Ctrl-C reaches the launcher's process group
+    if first_step is not None:
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+    result = launcher.wait(time.monotonic() + RUN_TIMEOUT)
+    assert first_step is not None, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / FIRST_RUN / "last.pt").is_file()
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+
+
 def test_bad_input_found_by_the_workers_is_their_one_line_and_exit_2(tmp_path: Path) -> None:
     result = run_launcher(["--yes", "--epochs", "1", "--", "--dataset", "mnist", "--data-dir", "nowhere",
                            "--no-progress"], launcher_env(), tmp_path)
@@ -565,18 +615,31 @@ class Tmux:
                 pytest.fail(f"{pattern!r} did not appear {count}x within {timeout}s; the pane shows:\n{screen}")
             time.sleep(0.1)
 
+    def launch(self, args: str, env: str = "") -> None:
+        """Type the launcher's command line (CPU only), then one that shows its exit status: LAUNCH_EXIT=N."""
+        self.type(f"CUDA_VISIBLE_DEVICES= PYTHON={shlex.quote(sys.executable)} {env} bash {shlex.quote(str(LAUNCHER))} "
+                  f"{args}; echo LAUNCH_EXIT=$?")
+
     def close(self) -> None:
         subprocess.run(["tmux", "-S", self.socket, "kill-server"], env=self.env, capture_output=True, timeout=30)
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
-def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches() -> None:
-    # A short directory: tmux socket paths are limited to ~100 characters.
-    directory = Path(tempfile.mkdtemp(prefix="launch-tty-"))
+@contextlib.contextmanager
+def terminal(prefix: str) -> Iterator[tuple[Tmux, Path]]:
+    """A real terminal (tmux) whose shell works in a new directory, both gone afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))  # short: tmux socket paths are limited to ~100 characters
     term = Tmux(directory)
     try:
-        env = f"CUDA_VISIBLE_DEVICES= PYTHON={shlex.quote(sys.executable)} OMP_NUM_THREADS=1"
-        term.type(f"{env} bash {shlex.quote(str(LAUNCHER))} {' '.join(TINY)}; echo LAUNCH_EXIT=$?")
+        yield term, directory
+    finally:
+        term.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
+def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches() -> None:
+    with terminal("launch-tty-") as (term, directory):
+        term.launch(" ".join(TINY), env="OMP_NUM_THREADS=1")
         term.wait_for(r"Mode \[ddp\]: ")
         term.type("dp")  # offered only with GPUs
         term.wait_for(r"--multi-gpu dp needs CUDA GPUs")
@@ -600,9 +663,17 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
         assert "done:" in screen
         assert (directory / FIRST_RUN / "last.pt").is_file()
         assert (directory / FIRST_RUN / "launch_command.sh").is_file()
-    finally:
-        term.close()
-        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
+def test_ctrl_d_at_the_first_terminal_question_runs_nothing() -> None:
+    with terminal("launch-eof-") as (term, directory):
+        term.launch(" ".join(TINY))
+        term.wait_for(r"Mode \[ddp\]: ")
+        term.tmux("send-keys", "-t", "launch", "C-d")
+        screen = term.wait_for(r"LAUNCH_EXIT=\d+")
+        assert "LAUNCH_EXIT=130" in screen and "launch_multi_gpu.sh: end of input: nothing was run" in screen, screen
+        assert not (directory / "checkpoints").exists()
 
 
 # --- lint ----------------------------------------------------------------------------
@@ -621,13 +692,10 @@ def test_launcher_and_the_other_shell_scripts_pass_shellcheck() -> None:
 @pytest.mark.parametrize("answer, expected", [("c", "--save-dir {dir} --resume auto"), ("o", "--save-dir {dir} --overwrite"),
                                               ("", "--save-dir {dir}-2")])
 def test_a_save_dir_with_checkpoints_asks_to_continue_start_anew_or_overwrite(answer: str, expected: str) -> None:
-    directory = Path(tempfile.mkdtemp(prefix="launch-held-"))
-    (directory / "old").mkdir()
-    (directory / "old" / "last.pt").write_bytes(b"a run's checkpoint")
-    term = Tmux(directory)
-    try:
-        env = f"CUDA_VISIBLE_DEVICES= PYTHON={shlex.quote(sys.executable)}"
-        term.type(f"{env} bash {shlex.quote(str(LAUNCHER))} --dry-run --save-dir old; echo LAUNCH_EXIT=$?")
+    with terminal("launch-held-") as (term, directory):
+        (directory / "old").mkdir()
+        (directory / "old" / "last.pt").write_bytes(b"a run's checkpoint")
+        term.launch("--dry-run --save-dir old")
         for prompt, reply in [(r"Mode \[ddp\]: ", ""), (r"CPU processes \[\d+\]: ", ""), (r"Epochs \[\d+\]: ", ""),
                               (r"Batch size per process \[\d+\]: ", ""), (r"Base learning rate .*\]: ", ""),
                               (r"Scale the LR .*\]: ", "")]:
@@ -639,9 +707,6 @@ def test_a_save_dir_with_checkpoints_asks_to_continue_start_anew_or_overwrite(an
         screen = term.wait_for(r"LAUNCH_EXIT=\d+")
         assert "LAUNCH_EXIT=0" in screen and expected.format(dir="old") in screen, screen
         assert (directory / "old" / "last.pt").read_bytes() == b"a run's checkpoint"
-    finally:
-        term.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_resume_auto_without_save_dir_names_the_run_the_trainer_would_continue(tmp_path: Path) -> None:

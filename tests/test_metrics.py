@@ -104,3 +104,32 @@ def test_builtin_names_and_directions():
         metrics.builtin("f1")
     scores = torch.tensor([[0.1, 0.5, 0.4], [0.7, 0.2, 0.1]])
     assert metrics.builtin("top2")(scores, torch.tensor([2, 2])).tolist() == [1.0, 0.0]
+
+
+class Jittered(torch.utils.data.Dataset):
+    """Blobs with a random transform: reading a sample draws from the global RNG, as augmentation does."""
+
+    def __init__(self, size: int):
+        self.blobs = blobs(size, 1)
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, index: int):
+        inputs, target = self.blobs[index]
+        return inputs + 0.1 * torch.rand(inputs.shape), target
+
+
+def test_the_start_check_of_names_leaves_no_trace(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 4))
+    trainer = MultiGPUTrainer(model, blobs(64, 0), Jittered(32), config_for(tmp_path, 1), metrics=["acc", confidence])
+    rng, buffers = torch.get_rng_state(), {name: b.clone() for name, b in trainer.model.named_buffers()}
+    trainer.evaluator.check_names(trainer.model, Jittered(32), metrics.Monitor("val_confidence"))
+    assert torch.equal(torch.get_rng_state(), rng)  # the transform's draws were put back
+    assert all(torch.equal(b, buffers[name]) for name, b in trainer.model.named_buffers())  # BatchNorm statistics
+    assert trainer.model.training
+    with pytest.raises(Exception, match="--monitor val_conf is not a validation metric of this run; it has "
+                                        "val_loss, val_acc, val_confidence"):
+        trainer.evaluator.check_names(trainer.model, Jittered(32), metrics.Monitor("val_conf"))

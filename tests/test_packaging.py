@@ -60,3 +60,19 @@ def test_installed_package_trains_a_user_script_with_its_own_data_py(tmp_path):
                              capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert_ok(predict)
     assert "--checkpoint" in predict.stdout and "--imagefolder" in predict.stdout
+
+
+def test_the_package_never_imports_an_entry_script():
+    """The sweep's workers train through multigpu.runner, below main_multi_gpu.py and the sweep's own command line,
+    so no import goes round a circle through the scripts at the top of the checkout."""
+    import ast
+
+    entries = {path.stem for path in REPO.glob("*_multi_gpu.py")} - {"train_multi_gpu"}  # the engine is a library
+    assert {"main_multi_gpu", "sweep_multi_gpu", "predict_multi_gpu"} <= entries
+    found = []
+    for path in sorted((REPO / "multigpu").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0] in entries]
+    assert found == []

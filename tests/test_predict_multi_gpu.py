@@ -93,7 +93,8 @@ def test_the_training_split_in_other_batches_gives_the_models_outputs_in_order(t
 BAD_INPUT = {
     "missing checkpoint": (["--checkpoint", "{tmp}/nope.pt"], "checkpoint {tmp}/nope.pt does not exist"),
     "truncated checkpoint": (["--checkpoint", "{tmp}/cut.pt"], "checkpoint {tmp}/cut.pt refused: truncated or corrupt"),
-    "text as checkpoint": (["--checkpoint", "{tmp}/old.csv"], "refused: not a checkpoint (it holds text"),
+    "text as checkpoint": (["--checkpoint", "{tmp}/old.csv", "--output", "{tmp}/new.csv"],
+                           "refused: not a checkpoint (it holds text"),
     "mismatched model": (["--num-classes", "3"], "does not fit --model mlp for 784 inputs and 3 classes: size mismatch"),
     "missing data": (["--dataset", "mnist", "--data-dir", "{tmp}/none"], "--dataset mnist: files not found"),
     "missing image folder": (["--imagefolder", "{tmp}/none"], "--imagefolder {tmp}/none is not a folder"),
@@ -112,9 +113,64 @@ def test_bad_input_is_one_line_exit_2_and_an_earlier_output_is_kept(case, traine
     if "--checkpoint" not in args:
         args = ["--checkpoint", str(tmp_path / "best.pt"), *args]
     if "--output" not in args:
-        args += ["--output", str(tmp_path / "old.csv")]
+        args += ["--output", str(tmp_path / "old.csv"), "--overwrite"]  # kept even where it may be replaced
     assert predict_multi_gpu.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message.format(tmp=tmp_path) in err, err
     assert (tmp_path / "old.csv").read_text() == "an earlier output\n"
     assert not list(tmp_path.glob("*.partial"))
+
+
+# --output that would destroy something: (--output, with --overwrite too?, the line). In {tmp}: S/ a save-dir
+# with best.pt (the checkpoint read), old.csv (an earlier output), a folder, and a link to another user's file.
+REFUSED_OUTPUTS = {
+    "the checkpoint read": ("{tmp}/S/best.pt", True, "--output {tmp}/S/best.pt is the checkpoint being read "
+                                                     "(--checkpoint {tmp}/S/best.pt); choose another file"),
+    "a checkpoint name": ("{tmp}/step-3.pt", True, "--output {tmp}/step-3.pt: step-3.pt is a save-dir's checkpoint "
+                                                   "name (last.pt, best.pt, step-*.pt), refused even with --overwrite"),
+    "an existing file": ("{tmp}/old.csv", False, "--output {tmp}/old.csv exists; add --overwrite to replace it"),
+    "a folder": ("{tmp}/folder.csv", True, "--output {tmp}/folder.csv is a folder; name a file in it"),
+    "a symbolic link": ("{tmp}/link.csv", True, "refusing to write {tmp}/link.csv: it is a symbolic link (to "
+                                                "{tmp}/victim.csv); remove it or choose another path"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_OUTPUTS))
+def test_an_output_that_would_destroy_a_file_is_refused_and_every_file_is_byte_identical(case, trained, tmp_path,
+                                                                                         capsys):
+    (tmp_path / "S").mkdir()
+    shutil.copy(trained, tmp_path / "S" / "best.pt")
+    (tmp_path / "old.csv").write_text("an earlier output\n")
+    (tmp_path / "folder.csv").mkdir()
+    (tmp_path / "victim.csv").write_text("another user's file\n")
+    (tmp_path / "link.csv").symlink_to(tmp_path / "victim.csv")
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    output, with_overwrite, message = REFUSED_OUTPUTS[case]
+    args = ["--checkpoint", str(tmp_path / "S" / "best.pt"), "--output", output.format(tmp=tmp_path)]
+    assert predict_multi_gpu.main(args + ["--overwrite"] * with_overwrite) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message.format(tmp=tmp_path) in err, err
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert not list(tmp_path.rglob("*.partial")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_overwrite_replaces_an_output_only_when_the_prediction_succeeds(trained, tmp_path, capsys):
+    """A prediction that fails half-way (an image whose data is cut short) leaves the old output and no .partial;
+    one that succeeds replaces it."""
+    photos = image_folder(tmp_path / "photos", {"batch0": ["x"]}, per_class=2)
+    image = photos / "batch0" / "x" / "1.png"
+    whole = image.read_bytes()
+    image.write_bytes(whole[: len(whole) // 2])  # its header is intact: found broken only when read, mid-prediction
+    for output in (tmp_path / "old.csv", tmp_path / "old.pt"):
+        output.write_text("an earlier output\n")
+        args = ["--checkpoint", str(trained), "--imagefolder", str(photos), "--output", str(output), "--overwrite"]
+        with pytest.raises(OSError, match="1.png"):
+            predict_multi_gpu.main(args)
+        assert output.read_text() == "an earlier output\n"
+        assert {path.name for path in tmp_path.iterdir()} == {"photos", "old.csv", output.name}  # no .partial, .tmp
+        image.write_bytes(whole)
+        assert predict_multi_gpu.main(args) == 0
+        assert f"predicted 2 samples, written to {output}" in capsys.readouterr().out
+        predictions = read_csv(output) if output.suffix == ".csv" else torch.load(output, weights_only=True)
+        assert len(predictions) == 2
+        image.write_bytes(whole[: len(whole) // 2])

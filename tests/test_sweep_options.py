@@ -43,6 +43,9 @@ BAD = {
     "no workers": (["--workers", "0"], "--workers must be at least 1"),
     "submit alone": (["--submit"], "add --slurm"),
     "slurm and shard": (["--slurm", "--shard", "0/2"], "give one of them"),
+    # a newline in what lands in the job script's comment and #SBATCH lines would start a shell line there
+    "newline in the sweep dir": (["--slurm", "--sweep-dir", "s\ntouch X"], "holds a newline or another control"),
+    "newline in an sbatch arg": (["--slurm", "--sbatch-arg=--comment=a\ntouch X"], "holds a newline or another"),
 }
 
 
@@ -60,3 +63,17 @@ def test_to_argv_reproduces_the_options():
     again, rest = parse(to_argv(options, for_task=False), environ={})
     assert again == options and rest == []
     assert "--max-gpus" not in to_argv(options, for_task=True)  # an array task uses the GPUs SLURM gave it
+
+
+def test_a_sweep_dir_that_is_a_file_is_one_line_and_exit_2_and_the_file_is_left_alone(tmp_path, capsys,
+                                                                                     monkeypatch):
+    from multigpu.sweep.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    for sweep_dir, expected in [("notes.txt", "--sweep-dir notes.txt is a file, not a folder"),
+                                ("notes.txt/sweep", f"--sweep-dir notes.txt/sweep: {tmp_path / 'notes.txt'} is a file")]:
+        assert main(["--sweep-dir", sweep_dir, "--", "--epochs", "1"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), lines
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"

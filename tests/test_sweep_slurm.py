@@ -5,8 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from conftest import PYTHON, REPO, RUN_TIMEOUT, TINY_SWEEP_RUN, assert_ok, cli_env, run_sweep
 
@@ -67,6 +70,48 @@ def test_array_tasks_share_one_sweep_dir_and_merge_their_results(tmp_path):
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(row["point"], row["done"]) for row in rows] == [("lr=0.001", "2"), ("lr=0.003", "2")]
     assert not (tmp_path / "results.jsonl").exists()
+
+
+# Shell code a value could smuggle into the job script; each would create a file INJECTED if it ran.
+INJECTIONS = {"command substitution": "$(touch INJECTED)", "a second command": "; touch INJECTED",
+              "backquotes": "`touch INJECTED`", "a newline": "\ntouch INJECTED"}
+
+
+@pytest.mark.parametrize("name", INJECTIONS)
+def test_no_value_reaches_the_job_script_as_shell_code(name, tmp_path):
+    """The injection through every value that reaches the script: --sweep-dir, --sbatch-arg, --grid, a training
+    flag and the working directory (the script cds there). A newline in --sweep-dir or --sbatch-arg, which land in
+    comment lines where no quoting helps, is refused in one line; everywhere else the value is quoted."""
+    text = INJECTIONS[name]
+    newline = "\n" in text
+    workdir = tmp_path / f"work{text}"
+    workdir.mkdir()
+    sweep_dir = tmp_path / f"sweep{text}"
+    flags = ["--sweep-dir", str(sweep_dir), "--sbatch-arg", f"--comment=c{text}"]
+    if newline:
+        for refused in ([flags[0], flags[1]], flags[2:]):
+            result = run_sweep([*refused, "--slurm", "--", *RUN], cwd=workdir)
+            assert result.returncode == 2 and "holds a newline or another control character" in result.stderr
+            assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert not sweep_dir.exists()
+        sweep_dir, flags = tmp_path / "sweep", ["--sweep-dir", str(tmp_path / "sweep")]
+    assert_ok(run_sweep([*flags, "--grid", f"gpu_ids=0{text}", "--slurm", "--", *RUN, "--data-dir", f"d{text}"],
+                        cwd=workdir))
+    script = sweep_dir / "sweep.sbatch"
+    assert_ok(subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True))
+    # The words bash reads are the values as given: each value one quoted word.
+    words = shlex.split(script.read_text(), comments=True)
+    assert words[words.index("cd") + 1] == str(workdir)
+    assert words[words.index("--sweep-dir") + 1] == str(sweep_dir)
+    assert words[words.index("--data-dir") + 1] == f"d{text}"
+    directives = [word for line in sbatch_lines(script) for word in shlex.split(line)]  # sbatch reads quotes so too
+    assert f"--output={sweep_dir}/slurm/%A_%a.out" in directives
+    assert newline or f"--comment=c{text}" in directives
+    # Run as an array task starts it: bash runs every line, the sweep starts and refuses task 99 (no such shard).
+    task = subprocess.run(["bash", str(script)], cwd=tmp_path, env=cli_env({"SLURM_ARRAY_TASK_ID": "99"}),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert task.returncode == 2 and "error: --shard must be I/N with 0 <= I < N" in task.stderr, task.stderr
+    assert not list(tmp_path.rglob("INJECTED"))  # where bash started, nor where the script cds to
 
 
 def test_submit_hands_the_script_to_sbatch(tmp_path):

@@ -49,3 +49,24 @@ def test_a_killed_worker_is_named_with_its_status_and_torchruns_report_stays_in_
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     report = log.read_text()
     assert "ChildFailedError" in report and "exitcode  : -9" in report
+
+
+# How Hugging Face datasets imports dill; torch imports it too when it is installed (requirements.txt has it).
+DILL_THEN_REDIRECT = """
+import logging, sys
+import dill  # noqa: F401  (adds a logging._StderrHandler, whose stream cannot be set, to its logger 'dill')
+from multigpu.torchrun import _send_logs_to
+agent = logging.getLogger("torch.distributed.elastic.agent")
+agent.addHandler(logging.StreamHandler(sys.stderr))
+_send_logs_to(open(sys.argv[1], "a", buffering=1))
+agent.warning("the agent says")
+logging.getLogger("dill").warning("dill says")
+"""
+
+
+def test_torchruns_logs_go_to_the_file_whatever_handlers_other_libraries_installed(tmp_path: Path) -> None:
+    log = tmp_path / "torchrun.log"
+    result = subprocess.run([PYTHON, "-c", DILL_THEN_REDIRECT, str(log)], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert log.read_text().splitlines() == ["the agent says", "dill says"]

@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child SUMMARY.json [training flags]
 
-It is main_multi_gpu.py (same flags, same messages, same exit status), except that rank 0 also
-writes the run's final metrics to SUMMARY.json for the worker that started it.
+It trains as main_multi_gpu.py does (multigpu.runner: same flags, same messages, same exit status), except
+that rank 0 also writes the run's final metrics to SUMMARY.json for the worker that started it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from multigpu.sweep.records import write_json_atomic
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run main_multi_gpu.main on the training flags; rank 0 writes the summary file."""
-    import main_multi_gpu
+    """Train on the training flags; rank 0 writes the summary file."""
+    from multigpu.runner import train_from_argv
 
     summary_path, *train_argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -25,7 +25,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             write_json_atomic(summary_path, summary)
 
-    return main_multi_gpu.main(train_argv, on_summary=record)
+    return train_from_argv(train_argv, on_summary=record)
 
 
 if __name__ == "__main__":

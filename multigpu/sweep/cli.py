@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from multigpu.console import best_effort
 from multigpu.errors import UsageError
 from multigpu.sweep import records, slurm, summary
 from multigpu.sweep.options import SweepOptions, parse, split_separated
@@ -35,17 +36,18 @@ def _parsed(sweep_argv: list[str], train_argv: list[str], mixed: bool) -> tuple[
 
 
 def _one_line_errors(action: Callable[[], int]) -> int:
-    try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            raise UsageError("a sweep starts its own processes (torchrun ones too, with --gpus-per-run): "
-                             "run it with python, not under torchrun")
-        return action()
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return error.exit_code
-    except KeyboardInterrupt:  # while the runs go, the scheduler turns Ctrl-C into a clean stop
-        print("interrupted while no run was going", file=sys.stderr, flush=True)
-        return 130
+    with best_effort():  # a console nobody reads any more (a dead pipe) never stops the sweep
+        try:
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                raise UsageError("a sweep starts its own processes (torchrun ones too, with --gpus-per-run): "
+                                 "run it with python, not under torchrun")
+            return action()
+        except UsageError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return error.exit_code
+        except KeyboardInterrupt:  # while the runs go, the scheduler turns Ctrl-C into a clean stop
+            print("interrupted while no run was going", file=sys.stderr, flush=True)
+            return 130
 
 
 def run(options: SweepOptions, train_argv: list[str]) -> int:

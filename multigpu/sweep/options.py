@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -141,12 +142,31 @@ def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
         raise UsageError("--submit, --shards and --sbatch-arg belong to --slurm; add --slurm")
     if args.slurm and args.shard is not None:
         raise UsageError("--shard runs one shard; --slurm writes the script that runs them all: give one of them")
+    check_sweep_dir(args.sweep_dir)
+    if args.slurm:
+        # These land in the job script's comments and #SBATCH lines, where a newline would start a shell line
+        # (quoting cannot help there); every other value is shell-quoted (multigpu/sweep/slurm.py).
+        for flag, value in [("--sweep-dir", os.path.abspath(args.sweep_dir)),
+                            *[("--sbatch-arg", arg) for arg in args.sbatch_args]]:
+            if any(unicodedata.category(char) == "Cc" for char in value):
+                raise UsageError(f"{flag} {value!r} holds a newline or another control character, which the "
+                                 f"--slurm job script cannot carry; remove it")
     return SweepOptions(
         sweep_dir=args.sweep_dir, seeds=_seeds(args.seeds, args.num_seeds), grid=list(args.grid),
         max_gpus=args.max_gpus, workers=args.workers, gpus_per_run=args.gpus_per_run,
         threads_per_run=args.threads_per_run, checkpoint_interval=args.checkpoint_interval, retries=args.retries,
         retry_failed=args.retry_failed, shard=_shard(args.shard, environ) if not args.slurm else (0, 1),
         slurm=args.slurm, submit=args.submit, shards=args.shards, sbatch_args=list(args.sbatch_args))
+
+
+def check_sweep_dir(path: str) -> None:
+    """The sweep dir is a folder, or a path that can become one: no file stands in its way."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = path if probe == os.path.abspath(path) else f"{path}: {probe}"
+        raise UsageError(f"--sweep-dir {what} is a file, not a folder; choose another path")
 
 
 def _seeds(text: Optional[str], count: Optional[int]) -> list[int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import quote
 
-from multigpu.config import FIELDS, TrainConfig, build_parser, flag, parse_config
+from multigpu.config import FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.sweep.options import SweepOptions
 
@@ -49,6 +49,11 @@ class Experiment:
     @property
     def log_path(self) -> str:
         return os.path.join(self.save_dir, "train.log")
+
+    @property
+    def sweep_dir(self) -> str:
+        """The sweep dir that holds save_dir: the folders between (grid point, seed) are the sweep's names."""
+        return os.path.normpath(os.path.join(self.save_dir, *[os.pardir] * len(self.name.split("/"))))
 
 
 @dataclass
@@ -99,12 +104,9 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
 
 
 def _refuse_per_experiment_flags(train_argv: list[str]) -> None:
-    unset = object()
-    parser = build_parser()
-    parser.set_defaults(**{name: unset for name in PER_EXPERIMENT})  # tells "given" from "given the default"
-    args = vars(parser.parse_args(train_argv))
+    given = given_fields(train_argv)  # given, even when given the default
     for name, setter in PER_EXPERIMENT.items():
-        if args[name] is not unset:
+        if name in given:
             raise UsageError(f"--{flag(name)} is set for each run by {setter}; leave it out of the training flags")
 
 

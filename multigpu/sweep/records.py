@@ -16,9 +16,9 @@ import fcntl
 import glob
 import json
 import os
-import tempfile
 from typing import Any, Iterator
 
+from multigpu import safe_files
 from multigpu.errors import UsageError
 from multigpu.sweep.plan import fingerprint_difference
 
@@ -45,7 +45,7 @@ def append_result(path: str, record: dict[str, Any]) -> None:
     cut, which `read_results` skips).
     """
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    handle = safe_files.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(handle, line)
         os.fsync(handle)
@@ -76,19 +76,7 @@ def write_json_atomic(path: str, data: Any) -> None:
 
 def write_text_atomic(path: str, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: readers see the old file or the new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp_path = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp_path, 0o644)
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
+    safe_files.write_atomically(path, text, 0o644)
 
 
 def check_fingerprint(sweep_dir: str, fingerprint: dict[str, Any]) -> bool:
@@ -100,18 +88,8 @@ def check_fingerprint(sweep_dir: str, fingerprint: dict[str, Any]) -> bool:
     os.makedirs(sweep_dir, exist_ok=True)
     path = os.path.join(sweep_dir, SWEEP_FILE)
     current = json.loads(json.dumps(fingerprint))  # compared as it will read back
-    if not os.path.exists(path):
-        handle, tmp_path = tempfile.mkstemp(prefix=SWEEP_FILE + ".", suffix=".tmp", dir=sweep_dir)
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(current, file, indent=1, sort_keys=True)
-        os.chmod(tmp_path, 0o644)
-        try:
-            os.link(tmp_path, path)
-            return True
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp_path)
+    if safe_files.create_once(path, json.dumps(current, indent=1, sort_keys=True), 0o644):
+        return True
     with open(path, encoding="utf-8") as file:
         saved = json.load(file)
     difference = fingerprint_difference(saved, current)
@@ -128,7 +106,7 @@ def exclusive(sweep_dir: str, shard: tuple[int, int]) -> Iterator[None]:
     An flock dies with its process, so a killed sweep never leaves a stale lock behind.
     """
     path = os.path.join(sweep_dir, f".lock{_suffix(shard)}")
-    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    handle = safe_files.open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,7 +125,7 @@ def exclusive(sweep_dir: str, shard: tuple[int, int]) -> Iterator[None]:
 @contextlib.contextmanager
 def summary_lock(sweep_dir: str) -> Iterator[None]:
     """Shards that finish together write the merged summary one after another, the last one seeing all results."""
-    handle = os.open(os.path.join(sweep_dir, ".summary.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    handle = safe_files.open_fd(os.path.join(sweep_dir, ".summary.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield

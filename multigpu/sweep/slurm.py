@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from multigpu import safe_files
 from multigpu.errors import UsageError
 from multigpu.sweep.options import MAX_ARRAY_TASKS, SweepOptions, to_argv
 from multigpu.sweep.plan import Plan
@@ -47,19 +48,19 @@ def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: st
     # tasks (sbatch --array=3,5) must still cut the list into the same shards.
     shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{tasks}"'
 
+    # Every value from the user is shell-quoted, #SBATCH lines too (sbatch reads their quotes as a shell does);
+    # a newline, which no quoting keeps inside a comment, was refused with the flags (options.py).
+    directives = [f"--job-name=sweep-{os.path.basename(plan.sweep_dir)}", f"--array=0-{tasks - 1}{limit}",
+                  "--ntasks=1", resources, f"--output={os.path.join(plan.sweep_dir, 'slurm', '%A_%a.out')}",
+                  *options.sbatch_args]
     lines = [
         "#!/bin/bash",
-        f"# Sweep {plan.sweep_dir}: {len(plan.experiments)} experiments in {tasks} array tasks"
+        f"# Sweep {shlex.quote(plan.sweep_dir)}: {len(plan.experiments)} experiments in {tasks} array tasks"
         f"{f', at most {parallel} at a time' if parallel else ''}.",
         f"# Written by sweep_multi_gpu.py --slurm. Submit: sbatch {shlex.quote(script_path(plan))}",
         f"# Array task I runs shard I/{tasks} of the experiment list, into the one sweep dir;",
         "# submitting it again continues the sweep: finished experiments are skipped.",
-        f"#SBATCH --job-name=sweep-{os.path.basename(plan.sweep_dir)}",
-        f"#SBATCH --array=0-{tasks - 1}{limit}",
-        "#SBATCH --ntasks=1",
-        f"#SBATCH {resources}",
-        f"#SBATCH --output={os.path.join(plan.sweep_dir, 'slurm', '%A_%a.out')}",
-        *[f"#SBATCH {arg}" for arg in options.sbatch_args],
+        *[f"#SBATCH {shlex.quote(directive)}" for directive in directives],
         "set -euo pipefail",
         f"cd {shlex.quote(workdir)}",
         f"exec {sweep_flags} {shard} -- {shlex.join(train_argv)}".rstrip(),
@@ -74,10 +75,8 @@ def script_path(plan: Plan) -> str:
 def write_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> str:
     """Write DIR/sweep.sbatch (and DIR/slurm/ for the tasks' output: SLURM does not create it); return its path."""
     path = script_path(plan)
-    os.makedirs(os.path.join(plan.sweep_dir, "slurm"), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(script(plan, options, train_argv, os.getcwd()))
-    os.chmod(path, 0o755)
+    safe_files.make_folder(os.path.join(plan.sweep_dir, "slurm"), inside=plan.sweep_dir)
+    safe_files.write_atomically(path, script(plan, options, train_argv, os.getcwd()), 0o755)
     return path
 
 

@@ -2,7 +2,7 @@
 
 The scheduler starts it with the slot's CUDA_VISIBLE_DEVICES and thread count already in its
 environment, sends it one task at a time over its own pipe and reads each outcome back from that pipe.
-A one-device run trains in this process through `main_multi_gpu.run`; a run of K devices is a
+A one-device run trains in this process through `multigpu.runner.run`; a run of K devices is a
 K-process DDP job under torchrun. A run's console output goes to its own `train.log`.
 """
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Optional
 
+from multigpu import safe_files
+from multigpu.errors import UsageError
 from multigpu.sweep.plan import Experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,31 +82,34 @@ def _import_run_dependencies() -> None:
     about 3 s) before the first run, so a run's wall time is the run's own."""
     import torch._dynamo  # noqa: F401
 
-    import main_multi_gpu  # noqa: F401
     import multigpu.event_file  # noqa: F401  (the run's TensorBoard file)
+    import multigpu.runner  # noqa: F401
     from torch.utils.tensorboard.summary import hparams  # noqa: F401  (its end-of-run hparams)
 
 
 def run_task(task: Task) -> dict[str, Any]:
     """Run one attempt of an experiment to its end and say how it went; never raises."""
-    os.makedirs(task.experiment.save_dir, exist_ok=True)
     started = time.monotonic()
-    if task.gpus_per_run > 1:
-        status, exit_status, error, metrics = _run_torchrun(task)
-    else:
-        status, exit_status, error, metrics = _run_in_process(task)
+    try:
+        safe_files.make_folder(task.experiment.save_dir, inside=task.experiment.sweep_dir)
+        if task.gpus_per_run > 1:
+            status, exit_status, error, metrics = _run_torchrun(task)
+        else:
+            status, exit_status, error, metrics = _run_in_process(task)
+    except UsageError as refusal:  # a link planted in the sweep dir (safe_files): this run is refused, not the sweep
+        status, exit_status, error, metrics = "failed", refusal.exit_code, str(refusal), {}
     return outcome(task, status, exit_status, error, metrics, time.monotonic() - started)
 
 
 def _run_in_process(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
-    import main_multi_gpu
     from multigpu.config import parse_config
     from multigpu.errors import TrainingStopped, UsageError
+    from multigpu.runner import run
 
     with _output_to(task.experiment.log_path), _fault_injected(task.fault):
         print(f"--- sweep: {task.experiment.name}, attempt {task.attempt}", flush=True)
         try:
-            summary = main_multi_gpu.run(parse_config(list(task.experiment.argv)))
+            summary = run(parse_config(list(task.experiment.argv)))
         except KeyboardInterrupt:
             return "stopped", 130, "interrupted before or after training", {}
         except (UsageError, TrainingStopped) as error:
@@ -131,7 +136,7 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     env.pop(_fault_env(), None)
     if task.fault:
         env[_fault_env()] = task.fault
-    with open(experiment.log_path, "ab") as log:
+    with safe_files.open_no_follow(experiment.log_path, "ab") as log:
         log.write(f"--- sweep: {experiment.name}, attempt {task.attempt}: {' '.join(command)}\n".encode())
         log.flush()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -177,7 +182,7 @@ def _output_to(path: str) -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = safe_files.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.dup2(log, 1)
         os.dup2(log, 2)

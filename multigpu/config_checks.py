@@ -1,0 +1,75 @@
+"""Flags that would silently do nothing: one warning line each, naming the flag and why it has no effect.
+
+A flag is warned about only when the user gave it: on the command line (parse_config records the flags it
+named, whatever their values, as `TrainConfig.given`), or from Python a field set to something other than its
+default. Defaults never warn, so neither does a command that the launcher or a sweep builds from them.
+The trainer's plan (multigpu/plan.py) prints these lines once, on rank 0, before the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import FrozenSet, Iterator
+
+from multigpu.config import FIELDS, TrainConfig, flag
+
+GENERATED = ("synthetic", "fake")  # data sets made up in memory: nothing is read or downloaded
+SIZES_OF_GENERATED = ("train_size", "val_size", "num_classes")
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the rules need to know beyond the config: whether the trainer uses its own optimizer and schedule
+    (a user's replace them), and whether the model has convolution weights (the only 4-D tensors
+    channels-last changes)."""
+
+    builtin_optimizer: bool = True
+    builtin_schedule: bool = True
+    convolutions: bool = True
+
+
+def given(config: TrainConfig) -> FrozenSet[str]:
+    """The fields the user set: the flags the command line named, else (Python) those not at their default."""
+    if config.given is not None:
+        return config.given
+    return frozenset(name for name, f in FIELDS.items() if getattr(config, name) != f.default)
+
+
+def ignored_flags(config: TrainConfig, given_fields: FrozenSet[str], facts: RunFacts) -> list[str]:
+    """A "warning: --FLAG has no effect: why" line for each given flag this run does not use."""
+    lines = []
+    for name, why in _unused(config, facts):
+        value = getattr(config, name)
+        if name in given_fields and value is not False:  # --no-download and the like ask for nothing
+            shown = f"--{flag(name)}" if value is True else f"--{flag(name)} {value}"
+            lines.append(f"warning: {shown} has no effect: {why}")
+    return lines
+
+
+def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
+    """(field, why) for every field that this run's other settings leave unused, given or not."""
+    if facts.builtin_schedule and config.lr_schedule != "step":
+        for name in ("lr_gamma", "lr_step_epochs"):
+            yield name, (f"it shapes --lr-schedule step, and this run's schedule is {config.lr_schedule}; "
+                         f"add --lr-schedule step to decay the LR in steps")
+    if facts.builtin_optimizer and config.optimizer != "sgd":
+        yield "momentum", f"it is SGD's momentum, and --optimizer {config.optimizer} has none; use --optimizer sgd"
+    if config.lr_scaling == "none":
+        yield "lr_base_batch", ("--lr-scaling none uses --lr as given; add --lr-scaling linear or sqrt to scale it "
+                                "from this batch to the effective batch")
+    if config.save_every_steps == 0:
+        yield "keep_last", ("it counts step checkpoints, and without --save-every-steps there are none "
+                            "(last.pt and best.pt are always kept)")
+    if config.dataset not in GENERATED:
+        for name in SIZES_OF_GENERATED:
+            yield name, f"it sizes the synthetic and fake data sets, and --dataset {config.dataset} has its own"
+        if config.dataset != "imagefolder":
+            yield "image_shape", f"--dataset {config.dataset} has images of its own shape"
+    if config.dataset in GENERATED:
+        for name in ("data_dir", "download"):
+            yield name, f"--dataset {config.dataset} is generated in memory: no file is read or downloaded"
+    elif config.dataset == "imagefolder":
+        yield "download", "an image folder is read as it is: there is nothing to download"
+    if not facts.convolutions:
+        yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
+                                "channels-last")
