@@ -248,8 +248,6 @@ CLI = {
                                           "has trained 2 epoch(s), already past --epochs 1 (the total, not epochs "
                                           "more): nothing to train; pass --epochs 3 or more",
                                           lambda tmp, ckpt: at_epoch(ckpt / "last.pt", 2)),
-    "a flag refused at the first evaluation of an --overwrite run": Case(
-        ["--overwrite", "--monitor", "val_mse"], "--monitor val_mse is not a validation metric of this run"),
     # data sets
     "imagefolder without class folders": Case([], "Couldn't find any class folder in",
                                               lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})),

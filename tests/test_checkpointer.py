@@ -19,9 +19,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, assert_untouched, blobs, cli_command, cli_env, config_for,
-                      contents, run_cli, run_ranks, tiny_model)
+                      contents, image_folder, run_cli, run_ranks, tiny_model)
 from multigpu import checkpoint
-from multigpu.errors import TrainingStopped, UsageError
+from multigpu.errors import TrainingStopped
 from multigpu.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
@@ -91,12 +91,6 @@ def overwrite_run(save_dir: Path, data: Dataset = blobs(64, 0), world_size: int 
     return MultiGPUTrainer(tiny_model(), data, blobs(32, 1), config)
 
 
-def refused_late(save_dir: Path) -> None:
-    """--monitor names a metric this run does not compute: refused at the first evaluation, exit 2 in the CLI."""
-    with pytest.raises(UsageError, match="--monitor val_mse is not a validation metric of this run"):
-        overwrite_run(save_dir, monitor="val_mse").fit()
-
-
 def nonfinite_at_step_1(save_dir: Path) -> None:
     nan = TensorDataset(torch.full((64, 16), float("nan")), torch.zeros(64, dtype=torch.long))
     with pytest.raises(TrainingStopped, match="loss became non-finite at step 1;"):
@@ -116,7 +110,7 @@ def sigint_before_the_first_save(save_dir: Path) -> None:
     assert trainer.fit()["stopped"]  # a clean stop: exit 0 in the CLI, but nothing of this run is kept
 
 
-@pytest.mark.parametrize("fail", [refused_late, nonfinite_at_step_1, sigint_before_the_first_save])
+@pytest.mark.parametrize("fail", [nonfinite_at_step_1, sigint_before_the_first_save])
 def test_an_overwrite_run_that_ends_before_its_first_save_puts_the_previous_run_back(previous, fail, capsys):
     before = contents(previous)
     fail(previous)
@@ -128,6 +122,29 @@ def test_an_overwrite_run_that_ends_before_its_first_save_puts_the_previous_run_
                               config_for(previous, 1, save_dir=str(previous), resume="auto", epochs=2))
     assert resumed.fit()["global_step"] == 16
     assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch" in capsys.readouterr().out
+
+
+def test_an_overwrite_run_refused_mid_epoch_puts_the_previous_run_back(tmp_path, capsys):
+    """Bad input that only training finds (flags are checked before the old files are set aside): a training
+    image cut short after its header, which the checks at start pass."""
+    images = image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
+    save_dir = tmp_path / "ckpt"
+    run = ["--dataset", "imagefolder", "--data-dir", str(images), "--image-shape", "3,8,8", "--batch-size", "2",
+           "--epochs", "1", "--no-progress", "--save-dir", str(save_dir)]
+    assert main_multi_gpu.main(run) == 0
+    before, image = contents(save_dir), images / "train" / "dog" / "1.png"
+    whole = image.read_bytes()
+    image.write_bytes(whole[:48])
+    capsys.readouterr()
+    assert main_multi_gpu.main([*run, "--overwrite"]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"error: --dataset imagefolder: {image} cannot be read (image file is truncated); "
+                                f"remove or replace it (--resume auto then continues from the last checkpoint)"]
+    assert "the previous run's files are back" in out
+    assert contents(save_dir) == before and not list(save_dir.glob(".replaced-*"))
+    image.write_bytes(whole)
+    assert main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"]) == 0
+    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 2, 0 samples into the epoch" in capsys.readouterr().out
 
 
 def _interrupted_overwrite(rank: int, world_size: int, save_dir: Path) -> dict:
