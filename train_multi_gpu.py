@@ -150,7 +150,8 @@ class MultiGPUTrainer:
         self.meter = IntervalMeter(self.device, self.loader_batch)
         self._resumed, self._batch_checked = False, False
         self.checkpointer = Checkpointer(config, rt, self.report)
-        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer))
+        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer),
+                                        config.epochs * self.steps_per_epoch)
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -205,8 +206,10 @@ class MultiGPUTrainer:
             self._report_done(summary)
             return summary
         finally:
-            self.report.close()
-            self.checkpointer.release()
+            try:
+                self.report.close()
+            finally:  # also when the logs cannot be closed: the save-dir is given up, --overwrite's files put back
+                self.checkpointer.release()
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
@@ -411,10 +414,13 @@ class MultiGPUTrainer:
         return True
 
     def _stop_for_signal(self) -> dict[str, Any]:
+        signal_name = self.stop.signal_name or "a signal on another rank"
+        stopped = f"stopped by {signal_name} at step {self.progress.global_step}"
+        if self.checkpointer.keeps_previous_run:  # --overwrite before its first save: the old run comes back instead
+            self.report.line(f"{stopped}, before this run's first checkpoint: nothing of it is saved")
+            return self._summary(stopped=True)
         path = self.save_checkpoint("last.pt")
-        self.report.line(f"stopped by {self.stop.signal_name or 'a signal on another rank'} at step "
-                         f"{self.progress.global_step}; checkpoint {path} written. Continue with the same "
-                         f"command plus --resume auto")
+        self.report.line(f"{stopped}; checkpoint {path} written. Continue with the same command plus --resume auto")
         return self._summary(stopped=True)
 
     # ------------------------------------------------------------------ the end

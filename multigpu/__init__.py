@@ -24,6 +24,7 @@
 - preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts
 - faults:       the test-only fault injector
 - savedir:      one run owns a save-dir; numbered run folders; --overwrite's set-aside copies
+- run_settings: the settings a checkpoint was trained with, read torch-free; how a command differs from them
 - safe_files:   every file the project writes, never through a planted symbolic link (O_NOFOLLOW, or rename)
 - launch_rules: the launcher's rule set: checks, numbers, the command and the SLURM script (torch-free)
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file

@@ -13,6 +13,7 @@ import glob
 import os
 import pickle
 import resource
+import stat
 import tempfile
 import warnings
 from typing import Any, Callable, Optional
@@ -21,6 +22,7 @@ import torch
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
+from multigpu.savedir import newest_first, resumable_files
 
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2
@@ -120,11 +122,21 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
 TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
+_SPECIAL_FILES = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+                  stat.S_IFBLK: "a block device"}
+
+
 def _file_kind(path: str) -> Optional[str]:
     """None for what may be a torch.save file; else what the file is instead, in a few words.
 
-    Without this, torch's unpickler reports a text file as a bare opcode number.
+    Without this, torch's unpickler reports a text file as a bare opcode number, and
+    reading a named pipe waits for a writer forever.
     """
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        return "a folder, not a checkpoint file"
+    if not stat.S_ISREG(mode):
+        return f"{_SPECIAL_FILES.get(stat.S_IFMT(mode), 'a special file')}, not a regular file"
     with open(path, "rb") as file:
         head = file.read(512)
     if not head:
@@ -166,18 +178,6 @@ def step_checkpoint_path(save_dir: str, global_step: int) -> str:
     return os.path.join(save_dir, step_checkpoint_name(global_step))
 
 
-def _newest_first(paths: list[str]) -> list[str]:
-    """Most recently written first. On an equal mtime (coarse file-system clocks) last.pt, written
-    after the step checkpoint of the same step, and then the higher step count as newer."""
-    return sorted(paths, key=lambda path: (os.path.getmtime(path), os.path.basename(path) == "last.pt",
-                                           os.path.basename(path)), reverse=True)
-
-
-def resumable_files(save_dir: str) -> list[str]:
-    """Checkpoints in `save_dir` that a resume may use, newest first (best.pt is not one: it is older)."""
-    return _newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt")))
-
-
 def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[str, dict[str, Any]]]:
     """The most recently written checkpoint in `save_dir` that loads and validates, or None.
 
@@ -195,7 +195,7 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints (called only after a new one is in place)."""
-    for path in _newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")))[keep:]:
+    for path in newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")))[keep:]:
         os.unlink(path)
 
 
@@ -214,17 +214,13 @@ PROBE_BYTES = 64 * 1024  # real bytes: an empty file can be created on a full di
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def check_writable(directory: str, expected_bytes: Optional[int] = None, flag: str = "--save-dir",
-                   inside: Optional[str] = None) -> Optional[str]:
+def check_writable(directory: str, flag: str = "--save-dir", inside: Optional[str] = None) -> None:
     """Fail at start, not after an epoch of training, when files cannot be written to `directory`.
 
     Creates the directory (`safe_files.make_folder`: a symbolic link planted
     below `inside`, a folder the user named, is refused), writes PROBE_BYTES
     real bytes, fsyncs (network file systems report a full disk or quota there)
-    and deletes them; UsageError naming `flag` if that fails. Returns a one-line
-    warning (else None) when `expected_bytes`, the size of one checkpoint
-    (`estimate_size`), will not fit in the free space or under the file-size
-    limit (ulimit -f).
+    and deletes them; UsageError naming `flag` if that fails.
     """
     try:
         safe_files.make_folder(directory, inside)
@@ -235,20 +231,26 @@ def check_writable(directory: str, expected_bytes: Optional[int] = None, flag: s
     except OSError as error:
         fix = "free some space or choose another directory" if error.errno in _NO_ROOM else "choose another directory"
         raise UsageError(f"{flag} {directory} is not writable ({error.strerror or error}); {fix}") from None
-    if expected_bytes is None:
-        return None
+
+
+def room_shortfall(directory: str, need_bytes: int, file_bytes: int, what: str) -> Optional[tuple[str, str]]:
+    """Why `need_bytes` of checkpoints (`what` they are), each file about `file_bytes`, will not fit in
+    `directory`, its free space or the file size limit (ulimit -f) against the need, and what would make
+    them fit, both in words; None when they fit."""
     stats = os.statvfs(directory)
     free = stats.f_bavail * stats.f_frsize
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    need = f"one checkpoint needs about {_megabytes(expected_bytes)}"
-    if free < expected_bytes:
-        return f"warning: {flag} {directory} has {_megabytes(free)} free, {need}: saving will fail; free some space"
-    if limit != resource.RLIM_INFINITY and limit < expected_bytes:
-        return f"warning: the file size limit (ulimit -f) is {_megabytes(limit)}, {need}: saving will fail"
+    if free < need_bytes:
+        return (f"has {megabytes(free)} free, but this run's checkpoints need about {megabytes(need_bytes)} ({what})",
+                f"free some space, choose another directory")
+    if limit != resource.RLIM_INFINITY and limit < file_bytes:
+        return (f"is under a file size limit (ulimit -f) of {megabytes(limit)}, but one checkpoint needs about "
+                f"{megabytes(file_bytes)}", "raise the limit (ulimit -f unlimited)")
     return None
 
 
-def _megabytes(count: int) -> str:
+def megabytes(count: int) -> str:
+    """A byte count for people: "1.1 MB"."""
     return f"{count / 1e6:.1f} MB"
 
 

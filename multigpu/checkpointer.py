@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from multigpu import checkpoint, faults, preemption, rng, savedir
+from multigpu import checkpoint, faults, preemption, rng, run_settings, savedir
 from multigpu.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
@@ -39,8 +39,15 @@ def with_run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig,
     """
     if config.save_dir is not None:
         return config, None
-    choice = savedir.choose_run_dir(DEFAULT_SAVE_ROOT, config.resume == "auto") if runtime.is_main else None
-    path, line = gather_objects(choice)[0]  # type: ignore[misc]
+    choice = None
+    if runtime.is_main:
+        try:
+            choice = (*savedir.choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
+        except UsageError as error:  # runs are there, none with these settings: every rank stops
+            choice = ("", "", str(error))
+    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
+    if refusal:
+        raise UsageError(refusal)
     return dataclasses.replace(config, save_dir=path), line
 
 
@@ -52,34 +59,78 @@ class Checkpointer:
         self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by with_run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)
         self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
-        self.set_aside: Optional[str] = None  # --overwrite's copy of the previous run, dropped after our first save
+        # --overwrite's copy of the previous run, known on every rank (rank 0 moves the files): dropped at this
+        # run's first save, put back if the run ends before it.
+        self.set_aside: Optional[str] = None
+
+    @property
+    def keeps_previous_run(self) -> bool:
+        """True between an --overwrite start and this run's first checkpoint: its end puts the old files back."""
+        return self.set_aside is not None
 
     # ------------------------------------------------------------------ owning the save-dir
-    def check_folders(self, expected_bytes: int) -> None:
-        """At start, on every rank: the save-dir and --log-dir take real bytes (not after an epoch of
-        training), with a warning when one checkpoint of `expected_bytes` will not fit."""
-        warning = checkpoint.check_writable(self.save_dir, expected_bytes)
-        if warning:
-            self.report.line(warning)
-        checkpoint.check_writable(self.config.tensorboard_dir, flag="--log-dir" if self.config.log_dir else "--save-dir",
-                                  inside=self.config.tensorboard_root)
+    def check_folders(self, checkpoint_bytes: int, total_steps: int) -> None:
+        """At start, before anything is trained: the save-dir and --log-dir take real bytes on every rank, and
+        rank 0's save-dir has room for the checkpoints this run keeps (`total_steps` long, each about
+        `checkpoint_bytes`), else refused unless --allow-low-disk. Every rank gets the same verdict."""
+        refusal = None
+        try:
+            checkpoint.check_writable(self.save_dir)
+            shortfall = self._room_shortfall(checkpoint_bytes, total_steps) if self.runtime.is_main else None
+            if shortfall and not self.config.allow_low_disk:
+                raise UsageError(f"--save-dir {self.save_dir} {shortfall[0]}: {shortfall[1]}, or pass "
+                                 f"--allow-low-disk to start anyway")
+            if shortfall:
+                self.report.line(f"warning: --save-dir {self.save_dir} {shortfall[0]}; starting anyway "
+                                 f"(--allow-low-disk): a save that does not fit stops the run")
+            checkpoint.check_writable(self.config.tensorboard_dir,
+                                      flag="--log-dir" if self.config.log_dir else "--save-dir",
+                                      inside=self.config.tensorboard_root)
+        except UsageError as error:
+            refusal = str(error)
+        refusal = next(filter(None, gather_objects(refusal)), None)
+        if refusal:
+            raise UsageError(refusal)
+
+    def _room_shortfall(self, checkpoint_bytes: int, total_steps: int) -> Optional[tuple[str, str]]:
+        """Rank 0: why the checkpoints will not fit in the save-dir and what would make them, or None.
+
+        At the most, a run keeps last.pt, best.pt and --keep-last step checkpoints
+        while it writes the next one beside them (an atomic save replaces a file
+        only once the new one is complete). Checkpoints already there are counted
+        as room: a resume replaces them, and --overwrite's set-aside copy goes at
+        the first save, which writes last.pt and best.pt beside it.
+        """
+        config = self.config
+        steps = min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
+        files = 2 + steps + 1
+        there = sum(os.path.getsize(path) for path in savedir.checkpoint_files(self.save_dir))
+        need = max(files * checkpoint_bytes - there, (2 if config.overwrite else 1) * checkpoint_bytes)
+        what = (f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
+                f"about {checkpoint.megabytes(checkpoint_bytes)} each"
+                f"{f', less the {checkpoint.megabytes(there)} of the checkpoints there' if there else ''}")
+        return checkpoint.room_shortfall(self.save_dir, need, checkpoint_bytes, what)
 
     def claim(self) -> None:
         """Own the save-dir while training, before anything is written there.
 
         Rank 0 takes the lock (a second run in the same folder is refused; one
-        left by a dead run is taken over with one line), and a fresh run never
-        replaces another run's checkpoints: refused, or with --overwrite kept
-        aside until this run's first save. Every rank learns the verdict.
+        left by a dead run is taken over with one line), puts back what an
+        --overwrite run killed before its first save set aside, and a fresh run
+        never replaces another run's checkpoints: refused, or with --overwrite
+        kept aside until this run's first save. Every rank learns the verdict.
         """
         refusal, lines = None, []
         if self.runtime.is_main and not self.lock.held:
             try:
                 self.lock.acquire(lines.append)
+                restarted_overwrite = preemption.restart_count() > 0 and self.config.overwrite
+                self.set_aside, repaired = savedir.leftovers(self.save_dir, adopt=restarted_overwrite)
+                lines += repaired
                 refusal = self._refuse_fresh_start_over_checkpoints()
             except UsageError as error:
                 refusal = str(error)
-        refusal = gather_objects(refusal)[0]
+        refusal, self.set_aside = gather_objects((refusal, self.set_aside))[0]  # type: ignore[misc]
         for line in lines:
             self.report.line(line)
         if refusal:
@@ -87,22 +138,45 @@ class Checkpointer:
             raise UsageError(refusal)
 
     def _refuse_fresh_start_over_checkpoints(self) -> Optional[str]:
-        """Rank 0: the refusal of a fresh run in a folder of checkpoints, or None (after --overwrite's set-aside)."""
+        """Rank 0: the refusal of a run that would replace the checkpoints in the save-dir, or None (after
+        --overwrite's set-aside)."""
         config = self.config
-        existing = checkpoint.resumable_files(self.save_dir) + savedir.checkpoint_files(self.save_dir)
-        if config.resume is not None or preemption.restart_count() > 0 or not existing:
+        existing = savedir.resumable_files(self.save_dir) + savedir.checkpoint_files(self.save_dir)
+        if preemption.restart_count() > 0 or not existing:
             return None
+        if config.resume is not None and not config.overwrite:
+            return None  # it continues the run here, or (--resume PATH from elsewhere) replaces its files as it saves
+        if config.resume is not None and self._resumes_from_save_dir():
+            return (f"--resume {config.resume} continues the run in --save-dir {self.save_dir}, which --overwrite "
+                    f"would set aside: give one of them")
         if not config.overwrite:
             return (f"--save-dir {self.save_dir} holds another run's checkpoints "
                     f"({os.path.basename(existing[0])}): continue it with --resume auto, choose another --save-dir, "
                     f"or start afresh with --overwrite (the old files are kept aside until this run saves)")
         self.set_aside = savedir.set_aside(self.save_dir, extra=(os.path.join(self.save_dir, "tb"),))
         self.report.line(f"--overwrite: the previous run's files are kept in {self.set_aside} until this run's "
-                         f"first checkpoint is written")
+                         f"first checkpoint is written, and put back if it ends before")
         return None
 
+    def _resumes_from_save_dir(self) -> bool:
+        """Whether --resume names the save-dir's own run: auto, the save-dir itself, or a file in it."""
+        resume = self.config.resume
+        here = os.path.realpath(self.save_dir)
+        return resume == "auto" or here in (os.path.realpath(resume), os.path.dirname(os.path.realpath(resume)))
+
     def release(self) -> None:
-        """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held)."""
+        """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held). A run that ends
+        before its first checkpoint puts --overwrite's set-aside files back first, unless torchrun will restart
+        it (its next attempt continues afresh with them still aside)."""
+        folder, self.set_aside = self.set_aside, None
+        if folder and self.runtime.is_main:
+            if preemption.restarts_left() > 0:
+                self.report.line(f"--overwrite: the previous run's files stay in {folder} while torchrun may restart "
+                                 f"this run; a run started later in --save-dir {self.save_dir} puts them back")
+            else:
+                savedir.put_back(folder)
+                self.report.line(f"--overwrite: this run ended before its first checkpoint, so the previous run's "
+                                 f"files are back in --save-dir {self.save_dir} (this run's own logs there removed)")
         if self.lock.held:
             self.lock.release()
 
@@ -132,20 +206,33 @@ class Checkpointer:
         if config.resume is None and not restarted:
             return None
         if restarted or config.resume == "auto":
-            reasons: list[str] = []
-            found = checkpoint.load_newest(self.save_dir, reasons.append)
+            found = self._newest_in(self.save_dir, "--resume auto")
             if found is not None:
-                for reason in reasons:
-                    self.report.line(f"{reason}; trying an older one")
                 return found
-            if reasons:  # checkpoints are there, yet none loads: never a silent fresh start over them
-                raise CheckpointError(f"--resume auto found no usable checkpoint in {self.save_dir}: "
-                                      f"{'; '.join(reasons)}")
             if config.resume in (None, "auto"):
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
+        if os.path.isdir(config.resume):
+            found = self._newest_in(config.resume, f"--resume {config.resume}")
+            if found is None:
+                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt): "
+                                      f"name a checkpoint file, or a folder that holds one")
+            return found
         return config.resume, checkpoint.load(config.resume)
+
+    def _newest_in(self, folder: str, flag: str) -> Optional[tuple[str, dict[str, Any]]]:
+        """The newest checkpoint in `folder` that loads (each newer one refused said in a line); None when there
+        is none; CheckpointError when there are some and none loads: never a silent fresh start over them."""
+        reasons: list[str] = []
+        found = checkpoint.load_newest(folder, reasons.append)
+        if found is not None:
+            for reason in reasons:
+                self.report.line(f"{reason}; trying an older one")
+            return found
+        if reasons:
+            raise CheckpointError(f"{flag} found no usable checkpoint in {folder}: {'; '.join(reasons)}")
+        return None
 
     def check(self, path: str, state: dict[str, Any], ours: dict[str, Any]) -> None:
         """Refuse a checkpoint of another model, data set or optimizer in one line naming the field;
@@ -159,12 +246,22 @@ class Checkpointer:
                         "scheduler_class": "LR scheduler"}.get(name, f"--{name.replace('_', '-')}")
                 raise CheckpointError(f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): "
                                       f"resume with the same one or start a new --save-dir")
-        changed = [f"{key}: {saved.get(key)} -> {value}" for key, value in self.config.to_dict().items()
-                   if key in saved and saved[key] != value and key not in ("resume", "overwrite")]
+        self._refuse_past_epochs(path, state)
+        changed = run_settings.changes(saved, self.config)
         if changed:
             keeps_seed = "; data order and random state continue the checkpoint's" if self.config.seed != \
                 saved.get("seed", self.config.seed) else ""
             self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
+
+    def _refuse_past_epochs(self, path: str, state: dict[str, Any]) -> None:
+        """A checkpoint already beyond --epochs (the total, not epochs more): nothing to train, and a plan
+        with a negative number of steps left would be a lie."""
+        epochs, partial = state["epoch"], state["samples_in_epoch"] > 0
+        if epochs > self.config.epochs or (epochs == self.config.epochs and partial):
+            part = " and part of the next" if partial else ""
+            raise CheckpointError(f"checkpoint {path} has trained {epochs} epoch(s){part}, already past --epochs "
+                                  f"{self.config.epochs} (the total, not epochs more): nothing to train; pass --epochs "
+                                  f"{epochs + 1} or more to train on")
 
     # ------------------------------------------------------------------ what a checkpoint holds
     def state_of(self, trainer: "MultiGPUTrainer") -> dict[str, Any]:
@@ -262,9 +359,9 @@ class Checkpointer:
             raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
                                   f"stopped at step {state['global_step']}, {kept}: {self.newest()}")
         self.last_saved = path
-        if self.runtime.is_main and self.set_aside:
-            savedir.drop_set_aside(self.set_aside)  # our first checkpoint is safely written
-            self.set_aside = None
+        folder, self.set_aside = self.set_aside, None
+        if folder and self.runtime.is_main:
+            savedir.drop_set_aside(folder)  # our first checkpoint is safely written
         return path
 
     def save_step(self, state: dict[str, Any]) -> None:

@@ -98,12 +98,16 @@ class TrainConfig:
                                    "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
                                    group="output")
     overwrite: bool = _opt(False, "start afresh in a --save-dir that holds another run's checkpoints (they are kept "
-                           "aside until this run's first checkpoint is written)", group="output")
+                           "aside until this run's first checkpoint is written, and put back if it ends before)",
+                           group="output")
+    allow_low_disk: bool = _opt(False, "start even when the save-dir's free space is below what this run's checkpoints "
+                                "need (estimated at start); a save that does not fit then stops the run",
+                                group="output")
     log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
     log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output")
     progress: bool = _opt(True, "show the rank-0 progress bar", group="output")
-    resume: Optional[str] = _opt(None, "checkpoint to continue from, or 'auto' for the newest good one in --save-dir",
-                                 group="output")
+    resume: Optional[str] = _opt(None, "checkpoint to continue from (a file, or a folder: its newest good one), or "
+                                 "'auto' for the newest good one in --save-dir", group="output")
     save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",
                                  group="output")
     keep_last: int = _opt(3, "step checkpoints to keep", group="output")
@@ -124,6 +128,9 @@ class TrainConfig:
         for name, allowed in RANGES.items():
             if getattr(self, name) not in FIELDS[name].metadata["words"]:
                 allowed.check(name, getattr(self, name))
+        if self.resume == "auto" and self.overwrite:
+            raise UsageError("--resume auto continues the run in --save-dir and --overwrite starts afresh over it: "
+                             "give one of them")
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
         self.image_dims()  # validates --image-shape

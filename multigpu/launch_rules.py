@@ -468,13 +468,13 @@ def settle_save_dir(s: Settings, config: TrainConfig) -> Iterator[tuple[str, str
     """The save-dir the command names (launch_command.sh goes there too).
 
     Without --save-dir: a new run folder under checkpoints/ (with --resume auto,
-    the newest), as the trainer would choose. A --save-dir holding another run's
+    the newest with the same settings), as the trainer would choose. A --save-dir holding another run's
     checkpoints, with neither --resume nor --overwrite, is reported
     ("save-dir-holds") with a fresh folder beside it, for the launcher to ask.
     """
     if s.save_dir is None:
-        newest = savedir.newest_run_dir(DEFAULT_SAVE_ROOT)
-        s.save_dir = newest if config.resume == "auto" and newest else savedir.next_run_dir(DEFAULT_SAVE_ROOT)
+        continued = savedir.run_to_continue(DEFAULT_SAVE_ROOT, config) if config.resume == "auto" else None
+        s.save_dir = continued[0] if continued else savedir.next_run_dir(DEFAULT_SAVE_ROOT)
         yield "set:save-dir", s.save_dir
     elif config.resume is None and not config.overwrite and os.path.isdir(s.save_dir):
         held = savedir.checkpoint_files(s.save_dir)
@@ -542,8 +542,12 @@ def slurm_devices(s: Settings) -> Devices:
 
 def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a SLURM job needs beyond a run here: its own resuming, and a --save-dir every node sees."""
-    if "resume" in given_trainer_options(s.trainer_args):
+    given = given_trainer_options(s.trainer_args)
+    if "resume" in given:
         raise UsageError("--resume after -- with --slurm: the job script continues with --resume auto by itself")
+    if "overwrite" in given:
+        raise UsageError("--overwrite after -- with --slurm: the job continues its --save-dir with --resume auto "
+                         "(a requeue must not start over); give a new --save-dir instead")
     if nodes.count > 1 and s.save_dir is None:
         raise UsageError(f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
                          f"global rank 0, which writes the checkpoints, may be on any node")

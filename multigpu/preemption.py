@@ -63,6 +63,11 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def restarts_left() -> int:
+    """How many more times torchrun would restart the worker group if this attempt failed (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
+
+
 def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
     """init_process_group arguments that keep a torchrun restart away from the previous attempt's keys.
 

@@ -36,31 +36,41 @@ Run folders
 -----------
 Without --save-dir a run writes to a new `run-N` folder under the default
 root (like Lightning's version folders), so running the same command twice
-keeps both runs, and TensorBoard pointed at the root compares them.
+keeps both runs, and TensorBoard pointed at the root compares them. With
+--resume auto it continues the newest folder whose run was trained with the
+command's settings (multigpu/run_settings.py), and refuses when runs are there
+but none matches, rather than continue another command's run.
 
 --overwrite
 -----------
 `set_aside` moves the old checkpoints into `<save-dir>/.replaced-<time>/`
 (never deleted at start); `drop_set_aside` removes that copy once the new
-run's first checkpoint is safely written.
+run's first checkpoint is safely written, and `put_back` returns every file
+to where it was if the run ends before that. A run killed in between leaves
+the folder behind: the next run to take the save-dir puts it back
+(`leftovers` says which to put back and which to leave to the user).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
-from multigpu import safe_files
+from multigpu import run_settings, safe_files
+from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
 LOCK_NAME = ".run.lock"
@@ -318,11 +328,13 @@ def new_run_dir(root: str) -> str:
             number += 1
 
 
-def choose_run_dir(root: str, resume_auto: bool) -> tuple[str, str]:
+def choose_run_dir(root: str, config: TrainConfig) -> tuple[str, str]:
     """The run folder of a run without --save-dir, and the line that says so. Rank 0 only (it may create one).
 
     A torchrun restart continues the folder its job owned (else the newest);
-    --resume auto continues the newest; anything else starts a new one.
+    --resume auto continues the newest run with the command's settings
+    (`run_to_continue`; UsageError when runs are there but none matches);
+    anything else starts a new one.
     """
     restarted = _restart_count() > 0
     if restarted:
@@ -333,11 +345,52 @@ def choose_run_dir(root: str, resume_auto: bool) -> tuple[str, str]:
             if owner is not None and job is not None and owner.job == job:
                 return path, f"torchrun restart {_restart_count()}: continuing this job's run folder {path}"
     newest = newest_run_dir(root)
-    if (resume_auto or restarted) and newest is not None:
+    if restarted and newest is not None:
         return newest, f"--save-dir not given: continuing the newest run folder {newest}"
+    continued = run_to_continue(root, config) if config.resume == "auto" else None
+    if continued is not None:
+        return continued
     path = new_run_dir(root)
     return path, (f"--save-dir not given: this run writes to {path} (a new folder per run; "
-                  f"--resume auto continues the newest)")
+                  f"--resume auto continues the newest with the same settings)")
+
+
+def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]:
+    """(folder, line): the newest run folder under `root` whose checkpoints were trained with `config`'s
+    settings (--epochs may differ), for --resume auto without --save-dir; None when no folder holds a
+    checkpoint. UsageError naming the newest run and how it differs when none matches."""
+    newest_other: Optional[tuple[str, list[str]]] = None
+    for number in reversed(_run_numbers(root)):
+        folder = os.path.join(root, f"{RUN_PREFIX}{number}")
+        # A folder with no checkpoint but a killed --overwrite run's set-aside copy gets it back when it is taken.
+        files = resumable_files(folder) or [path for aside in set_aside_folders(folder)
+                                            for path in resumable_files(aside)]
+        saved = next(filter(None, map(run_settings.saved_settings, files)), None)
+        if saved is None:
+            continue  # nothing to continue there
+        differing = run_settings.differences(saved, config)
+        if not differing:
+            skipped = f" ({newest_other[0]} has other settings)" if newest_other else ""
+            return folder, f"--save-dir not given: continuing {folder}, the newest run with these settings{skipped}"
+        newest_other = newest_other or (folder, differing)
+    if newest_other is None:
+        return None
+    folder, differing = newest_other
+    raise UsageError(f"--resume auto without --save-dir: no run under {root} has this command's settings; the newest, "
+                     f"{folder}, differs in {'; '.join(differing)}: continue it with these settings by naming it "
+                     f"(--save-dir {folder} --resume auto), or drop --resume auto to start a new run")
+
+
+def newest_first(paths: list[str]) -> list[str]:
+    """Most recently written first. On an equal mtime (coarse file-system clocks) last.pt, written
+    after the step checkpoint of the same step, and then the higher step count as newer."""
+    return sorted(paths, key=lambda path: (os.path.getmtime(path), os.path.basename(path) == "last.pt",
+                                           os.path.basename(path)), reverse=True)
+
+
+def resumable_files(save_dir: str) -> list[str]:
+    """Checkpoints in `save_dir` that a resume may use, newest first (best.pt is not one: it is older)."""
+    return newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt")))
 
 
 # ---------------------------------------------------------------- --overwrite
@@ -379,3 +432,74 @@ def drop_set_aside(folder: Optional[str]) -> None:
     """Delete a set-aside folder: call it once the new run's first checkpoint is written (by all ranks' agreement)."""
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def put_back(folder: str) -> None:
+    """Return every file of a set-aside folder to the save-dir it came from, and remove the folder.
+
+    Renames within one directory, so each file is back byte for byte with its
+    times, or still in `folder`. What the ending run wrote under the same name
+    meanwhile is replaced: a file by the rename itself, a folder (its tb/ logs)
+    removed first. SIGINT/SIGTERM wait until it is done.
+    """
+    save_dir = os.path.dirname(folder)
+    with _signals_deferred():
+        for name in sorted(os.listdir(folder)):
+            source, target = os.path.join(folder, name), os.path.join(save_dir, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            elif os.path.lexists(target) and os.path.isdir(source):
+                os.unlink(target)
+            os.replace(source, target)
+        os.rmdir(folder)
+
+
+def put_back_command(folder: str) -> str:
+    """The shell command that does what `put_back` does, for a user to run."""
+    save_dir, names = os.path.dirname(folder), sorted(os.listdir(folder))
+    folders_in_the_way = [os.path.join(save_dir, name) for name in names if os.path.isdir(os.path.join(save_dir, name))]
+    steps = [f"rm -rf {' '.join(map(shlex.quote, folders_in_the_way))}"] if folders_in_the_way else []
+    steps.append(f"mv -f {' '.join(shlex.quote(os.path.join(folder, name)) for name in names)} "
+                 f"{shlex.quote(save_dir + os.sep)}")
+    return " && ".join([*steps, f"rmdir {shlex.quote(folder)}"])
+
+
+def leftovers(save_dir: str, adopt: bool) -> tuple[Optional[str], list[str]]:
+    """What to do with the set-aside folders that runs killed before their first checkpoint left in `save_dir`
+    (the caller owns it). Newest first: one with no checkpoint beside it goes back where it came from (`put_back`),
+    or, with `adopt` (a torchrun restart of an --overwrite run: its own earlier attempt set it aside), stays as this
+    run's set-aside copy; one with checkpoints beside it is named with the command that puts it back.
+    Returns (the adopted folder or None, one line per folder)."""
+    adopted, lines = None, []
+    for folder in reversed(set_aside_folders(save_dir)):
+        if checkpoint_files(save_dir) or adopted:
+            lines.append(f"--save-dir {save_dir} still holds {folder}, checkpoints an --overwrite run set aside before "
+                         f"newer ones were written (left as they are); to go back to them: {put_back_command(folder)}")
+        elif adopt:
+            adopted = folder
+            lines.append(f"torchrun restart {_restart_count()}: the previous run's files stay in {folder} until this "
+                         f"run's first checkpoint is written")
+        else:
+            put_back(folder)
+            lines.append(f"--save-dir {save_dir}: put the previous run's files back from {folder}, where an "
+                         f"--overwrite run that ended before its first checkpoint had left them")
+    return adopted, lines
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM are held until the block ends, then delivered (Python sets handlers in the main thread
+    only; elsewhere the block runs unguarded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for signum in caught:
+            signal.raise_signal(signum)

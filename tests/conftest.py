@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
 from multigpu.config import TrainConfig
+from multigpu.savedir import LOCK_NAME
 from slurm_cluster import SlurmCluster, why_not_available
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,6 +132,21 @@ def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subpr
     return holder
 
 
+def contents(directory: Path) -> dict[Path, bytes]:
+    """Every file's bytes, but the lock file's owner record: runs that own the save-dir rewrite it
+    (that a refused run leaves it alone is tested in test_savedir.py)."""
+    return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*")
+            if path.is_file() and path.name != LOCK_NAME}
+
+
+def assert_untouched(directory: Path, before: dict[Path, bytes]) -> None:
+    """Every file that was there is byte-identical, and no checkpoint was added."""
+    after = contents(directory)
+    for name, data in before.items():
+        assert after.get(name) == data, f"{name} changed or is gone"
+    assert {n for n in after if n.suffix == ".pt"} == {n for n in before if n.suffix == ".pt"}
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
@@ -141,6 +158,18 @@ def file_size_limit(max_bytes: int) -> Callable[[], None]:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
     return limit
+
+
+def run_on_small_file_system(size: str, mount_point: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run the shell `script` ("$@" = `args`) with a real file system of `size` (tmpfs, e.g. "3m") mounted at
+    `mount_point`, in a mount namespace of its own: nothing stays mounted. Skips where the kernel does not allow
+    it (unprivileged user namespaces off)."""
+    unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
+    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --map-root-user --mount is not allowed here: no small file system to test with")
+    mount = f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(mount_point))} && "
+    return subprocess.run([*unshare, mount + script, "sh", *args], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
 
 
 def permissions_apply() -> Callable[[], None]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import shlex
 import shutil
 import socket
 import struct
@@ -33,11 +35,12 @@ from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, blobs, cli_command, cli_env, config_for, file_size_limit,
-                      hold_save_dir, image_folder, permissions_apply, run_cli_ranks, tiny_model)
+from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_untouched, blobs, cli_command, cli_env, config_for,
+                      contents, file_size_limit, hold_save_dir, image_folder, permissions_apply, run_cli_ranks,
+                      run_on_small_file_system, tiny_model)
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.models import build_model
-from multigpu import launch_rules, savedir
+from multigpu import launch_rules
 from multigpu.sweep import cli as sweep_cli
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
@@ -62,21 +65,6 @@ def save_dir(prepared: Path, tmp_path: Path) -> Path:
     """A copy of the prepared save-dir, for one case."""
     shutil.copytree(prepared, tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def contents(directory: Path) -> dict[Path, bytes]:
-    """Every file's bytes, but the lock file's owner record: runs that own the save-dir rewrite it
-    (that a refused run leaves it alone is tested in test_savedir.py)."""
-    return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*")
-            if path.is_file() and path.name != savedir.LOCK_NAME}
-
-
-def assert_untouched(directory: Path, before: dict[Path, bytes]) -> None:
-    """Every file that was there is byte-identical, and no checkpoint was added."""
-    after = contents(directory)
-    for name, data in before.items():
-        assert after.get(name) == data, f"{name} changed or is gone"
-    assert {n for n in after if n.suffix == ".pt"} == {n for n in before if n.suffix == ".pt"}
 
 
 def assert_one_line(code: int, stderr: str, expected: str) -> None:
@@ -127,6 +115,23 @@ def mnist_extracted(tmp_path: Path, truncated: Optional[str]) -> list[str]:
     if truncated:
         truncate(raw / truncated)
     return ["--dataset", "mnist", "--data-dir", str(tmp_path / "mnist")]
+
+
+def empty_folder(tmp_path: Path) -> str:
+    (tmp_path / "notes").mkdir()
+    return str(tmp_path / "notes")
+
+
+def named_pipe(tmp_path: Path) -> str:
+    os.mkfifo(tmp_path / "pipe")
+    return str(tmp_path / "pipe")
+
+
+def at_epoch(path: Path, epoch: int) -> list[str]:
+    """Rewrite a checkpoint as if its run had trained `epoch` epochs."""
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "epoch": epoch}, path)
+    return []
 
 
 def unreadable_checkpoints_only(save_dir: Path) -> list[str]:
@@ -228,6 +233,21 @@ CLI = {
     "fresh run over an explicit save-dir's checkpoints": Case([], "--overwrite", None),
     "resume auto where no checkpoint loads": Case(["--resume", "auto"], "last.pt",
                                                   lambda tmp, ckpt: unreadable_checkpoints_only(ckpt)),
+    "resume a named pipe (reading it would wait forever)": Case(
+        [], "refused: not a checkpoint (a named pipe (FIFO), not a regular file)",
+        lambda tmp, ckpt: ["--resume", named_pipe(tmp)]),
+    "resume a folder without checkpoints": Case(
+        [], "is a folder without checkpoints (last.pt, step-*.pt)",
+        lambda tmp, ckpt: ["--resume", empty_folder(tmp)]),
+    "resume auto and overwrite at once": Case(["--resume", "auto", "--overwrite"],
+                                              "--resume auto continues the run in --save-dir and --overwrite starts "
+                                              "afresh over it: give one of them"),
+    "resume a checkpoint of the save-dir and overwrite it": Case(
+        ["--overwrite"], "continues the run in --save-dir", lambda tmp, ckpt: ["--resume", str(ckpt / "last.pt")]),
+    "epochs below the checkpoint's": Case(["--resume", "auto", "--epochs", "1"],
+                                          "has trained 2 epoch(s), already past --epochs 1 (the total, not epochs "
+                                          "more): nothing to train; pass --epochs 3 or more",
+                                          lambda tmp, ckpt: at_epoch(ckpt / "last.pt", 2)),
     # data sets
     "imagefolder without class folders": Case([], "Couldn't find any class folder in",
                                               lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})),
@@ -348,6 +368,41 @@ def test_a_full_disk_at_start_is_refused_before_training(save_dir):
     assert_one_line(result.returncode, result.stderr, f"--save-dir {save_dir} is not writable (File too large); "
                                                       f"free some space or choose another directory")
     assert_untouched(save_dir, before)
+
+
+def test_a_save_dir_too_small_for_the_checkpoints_is_refused_at_start_unless_allowed(tmp_path):
+    # A real 3 MB file system; the run's checkpoints (the mlp's, 1.1 MB each) need 3.3 MB at the most.
+    save_dir, command = tmp_path / "small" / "ckpt", cli_command([*BASE, "--mode", "flatten", "--model", "mlp",
+                                                                  "--image-shape", "1,8,8"])
+    save_dir.parent.mkdir()
+    files = f"find {shlex.quote(str(save_dir.parent))} -type f"  # what is on the small file system at the end
+    refused = run_on_small_file_system("3m", save_dir.parent, f'"$@"; status=$?; {files}; exit $status', *command,
+                                       "--save-dir", str(save_dir))
+    assert_one_line(refused.returncode, refused.stderr,
+                    f"--save-dir {save_dir} has 3.1 MB free, but this run's checkpoints need about 3.3 MB (last.pt, "
+                    f"best.pt, and the one being written, about 1.1 MB each): free some space, choose another "
+                    f"directory, or pass --allow-low-disk to start anyway")
+    assert str(save_dir) not in refused.stdout and "step " not in refused.stdout  # no file written, nothing trained
+    # Accepting the risk: it warns and trains; one epoch's last.pt and best.pt fit.
+    allowed = run_on_small_file_system("3m", save_dir.parent, f'"$@" && {files} -name "*.pt"', *command,
+                                       "--save-dir", str(save_dir), "--allow-low-disk")
+    assert allowed.returncode == 0, allowed.stderr
+    assert f"warning: --save-dir {save_dir} has 3.1 MB free" in allowed.stdout
+    assert sorted(allowed.stdout.splitlines()[-2:]) == [str(save_dir / "best.pt"), str(save_dir / "last.pt")]
+
+
+def test_resume_auto_without_save_dir_refuses_another_commands_run(prepared, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(prepared, tmp_path / "checkpoints" / "run-1")
+    before = contents(tmp_path / "checkpoints")
+    code = main_multi_gpu.main([*BASE, "--resume", "auto", "--lr", "0.1", "--epochs", "2"])
+    assert_one_line(code, capsys.readouterr().err,
+                    "--resume auto without --save-dir: no run under checkpoints has this command's settings; the "
+                    "newest, checkpoints/run-1, differs in lr: 0.001 -> 0.1: continue it with these settings by "
+                    "naming it (--save-dir checkpoints/run-1 --resume auto), or drop --resume auto to start a new "
+                    "run")
+    assert_untouched(tmp_path / "checkpoints", before)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["run-1"]
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["in the main process", "in a loader worker"])

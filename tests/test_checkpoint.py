@@ -147,9 +147,11 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val,
                     config).save_checkpoint("last.pt")  # 3.2 MB: larger than the limit below
     before = (save_dir / "last.pt").read_bytes()
-    result = subprocess.run(cli_command([*args, "--resume", "auto"]), cwd=REPO, env=cli_env(), text=True,
-                            capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=file_size_limit(2**20))
+    # Refused at start without --allow-low-disk (tests/test_bad_input.py); with it, the first save fails.
+    result = subprocess.run(cli_command([*args, "--resume", "auto", "--allow-low-disk"]), cwd=REPO, env=cli_env(),
+                            text=True, capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=file_size_limit(2**20))
     assert result.returncode == 1, result.stdout + result.stderr
+    assert f"warning: --save-dir {save_dir} is under a file size limit (ulimit -f) of 1.0 MB" in result.stdout
     assert result.stderr.strip().splitlines() == [
         f"error: could not write checkpoint {save_dir / 'step-000000002.pt'}: File too large; stopped at step 2, "
         f"the previous checkpoint is kept: {save_dir / 'last.pt'}"]
@@ -183,7 +185,8 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, content, why):
 
 
 def test_the_start_probe_writes_real_bytes_so_a_full_disk_is_refused(tmp_path):
-    probe = "import sys; from multigpu import checkpoint; print(checkpoint.check_writable(sys.argv[1], 2 * 2**20))"
+    probe = ("import sys; from multigpu import checkpoint; checkpoint.check_writable(sys.argv[1]); "
+             "print(checkpoint.room_shortfall(sys.argv[1], 2 * 2**20, 2 * 2**20, 'one checkpoint'))")
     run = functools.partial(subprocess.run, [PYTHON, "-c", probe, str(tmp_path)], cwd=REPO, env=cli_env(),
                             capture_output=True, text=True, timeout=RUN_TIMEOUT)
     full = run(preexec_fn=file_size_limit(checkpoint.PROBE_BYTES // 2))  # an empty file would still fit
@@ -191,10 +194,12 @@ def test_the_start_probe_writes_real_bytes_so_a_full_disk_is_refused(tmp_path):
         f"multigpu.errors.UsageError: --save-dir {tmp_path} is not writable (File too large); "
         f"free some space or choose another directory")
     small = run(preexec_fn=file_size_limit(2**20))  # room for the probe, not for a 2 MB checkpoint
-    assert small.stdout.strip() == ("warning: the file size limit (ulimit -f) is 1.0 MB, one checkpoint needs "
-                                    "about 2.1 MB: saving will fail")
-    assert checkpoint.check_writable(str(tmp_path), 2 * 2**20) is None
-    assert "MB free, one checkpoint needs about" in checkpoint.check_writable(str(tmp_path), 10**18)
+    assert small.stdout.strip() == ("('is under a file size limit (ulimit -f) of 1.0 MB, but one checkpoint needs "
+                                    "about 2.1 MB', 'raise the limit (ulimit -f unlimited)')")
+    assert checkpoint.room_shortfall(str(tmp_path), 2 * 2**20, 2**20, "two checkpoints") is None
+    too_much = checkpoint.room_shortfall(str(tmp_path), 10**18, 10**17, "ten checkpoints")
+    assert too_much is not None and "MB free, but this run's checkpoints need about 1000000000000.0 MB (ten " \
+        "checkpoints)" in too_much[0]
     assert list(tmp_path.iterdir()) == []  # the probe is gone
 
 

@@ -1,23 +1,37 @@
 """The save-dir as the trainer uses it: a folder per run by default, --overwrite keeping the old run aside until
-the new one has saved, and a stop during evaluation that saves promptly and resumes to the same weights."""
+the new one has saved (and putting it back when the new one ends before), and a stop during evaluation that saves
+promptly and resumes to the same weights."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from torch.utils.data import Dataset, TensorDataset
 
-from conftest import REPO, RUN_TIMEOUT, TINY, assert_ok, cli_command, cli_env, run_cli
+import main_multi_gpu
+from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, assert_untouched, blobs, cli_command, cli_env, config_for,
+                      contents, image_folder, run_cli, run_ranks, tiny_model)
 from multigpu import checkpoint
+from multigpu.errors import TrainingStopped
 from multigpu.faults import FAULT_ENV
+from train_multi_gpu import MultiGPUTrainer
 
 QUICK = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1"]
 
 
-def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues_the_newest(tmp_path):
-    first, second = run_cli(QUICK, cwd=tmp_path), run_cli(QUICK, cwd=tmp_path)  # README's first command, twice
+def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues_the_newest_with_its_settings(
+        tmp_path):
+    # README's first command, then one with another LR.
+    first, second = run_cli(QUICK, cwd=tmp_path), run_cli([*QUICK, "--lr", "0.01"], cwd=tmp_path)
     assert_ok(first)
     assert_ok(second)
     # Said in the first lines (after the model line), before anything is trained.
@@ -25,27 +39,155 @@ def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues
     assert "checkpoints/run-2" in "".join(second.stdout.splitlines()[:2])
     runs = tmp_path / "checkpoints"
     assert all((runs / run / name).exists() for run in ("run-1", "run-2") for name in ("last.pt", "best.pt", "tb"))
-    resumed = run_cli([*QUICK[:-1], "2", "--resume", "auto"], cwd=tmp_path)
+    other = contents(runs / "run-2")
+    resumed = run_cli([*QUICK[:-1], "2", "--resume", "auto"], cwd=tmp_path)  # run-1's command, 2 epochs in all
     assert_ok(resumed)
-    assert "continuing the newest run folder checkpoints/run-2" in resumed.stdout
-    assert "resumed from checkpoints/run-2/last.pt" in resumed.stdout
-    assert checkpoint.load(str(runs / "run-2" / "last.pt"))["epoch"] == 2
-    assert checkpoint.load(str(runs / "run-1" / "last.pt"))["epoch"] == 1  # the other run is untouched
+    assert ("--save-dir not given: continuing checkpoints/run-1, the newest run with these settings "
+            "(checkpoints/run-2 has other settings)") in resumed.stdout
+    assert "resumed from checkpoints/run-1/last.pt" in resumed.stdout
+    assert checkpoint.load(str(runs / "run-1" / "last.pt"))["epoch"] == 2
+    assert contents(runs / "run-2") == other  # the other run is untouched
 
 
-def test_overwrite_keeps_the_old_best_until_the_new_run_has_saved(tmp_path):
+def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_next_start(tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
     assert_ok(run_cli([*QUICK, "--save-dir", str(save_dir)]))
-    old_best = (save_dir / "best.pt").read_bytes()
-    # Killed before its first checkpoint: the old run's files are kept aside, not deleted.
+    before = contents(save_dir)
     killed = run_cli([*QUICK, "--save-dir", str(save_dir), "--overwrite"], env={FAULT_ENV: "0:3"})
     assert killed.returncode == -9 and not (save_dir / "best.pt").exists()
-    (kept,) = save_dir.glob(".replaced-*")
-    assert (kept / "best.pt").read_bytes() == old_best and (kept / "tb").is_dir()
-    finished = run_cli([*QUICK, "--save-dir", str(save_dir), "--overwrite"])
-    assert_ok(finished)
-    assert (save_dir / "best.pt").read_bytes() != old_best
-    assert [p.name for p in save_dir.glob(".replaced-*")] == [kept.name]  # this run's own copy went at its save
+    (kept,) = save_dir.glob(".replaced-*")  # what the killed run set aside: nothing could put it back
+    # The next start puts it back before anything else, and --resume auto continues the old run (here, to its end).
+    assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"--save-dir {save_dir}: put the previous run's files back from {kept}, where an --overwrite run that " \
+           f"ended before its first checkpoint had left them" in out
+    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 16, 0 samples into the epoch" in out
+    assert_untouched(save_dir, before)
+    # An --overwrite run that saves drops its own set-aside copy.
+    assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--overwrite", "--seed", "1"]) == 0
+    assert not list(save_dir.glob(".replaced-*")) and (save_dir / "best.pt").read_bytes() != before[Path("best.pt")]
+
+
+# ---------------------------------------------------------------- --overwrite that ends before its first save
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The save-dir of a finished one-epoch run: last.pt, best.pt and tb/."""
+    save_dir = tmp_path_factory.mktemp("finished") / "ckpt"
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config_for(save_dir, 1, save_dir=str(save_dir),
+                                                                         epochs=1)).fit()
+    return save_dir
+
+
+@pytest.fixture
+def previous(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run's save-dir, for one test."""
+    shutil.copytree(finished, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def overwrite_run(save_dir: Path, data: Dataset = blobs(64, 0), world_size: int = 1, **changes) -> MultiGPUTrainer:
+    """A fresh run over the previous one: 8 steps an epoch, the first checkpoint at the end of the epoch."""
+    config = config_for(save_dir, world_size, save_dir=str(save_dir), overwrite=True, **changes)
+    return MultiGPUTrainer(tiny_model(), data, blobs(32, 1), config)
+
+
+def nonfinite_at_step_1(save_dir: Path) -> None:
+    nan = TensorDataset(torch.full((64, 16), float("nan")), torch.zeros(64, dtype=torch.long))
+    with pytest.raises(TrainingStopped, match="loss became non-finite at step 1;"):
+        overwrite_run(save_dir, nan).fit()
+
+
+def interrupt_at_first_step(trainer: MultiGPUTrainer) -> None:
+    """A real SIGINT to this process at the first optimizer step, once (a second one exits at once)."""
+    sent: list[bool] = []
+    trainer.optimizer.register_step_post_hook(
+        lambda *args: sent or sent.append(True) or os.kill(os.getpid(), signal.SIGINT))
+
+
+def sigint_before_the_first_save(save_dir: Path) -> None:
+    trainer = overwrite_run(save_dir)
+    interrupt_at_first_step(trainer)
+    assert trainer.fit()["stopped"]  # a clean stop: exit 0 in the CLI, but nothing of this run is kept
+
+
+@pytest.mark.parametrize("fail", [nonfinite_at_step_1, sigint_before_the_first_save])
+def test_an_overwrite_run_that_ends_before_its_first_save_puts_the_previous_run_back(previous, fail, capsys):
+    before = contents(previous)
+    fail(previous)
+    out = capsys.readouterr().out
+    assert contents(previous) == before and not list(previous.glob(".replaced-*"))  # byte for byte, and only them
+    assert f"--overwrite: this run ended before its first checkpoint, so the previous run's files are back in " \
+           f"--save-dir {previous} (this run's own logs there removed)" in out
+    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1),
+                              config_for(previous, 1, save_dir=str(previous), resume="auto", epochs=2))
+    assert resumed.fit()["global_step"] == 16
+    assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch" in capsys.readouterr().out
+
+
+def test_an_overwrite_run_refused_mid_epoch_puts_the_previous_run_back(tmp_path, capsys):
+    """Bad input that only training finds (flags are checked before the old files are set aside): a training
+    image cut short after its header, which the checks at start pass."""
+    images = image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
+    save_dir = tmp_path / "ckpt"
+    run = ["--dataset", "imagefolder", "--data-dir", str(images), "--image-shape", "3,8,8", "--batch-size", "2",
+           "--epochs", "1", "--no-progress", "--save-dir", str(save_dir)]
+    assert main_multi_gpu.main(run) == 0
+    before, image = contents(save_dir), images / "train" / "dog" / "1.png"
+    whole = image.read_bytes()
+    image.write_bytes(whole[:48])
+    capsys.readouterr()
+    assert main_multi_gpu.main([*run, "--overwrite"]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"error: --dataset imagefolder: {image} cannot be read (image file is truncated); "
+                                f"remove or replace it (--resume auto then continues from the last checkpoint)"]
+    assert "the previous run's files are back" in out
+    assert contents(save_dir) == before and not list(save_dir.glob(".replaced-*"))
+    image.write_bytes(whole)
+    assert main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"]) == 0
+    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 2, 0 samples into the epoch" in capsys.readouterr().out
+
+
+def _interrupted_overwrite(rank: int, world_size: int, save_dir: Path) -> dict:
+    trainer = overwrite_run(save_dir, world_size=world_size)
+    if rank == 0:
+        interrupt_at_first_step(trainer)  # the other rank learns of it at the next sync point
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = trainer.fit()
+    return {"stopped": summary["stopped"], "step": summary["global_step"], "out": printed.getvalue()}
+
+
+def test_every_rank_skips_the_stop_checkpoint_of_an_overwrite_run_and_rank_0_puts_the_old_files_back(previous):
+    before = contents(previous)
+    ranks = run_ranks(_interrupted_overwrite, 2, previous.parent / "ranks", previous)
+    # Step 4, the first sync point: the epoch's end on 2 ranks, before its save.
+    assert [(r["stopped"], r["step"]) for r in ranks] == [(True, 4), (True, 4)]
+    assert "stopped by SIGINT at step 4, before this run's first checkpoint: nothing of it is saved" in ranks[0]["out"]
+    assert contents(previous) == before and not list(previous.glob(".replaced-*"))
+
+
+def test_under_torchrun_with_restarts_left_the_set_aside_copy_waits_for_the_restart(previous, capsys, monkeypatch):
+    before = contents(previous)
+    for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("TORCHELASTIC_MAX_RESTARTS", "1"),
+                        ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    nonfinite_at_step_1(previous)  # torchrun would restart it: the restart must start afresh, not continue the old run
+    (kept,) = previous.glob(".replaced-*")
+    assert f"--overwrite: the previous run's files stay in {kept} while torchrun may restart this run" in \
+        capsys.readouterr().out
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    nonfinite_at_step_1(previous)  # the restart fails too, and is the last attempt: the old files go back
+    out = capsys.readouterr().out
+    assert f"torchrun restart 1: the previous run's files stay in {kept} until this run's first checkpoint" in out
+    assert f"no checkpoint to resume in {previous}: starting from scratch" in out
+    assert "the previous run's files are back" in out and contents(previous) == before
+
+
+def test_resume_from_a_folder_continues_its_newest_checkpoint(previous, tmp_path, capsys):
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1),
+                              config_for(tmp_path, 1, save_dir=str(tmp_path / "next"), resume=str(previous)))
+    assert trainer.resume()
+    assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8" in capsys.readouterr().out
 
 
 # A user's script whose validation set sends SIGTERM to torchrun while rank 0 evaluates epoch 1 (once).

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "launch_multi_gpu.sh"
@@ -324,6 +325,8 @@ def test_help_lists_every_flag() -> None:
     (["--slurm", "--nnodes", "2"], "--nnodes 2 needs --save-dir on storage every node shares"),
     (["--slurm", "--node-rank", "1"], "--node-rank is SLURM's to decide"),
     (["--slurm", "--", "--resume", "last.pt"], "the job script continues with --resume auto by itself"),
+    (["--slurm", "--", "--overwrite"], "--overwrite after -- with --slurm: the job continues its --save-dir with "
+                                       "--resume auto (a requeue must not start over)"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = launch(["--dry-run", *args], launcher_env(gpus=4))
@@ -341,6 +344,7 @@ def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str)
     (["--scale-lr", "cubic"], ["--lr-scaling", "cubic"]),
     (["--", "--grad-accum-steps", "0"], ["--grad-accum-steps", "0"]),
     (["--", "--image-shape", "3,1"], ["--image-shape", "3,1"]),
+    (["--", "--resume", "auto", "--overwrite"], ["--resume", "auto", "--overwrite"]),
 ], ids=lambda value: " ".join(value))
 def test_a_value_the_trainer_refuses_is_refused_by_the_launcher_in_the_same_words(
         args: list[str], trainer_argv: list[str]) -> None:
@@ -703,6 +707,18 @@ def test_a_save_dir_with_checkpoints_asks_to_continue_start_anew_or_overwrite(an
         screen = term.wait_for(r"LAUNCH_EXIT=\d+")
         assert "LAUNCH_EXIT=0" in screen and expected.format(dir="old") in screen, screen
         assert (directory / "old" / "last.pt").read_bytes() == b"a run's checkpoint"
+
+
+def test_resume_auto_without_save_dir_names_the_run_the_trainer_would_continue(tmp_path: Path) -> None:
+    for number, lr in ((1, 0.001), (2, 0.5)):  # run-2, the newest, was trained with another LR
+        (tmp_path / "checkpoints" / f"run-{number}").mkdir(parents=True)
+        torch.save({"config": TrainConfig(lr=lr).to_dict()}, tmp_path / "checkpoints" / f"run-{number}" / "last.pt")
+    result = launch(["--yes", "--dry-run", "--", "--resume", "auto"], launcher_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--save-dir checkpoints/run-1 --resume auto" in result.stdout.splitlines()[-1]
+    refused = launch(["--yes", "--dry-run", "--lr", "0.2", "--", "--resume", "auto"], launcher_env(), cwd=tmp_path)
+    assert_one_line_usage_error(refused)
+    assert "the newest, checkpoints/run-2, differs in lr: 0.5 -> 0.2" in refused.stderr
 
 
 def test_with_yes_a_save_dir_with_checkpoints_gives_way_to_a_new_folder(tmp_path: Path) -> None:
