@@ -74,9 +74,11 @@ def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
 
 def test_a_tensorboard_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path: Path):
     log_dir = tmp_path / "tb"
-    # Files may not grow past 66 KiB: the 64 KiB start-up probe passes, the event file outgrows it mid-run.
+    # Files may not grow past 66 KiB: the 64 KiB start-up probe passes, the event file outgrows it mid-run
+    # (--allow-low-disk: a checkpoint would not fit either, which the start refuses otherwise).
     result = subprocess.run(cli_command(["--mode", "flatten", "--epochs", "1", "--train-size", "16384", "--val-size",
                                          "32", "--batch-size", "16", "--log-every", "1", "--no-progress",
+                                         "--allow-low-disk",
                                          "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(log_dir)]),
                             cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
                             preexec_fn=file_size_limit(66 * 1024))
