@@ -116,6 +116,10 @@ class TrainConfig:
     monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
                              "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
                              group="output")
+    early_stop_patience: int = _opt(0, "stop after this many evaluated epochs in a row without a better --monitor "
+                                    "value (0: off); best.pt keeps the best epoch", group="output")
+    early_stop_min_delta: float = _opt(0.0, "--early-stop-patience: the least change of --monitor that counts as "
+                                       "better", group="output")
 
     # Not a field (no flag, not saved): the fields the command line named, whatever their values, as parse_config
     # found them. None (a config built in Python, or a copy from dataclasses.replace): a field then counts as given
@@ -222,7 +226,7 @@ RANGES = {
     **{name: Range(1) for name in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
                                    "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "clip_grad_norm")},
+                                   "clip_grad_norm", "early_stop_patience", "early_stop_min_delta")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
