@@ -42,7 +42,7 @@ from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
 from multigpu.lr_scaling import scaled_lr
-from multigpu.meters import IntervalMeter
+from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             users_optimizer, users_scheduler)
@@ -158,6 +158,7 @@ class MultiGPUTrainer:
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
         self.meter = IntervalMeter(self.device, self.loader_batch)
+        self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
         self._resumed, self._batch_checked = False, False
         self.checkpointer = Checkpointer(config, rt, self.report)
         self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer),
@@ -329,7 +330,7 @@ class MultiGPUTrainer:
         stop on a signal that reached any rank, stop on a non-finite loss (unless
         fp16's scaler handles it by skipping the step).
         """
-        interval, step = self.meter.reduce(self.stop.requested), self.progress.global_step
+        interval, step = self.meter.reduce(self.stop.requested, bool(self.logged.values)), self.progress.global_step
         first_step = step - len(interval.step_losses) + 1
         if not math.isfinite(sum(interval.step_losses)) and not self.scaler.is_enabled():  # one check per interval
             bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
@@ -341,6 +342,8 @@ class MultiGPUTrainer:
         self.report.interval(step, first_step, interval, self.applied_lr, self.runtime.devices_per_step,
                              skipped, self.scaler.get_scale() if skipped is not None else None,
                              self.telemetry.interval(interval, first_step, step))
+        if interval.log_votes:  # some rank has trainer.log scalars: all ranks reduce them
+            self.report.scalars(self.logged.reduce(), step)
         self.meter.reset()
         return interval.stop_votes > 0
 
@@ -383,6 +386,7 @@ class MultiGPUTrainer:
         progress.evaluated = True
         is_best = self._is_new_best()
         self.callbacks.call("on_validation_end", self)  # before the save: the checkpoint holds what they decided
+        self.report.scalars(self.logged.reduce(), progress.global_step)  # what was logged since the last sync point
         self.save_checkpoint("last.pt", also_as="best.pt" if is_best else None)
         self.report.flush()
         return True
@@ -412,6 +416,13 @@ class MultiGPUTrainer:
         path = self.checkpointer.save(self.state_dict(), name, also_as)
         self.callbacks.call("on_save", self)
         return path
+
+    # ------------------------------------------------------------------ your own scalars
+    def log(self, values: dict[str, Any]) -> None:
+        """Scalars of your own (floats or 0-d tensors, e.g. from a callback or a loss function) for the run's
+        TensorBoard: kept on the device, averaged over their calls and the ranks at the next sync point
+        (--log-every steps, an epoch's end) and written at that step. No host sync per call."""
+        self.logged.add(values)
 
     # ------------------------------------------------------------------ stopping early
     def stop_training(self, reason: str) -> None:

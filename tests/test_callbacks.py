@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import main_multi_gpu
-from conftest import TINY, blobs, config_for, run_ranks, tiny_model
+from conftest import TINY, blobs, config_for, read_scalars, run_ranks, tiny_model
 from multigpu import checkpoint
 from train_multi_gpu import MultiGPUTrainer
 
@@ -110,3 +110,28 @@ def _stop_on_one_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, A
 
 def test_all_ranks_stop_together_when_one_asks(tmp_path):
     assert run_ranks(_stop_on_one_rank, 2, tmp_path, tmp_path) == [{"epochs": 1, "why": "rank 1 asked"}] * 2
+
+
+class LogsItsRank:
+    """Logs (rank + 1) x step each step as a device tensor, and once per evaluation a float."""
+
+    def on_step_end(self, trainer: Any) -> None:
+        step = torch.tensor(float(trainer.progress.global_step), device=trainer.device)
+        trainer.log({"mine/rank_value": (trainer.runtime.rank + 1) * step})
+
+    def on_validation_end(self, trainer: Any) -> None:
+        trainer.log({"mine/epoch": float(trainer.progress.epoch)})
+
+
+def _log_scalars(rank: int, world_size: int, tmp_path: Path) -> None:
+    config = config_for(tmp_path, world_size, epochs=2, log_every=3)
+    MultiGPUTrainer(tiny_model(), blobs(32 * world_size, 0), blobs(16, 1), config, callbacks=[LogsItsRank()]).fit()
+
+
+def test_own_scalars_reach_tensorboard_as_the_mean_over_calls_and_ranks(tmp_path):
+    run_ranks(_log_scalars, 2, tmp_path, tmp_path)
+    scalars = read_scalars(tmp_path / "ckpt" / "tb")
+    # 4 steps an epoch, sync points at steps 3, 4 (epoch end), 6, 8: each the mean of its steps' values
+    # over both ranks (x1 and x2, so x1.5).
+    assert scalars["mine/rank_value"] == [(3, 1.5 * 2), (4, 1.5 * 4), (6, 1.5 * 5.5), (8, 1.5 * 7.5)]
+    assert scalars["mine/epoch"] == [(4, 1.0), (8, 2.0)]
