@@ -148,6 +148,7 @@ class MultiGPUTrainer:
         self.callbacks = Callbacks([*builtin_callbacks(config), *callbacks])
         self._on_step_end = self.callbacks.hooks["on_step_end"]
         self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
+        self.eval_model: Optional[nn.Module] = None  # a callback's module to evaluate and predict with (EMA's)
         # Every name evaluation looks up (metrics, --monitor, the batch's targets) tried on a few validation
         # samples now: a typo costs seconds, not an epoch of training.
         self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
@@ -161,7 +162,8 @@ class MultiGPUTrainer:
         self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
         self._resumed, self._batch_checked = False, False
         self.checkpointer = Checkpointer(config, rt, self.report)
-        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer),
+        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer,
+                                                                 model_copies=2 if config.ema_decay else 1),
                                         config.epochs * self.steps_per_epoch)
 
     @property
@@ -370,7 +372,10 @@ class MultiGPUTrainer:
         return predictor.run(model, dataset if dataset is not None else self.val_dataset, batch, output_path, to)
 
     def _eval_model(self) -> nn.Module:
-        # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
+        # A callback's module (EMA's average), else the plain module, so no DDP collective runs per batch;
+        # DataParallel still splits the trained model's batch.
+        if self.eval_model is not None:
+            return self.eval_model
         return self.wrapped if self.runtime.mode == "dp" else self.model
 
     def _evaluate_and_save(self) -> bool:

@@ -12,14 +12,19 @@ A callback with `state_dict()` and `load_state_dict(state)` has its state saved 
 every checkpoint (under "callbacks", plain Python types only) and loaded on resume.
 A callback ends training by calling `trainer.stop_training("why")`; the ranks
 agree at the epoch's end, so they all stop together after the same epoch.
-The built-in features (early stopping) are callbacks themselves: read them as examples
+A callback that sets `trainer.eval_model` to a module of its own has evaluation (and so best.pt) and
+`trainer.predict` use it instead of the trained model (EMA does).
+The built-in features (early stopping, EMA) are callbacks themselves: read them as examples
 (MULTI_GPU_GUIDE.md, "Your own task").
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
 
 if TYPE_CHECKING:
     from train_multi_gpu import MultiGPUTrainer
@@ -116,8 +121,61 @@ class EarlyStopping:
         self.epochs_without_improvement = state["epochs_without_improvement"]
 
 
+class EMA:
+    """An exponential moving average of the weights (--ema-decay): after each optimizer step every floating-point
+    parameter of the average moves `1 - decay` of the way to the trained one, in one on-device `_foreach_lerp_`
+    (no host sync; torch.optim.swa_utils.AveragedModel would read its step counter on the host every update).
+    Buffers (BatchNorm statistics) are the trained model's, copied after each step. Evaluation, best.pt
+    and predict use the average; the checkpoint holds it under "callbacks" (predict_multi_gpu.py uses it too)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.model: Optional[torch.nn.Module] = None  # the average, a copy of the trained module
+        self.loaded: Optional[dict[str, torch.Tensor]] = None  # from a checkpoint, until fit starts
+
+    def on_fit_start(self, trainer: "MultiGPUTrainer") -> None:
+        trained = _plain(trainer.model)
+        if self.model is None:
+            self.model = copy.deepcopy(trained).eval()
+            self.model.requires_grad_(False)
+        if self.loaded is not None:
+            self.model.load_state_dict(self.loaded)
+            self.loaded = None
+        floating = [(name, p) for name, p in trained.named_parameters() if p.is_floating_point()]
+        averaged = dict(self.model.named_parameters())
+        self._averaged = [averaged[name] for name, _ in floating]
+        self._trained = [p.detach() for _, p in floating]
+        self._buffers = tuple(map(list, zip(*zip(self.model.buffers(), trained.buffers()))))
+        trainer.eval_model = self.model
+
+    def on_step_end(self, trainer: "MultiGPUTrainer") -> None:
+        torch._foreach_lerp_(self._averaged, self._trained, 1.0 - self.decay)
+        if self._buffers:  # kept equal at every step, so a resume from any checkpoint evaluates alike
+            torch._foreach_copy_(*self._buffers)
+
+    def state_dict(self) -> dict[str, Any]:
+        weights = self.model.state_dict() if self.model is not None else self.loaded
+        return {"decay": self.decay, "weights": weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state["weights"]
+
+
+def ema_weights(state: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
+    """The EMA's weights in a checkpoint, None when it was trained without --ema-decay."""
+    return state.get("callbacks", {}).get(EMA.__name__, {}).get("weights")
+
+
+def _plain(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weights train: torch.compile's wrapper holds it as _orig_mod."""
+    return getattr(model, "_orig_mod", model)
+
+
 def builtin_callbacks(config: Any) -> list[Any]:
     """The callbacks the config's flags ask for (a TrainConfig), before the user's own."""
+    found: list[Any] = []
     if config.early_stop_patience > 0:
-        return [EarlyStopping(config.early_stop_patience, config.early_stop_min_delta)]
-    return []
+        found.append(EarlyStopping(config.early_stop_patience, config.early_stop_min_delta))
+    if config.ema_decay > 0:
+        found.append(EMA(config.ema_decay))
+    return found

@@ -93,6 +93,9 @@ class TrainConfig:
     amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast", ["off", "fp16", "bf16"],
                     group="optimisation")
     seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
+    ema_decay: float = _opt(0.0, "keep an exponential moving average of the weights, updated after each optimizer "
+                            "step with this decay, e.g. 0.999; evaluation, best.pt and predict use it (0: off)",
+                            group="optimisation")
     # --- output --------------------------------------------------------
     save_dir: Optional[str] = _opt(None, "where last.pt, best.pt, step checkpoints and TensorBoard logs are written "
                                    "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
@@ -137,6 +140,9 @@ class TrainConfig:
                              "give one of them")
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
+        if self.ema_decay == 1:
+            raise UsageError("--ema-decay 1 would keep the starting weights forever: give a value below 1, e.g. "
+                             "0.999 (or 0 for no average)")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
                      "monitor_mode"]:
@@ -229,6 +235,7 @@ RANGES = {
                                    "clip_grad_norm", "early_stop_patience", "early_stop_min_delta")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),
+    "ema_decay": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
     # overflows torch's store timeout (milliseconds).
     "dist_timeout": Range(1, 1e9),

@@ -8,8 +8,14 @@ from typing import Any
 import torch
 
 import main_multi_gpu
-from conftest import TINY, blobs, config_for, read_scalars, run_ranks, tiny_model
+import predict_multi_gpu
+from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, run_ranks, tiny_model
 from multigpu import checkpoint
+from multigpu.callbacks import ema_weights
+from multigpu.config import TrainConfig
+from multigpu.data import build_datasets
+from multigpu.faults import FAULT_ENV
+from multigpu.models import build_model
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -135,3 +141,71 @@ def test_own_scalars_reach_tensorboard_as_the_mean_over_calls_and_ranks(tmp_path
     # over both ranks (x1 and x2, so x1.5).
     assert scalars["mine/rank_value"] == [(3, 1.5 * 2), (4, 1.5 * 4), (6, 1.5 * 5.5), (8, 1.5 * 7.5)]
     assert scalars["mine/epoch"] == [(4, 1.0), (8, 2.0)]
+
+
+class TrainedWeights:
+    """Keeps a copy of the trained parameters after each optimizer step (it runs after the built-in EMA)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_step_end(self, trainer: Any) -> None:
+        self.steps.append([p.detach().clone() for p in trainer.model.parameters()])
+
+
+def _ema_run(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    model, record = tiny_model(), TrainedWeights()
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = MultiGPUTrainer(model, blobs(32 * world_size, 0), blobs(16, 1),
+                              config_for(tmp_path, world_size, epochs=2, ema_decay=0.9), callbacks=[record])
+    summary = trainer.fit()
+    ema = trainer.callbacks.callbacks[0]
+    return {"start": start, "steps": record.steps, "ema": [p.detach().clone() for p in ema.model.parameters()],
+            "val_loss": summary["val_loss"], "ema_loss": trainer.evaluate()["loss"],
+            "trained_loss": trainer.evaluator.run(trainer.model, trainer.val_dataset, 8)["loss"],
+            "predicted": trainer.predict(), "ema_outputs": ema.model(trainer.val_dataset.tensors[0]).detach()}
+
+
+def hand_ema(start: list[torch.Tensor], steps: list[list[torch.Tensor]], decay: float) -> list[torch.Tensor]:
+    average = [p.double() for p in start]
+    for trained in steps:
+        average = [decay * a + (1 - decay) * t.double() for a, t in zip(average, trained)]
+    return average
+
+
+def test_ema_weights_are_the_hand_computed_average_in_one_and_two_processes(tmp_path):
+    for world_size, ranks in ((1, [_ema_run(0, 1, tmp_path / "one")]),
+                              (2, run_ranks(_ema_run, 2, tmp_path / "two", tmp_path / "two"))):
+        for run in ranks:
+            assert len(run["steps"]) == 8
+            for ema, expected in zip(run["ema"], hand_ema(run["start"], run["steps"], 0.9)):
+                torch.testing.assert_close(ema.double(), expected, rtol=1e-5, atol=1e-6)
+            assert run["val_loss"] == run["ema_loss"] != run["trained_loss"]  # evaluation used the average
+            torch.testing.assert_close(run["predicted"], run["ema_outputs"])  # and so does predict
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["ema"], ranks[-1]["ema"]))
+
+
+EMA_ARGS = [*TINY, "--model", "mlp", "--mode", "flatten", "--image-shape", "1,4,4", "--epochs", "2",
+            "--save-every-steps", "5", "--ema-decay", "0.9"]
+
+
+def test_ema_survives_a_sigkill_and_resume_bit_exactly(tmp_path):
+    assert_ok(run_cli([*EMA_ARGS, "--save-dir", str(tmp_path / "whole")]))
+    killed = run_cli([*EMA_ARGS, "--save-dir", str(tmp_path / "killed")], env={FAULT_ENV: "0:7"})
+    assert killed.returncode == -9, killed.stderr
+    assert_ok(run_cli([*EMA_ARGS, "--save-dir", str(tmp_path / "killed"), "--resume", "auto"]))
+    whole, resumed = (checkpoint.load(str(tmp_path / name / "last.pt")) for name in ("whole", "killed"))
+    assert ema_weights(whole) is not None and ema_weights(whole).keys() == whole["model"].keys()
+    for name, tensor in ema_weights(whole).items():
+        assert torch.equal(tensor, ema_weights(resumed)[name]), name
+        assert not torch.equal(tensor, whole["model"][name]) or not tensor.is_floating_point()
+    assert whole["best_value"] == resumed["best_value"]
+    # predict_multi_gpu.py predicts with the average
+    assert predict_multi_gpu.main(["--checkpoint", str(tmp_path / "whole" / "last.pt"),
+                                   "--output", str(tmp_path / "val.pt")]) == 0
+    model = build_model("mlp", (16,), 10)
+    model.load_state_dict(ema_weights(whole))
+    val = build_datasets(TrainConfig.from_dict(whole["config"])).val
+    with torch.no_grad():
+        expected = model(torch.stack([val[index][0] for index in range(len(val))]))
+    torch.testing.assert_close(torch.load(tmp_path / "val.pt", weights_only=True), expected)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model
 from multigpu import checkpoint
+from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -174,7 +175,7 @@ class LogsEachStep:
         trainer.log({"mine/lr_tensor": trainer.optimizer.param_groups[0]["lr"] * torch.ones((), device=trainer.device)})
 
 
-def test_own_scalars_add_no_host_sync_per_step(monkeypatch, tmp_path):
-    logging = (LogsEachStep(),)
-    once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=logging)
-    assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32, callbacks=logging) == once
+def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path):
+    once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
+    assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
+                             callbacks=(LogsEachStep(), EMA(0.9))) == once
