@@ -29,6 +29,7 @@ from main_multi_gpu import main_guarded
 from multigpu import checkpoint, safe_files, savedir
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import default_forward
+from multigpu.callbacks import ema_weights
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
@@ -176,10 +177,11 @@ def _classes(config: TrainConfig, state: dict[str, Any]) -> int:
 
 def load_model(config: TrainConfig, data: PredictionSet, state: dict[str, Any], path: str,
                runtime: Runtime) -> nn.Module:
-    """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode)."""
+    """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
+    when it was trained with --ema-decay."""
     model = build_model(config.model_name, data.input_shape, data.num_classes)
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(ema_weights(state) or state["model"])
     except RuntimeError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         raise checkpoint.CheckpointError(f"checkpoint {path} does not fit --model {config.model_name} for "
@@ -294,7 +296,8 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
     amp = Amp(resolve_dtype(config.amp, runtime.device, say), runtime.device.type)
     batch = config.eval_batch_size * max(1, len(runtime.dp_device_ids))  # type: ignore[operator]
     say(f"{runtime.describe()}; checkpoint {args.checkpoint} (epoch {state['epoch']}), model {config.model_name}, "
-        f"{len(data.data)} samples, batch {config.eval_batch_size} per device, amp {amp.name}")
+        f"{len(data.data)} samples, batch {config.eval_batch_size} per device, amp {amp.name}"
+        f"{', its EMA weights' if ema_weights(state) else ''}")
     with output_for(args, data, runtime.is_main) as output:
         Predictor(runtime, amp, num_workers=config.num_workers).each_chunk(model, data.data, batch, output.write,
                                                                           everywhere=False, with_targets=True)

@@ -21,7 +21,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,16 +32,17 @@ from multigpu import checkpoint, config_checks, faults, plan, rng
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, default_forward,
                               sample_batch)
+from multigpu.callbacks import Callbacks, builtin_callbacks
 from multigpu.checkpointer import Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import Runtime, is_distributed, prepare_model, setup, teardown, wrap_model
+from multigpu.distributed import Runtime, gather_objects, is_distributed, prepare_model, setup, teardown, wrap_model
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
 from multigpu.lr_scaling import scaled_lr
-from multigpu.meters import IntervalMeter
+from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             users_optimizer, users_scheduler)
@@ -74,7 +75,8 @@ class MultiGPUTrainer:
     or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
     per epoch (default: `config.lr_schedule`); `metrics` names and/or functions
     (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
-    batch) -> (outputs, targets)` where the default pair/dict handling does not fit.
+    batch) -> (outputs, targets)` where the default pair/dict handling does not fit;
+    `callbacks` objects called at fixed points of `fit` (multigpu/callbacks.py).
 
     Every rank constructs the trainer and calls `fit`; only rank 0 prints, logs
     and writes files. A trainer that set up the process group itself destroys it
@@ -85,7 +87,8 @@ class MultiGPUTrainer:
                  config: Optional[TrainConfig] = None, *, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  optimizer: OptimizerArg = None, scheduler: SchedulerArg = None, scheduler_interval: str = "step",
                  metrics: MetricsSpec = None, collate_fn: Optional[Callable] = None,
-                 forward_fn: Optional[ForwardFn] = None, runtime: Optional[Runtime] = None):
+                 forward_fn: Optional[ForwardFn] = None, runtime: Optional[Runtime] = None,
+                 callbacks: Sequence[Any] = ()):
         if scheduler_interval not in INTERVALS:
             raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
         config = config or TrainConfig()
@@ -138,6 +141,14 @@ class MultiGPUTrainer:
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
                                    self.move)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
+        if config.early_stop_patience and val_dataset is None:
+            raise UsageError("--early-stop-patience watches a validation metric, and this run has no validation "
+                             "set: give one, or leave --early-stop-patience at 0")
+        # The flags' built-in features first, then the user's; each hook's list is made once (multigpu/callbacks.py).
+        self.callbacks = Callbacks([*builtin_callbacks(config), *callbacks])
+        self._on_step_end = self.callbacks.hooks["on_step_end"]
+        self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
+        self.eval_model: Optional[nn.Module] = None  # a callback's module to evaluate and predict with (EMA's)
         # Every name evaluation looks up (metrics, --monitor, the batch's targets) tried on a few validation
         # samples now: a typo costs seconds, not an epoch of training.
         self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
@@ -148,9 +159,11 @@ class MultiGPUTrainer:
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
         self.meter = IntervalMeter(self.device, self.loader_batch)
+        self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
         self._resumed, self._batch_checked = False, False
         self.checkpointer = Checkpointer(config, rt, self.report)
-        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer),
+        self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer,
+                                                                 model_copies=2 if config.ema_decay else 1),
                                         config.epochs * self.steps_per_epoch)
 
     @property
@@ -195,14 +208,19 @@ class MultiGPUTrainer:
                 self.resume()
                 for line in plan.plan_lines(self):  # what will train, and how (multigpu/plan.py)
                     self.report.line(line)
+                self.callbacks.call("on_fit_start", self)
                 self.telemetry.start()
                 with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
-                    while self.progress.epoch < self.config.epochs or not self.progress.evaluated:
+                    while ((self.progress.epoch < self.config.epochs or not self.progress.evaluated)
+                           and not self._stopping_early()):
                         if self.progress.evaluated and not self._run_epoch():
                             return self._stop_for_signal()
                         if not self._evaluate_and_save():
                             return self._stop_for_signal()
-            summary = self._summary(wall_time=time.perf_counter() - started)
+            if self.stop_reason:
+                self.report.line(self.stop_reason)
+            summary = self._summary(wall_time=time.perf_counter() - started,
+                                    **({"stopped_early": self.stop_reason} if self.stop_reason else {}))
             self._report_done(summary)
             return summary
         finally:
@@ -226,16 +244,20 @@ class MultiGPUTrainer:
             samples_left -= window
             progress.samples_in_epoch += window * self.runtime.world_size
             progress.global_step += 1
+            for on_step_end in self._on_step_end:  # an empty list without callbacks
+                on_step_end(self)
             if self._at_sync_point(samples_left == 0) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 self.checkpointer.save_step(self.state_dict())
+                self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
                 faults.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
         self.report.end_epoch()
         progress.epoch, progress.samples_in_epoch, progress.evaluated = progress.epoch + 1, 0, False
         if self.scheduler_interval == "epoch":
             self.scheduler.step()
+        self.callbacks.call("on_epoch_end", self)
         return True
 
     def steps_done_in_epoch(self) -> int:
@@ -310,7 +332,7 @@ class MultiGPUTrainer:
         stop on a signal that reached any rank, stop on a non-finite loss (unless
         fp16's scaler handles it by skipping the step).
         """
-        interval, step = self.meter.reduce(self.stop.requested), self.progress.global_step
+        interval, step = self.meter.reduce(self.stop.requested, bool(self.logged.values)), self.progress.global_step
         first_step = step - len(interval.step_losses) + 1
         if not math.isfinite(sum(interval.step_losses)) and not self.scaler.is_enabled():  # one check per interval
             bad = [first_step + i for i, loss in enumerate(interval.step_losses) if not math.isfinite(loss)]
@@ -322,6 +344,8 @@ class MultiGPUTrainer:
         self.report.interval(step, first_step, interval, self.applied_lr, self.runtime.devices_per_step,
                              skipped, self.scaler.get_scale() if skipped is not None else None,
                              self.telemetry.interval(interval, first_step, step))
+        if interval.log_votes:  # some rank has trainer.log scalars: all ranks reduce them
+            self.report.scalars(self.logged.reduce(), step)
         self.meter.reset()
         return interval.stop_votes > 0
 
@@ -348,7 +372,10 @@ class MultiGPUTrainer:
         return predictor.run(model, dataset if dataset is not None else self.val_dataset, batch, output_path, to)
 
     def _eval_model(self) -> nn.Module:
-        # The plain module, so no DDP collective runs per batch; DataParallel still splits the batch.
+        # A callback's module (EMA's average), else the plain module, so no DDP collective runs per batch;
+        # DataParallel still splits the trained model's batch.
+        if self.eval_model is not None:
+            return self.eval_model
         return self.wrapped if self.runtime.mode == "dp" else self.model
 
     def _evaluate_and_save(self) -> bool:
@@ -363,7 +390,9 @@ class MultiGPUTrainer:
             self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step)
         progress.evaluated = True
         is_best = self._is_new_best()
-        self.checkpointer.save(self.state_dict(), "last.pt", also_as="best.pt" if is_best else None)
+        self.callbacks.call("on_validation_end", self)  # before the save: the checkpoint holds what they decided
+        self.report.scalars(self.logged.reduce(), progress.global_step)  # what was logged since the last sync point
+        self.save_checkpoint("last.pt", also_as="best.pt" if is_best else None)
         self.report.flush()
         return True
 
@@ -387,8 +416,30 @@ class MultiGPUTrainer:
         self.checkpointer.load_into(self, state, path)
 
     def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
-        """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this)."""
-        return self.checkpointer.save(self.state_dict(), name, also_as)
+        """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this), then call the
+        callbacks' on_save."""
+        path = self.checkpointer.save(self.state_dict(), name, also_as)
+        self.callbacks.call("on_save", self)
+        return path
+
+    # ------------------------------------------------------------------ your own scalars
+    def log(self, values: dict[str, Any]) -> None:
+        """Scalars of your own (floats or 0-d tensors, e.g. from a callback or a loss function) for the run's
+        TensorBoard: kept on the device, averaged over their calls and the ranks at the next sync point
+        (--log-every steps, an epoch's end) and written at that step. No host sync per call."""
+        self.logged.add(values)
+
+    # ------------------------------------------------------------------ stopping early
+    def stop_training(self, reason: str) -> None:
+        """End the run after the current epoch's evaluation and checkpoint, saying `reason` (callbacks call
+        this, e.g. early stopping). One rank asking is enough: the ranks agree before each epoch."""
+        self.stop_reason = self.stop_reason or reason
+
+    def _stopping_early(self) -> bool:
+        """Whether stop_training was called on any rank: one small collective per epoch, so all ranks stop
+        after the same epoch."""
+        self.stop_reason = next(filter(None, gather_objects(self.stop_reason)), None)  # type: ignore[arg-type]
+        return self.stop_reason is not None
 
     def resume(self) -> bool:
         """Load --resume PATH, --resume auto's newest good checkpoint, or after a torchrun restart the newest

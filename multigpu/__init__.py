@@ -17,6 +17,7 @@
 - flops:        FLOPs counted once per run, and the table of GPU peaks MFU divides by (never guessed)
 - batch_size:   --batch-size auto: the largest batch whose step fits in GPU memory, agreed by all ranks
 - snapshot:     probes at start that leave no trace (model, optimizer and RNG restored exactly)
+- callbacks:    user code at fixed points of fit() (state in checkpoints); built-ins: early stopping, EMA
 - checkpoint:   checkpoint files: atomic saves, safe loads, finding the newest good one
 - checkpointer: the trainer's resume and save protocol (what goes in, what must match)
 - rng:          seeding, and RNG state as plain types for checkpoints

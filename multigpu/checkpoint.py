@@ -254,10 +254,11 @@ def megabytes(count: int) -> str:
     return f"{count / 1e6:.1f} MB"
 
 
-def estimate_size(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
-    """About how many bytes one checkpoint of `model` takes: its state, plus the optimizer's per-parameter
-    state (created at the first step, so counted from the optimizer's kind: 2 tensors for Adam-like
-    optimizers, 1 for SGD with momentum), plus a little for the rest."""
+def estimate_size(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                  model_copies: int = 1) -> int:
+    """About how many bytes one checkpoint of `model` takes: its state (`model_copies` times: 2 with an EMA's
+    average), plus the optimizer's per-parameter state (created at the first step, so counted from the
+    optimizer's kind: 2 tensors for Adam-like optimizers, 1 for SGD with momentum), plus a little for the rest."""
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if optimizer is None:
@@ -266,4 +267,4 @@ def estimate_size(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
         slots = 1 if any(group.get("momentum") for group in optimizer.param_groups) else 0
     else:
         slots = 2  # Adam, AdamW and most others keep two tensors per parameter
-    return model_bytes + slots * params + 64 * 1024
+    return model_copies * model_bytes + slots * params + 64 * 1024

@@ -291,6 +291,7 @@ class Checkpointer:
             "metrics": dict(trainer.metrics),
             "world_size": self.runtime.world_size,
             "rng": rng_states,
+            "callbacks": trainer.callbacks.state_dict(),  # e.g. early stopping's counter (multigpu/callbacks.py)
             "config": self.config.to_dict(),
         }
 
@@ -314,6 +315,7 @@ class Checkpointer:
                                                   state["best_value"] if same_monitor else None,
                                                   state.get("evaluated", True))
         trainer.metrics = dict(state.get("metrics", {}))
+        trainer.callbacks.load_state_dict(state.get("callbacks", {}))
         trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
         if state["world_size"] == self.runtime.world_size:
             rng.set_rng_state(state["rng"][self.runtime.rank], self.runtime.device)

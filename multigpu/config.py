@@ -93,6 +93,9 @@ class TrainConfig:
     amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast", ["off", "fp16", "bf16"],
                     group="optimisation")
     seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
+    ema_decay: float = _opt(0.0, "keep an exponential moving average of the weights, updated after each optimizer "
+                            "step with this decay, e.g. 0.999; evaluation, best.pt and predict use it (0: off)",
+                            group="optimisation")
     # --- output --------------------------------------------------------
     save_dir: Optional[str] = _opt(None, "where last.pt, best.pt, step checkpoints and TensorBoard logs are written "
                                    "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
@@ -116,6 +119,10 @@ class TrainConfig:
     monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
                              "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
                              group="output")
+    early_stop_patience: int = _opt(0, "stop after this many evaluated epochs in a row without a better --monitor "
+                                    "value (0: off); best.pt keeps the best epoch", group="output")
+    early_stop_min_delta: float = _opt(0.0, "--early-stop-patience: the least change of --monitor that counts as "
+                                       "better", group="output")
 
     # Not a field (no flag, not saved): the fields the command line named, whatever their values, as parse_config
     # found them. None (a config built in Python, or a copy from dataclasses.replace): a field then counts as given
@@ -133,6 +140,9 @@ class TrainConfig:
                              "give one of them")
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
+        if self.ema_decay == 1:
+            raise UsageError("--ema-decay 1 would keep the starting weights forever: give a value below 1, e.g. "
+                             "0.999 (or 0 for no average)")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
                      "monitor_mode"]:
@@ -222,9 +232,10 @@ RANGES = {
     **{name: Range(1) for name in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
                                    "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "clip_grad_norm")},
+                                   "clip_grad_norm", "early_stop_patience", "early_stop_min_delta")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),
+    "ema_decay": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
     # overflows torch's store timeout (milliseconds).
     "dist_timeout": Range(1, 1e9),

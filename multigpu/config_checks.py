@@ -60,6 +60,8 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if config.save_every_steps == 0:
         yield "keep_last", ("it counts step checkpoints, and without --save-every-steps there are none "
                             "(last.pt and best.pt are always kept)")
+    if config.early_stop_patience == 0:
+        yield "early_stop_min_delta", "it is the least improvement --early-stop-patience counts, and that is off"
     if config.dataset not in GENERATED:
         for name in SIZES_OF_GENERATED:
             yield name, f"it sizes the synthetic and fake data sets, and --dataset {config.dataset} has its own"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Union
 
 import torch
 
-from multigpu.distributed import all_reduce_sum, is_distributed
+from multigpu.distributed import all_reduce_sum, gather_objects, is_distributed
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Interval:
     samples: float
     stop_votes: float  # ranks that got SIGTERM/SIGINT
     seconds: float
+    log_votes: float = 0.0  # ranks with scalars from trainer.log waiting
 
     @property
     def mean_loss(self) -> float:
@@ -59,14 +60,48 @@ class IntervalMeter:
         self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
         self.samples += samples
 
-    def reduce(self, stop_requested: bool) -> Interval:
-        """Sum the interval over ranks: the one host sync of the interval."""
+    def reduce(self, stop_requested: bool, logged: bool = False) -> Interval:
+        """Sum the interval over ranks: the one host sync of the interval (`logged`: this rank has scalars of
+        trainer.log waiting, so every rank learns whether to reduce them)."""
         steps = len(self.step_losses)
         per_step = (torch.stack(self.step_losses).float() * float(self.full_batch) if steps  # stack promotes dtypes
                     else torch.zeros(0, device=self.device))
         if not is_distributed():  # nothing to add up: the counts are this process's own
             return Interval(per_step.tolist(), float(self.samples), float(stop_requested),
-                            time.perf_counter() - self.started)
-        flags = torch.tensor([self.samples, float(stop_requested)], device=self.device)
+                            time.perf_counter() - self.started, float(logged))
+        flags = torch.tensor([self.samples, float(stop_requested), float(logged)], device=self.device)
         values = all_reduce_sum(torch.cat([per_step, flags])).tolist()
-        return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started)
+        return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started,
+                        values[steps + 2])
+
+
+class LoggedScalars:
+    """The scalars user code hands to `trainer.log({name: value})` between two sync points.
+
+    A call only appends the value (a device tensor stays on the device): no host
+    sync, no collective. At the next sync point every value of a name, on every
+    rank, is averaged by one all-reduce of sums and counts: the rank-mean when each
+    rank logs a name once per step. A name some ranks did not log is averaged over
+    the values that were logged.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.values: dict[str, list[Union[torch.Tensor, float]]] = {}
+
+    def add(self, values: Mapping[str, Union[torch.Tensor, float]]) -> None:
+        for name, value in values.items():
+            self.values.setdefault(name, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def reduce(self) -> dict[str, float]:
+        """{name: mean over every rank's values} since the last reduce; every rank must call it."""
+        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})  # type: ignore[attr-defined]
+        if not names:
+            return {}
+        sums_and_counts = torch.stack([
+            torch.stack([torch.as_tensor(value, device=self.device).float().mean() for value in self.values[name]]).sum()
+            if name in self.values else torch.zeros((), device=self.device) for name in names]
+            + [torch.tensor(float(len(self.values.get(name, ()))), device=self.device) for name in names])
+        self.values = {}
+        totals = all_reduce_sum(sums_and_counts).tolist()
+        return {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}

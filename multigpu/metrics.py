@@ -136,7 +136,11 @@ class Monitor:
             raise UsageError(f"--monitor {self.name} is not a validation metric of this run; it has "
                              f"{', '.join(names)}")
 
+    def lower_is_better(self) -> bool:
+        """The direction of the monitored metric: --monitor-mode, or from its name."""
+        return self.mode == "min" or (self.mode == "auto" and lower_is_better(self.name or ""))
+
     def improves(self, value: float, best: Optional[float]) -> bool:
         """Whether `value` beats `best` (None: nothing yet); a NaN never does."""
-        lower = self.mode == "min" or (self.mode == "auto" and lower_is_better(self.name or ""))
+        lower = self.lower_is_better()
         return math.isfinite(value) and (best is None or (value < best if lower else value > best))

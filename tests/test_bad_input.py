@@ -204,6 +204,10 @@ CLI = {
                                                     "3,100000,100000: one batch of 16 such images takes 1,920.0 GB, "
                                                     "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
+    "ema-decay 1": Case(["--ema-decay", "1"], "--ema-decay 1 would keep the starting weights forever: give a value "
+                                              "below 1"),
+    "ema-decay above 1": Case(["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, got 1.5"),
+    "early-stop-patience negative": Case(["--early-stop-patience", "-1"], "--early-stop-patience must not be negative"),
     "lr-base-batch zero": Case(["--lr-base-batch", "0"], "--lr-base-batch must be at least 1"),
     "log-every zero": Case(["--log-every", "0"], "--log-every must be at least 1"),
     "train-size zero": Case(["--train-size", "0"], "--train-size must be at least 1"),
@@ -531,6 +535,9 @@ API = {
     "monitor that is not a metric": api(lambda tmp: api_build(tmp, blobs(16, 1), config=dict(monitor="val_f1")),
                                         UsageError, "--monitor val_f1 is not a validation metric of this run; it has "
                                                     "val_loss, val_acc"),
+    "early stopping without a validation set": api(
+        lambda tmp: api_build(tmp, None, config=dict(early_stop_patience=2)), UsageError,
+        "--early-stop-patience watches a validation metric, and this run has no validation set"),
     "a metric name that does not exist": api(lambda tmp: api_build(tmp, blobs(16, 1), metrics=["acc", "f1"]),
                                              ValueError, "unknown metric 'f1'"),
     "a validation set without targets": api(lambda tmp: api_build(tmp, InputsOnly()), ValueError,

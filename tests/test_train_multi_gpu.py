@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model
 from multigpu import checkpoint
+from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -144,7 +145,7 @@ FRAMEWORK = (str(Path(__file__).resolve().parent.parent / "multigpu"),
              str(Path(__file__).resolve().parent.parent / "train_multi_gpu.py"))
 
 
-def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int) -> int:
+def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int, callbacks: tuple = ()) -> int:
     """How many host-sync calls the framework's own code makes in a fit() of `steps` steps. Calls from torch
     itself (AdamW reads its CPU step counter each step) are not the trainer's: a plain loop makes them too."""
     calls: list[str] = []
@@ -157,7 +158,7 @@ def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int) -
                 return _original(*args, **kwargs)
             patch.setattr(owner, name, counted)
         config = config_for(tmp_path / f"{steps}-{log_every}", 1, epochs=1, log_every=log_every)
-        MultiGPUTrainer(tiny_model(), blobs(8 * steps, 0), None, config).fit()
+        MultiGPUTrainer(tiny_model(), blobs(8 * steps, 0), None, config, callbacks=callbacks).fit()
     return len(calls)
 
 
@@ -167,3 +168,14 @@ def test_training_adds_no_host_sync_per_step_only_per_logging_interval(monkeypat
     per_interval = host_syncs_in_fit(monkeypatch, tmp_path, steps=8, log_every=4) - once
     assert per_interval > 0  # the sync point reads the interval, and the counter sees it
     assert host_syncs_in_fit(monkeypatch, tmp_path, steps=32, log_every=4) == once + 7 * per_interval
+
+
+class LogsEachStep:
+    def on_step_end(self, trainer):
+        trainer.log({"mine/lr_tensor": trainer.optimizer.param_groups[0]["lr"] * torch.ones((), device=trainer.device)})
+
+
+def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path):
+    once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
+    assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
+                             callbacks=(LogsEachStep(), EMA(0.9))) == once
