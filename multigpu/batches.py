@@ -162,8 +162,12 @@ class ModelForward:
         named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         self.names = frozenset(p.name for p in named)
         self.any_keyword = self.signature is None or any(p.kind is p.VAR_KEYWORD for p in params)
+        # Every key goes in only to a forward(**kwargs) that names none: beside named parameters, Hugging Face's
+        # Trainer, too, passes only the named ones.
+        self.every_key = self.any_keyword and not self.names
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.first = positional[0] if positional else None  # the parameter `model(inputs)` fills
+        self.takes_inputs = bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params)
         # The parameter that takes the targets (nanoGPT's `targets`, Hugging Face's `labels`), never the inputs'.
         self.target = next((name for name in TARGET_PARAMETERS if name in self.names and name != self.first), None)
         self.required = [p.name for p in named if p.default is p.empty and p.name != self.target]
@@ -196,8 +200,8 @@ class ModelForward:
 
     def keywords(self, values: Mapping, targets: Any) -> dict[str, Any]:
         """The entries of `values` that `forward` accepts, and the targets where it takes them."""
-        kwargs = dict(values) if self.any_keyword else {key: value for key, value in values.items()
-                                                        if key in self.names}
+        kwargs = dict(values) if self.every_key else {key: value for key, value in values.items()
+                                                      if key in self.names}
         if self.target is not None and targets is not None and self.target not in kwargs:
             kwargs[self.target] = targets
         return kwargs
@@ -209,7 +213,7 @@ class ModelForward:
             if isinstance(inputs, Mapping) and self.spreads(inputs):
                 return
             missing = [name for name in self.required if name != self.first]
-            if self.first is None or missing:
+            if not self.takes_inputs or missing:
                 needs = ", ".join(missing) or "its inputs as a positional argument"
                 raise BatchMismatch(self.mismatch(batch, f"forward needs {needs}, which model(inputs) does not give",
                                                   "(model(...), batch[1])"))

@@ -111,6 +111,15 @@ def test_without_a_forward_fn_the_models_forward_signature_decides_what_each_bat
     model = TakesInputIds()  # ... spread as keywords where its keys are forward's parameters
     outputs, _ = fitted_forward(model)(model, ({"input_ids": x}, y))
     assert torch.equal(outputs, model(x))
+    seen = []
+
+    def named_and_more(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        seen.append(sorted(kwargs))  # beside named parameters, **kwargs gets no other key (Hugging Face's rule)
+        return input_ids
+
+    outputs, targets = fitted_forward(named_and_more)(named_and_more, {"input_ids": x, "label": y, "extra": x})
+    assert outputs is x and targets is y and seen == [[]]
+    assert fitted_forward(lambda **kwargs: kwargs)(lambda **kwargs: kwargs, {"a": x, "y": y})[0] == {"a": x, "y": y}
 
 
 def test_what_no_signature_can_take_is_one_value_error_naming_batch_signature_and_forward_fn():
