@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from multigpu import batch_size as batch_size_search
 from multigpu import checkpoint, config_checks, faults, plan, rng
 from multigpu.amp import Amp, resolve_dtype
-from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, default_forward,
+from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
 from multigpu.callbacks import Callbacks, builtin_callbacks
 from multigpu.checkpointer import Checkpointer, with_run_folder
@@ -75,7 +75,7 @@ class MultiGPUTrainer:
     or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
     per epoch (default: `config.lr_schedule`); `metrics` names and/or functions
     (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
-    batch) -> (outputs, targets)` where the default pair/dict handling does not fit;
+    batch) -> (outputs, targets)` where the default (fitted to the model's forward signature) does not fit;
     `callbacks` objects called at fixed points of `fit` (multigpu/callbacks.py).
 
     Every rank constructs the trainer and calls `fit`; only rank 0 prints, logs
@@ -104,7 +104,7 @@ class MultiGPUTrainer:
         self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type)
         self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-        self.forward = forward_fn or default_forward
+        self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once
         self.move = batch_mover(self.device, config.channels_last)  # a batch from the loader to the device
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         if config.batch_size == AUTO:  # measured before anything that depends on the batch is built

@@ -5,7 +5,7 @@
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
-- batches:      moving any nesting of tensors to the device; how a batch becomes outputs and a loss
+- batches:      moving any nesting of tensors to the device; a batch into outputs and a loss by forward's signature
 - optim:        optimizer and LR schedule (built-in, or the user's own)
 - lr_scaling:   the LR scaling rule (torch-free, so the launcher can ask it)
 - metrics:      evaluation metrics reduced exactly across ranks (sums and counts)

@@ -1,23 +1,32 @@
 """Batches of any structure: moving them to the device, and how one becomes outputs, targets and a loss.
 
 A batch is an `(inputs, targets)` pair, a dict (Hugging Face style), or any
-nesting of tuples, lists and dicts of tensors. The default way through the
-model (`default_forward`):
+nesting of tuples, lists and dicts of tensors. The trainer's way through the
+model without a `forward_fn` (`fitted_forward`) reads the model's `forward`
+signature once, as Hugging Face's Trainer does:
 
-- `(inputs, targets)`: `outputs = model(inputs)` (or `model(**inputs)` when inputs is a dict);
-- a dict: `outputs = model(**batch)`, and the targets are its "labels"/"label"/"targets"/"target" entry.
+- `(inputs, targets)`: `model(inputs)`, whatever `inputs` is, as a hand-written
+  loop does; a dict `inputs` is spread as keywords only when its keys are
+  `forward`'s parameters (`model(**inputs)`);
+- a dict: `model(**batch)` with only the keys `forward` accepts, and the
+  targets are its "labels"/"label"/"targets"/"target"/"y" entry;
+- either way, a `forward` with a targets parameter (`targets`, `labels`,
+  `target`, `y`, nanoGPT's `forward(idx, targets=None)`) is given the targets.
 
-The loss is the model's own when its outputs carry one (`outputs.loss` or
-`outputs["loss"]`), else `loss_fn(outputs, targets)`. Anything else: pass
-`forward_fn=lambda model, batch: (outputs, targets)` to the trainer
+The loss is the model's own when its outputs carry one (`outputs.loss`,
+`outputs["loss"]`, or the scalar tensor of a tuple such as nanoGPT's
+`(logits, loss)`), and then `loss_fn` is not applied; else
+`loss_fn(outputs, targets)`. Anything else is one ValueError at the first batch
+naming the `forward_fn=lambda model, batch: (outputs, targets)` that would fit
 (MULTI_GPU_GUIDE.md, "Your own task").
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +34,8 @@ from torch.utils.data import default_collate
 
 from multigpu.errors import UsageError
 
-LABEL_KEYS = ("labels", "label", "targets", "target")
+LABEL_KEYS = ("labels", "label", "targets", "target", "y")  # where a dict batch keeps its targets
+TARGET_PARAMETERS = ("targets", "labels", "target", "y")  # a forward parameter that takes the targets
 ForwardFn = Callable[[torch.nn.Module, Any], tuple[Any, Any]]
 
 
@@ -138,34 +148,172 @@ def repeat_batch(batch: Any, size: int) -> Any:
     return map_tensors(lambda tensor: tensor[torch.arange(size) % tensor.shape[0]] if tensor.dim() else tensor, batch)
 
 
-def default_forward(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
-    """(outputs, targets) of a pair or dict batch; one clear ValueError for any other structure."""
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:  # checked first: the usual batch, and the cheap test
-        inputs, targets = batch
-        if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Mapping):
-            return model(inputs), targets
-        return model(**inputs), targets
+class ModelForward:
+    """The way through one model without a `forward_fn`: its `forward` signature, read once here, decides what
+    each batch passes to it (the module docstring). Called per step: no inspection there, a few set operations.
+
+    `ModelForward(None)` knows no signature: pairs go in as `model(inputs)` (`model(**inputs)` for dict
+    inputs) and dicts as `model(**batch)`, every key passed (`default_forward`).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.signature = _signature(model)
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        self.names = frozenset(p.name for p in named)
+        self.any_keyword = self.signature is None or any(p.kind is p.VAR_KEYWORD for p in params)
+        # Every key goes in only to a forward(**kwargs) that names none: beside named parameters, Hugging Face's
+        # Trainer, too, passes only the named ones.
+        self.every_key = self.any_keyword and not self.names
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.first = positional[0] if positional else None  # the parameter `model(inputs)` fills
+        self.takes_inputs = bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params)
+        # The parameter that takes the targets (nanoGPT's `targets`, Hugging Face's `labels`), never the inputs'.
+        self.target = next((name for name in TARGET_PARAMETERS if name in self.names and name != self.first), None)
+        self.required = [p.name for p in named if p.default is p.empty and p.name != self.target]
+        self.checked = self.signature is None
+
+    def __call__(self, model: Any, batch: Any) -> tuple[Any, Any]:
+        if not self.checked:  # the first batch: anything the signature cannot take is one clear error, not a TypeError
+            self.check(batch)
+            self.checked = True
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:  # checked first: the usual batch, and the cheap test
+            inputs, targets = batch
+            if type(inputs) is torch.Tensor or not isinstance(inputs, Mapping) or not self.spreads(inputs):
+                if self.target is None or targets is None:
+                    return model(inputs), targets
+                return model(inputs, **{self.target: targets}), targets
+            return model(**self.keywords(inputs, targets)), targets
+        if isinstance(batch, Mapping):
+            targets = next((batch[key] for key in LABEL_KEYS if key in batch), None)
+            return model(**self.keywords(batch, targets)), targets
+        raise BatchMismatch(self.mismatch(batch, "a batch must be an (inputs, targets) pair or a dict",
+                                          "(model(...), targets)"))
+
+    def spreads(self, inputs: Mapping) -> bool:
+        """Whether dict inputs are keyword arguments: their keys name `forward`'s parameters, the required ones
+        included; else the dict is one argument, as `model(inputs)` in a hand-written loop."""
+        if self.signature is None:
+            return True
+        given = self.names.intersection(inputs)
+        return bool(given or self.any_keyword) and all(name in given for name in self.required)
+
+    def keywords(self, values: Mapping, targets: Any) -> dict[str, Any]:
+        """The entries of `values` that `forward` accepts, and the targets where it takes them."""
+        kwargs = dict(values) if self.every_key else {key: value for key, value in values.items()
+                                                      if key in self.names}
+        if self.target is not None and targets is not None and self.target not in kwargs:
+            kwargs[self.target] = targets
+        return kwargs
+
+    def check(self, batch: Any) -> None:
+        """BatchMismatch (a ValueError) where `forward` needs what the batch does not give."""
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:
+            inputs, targets = batch
+            if isinstance(inputs, Mapping) and self.spreads(inputs):
+                return
+            missing = [name for name in self.required if name != self.first]
+            if not self.takes_inputs or missing:
+                needs = ", ".join(missing) or "its inputs as a positional argument"
+                raise BatchMismatch(self.mismatch(batch, f"forward needs {needs}, which model(inputs) does not give",
+                                                  "(model(...), batch[1])"))
+        elif isinstance(batch, Mapping):
+            missing = [name for name in self.required if name not in batch]
+            if missing:
+                raise BatchMismatch(self.mismatch(batch, f"forward needs {', '.join(missing)}, which the batch's keys "
+                                                         "do not give", "(model(...), batch[...])"))
+
+    def mismatch(self, batch: Any, problem: str, fits: str) -> str:
+        """One line: what is wrong, the batch's structure, the signature, and the forward_fn that would fit."""
+        fitted = f" to fit the model's forward{_plain_signature(self.signature)}" if self.signature is not None else ""
+        return (f"{problem}, got {describe(batch)}; pass forward_fn=lambda model, batch: {fits}{fitted} "
+                f"(MULTI_GPU_GUIDE.md, \"Your own task\")")
+
+
+def _signature(model: Any) -> Optional[inspect.Signature]:
+    """The signature of the plain module's `forward` (under DDP, DataParallel or torch.compile), None if unknown."""
+    if model is None:
+        return None
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
+        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = model.module
+        if inner is None:
+            break
+        model = inner
+    try:
+        return inspect.signature(getattr(model, "forward", model))
+    except (TypeError, ValueError):  # a builtin without one: the plain pair/dict handling
+        return None
+
+
+def _plain_signature(signature: inspect.Signature) -> inspect.Signature:
+    """`signature` without annotations: `(idx, targets=None)`, short enough for one line."""
+    return signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                             return_annotation=inspect.Signature.empty)
+
+
+def describe(batch: Any) -> str:
+    """A batch's structure in words: `a dict with keys input_ids, label`, `a tuple of (Tensor, Tensor)`."""
     if isinstance(batch, Mapping):
-        return model(**batch), next((batch[key] for key in LABEL_KEYS if key in batch), None)
-    shape = f"a {type(batch).__name__} of {len(batch)} item(s)" if isinstance(batch, (list, tuple)) \
-        else f"a {type(batch).__name__}"
-    raise ValueError(f"a batch must be an (inputs, targets) pair or a dict, got {shape}; pass "
-                     f"forward_fn=lambda model, batch: (outputs, targets) to say how yours goes through the model")
+        return f"a {type(batch).__name__} with keys {', '.join(map(str, batch))}"
+    if isinstance(batch, (list, tuple)):
+        return f"a {type(batch).__name__} of ({', '.join(_kind(item) for item in batch)})"
+    return f"a {type(batch).__name__}"
+
+
+def _kind(item: Any) -> str:
+    return f"dict with keys {', '.join(map(str, item))}" if isinstance(item, Mapping) else type(item).__name__
+
+
+def fitted_forward(model: torch.nn.Module) -> ModelForward:
+    """The trainer's default `forward_fn` for `model`, fitted to its `forward` signature."""
+    return ModelForward(model)
+
+
+default_forward = ModelForward(None)  # (outputs, targets) of a pair or dict batch, for a model not known in advance
 
 
 def own_loss(outputs: Any) -> Optional[torch.Tensor]:
-    """The loss a model returned with its outputs (Hugging Face's `.loss`), or None."""
+    """The loss a model returned with its outputs (Hugging Face's `.loss`/`["loss"]`, the scalar tensor of
+    nanoGPT's `(logits, loss)`), or None."""
     if isinstance(outputs, Mapping):
         return outputs.get("loss")
+    if type(outputs) is tuple or type(outputs) is list:
+        index = _loss_index(outputs)
+        return None if index is None else outputs[index]
     return getattr(outputs, "loss", None)
 
 
+def _loss_index(outputs: Union[tuple, list]) -> Optional[int]:
+    """Where a tuple of outputs holds the batch's loss: its one 0-dim floating-point tensor."""
+    scalars = [index for index, item in enumerate(outputs)
+               if isinstance(item, torch.Tensor) and item.dim() == 0 and item.is_floating_point()]
+    return scalars[0] if len(scalars) == 1 and len(outputs) > 1 else None
+
+
+def without_loss(outputs: Any) -> Any:
+    """The outputs that belong to samples: all of them but the batch's loss (a `(logits, loss)` or nanoGPT's
+    `(logits, None)` pair gives the logits alone)."""
+    if isinstance(outputs, Mapping) and "loss" in outputs:
+        return {key: value for key, value in outputs.items() if key != "loss"}
+    if type(outputs) is tuple or type(outputs) is list:
+        index = _loss_index(outputs)
+        if index is None and len(outputs) == 2 and outputs[1] is None:
+            index = 1
+        if index is not None:
+            rest = [item for position, item in enumerate(outputs) if position != index]
+            return rest[0] if len(rest) == 1 else type(outputs)(rest)
+    return outputs
+
+
 def predictions(outputs: Any) -> Any:
-    """What metrics compare with the targets: `.logits`/["logits"] when the outputs carry them."""
+    """What metrics compare with the targets: `.logits`/["logits"] when the outputs carry them, else the
+    outputs less the batch's loss."""
     if isinstance(outputs, Mapping):
         return outputs.get("logits", outputs)
     logits = getattr(outputs, "logits", None)
-    return outputs if logits is None else logits
+    return without_loss(outputs) if logits is None else logits
 
 
 def compute_loss(outputs: Any, targets: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]) -> torch.Tensor:

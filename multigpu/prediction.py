@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from multigpu import safe_files
 from multigpu.amp import Amp
-from multigpu.batches import ForwardFn, concat, default_forward, predictions, to_device
+from multigpu.batches import ForwardFn, ModelForward, concat, default_forward, to_device, without_loss
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.distributed import Runtime, gather_objects, gather_objects_to_main
@@ -105,7 +105,7 @@ def forward_for_prediction(forward: ForwardFn, model: torch.nn.Module, batch: An
     """(outputs, targets) of `batch`: through `forward` (the trainer's forward_fn, or the default pair/dict
     handling), except that inputs alone (a tensor, or the 1-tuple TensorDataset(inputs) gives) go straight
     in, with no targets: a prediction set often has none."""
-    if forward is default_forward:
+    if isinstance(forward, ModelForward):  # the trainer's own way through the model, not a user's forward_fn
         if isinstance(batch, torch.Tensor):
             return model(batch), None
         if isinstance(batch, (list, tuple)) and len(batch) == 1:
@@ -114,12 +114,9 @@ def forward_for_prediction(forward: ForwardFn, model: torch.nn.Module, batch: An
 
 
 def _per_sample(outputs: Any) -> Any:
-    """The outputs that belong to samples: the logits where the outputs carry them (what metrics use),
-    else all of them but the batch's loss."""
-    outputs = predictions(outputs)
-    if isinstance(outputs, Mapping) and "loss" in outputs:
-        return {key: value for key, value in outputs.items() if key != "loss"}
-    return outputs
+    """The outputs that belong to samples, with their whole structure (every head of a dict, the logits next
+    to other entries): all of them but the batch's scalar loss."""
+    return without_loss(outputs)
 
 
 def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:

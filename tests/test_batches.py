@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.batches import batch_size, check_first_batch, concat, default_forward, split, to_device
+from multigpu.batches import (BatchMismatch, batch_size, check_first_batch, compute_loss, concat, default_forward,
+                              fitted_forward, predictions, split, to_device)
 from train_multi_gpu import MultiGPUTrainer
 
 Pair = namedtuple("Pair", "inputs targets")
@@ -46,7 +47,7 @@ class InputsOnly(Dataset):
 def test_a_batch_without_targets_is_one_clear_value_error_at_the_first_step(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), InputsOnly(), None, config_for(tmp_path, 1))
     with pytest.raises(ValueError, match=r"a batch must be an \(inputs, targets\) pair or a dict, got a list of "
-                                         r"1 item\(s\); pass forward_fn="):
+                                             r"\(Tensor\); pass forward_fn="):
         trainer.fit()
 
 
@@ -72,6 +73,68 @@ def test_forward_fn_says_how_any_batch_goes_through_the_model(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), Triples(), Triples(), config_for(tmp_path, 1, epochs=3),
                               forward_fn=lambda model, batch: (model(batch[0]["features"]), batch[2]))
     assert trainer.fit()["val_acc"] > 0.9
+
+
+class TakesInputIds(torch.nn.Module):  # Hugging Face-style, without labels: forward(input_ids)
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_model()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids)
+
+
+class NanoGPTStyle(TakesInputIds):  # forward(idx, targets=None) -> (logits, loss)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
+        logits = self.net(idx)
+        return logits, (None if targets is None else torch.nn.functional.cross_entropy(logits, targets))
+
+
+class TakesTheDict(TakesInputIds):  # written for `for x, y in loader: model(x)` with dict x
+    def forward(self, batch: dict) -> torch.Tensor:  # type: ignore[override]
+        return self.net(batch["x"] * batch["scale"])
+
+
+def test_without_a_forward_fn_the_models_forward_signature_decides_what_each_batch_passes():
+    x, y = torch.randn(6, 16), torch.tensor([0, 1, 2, 3, 0, 1])
+    model = TakesInputIds()  # a dict batch: only the keys forward accepts; the targets from its label key
+    outputs, targets = fitted_forward(model)(model, {"input_ids": x, "label": y, "attention_mask": torch.ones(6)})
+    assert torch.equal(outputs, model(x)) and targets is y
+    model = NanoGPTStyle()
+    forward = fitted_forward(torch.nn.DataParallel(model))  # read through the wrapper, from the plain module
+    outputs, targets = forward(model, (x, y))  # targets go in; the model's loss is the loss, its logits the metrics'
+    assert torch.equal(compute_loss(outputs, targets, None), torch.nn.functional.cross_entropy(model(x)[0], y))
+    assert torch.equal(predictions(outputs), model(x)[0]) and torch.equal(predictions(model(x)), model(x)[0])
+    model = TakesTheDict()  # a pair whose inputs is a dict: model(inputs), as a hand-written loop does
+    outputs, _ = fitted_forward(model)(model, ({"x": x, "scale": torch.full((6, 1), 2.0)}, y))
+    assert torch.equal(outputs, model.net(x * 2))
+    model = TakesInputIds()  # ... spread as keywords where its keys are forward's parameters
+    outputs, _ = fitted_forward(model)(model, ({"input_ids": x}, y))
+    assert torch.equal(outputs, model(x))
+    seen = []
+
+    def named_and_more(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        seen.append(sorted(kwargs))  # beside named parameters, **kwargs gets no other key (Hugging Face's rule)
+        return input_ids
+
+    outputs, targets = fitted_forward(named_and_more)(named_and_more, {"input_ids": x, "label": y, "extra": x})
+    assert outputs is x and targets is y and seen == [[]]
+    assert fitted_forward(lambda **kwargs: kwargs)(lambda **kwargs: kwargs, {"a": x, "y": y})[0] == {"a": x, "y": y}
+
+
+def test_what_no_signature_can_take_is_one_value_error_naming_batch_signature_and_forward_fn():
+    class TwoInputs(torch.nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+    model = TwoInputs()
+    with pytest.raises(BatchMismatch, match=r"forward needs mask, which model\(inputs\) does not give, got a tuple of "
+                                            r"\(Tensor, Tensor\); pass forward_fn=lambda model, batch: .* to fit the "
+                                            r"model's forward\(x, mask\) \("):
+        fitted_forward(model)(model, (torch.ones(2), torch.ones(2)))
+    with pytest.raises(ValueError, match=r"forward needs mask, which the batch's keys do not give, got a dict with "
+                                         r"keys x, label; pass forward_fn="):
+        fitted_forward(model)(model, {"x": torch.ones(2), "label": torch.ones(2)})
 
 
 def test_split_cuts_every_tensor_in_consecutive_parts_and_concat_joins_them_back():

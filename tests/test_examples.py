@@ -1,5 +1,6 @@
 """examples/: a user's own task on the trainer, run as a user would, in one process and under 2-process
-torchrun, killed mid-run and resumed to the same final weights as an uninterrupted run."""
+torchrun, killed mid-run and resumed to the same final weights as an uninterrupted run; and the ported clients
+whose model signatures need no forward_fn, each learning in one process and under torchrun."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_un
         assert torch.equal(ours["model"][key], tensor), key
     assert ours["optimizer"]["param_groups"] == theirs["optimizer"]["param_groups"]
     assert ours["scheduler"] == theirs["scheduler"]
+
+
+# Clients ported as their authors wrote them: the model's forward signature decides what each batch passes.
+PORTED = {
+    "hf_dict_batch.py": ["--lr", "0.01"],  # {"input_ids", "attention_mask", "label"} into forward(input_ids)
+    "nanogpt.py": ["--lr", "0.01"],  # forward(idx, targets=None) -> (logits, loss), two AdamW groups, clipping
+    "dict_inputs_pair.py": ["--lr", "0.01"],  # ({"numeric", "city"}, label) into forward(features)
+}
+TINY = ["--train-size", "256", "--val-size", "64", "--batch-size", "16", "--epochs", "2", "--no-progress",
+        "--dist-timeout", "60", "--log-every", "4"]
+
+
+@pytest.mark.parametrize("name", PORTED)
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_ported_clients_train_without_a_forward_fn_and_their_loss_falls(name, nproc, tmp_path):
+    result = run_cli([*TINY, *PORTED[name], "--save-dir", str(tmp_path)], nproc=nproc,
+                     script=REPO / "examples" / name)
+    assert_ok(result)
+    losses = [value for _, value in read_scalars(tmp_path / "tb")["train/loss"]]
+    assert len(losses) >= 3 and losses[-1] < 0.8 * losses[0], losses
+    val_losses = [value for _, value in read_scalars(tmp_path / "tb")["val/loss"]]
+    assert len(val_losses) == 2 and val_losses[1] < val_losses[0], val_losses

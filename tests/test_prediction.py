@@ -19,7 +19,8 @@ SET_SIZES = (1, 7, 101)  # one sample, fewer than a batch, a prime number of the
 
 
 class DictOutputs(nn.Module):
-    """Returns a dict: scores, a tuple of per-sample features, and the batch's (0-dim) loss, which is no output."""
+    """A two-head model returning a dict: logits, a tuple of per-sample features, and the batch's (0-dim) loss,
+    which is no output; predict() keeps every other key, not the logits alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -27,8 +28,8 @@ class DictOutputs(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> dict[str, Any]:
         hidden = self.body[1](self.body[0](inputs))
-        scores = self.body[2](hidden)
-        return {"scores": scores, "features": (hidden, inputs.sum(1)), "loss": scores.sum()}
+        logits = self.body[2](hidden)
+        return {"logits": logits, "features": (hidden, inputs.sum(1)), "loss": logits.sum()}
 
 
 def _models() -> dict[str, nn.Module]:
@@ -88,7 +89,8 @@ def test_predict_on_1_2_and_3_processes_equals_one_process_exactly_in_memory_and
                 assert result.shape == (size, 4)
                 torch.testing.assert_close(result, direct)  # the model's outputs, in dataset order
             else:
-                assert list(result) == ["scores", "features"] and result["features"][1].shape == (size,)
+                assert list(result) == ["logits", "features"] and result["features"][1].shape == (size,)
+                torch.testing.assert_close(result["logits"], direct["logits"])
                 torch.testing.assert_close(result["features"][1], direct["features"][1])
             assert_same(single[f"{name}/{size}/file"], result)
     for world_size in (2, 3):
@@ -136,9 +138,10 @@ class OwnLoss(nn.Module):
 
 def test_batches_of_any_structure_give_their_per_sample_outputs(tmp_path):
     trainer = MultiGPUTrainer(OwnLoss(), DictSamples(), None, config_for(tmp_path, 1, batch_size=3))
-    logits = trainer.predict(DictSamples())  # the logits, as metrics use them; the loss is no output
+    outputs = trainer.predict(DictSamples())  # the outputs' whole structure; the batch's loss is no output
+    assert list(outputs) == ["logits"]
     with torch.no_grad():
-        torch.testing.assert_close(logits, trainer.model.net(torch.arange(10.0)[:, None].expand(10, 16)))
+        torch.testing.assert_close(outputs["logits"], trainer.model.net(torch.arange(10.0)[:, None].expand(10, 16)))
     plain = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path / "inputs-only", 1))
     inputs = blobs(9, 2).tensors[0]
     assert torch.equal(plain.predict(TensorDataset(inputs)), plain.predict(blobs(9, 2)))  # no targets needed
