@@ -44,7 +44,7 @@ from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            users_optimizer, users_scheduler)
+                            schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
@@ -71,8 +71,10 @@ class MultiGPUTrainer:
     `(outputs, targets) -> scalar` (default cross-entropy); `optimizer` an
     Optimizer on the model's parameters or a function `params -> Optimizer`
     (default: `config.optimizer`); `scheduler` a function `optimizer -> scheduler`
+    (or `(optimizer, total_steps)`, the times it will be stepped, for OneCycleLR)
     or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
-    per epoch (default: `config.lr_schedule`); `metrics` names and/or functions
+    per epoch (default: `config.lr_schedule`, which a user's optimizer gets only when
+    `lr_schedule` is set: its LR otherwise stays its own); `metrics` names and/or functions
     (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
     batch) -> (outputs, targets)` where the default pair/dict handling does not fit.
 
@@ -131,9 +133,12 @@ class MultiGPUTrainer:
                                                                         self.effective_batch, config.lr_base_batch))
                           if optimizer is None else users_optimizer(optimizer, self.model, lr_factor_))
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
-                          else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
+        self.total_steps = config.epochs * self.steps_per_epoch  # optimizer steps of the whole run
+        self.config = config = schedule_config(config, self.given, optimizer is not None, scheduler is not None)
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
+        self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
+                          else users_scheduler(scheduler, self.optimizer, config.lr_scaling,
+                                               self.total_steps if scheduler_interval == "step" else config.epochs))
 
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
                                    self.move)

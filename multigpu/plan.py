@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu import config_checks
 from multigpu.lr_scaling import describe_lr
-from multigpu.optim import lr_factor
+from multigpu.optim import lr_factor, peak_lr
 
 if TYPE_CHECKING:  # the trainer imports this module
     from train_multi_gpu import MultiGPUTrainer
@@ -26,8 +26,10 @@ def plan_lines(trainer: MultiGPUTrainer) -> list[str]:
     steps_left = (config.epochs - progress.epoch) * trainer.steps_per_epoch - trainer.steps_done_in_epoch()
     last_step = progress.global_step + max(0, steps_left)
     warmup_steps = round(config.warmup_epochs * trainer.steps_per_epoch)
-    schedule = (f"schedule {config.lr_schedule}, warm-up {warmup_steps} steps" if trainer.builtin_schedule
-                else f"scheduler {type(trainer.scheduler).__name__} per {trainer.scheduler_interval}")
+    schedule = (f"schedule {config.lr_schedule}{_why_schedule(trainer)}, warm-up {warmup_steps} steps"
+                if trainer.builtin_schedule else f"scheduler {type(trainer.scheduler).__name__} per "
+                f"{trainer.scheduler_interval}")
+    schedule += _lr_range(trainer, steps_left)
     lr = (describe_lr(config, trainer.effective_batch) if trainer.builtin_optimizer else f"lr {trainer.lr:g} (the "
           f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
     return [rt.describe(),
@@ -36,6 +38,22 @@ def plan_lines(trainer: MultiGPUTrainer) -> list[str]:
             f"optimizer {type(trainer.optimizer).__name__}, {lr}; {schedule}, {trainer.steps_per_epoch} steps/epoch, "
             f"{last_step} steps{f' ({steps_left} left)' if progress.global_step else ''}; amp {trainer.amp.name}",
             *_warnings(trainer, warmup_steps)]
+
+
+def _why_schedule(trainer: MultiGPUTrainer) -> str:
+    """Why a user's optimizer keeps its LR: it has no scheduler, and lr_schedule was not set."""
+    if trainer.builtin_optimizer or "lr_schedule" in trainer.given:
+        return ""
+    return " (your optimizer's own LR: no scheduler given, lr_schedule not set)"
+
+
+def _lr_range(trainer: MultiGPUTrainer, steps_left: int) -> str:
+    """The LR the next step applies and the highest the schedule reaches: the optimizer's LR above is only
+    the schedule's base (a warm-up or OneCycleLR starts far below it)."""
+    first = trainer.optimizer.param_groups[0]["lr"]
+    epochs_left = trainer.config.epochs - trainer.progress.epoch
+    peak = peak_lr(trainer.scheduler, max(1, steps_left if trainer.scheduler_interval == "step" else epochs_left))
+    return f" (first step lr {first:g}, peak {'unknown' if peak is None else f'{peak:g}'})"
 
 
 def _warnings(trainer: MultiGPUTrainer, warmup_steps: int) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import blobs, config_for, tiny_model
 from multigpu.plan import done_line, plan_lines
@@ -19,7 +20,19 @@ def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_pat
     assert layout == "mode none: one device, cpu"
     assert batch == "batch 8 per device x 1 devices x 2 accumulation = 16 effective (one device)"
     assert optimizer.startswith("optimizer AdamW, lr 0.01")
-    assert optimizer.endswith("; schedule cosine, warm-up 4 steps, 4 steps/epoch, 12 steps; amp off")
+    assert optimizer.endswith("; schedule cosine, warm-up 4 steps (first step lr 0.0025, peak 0.01), 4 steps/epoch, "
+                              "12 steps; amp off")
+
+
+def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):
+    """The optimizer's LR is only OneCycleLR's peak: the first step applies max_lr / 25."""
+    one_cycle = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2),
+                                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                                scheduler=lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(
+                                    optimizer, max_lr=1e-3, total_steps=total_steps, pct_start=0.25))
+    with one_cycle:
+        optimizer = plan_lines(one_cycle)[2]
+    assert "; scheduler OneCycleLR per step (first step lr 4e-05, peak 0.001), 8 steps/epoch, 16 steps;" in optimizer
 
 
 def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_path: Path):
