@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from multigpu import config_checks
-from multigpu.lr_scaling import describe_lr
+from multigpu.lr_scaling import describe_lr, scaled_lr
 from multigpu.optim import lr_factor, peak_lr
 
 if TYPE_CHECKING:  # the trainer imports this module
@@ -66,6 +66,11 @@ def _warnings(trainer: MultiGPUTrainer, warmup_steps: int) -> list[str]:
         lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
                      f"step's {trainer.loader_batch} x {config.grad_accum_steps}: every step uses "
                      f"{samples_per_rank} samples per process, not the effective batch above")
+    if config.lr_scaling == "linear" and "adam" in type(trainer.optimizer).__name__.lower():
+        sqrt_lr = trainer.lr * scaled_lr(1.0, "sqrt", trainer.effective_batch, config.lr_base_batch) / scaled_lr(
+            1.0, "linear", trainer.effective_batch, config.lr_base_batch)
+        lines.append(f"warning: --lr-scaling linear is the rule for SGD; {type(trainer.optimizer).__name__} usually "
+                     f"scales by sqrt (lr {trainer.lr:g} here, {sqrt_lr:g} with --lr-scaling sqrt)")
     if trainer.builtin_schedule and warmup_steps > total_steps:
         peak = trainer.lr * lr_factor(total_steps - 1, config, trainer.steps_per_epoch)
         lines.append(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "

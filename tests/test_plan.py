@@ -44,6 +44,17 @@ def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_
                         f"{peak:g}, never at 0.01"]
 
 
+def test_linear_lr_scaling_of_an_adam_family_optimizer_is_a_warning_pointing_at_sqrt(tmp_path: Path):
+    config = config_for(tmp_path, 1, lr=1e-3, lr_scaling="linear", lr_base_batch=2, epochs=1)  # 8/2: x4 or x2
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config) as adamw:
+        warnings = [line for line in plan_lines(adamw) if line.startswith("warning:")]
+    assert warnings == ["warning: --lr-scaling linear is the rule for SGD; AdamW usually scales by sqrt "
+                        "(lr 0.004 here, 0.002 with --lr-scaling sqrt)"]
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path / "sgd", 1, lr_scaling="linear",
+                                                                      optimizer="sgd", epochs=1)) as sgd:
+        assert not [line for line in plan_lines(sgd) if line.startswith("warning:")]
+
+
 def test_fewer_samples_than_one_step_is_a_warning(tmp_path: Path):
     config = config_for(tmp_path, 1, batch_size=16, grad_accum_steps=2, epochs=1)
     with MultiGPUTrainer(tiny_model(), blobs(20, 0), None, config) as trainer:
