@@ -438,6 +438,9 @@ class MultiGPUTrainer:
                 **extra}
 
     def _report_done(self, summary: dict[str, Any]) -> None:
+        warning = plan.learning_warning(self)
+        if warning:
+            self.report.line(warning)
         self.report.line(plan.done_line(self, summary))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
                                           and (key.startswith("val_") or key.startswith("best_"))})

@@ -7,7 +7,7 @@ prints them (the trainer passes them to its Reporter).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from multigpu import config_checks
 from multigpu.lr_scaling import describe_lr, scaled_lr
@@ -76,6 +76,31 @@ def _warnings(trainer: MultiGPUTrainer, warmup_steps: int) -> list[str]:
         lines.append(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "
                      f"the LR peaks at {peak:g}, never at {trainer.lr:g}")
     return lines
+
+
+# Where each optimizer usually trains (peak LR), for a run that did not learn: the first suspect is the LR.
+USUAL_LR = {"sgd": "0.01 to 0.1", "adam": "1e-4 to 3e-3"}
+
+
+def learning_warning(trainer: MultiGPUTrainer) -> Optional[str]:
+    """One warning line when this run ended where it started: validation loss not below the first epoch's,
+    accuracy at chance for the class count, or a training loss that grew tenfold; with the likely cause."""
+    report, classes = trainer.report, trainer.evaluator.classes
+    first, last = report.first_val or {}, report.last_val or {}
+    signs = []
+    if last is not first and "loss" in last and not last["loss"] < first["loss"]:
+        signs.append(f"val loss {last['loss']:.4g}, not below the first epoch's {first['loss']:.4g}")
+    if classes and classes > 1 and "acc" in last and last["acc"] < 1.5 / classes:
+        signs.append(f"val acc {last['acc']:.4f}, chance for {classes} classes is {1 / classes:.4f}")
+    if report.first_loss is not None and report.last_loss > 10 * report.first_loss:  # NaN never gets here
+        signs.append(f"training loss grew from {report.first_loss:.4g} to {report.last_loss:.4g}")
+    if not signs:
+        return None
+    name = type(trainer.optimizer).__name__
+    usual = next((f"; {name} usually trains at {lrs}" for key, lrs in USUAL_LR.items() if key in name.lower()), "")
+    scaled = "" if trainer.config.lr_scaling == "none" else f" after --lr-scaling {trainer.config.lr_scaling}"
+    return (f"warning: the run ended where it started ({'; '.join(signs)}): check the LR first, "
+            f"lr {trainer.lr:g}{scaled}{usual}")
 
 
 def done_line(trainer: MultiGPUTrainer, summary: dict[str, Any]) -> str:

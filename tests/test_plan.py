@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,19 @@ def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path
         line = done_line(trainer, summary)
     assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
     assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
+
+
+def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path: Path, capsys: pytest.CaptureFixture):
+    # SGD at 5 diverges: its loss grows, and the last val loss is above the first epoch's; at 1e-6 it stays put.
+    for lr in (0.01, 5.0, 1e-6):
+        config = config_for(tmp_path / str(lr), 1, optimizer="sgd", lr=lr, epochs=3, log_every=2)
+        with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config) as trainer:
+            trainer.fit()
+    learned, diverged, stayed = capsys.readouterr().out.split("mode none: one device, cpu")[1:]
+    assert "warning: the run ended where it started" not in learned
+    warning = next(line for line in diverged.splitlines() if line.startswith("warning: the run ended"))
+    assert re.fullmatch(r"warning: the run ended where it started \(val loss \S+, not below the first epoch's \S+; "
+                        r"training loss grew from \S+ to \S+\): check the LR first, lr 5; SGD usually trains at "
+                        r"0\.01 to 0\.1", warning), warning
+    assert ("warning: the run ended where it started (val acc 0.0312, chance for 4 classes is 0.2500): check the LR "
+            "first, lr 1e-06; SGD usually trains at 0.01 to 0.1") in stayed.splitlines()
