@@ -21,7 +21,9 @@ class Reporter:
     def __init__(self, config: TrainConfig, enabled: bool):
         self.enabled = enabled
         self.log_dir, self.log_root = config.tensorboard_dir, config.tensorboard_root
-        self.show_progress = enabled and config.progress
+        # The bar redraws itself with \r: in a log file (stdout redirected, CI, nohup) that leaves fragments and
+        # blank lines, so there each log interval is a plain line instead.
+        self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
