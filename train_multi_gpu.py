@@ -401,7 +401,11 @@ class MultiGPUTrainer:
         if self.scheduler.optimizer is not self.optimizer:
             raise UsageError("trainer.optimizer was replaced after construction, but the LR scheduler still drives "
                              "the old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
-        if self._resumed:
+        if self._resumed:  # a later fit() of this trainer: the same run, continued in memory
+            if self.progress.epoch >= self.config.epochs and self.progress.evaluated:
+                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs is the "
+                                 f"total, not epochs per call): nothing to train; to train further, build a trainer "
+                                 f"with more epochs and resume='auto' (it continues from {self.config.save_dir})")
             return False
         self._resumed = True
         found = self.checkpointer.find()
