@@ -51,8 +51,11 @@ def _lr_range(trainer: MultiGPUTrainer, steps_left: int) -> str:
     """The LR the next step applies and the highest the schedule reaches: the optimizer's LR above is only
     the schedule's base (a warm-up or OneCycleLR starts far below it)."""
     first = trainer.optimizer.param_groups[0]["lr"]
-    epochs_left = trainer.config.epochs - trainer.progress.epoch
-    peak = peak_lr(trainer.scheduler, max(1, steps_left if trainer.scheduler_interval == "step" else epochs_left))
+    steps = steps_left if trainer.scheduler_interval == "step" else trainer.config.epochs - trainer.progress.epoch
+    if trainer.builtin_schedule:  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
+        warmup_steps = round(trainer.config.warmup_epochs * trainer.steps_per_epoch)
+        steps = min(steps, max(0, warmup_steps - trainer.progress.global_step) + 1)
+    peak = peak_lr(trainer.scheduler, max(1, steps))
     return f" (first step lr {first:g}, peak {'unknown' if peak is None else f'{peak:g}'})"
 
 
