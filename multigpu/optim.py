@@ -89,7 +89,7 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
     scheduler`, for OneCycleLR and the like: the times the trainer will step it), or given built (then on
     `optimizer`)."""
     if callable(scheduler) and not hasattr(scheduler, "step"):
-        if "total_steps" in inspect.signature(scheduler).parameters:
+        if "total_steps" in _parameters(scheduler):
             return scheduler(optimizer, total_steps=total_steps)
         return scheduler(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -99,6 +99,14 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
         raise UsageError(f"--lr-scaling {lr_scaling} cannot rescale a scheduler that is already built (it "
                          f"captured the unscaled LR): pass scheduler=lambda optimizer: ... instead")
     return scheduler
+
+
+def _parameters(function: Callable) -> Collection[str]:
+    """The names a function takes; none known for one that hides its signature (some C functions)."""
+    try:
+        return inspect.signature(function).parameters.keys()
+    except (TypeError, ValueError):
+        return ()
 
 
 def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]:
