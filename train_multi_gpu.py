@@ -45,7 +45,7 @@ from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            users_optimizer, users_scheduler)
+                            schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
@@ -72,8 +72,10 @@ class MultiGPUTrainer:
     `(outputs, targets) -> scalar` (default cross-entropy); `optimizer` an
     Optimizer on the model's parameters or a function `params -> Optimizer`
     (default: `config.optimizer`); `scheduler` a function `optimizer -> scheduler`
+    (or `(optimizer, total_steps)`, the times it will be stepped, for OneCycleLR)
     or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
-    per epoch (default: `config.lr_schedule`); `metrics` names and/or functions
+    per epoch (default: `config.lr_schedule`, which a user's optimizer gets only when
+    `lr_schedule` is set: its LR otherwise stays its own); `metrics` names and/or functions
     (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
     batch) -> (outputs, targets)` where the default (fitted to the model's forward signature) does not fit;
     `callbacks` objects called at fixed points of `fit` (multigpu/callbacks.py).
@@ -134,9 +136,12 @@ class MultiGPUTrainer:
                                                                         self.effective_batch, config.lr_base_batch))
                           if optimizer is None else users_optimizer(optimizer, self.model, lr_factor_))
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
-                          else users_scheduler(scheduler, self.optimizer, config.lr_scaling))
+        self.total_steps = config.epochs * self.steps_per_epoch  # optimizer steps of the whole run
+        self.config = config = schedule_config(config, self.given, optimizer is not None, scheduler is not None)
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
+        self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
+                          else users_scheduler(scheduler, self.optimizer, config.lr_scaling,
+                                               self.total_steps if scheduler_interval == "step" else config.epochs))
 
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
                                    self.move)
@@ -447,7 +452,11 @@ class MultiGPUTrainer:
         if self.scheduler.optimizer is not self.optimizer:
             raise UsageError("trainer.optimizer was replaced after construction, but the LR scheduler still drives "
                              "the old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
-        if self._resumed:
+        if self._resumed:  # a later fit() of this trainer: the same run, continued in memory
+            if self.progress.epoch >= self.config.epochs and self.progress.evaluated:
+                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs is the "
+                                 f"total, not epochs per call): nothing to train; to train further, build a trainer "
+                                 f"with more epochs and resume='auto' (it continues from {self.config.save_dir})")
             return False
         self._resumed = True
         found = self.checkpointer.find()
@@ -484,6 +493,9 @@ class MultiGPUTrainer:
                 **extra}
 
     def _report_done(self, summary: dict[str, Any]) -> None:
+        warning = plan.learning_warning(self)
+        if warning:
+            self.report.line(warning)
         self.report.line(plan.done_line(self, summary))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
                                           and (key.startswith("val_") or key.startswith("best_"))})

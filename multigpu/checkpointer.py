@@ -62,6 +62,9 @@ class Checkpointer:
         # --overwrite's copy of the previous run, known on every rank (rank 0 moves the files): dropped at this
         # run's first save, put back if the run ends before it.
         self.set_aside: Optional[str] = None
+        # Set by the first fit()'s claim: the checkpoints there are then this trainer's own run, which a later
+        # fit() of the same trainer continues, not another run's to refuse or set aside.
+        self.claimed = False
 
     @property
     def keeps_previous_run(self) -> bool:
@@ -136,13 +139,14 @@ class Checkpointer:
         if refusal:
             self.release()
             raise UsageError(refusal)
+        self.claimed = True
 
     def _refuse_fresh_start_over_checkpoints(self) -> Optional[str]:
         """Rank 0: the refusal of a run that would replace the checkpoints in the save-dir, or None (after
         --overwrite's set-aside)."""
         config = self.config
         existing = savedir.resumable_files(self.save_dir) + savedir.checkpoint_files(self.save_dir)
-        if preemption.restart_count() > 0 or not existing:
+        if preemption.restart_count() > 0 or not existing or self.claimed:
             return None
         if config.resume is not None and not config.overwrite:
             return None  # it continues the run here, or (--resume PATH from elsewhere) replaces its files as it saves

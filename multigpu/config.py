@@ -108,7 +108,8 @@ class TrainConfig:
                                 group="output")
     log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
     log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output")
-    progress: bool = _opt(True, "show the rank-0 progress bar", group="output")
+    progress: bool = _opt(True, "show the rank-0 progress bar (on a terminal; a redirected log gets a line per "
+                                 "--log-every steps)", group="output")
     resume: Optional[str] = _opt(None, "checkpoint to continue from (a file, or a folder: its newest good one), or "
                                  "'auto' for the newest good one in --save-dir", group="output")
     save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",

@@ -45,6 +45,7 @@ class Evaluator:
         self.names: Optional[list[str]] = None  # result keys, agreed by all ranks at the first evaluation
         self._metrics: dict[str, metric_lib.Metric] = {}
         self._first_batch_checked = False
+        self.classes: Optional[int] = None  # the width of (N, C) class scores: what accuracy at chance means
         self.per_sample_loss = _per_sample(loss_fn)
 
     def check_names(self, model: torch.nn.Module, dataset: Optional[Dataset], monitor: metric_lib.Monitor) -> None:
@@ -107,6 +108,7 @@ class Evaluator:
         if not self._first_batch_checked:  # the first batch this rank sees: checked, and the metrics resolved from it
             check_first_batch(outputs, targets, self.loss_fn)
             self._metrics = metric_lib.resolve(self.spec, scores, targets)
+            self.classes = scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() == 2 else None
             self._first_batch_checked = True
         sums = [self._loss_sum(outputs, targets, samples), torch.tensor(samples, dtype=torch.float64)]
         for name in self.names or self._metrics:

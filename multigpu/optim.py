@@ -7,8 +7,12 @@ schedule is built.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import math
-from typing import Any, Callable, Iterable, Optional, Union
+import warnings
+from typing import Any, Callable, Collection, Iterable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -71,9 +75,22 @@ def build_scheduler(optimizer: Optimizer, config: TrainConfig, steps_per_epoch: 
     return LambdaLR(optimizer, lambda step: lr_factor(step, config, steps_per_epoch))
 
 
-def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str) -> Any:
-    """The user's scheduler: built here from `optimizer -> scheduler`, or given built (then on `optimizer`)."""
+def schedule_config(config: TrainConfig, given: Collection[str], users_optimizer: bool,
+                    users_schedule: bool) -> TrainConfig:
+    """The config the built-in schedule follows. A user's optimizer without a scheduler keeps its own LR, as it
+    would in plain PyTorch (lr_schedule constant), unless lr_schedule was set; a warm-up asked for still applies."""
+    if users_optimizer and not users_schedule and "lr_schedule" not in given:
+        return dataclasses.replace(config, lr_schedule="constant")
+    return config
+
+
+def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str, total_steps: int) -> Any:
+    """The user's scheduler: built here from `optimizer -> scheduler` (or `(optimizer, total_steps) ->
+    scheduler`, for OneCycleLR and the like: the times the trainer will step it), or given built (then on
+    `optimizer`)."""
     if callable(scheduler) and not hasattr(scheduler, "step"):
+        if "total_steps" in _parameters(scheduler):
+            return scheduler(optimizer, total_steps=total_steps)
         return scheduler(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("the scheduler drives another optimizer than the trainer's: pass a function "
@@ -82,6 +99,39 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
         raise UsageError(f"--lr-scaling {lr_scaling} cannot rescale a scheduler that is already built (it "
                          f"captured the unscaled LR): pass scheduler=lambda optimizer: ... instead")
     return scheduler
+
+
+def _parameters(function: Callable) -> Collection[str]:
+    """The names a function takes; none known for one that hides its signature (some C functions)."""
+    try:
+        return inspect.signature(function).parameters.keys()
+    except (TypeError, ValueError):
+        return ()
+
+
+def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]:
+    """The highest LR of the first param group over the scheduler's next `steps` steps, found by stepping a copy
+    that drives a stand-in optimizer (the real one, its parameters and the scheduler are left as they are).
+
+    None when that cannot be known cheaply: more than `limit` steps, or a scheduler whose step needs more
+    (ReduceLROnPlateau wants the metric) or that fails on the copy.
+    """
+    optimizer = scheduler.optimizer
+    if steps > limit:
+        return None
+    try:
+        stand_in = torch.optim.SGD([{**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)]}
+                                    for group in optimizer.param_groups], lr=0.0)
+        dry = copy.deepcopy(scheduler, memo={id(optimizer): stand_in})
+        peak = stand_in.param_groups[0]["lr"]
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": no step is taken here
+            warnings.simplefilter("ignore")
+            for _ in range(steps - 1):
+                dry.step()
+                peak = max(peak, stand_in.param_groups[0]["lr"])
+    except Exception:  # noqa: BLE001 -- any scheduler may be given; the peak is only for the plan line
+        return None
+    return peak
 
 
 def move_schedule_to(scheduler: LambdaLR, step: int, base_lr: float) -> None:

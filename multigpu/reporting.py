@@ -21,12 +21,19 @@ class Reporter:
     def __init__(self, config: TrainConfig, enabled: bool):
         self.enabled = enabled
         self.log_dir, self.log_root = config.tensorboard_dir, config.tensorboard_root
-        self.show_progress = enabled and config.progress
+        # The bar redraws itself with \r: in a log file (stdout redirected, CI, nohup) that leaves fragments and
+        # blank lines, so there each log interval is a plain line instead.
+        self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
+        # This run's first and latest training loss and validation results: did it learn (plan.learning_warning)?
+        self.first_loss: Optional[float] = None
+        self.last_loss: Optional[float] = None
+        self.first_val: Optional[dict[str, float]] = None
+        self.last_val: Optional[dict[str, float]] = None
 
     @property
     def writer(self) -> Any:
@@ -79,6 +86,7 @@ class Reporter:
         if not self.enabled:
             return
         loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
+        self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
         fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
         self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
                       "train/samples_per_sec_per_device": per_sec / devices, **fp16, **(more or {})}, step)
@@ -93,6 +101,7 @@ class Reporter:
     def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int) -> None:
         """An epoch's validation results: `val/<name>` scalars and one line."""
         values = {name: value for name, value in result.items() if name != "count"}
+        self.first_val, self.last_val = self.first_val or values, values
         self.scalars({f"val/{name}": value for name, value in values.items()}, step)
         shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
         self.line(f"epoch {epoch}/{epochs}: {shown} ({result['count']} samples)")

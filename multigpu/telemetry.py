@@ -171,7 +171,8 @@ class Telemetry:
         data_share = scalars.get("time/data_wait_frac", 0.0)
         if self.intervals > 1 and data_share > DATA_WAIT_HINT:  # the first holds the loader's start-up
             self._hint_once("data", f"steps {first_step}-{step}: {data_share:.0%} of the time went to waiting for "
-                                    f"data: raise --num-workers (now {self.num_workers})")
+                                    f"data: raise --num-workers (TrainConfig.num_workers from Python; now "
+                                    f"{self.num_workers})")
         return scalars
 
     def _time_scalars(self, split: dict[str, float], interval: Interval, steps: int) -> dict[str, float]:

@@ -21,7 +21,7 @@ import main_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, assert_untouched, blobs, cli_command, cli_env, config_for,
                       contents, image_folder, run_cli, run_ranks, tiny_model)
 from multigpu import checkpoint
-from multigpu.errors import TrainingStopped
+from multigpu.errors import TrainingStopped, UsageError
 from multigpu.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
@@ -257,3 +257,18 @@ def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(
     assert ours["metrics"] == theirs["metrics"] and ours["best_value"] == theirs["best_value"]
     for key, tensor in theirs["model"].items():
         assert torch.equal(ours["model"][key], tensor), key
+
+
+def test_a_second_fit_of_the_same_trainer_is_its_own_run_and_says_what_to_do_for_more_epochs(tmp_path):
+    """Not "holds another run's checkpoints": they are this trainer's. epochs is the total, so a finished run has
+    nothing left to train, and the line says how to train further; its files stay as they are."""
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1))
+    trainer.fit()
+    before = contents(tmp_path / "ckpt")
+    with pytest.raises(UsageError, match=r"^fit\(\) already trained this run to its 2 epochs \(epochs is the total, "
+                                         r"not epochs per call\): nothing to train; to train further, build a trainer "
+                                         r"with more epochs and resume='auto' \(it continues from .*ckpt\)$"):
+        trainer.fit()
+    assert_untouched(tmp_path / "ckpt", before)
+    more = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, resume="auto"))
+    assert more.fit()["epochs"] == 3  # what the line says works

@@ -398,6 +398,17 @@ def test_more_cpu_processes_than_cores_are_refused_unless_oversubscribe_is_given
     assert asked.stderr.count("CPU processes [") == 2 and "Not done" in asked.stderr
 
 
+def test_the_guides_transcript_of_the_commands_is_what_the_launcher_prints(tmp_path: Path) -> None:
+    """MULTI_GPU_GUIDE.md shows the commands of a first run: its save dir is checkpoints/run-1, not checkpoints."""
+    guide = (REPO / "MULTI_GPU_GUIDE.md").read_text()
+    for mode in ("dp", "none"):
+        documented = re.search(rf"^{mode}:\s+(.*)$", guide, re.M)
+        result = launch(["--multi-gpu", mode, "--dry-run"], launcher_env(4), cwd=tmp_path)
+        printed = result.stdout.strip().splitlines()[-1].replace(sys.executable,
+                                                                 ".venv/bin/python").replace(f"{REPO}/", "")
+        assert documented and printed == documented.group(1)
+
+
 def test_dp_on_a_cpu_machine_is_refused_with_the_alternatives() -> None:
     result = launch(["--mode", "dp", "--dry-run"], launcher_env())
     assert_one_line_usage_error(result)

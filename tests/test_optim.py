@@ -138,3 +138,40 @@ def test_resuming_with_another_optimizer_class_is_refused_naming_both(tmp_path):
                             optimizer=lambda params: torch.optim.Adam(params, lr=0.1))
     with pytest.raises(UsageError, match=r"optimizer Adam contradicts checkpoint .*last.pt \(saved with SGD\)"):
         other.fit()
+
+
+def test_a_users_optimizer_without_a_scheduler_keeps_its_lr_unless_lr_schedule_is_set(tmp_path, capsys):
+    """As in plain PyTorch (and the upstream ddp-tutorial): no scheduler, a constant LR; the plan says why."""
+    kept = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path / "kept", 1),
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    applied: list[float] = []
+    kept.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs:
+                                          applied.append(optimizer.param_groups[0]["lr"]))
+    kept.fit()
+    assert applied == [0.1] * 16
+    assert ("schedule constant (your optimizer's own LR: no scheduler given, lr_schedule not set), warm-up 0 steps "
+            "(first step lr 0.1, peak 0.1)") in capsys.readouterr().out
+    asked = MultiGPUTrainer(tiny_model(), blobs(64, 0), None,
+                            config_for(tmp_path / "asked", 1, lr_schedule="step", lr_step_epochs=1.0, lr_gamma=0.5),
+                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    applied.clear()
+    asked.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs:
+                                           applied.append(optimizer.param_groups[0]["lr"]))
+    asked.fit()
+    assert applied == pytest.approx([0.1] * 8 + [0.05] * 8)
+
+
+def test_a_scheduler_factory_with_total_steps_gets_the_runs_steps_after_world_size_and_accumulation(tmp_path):
+    """OneCycleLR must know the run's length: 64 samples / (8 x 2 accumulation) x 3 epochs = 12 steps."""
+    got: list[int] = []
+
+    def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        got.append(total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, grad_accum_steps=2),
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1), scheduler=one_cycle)
+    assert got == [trainer.total_steps] == [12]
+    trainer.fit()  # OneCycleLR raises when stepped past total_steps
+    assert trainer.progress.global_step == 12
+    assert trainer.applied_lr < 1e-5  # the last step annealed to max_lr / 25 / 1e4: the cycle fits the run

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import blobs, config_for, tiny_model
 from multigpu.plan import done_line, plan_lines
@@ -19,7 +21,19 @@ def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_pat
     assert layout == "mode none: one device, cpu"
     assert batch == "batch 8 per device x 1 devices x 2 accumulation = 16 effective (one device)"
     assert optimizer.startswith("optimizer AdamW, lr 0.01")
-    assert optimizer.endswith("; schedule cosine, warm-up 4 steps, 4 steps/epoch, 12 steps; amp off")
+    assert optimizer.endswith("; schedule cosine, warm-up 4 steps (first step lr 0.0025, peak 0.01), 4 steps/epoch, "
+                              "12 steps; amp off")
+
+
+def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):
+    """The optimizer's LR is only OneCycleLR's peak: the first step applies max_lr / 25."""
+    one_cycle = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2),
+                                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                                scheduler=lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(
+                                    optimizer, max_lr=1e-3, total_steps=total_steps, pct_start=0.25))
+    with one_cycle:
+        optimizer = plan_lines(one_cycle)[2]
+    assert "; scheduler OneCycleLR per step (first step lr 4e-05, peak 0.001), 8 steps/epoch, 16 steps;" in optimizer
 
 
 def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_path: Path):
@@ -29,6 +43,17 @@ def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_
     peak = 0.01 * lr_factor(3, config, 4)  # the last of the run's 4 steps
     assert warnings == [f"warning: the warm-up (8 steps) is longer than the run (4 steps): the LR peaks at "
                         f"{peak:g}, never at 0.01"]
+
+
+def test_linear_lr_scaling_of_an_adam_family_optimizer_is_a_warning_pointing_at_sqrt(tmp_path: Path):
+    config = config_for(tmp_path, 1, lr=1e-3, lr_scaling="linear", lr_base_batch=2, epochs=1)  # 8/2: x4 or x2
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config) as adamw:
+        warnings = [line for line in plan_lines(adamw) if line.startswith("warning:")]
+    assert warnings == ["warning: --lr-scaling linear is the rule for SGD; AdamW usually scales by sqrt "
+                        "(lr 0.004 here, 0.002 with --lr-scaling sqrt)"]
+    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path / "sgd", 1, lr_scaling="linear",
+                                                                      optimizer="sgd", epochs=1)) as sgd:
+        assert not [line for line in plan_lines(sgd) if line.startswith("warning:")]
 
 
 def test_fewer_samples_than_one_step_is_a_warning(tmp_path: Path):
@@ -45,3 +70,19 @@ def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path
         line = done_line(trainer, summary)
     assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
     assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
+
+
+def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path: Path, capsys: pytest.CaptureFixture):
+    # SGD at 5 diverges: its loss grows, and the last val loss is above the first epoch's; at 1e-6 it stays put.
+    for lr in (0.01, 5.0, 1e-6):
+        config = config_for(tmp_path / str(lr), 1, optimizer="sgd", lr=lr, epochs=3, log_every=2)
+        with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config) as trainer:
+            trainer.fit()
+    learned, diverged, stayed = capsys.readouterr().out.split("mode none: one device, cpu")[1:]
+    assert "warning: the run ended where it started" not in learned
+    warning = next(line for line in diverged.splitlines() if line.startswith("warning: the run ended"))
+    assert re.fullmatch(r"warning: the run ended where it started \(val loss \S+, not below the first epoch's \S+; "
+                        r"training loss grew from \S+ to \S+\): check the LR first, lr 5; SGD usually trains at "
+                        r"0\.01 to 0\.1", warning), warning
+    assert ("warning: the run ended where it started (val acc 0.0312, chance for 4 classes is 0.2500): check the LR "
+            "first, lr 1e-06; SGD usually trains at 0.01 to 0.1") in stayed.splitlines()

@@ -87,3 +87,13 @@ def test_a_tensorboard_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path:
     (line,) = result.stderr.strip().splitlines()
     assert f"could not write TensorBoard logs to {log_dir}: File too large" in line
     assert read_scalars(log_dir)["train/loss"][0][0] == 1  # what was written before the failure stays readable
+
+
+def test_a_redirected_log_gets_plain_lines_at_the_log_interval_not_the_bar(tmp_path: Path):
+    """The progress bar is on by default; with stdout in a file it would leave \\r fragments and blank lines."""
+    args = [arg for arg in TINY if arg != "--no-progress"]
+    result = run_cli([*args, "--epochs", "1", "--log-every", "4", "--save-dir", str(tmp_path / "ckpt")])
+    assert_ok(result)
+    assert "\r" not in result.stdout and "" not in result.stdout.splitlines()
+    assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == [
+        "step 4", "step 8", "step 12", "step 16"]  # 512 samples / 32: 16 steps

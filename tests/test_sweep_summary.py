@@ -11,7 +11,7 @@ import pytest
 
 from multigpu.sweep.options import parse
 from multigpu.sweep.plan import build_plan
-from multigpu.sweep.summary import describe, monitored, summarize, t_975, to_csv, to_markdown
+from multigpu.sweep.summary import describe, monitored, summarize, t_975, to_csv, to_markdown, within_range
 
 
 def student_t_cdf(t: float, df: int, steps: int = 20000) -> float:
@@ -42,6 +42,14 @@ def test_mean_std_and_interval_of_a_few_values():
     assert (one.mean, one.std, one.low) == (0.5, None, None)  # no spread from one seed
 
 
+def test_an_interval_is_clipped_to_the_metrics_range_and_one_inside_it_is_kept():
+    wide = within_range(describe([0.2, 1.0]), "val_acc")  # two seeds: mean 0.6 +- 12.7 x 0.4
+    assert (wide.low, wide.high, wide.clipped) == (0.0, 1.0, True)
+    assert within_range(describe([-5.0, 3.0]), "val_r2").clipped is False  # a metric of unknown range: as it is
+    narrow = describe([0.91, 0.93, 0.88, 0.95])
+    assert within_range(narrow, "best val_acc") == narrow
+
+
 def test_the_monitored_metric_of_the_trainer_summary():
     assert monitored({"best_val_acc": 0.9, "val_acc": 0.8}) == ("val_acc", 0.9)
     assert monitored({"monitor": "val_loss", "best": 0.3, "best_val_acc": 0.9}) == ("val_loss", 0.3)
@@ -67,7 +75,8 @@ def test_rows_per_grid_point_in_both_tables():
     assert table[1]["best_val_loss_std"] == "" and table[1]["val_acc_mean"] == "0.5"
     markdown = to_markdown(rows).splitlines()
     assert markdown[0].startswith("| grid point | done | failed | best val_loss (mean ± std) | 95% CI |")
-    half = t_975(1) * np.std([0.3, 0.2], ddof=1) / math.sqrt(2)
-    low, high = 0.25 - half, 0.25 + half
-    assert markdown[2].startswith(f"| lr=0.1 | 2/3 | 1 | 0.2500 ± 0.0707 | [{low:.4f}, {high:.4f}] |")
+    half = t_975(1) * np.std([0.3, 0.2], ddof=1) / math.sqrt(2)  # 0.635: two seeds give a wide interval
+    assert markdown[2].startswith(f"| lr=0.1 | 2/3 | 1 | 0.2500 ± 0.0707 | [0.0000, {0.25 + half:.4f}] (clipped: 2 "
+                                  f"seeds are too few) |")  # a loss is not negative
+    assert float(table[0]["best_val_loss_ci95_low"]) == 0.0
     assert markdown[3].startswith("| lr=0.2 | 1/3 | 0 | 0.2500 | — |")

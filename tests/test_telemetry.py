@@ -65,7 +65,7 @@ def test_waiting_for_data_shows_in_the_split_and_gets_one_hint(tmp_path: Path, c
     assert len(shares) == 4 and all(0 <= share <= 1 for share in shares) and summary["data_wait_frac"] > 0.5
     hints = [line for line in capsys.readouterr().out.splitlines() if "waiting for data" in line]
     assert len(hints) == 1 and hints[0].startswith("steps 3-4: ")  # the first interval holds the loader's start-up
-    assert hints[0].endswith("of the time went to waiting for data: raise --num-workers (now 0)")
+    assert hints[0].endswith("of the time went to waiting for data: raise --num-workers (TrainConfig.num_workers from Python; now 0)")
 
 
 def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp_path: Path):

@@ -2,7 +2,9 @@
 
 DIR/summary.csv (full precision, one column per statistic) and DIR/summary.md (a table to read) are
 written from the merged results of every shard. The interval is mean +- t(0.975, n-1) * std / sqrt(n)
-(Student's t, sample std with n-1): a 95% interval for the mean over seeds of that grid point.
+(Student's t, sample std with n-1): a 95% interval for the mean over seeds of that grid point. With few
+seeds it is wide (t is 12.7 for two), and is clipped to the values the metric can take (accuracy in [0, 1],
+losses and errors not below 0); the table says where it was.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import io
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from multigpu.sweep.plan import Plan
@@ -49,6 +51,7 @@ class Stats:
     std: Optional[float]
     low: Optional[float]
     high: Optional[float]
+    clipped: bool = False  # the interval reached past the metric's range (few seeds) and was cut at its ends
 
 
 def describe(values: Sequence[float]) -> Stats:
@@ -103,7 +106,24 @@ def _metric_stats(summaries: list[dict[str, Any]]) -> dict[str, Stats]:
             columns.setdefault(f"best {name}", []).append(best)
     for name in sorted({key for metrics in summaries for key in metrics if key.startswith("val_")}):
         columns[name] = [metrics[name] for metrics in summaries if isinstance(metrics.get(name), (int, float))]
-    return {name: describe(values) for name, values in columns.items()}
+    return {name: within_range(describe(values), name) for name, values in columns.items()}
+
+
+def metric_range(name: str) -> tuple[float, float]:
+    """The values a metric can take: accuracies in [0, 1], losses and errors from 0 up, others any."""
+    if "acc" in name:
+        return 0.0, 1.0
+    if any(word in name for word in ("loss", "mse", "mae")):
+        return 0.0, math.inf
+    return -math.inf, math.inf
+
+
+def within_range(stats: Stats, name: str) -> Stats:
+    """The interval cut to the metric's range: an accuracy interval of [-0.4993, 1.9160] says only "few seeds"."""
+    low, high = metric_range(name)
+    if stats.low is None or (low <= stats.low and stats.high <= high):
+        return stats
+    return replace(stats, low=max(low, stats.low), high=min(high, stats.high), clipped=True)
 
 
 def metric_names(rows: list[PointSummary]) -> list[str]:
@@ -170,4 +190,6 @@ def _mean_std(stats: Stats, digits: int = 4) -> str:
 
 
 def _interval(stats: Stats) -> str:
-    return "—" if stats.low is None else f"[{stats.low:.4f}, {stats.high:.4f}]"
+    if stats.low is None:
+        return "—"
+    return f"[{stats.low:.4f}, {stats.high:.4f}]" + (f" (clipped: {stats.n} seeds are too few)" if stats.clipped else "")
