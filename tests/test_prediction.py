@@ -102,16 +102,18 @@ def test_predict_on_1_2_and_3_processes_equals_one_process_exactly_in_memory_and
                 assert_same(ranks_results[key], expected)
 
 
-def test_other_batches_and_amp_predict_through_the_trainers_own_paths(tmp_path):
+def test_dataparallel_mode_on_the_cpu_and_amp_predict_through_the_trainers_own_paths(tmp_path):
     data = blobs(29, 3)
-    one = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "one", 1))
-    one_device = one.predict()  # (dp without GPUs is refused: tests/test_distributed.py)
-    torch.testing.assert_close(one.predict(batch_size=5), one_device)  # other batches, the same samples in order
+    one_device = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "one", 1)).predict()
+    dp = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "dp", 1, multi_gpu="dp"))
+    assert dp.runtime.mode == "none"  # no GPUs: DataParallel falls back to one device
+    assert torch.equal(dp.predict(), one_device)
+    torch.testing.assert_close(dp.predict(batch_size=5), one_device)  # other batches, the same samples in order
     bf16 = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "bf16", 1, amp="bf16"))
     outputs = bf16.predict()
     assert outputs.dtype == torch.bfloat16  # the training autocast
     torch.testing.assert_close(outputs.float(), one_device, atol=0.1, rtol=0.05)
-    assert one_device.device.type == "cpu" and one.predict(to="meta").device.type == "meta"
+    assert one_device.device.type == "cpu" and dp.predict(to="meta").device.type == "meta"
 
 
 class DictSamples(Dataset):
