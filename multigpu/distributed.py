@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
-from multigpu.launch_rules import check_dp_gpus
 from multigpu.preemption import restart_safe_store
 
 
@@ -108,13 +107,13 @@ def setup(config: TrainConfig) -> Runtime:
         raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
                          "set CUDA_VISIBLE_DEVICES instead")
     if mode == "dp":
-        ids = parse_gpu_ids(config.gpu_ids)  # --gpu-ids naming GPUs that are not there: that line first
-        check_dp_gpus(len(ids))
+        ids = parse_gpu_ids(config.gpu_ids)
         if len(ids) >= 2:
             return Runtime("dp", torch.device(f"cuda:{ids[0]}"), dp_device_ids=ids)
-        print(f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device cuda:{ids[0]}",
+        where = f"cuda:{ids[0]}" if ids else "cpu"
+        print(f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device {where}",
               flush=True)
-        return Runtime("none", torch.device(f"cuda:{ids[0]}"))
+        return Runtime("none", torch.device(where))
     return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
 
 

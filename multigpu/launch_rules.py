@@ -158,17 +158,10 @@ def mode_of(s: Settings) -> Optional[str]:
     mode = "none" if s.multi_gpu == "single" else s.multi_gpu
     if mode not in ("ddp", "dp", "none"):
         raise UsageError(f"--multi-gpu must be one of ddp, dp, none; got {s.multi_gpu!r}")
-    if mode == "dp":
-        check_dp_gpus(len(s.found))
-    return mode
-
-
-def check_dp_gpus(found: int) -> None:
-    """DataParallel without a GPU is refused, by the launcher and the trainer alike: it was asked for GPUs, and
-    a CPU run is what --multi-gpu none or ddp say. One GPU trains on it (the trainer's line says so)."""
-    if found == 0:
+    if mode == "dp" and not s.found:
         raise UsageError("--multi-gpu dp needs CUDA GPUs and none were found; use --multi-gpu ddp "
                          "(CPU processes) or none")
+    return mode
 
 
 def check_gpu_ids(text: str, found: list[str], mode: Optional[str]) -> str:

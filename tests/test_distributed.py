@@ -36,7 +36,7 @@ def test_one_process_modes_under_torchrun_with_several_processes_are_refused(mon
                                          f"use --multi-gpu ddp under torchrun, or run without torchrun"):
         setup(TrainConfig(multi_gpu=mode))
     monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: one process is what it asked for
-    assert setup(TrainConfig(multi_gpu="none")).mode == "none"  # (dp without GPUs: refused, test below)
+    assert setup(TrainConfig(multi_gpu=mode)).mode == "none"
 
 
 def test_ddp_without_torchrun_says_the_command_to_use(monkeypatch):
@@ -54,8 +54,8 @@ def test_gpu_ids_are_checked_against_visible_gpus():
         parse_gpu_ids("a,b")
 
 
-def test_dp_without_gpus_is_refused_as_the_launcher_refuses_it():
-    """One rule (launch_rules.check_dp_gpus) for the trainer and the launcher: dp asked for GPUs."""
-    with pytest.raises(UsageError, match=r"^--multi-gpu dp needs CUDA GPUs and none were found; use --multi-gpu ddp "
-                                         r"\(CPU processes\) or none$"):
-        setup(TrainConfig(multi_gpu="dp"))
+def test_dp_with_fewer_than_two_gpus_falls_back_to_one_device(capsys):
+    runtime = setup(TrainConfig(multi_gpu="dp"))
+    assert (runtime.mode, runtime.device.type) == ("none", "cpu")
+    assert capsys.readouterr().out.strip() == ("--multi-gpu dp needs 2 or more GPUs, found 0: "
+                                               "training on the single device cpu")
