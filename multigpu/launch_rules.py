@@ -158,10 +158,7 @@ def mode_of(s: Settings) -> Optional[str]:
     mode = "none" if s.multi_gpu == "single" else s.multi_gpu
     if mode not in ("ddp", "dp", "none"):
         raise UsageError(f"--multi-gpu must be one of ddp, dp, none; got {s.multi_gpu!r}")
-    if mode == "dp" and not s.found:
-        raise UsageError("--multi-gpu dp needs CUDA GPUs and none were found; use --multi-gpu ddp "
-                         "(CPU processes) or none")
-    return mode
+    return mode  # dp without GPUs runs, as the trainer runs it: on the one device there is (devices_of)
 
 
 def check_gpu_ids(text: str, found: list[str], mode: Optional[str]) -> str:
@@ -216,7 +213,7 @@ def devices_of(s: Settings, mode: Optional[str]) -> Devices:
         count = len(ids.split(","))
     elif count_text is not None:
         count = check_gpu_count(count_text, found, mode)
-    elif mode == "none":
+    elif mode == "none" or (mode == "dp" and not found):  # the trainer's rule: dp with no GPU trains on the CPU
         count = 1
         ids = found[0] if len(found) > 1 else None  # several GPUs: say which one, the first
     else:
@@ -416,6 +413,8 @@ def device_phrase(devices: Devices, nodes: Nodes) -> str:
     else:
         what = f"{plural(devices.count, 'CPU process')} (gloo)"
     phrase = {"ddp": f"DDP with {what}", "dp": f"DataParallel over {what}"}.get(devices.mode)
+    if devices.mode == "dp" and not devices.on_gpu:
+        phrase = "one CPU process (--multi-gpu dp needs 2 or more GPUs and none were found: the trainer falls back)"
     if phrase is None:
         phrase = f"one GPU{f' (id {devices.ids})' if devices.ids else ''}" if devices.on_gpu else "one CPU process"
     if nodes.count > 1:

@@ -409,10 +409,12 @@ def test_the_guides_transcript_of_the_commands_is_what_the_launcher_prints(tmp_p
         assert documented and printed == documented.group(1)
 
 
-def test_dp_on_a_cpu_machine_is_refused_with_the_alternatives() -> None:
+def test_dp_on_a_cpu_machine_falls_back_to_one_process_as_the_trainer_does() -> None:
+    # One rule for the launcher and `python main_multi_gpu.py --multi-gpu dp`: no GPU, one CPU process.
     result = launch(["--mode", "dp", "--dry-run"], launcher_env())
-    assert_one_line_usage_error(result)
-    assert "--multi-gpu dp needs CUDA GPUs" in result.stderr and "ddp" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "Plan: one CPU process (--multi-gpu dp needs 2 or more GPUs" in result.stderr
+    assert result.stdout == f"{shown(sys.executable)} main_multi_gpu.py --multi-gpu dp {training_flags()}\n"
 
 
 def test_an_explicit_busy_master_port_is_refused_before_torchrun_starts() -> None:
@@ -652,8 +654,8 @@ def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches(
     with terminal("launch-tty-") as (term, directory):
         term.launch(" ".join(TINY), env="OMP_NUM_THREADS=1")
         term.wait_for(r"Mode \[ddp\]: ")
-        term.type("dp")  # offered only with GPUs
-        term.wait_for(r"--multi-gpu dp needs CUDA GPUs")
+        term.type("tpu")  # no such mode
+        term.wait_for(r"--multi-gpu must be one of")
         term.wait_for(r"Mode \[ddp\]: ", count=2)
         term.type("2")  # none (one process), by its menu number (the piped test runs DDP)
         term.wait_for(r"Epochs \[\d+\]: ")
