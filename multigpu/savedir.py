@@ -286,14 +286,19 @@ def read_owner(save_dir: str) -> Optional[Owner]:
 
 
 # ---------------------------------------------------------------- numbered run folders
-def _run_numbers(root: str) -> list[int]:
-    pattern = re.compile(re.escape(RUN_PREFIX) + r"(\d+)$")
+def folder_numbers(root: str, prefix: str) -> list[int]:
+    """The N of every folder `root/<prefix>N`, ascending (run-N here, the sweeps' sweep-N too)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)$")
     try:
         names = os.listdir(root)
     except OSError:
         return []
     return sorted(int(m.group(1)) for m in map(pattern.match, names)
                   if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def _run_numbers(root: str) -> list[int]:
+    return folder_numbers(root, RUN_PREFIX)
 
 
 def newest_run_dir(root: str) -> Optional[str]:

@@ -96,3 +96,27 @@ def test_fingerprint_names_the_first_difference():
     assert fingerprint_difference(base, regridded) == "--grid lr=0.1,0.2 (the sweep's) vs lr=0.1 (this command's)"
     wider = plan_of(["--grid", "lr=0.1,0.2", "--gpus-per-run", "2"], ["--epochs", "2"]).fingerprint
     assert fingerprint_difference(base, wider) == "--gpus-per-run 1 (the sweep's) vs 2 (this command's)"
+
+
+def test_without_sweep_dir_each_setting_gets_its_own_numbered_folder_and_a_rerun_finds_its_own(tmp_path,
+                                                                                                 monkeypatch):
+    from multigpu.sweep import records
+
+    monkeypatch.chdir(tmp_path)
+
+    def claimed(sweep_argv, train_argv):
+        options, _ = parse(sweep_argv, environ={})
+        plan = build_plan(options, train_argv)
+        records.check_fingerprint(plan.sweep_dir, plan.fingerprint)  # what the sweep does before its first run
+        return plan.sweep_dir
+
+    first = claimed(["--num-seeds", "2", "--grid", "lr=1e-3,3e-3"], ["--epochs", "1"])
+    assert first == str(tmp_path / "checkpoints" / "sweep-1")
+    other = claimed(["--num-seeds", "3", "--grid", "lr=1e-3,3e-3"], ["--epochs", "2"])  # other settings
+    assert other == str(tmp_path / "checkpoints" / "sweep-2")
+    # More seeds of the same settings continue the first sweep (its finished runs are skipped).
+    assert claimed(["--num-seeds", "3", "--grid", "lr=1e-3,3e-3"], ["--epochs", "1"]) == first
+    assert claimed(["--grid", "lr=1e-3,3e-3"], ["--epochs", "2"]) == other
+    # An explicit --sweep-dir keeps its rule: other settings there are refused.
+    with pytest.raises(UsageError, match="holds a sweep with other settings"):
+        claimed(["--sweep-dir", first, "--grid", "lr=1e-3,3e-3"], ["--epochs", "3"])

@@ -6,6 +6,7 @@ line), 128 + N stopped by signal N (rerun the same command to continue).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import sys
@@ -53,6 +54,7 @@ def _one_line_errors(action: Callable[[], int]) -> int:
 def run(options: SweepOptions, train_argv: list[str]) -> int:
     """Run the sweep (or, with --slurm, write its job array); return the exit status."""
     plan = build_plan(options, train_argv)
+    options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
     records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
     if options.slurm:
         return _write_slurm_script(plan, options, train_argv)

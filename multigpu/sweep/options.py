@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 from multigpu.config import OneLineParser
 from multigpu.errors import UsageError
 
-DEFAULT_SWEEP_DIR = os.path.join("checkpoints", "sweep")
 DEFAULT_CPU_WORKERS = 2
 MAX_ARRAY_TASKS = 1000  # SLURM's default MaxArraySize is 1001
 
@@ -25,7 +24,7 @@ MAX_ARRAY_TASKS = 1000  # SLURM's default MaxArraySize is 1001
 class SweepOptions:
     """Everything a sweep is told besides the training flags of its runs."""
 
-    sweep_dir: str = DEFAULT_SWEEP_DIR
+    sweep_dir: Optional[str] = None  # None: checkpoints/sweep-N, chosen by the plan (plan.default_sweep_dir)
     seeds: list[int] = field(default_factory=lambda: [0])
     grid: list[str] = field(default_factory=list)  # KEY=V1,V2 tokens as given
     max_gpus: Optional[int] = None  # None: every visible GPU
@@ -59,8 +58,10 @@ FLAGS: dict[str, dict] = {
     "--grid": dict(nargs="+", action="extend", default=[], metavar="KEY=V1,V2",
                    help="TrainConfig fields and their values; the sweep runs the cross product, e.g. "
                         "--grid lr=1e-3,3e-3 batch_size=32,64 (values holding commas: separate them with ';')"),
-    "--sweep-dir": dict(default=DEFAULT_SWEEP_DIR, metavar="DIR",
-                        help="the sweep's directory: DIR/<grid point>/seed-<k>/ per run, results, summary"),
+    "--sweep-dir": dict(metavar="DIR",
+                        help="the sweep's directory: DIR/<grid point>/seed-<k>/ per run, results, summary "
+                             "(default: checkpoints/sweep-N, the one of a sweep with the same settings, else a new "
+                             "N)"),
     "--max-gpus": dict(type=int, metavar="G", help="GPUs to use (default: every visible GPU); "
                                                    "with --slurm: at most G GPUs busy at once"),
     "--workers": dict(type=int, metavar="N", help=f"CPU slots on a machine without GPUs "
@@ -142,11 +143,13 @@ def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
         raise UsageError("--submit, --shards and --sbatch-arg belong to --slurm; add --slurm")
     if args.slurm and args.shard is not None:
         raise UsageError("--shard runs one shard; --slurm writes the script that runs them all: give one of them")
-    check_sweep_dir(args.sweep_dir)
+    if args.sweep_dir is not None:
+        check_sweep_dir(args.sweep_dir)
     if args.slurm:
         # These land in the job script's comments and #SBATCH lines, where a newline would start a shell line
         # (quoting cannot help there); every other value is shell-quoted (multigpu/sweep/slurm.py).
-        for flag, value in [("--sweep-dir", os.path.abspath(args.sweep_dir)),
+        # Without --sweep-dir the sweep dir is under the working directory: its path is what reaches the script.
+        for flag, value in [("--sweep-dir", os.path.abspath(args.sweep_dir or os.curdir)),
                             *[("--sbatch-arg", arg) for arg in args.sbatch_args]]:
             if any(unicodedata.category(char) == "Cc" for char in value):
                 raise UsageError(f"{flag} {value!r} holds a newline or another control character, which the "

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import quote
 
-from multigpu.config import FIELDS, TrainConfig, flag, given_fields, parse_config
+from multigpu.config import DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
+from multigpu.savedir import folder_numbers
 from multigpu.sweep.options import SweepOptions
+
+DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --sweep-dir: checkpoints/sweep-N
+SWEEP_FILE = "sweep.json"  # the fingerprint a rerun must match
 
 # Set by the sweep for each run, so neither a training flag nor a grid key may set them.
 PER_EXPERIMENT = {"seed": "--num-seeds/--seeds", "save_dir": "--sweep-dir", "resume": "the sweep itself (resume "
@@ -82,25 +87,45 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
     if repeated:
         raise UsageError(f"--grid names {', '.join(sorted(repeated))} twice: give all values of a key in one "
                          f"KEY=V1,V2")
-    sweep_dir = os.path.abspath(options.sweep_dir)
-    points, experiments = [], []
+    points = []  # (name, {field: value}, flags)
     for combination in itertools.product(*[range(len(axis.values)) for axis in axes]):
         values = {axis.field: axis.values[i] for axis, i in zip(axes, combination)}
         point = ",".join(f"{name}={quote(str(value), safe=',:+@')}" for name, value in values.items())
         point_flags = [text for axis, i in zip(axes, combination) for text in axis.flags[i]]
         parse_config(train_argv + point_flags)  # each value was checked alone; check them together too
-        points.append((point, values))
+        points.append((point, values, point_flags))
+    fingerprint = {"base": {name: value for name, value in base.to_dict().items()
+                            if name not in PER_EXPERIMENT and name != "progress"},
+                   "grid": {axis.field: list(axis.values) for axis in axes},
+                   "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run}
+    sweep_dir = os.path.abspath(options.sweep_dir or default_sweep_dir(fingerprint))
+    experiments = []
+    for point, _, point_flags in points:
         for seed in options.seeds:
             save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir,
                                                                                                  f"seed-{seed}")
             argv = [*train_argv, *point_flags, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
                     "--no-progress"]  # the sweep's one bar replaces each run's own
             experiments.append(Experiment(point, seed, save_dir, tuple(argv)))
-    fingerprint = {"base": {name: value for name, value in base.to_dict().items()
-                            if name not in PER_EXPERIMENT and name != "progress"},
-                   "grid": {axis.field: list(axis.values) for axis in axes},
-                   "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run}
-    return Plan(sweep_dir, base, axes, points, experiments, fingerprint)
+    return Plan(sweep_dir, base, axes, [(point, values) for point, values, _ in points], experiments, fingerprint)
+
+
+def default_sweep_dir(fingerprint: dict[str, Any]) -> str:
+    """Without --sweep-dir: the `checkpoints/sweep-N` that holds this sweep (rerunning the command continues
+    it), else the next free N, so a sweep with other settings starts beside it instead of being refused: the
+    rule of training runs' `checkpoints/run-N`. Nothing is created here (records.check_fingerprint claims it)."""
+    numbers = folder_numbers(DEFAULT_SWEEP_ROOT, SWEEP_PREFIX)
+    current = json.loads(json.dumps(fingerprint))  # compared as it reads back
+    for number in numbers:
+        path = os.path.join(DEFAULT_SWEEP_ROOT, f"{SWEEP_PREFIX}{number}")
+        try:
+            with open(os.path.join(path, SWEEP_FILE), encoding="utf-8") as file:
+                saved = json.load(file)
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and fingerprint_difference(saved, current) is None:
+            return path
+    return os.path.join(DEFAULT_SWEEP_ROOT, f"{SWEEP_PREFIX}{(numbers or [0])[-1] + 1}")
 
 
 def _refuse_per_experiment_flags(train_argv: list[str]) -> None:

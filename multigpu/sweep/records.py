@@ -20,9 +20,8 @@ from typing import Any, Iterator
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
-from multigpu.sweep.plan import fingerprint_difference
+from multigpu.sweep.plan import SWEEP_FILE, fingerprint_difference
 
-SWEEP_FILE = "sweep.json"
 
 
 def _suffix(shard: tuple[int, int]) -> str:
