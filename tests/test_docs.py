@@ -1,11 +1,17 @@
 """Every shell command in README.md, QUICK_REFERENCE.md and MULTI_GPU_GUIDE.md, run: documentation that cannot rot.
 
-- `bash` blocks run as written, each block in a fresh temporary folder that
-  links to the checkout's files (nothing is written into the checkout), on the
-  CPU, with smaller data and fewer epochs through MULTIGPU_TEST_ARGS (test-only
-  flags the trainer reads before the command line's own, which win). Standard
-  input is a person pressing Enter at every question: the launcher's defaults
-  (end of input would stop it, as Ctrl-D does).
+- README.md then QUICK_REFERENCE.md run as a new user reads them: every block
+  of both, in order, in one fresh clone, so that a command that collides with
+  an earlier one (a save-dir, a sweep dir, an output file) fails here. Each
+  guide block runs in a fresh clone of its own.
+- `bash` blocks run as written, on the CPU, with less data and one epoch through
+  MULTIGPU_TEST_ARGS (test-only flags the trainer reads before the command
+  line's own, which win). Standard input is a person pressing Enter at every
+  question: the launcher's defaults (end of input would stop it, as Ctrl-D does).
+- Every command exits 0, and every training command of README.md and
+  QUICK_REFERENCE.md reports a validation accuracy above chance (a command that
+  trains to chance is a documentation bug even when it exits 0); a guide command
+  that reports one is held to the same.
 - `sh` blocks need GPUs or a cluster: each command in them must be a launcher
   call, run with `--dry-run` on 8 fake GPUs (tests/fake_bin/nvidia-smi).
 - A block after `<!-- illustrative: why -->` is not run; there are at most a handful.
@@ -17,9 +23,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,12 +42,16 @@ from typing import Optional
 from conftest import REPO
 
 DOCS = ("README.md", "QUICK_REFERENCE.md", "MULTI_GPU_GUIDE.md")
+READER = ("README.md", "QUICK_REFERENCE.md")  # read in this order by a new user, in one clone
 MAX_ILLUSTRATIVE = 6  # a handful: the test suite, multi-GPU examples, benchmarks of minutes
-SHRINK = "--epochs 1 --train-size 256 --val-size 32 --batch-size 16 --no-progress --log-every 4 --dist-timeout 60"
+# 2048 samples: the least with which the documented commands learn in one epoch (1024 left some near chance).
+SHRINK = "--epochs 1 --train-size 2048 --val-size 64 --batch-size 16 --no-progress --log-every 16 --dist-timeout 60"
+# The built-in data sets have 10 classes: chance is 0.1, and on 64 validation samples it reads below 0.2.
+ABOVE_CHANCE = 0.3
+TRAINS = re.compile(r"\b(main_multi_gpu|sweep_multi_gpu)\.py\b|\blaunch_multi_gpu\.sh\b")
 COMMAND_TIMEOUT = 240
 ENTER_AT_EVERY_QUESTION = "\n" * 32  # more than the launcher asks
 FAKE_BIN = REPO / "tests" / "fake_bin"
-OUTPUTS = ("checkpoints", "runs", "datasets", ".pytest_cache")  # never linked: commands write their own
 
 
 @dataclass
@@ -51,6 +63,10 @@ class Block:
     commands: list[str]
     illustrative: Optional[str] = None
     pending: bool = False
+
+    @property
+    def doc(self) -> str:
+        return self.where.split(":")[0]
 
 
 def commands_of(lines: list[str]) -> list[str]:
@@ -97,18 +113,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workspace() -> Path:
-    """A fresh folder linking to the checkout's files, so commands run as from the checkout but write here.
+def fresh_clone() -> Path:
+    """The checkout's files as a fresh clone has them (tracked, and new ones git does not ignore; no outputs),
+    copied into a temporary folder, so that commands write there and never into the checkout.
 
     Its .venv is the environment running the tests, stamped as built from this
     requirements.txt and pyproject.toml, as scripts/ensure_env.sh leaves it: the README's set-up
     command then finds it ready, as it does after the first time.
     """
     folder = Path(tempfile.mkdtemp(prefix="docs-"))
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    for name in sorted({path.split("/")[0] for path in tracked.split()}):
-        if (REPO / name).exists() and name not in OUTPUTS:
-            (folder / name).symlink_to(REPO / name)
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).exists():  # not a file deleted in the working tree
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, folder / name, follow_symlinks=False)
     venv = folder / ".venv"
     venv.mkdir()
     for entry in Path(sys.prefix).iterdir():
@@ -166,34 +185,64 @@ def serve_tensorboard(command: str, folder: Path, env: dict[str, str]) -> Option
             server.wait()
 
 
-def run_block(block: Block, port_base: int) -> list[str]:
-    """Run a block's commands in order in one fresh folder; the failures, described."""
-    folder, env, failures = workspace(), environment(block, port_base), []
+def accuracies(output: str) -> list[float]:
+    """Every final validation accuracy a command reported: its runs' `done:` lines, and a sweep's results."""
+    found = [float(value) for value in re.findall(r"^done: best val acc ([\d.]+)", output, re.M)]
+    for sweep_dir in re.findall(r"^sweep done: .* summary (\S+)/summary\.md", output, re.M):
+        for results in Path(sweep_dir).glob("results*.jsonl"):
+            found += [json.loads(line)["metrics"]["val_acc"] for line in results.read_text().splitlines()]
+    return found
+
+
+def learning_failure(block: Block, command: str, output: str) -> Optional[str]:
+    """Why a training command's output shows it did not learn; None when it did, or is no training command."""
+    if not TRAINS.search(command) or re.search(r"--(dry-run|help|slurm)\b", command):
+        return None
+    found = accuracies(output)
+    if not found:
+        return None if block.doc not in READER else f"`{command}` reported no validation accuracy"
+    if min(found) < ABOVE_CHANCE:
+        return f"`{command}` trained to chance: val acc {min(found):.4f} < {ABOVE_CHANCE} (10 classes)"
+    return None
+
+
+def run_blocks(blocks: list[Block], port_base: int) -> list[str]:
+    """Run the blocks' commands in order in one fresh clone, as a reader would; the failures, described."""
+    folder, failures = fresh_clone(), []
     started = time.monotonic()
-    for command in block.commands:
-        runnable = command if block.lang == "bash" else as_dry_run(command)
-        if runnable is None:
-            failures.append(f"{block.where}: `{command}` needs GPUs but is no launcher call to dry-run: make it run "
-                            f"on the CPU (a bash block) or mark the block <!-- illustrative: why -->")
-            continue
-        if command.startswith("tensorboard "):
-            problem = serve_tensorboard(runnable, folder, env)
+    for block in blocks:
+        env = environment(block, port_base)
+        for command in block.commands:
+            problem = run_command(block, command, folder, env)
             if problem:
-                failures.append(f"{block.where}: `{command}`: {problem}")
-            continue
-        try:
-            result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, input=ENTER_AT_EVERY_QUESTION,
-                                    capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            failures.append(f"{block.where}: `{runnable}` ran past {COMMAND_TIMEOUT}s")
-            break
-        if result.returncode != 0:
-            failures.append(f"{block.where}: `{runnable}` exited {result.returncode}:\n"
-                            f"{result.stdout[-1500:]}{result.stderr[-2500:]}")
-            break  # later commands of a block may build on this one
+                failures.append(f"{block.where}: {problem}")
+                break  # later commands of a block may build on this one
+        if failures:
+            break  # and later blocks on earlier ones
     subprocess.run(["rm", "-rf", str(folder)], check=False)
-    print(f"{block.where}: {len(block.commands)} command(s) in {time.monotonic() - started:.1f}s")  # with -s
+    print(f"{blocks[0].where}..: {sum(len(block.commands) for block in blocks)} command(s) in "
+          f"{time.monotonic() - started:.1f}s")  # with -s
     return failures
+
+
+def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -> Optional[str]:
+    """Run one documented command in `folder`; what went wrong, or None."""
+    runnable = command if block.lang == "bash" else as_dry_run(command)
+    if runnable is None:
+        return (f"`{command}` needs GPUs but is no launcher call to dry-run: make it run on the CPU (a bash "
+                f"block) or mark the block <!-- illustrative: why -->")
+    if command.startswith("tensorboard "):
+        problem = serve_tensorboard(runnable, folder, env)
+        return f"`{command}`: {problem}" if problem else None
+    try:
+        result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, input=ENTER_AT_EVERY_QUESTION,
+                                capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"`{runnable}` ran past {COMMAND_TIMEOUT}s"
+    if result.returncode != 0:
+        return f"`{runnable}` exited {result.returncode}:\n{result.stdout[-1500:]}{result.stderr[-2500:]}"
+    problem = learning_failure(block, runnable, result.stdout + result.stderr)
+    return f"{problem}:\n{result.stdout[-1500:]}{result.stderr[-1000:]}" if problem else None
 
 
 def checkout_state() -> set[str]:
@@ -204,14 +253,18 @@ def checkout_state() -> set[str]:
 
 def test_every_documented_command_runs(tmp_path: Path) -> None:
     runnable = [block for block in all_blocks() if not block.illustrative and not block.pending]
-    unique = list({tuple(block.commands): block for block in runnable}.values())  # the same block once
-    unique.sort(key=lambda block: (block.lang == "bash", len(block.commands)), reverse=True)  # long ones first
+    reader = [block for doc in READER for block in runnable if block.doc == doc]  # all of them, repeats too
+    read = {tuple(block.commands) for block in reader}
+    guide = list({tuple(block.commands): block for block in runnable
+                  if block.doc not in READER and tuple(block.commands) not in read}.values())  # the rest, once
+    guide.sort(key=lambda block: (block.lang == "bash", len(block.commands)), reverse=True)  # long ones first
+    sequences = [reader] + [[block] for block in guide]  # the reader's sequence first: it is the longest
     before = checkout_state()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(run_block, unique, [30000 + 200 * i for i in range(len(unique))])
+        results = pool.map(run_blocks, sequences, [30000 + 200 * i for i in range(len(sequences))])
         failures = [failure for result in results for failure in result]
     assert not failures, "\n\n".join(failures)
-    assert sum(len(block.commands) for block in unique) >= 15  # the parser found the documents' commands
+    assert sum(len(block.commands) for block in reader + guide) >= 15  # the parser found the documents' commands
     assert checkout_state() == before, "a documented command wrote into the checkout"
 
 
@@ -227,3 +280,17 @@ def test_pending_blocks_name_scripts_that_do_not_exist_yet() -> None:
         for script in re.findall(r"\b[\w/]+\.py\b", " ".join(block.commands)):
             assert not (REPO / script).exists(), (
                 f"{block.where}: {script} exists now: take its block out of the <!-- pending --> comment")
+
+
+def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -> None:
+    readme, guide = Block("README.md:1", "bash", []), Block("MULTI_GPU_GUIDE.md:1", "bash", [])
+    at_chance = "step 16: loss 2.3026\ndone: best val acc 0.1000, 1 epochs, wall time 3.1s, 660 samples/s\n"
+    assert "trained to chance" in learning_failure(readme, "python main_multi_gpu.py", at_chance)
+    assert learning_failure(readme, "python main_multi_gpu.py", at_chance.replace("0.1000", "0.9531")) is None
+    assert "no validation accuracy" in learning_failure(readme, "bash launch_multi_gpu.sh --yes", "done\n")
+    assert learning_failure(guide, "python main_multi_gpu.py --model mlp", "done: best val loss 0.01\n") is None
+    assert learning_failure(readme, "bash launch_multi_gpu.sh --dry-run", "") is None
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps({"metrics": {"val_acc": acc}}) for acc in (0.9, 0.12)))
+    sweep_output = f"sweep done: 2 of 2 experiments ok; summary {tmp_path}/summary.md (and summary.csv)\n"
+    assert accuracies(sweep_output) == [0.9, 0.12]
+    assert "0.1200" in learning_failure(readme, "python sweep_multi_gpu.py --num-seeds 2", sweep_output)
