@@ -179,7 +179,7 @@ def load_model(config: TrainConfig, data: PredictionSet, state: dict[str, Any], 
                runtime: Runtime) -> nn.Module:
     """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
     when it was trained with --ema-decay."""
-    model = build_model(config.model_name, data.input_shape, data.num_classes)
+    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     try:
         model.load_state_dict(ema_weights(state) or state["model"])
     except RuntimeError as error:
