@@ -111,6 +111,8 @@ def test_a_gpt_checkpoint_predicts_scores_at_every_position_with_the_loss_traini
     assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "p.csv")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model gpt scores every position of a window" in err and "logits.pt" in err
+    assert predict_multi_gpu.main(["--checkpoint", best, "--imagefolder", str(tmp_path)]) == 2
+    assert "--imagefolder gives images, and the checkpoint's --model gpt reads characters" in capsys.readouterr().err
 
 
 BAD_INPUT = {
