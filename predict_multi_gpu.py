@@ -28,7 +28,7 @@ import torch.nn as nn
 from main_multi_gpu import main_guarded
 from multigpu import checkpoint, safe_files, savedir
 from multigpu.amp import Amp, resolve_dtype
-from multigpu.batches import default_forward
+from multigpu.batches import fitted_forward
 from multigpu.callbacks import ema_weights
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
@@ -36,12 +36,12 @@ from multigpu.data.unlabeled import UnlabeledImages
 from multigpu.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import UsageError
 from multigpu.evaluation import Evaluator
-from multigpu.models import build_model
+from multigpu.models import TEXT_MODELS, build_model
 from multigpu.prediction import Predictor, written_whole
 
 OUTPUT_KINDS = (".csv", ".pt")
 # Flags that describe the data and model: by default the checkpoint's own values.
-FROM_CHECKPOINT = ("dataset", "data_dir", "image_shape", "num_classes", "model", "amp")
+FROM_CHECKPOINT = ("dataset", "data_dir", "data_file", "image_shape", "num_classes", "model", "amp")
 # Flags that describe this machine: by default TrainConfig's defaults, as for training.
 FROM_MACHINE = ("multi_gpu", "gpu_ids", "num_workers", "dist_timeout", "download")
 
@@ -96,6 +96,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--topk K adds K >= 1 classes to a .csv --output")
     if args.imagefolder is not None and args.split != "val":
         raise UsageError("--split chooses a split of --dataset; --imagefolder predicts a folder of its own")
+
+
+def check_text_model(args: argparse.Namespace, config: TrainConfig) -> None:
+    """UsageError where a text model (--model gpt) cannot give what is asked: it reads windows of characters, not
+    images, and gives scores at every position of a window, more than one CSV row per sample holds."""
+    if config.model_name not in TEXT_MODELS:
+        return
+    if args.imagefolder is not None:
+        raise UsageError(f"--imagefolder gives images, and the checkpoint's --model {config.model_name} reads "
+                         f"characters; predict its --dataset text instead (drop --imagefolder)")
+    if (args.output or "").endswith(".csv"):
+        raise UsageError(f"--output {args.output}: --model {config.model_name} scores every position of a window, "
+                         f"more than a CSV row per sample holds; write a .pt file, e.g. --output logits.pt")
 
 
 def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
@@ -179,7 +192,7 @@ def load_model(config: TrainConfig, data: PredictionSet, state: dict[str, Any], 
                runtime: Runtime) -> nn.Module:
     """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
     when it was trained with --ema-decay."""
-    model = build_model(config.model_name, data.input_shape, data.num_classes)
+    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     try:
         model.load_state_dict(ema_weights(state) or state["model"])
     except RuntimeError as error:
@@ -274,6 +287,7 @@ def predict(argv: Optional[Sequence[str]] = None) -> None:
     check_arguments(args)
     state = checkpoint.load(args.checkpoint)
     config = prediction_config(args, state)
+    check_text_model(args, config)
     runtime = setup(config)
     try:
         _predict(args, config, state, runtime)
@@ -303,7 +317,9 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
                                                                           everywhere=False, with_targets=True)
     say(f"predicted {output.count} samples" + (f", written to {args.output}" if args.output else ""))
     if data.labelled:
-        evaluator = Evaluator(runtime, amp, default_forward, nn.CrossEntropyLoss(), num_workers=config.num_workers)
+        # Through forward's signature, as in training: a model that takes the targets (gpt) gives its own loss.
+        evaluator = Evaluator(runtime, amp, fitted_forward(model), nn.CrossEntropyLoss(),
+                              num_workers=config.num_workers)
         say(metrics_line(evaluator.run(model, data.data, batch), args, state))
 
 
@@ -314,7 +330,7 @@ def metrics_line(result: dict[str, float], args: argparse.Namespace, state: dict
     line = f"{args.split} set ({result['count']} samples): " + ", ".join(f"{name} {result[name]:.6g}" for name in names)
     recorded = {name: state.get("metrics", {}).get(f"val_{name}") for name in names}
     same_set = args.split == "val" and args.imagefolder is None and all(
-        getattr(args, name) is None for name in ("dataset", "data_dir", "image_shape", "num_classes"))
+        getattr(args, name) is None for name in ("dataset", "data_dir", "data_file", "image_shape", "num_classes"))
     if not same_set or None in recorded.values():
         return line
     if all(recorded[name] == result[name] for name in names):

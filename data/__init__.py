@@ -12,11 +12,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .files import image_folders, torchvision_problem
 from .sampler import ResumableDistributedSampler, ShardedBatchSampler
 from .synthetic import SyntheticImages
+from .text import CharWindows, text_datasets
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
-__all__ = ["DataSpec", "build_datasets", "build_loader", "ResumableDistributedSampler", "ShardedBatchSampler",
-           "SyntheticImages"]
+__all__ = ["DataSpec", "build_datasets", "build_loader", "CharWindows", "ResumableDistributedSampler",
+           "ShardedBatchSampler", "SyntheticImages"]
 
 TORCHVISION_SETS = {
     # name: (torchvision class, image shape, classes, mean, std)
@@ -33,8 +34,8 @@ class DataSpec:
 
     train: Dataset
     val: Dataset
-    input_shape: tuple[int, ...]  # of one sample as the model sees it
-    num_classes: int
+    input_shape: tuple[int, ...]  # of one sample as the model sees it: (T,) for a window of characters
+    num_classes: int  # of a text set: its vocabulary size
     warnings: list[str] = field(default_factory=list)  # one line each, printed by rank 0 before training
 
 
@@ -58,6 +59,9 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     `download_allowed` is False on every rank but 0, so one process downloads.
     """
     name = config.dataset
+    if name == "text":  # windows of character ids: nothing to flatten
+        train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
+        return DataSpec(train, val, (config.block_size,), vocabulary)
     if name in ("synthetic", "fake", "imagefolder"):  # --image-shape sizes their samples: refused before any is made
         check_batch_fits_in_memory(config)
     if name == "synthetic":

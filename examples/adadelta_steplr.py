@@ -25,7 +25,7 @@ def train(argv: Optional[Sequence[str]] = None) -> dict:
     config = parse_config(argv)
     data = build_datasets(config)
     torch.manual_seed(config.seed)
-    model = build_model(config.model_name, data.input_shape, data.num_classes)
+    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     with MultiGPUTrainer(model, data.train, data.val, config,
                          optimizer=lambda params: torch.optim.Adadelta(params, lr=config.lr),
                          scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7),

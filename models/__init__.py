@@ -2,27 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.nn as nn
 
+from multigpu.config import TrainConfig
+
 from .cnn import SmallCNN
+from .gpt import GPT, TransformerBlock
 from .mlp import MLP
 from .resnet import resnet
 
-MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
-    "mlp": lambda shape, classes: MLP(shape, classes),
-    "cnn": lambda shape, classes: SmallCNN(shape, classes),
-    "resnet18": lambda shape, classes: resnet("resnet18", shape, classes),
-    "resnet50": lambda shape, classes: resnet("resnet50", shape, classes),
+__all__ = ["MODELS", "TEXT_MODELS", "GPT", "TransformerBlock", "build_model"]
+
+# name -> builder(input shape, class count, the run's config: the sizes of --model gpt)
+MODELS: dict[str, Callable[[tuple[int, ...], int, TrainConfig], nn.Module]] = {
+    "mlp": lambda shape, classes, config: MLP(shape, classes),
+    "cnn": lambda shape, classes, config: SmallCNN(shape, classes),
+    "resnet18": lambda shape, classes, config: resnet("resnet18", shape, classes),
+    "resnet50": lambda shape, classes, config: resnet("resnet50", shape, classes),
+    # A text set's "classes" are its vocabulary and its sample shape (T,) the context length.
+    "gpt": lambda shape, classes, config: GPT(classes, shape[0], config.n_layer, config.n_head, config.n_embd),
 }
+
+TEXT_MODELS = ("gpt",)  # models of token windows (--dataset text); the others take images or vectors
 
 # Height and width below which a model's layers leave nothing (the others take any size).
 MIN_IMAGE_SIZE = {"cnn": SmallCNN.MIN_SIZE}
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """The model `name` for samples of `input_shape` (CxHxW, or (D,) when flattened) and `num_classes`."""
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
+                config: Optional[TrainConfig] = None) -> nn.Module:
+    """The model `name` for samples of `input_shape` (CxHxW, (D,) when flattened, (T,) token windows) and
+    `num_classes` (a text set's vocabulary size); `config` sizes --model gpt (None: the defaults)."""
+    if name not in TEXT_MODELS:
+        _check_image_input(name, input_shape)
+    return MODELS[name](input_shape, num_classes, config or TrainConfig())
+
+
+def _check_image_input(name: str, input_shape: tuple[int, ...]) -> None:
+    """UsageError where an image model gets vectors, or images its layers would shrink to nothing."""
     from multigpu.errors import UsageError
 
     if name != "mlp" and len(input_shape) != 3:
@@ -31,4 +50,3 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     if min(input_shape[1:], default=smallest) < smallest:
         raise UsageError(f"--model {name} needs images of at least {smallest}x{smallest} pixels, got "
                          f"{'x'.join(map(str, input_shape[1:]))} (--image-shape {','.join(map(str, input_shape))})")
-    return MODELS[name](input_shape, num_classes)

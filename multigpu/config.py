@@ -47,9 +47,11 @@ class TrainConfig:
                                group="devices")
     # --- data ----------------------------------------------------------
     dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                                  "imagefolder", "fake"], group="data")
+                                                  "imagefolder", "fake", "text"], group="data")
     data_dir: str = _opt("datasets", "where torchvision data sets live (imagefolder: a folder with train/ and val/)",
                          group="data")
+    data_file: Optional[str] = _opt(None, "--dataset text: a UTF-8 plain text file; its characters are the tokens, "
+                                    "its last 10 percent the validation set", group="data")
     download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir", group="data")
     train_size: int = _opt(8192, "samples in the synthetic/fake training set", group="data")
     val_size: int = _opt(1000, "samples in the synthetic/fake validation set", group="data")
@@ -63,8 +65,13 @@ class TrainConfig:
     # --- model ---------------------------------------------------------
     mode: str = _opt("image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"],
                      group="model")
-    model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten)",
-                                ["mlp", "cnn", "resnet18", "resnet50"], group="model")
+    model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten, gpt for "
+                                "--dataset text)", ["mlp", "cnn", "resnet18", "resnet50", "gpt"], group="model")
+    block_size: int = _opt(64, "--model gpt: context length, the characters in each window of --dataset text",
+                           group="model")
+    n_layer: int = _opt(2, "--model gpt: transformer blocks", group="model")
+    n_head: int = _opt(2, "--model gpt: attention heads per block (a divisor of --n-embd)", group="model")
+    n_embd: int = _opt(64, "--model gpt: embedding width", group="model")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model")
     compile: bool = _opt(False, "torch.compile the model (before the DDP wrap; the first steps take longer while it "
                          "compiles; checkpoints stay loadable without it)", group="model")
@@ -151,6 +158,20 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
+        self._check_text_pairing()
+
+    def _check_text_pairing(self) -> None:
+        """UsageError where --dataset text, --data-file and --model gpt are not given together: character windows
+        only gpt reads, and gpt reads nothing else."""
+        if self.data_file is not None and self.dataset != "text":
+            raise UsageError(f"--data-file is the text of --dataset text, and this run's data set is {self.dataset}; "
+                             f"add --dataset text (or drop --data-file)")
+        if self.dataset == "text" and not self.data_file:
+            raise UsageError("--dataset text needs --data-file FILE, a UTF-8 plain text file")
+        if (self.dataset == "text") != (self.model_name == "gpt"):
+            raise UsageError(f"--model {self.model_name} and --dataset {self.dataset} do not fit: --model gpt reads "
+                             f"windows of characters, --dataset text --data-file FILE gives them and no other model "
+                             f"reads them")
 
     # --- derived values: computed, never stored, so they cannot go stale ---
     def image_dims(self) -> tuple[int, int, int]:
@@ -165,8 +186,10 @@ class TrainConfig:
 
     @property
     def model_name(self) -> str:
-        """The model to build: --model, or the default for --mode."""
-        return self.model or ("mlp" if self.mode == "flatten" else "cnn")
+        """The model to build: --model, or the default for --dataset text or --mode."""
+        if self.model is not None:
+            return self.model
+        return "gpt" if self.dataset == "text" else "mlp" if self.mode == "flatten" else "cnn"
 
     @property
     def tensorboard_dir(self) -> str:
@@ -231,7 +254,8 @@ def _number(value: float) -> str:
 # Every numeric field and what it allows, so no flag can take a value that makes the run mean nothing.
 RANGES = {
     **{name: Range(1) for name in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
-                                   "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size")},
+                                   "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size",
+                                   "block_size", "n_layer", "n_head", "n_embd")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
                                    "clip_grad_norm", "early_stop_patience", "early_stop_min_delta")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},

@@ -65,13 +65,26 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if config.dataset not in GENERATED:
         for name in SIZES_OF_GENERATED:
             yield name, f"it sizes the synthetic and fake data sets, and --dataset {config.dataset} has its own"
-        if config.dataset != "imagefolder":
+        if config.dataset not in ("imagefolder", "text"):
             yield "image_shape", f"--dataset {config.dataset} has images of its own shape"
     if config.dataset in GENERATED:
         for name in ("data_dir", "download"):
             yield name, f"--dataset {config.dataset} is generated in memory: no file is read or downloaded"
     elif config.dataset == "imagefolder":
         yield "download", "an image folder is read as it is: there is nothing to download"
+    elif config.dataset == "text":
+        yield from _unused_by_text()
+    if config.model_name != "gpt":
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            yield name, f"it sizes --model gpt, and this run's model is {config.model_name}"
     if not facts.convolutions:
         yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
                                 "channels-last")
+
+
+def _unused_by_text() -> Iterator[tuple[str, str]]:
+    """What --dataset text leaves unused: it reads --data-file as windows of characters, not images."""
+    for name in ("data_dir", "download"):
+        yield name, "--dataset text reads --data-file as it is: no folder is read and nothing is downloaded"
+    for name in ("image_shape", "mode"):
+        yield name, "--dataset text gives windows of characters (--block-size of them), not images"

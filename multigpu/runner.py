@@ -42,7 +42,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
     if runtime.is_main:
         barrier()
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
-    model = build_model(config.model_name, data.input_shape, data.num_classes)
+    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
         print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
               f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)

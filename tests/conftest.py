@@ -314,6 +314,25 @@ def blobs(size: int, seed: int, input_dim: int = 16, classes: int = 4) -> Tensor
     return TensorDataset(inputs, targets)
 
 
+WORDS = "the quick brown fox jumps over a lazy dog while seven small cats sleep in the warm sun".split()
+# --model gpt at the tests' size: a few thousand parameters, a step in milliseconds on one core.
+TINY_GPT = ["--dataset", "text", "--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+            "--block-size", "32"]
+
+
+def tiny_text(path: Path, characters: int = 6000) -> Path:
+    """A plain text file of `characters` characters for --dataset text: words drawn from a small list with a fixed
+    seed, so the next character is easy to learn and the file is the same on every run."""
+    import random
+
+    draw, words, length = random.Random(0), [], 0
+    while length < characters:
+        words.append(draw.choice(WORDS))
+        length += len(words[-1]) + 1
+    path.write_text(" ".join(words)[:characters], encoding="utf-8")
+    return path
+
+
 def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig:
     """A small, quiet TrainConfig for in-process trainer tests: ddp when world_size > 1, short dist timeout."""
     values = dict(multi_gpu="ddp" if world_size > 1 else "none", save_dir=str(tmp_path / "ckpt"),

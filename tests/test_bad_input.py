@@ -37,7 +37,7 @@ import main_multi_gpu
 import predict_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_untouched, blobs, cli_command, cli_env, config_for,
                       contents, file_size_limit, hold_save_dir, image_folder, permissions_apply, run_cli_ranks,
-                      run_on_small_file_system, tiny_model)
+                      run_on_small_file_system, tiny_model, tiny_text)
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.models import build_model
 from multigpu import launch_rules
@@ -83,6 +83,16 @@ def text_file(tmp_path: Path) -> str:
 def imagefolder(tmp_path: Path, classes: dict, spoil: Callable[[Path], None] = lambda root: None) -> list[str]:
     spoil(image_folder(tmp_path / "images", classes))
     return ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "images"), "--image-shape", "3,8,8"]
+
+
+def text_data(tmp_path: Path, content: Optional[bytes] = None, characters: int = 6000) -> list[str]:
+    """--dataset text reading a file of `content` (None: a good text of `characters` characters)."""
+    path = tmp_path / "corpus.txt"
+    if content is None:
+        tiny_text(path, characters)
+    else:
+        path.write_bytes(content)
+    return ["--dataset", "text", "--data-file", str(path), "--block-size", "16", "--n-embd", "16"]
 
 
 def empty_file(tmp_path: Path) -> str:
@@ -279,6 +289,23 @@ CLI = {
     "mnist with a truncated extracted file": Case(
         [], "t10k-labels-idx1-ubyte is corrupt (9 bytes where its header needs 18: truncated)",
         lambda tmp, ckpt: mnist_extracted(tmp, "t10k-labels-idx1-ubyte")),
+    "text file missing": Case(["--dataset", "text", "--data-file", "/nonexistent/tiny.txt"],
+                              "--data-file /nonexistent/tiny.txt: no such file; give a UTF-8 plain text file"),
+    "text file empty": Case([], "is empty; give a file with some text", lambda tmp, ckpt: text_data(tmp, b"")),
+    "text file that is binary (NUL bytes)": Case([], "holds NUL bytes, so it is binary, not text",
+                                                 lambda tmp, ckpt: text_data(tmp, b"abc\x00\x01\x02" * 200)),
+    "text file that is not UTF-8": Case([], "is not UTF-8 text (byte 0 is not)",
+                                        lambda tmp, ckpt: text_data(tmp, b"\x89PNG\r\n\x1a\n" + bytes(range(256)))),
+    "text shorter than two windows a split": Case(
+        [], "has 200 characters, too few for two windows of --block-size 16 in each split (11 train, 1 val); give "
+            "at least 330 characters", lambda tmp, ckpt: text_data(tmp, characters=200)),
+    "data-file without --dataset text": Case([], "--data-file is the text of --dataset text, and this run's data set "
+                                                 "is synthetic; add --dataset text",
+                                             lambda tmp, ckpt: ["--data-file", text_file(tmp)]),
+    "dataset text without a data-file": Case(["--dataset", "text"], "--dataset text needs --data-file FILE"),
+    "gpt on images": Case(["--model", "gpt"], "--model gpt and --dataset synthetic do not fit"),
+    "gpt heads that do not divide the embedding": Case(["--n-head", "3"], "--n-embd 16 must be a multiple of "
+                                                                          "--n-head 3", lambda tmp, ckpt: text_data(tmp)),
     "cifar10 not there": Case(["--dataset", "cifar10", "--data-dir", "/nonexistent/data"],
                               "files not found in --data-dir /nonexistent/data; pass --download"),
     "mnist corrupt and --download without a network": Case(

@@ -61,10 +61,11 @@ def test_batch_size_is_a_number_or_auto_in_the_dataclass_and_on_the_command_line
         parse_config(["--batch-size", "lots"])
 
 
-def test_default_model_follows_the_mode():
+def test_default_model_follows_the_mode_and_the_text_data_set():
     assert TrainConfig().model_name == "cnn"
     assert TrainConfig(mode="flatten").model_name == "mlp"
     assert TrainConfig(mode="flatten", model="mlp").model_name == "mlp"
+    assert TrainConfig(dataset="text", data_file="tiny.txt").model_name == "gpt"
     assert TrainConfig(save_dir="out").tensorboard_dir == "out/tb"
 
 

@@ -44,6 +44,15 @@ UNUSED = {
                                      ["--download", "--dataset", "cifar10"]),
     "download with an image folder": (["--download", "--dataset", "imagefolder"], "--download has no effect: an "
                                       "image folder is read as it is", ["--download", "--dataset", "mnist"]),
+    "n-layer with a model other than gpt": (["--n-layer", "4"], "--n-layer 4 has no effect: it sizes --model gpt, and "
+                                            "this run's model is cnn",
+                                            ["--n-layer", "4", "--dataset", "text", "--data-file", "t.txt"]),
+    "image-shape with a text": (["--image-shape", "3,8,8", "--dataset", "text", "--data-file", "t.txt"],
+                                "--image-shape 3,8,8 has no effect: --dataset text gives windows of characters",
+                                ["--image-shape", "3,8,8"]),
+    "data-dir with a text": (["--data-dir", "/data", "--dataset", "text", "--data-file", "t.txt"], "--data-dir /data "
+                             "has no effect: --dataset text reads --data-file as it is",
+                             ["--data-dir", "/data", "--dataset", "mnist"]),
     "early-stop-min-delta without early stopping": (["--early-stop-min-delta", "0.01"], "--early-stop-min-delta 0.01 "
                                                     "has no effect: it is the least improvement --early-stop-patience "
                                                     "counts, and that is off",

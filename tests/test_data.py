@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, tiny_text
 from multigpu.data import SyntheticImages, build_datasets
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
@@ -81,3 +81,21 @@ def test_fake_data_has_the_requested_shape_and_classes():
     assert image.shape == (3, 12, 10) and 0 <= label < 5
     assert (len(data.train), len(data.val), data.num_classes) == (8, 4, 5)
     assert not torch.equal(data.train[0][0], data.val[0][0])
+
+
+def test_text_windows_are_characters_and_their_targets_the_same_characters_shifted_by_one(tmp_path):
+    path = tiny_text(tmp_path / "tiny.txt", characters=2000)
+    text = path.read_text()
+    data = build_datasets(TrainConfig(dataset="text", data_file=str(path), block_size=32))
+    vocabulary = sorted(set(text))
+    assert data.num_classes == len(vocabulary) and data.input_shape == (32,)
+    decode = lambda ids: "".join(vocabulary[i] for i in ids.tolist())  # noqa: E731
+    # 1800 training characters (the last 200 are validation): 56 windows side by side, each needing one more.
+    assert (len(data.train), len(data.val)) == (1799 // 32, 199 // 32)
+    for index in (0, 1, len(data.train) - 1):
+        x, y = data.train[index]
+        assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (32,)
+        assert decode(x) == text[32 * index:32 * index + 32] and decode(y) == text[32 * index + 1:32 * index + 33]
+    assert decode(data.val[0][0]) == text[1800:1832]
+    with pytest.raises(IndexError):
+        data.train[len(data.train)]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import main_multi_gpu
 import predict_multi_gpu
-from conftest import REPO, TINY, assert_ok, guide_commands, image_folder, run_cli
+from conftest import REPO, TINY, TINY_GPT, assert_ok, guide_commands, image_folder, run_cli, tiny_text
 from multigpu import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
@@ -88,6 +89,30 @@ def test_the_training_split_in_other_batches_gives_the_models_outputs_in_order(t
     with torch.no_grad():
         expected = model(torch.stack([train[index][0] for index in range(len(train))]))
     torch.testing.assert_close(torch.load(tmp_path / "train.pt", weights_only=True), expected)
+
+
+def test_a_gpt_checkpoint_predicts_scores_at_every_position_with_the_loss_training_recorded(tmp_path, capsys):
+    text = tiny_text(tmp_path / "tiny.txt")
+    assert main_multi_gpu.main([*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "16",
+                                "--no-progress", "--save-dir", str(tmp_path / "run")]) == 0
+    best = str(tmp_path / "run" / "best.pt")
+    capsys.readouterr()
+    assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "logits.pt")]) == 0
+    metrics = capsys.readouterr().out.splitlines()[-1]  # the model's own loss, as training computed it
+    assert metrics.startswith("val set (") and metrics.endswith("the same as training recorded in this checkpoint")
+    state = checkpoint.load(best)
+    config = TrainConfig.from_dict(state["config"])
+    val = build_datasets(config).val
+    model = build_model("gpt", (32,), len(set(text.read_text())), config).eval()
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        expected = model(torch.stack([val[index][0] for index in range(len(val))]))[0]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt", weights_only=True), expected)
+    assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "p.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model gpt scores every position of a window" in err and "logits.pt" in err
+    assert predict_multi_gpu.main(["--checkpoint", best, "--imagefolder", str(tmp_path)]) == 2
+    assert "--imagefolder gives images, and the checkpoint's --model gpt reads characters" in capsys.readouterr().err
 
 
 BAD_INPUT = {
