@@ -242,6 +242,8 @@ def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -
     if result.returncode != 0:
         return f"`{runnable}` exited {result.returncode}:\n{result.stdout[-1500:]}{result.stderr[-2500:]}"
     problem = learning_failure(block, runnable, result.stdout + result.stderr)
+    if TRAINS.search(runnable):
+        print(f"{block.where}: `{runnable}`: val acc {accuracies(result.stdout + result.stderr)}")  # with -s
     return f"{problem}:\n{result.stdout[-1500:]}{result.stderr[-1000:]}" if problem else None
 
 
