@@ -72,6 +72,9 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
             yield name, f"--dataset {config.dataset} is generated in memory: no file is read or downloaded"
     elif config.dataset == "imagefolder":
         yield "download", "an image folder is read as it is: there is nothing to download"
+    if config.multi_gpu != "fsdp":
+        for name in ("fsdp_blocks", "fsdp_reshard_after_forward"):
+            yield name, f"it shapes --multi-gpu fsdp, and this run is --multi-gpu {config.multi_gpu}"
     if not facts.convolutions:
         yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
                                 "channels-last")
