@@ -307,13 +307,14 @@ class Checkpointer:
     def load_into(self, trainer: "MultiGPUTrainer", state: dict[str, Any], path: str) -> None:
         """Load a checkpoint into the trainer's live model, optimizer, scheduler, scaler, progress and RNG."""
         try:
+            optimizer_state = sharding.optimizer_state_for(state["optimizer"], trainer.model, trainer.optimizer)
             if sharding.is_sharded(trainer.model):
-                sharding.load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"])
+                sharding.load_full_state(trainer.model, trainer.optimizer, state["model"], optimizer_state)
             else:
                 trainer.model.load_state_dict(state["model"])
-                trainer.optimizer.load_state_dict(state["optimizer"])
+                trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError) as error:
+        except (RuntimeError, ValueError, LookupError) as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
                                   f"{lines[min(1, len(lines) - 1)][:300]}") from None

@@ -166,6 +166,24 @@ def load_full_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=_full_options(cpu_offload=False))
 
 
+def optimizer_state_for(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A saved optimizer state in the form `optimizer` loads: parameters by name for a sharded model (what
+    full_optimizer_state writes), by position for a plain one (torch's own format), whichever was saved, so a
+    ddp or one-device checkpoint resumes under fsdp and back. The order of the optimizer's parameters is the
+    same either way: it is built over the model's parameters in the same order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [names.get(id(p), str(index)) for index, p in
+               enumerate(p for group in optimizer.param_groups for p in group["params"])]
+    by_name = is_sharded(model)
+    saved_by_name = any(isinstance(key, str) for group in state.get("param_groups", []) for key in group["params"])
+    if by_name == saved_by_name:
+        return state
+    position = {name: index for index, name in enumerate(ordered)}
+    key = (lambda index: ordered[index]) if by_name else (lambda name: position[name])
+    return {"state": {key(k): value for k, value in state["state"].items()},
+            "param_groups": [{**group, "params": [key(k) for k in group["params"]]} for group in state["param_groups"]]}
+
+
 # ---------------------------------------------------------------- an average of the weights that stays sharded
 class AveragedShards(nn.Module):
     """--ema-decay under fsdp: the average of a sharded model's floating-point parameters, kept as this rank's

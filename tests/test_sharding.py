@@ -10,7 +10,7 @@ fsdp at 2 processes resumes at 1 to the same weights as an uninterrupted run.
 
 from __future__ import annotations
 
-import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +122,19 @@ def test_clipping_sharded_gradients_returns_the_full_norm(two_ranks):
     assert sharded == pytest.approx(full, rel=1e-5)
 
 
-def test_an_fsdp_checkpoint_of_2_processes_resumes_in_one_like_an_uninterrupted_run(two_ranks, tmp_path):
-    _, shared = two_ranks
-    resumed = train(shared / "resume", 1, "fsdp", epochs=2, resume="auto", batch_size=16, lr_schedule="constant")
-    uninterrupted = train(tmp_path, 1, "none", epochs=2, batch_size=16, lr_schedule="constant")
+@pytest.mark.parametrize("saved_by, resumed_by", [("fsdp x 2", "fsdp"), ("fsdp x 2", "none"), ("none", "fsdp")])
+def test_a_checkpoint_resumes_across_fsdp_and_one_device_like_an_uninterrupted_run(two_ranks, tmp_path, saved_by,
+                                                                                    resumed_by):
+    """Epoch 1 saved by fsdp at 2 processes (or one device), epoch 2 resumed in one process by fsdp (or one
+    device): the same weights as 2 epochs uninterrupted. The full state is gathered into one file, so the
+    model and optimizer state move between any world sizes and modes."""
+    settings = dict(batch_size=16, lr_schedule="constant")
+    if saved_by == "none":
+        train(tmp_path / "run", 1, "none", **settings)
+    else:
+        shutil.copytree(two_ranks[1] / "resume", tmp_path / "run")
+    resumed = train(tmp_path / "run", 1, resumed_by, epochs=2, resume="auto", **settings)
+    uninterrupted = train(tmp_path / "whole", 1, "none", epochs=2, **settings)
     assert resumed["steps"] == uninterrupted["steps"] == 10
     assert max_difference(resumed["weights"], uninterrupted["weights"]) <= TOLERANCE
 
