@@ -44,6 +44,9 @@ UNUSED = {
                                      ["--download", "--dataset", "cifar10"]),
     "download with an image folder": (["--download", "--dataset", "imagefolder"], "--download has no effect: an "
                                       "image folder is read as it is", ["--download", "--dataset", "mnist"]),
+    "fsdp-blocks under ddp": (["--fsdp-blocks", "Block", "--multi-gpu", "ddp"], "--fsdp-blocks Block has no effect: "
+                              "it shapes --multi-gpu fsdp, and this run is --multi-gpu ddp",
+                              ["--fsdp-blocks", "Block", "--multi-gpu", "fsdp"]),
     "early-stop-min-delta without early stopping": (["--early-stop-min-delta", "0.01"], "--early-stop-min-delta 0.01 "
                                                     "has no effect: it is the least improvement --early-stop-patience "
                                                     "counts, and that is off",
