@@ -23,8 +23,12 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from multigpu.batches import sample_batch
 from multigpu.config import AUTO, TrainConfig
 from multigpu.errors import UsageError
+
+# torch.distributed.fsdp and .checkpoint are imported where they are used: importing them costs about a third of
+# torch's own import time, which every run that does not shard (and every --help) would pay.
 
 # A child of a ModuleList/Sequential is a block of its own when it holds at least this share of the model's
 # parameters: transformer blocks and ResNet stages qualify, a lone activation or a small head does not.
@@ -68,7 +72,7 @@ def find_blocks(model: nn.Module, names: Optional[str] = None) -> list[nn.Module
             else:
                 visit(child)
     visit(model)
-    return [block for block in found if block is not model]
+    return found
 
 
 def policy(amp_dtype: Optional[torch.dtype]) -> Any:
@@ -109,6 +113,9 @@ def shard(model: nn.Module, device: torch.device, world_size: int, *, blocks: Op
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` was sharded by `shard` (checked by class, so nothing is imported for a module that was not)."""
+    if not any(cls.__name__ == "FSDPModule" for cls in type(model).__mro__):
+        return False
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
@@ -130,7 +137,6 @@ def stand_in_forward(forward: Callable[[nn.Module, Any], Any], model: nn.Module,
                      collate_fn: Optional[Callable], move: Callable[[Any], Any]) -> None:
     """A forward of the data set's first sample whose result is dropped: a rank with no batch of its own in an
     evaluation or prediction round runs it, since every forward of a sharded model is a collective."""
-    from multigpu.batches import sample_batch
     forward(model, move(sample_batch(dataset, 1, collate_fn)))
 
 
