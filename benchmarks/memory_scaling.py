@@ -67,12 +67,15 @@ def _peak_rss() -> int:
     return 0
 
 
-def measure(mode: str, width: int, blocks: int, world_size: int, device: Any) -> dict[str, int]:
-    """One AdamW step of the model under `mode`; this rank's bytes of parameters, gradients, optimizer state."""
+def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict[str, int]:
+    """One AdamW step of the model under `mode` over the ranks of `group`; this rank's bytes of parameters,
+    gradients and optimizer state."""
     import gc
 
     import torch
+    import torch.distributed as dist
     import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from multigpu import sharding
 
@@ -82,11 +85,12 @@ def measure(mode: str, width: int, blocks: int, world_size: int, device: Any) ->
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(width, blocks).to(device)
     if mode == "fsdp":
-        sharding.shard(model, device, world_size)
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        sharding.shard(model, device, dist.get_world_size(group), mesh=mesh)
         trained = model
     else:
         trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
-                                                      else None)
+                                                      else None, process_group=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs = torch.randn(4, width, device=device)
     nn.functional.cross_entropy(trained(inputs), torch.zeros(4, dtype=torch.long, device=device)).backward()
@@ -102,7 +106,9 @@ def measure(mode: str, width: int, blocks: int, world_size: int, device: Any) ->
     return result
 
 
-def _rank(rank: int, world_size: int, width: int, blocks: int, folder: str, device_type: str) -> None:
+def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, device_type: str) -> None:
+    """Rank `rank` of max(sizes) processes: for each world size N, the first N ranks measure both modes in a
+    process group of their own, while the others wait (one start of the processes for every N)."""
     import torch
     import torch.distributed as dist
 
@@ -111,25 +117,31 @@ def _rank(rank: int, world_size: int, width: int, blocks: int, folder: str, devi
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{folder}/store",
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=max(sizes))
+    results: dict[int, Any] = {}
     try:
-        results = {mode: measure(mode, width, blocks, world_size, device) for mode in MODES}
-        dist.barrier()
+        for size in sizes:
+            group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
+            if rank < size:
+                results[size] = {mode: measure(mode, width, blocks, group, device) for mode in MODES}
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run(world_size: int, width: int, blocks: int, device_type: str = "cpu") -> list[dict[str, dict[str, int]]]:
-    """Every rank's measurements at `world_size` processes (real processes, spawned: gloo, or NCCL on GPUs)."""
+def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu") -> dict[int, list[dict[str, Any]]]:
+    """Every rank's measurements at each world size in `sizes` (real processes, spawned once: gloo, or NCCL on
+    GPUs), by world size."""
     import torch.multiprocessing as mp
 
     # Every allocation above 128 KiB gets pages of its own, returned to the system when freed: otherwise glibc's
     # heap keeps what the first mode freed, and the second mode's peak RSS would include it.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(world_size, width, blocks, folder, device_type), nprocs=world_size, join=True)
-        return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world_size)]
+        mp.spawn(_rank, args=(sizes, width, blocks, folder, device_type), nprocs=max(sizes), join=True)
+        ranks = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(max(sizes))]
+    return {size: [ranks[rank][str(size)] for rank in range(size)] for size in sizes}
 
 
 def table(results: dict[int, list[dict[str, dict[str, int]]]]) -> tuple[list[str], list[list[str]]]:
@@ -158,7 +170,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
     width, blocks = SIZES["small" if args.small else "full"]
-    results = {n: run(n, width, blocks, args.device) for n in (int(part) for part in args.processes.split(","))}
+    results = run(sorted({int(part) for part in args.processes.split(",")}), width, blocks, args.device)
     parameters = next(iter(results.values()))[0]["ddp"]["parameters"]
     header, rows = table(results)
     print(f"Per-rank memory, {parameters / 1e6:.1f}M parameters (fp32, AdamW), {blocks} blocks of "

@@ -98,11 +98,13 @@ def device_mesh(device: torch.device, world_size: int) -> Any:
 
 
 def shard(model: nn.Module, device: torch.device, world_size: int, *, blocks: Optional[str] = None,
-          reshard_after_forward: bool = True, amp_dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, int]:
-    """`model` sharded in place over all ranks: each block its own FSDP unit, then the root. Returns the
-    module (the same object, now an FSDPModule) and the number of blocks."""
+          reshard_after_forward: bool = True, amp_dtype: Optional[torch.dtype] = None,
+          mesh: Any = None) -> tuple[nn.Module, int]:
+    """`model` sharded in place over all ranks (or over `mesh`, a DeviceMesh of some of them): each block its
+    own FSDP unit, then the root. Returns the module (the same object, now an FSDPModule) and the number of
+    blocks."""
     from torch.distributed.fsdp import fully_shard
-    mesh = device_mesh(device, world_size)
+    mesh = mesh if mesh is not None else device_mesh(device, world_size)
     found = find_blocks(model, blocks)
     for block in found:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(amp_dtype))
