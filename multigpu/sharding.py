@@ -238,7 +238,9 @@ class AveragedShards(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         with self.swapped_in() as model:
-            return full_model_state(model)
+            # Copies: with one shard on the CPU the gathered tensors are the parameters themselves, which get
+            # the trained weights back when the swap ends.
+            return {name: tensor.clone() for name, tensor in full_model_state(model).items()}
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         with self.swapped_in() as model:

@@ -77,7 +77,7 @@ def _rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
             results[f"{mode}/{name}"] = train(tmp_path / f"rank{rank}" / mode / name, world_size, mode, **settings)
     # Saved by fsdp at 2 ranks after epoch 1 (the parent resumes it at 1 process for epoch 2; a constant LR, as
     # a schedule's length depends on --epochs).
-    train(tmp_path / "resume", world_size, "fsdp", lr_schedule="constant", **RUNS["plain"])
+    train(tmp_path / "resume", world_size, "fsdp", lr_schedule="constant", ema_decay=0.5, **RUNS["plain"])
     results["norms"] = _clipped_norm(world_size)
     return results
 
@@ -126,9 +126,9 @@ def test_clipping_sharded_gradients_returns_the_full_norm(two_ranks):
 def test_a_checkpoint_resumes_across_fsdp_and_one_device_like_an_uninterrupted_run(two_ranks, tmp_path, saved_by,
                                                                                     resumed_by):
     """Epoch 1 saved by fsdp at 2 processes (or one device), epoch 2 resumed in one process by fsdp (or one
-    device): the same weights as 2 epochs uninterrupted. The full state is gathered into one file, so the
-    model and optimizer state move between any world sizes and modes."""
-    settings = dict(batch_size=16, lr_schedule="constant")
+    device): the same weights and EMA as 2 epochs uninterrupted. The full state is gathered into one file,
+    so the model, optimizer and EMA state move between any world sizes and modes."""
+    settings = dict(batch_size=16, lr_schedule="constant", ema_decay=0.5)
     if saved_by == "none":
         train(tmp_path / "run", 1, "none", **settings)
     else:
@@ -137,6 +137,7 @@ def test_a_checkpoint_resumes_across_fsdp_and_one_device_like_an_uninterrupted_r
     uninterrupted = train(tmp_path / "whole", 1, "none", epochs=2, **settings)
     assert resumed["steps"] == uninterrupted["steps"] == 10
     assert max_difference(resumed["weights"], uninterrupted["weights"]) <= TOLERANCE
+    assert max_difference(resumed["ema"], uninterrupted["ema"]) <= TOLERANCE
 
 
 # ---------------------------------------------------------------- which blocks, in one process
