@@ -40,16 +40,19 @@ unanswered questions take their defaults. End of input at a question (Ctrl-D)
 stops it without running anything.
 
 Devices:
-  --multi-gpu {ddp,dp,none}
+  --multi-gpu {ddp,fsdp,dp,none}
                           ddp: one process per device under torchrun (default);
+                          fsdp: the same, the model sharded over the processes
+                          (FSDP2: for models too big for one device);
                           dp: nn.DataParallel in one process (GPUs only);
                           none: one device
-  --mode {ddp,dp,single}  the same (single = none)
+  --mode {ddp,fsdp,dp,single}
+                          the same (single = none)
   --gpus N                use N GPUs (the first N). On a CPU-only machine:
-                          N CPU processes for ddp (gloo); default 2
+                          N CPU processes for ddp and fsdp (gloo); default 2
   --nproc N               same as --gpus
-  --gpu-ids 0,1,3         use these GPU ids (CUDA_VISIBLE_DEVICES for ddp and
-                          none, --gpu-ids for dp)
+  --gpu-ids 0,1,3         use these GPU ids (CUDA_VISIBLE_DEVICES for ddp, fsdp
+                          and none, --gpu-ids for dp)
   --oversubscribe         CPU only: allow more processes than CPU cores
                           (refused without it)
 Training (main_multi_gpu.py's flags of the same names):
@@ -61,7 +64,7 @@ Training (main_multi_gpu.py's flags of the same names):
                           (batch-size x devices x grad-accum-steps)
   --scale-lr ...          the same
   --save-dir DIR          checkpoints, launch_command.sh, torchrun.log
-Multi-node (ddp; torchrun's c10d rendezvous, hosted by node 0):
+Multi-node (ddp or fsdp; torchrun's c10d rendezvous, hosted by node 0):
   --nnodes N              number of machines (default 1)
   --node-rank R           this machine's number, 0..N-1 (required with --nnodes > 1)
   --master-addr HOST      address of node 0 (required with --nnodes > 1)
@@ -350,10 +353,12 @@ ask_mode() {
     if on_gpu; then
         menu=("ddp     one process per GPU, DistributedDataParallel (recommended)"
             "dp      one process, nn.DataParallel over the GPUs (simpler, slower)"
-            "none    one GPU")
+            "none    one GPU"
+            "fsdp    one process per GPU, the model sharded over them (FSDP2: when it does not fit one GPU)")
     else
         menu=("ddp     several CPU processes, DistributedDataParallel with gloo (recommended)"
-            "none    one process")
+            "none    one process"
+            "fsdp    several CPU processes, the model sharded over them (FSDP2 with gloo)")
     fi
     if [[ $ASK != none ]]; then
         say "How should it train?"
@@ -364,12 +369,12 @@ ask_mode() {
     MENU=()
 }
 
-# What it cannot guess about devices: the CPU processes for ddp, or which GPU(s).
+# What it cannot guess about devices: the CPU processes for ddp and fsdp, or which GPU(s).
 ask_devices() {
     [[ -z ${SET[gpus]:-}${SET[nproc]:-}${SET[gpu-ids]:-} ]] || return 0
     local mode=${SET[multi-gpu]:-ddp}
     if ! on_gpu; then
-        [[ $mode != ddp ]] || ask "CPU processes" "${RULES[default-processes]}" gpus
+        [[ $mode != ddp && $mode != fsdp ]] || ask "CPU processes" "${RULES[default-processes]}" gpus
     elif ((${#FOUND_IDS[@]} > 1)); then
         if [[ $mode == none ]]; then
             ask "GPU id" "${FOUND_IDS[0]}" gpu-ids

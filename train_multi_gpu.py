@@ -1,4 +1,4 @@
-"""MultiGPUTrainer: one training loop for DDP, DataParallel, one GPU and the CPU.
+"""MultiGPUTrainer: one training loop for DDP, FSDP, DataParallel, one GPU and the CPU.
 
 Read `fit` first: it is the whole story (resume, epochs, evaluation,
 checkpoints); every other method is one step of it, and every other concern
@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, config_checks, faults, plan, rng
+from multigpu import checkpoint, config_checks, faults, plan, rng, sharding
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -103,7 +103,10 @@ class MultiGPUTrainer:
         self.report = Reporter(config, rt.is_main)
         if run_folder:
             self.report.line(run_folder)
-        self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type)
+        self.amp = Amp(resolve_dtype(config.amp, self.device, self.report.line), self.device.type,
+                       sharded=rt.mode == "fsdp")
+        if rt.mode == "fsdp":
+            sharding.refuse_unsupported(config)
         self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once
@@ -126,8 +129,10 @@ class MultiGPUTrainer:
         self.telemetry = Telemetry(rt, self.amp.dtype, self.train_loader.num_workers, self.report.line)
         self.telemetry.flops_per_sample = self._flops_per_sample(collate_fn)
         self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
-        self.wrapped = wrap_model(self.model, config, rt, self.report.line)  # what trains: DDP, DataParallel or it
-        self.no_sync = self.wrapped.no_sync if rt.mode == "ddp" else contextlib.nullcontext
+        # What trains: DDP, DataParallel, the module itself sharded in place (fsdp), or the module.
+        self.wrapped = wrap_model(self.model, config, rt, self.report.line, self.amp.dtype)
+        self.no_sync = (self.wrapped.no_sync if rt.mode == "ddp" else sharding.no_gradient_sync(self.wrapped)
+                        if rt.mode == "fsdp" else contextlib.nullcontext)
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
         lr_factor_ = scaled_lr(1.0, config.lr_scaling, self.effective_batch, config.lr_base_batch)
@@ -273,7 +278,7 @@ class MultiGPUTrainer:
     def _train_step(self, batches: Iterator, window_samples: int) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
 
-        DDP all-reduces only in the last micro-batch's backward: the others run
+        DDP all-reduces (fsdp reduce-scatters) only in the last micro-batch's backward: the others run
         forward and backward in no_sync (MULTI_GPU_GUIDE.md, "The effective-batch rule").
         The sampler decides each micro-batch's samples: full ones, then what is left.
         """

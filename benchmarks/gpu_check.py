@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -50,6 +51,7 @@ PASS, FAIL, NOT_APPLICABLE, NO_CUDA = "PASS", "FAIL", "n/a", "skipped: no CUDA"
 BUDGET_S = {"gpu": 470.0, "dry": 600.0}
 LOSS_DROP = 0.9  # "the loss decreases": the last logged train/loss is below 0.9 x the first
 SYNC_BN_TOLERANCE = 1e-4  # max abs difference of weights and running statistics, fp32 without TF32
+FSDP_TOLERANCE = 1e-4  # fsdp against ddp, fp32 MLP: reduce-scatter and all-reduce sum in different orders
 TARGET_RATIO = 0.97  # trainer samples/s at least this share of the hand-written loop's
 
 # How big each check is: on GPUs, and tiny for the CPU dry run. "{batch}" and "{samples}" are filled per run.
@@ -62,6 +64,7 @@ SIZES: dict[str, dict[str, Any]] = {
                "--batch-size", "128", "--epochs", "1", "--log-every", "16"],
         "overflow": {"batch": 64, "steps": 60, "bad_step": 30, "log_every": 10},
         "sync_bn": {"batch": 16, "steps": 12, "log_every": 4},
+        "fsdp": {"batch": 64, "steps": 20, "log_every": 5, "memory": []},  # memory: the 50M-parameter model
         "data_path": {"batch_shape": [128, 3, 224, 224], "steps": 20},
         "predict": {"samples": 20000, "batch": 512, "shape": [3, 16, 16]},
         "throughput": {"model": "resnet50", "image_shape": [3, 224, 224], "classes": 1000, "steps": 30,
@@ -84,6 +87,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "dp": ["--train-size", "128", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--log-every", "4"],
         "overflow": {"batch": 16, "steps": 12, "bad_step": 6, "log_every": 4},
         "sync_bn": {"batch": 8, "steps": 8, "log_every": 4},
+        "fsdp": {"batch": 16, "steps": 4, "log_every": 2, "memory": ["--small"]},
         "data_path": {},
         "predict": {"samples": 101, "batch": 16, "shape": [3, 8, 8]},
         "throughput": {"model": "small", "image_shape": [3, 16, 16], "classes": 10, "steps": 8, "log_every": 2,
@@ -477,6 +481,51 @@ def row_sync_bn(ctx: Context) -> Verdict:
 
 def max_difference(first: dict[str, Any], second: dict[str, Any]) -> float:
     return max((first[key].double() - second[key].double()).abs().max().item() for key in first)
+
+
+# ---------------------------------------------------------------------------- 5b. sharded training
+@row("fsdp")
+def row_fsdp(ctx: Context) -> Verdict:
+    """--multi-gpu fsdp on NCCL: the same weights as ddp (fp32), bf16 through FSDP's policy, its checkpoint of
+    N processes resumed by one (reshard N -> 1), and 1/N of ddp's per-rank memory (benchmarks/memory_scaling.py)."""
+    sizes, nproc = ctx.sizes("fsdp"), ctx.nproc
+    args = ["--mode", "flatten", "--train-size", str(sizes["batch"] * nproc * sizes["steps"]), "--val-size", "64",
+            "--batch-size", str(sizes["batch"]), "--log-every", str(sizes["log_every"]), "--lr-schedule", "constant"]
+    weights = {}
+    for mode in ("ddp", "fsdp"):
+        save_dir = ctx.folder(f"fsdp-{mode}")
+        ctx.cli([*args, "--multi-gpu", mode, "--epochs", "1", "--save-dir", save_dir], timeout=150, nproc=nproc)
+        weights[mode] = load_checkpoint(os.path.join(save_dir, "last.pt"))["model"]
+    bf16_dir = ctx.folder("fsdp-bf16")
+    bf16 = ctx.cli([*args, "--multi-gpu", "fsdp", "--amp", "bf16", "--epochs", "1", "--save-dir", bf16_dir],
+                   timeout=150, nproc=nproc).stdout
+    resumed = ctx.cli([*args, "--multi-gpu", "fsdp", "--amp", "bf16", "--epochs", "2", "--resume", "auto",
+                       "--save-dir", bf16_dir], timeout=150).stdout  # one process: the whole model in one shard
+    memory = ctx.scratch / "fsdp-memory.json"
+    ctx.run([ctx.python, str(HERE / "memory_scaling.py"), *sizes["memory"], "--device", "cuda" if ctx.cuda else "cpu",
+             "--processes", ",".join(map(str, sorted({1, nproc}))), "--json", str(memory)], timeout=240)
+    ranks = json.loads(memory.read_text())[str(nproc)]
+    held = {mode: max(sum(rank[mode][key] for key in ("params", "grads", "optimizer")) for rank in ranks)
+            for mode in ("ddp", "fsdp")}
+    largest_block = ranks[0]["fsdp"]["largest_block"]
+    losses = values(read_scalars(os.path.join(bf16_dir, "tb")), "train/loss")
+    raw = {"nproc": nproc, "max_abs_difference": max_difference(weights["fsdp"], weights["ddp"]), "bytes": held,
+           "bf16_losses": losses, "memory": ranks}
+    problems = [text for failed, text in [
+        (not raw["max_abs_difference"] <= FSDP_TOLERANCE,
+         f"fsdp differs from ddp by {raw['max_abs_difference']:.3g} > {FSDP_TOLERANCE}"),
+        (f"mode fsdp: {nproc} process" not in bf16 and nproc > 1, "no 'mode fsdp' line"),
+        (not losses or not all(map(math.isfinite, losses)), f"bf16 losses {losses}"),
+        ("resumed from" not in resumed or "one shard" not in resumed, "the fsdp checkpoint did not resume in 1 process"),
+        (held["fsdp"] > held["ddp"] / nproc * 1.1 + largest_block,
+         f"fsdp holds {held['fsdp'] / 1e6:.1f} MB per rank, not about 1/{nproc} of ddp's {held['ddp'] / 1e6:.1f} MB"),
+    ] if failed]
+    figure = (f"{nproc} process(es): fsdp vs ddp fp32 max abs difference {raw['max_abs_difference']:.3g} "
+              f"(tolerance {FSDP_TOLERANCE}); bf16 loss {losses[0] if losses else float('nan'):.3f} -> "
+              f"{losses[-1] if losses else float('nan'):.3f}; checkpoint of {nproc} resumed in 1; params+grads+AdamW "
+              f"per rank {held['fsdp'] / 1e6:.1f} MB vs ddp {held['ddp'] / 1e6:.1f} MB "
+              f"({held['fsdp'] / held['ddp']:.3f}, ideal {1 / nproc:.3f})")
+    return judge(ctx, figure, raw, problems)
 
 
 # ---------------------------------------------------------------------------- 6. data path

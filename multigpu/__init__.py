@@ -4,6 +4,7 @@
 - config_checks: the warnings for flags the user gave that this run does not use
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
+- sharding:     --multi-gpu fsdp: FSDP2 fully_shard per block then the root, its mixed precision, full-state gather
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
 - batches:      moving any nesting of tensors to the device; a batch into outputs and a loss by forward's signature
 - optim:        optimizer and LR schedule (built-in, or the user's own)

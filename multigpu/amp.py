@@ -27,17 +27,29 @@ def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) ->
 
 
 class Amp:
-    """The precision of one run: `autocast()` for forward passes, `scaler` for fp16 backward passes."""
+    """The precision of one run: `autocast()` for forward passes, `scaler` for fp16 backward passes.
 
-    def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16):
+    `sharded` (fsdp): FSDP's MixedPrecisionPolicy casts the parameters itself (multigpu/sharding.py), so
+    autocast stays off (it would compute some ops in fp32 again), and fp16's scaler is the
+    ShardedGradScaler, whose inf check covers every rank's shard.
+    """
+
+    def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16,
+                 sharded: bool = False):
         self.dtype = dtype
-        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
+        self.sharded = sharded
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            self.scaler: torch.amp.GradScaler = ShardedGradScaler(device_type, init_scale=init_scale,
+                                                                  enabled=dtype == torch.float16)
+        else:
+            self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
         self.device_type = device_type
         self._nothing = contextlib.nullcontext()
 
     def autocast(self) -> ContextManager:
-        """The autocast context of this run (a no-op without --amp)."""
-        if self.dtype is None:
+        """The autocast context of this run (a no-op without --amp, and under fsdp, whose policy casts)."""
+        if self.dtype is None or self.sharded:
             return self._nothing
         return torch.autocast(self.device_type, dtype=self.dtype)
 

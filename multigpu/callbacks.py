@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from multigpu import sharding
+
 if TYPE_CHECKING:
     from train_multi_gpu import MultiGPUTrainer
 
@@ -135,6 +137,9 @@ class EMA:
 
     def on_fit_start(self, trainer: "MultiGPUTrainer") -> None:
         trained = _plain(trainer.model)
+        if sharding.is_sharded(trained):  # fsdp: the average stays sharded like the weights
+            self._start_sharded(trainer, trained)
+            return
         if self.model is None:
             self.model = copy.deepcopy(trained).eval()
             self.model.requires_grad_(False)
@@ -148,8 +153,18 @@ class EMA:
         self._buffers = tuple(map(list, zip(*zip(self.model.buffers(), trained.buffers()))))
         trainer.eval_model = self.model
 
+    def _start_sharded(self, trainer: "MultiGPUTrainer", trained: torch.nn.Module) -> None:
+        if self.model is None:
+            self.model = sharding.AveragedShards(trained)
+        if self.loaded is not None:
+            self.model.load_state_dict(self.loaded)
+            self.loaded = None
+        self._averaged, self._buffers = self.model.shards, ()  # buffers: the trained model's own, used as they are
+        trainer.eval_model = self.model
+
     def on_step_end(self, trainer: "MultiGPUTrainer") -> None:
-        torch._foreach_lerp_(self._averaged, self._trained, 1.0 - self.decay)
+        trained = self.model.trained_shards() if isinstance(self.model, sharding.AveragedShards) else self._trained
+        torch._foreach_lerp_(self._averaged, trained, 1.0 - self.decay)
         if self._buffers:  # kept equal at every step, so a resume from any checkpoint evaluates alike
             torch._foreach_copy_(*self._buffers)
 

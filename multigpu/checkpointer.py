@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from multigpu import checkpoint, faults, preemption, rng, run_settings, savedir
+from multigpu import checkpoint, faults, preemption, rng, run_settings, savedir, sharding
 from multigpu.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
@@ -277,11 +277,16 @@ class Checkpointer:
         rng_states = gather_objects(rng.rng_state(self.runtime.device))
         model = getattr(trainer.model, "_orig_mod", trainer.model)  # torch.compile'd modules save plain keys
         progress = trainer.progress
+        if sharding.is_sharded(model):  # gathered whole to rank 0's CPU: the one-file checkpoint of any world size
+            model_state, optimizer_state = (sharding.full_model_state(model),
+                                            sharding.full_optimizer_state(model, trainer.optimizer))
+        else:
+            model_state, optimizer_state = model.state_dict(), trainer.optimizer.state_dict()
         return {
             "format_version": checkpoint.FORMAT_VERSION,
             "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-            "model": model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "optimizer_class": type(trainer.optimizer).__name__,
             "scheduler": trainer.scheduler.state_dict(),
             "scheduler_class": type(trainer.scheduler).__name__,
@@ -302,10 +307,14 @@ class Checkpointer:
     def load_into(self, trainer: "MultiGPUTrainer", state: dict[str, Any], path: str) -> None:
         """Load a checkpoint into the trainer's live model, optimizer, scheduler, scaler, progress and RNG."""
         try:
-            trainer.model.load_state_dict(state["model"])
-            trainer.optimizer.load_state_dict(state["optimizer"])
+            optimizer_state = sharding.optimizer_state_for(state["optimizer"], trainer.model, trainer.optimizer)
+            if sharding.is_sharded(trainer.model):
+                sharding.load_full_state(trainer.model, trainer.optimizer, state["model"], optimizer_state)
+            else:
+                trainer.model.load_state_dict(state["model"])
+                trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError) as error:
+        except (RuntimeError, ValueError, LookupError) as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
                                   f"{lines[min(1, len(lines) - 1)][:300]}") from None

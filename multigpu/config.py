@@ -38,9 +38,18 @@ class TrainConfig:
     """Every setting of a run. Field names are the long CLI flags with '-' as '_'."""
 
     # --- devices -------------------------------------------------------
-    multi_gpu: str = _opt("auto", "ddp: one process per device under torchrun; dp: nn.DataParallel in one process; "
-                          "none: one device; auto: ddp under torchrun, else dp with several GPUs, else none",
-                          ["auto", "ddp", "dp", "none"], group="devices")
+    multi_gpu: str = _opt("auto", "ddp: one process per device under torchrun; fsdp: the same, with parameters, "
+                          "gradients and optimizer state sharded over the processes (FSDP2); dp: nn.DataParallel in "
+                          "one process; none: one device; auto: ddp under torchrun, else dp with several GPUs, else none",
+                          ["auto", "ddp", "fsdp", "dp", "none"], group="devices")
+    fsdp_blocks: Optional[str] = _opt(None, "fsdp: comma-separated class names of the blocks sharded as units of their "
+                                      "own, e.g. TransformerBlock,Bottleneck (default: the children of ModuleList/"
+                                      "Sequential containers that hold at least 1 percent of the parameters)",
+                                      group="devices")
+    fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free each block's gathered parameters after its forward and "
+                                            "gather them again for backward (ZeRO-3); --no-fsdp-reshard-after-forward "
+                                            "keeps them (ZeRO-2-like: more memory, fewer collectives)",
+                                            group="devices")
     gpu_ids: Optional[str] = _opt(None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)",
                                   group="devices")
     dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails",

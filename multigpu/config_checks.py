@@ -77,6 +77,9 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if config.model_name != "gpt":
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
             yield name, f"it sizes --model gpt, and this run's model is {config.model_name}"
+    if config.multi_gpu != "fsdp":
+        for name in ("fsdp_blocks", "fsdp_reshard_after_forward"):
+            yield name, f"it shapes --multi-gpu fsdp, and this run is --multi-gpu {config.multi_gpu}"
     if not facts.convolutions:
         yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
                                 "channels-last")

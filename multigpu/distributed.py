@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from multigpu import sharding
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 from multigpu.preemption import restart_safe_store
@@ -27,12 +28,12 @@ from multigpu.preemption import restart_safe_store
 class Runtime:
     """Where this process trains: the resolved mode, device and rank layout."""
 
-    mode: str  # "ddp", "dp" or "none"
+    mode: str  # "ddp", "fsdp", "dp" or "none"
     device: torch.device
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    backend: Optional[str] = None  # "nccl"/"gloo" under ddp
+    backend: Optional[str] = None  # "nccl"/"gloo" under ddp and fsdp
     dp_device_ids: list[int] = field(default_factory=list)  # GPUs nn.DataParallel splits over
 
     @property
@@ -45,7 +46,19 @@ class Runtime:
         """Devices that each process one --batch-size per micro-batch."""
         return self.world_size * max(1, len(self.dp_device_ids))
 
+    @property
+    def forward_is_collective(self) -> bool:
+        """fsdp: every forward all-gathers parameters, so every rank must run each one (a rank without a
+        batch of its own runs a stand-in)."""
+        return self.mode == "fsdp"
+
     def describe(self) -> str:
+        if self.mode == "fsdp" and self.world_size == 1:
+            return (f"mode fsdp: one process, one shard (the whole model on {self.device}; fsdp saves memory with "
+                    f"several processes under torchrun)")
+        if self.mode == "fsdp":
+            return (f"mode fsdp: {self.world_size} processes, backend {self.backend}, parameters, gradients and "
+                    f"optimizer state sharded 1/{self.world_size} per rank, this rank on {self.device}")
         if self.mode == "ddp":
             return (f"mode ddp: {self.world_size} processes, backend {self.backend}, "
                     f"this rank on {self.device}")
@@ -97,8 +110,10 @@ def setup(config: TrainConfig) -> Runtime:
     fail after that long instead of hanging forever.
     """
     mode = resolve_mode(config)
-    if mode == "ddp":
-        return _setup_ddp(config)
+    if mode == "ddp" or (mode == "fsdp" and launched_by_torchrun()):
+        return _setup_ddp(config, mode)
+    if mode == "fsdp":
+        return _setup_one_shard(config)
     processes = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     if processes > 1:  # each process would train its own copy into the same files
         raise UsageError(f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
@@ -117,7 +132,7 @@ def setup(config: TrainConfig) -> Runtime:
     return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
 
 
-def _setup_ddp(config: TrainConfig) -> Runtime:
+def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
     if not launched_by_torchrun():
         raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
     if config.gpu_ids is not None:
@@ -136,7 +151,20 @@ def _setup_ddp(config: TrainConfig) -> Runtime:
         timeout = timedelta(seconds=config.dist_timeout)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                 **restart_safe_store(timeout))
-    return Runtime("ddp", device, rank, local_rank, world_size, backend)
+    return Runtime(mode, device, rank, local_rank, world_size, backend)
+
+
+def _setup_one_shard(config: TrainConfig) -> Runtime:
+    """--multi-gpu fsdp without torchrun: one process holding the one shard, in a process group of its own
+    (FSDP's device mesh needs one)."""
+    if config.gpu_ids is not None:
+        raise UsageError("--gpu-ids is for --multi-gpu dp; for fsdp choose GPUs with CUDA_VISIBLE_DEVICES")
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=config.dist_timeout))
+    return Runtime("fsdp", device, 0, 0, 1, backend)
 
 
 def teardown() -> None:
@@ -205,8 +233,9 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
 
 
 def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
-               say: Callable[[str], None]) -> torch.nn.Module:
-    """What training calls: DDP or DataParallel around the prepared module, or the module itself.
+               say: Callable[[str], None], amp_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """What training calls: DDP or DataParallel around the prepared module, the module itself sharded in
+    place (fsdp, in `amp_dtype`: multigpu/sharding.py), or the module itself.
 
     Small per-device batches with BatchNorm get a warning, since their statistics
     then depend on the device count (MULTI_GPU_GUIDE.md, "BatchNorm").
@@ -217,6 +246,12 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
             and config.batch_size < 16:
         say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
             f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    if runtime.mode == "fsdp":
+        model, blocks = sharding.shard(model, runtime.device, runtime.world_size, blocks=config.fsdp_blocks,
+                                       reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype)
+        say(f"fsdp: {blocks} block(s) sharded as units of their own, then the root"
+            f"{'' if config.fsdp_reshard_after_forward else ' (parameters kept gathered from forward to backward)'}")
+        return model
     if runtime.mode == "ddp":
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

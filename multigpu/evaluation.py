@@ -28,6 +28,7 @@ from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import UsageError
 from multigpu.preemption import StopRequest
+from multigpu.sharding import stand_in_forward
 
 CHECK_SAMPLES = 8  # validation samples that check_names runs through the model at start
 
@@ -93,6 +94,9 @@ class Evaluator:
                 row = round_start + rt.rank
                 if row < batches.num_batches:
                     rows[row] = self._batch_sums(model, self.move(next(loader)))
+                elif rt.forward_is_collective:  # fsdp: the others' forwards wait for this rank's all-gathers
+                    with self.amp.autocast():
+                        stand_in_forward(self.forward, model, dataset, self.collate_fn, self.move)
                 if stop is not None and _agreed(stop.requested, rt):
                     return None
         finally:

@@ -44,6 +44,9 @@ CPU_PROCESSES = 2  # ddp on a machine without GPUs: gloo processes unless told o
 # parser and make the shown batch and LR a lie.
 LAUNCHER_OWNED = ("multi_gpu", "gpu_ids", "epochs", "batch_size", "lr", "lr_scaling", "save_dir")
 # The training questions, answered through TrainConfig's fields of the same names.
+# The modes torchrun launches, one process per device (on every node): the trainer's ddp, and fsdp, which also
+# shards the model over those processes.
+PROCESS_PER_DEVICE = ("ddp", "fsdp")
 TRAINING = ("epochs", "batch_size", "lr", "lr_scaling", "save_dir")
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -156,8 +159,8 @@ def mode_of(s: Settings) -> Optional[str]:
     if s.multi_gpu is None:
         return None
     mode = "none" if s.multi_gpu == "single" else s.multi_gpu
-    if mode not in ("ddp", "dp", "none"):
-        raise UsageError(f"--multi-gpu must be one of ddp, dp, none; got {s.multi_gpu!r}")
+    if mode not in (*PROCESS_PER_DEVICE, "dp", "none"):
+        raise UsageError(f"--multi-gpu must be one of ddp, fsdp, dp, none; got {s.multi_gpu!r}")
     return mode  # dp without GPUs runs, as the trainer runs it: on the one device there is (devices_of)
 
 
@@ -249,8 +252,8 @@ def nodes_of(s: Settings, mode: Optional[str]) -> Nodes:
                 raise UsageError(f"--{flag(name)} is SLURM's to decide; leave it out with --slurm")
         return nodes
     if nodes.count > 1:
-        if mode not in (None, "ddp"):
-            raise UsageError(f"--nnodes {nodes.count} needs --multi-gpu ddp")
+        if mode not in (None, *PROCESS_PER_DEVICE):
+            raise UsageError(f"--nnodes {nodes.count} needs --multi-gpu ddp or fsdp")
         if rank is None:
             raise UsageError(f"--nnodes {nodes.count} needs --node-rank: 0 on the master node, 1 to "
                              f"{nodes.count - 1} on the others")
@@ -346,7 +349,7 @@ def command(s: Settings, devices: Devices, nodes: Nodes, port: int, config: Trai
     if devices.ids and devices.mode != "dp":
         env.append(f"CUDA_VISIBLE_DEVICES={devices.ids}")
     trainer = shown(TRAINER)
-    if devices.mode == "ddp":
+    if devices.mode in PROCESS_PER_DEVICE:
         env.append(f"OMP_NUM_THREADS={omp_threads(cores_here(), devices.count)}")
         words = [shown(s.python), shown(TORCHRUN), "--log-file", torchrun_log(config.save_dir, nodes),
                  f"--nproc_per_node={devices.count}"]
@@ -373,7 +376,7 @@ def command(s: Settings, devices: Devices, nodes: Nodes, port: int, config: Trai
 
 def devices_per_step(devices: Devices, nodes: Nodes) -> int:
     """The devices whose batches make one step: every process on every node under DDP, dp's GPUs, or one."""
-    return devices.count * nodes.count if devices.mode == "ddp" else devices.count
+    return devices.count * nodes.count if devices.mode in PROCESS_PER_DEVICE else devices.count
 
 
 def per_device_batch(config: TrainConfig, devices: Devices) -> Optional[int]:
@@ -412,7 +415,8 @@ def device_phrase(devices: Devices, nodes: Nodes) -> str:
         what = plural(devices.count, "GPU")
     else:
         what = f"{plural(devices.count, 'CPU process')} (gloo)"
-    phrase = {"ddp": f"DDP with {what}", "dp": f"DataParallel over {what}"}.get(devices.mode)
+    phrase = {"ddp": f"DDP with {what}", "fsdp": f"FSDP (the model sharded) over {what}",
+              "dp": f"DataParallel over {what}"}.get(devices.mode)
     if devices.mode == "dp" and not devices.on_gpu:
         phrase = "one CPU process (--multi-gpu dp needs 2 or more GPUs and none were found: the trainer falls back)"
     if phrase is None:
@@ -437,7 +441,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     if s.slurm:
         check_slurm_job(s, nodes, config)
     check_save_dir(config.save_dir)
-    if not s.slurm and devices.mode == "ddp" and (nodes.port is not None or nodes.count > 1):
+    if not s.slurm and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
         rendezvous_port(s, nodes)  # a port the user named must be free before anything is asked
     # The settings as the launcher should keep them: the mode by its name, the GPU answer as a count or ids.
     if mode is not None:
@@ -498,14 +502,14 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     config = training_config(s, devices)
     check_save_dir(config.save_dir)
     settle_training(s, config)
-    port, note = rendezvous_port(s, nodes) if devices.mode == "ddp" else (0, "")
+    port, note = rendezvous_port(s, nodes) if devices.mode in PROCESS_PER_DEVICE else (0, "")
     yield "plan", f"Plan: {device_phrase(devices, nodes)}"
     if not devices.on_gpu and devices.count > cores_here():
         yield "plan", f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}"
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     yield "plan", f"  checkpoints and launch_command.sh in {config.save_dir}/"
-    if devices.mode == "ddp":
+    if devices.mode in PROCESS_PER_DEVICE:
         yield "plan", f"  torchrun's own messages go to {torchrun_log(config.save_dir, nodes)}"
     if nodes.count > 1:
         yield "plan", ("  checkpoints come from global rank 0, which c10d may place on any node: use a --save-dir "
@@ -529,14 +533,14 @@ def slurm_devices(s: Settings) -> Devices:
         raise UsageError(f"--nproc {nproc} with --gpus {gpus}: on GPU nodes there is one process per GPU")
     if s.gpu_ids is not None:
         raise UsageError("--gpu-ids is SLURM's to decide; give --gpus (per node) with --slurm")
-    if s.multi_gpu not in (None, "ddp"):
-        raise UsageError("--slurm runs --multi-gpu ddp (one process per GPU on every node)")
+    if s.multi_gpu not in (None, *PROCESS_PER_DEVICE):
+        raise UsageError("--slurm runs --multi-gpu ddp or fsdp (one process per GPU on every node)")
     for name, pattern in (("partition", SLURM_NAME), ("account", SLURM_NAME), ("time", SLURM_TIME)):
         value = getattr(s, name)
         if value is not None and not pattern.fullmatch(value):
             example = "04:00:00 or 1-12:00:00" if name == "time" else "gpu"
             raise UsageError(f"--{name} {value!r}: not a SLURM {name} (e.g. {example})")
-    return Devices("ddp", gpus or nproc or CPU_PROCESSES, None, gpus > 0)
+    return Devices(mode_of(s) or "ddp", gpus or nproc or CPU_PROCESSES, None, gpus > 0)
 
 
 def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
@@ -566,7 +570,8 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
     settle_training(s, config)
     what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
-    yield "plan", f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, DDP with c10d rendezvous on the first node"
+    yield "plan", (f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()} with c10d "
+                   f"rendezvous on the first node")
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     script = os.path.join(config.save_dir, "launch_slurm.sbatch")
@@ -589,7 +594,7 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     directives += [f"--{name}={getattr(s, name)}" for name in ("partition", "time", "account") if getattr(s, name)]
     directives += [f"--chdir={os.getcwd()}", f"--output={config.save_dir}/slurm-%j.out", "--open-mode=append",
                    "--requeue", "--signal=B:USR1@120"]
-    trainer = [TRAINER, *trainer_flags(s, Devices("ddp", procs, None, gpus > 0)), "--resume", "auto",
+    trainer = [TRAINER, *trainer_flags(s, Devices(mode_of(s) or "ddp", procs, None, gpus > 0)), "--resume", "auto",
                *s.trainer_args]
     restarts = f" --max_restarts={nodes.max_restarts}" if nodes.max_restarts is not None else ""
     port = str(nodes.port) if nodes.port else "$((20000 + SLURM_JOB_ID % 20000))"

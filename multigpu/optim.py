@@ -44,7 +44,8 @@ def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_:
     ours = {id(p) for p in model.parameters()}
     if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("the optimizer holds parameters that are not the model's: build it on the model "
-                         "given to MultiGPUTrainer (or pass a function params -> Optimizer)")
+                         "given to MultiGPUTrainer, or pass a function params -> Optimizer (which --multi-gpu fsdp "
+                         "needs: sharding replaces the parameters by their shards)")
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * lr_factor_
     return optimizer

@@ -22,7 +22,7 @@ def plan_lines(trainer: MultiGPUTrainer) -> list[str]:
     these numbers do not really describe."""
     config, rt, progress = trainer.config, trainer.runtime, trainer.progress
     batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
-                  else "ddp: --batch-size is per process" if rt.mode == "ddp" else "one device")
+                  else f"{rt.mode}: --batch-size is per process" if rt.mode in ("ddp", "fsdp") else "one device")
     steps_left = (config.epochs - progress.epoch) * trainer.steps_per_epoch - trainer.steps_done_in_epoch()
     last_step = progress.global_step + max(0, steps_left)
     warmup_steps = round(config.warmup_epochs * trainer.steps_per_epoch)

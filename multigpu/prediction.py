@@ -30,6 +30,7 @@ from multigpu.batches import ForwardFn, ModelForward, concat, default_forward, t
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.distributed import Runtime, gather_objects, gather_objects_to_main
+from multigpu.sharding import stand_in_forward
 
 CHUNK_SAMPLES = 8192  # about how many samples one exchange moves: what streaming holds in memory at once
 FILE_MAGIC = b"MULTIGPU-PREDICTIONS 1\n"
@@ -81,6 +82,10 @@ class Predictor:
                 last = min(first + per_chunk, rounds)
                 mine = [self._outputs(model, next(loader), with_targets) for round_ in range(first, last)
                         if round_ * rt.world_size + rt.rank < batches.num_batches]
+                if rt.forward_is_collective and len(mine) < last - first:  # fsdp: join the others' all-gathers
+                    with torch.no_grad(), self.amp.autocast():
+                        stand_in_forward(lambda model_, batch: forward_for_prediction(self.forward, model_, batch),
+                                         model, dataset, self.collate_fn, lambda batch: to_device(batch, rt.device))
                 by_rank = _exchange(mine, everywhere)
                 if by_rank is not None:
                     numbers = range(first * rt.world_size, min(last * rt.world_size, batches.num_batches))

@@ -214,6 +214,10 @@ CLI = {
                                                     "3,100000,100000: one batch of 16 such images takes 1,920.0 GB, "
                                                     "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
+    "fsdp-blocks unknown": Case(["--multi-gpu", "fsdp", "--fsdp-blocks", "Nope"], "--fsdp-blocks Nope: the model "
+                                "has no module of class Nope; name classes it has, e.g. "),
+    "fsdp with batch-size auto": Case(["--multi-gpu", "fsdp", "--batch-size", "auto"], "--batch-size auto measures "
+                                      "the whole model on one GPU, not the shards fsdp trains"),
     "ema-decay 1": Case(["--ema-decay", "1"], "--ema-decay 1 would keep the starting weights forever: give a value "
                                               "below 1"),
     "ema-decay above 1": Case(["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, got 1.5"),

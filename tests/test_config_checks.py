@@ -53,6 +53,9 @@ UNUSED = {
     "data-dir with a text": (["--data-dir", "/data", "--dataset", "text", "--data-file", "t.txt"], "--data-dir /data "
                              "has no effect: --dataset text reads --data-file as it is",
                              ["--data-dir", "/data", "--dataset", "mnist"]),
+    "fsdp-blocks under ddp": (["--fsdp-blocks", "Block", "--multi-gpu", "ddp"], "--fsdp-blocks Block has no effect: "
+                              "it shapes --multi-gpu fsdp, and this run is --multi-gpu ddp",
+                              ["--fsdp-blocks", "Block", "--multi-gpu", "fsdp"]),
     "early-stop-min-delta without early stopping": (["--early-stop-min-delta", "0.01"], "--early-stop-min-delta 0.01 "
                                                     "has no effect: it is the least improvement --early-stop-patience "
                                                     "counts, and that is off",

@@ -200,6 +200,7 @@ def test_fake_nvidia_smi_gpus_are_listed_and_the_default_is_ddp_on_all_of_them()
     (["--multi-gpu", "ddp", "--gpu-ids", "1,3"], "{ddp2_ids13} main_multi_gpu.py --multi-gpu ddp"),
     (["--multi-gpu", "ddp", "--gpus", "2", "--max-restarts", "3"],
      "{ddp2} --max_restarts=3 main_multi_gpu.py --multi-gpu ddp"),
+    (["--multi-gpu", "fsdp", "--gpus", "2"], "{ddp2} main_multi_gpu.py --multi-gpu fsdp"),
     (["--multi-gpu", "dp"], "{python} main_multi_gpu.py --multi-gpu dp"),
     (["--multi-gpu", "dp", "--gpus", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
     (["--multi-gpu", "dp", "--gpu-ids", "0,2,3"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2,3"),
@@ -207,7 +208,7 @@ def test_fake_nvidia_smi_gpus_are_listed_and_the_default_is_ddp_on_all_of_them()
     (["--multi-gpu", "none", "--gpu-ids", "2"], "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
     (["--mode", "single", "--gpu-ids", "2"], "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none"),
     (["--mode", "dp", "--nproc", "2"], "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,1"),
-], ids=["ddp", "ddp-gpu-ids", "ddp-count-restarts", "dp", "dp-count", "dp-gpu-ids", "none", "none-gpu-id",
+], ids=["ddp", "ddp-gpu-ids", "ddp-count-restarts", "fsdp-count", "dp", "dp-count", "dp-gpu-ids", "none", "none-gpu-id",
         "alias-mode-single", "alias-mode-dp-nproc"])
 def test_dry_run_prints_the_command_of_each_gpu_mode(args: list[str], expected: str) -> None:
     port = free_port()
@@ -221,8 +222,9 @@ def test_dry_run_prints_the_command_of_each_gpu_mode(args: list[str], expected: 
 @pytest.mark.parametrize("args, expected", [
     ([], "{ddp2} main_multi_gpu.py --multi-gpu ddp"),
     (["--nproc", "1"], "{ddp1} main_multi_gpu.py --multi-gpu ddp"),
+    (["--multi-gpu", "fsdp"], "{ddp2} main_multi_gpu.py --multi-gpu fsdp"),
     (["--mode", "single"], "{python} main_multi_gpu.py --multi-gpu none"),
-], ids=["ddp-default-2-processes", "ddp-nproc-alias", "single"])
+], ids=["ddp-default-2-processes", "ddp-nproc-alias", "fsdp-default-2-processes", "single"])
 def test_dry_run_on_a_cpu_machine_offers_cpu_ddp_and_single(args: list[str], expected: str) -> None:
     port = free_port()
     result = launch([*args, "--dry-run"], launcher_env(LAUNCH_DEFAULT_PORT=str(port)))
@@ -306,8 +308,8 @@ def test_help_lists_every_flag() -> None:
     (["--gpu-ids", "0,7"], "--gpu-ids 0,7: no GPU with id 7 (found: 0,1,2,3)"),
     (["--gpu-ids", "1,1"], "--gpu-ids 1,1: GPU 1 is listed twice"),
     (["--gpus", "2", "--gpu-ids", "0,1"], "give --gpus or --gpu-ids, not both"),
-    (["--mode", "fsdp"], "--multi-gpu must be one of ddp, dp, none; got 'fsdp'"),
-    (["--multi-gpu", "auto"], "--multi-gpu must be one of ddp, dp, none; got 'auto'"),
+    (["--mode", "zero3"], "--multi-gpu must be one of ddp, fsdp, dp, none; got 'zero3'"),
+    (["--multi-gpu", "auto"], "--multi-gpu must be one of ddp, fsdp, dp, none; got 'auto'"),
     (["--mode", "single", "--gpus", "2"], "--gpus 2: --multi-gpu none uses one device"),
     (["--master-port", "70000"], "--master-port must be at most 65535, got 70000"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1"], "--nnodes 2 needs --node-rank"),
@@ -449,9 +451,11 @@ def test_piped_answers_are_reasked_when_impossible_and_no_ends_without_running()
     ("ddp\n3,\n", "{ddp1_id3} "),
     ("ddp\n2\n", "{ddp2} "),
     ("dp\n0,2\n", "{python} main_multi_gpu.py --multi-gpu dp --gpu-ids 0,2 "),
+    ("4\n2\n", "{ddp2} main_multi_gpu.py --multi-gpu fsdp "),
     ("3\n9\n2\n", "CUDA_VISIBLE_DEVICES=2 {python} main_multi_gpu.py --multi-gpu none "),
     ("single\n\n", "CUDA_VISIBLE_DEVICES=0 {python} main_multi_gpu.py --multi-gpu none "),
-], ids=["ddp-one-id", "ddp-count", "dp-ids", "none-by-number-id-reasked", "single-by-its-old-name"])
+], ids=["ddp-one-id", "ddp-count", "dp-ids", "fsdp-by-number-count", "none-by-number-id-reasked",
+        "single-by-its-old-name"])
 def test_piped_gpu_choices_become_the_right_command(answers: str, head: str) -> None:
     port = free_port()
     result = launch([], launcher_env(gpus=4, LAUNCH_DEFAULT_PORT=str(port)), input=answers + "\n\n\n\nn\n")

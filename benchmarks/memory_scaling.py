@@ -1,0 +1,185 @@
+"""Per-rank memory of ddp and fsdp at 1, 2 and 3 processes: what sharding saves (issue 22).
+
+Each rank builds the same model (a stack of Linear+GELU blocks in an nn.Sequential, ≥ 50M parameters by
+default), wraps it as the trainer does (DDP, or multigpu.sharding.shard: each block an FSDP unit, then the
+root), and takes one AdamW step; then it counts the bytes of the tensors it holds itself, its shard under
+fsdp: parameters, gradients and optimizer state. Under ddp that is 16 bytes per parameter on every rank;
+under fsdp about 1/N of it. Beside it, the rank's peak resident memory (VmHWM, reset before each mode),
+which also holds torch itself, DDP's gradient buckets and fsdp's gathered blocks.
+
+    python benchmarks/memory_scaling.py                 # 50M parameters, N = 1, 2, 3 (CPU, gloo)
+    python benchmarks/memory_scaling.py --small         # a tiny model: what CI runs (tests/test_memory_scaling.py)
+    python benchmarks/memory_scaling.py --device cuda --processes 1,2   # GPUs, NCCL (gpu_check.sh's fsdp row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_common import machine_line, markdown_table  # noqa: E402
+
+MODES = ("ddp", "fsdp")
+SIZES = {"full": (2048, 12), "small": (64, 4)}  # (width, blocks): 50.4M and 17k parameters
+
+
+def build_model(width: int, blocks: int) -> Any:
+    import torch.nn as nn
+    import torch
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)],
+                         nn.Linear(width, 10))
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of `tensors`: a DTensor's local shard, a plain tensor whole."""
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM) of this process."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict[str, int]:
+    """One AdamW step of the model under `mode` over the ranks of `group`; this rank's bytes of parameters,
+    gradients and optimizer state."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from multigpu import sharding
+
+    gc.collect()
+    _reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(width, blocks).to(device)
+    if mode == "fsdp":
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        sharding.shard(model, device, dist.get_world_size(group), mesh=mesh)
+        trained = model
+    else:
+        trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                                      else None, process_group=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = torch.randn(4, width, device=device)
+    nn.functional.cross_entropy(trained(inputs), torch.zeros(4, dtype=torch.long, device=device)).backward()
+    optimizer.step()
+    result = {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in model.parameters()),
+              "optimizer": local_bytes(value for state in optimizer.state.values() for value in state.values()
+                                       if torch.is_tensor(value) and value.dim() > 0),
+              "largest_block": max(sum(p.numel() * 4 for p in block.parameters()) for block in model.children()),
+              "parameters": sum(p.numel() for p in model.parameters()), "peak_rss": _peak_rss(),
+              "peak_gpu": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    del trained, model, optimizer
+    gc.collect()
+    return result
+
+
+def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, device_type: str) -> None:
+    """Rank `rank` of max(sizes) processes: for each world size N, the first N ranks measure both modes in a
+    process group of their own, while the others wait (one start of the processes for every N)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(OMP_NUM_THREADS="1")
+    device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{folder}/store",
+                            rank=rank, world_size=max(sizes))
+    results: dict[int, Any] = {}
+    try:
+        for size in sizes:
+            group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
+            if rank < size:
+                results[size] = {mode: measure(mode, width, blocks, group, device) for mode in MODES}
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu") -> dict[int, list[dict[str, Any]]]:
+    """Every rank's measurements at each world size in `sizes` (real processes, spawned once: gloo, or NCCL on
+    GPUs), by world size."""
+    import torch.multiprocessing as mp
+
+    # Every allocation above 128 KiB gets pages of its own, returned to the system when freed: otherwise glibc's
+    # heap keeps what the first mode freed, and the second mode's peak RSS would include it.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank, args=(sizes, width, blocks, folder, device_type), nprocs=max(sizes), join=True)
+        ranks = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(max(sizes))]
+    return {size: [ranks[rank][str(size)] for rank in range(size)] for size in sizes}
+
+
+def table(results: dict[int, list[dict[str, dict[str, int]]]]) -> tuple[list[str], list[list[str]]]:
+    """Rows per mode and world size: rank 0's bytes (the largest shard), their share of ddp's, the most peak RSS."""
+    header = ["mode", "processes", "params+grads+optimizer per rank (MB)", "of ddp's", "ideal 1/N",
+              "peak RSS per rank (MB)", "peak GPU memory per rank (MB)"]
+    rows = []
+    for mode in MODES:
+        for world_size, ranks in sorted(results.items()):
+            held = max(sum(rank[mode][key] for key in ("params", "grads", "optimizer")) for rank in ranks)
+            ddp = sum(ranks[0]["ddp"][key] for key in ("params", "grads", "optimizer"))
+            rows.append([mode, str(world_size), f"{held / 1e6:.1f}", f"{held / ddp:.3f}",
+                         f"{(1 if mode == 'ddp' else 1 / world_size):.3f}",
+                         f"{max(rank[mode]['peak_rss'] for rank in ranks) / 1e6:.0f}",
+                         f"{max(rank[mode]['peak_gpu'] for rank in ranks) / 1e6:.0f}" if ranks[0][mode]['peak_gpu']
+                         else "-"])
+    return header, rows
+
+
+def main(argv: Any = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--small", action="store_true", help="a tiny model (what CI runs)")
+    parser.add_argument("--processes", default="1,2,3", help="world sizes, comma-separated")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process, NCCL")
+    parser.add_argument("--json", help="also write the raw measurements here")
+    args = parser.parse_args(argv)
+    width, blocks = SIZES["small" if args.small else "full"]
+    results = run(sorted({int(part) for part in args.processes.split(",")}), width, blocks, args.device)
+    parameters = next(iter(results.values()))[0]["ddp"]["parameters"]
+    header, rows = table(results)
+    print(f"Per-rank memory, {parameters / 1e6:.1f}M parameters (fp32, AdamW), {blocks} blocks of "
+          f"Linear({width}, {width}) + GELU; {machine_line()}\n")
+    print(markdown_table(header, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(n): ranks for n, ranks in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
