@@ -7,19 +7,22 @@ its own.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from multigpu.config import TrainConfig
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.hang_report import nccl_flight_recorder_env
+from multigpu.heartbeat import BEAT
 from multigpu.preemption import restart_safe_store
 
 
@@ -132,11 +135,35 @@ def _setup_ddp(config: TrainConfig) -> Runtime:
         torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if backend == "nccl" and config.watchdog_seconds:
+        nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **restart_safe_store(timeout))
+        with collectives_checked(config.debug_collectives):
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **restart_safe_store(timeout))
     return Runtime("ddp", device, rank, local_rank, world_size, backend)
+
+
+@contextlib.contextmanager
+def collectives_checked(on: bool) -> Iterator[None]:
+    """--debug-collectives: the process group created inside is torch's checking wrapper, which compares every
+    collective's operation and shapes across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's and the user's
+    collectives too). DETAIL applies to the group only: DDP built under it crashes on the CPU (torch 2.14)."""
+    if not on:
+        yield
+        return
+    before = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()  # torch read the variable when it was imported
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = before
+        dist.set_debug_level_from_env()
 
 
 def teardown() -> None:
@@ -159,13 +186,15 @@ def is_distributed() -> bool:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks in place (a no-op in one process)."""
     if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with BEAT.recorded("all_reduce", tensor):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        with BEAT.recorded("barrier"):
+            dist.barrier()
 
 
 def gather_objects(obj: object) -> list[object]:
@@ -173,7 +202,8 @@ def gather_objects(obj: object) -> list[object]:
     if not is_distributed():
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    with BEAT.recorded("all_gather_object"):
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 
@@ -236,5 +266,6 @@ def gather_objects_to_main(obj: object) -> Optional[list[object]]:
     if not is_distributed():
         return [obj]
     gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    with BEAT.recorded("gather_object"):
+        dist.gather_object(obj, gathered, dst=0)
     return gathered

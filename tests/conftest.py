@@ -75,12 +75,13 @@ def free_port() -> int:
 
 
 def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]] = None,
-                  timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
+                  timeout: float = RUN_TIMEOUT, script: Path = REPO / "main_multi_gpu.py"
+                  ) -> list[subprocess.CompletedProcess]:
     """`main_multi_gpu.py ARGS` as torchrun runs its workers: `nproc` processes with the environment torchrun
     gives them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so each worker's own exit status and
     output can be checked, which torchrun itself folds into its own status and report."""
     port = str(free_port())
-    workers = [subprocess.Popen(cli_command(args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+    workers = [subprocess.Popen(cli_command(args, script=script), cwd=REPO, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE,
                                 env=cli_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                                              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
