@@ -49,9 +49,9 @@ class TrainConfig:
                                          "<save-dir>/hang_report.txt, saves the last completed step and stops the "
                                          "run with exit status 3 (0: off; default: 300, or a sixth of --dist-timeout "
                                          "when that is shorter; must be below --dist-timeout)", group="devices")
-    debug_collectives: bool = _opt(False, "check before each collective that all ranks call the same operation "
-                                   "with the same shapes (slower; sets TORCH_DISTRIBUTED_DEBUG=DETAIL)",
-                                   group="devices")
+    debug_collectives: bool = _opt(False, "check before each of the trainer's collectives and each DDP gradient "
+                                   "all-reduce that all ranks call the same operation with the same shapes "
+                                   "(slower: a store round trip each)", group="devices")
     # --- data ----------------------------------------------------------
     dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
                                                   "imagefolder", "fake"], group="data")

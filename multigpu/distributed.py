@@ -7,14 +7,13 @@ its own.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,31 +138,9 @@ def _setup_ddp(config: TrainConfig) -> Runtime:
         nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
-        with collectives_checked(config.debug_collectives):
-            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **restart_safe_store(timeout))
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **restart_safe_store(timeout))
     return Runtime("ddp", device, rank, local_rank, world_size, backend)
-
-
-@contextlib.contextmanager
-def collectives_checked(on: bool) -> Iterator[None]:
-    """--debug-collectives: the process group created inside is torch's checking wrapper, which compares every
-    collective's operation and shapes across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's and the user's
-    collectives too). DETAIL applies to the group only: DDP built under it crashes on the CPU (torch 2.14)."""
-    if not on:
-        yield
-        return
-    before = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    dist.set_debug_level_from_env()  # torch read the variable when it was imported
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
-        else:
-            os.environ["TORCH_DISTRIBUTED_DEBUG"] = before
-        dist.set_debug_level_from_env()
 
 
 def teardown() -> None:
@@ -249,7 +226,11 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
             f"results will depend on the device count (consider --sync-bn or a larger batch)")
     if runtime.mode == "ddp":
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if config.debug_collectives:
+            from multigpu import collective_check  # (it imports the watchdog, which imports this module's users)
+            collective_check.install(ddp, runtime.rank, runtime.world_size, config.dist_timeout)
+        return ddp
     if runtime.mode == "dp":
         say("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, other replicas' "
             "BatchNorm statistics are lost); DDP via torchrun is faster")

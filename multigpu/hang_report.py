@@ -36,10 +36,11 @@ def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
     return None
 
 
-def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float) -> dict[str, Any]:
+def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int) -> dict[str, Any]:
     """Which ranks are stuck and where, which wait in which collective, and whether the ranks desynchronised
     (different collective counts of the process group, or different collectives at the same one)."""
-    stuck, waiting, ddp = {}, {}, len(beats) > 1
+    stuck, waiting, ddp = {}, {}, world_size > 1
+    stuck.update({rank: f"{SILENT}; it never published a heartbeat" for rank in silent if rank not in beats})
     for rank, beat in sorted(beats.items()):
         waits = where_waiting(beat, ddp)
         if rank in silent:
@@ -59,7 +60,7 @@ def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float
         desync = "ranks wait in different collectives: " + "; ".join(
             f"rank {rank} in {kind}" for rank, kind in kinds.items())
     step = max((beat["step"] for beat in beats.values()), default=0)
-    return {"stuck": stuck, "waiting": waiting, "desync": desync, "timeout": timeout, "step": step}
+    return {"stuck": dict(sorted(stuck.items())), "waiting": waiting, "desync": desync, "timeout": timeout, "step": step}
 
 
 def headline(verdict: dict[str, Any]) -> str:
@@ -79,7 +80,7 @@ def summary(verdict: dict[str, Any], saved: str, path: str, exit_status: int) ->
 
 
 def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks: dict[int, str],
-          backend: Optional[str], save_dir: str) -> None:
+          backend: Optional[str], save_dir: str, world_size: int) -> None:
     """<save-dir>/hang_report.txt: the summary, each rank's heartbeat, each rank's main-thread stack."""
     parts = [f"# hang report written {time.strftime('%Y-%m-%d %H:%M:%S')} (MULTI_GPU_GUIDE.md, \"When a run hangs\")",
              *lines, "", "## heartbeats (the last each rank published)"]
@@ -89,7 +90,7 @@ def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks:
                      f"{'(inside it)' if beat['in_collective'] else '(returned)'}, "
                      f"group collectives issued {beat['group_seq']}, main thread at {beat['code']}")
     parts += ["", "## main-thread stacks (innermost call last)"]
-    for rank in sorted(beats):
+    for rank in range(world_size):
         parts += [f"--- rank {rank}", stacks.get(rank, f"(no answer: rank {rank} {SILENT})\n").rstrip()]
     if backend == "nccl":
         parts += ["", f"## NCCL flight recorder: {os.path.join(save_dir, NCCL_TRACE_PREFIX)}<rank> (analyse with "

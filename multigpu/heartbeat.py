@@ -20,7 +20,7 @@ import sys
 import threading
 import traceback
 from types import FrameType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -44,6 +44,7 @@ class Heartbeat:
         self.dtype = ""
         self.in_collective = False  # True from entering that collective until it returns
         self.hang_declared = False  # set by the watchdog's thread, which then ends the process
+        self.check: Optional[Callable[[str, tuple[int, ...], str], None]] = None  # --debug-collectives
 
     def wait_if_hang_declared(self) -> None:
         """Called by the main thread when a collective failed: if the hang watchdog is ending the run (a peer it
@@ -58,6 +59,8 @@ class Heartbeat:
         self.op = op
         self.shape = tuple(tensor.shape) if tensor is not None else ()
         self.dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "object"
+        if self.check is not None:  # all ranks agree on (op, shape, dtype) first: multigpu/collective_check.py
+            self.check(op, self.shape, self.dtype)
         self.in_collective = True
         try:
             yield

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from multigpu import hang_report
-from multigpu.errors import HANG_EXIT_STATUS
+from multigpu.errors import HANG_EXIT_STATUS, TrainingStopped
 from multigpu.heartbeat import BEAT, main_thread_stack
 
 PREFIX = "multigpu/hang/"  # in the attempt's own store (multigpu/preemption.py restart_safe_store)
@@ -75,13 +75,15 @@ class Watchdog:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        while True:  # a first heartbeat at once: a rank may hang within its first second
             try:
                 self._tick()
             except Exception as error:  # the store is gone (the run is ending) or a report failed: say it once
                 if not self._stopped.is_set():
                     print(f"rank {self.rank}: hang watchdog stopped: {type(error).__name__}: {error}",
                           file=sys.stderr, flush=True)
+                return
+            if self._stopped.wait(self.interval):
                 return
 
     def _tick(self) -> None:
@@ -93,6 +95,11 @@ class Watchdog:
             self.answered = True
         if self.store.check([PREFIX + "verdict"]):
             self._leave()
+        if self.store.check([PREFIX + "mismatch"]) and not self.store.get(PREFIX + "mismatch").startswith(
+                f"{self.rank}:".encode()):  # --debug-collectives found one: the rank that found it says it
+            BEAT.hang_declared = True
+            self.store.set(f"{PREFIX}mismatch-seen/{self.rank}", "1")
+            os._exit(TrainingStopped.exit_code)
         now = time.monotonic()
         self._read_heartbeats(now)
         if self._decides(now) and self._no_rank_moved(now):
@@ -101,6 +108,8 @@ class Watchdog:
     def _read_heartbeats(self, now: float) -> None:
         keys = [f"{PREFIX}hb/{r}" for r in range(self.world_size)]
         present = [key for key in keys if self.store.check([key])]
+        for rank in range(self.world_size):  # not published yet: its clock runs from the first look
+            self.seen.setdefault(rank, (None, now, None, now))
         for key, raw in zip(present, self.store.multi_get(present) if present else []):
             beat = json.loads(raw)
             rank = int(key.rsplit("/", 1)[1])
@@ -121,8 +130,6 @@ class Watchdog:
         return next((r for r in range(self.world_size) if self.responding(r, now)), None) == self.rank
 
     def _no_rank_moved(self, now: float) -> bool:
-        if len(self.seen) < self.world_size:  # a rank never published: still starting, or the store is slow
-            return False
         return now - max(seen[1] for seen in self.seen.values()) >= self.timeout
 
     # ------------------------------------------------------------------ the verdict
@@ -130,11 +137,11 @@ class Watchdog:
         BEAT.hang_declared = True
         silent = [r for r in range(self.world_size) if not self.responding(r, now)]
         stacks = self._collect_stacks(silent)
-        verdict = hang_report.diagnose(self.latest, silent, self.timeout)
+        verdict = hang_report.diagnose(self.latest, silent, self.timeout, self.world_size)
         saved = self.save_last_step(verdict) if self.rank == 0 else hang_report.NO_SAVE_OFF_RANK_0
         path = os.path.join(self.save_dir, hang_report.FILE_NAME)
         lines = hang_report.summary(verdict, saved, path, HANG_EXIT_STATUS)
-        hang_report.write(path, lines, self.latest, stacks, self.backend, self.save_dir)
+        hang_report.write(path, lines, self.latest, stacks, self.backend, self.save_dir, self.world_size)
         for line in lines:
             print(line, file=sys.stderr, flush=True)
         self.store.set(PREFIX + "verdict", lines[0])

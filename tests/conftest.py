@@ -98,6 +98,24 @@ def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]]
                 worker.wait()
 
 
+def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
+    """multigpu/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
+    return [PYTHON, str(REPO / "multigpu" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
+            f"--master_port={free_port()}", str(REPO / "main_multi_gpu.py"), "--multi-gpu", "ddp", *TINY,
+            *trainer_args]
+
+
+# A hang the watchdog must catch quickly (tests/test_watchdog.py): it stops the run 3 s after no rank advanced.
+HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
+HANG_RUN_LIMIT = 90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
+
+
+def run_hang_scenario(name: str, save_dir: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+    """tests/hang_scenarios.py NAME (user code misbehaving on one rank) as 2 gloo workers, on small settings."""
+    return run_cli_ranks([name, *TINY, "--batch-size", "8", *HANG, "--save-dir", str(save_dir), *extra], 2,
+                         script=REPO / "tests" / "hang_scenarios.py", timeout=HANG_RUN_LIMIT)
+
+
 def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
     """The commands of MULTI_GPU_GUIDE.md's ```bash blocks that run `script` (lines starting with torchrun or
     python), each as (torchrun's --nproc_per_node, or None without torchrun; the script's arguments)."""

@@ -3,6 +3,7 @@ one of them misbehaving; each run ends by itself within the hang timeout plus a 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,40 +11,34 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, run_cli, run_cli_ranks
+from conftest import HANG, HANG_RUN_LIMIT as LIMIT, TINY, cli_env, run_cli, run_hang_scenario as scenario, torchrun_command
 from multigpu.errors import HANG_EXIT_STATUS
-
-SCENARIOS = REPO / "tests" / "hang_scenarios.py"
-HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
-LIMIT = 90  # seconds per run: start-up, a few steps, the 3 s timeout and the report; a missed hang fails here
-
-
-def scenario(name: str, save_dir: Path, *extra: str) -> list[subprocess.CompletedProcess]:
-    return run_cli_ranks([name, *TINY, "--batch-size", "8", *HANG, "--save-dir", str(save_dir), *extra], 2,
-                         script=SCENARIOS, timeout=LIMIT)
-
+from multigpu.faults import FAULT_ENV
 
 def report(save_dir: Path) -> str:
     return (save_dir / "hang_report.txt").read_text()
 
 
 def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
-    started = time.monotonic()
-    ranks = run_cli_ranks([*TINY, *HANG, "--save-dir", str(tmp_path)], 2, env={"MULTIGPU_FAULT_INJECT": "1:3:stop"},
-                          timeout=LIMIT)
-    assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS, -9], ranks[0].stderr  # rank 0 ended rank 1
+    """Through multigpu/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
+    save_dir, log, started = tmp_path / "ckpt", tmp_path / "torchrun.log", time.monotonic()
+    result = subprocess.run(torchrun_command(log, *HANG, "--save-dir", str(save_dir)), cwd=tmp_path,
+                            env=cli_env({FAULT_ENV: "1:3:stop"}), capture_output=True, text=True, timeout=LIMIT)
+    assert result.returncode == HANG_EXIT_STATUS, result.stderr
     assert time.monotonic() - started < LIMIT
-    text = report(tmp_path)
+    assert f"torchrun: hang: see {save_dir / 'hang_report.txt'} (rank 0 stopped the run with status 3" in result.stderr
+    assert "exitcode  : -9" in log.read_text()  # rank 0's watchdog ended the stopped rank: torchrun did not wait
+    text = report(save_dir)
     assert "rank 1 does not respond (stopped, frozen or dead)" in text.splitlines()[1]
     assert "rank 0 waits in DDP's gradient all-reduce (backward)" in text
     assert "in _forward_backward" in text.split("--- rank 0")[1]  # rank 0's stack, from its own watchdog thread
     assert "(no answer: rank 1 does not respond" in text
-    assert (tmp_path / "step-000000003.pt").exists()  # rank 1 stopped after step 3: the last completed step
-    assert "hang: checkpoint of the last completed step (3) written" in ranks[0].stderr
+    assert (save_dir / "step-000000003.pt").exists()  # rank 1 stopped after step 3: the last completed step
+    assert "hang: checkpoint of the last completed step (3) written" in result.stderr
 
-    resumed = run_cli([*TINY, *HANG, "--save-dir", str(tmp_path), "--resume", "auto"])
+    resumed = run_cli([*TINY, *HANG, "--save-dir", str(save_dir), "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from " + str(tmp_path / "step-000000003.pt") in resumed.stdout
+    assert "resumed from " + str(save_dir / "step-000000003.pt") in resumed.stdout
 
 
 def test_a_data_set_stuck_on_rank_1_is_named_with_the_line_of_its_getitem(tmp_path):
@@ -77,7 +72,7 @@ def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes
 
 @pytest.mark.parametrize("run", [1, 2])
 def test_slow_is_not_stuck_a_run_under_cpu_load_with_a_short_timeout_finishes(tmp_path, run):
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         ranks = scenario("plain", tmp_path, "--hang-timeout", "2", "--epochs", "1")
     finally:
