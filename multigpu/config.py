@@ -47,7 +47,7 @@ class TrainConfig:
                                group="devices")
     hang_timeout: Optional[float] = _opt(None, "seconds no rank may go without advancing before the watchdog writes "
                                          "<save-dir>/hang_report.txt, saves the last completed step and stops the "
-                                         "run with exit status 3 (0: off; default: 300, or a sixth of --dist-timeout "
+                                         "run with exit status 3 (0: off; default: 300, or half of --dist-timeout "
                                          "when that is shorter; must be below --dist-timeout)", group="devices")
     debug_collectives: bool = _opt(False, "check before each of the trainer's collectives and each DDP gradient "
                                    "all-reduce that all ranks call the same operation with the same shapes "
@@ -166,8 +166,8 @@ class TrainConfig:
     # --- derived values: computed, never stored, so they cannot go stale ---
     @property
     def watchdog_seconds(self) -> float:
-        """--hang-timeout, or its default: 300 s, or a sixth of --dist-timeout when that is shorter (0: off)."""
-        return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 6)
+        """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
+        return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)
 
     def image_dims(self) -> tuple[int, int, int]:
         """--image-shape as (C, H, W)."""
