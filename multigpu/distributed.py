@@ -224,6 +224,7 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
             and config.batch_size < 16:
         say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
             f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
     if runtime.mode == "ddp":
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

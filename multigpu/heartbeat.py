@@ -36,6 +36,11 @@ class Heartbeat:
     """This rank's position; written by the main thread, read by the watchdog's thread."""
 
     def __init__(self) -> None:
+        self.check: Optional[Callable[[str, tuple[int, ...], str], None]] = None  # --debug-collectives
+        self.restart()
+
+    def restart(self) -> None:
+        """A fresh position (a process may train several times)."""
         self.step = 0
         self.phase = STARTING
         self.op = ""  # the last of the project's collectives entered: operation, sequence number, shape, dtype
@@ -44,7 +49,6 @@ class Heartbeat:
         self.dtype = ""
         self.in_collective = False  # True from entering that collective until it returns
         self.hang_declared = False  # set by the watchdog's thread, which then ends the process
-        self.check: Optional[Callable[[str, tuple[int, ...], str], None]] = None  # --debug-collectives
 
     def wait_if_hang_declared(self) -> None:
         """Called by the main thread when a collective failed: if the hang watchdog is ending the run (a peer it

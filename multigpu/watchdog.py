@@ -123,7 +123,7 @@ class Watchdog:
     def responding(self, rank: int, now: float) -> bool:
         """Whether `rank`'s watchdog thread published lately (its main thread may still be stuck)."""
         seen = self.seen.get(rank)
-        return seen is not None and now - seen[3] <= max(3.0, 4 * self.interval)
+        return seen is not None and now - seen[3] <= max(2.5, 3 * self.interval)  # a few missed beats
 
     def _decides(self, now: float) -> bool:
         """Rank 0 decides; when its thread no longer beats, the lowest rank whose thread does."""
@@ -169,12 +169,12 @@ class Watchdog:
             time.sleep(0.1)
 
     def _kill_local(self, silent: list[int]) -> None:
-        """SIGKILL the ranks on this host that do not answer (stopped or frozen): torchrun would wait 30 s for a
-        stopped process to take its SIGTERM."""
+        """SIGKILL the ranks that do not answer (stopped or frozen) and are this process's siblings (started by
+        the same torchrun on this host): torchrun would wait 30 s for a stopped process to take its SIGTERM."""
         host = socket.gethostname()
         for rank in silent:
             beat = self.latest.get(rank)
-            if beat and beat["host"] == host and beat["pid"] != os.getpid():
+            if beat and beat["host"] == host and _parent_of(beat["pid"]) == os.getppid():
                 try:
                     os.kill(beat["pid"], signal.SIGKILL)
                 except OSError:  # already gone
@@ -197,13 +197,22 @@ class Watchdog:
         os._exit(HANG_EXIT_STATUS)  # the main thread is stuck in C++ or a lock: no exception can reach it
 
 
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent process id of `pid` (Linux's /proc), or None when it cannot be read: then it is not killed."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then ppid
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def for_trainer(trainer: Any) -> Optional[Watchdog]:
     """The trainer's watchdog, started; None with --hang-timeout 0. Rank 0's saves the trainer's last
     completed step when it decides."""
     seconds, rt = trainer.config.watchdog_seconds, trainer.runtime
     if not seconds:
         return None
-    BEAT.__init__()  # a fresh position for this fit (a process may train several times)
+    BEAT.restart()
     BEAT.step = trainer.progress.global_step
     return Watchdog(rt.rank, rt.world_size, seconds, trainer.checkpointer.save_dir, rt.backend,
                     lambda verdict: hang_report.save_last_step(trainer, verdict)).start()
