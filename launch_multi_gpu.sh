@@ -89,7 +89,8 @@ Everything after -- goes to main_multi_gpu.py unchanged, e.g.
   bash $PROG --gpus 2 --epochs 10 -- --dataset cifar10 --amp bf16
 
 Exit status: the run's (0 done or stopped cleanly by a signal, 1 failed,
-2 bad input); 2 for a bad flag here, 130 for end of input at a question.
+2 bad input, 3 hung: see SAVE_DIR/hang_report.txt); 2 for a bad flag here,
+130 for end of input at a question.
 Environment: PYTHON (interpreter; default .venv/bin/python next to this
 script, else python3), LAUNCH_DEFAULT_PORT, LAUNCH_INPUT_TIMEOUT (seconds to
 wait for a piped answer, default $INPUT_TIMEOUT).

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, config_checks, faults, plan, rng, sharding
+from multigpu import checkpoint, config_checks, faults, heartbeat, plan, rng, sharding, watchdog
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -41,6 +41,7 @@ from multigpu.distributed import Runtime, gather_objects, is_distributed, prepar
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
+from multigpu.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
@@ -212,6 +213,7 @@ class MultiGPUTrainer:
         """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch, and return
         the final metrics. The save-dir lock, progress bar and TensorBoard writer are released however it ends."""
         rt, started = self.runtime, time.perf_counter()
+        hang_watchdog = watchdog.for_trainer(self)  # --hang-timeout (MULTI_GPU_GUIDE.md, "When a run hangs")
         try:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0)):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
@@ -234,6 +236,8 @@ class MultiGPUTrainer:
             self._report_done(summary)
             return summary
         finally:
+            if hang_watchdog is not None:
+                hang_watchdog.stop()
             try:
                 self.report.close()
             finally:  # also when the logs cannot be closed: the save-dir is given up, --overwrite's files put back
@@ -254,17 +258,21 @@ class MultiGPUTrainer:
             samples_left -= window
             progress.samples_in_epoch += window * self.runtime.world_size
             progress.global_step += 1
+            BEAT.step, BEAT.phase = progress.global_step, heartbeat.USER_CODE  # plain writes: the watchdog reads them
             for on_step_end in self._on_step_end:  # an empty list without callbacks
                 on_step_end(self)
+            BEAT.phase = heartbeat.LOGGING
             if self._at_sync_point(samples_left == 0) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
+                BEAT.phase = heartbeat.CHECKPOINT
                 self.checkpointer.save_step(self.state_dict())
                 self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
-                faults.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
+                faults.misbehave(self.runtime.rank)  # test-only: SIGKILL (a preempted worker) or SIGSTOP (a hang)
         self.report.end_epoch()
         progress.epoch, progress.samples_in_epoch, progress.evaluated = progress.epoch + 1, 0, False
+        BEAT.phase = heartbeat.USER_CODE
         if self.scheduler_interval == "epoch":
             self.scheduler.step()
         self.callbacks.call("on_epoch_end", self)
@@ -283,6 +291,7 @@ class MultiGPUTrainer:
         The sampler decides each micro-batch's samples: full ones, then what is left.
         """
         fetch, full = self.clock.fetch, self.loader_batch  # fetch: the next batch on the device, its wait timed
+        BEAT.phase = heartbeat.DATA  # and again after each backward: the next fetch
         earlier = (window_samples - 1) // full  # micro-batches before the last one, all full
         for _ in range(earlier):
             with self.no_sync():
@@ -295,6 +304,7 @@ class MultiGPUTrainer:
         """Forward and backward of one micro-batch of `samples` samples. Its mean loss is weighted by its share
         of the window, so the gradient is the mean over the window whatever its size, a short last window of an
         epoch included."""
+        BEAT.phase = heartbeat.FORWARD
         with self.amp.autocast():
             outputs, targets = self.forward(self.wrapped, batch)
             if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
@@ -302,12 +312,15 @@ class MultiGPUTrainer:
                 self._batch_checked = True
             loss = compute_loss(outputs, targets, self.loss_fn)
         share = loss if samples == window_samples else loss * (samples / window_samples)
+        BEAT.phase = heartbeat.BACKWARD  # DDP's gradient all-reduce runs in here
         self.amp.scaler.scale(share).backward()
+        BEAT.phase = heartbeat.DATA
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
 
     def _optimizer_step(self) -> None:
         """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
         scaler = self.amp.scaler
+        BEAT.phase = heartbeat.OPTIMIZER  # until the step's end: the weights may be half updated
         if self.config.clip_grad_norm > 0:
             scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
@@ -392,6 +405,7 @@ class MultiGPUTrainer:
         """Evaluate the epoch just trained, log it, save last.pt (and best.pt on a new best).
         False when a stop signal came during evaluation: the epoch's training is saved, unevaluated."""
         progress = self.progress
+        BEAT.phase = heartbeat.EVALUATION
         if self.val_dataset is not None:
             result = self.evaluator.run(self._eval_model(), self.val_dataset, self.eval_batch, stop=self.stop)
             if result is None:
@@ -400,8 +414,10 @@ class MultiGPUTrainer:
             self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step)
         progress.evaluated = True
         is_best = self._is_new_best()
+        BEAT.phase = heartbeat.USER_CODE
         self.callbacks.call("on_validation_end", self)  # before the save: the checkpoint holds what they decided
         self.report.scalars(self.logged.reduce(), progress.global_step)  # what was logged since the last sync point
+        BEAT.phase = heartbeat.CHECKPOINT
         self.save_checkpoint("last.pt", also_as="best.pt" if is_best else None)
         self.report.flush()
         return True

@@ -2,6 +2,7 @@
 
     python benchmarks/step_overhead.py [--rounds 15] [--steps 2000] [--output benchmarks/results/step_overhead.md]
     python benchmarks/step_overhead.py --instructions   # instructions per step under valgrind: load-proof
+    python benchmarks/step_overhead.py --instructions --hang-timeout 0   # the same without the hang watchdog
 
 A tiny MLP with batch 16 in one process on one thread: each step computes
 little, so whatever the trainer does per step in Python shows. The plain loop
@@ -58,7 +59,7 @@ def make_model() -> torch.nn.Module:
 
 def config(args: argparse.Namespace, save_dir: str) -> TrainConfig:
     return TrainConfig(multi_gpu="none", epochs=1, batch_size=args.batch, lr=1e-3, log_every=args.log_every,
-                       num_workers=0, progress=False, save_dir=save_dir)
+                       num_workers=0, progress=False, save_dir=save_dir, hang_timeout=args.hang_timeout)
 
 
 def run_trainer(args: argparse.Namespace, data: torch.utils.data.Dataset) -> None:
@@ -147,7 +148,8 @@ def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
                 out = os.path.join(folder, "callgrind.out")
                 subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
                                 str(Path(__file__).resolve()), "--one-run", name, "--steps", str(steps),
-                                "--batch", str(args.batch), "--log-every", str(args.log_every)],
+                                "--batch", str(args.batch), "--log-every", str(args.log_every),
+                                *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else [])],
                                check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
                 totals.append(int(re.search(r"^summary: (\d+)", Path(out).read_text(), re.M).group(1)))
         per_step[name] = (totals[1] - totals[0]) / (args.steps - args.steps // 10)
@@ -168,6 +170,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                               output_help="default: benchmarks/results/step_overhead[_instructions].md")
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions per step with valgrind instead of timing (minutes; load-proof)")
+    parser.add_argument("--hang-timeout", type=float, default=None,
+                        help="the trainer's --hang-timeout (default: its own, the watchdog on; 0: off)")
     parser.add_argument("--one-run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_run:
@@ -175,7 +179,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         RUNS[args.one_run](args, make_data(args.steps * args.batch))
         return 0
     table, notes = counted(args) if args.instructions else timed(args)
-    setting = (f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread, --log-every {args.log_every}; "
+    watchdog = "hang watchdog off" if args.hang_timeout == 0 else "hang watchdog on"
+    setting = (f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread, --log-every {args.log_every}, "
+               f"{watchdog}; "
                f"per-step cost = (run of {args.steps} steps - run of {args.steps // 10}) / "
                f"{args.steps - args.steps // 10}")
     output = Path(args.output or REPO / "benchmarks" / "results" /

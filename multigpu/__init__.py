@@ -24,7 +24,11 @@
 - rng:          seeding, and RNG state as plain types for checkpoints
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts
-- faults:       the test-only fault injector
+- faults:       the test-only fault injector (SIGKILL or SIGSTOP a rank)
+- heartbeat:    where each rank is (step, phase, last collective): plain attribute writes on the hot path
+- watchdog:     --hang-timeout: publishes heartbeats to the store; when no rank advances, report, save, exit 3
+- hang_report:  the watchdog's diagnosis, hang_report.txt, the save of the last completed step, NCCL's recorder
+- collective_check: --debug-collectives: ranks agree on each collective's op and shapes through the store
 - savedir:      one run owns a save-dir; numbered run folders; --overwrite's set-aside copies
 - run_settings: the settings a checkpoint was trained with, read torch-free; how a command differs from them
 - safe_files:   every file the project writes, never through a planted symbolic link (O_NOFOLLOW, or rename)

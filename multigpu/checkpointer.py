@@ -268,13 +268,16 @@ class Checkpointer:
                                   f"{epochs + 1} or more to train on")
 
     # ------------------------------------------------------------------ what a checkpoint holds
-    def state_of(self, trainer: "MultiGPUTrainer") -> dict[str, Any]:
+    def state_of(self, trainer: "MultiGPUTrainer", gather: bool = True) -> dict[str, Any]:
         """Everything a resume needs, in plain types so it loads with weights_only=True.
 
         The ranks' RNG states are gathered, so every rank must call it. Saves happen
         between optimizer steps only, so no gradient accumulation is ever in flight.
+        `gather=False` (the hang watchdog's save, where a collective would hang): no
+        collective, this rank's RNG state stands in for every rank's.
         """
-        rng_states = gather_objects(rng.rng_state(self.runtime.device))
+        mine = rng.rng_state(self.runtime.device)
+        rng_states = gather_objects(mine) if gather else [mine] * self.runtime.world_size
         model = getattr(trainer.model, "_orig_mod", trainer.model)  # torch.compile'd modules save plain keys
         progress = trainer.progress
         if sharding.is_sharded(model):  # gathered whole to rank 0's CPU: the one-file checkpoint of any world size

@@ -54,6 +54,13 @@ class TrainConfig:
                                   group="devices")
     dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails",
                                group="devices")
+    hang_timeout: Optional[float] = _opt(None, "seconds no rank may go without advancing before the watchdog writes "
+                                         "<save-dir>/hang_report.txt, saves the last completed step and stops the "
+                                         "run with exit status 3 (0: off; default: 300, or half of --dist-timeout "
+                                         "when that is shorter; must be below --dist-timeout)", group="devices")
+    debug_collectives: bool = _opt(False, "check before each of the trainer's collectives and each DDP gradient "
+                                   "all-reduce that all ranks call the same operation with the same shapes "
+                                   "(slower: a store round trip each)", group="devices")
     # --- data ----------------------------------------------------------
     dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
                                                   "imagefolder", "fake", "text"], group="data")
@@ -160,6 +167,10 @@ class TrainConfig:
         if self.ema_decay == 1:
             raise UsageError("--ema-decay 1 would keep the starting weights forever: give a value below 1, e.g. "
                              "0.999 (or 0 for no average)")
+        if self.hang_timeout and self.hang_timeout >= self.dist_timeout:
+            raise UsageError(f"--hang-timeout {_number(self.hang_timeout)} must be below --dist-timeout "
+                             f"{_number(self.dist_timeout)} (the watchdog must act before the collectives fail): "
+                             f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
                      "monitor_mode"]:
@@ -183,6 +194,11 @@ class TrainConfig:
                              f"reads them")
 
     # --- derived values: computed, never stored, so they cannot go stale ---
+    @property
+    def watchdog_seconds(self) -> float:
+        """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
+        return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)
+
     def image_dims(self) -> tuple[int, int, int]:
         """--image-shape as (C, H, W)."""
         try:
@@ -266,7 +282,8 @@ RANGES = {
                                    "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size",
                                    "block_size", "n_layer", "n_head", "n_embd")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "clip_grad_norm", "early_stop_patience", "early_stop_min_delta")},
+                                   "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
+                                   "hang_timeout")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),
     "ema_decay": Range(0, 1),

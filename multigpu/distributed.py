@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from multigpu import sharding
-from multigpu.config import TrainConfig
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.hang_report import nccl_flight_recorder_env
+from multigpu.heartbeat import BEAT
 from multigpu.preemption import restart_safe_store
 
 
@@ -147,6 +149,8 @@ def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
         torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if backend == "nccl" and config.watchdog_seconds:
+        nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
@@ -187,13 +191,15 @@ def is_distributed() -> bool:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks in place (a no-op in one process)."""
     if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with BEAT.recorded("all_reduce", tensor):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        with BEAT.recorded("barrier"):
+            dist.barrier()
 
 
 def gather_objects(obj: object) -> list[object]:
@@ -201,7 +207,8 @@ def gather_objects(obj: object) -> list[object]:
     if not is_distributed():
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    with BEAT.recorded("all_gather_object"):
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 
@@ -246,6 +253,7 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
             and config.batch_size < 16:
         say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
             f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
     if runtime.mode == "fsdp":
         model, blocks = sharding.shard(model, runtime.device, runtime.world_size, blocks=config.fsdp_blocks,
                                        reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype)
@@ -254,7 +262,11 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
         return model
     if runtime.mode == "ddp":
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if config.debug_collectives:
+            from multigpu import collective_check  # (it imports the watchdog, which imports this module's users)
+            collective_check.install(ddp, runtime.rank, runtime.world_size, config.dist_timeout)
+        return ddp
     if runtime.mode == "dp":
         say("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, other replicas' "
             "BatchNorm statistics are lost); DDP via torchrun is faster")
@@ -271,5 +283,6 @@ def gather_objects_to_main(obj: object) -> Optional[list[object]]:
     if not is_distributed():
         return [obj]
     gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    with BEAT.recorded("gather_object"):
+        dist.gather_object(obj, gathered, dst=0)
     return gathered

@@ -1,4 +1,5 @@
-"""The test-only fault injector: MULTIGPU_FAULT_INJECT='rank:step[:save]' makes a rank die by SIGKILL.
+"""The test-only fault injector: MULTIGPU_FAULT_INJECT='rank:step[:save|:stop]' makes a rank die by SIGKILL
+(or, with :stop, freeze by SIGSTOP: alive but silent, as a hung rank is).
 
 It proves crash-safe resume for real (MULTI_GPU_GUIDE.md, "Checkpoints and
 resume"): a rank killed after a step, or inside a save between writing and
@@ -28,19 +29,20 @@ def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
     except (ValueError, IndexError):
         parts = []
     where = parts[2] if len(parts) == 3 else "step"
-    if len(parts) not in (2, 3) or where not in ("step", "save"):
-        raise UsageError(f"{FAULT_ENV} must be RANK:STEP or RANK:STEP:save, got {spec!r}")
+    if len(parts) not in (2, 3) or where not in ("step", "save", "stop"):
+        raise UsageError(f"{FAULT_ENV} must be RANK:STEP, RANK:STEP:save or RANK:STEP:stop, got {spec!r}")
     return (step, where) if fault_rank == rank else None
 
 
 def fault_step(rank: int) -> Optional[int]:
-    """Test-only: the step after which this rank SIGKILLs itself, from MULTIGPU_FAULT_INJECT='rank:step'.
+    """Test-only: the step after which this rank SIGKILLs itself, from MULTIGPU_FAULT_INJECT='rank:step'
+    (or SIGSTOPs itself, from 'rank:step:stop': see `misbehave`).
 
     Only on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restarted
     group runs through and the test can check that it resumed correctly.
     """
     fault = _fault_spec(rank)
-    return fault[0] if fault and fault[1] == "step" else None
+    return fault[0] if fault and fault[1] in ("step", "stop") else None
 
 
 def save_fault_step(rank: int) -> Optional[int]:
@@ -53,3 +55,9 @@ def save_fault_step(rank: int) -> Optional[int]:
 def kill_self() -> None:
     """Die by SIGKILL, as a preempted or OOM-killed process does: no handler, no clean-up."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def misbehave(rank: int) -> None:
+    """At the fault step: SIGKILL this rank, or SIGSTOP it for 'rank:step:stop' (a hang the watchdog must name)."""
+    fault = _fault_spec(rank)
+    os.kill(os.getpid(), signal.SIGSTOP if fault and fault[1] == "stop" else signal.SIGKILL)

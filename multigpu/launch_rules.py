@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 from multigpu import savedir
 from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
-from multigpu.errors import UsageError
+from multigpu.errors import HANG_EXIT_STATUS, UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -653,6 +653,7 @@ requeue=0
 # (scancel, not kill: srun takes a SIGTERM as "end the step now")
 trap 'requeue=1; scancel --signal=TERM "$SLURM_JOB_ID"' USR1
 trap ':' TERM
+job_started=$(date +%s)
 srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\
     bash -c run_node &
 srun_pid=$!
@@ -661,6 +662,12 @@ while true; do
     status=$?
     kill -0 "$srun_pid" 2>/dev/null || break  # a trap interrupted the wait: wait again
 done
+# --- a hang: the watchdog wrote its report (and a checkpoint when it could); a requeue would hang again unseen
+report=$SAVE_DIR/hang_report.txt
+if ((status != 0)) && [[ -f $report ]] && (($(stat -c %Y "$report") >= job_started)); then
+    echo "launch_slurm.sbatch: hang: see $report; not requeueing (fix the cause, then submit again: it resumes)" >&2
+    exit {HANG_EXIT_STATUS}
+fi
 if ((requeue && status == 0)); then
     echo "launch_slurm.sbatch: stopped before the time limit with a checkpoint; requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import torch.distributed as dist
 
 from multigpu.errors import TrainingStopped
+from multigpu.heartbeat import BEAT
 
 
 class StopRequest:
@@ -158,6 +159,7 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
     except RuntimeError as error:
         if world_size == 1 or not is_peer_failure(error):
             raise
+        BEAT.hang_declared and BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
         line = lost_contact_line(rank, world_size, error, wait_seconds)
         if line is None:  # every rank is alive: not a lost peer
             raise

@@ -15,8 +15,10 @@ forwarding and grace period), with two differences:
 - the exit status is the workers': 0 when all of them exited 0 (a finished run,
   or a clean stop on a signal with its "continue with --resume auto" line), else
   the first failed worker's status (2 bad input, 1 a failed run; 128+N for a
-  worker killed by signal N). A worker's own line says what went wrong; for
-  anything but bad input one more line names the rank and FILE.
+  worker killed by signal N), but 3 whenever a worker's hang watchdog stopped the
+  run (the ranks it ended die after it). A worker's own line says what went wrong;
+  for anything but bad input one more line names the rank and FILE, and for a
+  hang the report: "hang: see SAVE_DIR/hang_report.txt".
 
 The launcher (launch_multi_gpu.sh) and its SLURM script run DDP through this.
 """
@@ -35,7 +37,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable, 
 
 from multigpu import safe_files  # noqa: E402  (after the path fix)
 from multigpu.console import best_effort  # noqa: E402
-from multigpu.errors import UsageError  # noqa: E402
+from multigpu.errors import HANG_EXIT_STATUS, UsageError  # noqa: E402
 
 PROG = "torchrun"
 
@@ -54,7 +56,8 @@ def verdict(failures: dict[int, Any], ranks: str = "rank") -> tuple[int, str]:
     """
     if not failures:
         return 0, ""
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)  # ties: the first observed
+    hang = [item for item in failures.items() if item[1].exitcode == HANG_EXIT_STATUS]  # it ended the others
+    rank, failure = min(hang or failures.items(), key=lambda item: item[1].timestamp)  # ties: the first observed
     return worker_status(failure.exitcode), f"{ranks} {rank}"
 
 
@@ -159,9 +162,23 @@ def run(argv: Sequence[str]) -> int:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         _say(terminal, f"{PROG} failed: {detail[:300]} (its report: {log_path})")
         return 1
-    if status not in (0, UsageError.exit_code):  # bad input: the worker's one line says it all
+    if status == HANG_EXIT_STATUS:
+        report = os.path.join(_save_dir(torchrun_argv), "hang_report.txt")
+        _say(terminal, f"{PROG}: hang: see {report} ({who} stopped the run with status {status}; torchrun's "
+                       f"report: {log_path})")
+    elif status not in (0, UsageError.exit_code):  # bad input: the worker's one line says it all
         _say(terminal, f"{PROG}: {who} exited with status {status} (torchrun's report: {log_path})")
     return status
+
+
+def _save_dir(torchrun_argv: Sequence[str]) -> str:
+    """The trainer's --save-dir in the command line (the launcher always gives one), else a description."""
+    for index, word in enumerate(torchrun_argv[:-1]):
+        if word == "--save-dir":
+            return torchrun_argv[index + 1]
+        if word.startswith("--save-dir="):
+            return word.split("=", 1)[1]
+    return "the save-dir"
 
 
 def main() -> None:

@@ -75,12 +75,13 @@ def free_port() -> int:
 
 
 def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]] = None,
-                  timeout: float = RUN_TIMEOUT) -> list[subprocess.CompletedProcess]:
+                  timeout: float = RUN_TIMEOUT, script: Path = REPO / "main_multi_gpu.py"
+                  ) -> list[subprocess.CompletedProcess]:
     """`main_multi_gpu.py ARGS` as torchrun runs its workers: `nproc` processes with the environment torchrun
     gives them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so each worker's own exit status and
     output can be checked, which torchrun itself folds into its own status and report."""
     port = str(free_port())
-    workers = [subprocess.Popen(cli_command(args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+    workers = [subprocess.Popen(cli_command(args, script=script), cwd=REPO, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE,
                                 env=cli_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                                              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
@@ -95,6 +96,24 @@ def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]]
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
+
+
+def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
+    """multigpu/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
+    return [PYTHON, str(REPO / "multigpu" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
+            f"--master_port={free_port()}", str(REPO / "main_multi_gpu.py"), "--multi-gpu", "ddp", *TINY,
+            *trainer_args]
+
+
+# A hang the watchdog must catch quickly (tests/test_watchdog.py): it stops the run 3 s after no rank advanced.
+HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
+HANG_RUN_LIMIT = 90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
+
+
+def run_hang_scenario(name: str, save_dir: Path, *extra: str) -> list[subprocess.CompletedProcess]:
+    """tests/hang_scenarios.py NAME (user code misbehaving on one rank) as 2 gloo workers, on small settings."""
+    return run_cli_ranks([name, *TINY, "--batch-size", "8", *HANG, "--save-dir", str(save_dir), *extra], 2,
+                         script=REPO / "tests" / "hang_scenarios.py", timeout=HANG_RUN_LIMIT)
 
 
 def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:

@@ -78,3 +78,11 @@ def test_every_numeric_field_has_a_range():
 def test_ints_are_accepted_for_float_fields_and_stored_as_floats():
     config = TrainConfig(lr=1, dist_timeout=60)
     assert (config.lr, type(config.lr), type(config.dist_timeout)) == (1.0, float, float)
+
+
+def test_the_hang_timeout_defaults_below_the_dist_timeout_and_0_turns_the_watchdog_off():
+    assert TrainConfig().watchdog_seconds == 300  # --dist-timeout 1800
+    assert TrainConfig(dist_timeout=60).watchdog_seconds == 30
+    assert TrainConfig(hang_timeout=0).watchdog_seconds == 0
+    with pytest.raises(UsageError, match="--hang-timeout 60 must be below --dist-timeout 60"):
+        TrainConfig(dist_timeout=60, hang_timeout=60)

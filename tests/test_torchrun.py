@@ -6,23 +6,15 @@ through it are in tests/test_launch_multi_gpu.py.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from multigpu.errors import HANG_EXIT_STATUS
 from multigpu.faults import FAULT_ENV
 from multigpu.torchrun import verdict, worker_status
-from conftest import PYTHON, REPO, RUN_TIMEOUT, TINY, cli_env
-
-
-def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return [PYTHON, str(REPO / "multigpu" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
-            f"--master_port={port}", str(REPO / "main_multi_gpu.py"), "--multi-gpu", "ddp", *TINY, *trainer_args]
+from conftest import PYTHON, REPO, RUN_TIMEOUT, cli_env, torchrun_command
 
 
 def failure(exitcode: int, timestamp: int) -> ProcessFailure:
@@ -38,6 +30,8 @@ def test_the_verdict_is_the_first_observed_failure_and_a_kill_reads_as_a_shell_s
     assert verdict({0: failure(-15, 101), 1: failure(2, 100)}) == (2, "rank 1")
     assert verdict({3: failure(-9, 7)}, ranks="local rank") == (137, "local rank 3")
     assert worker_status(-2) == 130 and worker_status(2) == 2
+    # A hang: the watchdog's rank stopped the run and ended the stuck rank, whose kill may be observed first.
+    assert verdict({1: failure(-9, 100), 0: failure(HANG_EXIT_STATUS, 100)}) == (HANG_EXIT_STATUS, "rank 0")
 
 
 def test_a_killed_worker_is_named_with_its_status_and_torchruns_report_stays_in_the_log(tmp_path: Path) -> None:

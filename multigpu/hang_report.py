@@ -1,0 +1,143 @@
+"""What the hang watchdog says and saves: the diagnosis of every rank's heartbeat, the summary lines,
+<save-dir>/hang_report.txt, the checkpoint of the last completed step, and NCCL's flight recorder.
+
+multigpu/watchdog.py decides when; this module decides what (MULTI_GPU_GUIDE.md, "When a run hangs").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from multigpu import checkpoint
+from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
+
+if TYPE_CHECKING:
+    from train_multi_gpu import MultiGPUTrainer
+
+FILE_NAME = "hang_report.txt"
+NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + rank: where NCCL's flight recorder dumps, in the save-dir
+NO_SAVE_OFF_RANK_0 = "no checkpoint written: rank 0, which writes checkpoints, does not respond"
+SILENT = "does not respond (stopped, frozen or dead)"
+
+
+def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
+    """The collective this rank's main thread waits in, in words, or None when it is not in one (`ddp`: backward
+    runs DDP's gradient all-reduce)."""
+    shape = "x".join(map(str, beat["shape"])) or "-"
+    if beat["in_collective"]:
+        return f"{beat['op']} #{beat['seq']} of the trainer (shape {shape}, {beat['dtype']})"
+    if "distributed_c10d.py" in beat["where"]:  # torch.distributed called outside the trainer's helpers
+        return (f"torch.distributed.{beat['where'].rsplit(' in ', 1)[-1]} called in {beat['phase']} at {beat['code']} "
+                f"(not one of the trainer's)")
+    if beat["phase"] == BACKWARD and ddp:
+        return "DDP's gradient all-reduce (backward)"
+    return None
+
+
+def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int) -> dict[str, Any]:
+    """Which ranks are stuck and where, which wait in which collective, and whether the ranks desynchronised
+    (different collective counts of the process group, or different collectives at the same one)."""
+    stuck, waiting, ddp = {}, {}, world_size > 1
+    stuck.update({rank: f"{SILENT}; it never published a heartbeat" for rank in silent if rank not in beats})
+    for rank, beat in sorted(beats.items()):
+        waits = where_waiting(beat, ddp)
+        if rank in silent:
+            stuck[rank] = f"{SILENT}; last heard at step {beat['step']} in {beat['phase']}"
+        elif waits is None:
+            stuck[rank] = f"stuck in {beat['phase']} at step {beat['step']}, at {beat['code']}"
+        else:
+            waiting[rank] = f"waits in {waits} at step {beat['step']}, collective #{beat['group_seq']} of the group"
+    live_waiting = {rank: beats[rank] for rank in waiting}
+    desync = None
+    counts = {rank: beat["group_seq"] for rank, beat in live_waiting.items()}
+    kinds = {rank: where_waiting(beat, ddp) for rank, beat in live_waiting.items()}
+    if len(set(counts.values())) > 1:
+        desync = "ranks wait at different collectives of the group: " + ", ".join(
+            f"rank {rank} at #{count}" for rank, count in counts.items())
+    elif len(set(kinds.values())) > 1:
+        desync = "ranks wait in different collectives: " + "; ".join(
+            f"rank {rank} in {kind}" for rank, kind in kinds.items())
+    step = max((beat["step"] for beat in beats.values()), default=0)
+    return {"stuck": dict(sorted(stuck.items())), "waiting": waiting, "desync": desync, "timeout": timeout, "step": step}
+
+
+def headline(verdict: dict[str, Any]) -> str:
+    """The first line: no rank advanced, and the cause in a few words."""
+    cause = (f"desync: {verdict['desync']}" if verdict["desync"]
+             else "; ".join(f"rank {rank} {why.split(';')[0].split(', at ')[0]}" for rank, why in verdict["stuck"].items())
+             or "every rank waits in a collective that does not complete (network or backend)")
+    return f"hang: no rank advanced for {verdict['timeout']:g} s (--hang-timeout), near step {verdict['step']}: {cause}"
+
+
+def summary(verdict: dict[str, Any], saved: str, path: str, exit_status: int) -> list[str]:
+    """The few lines printed on the deciding rank and put at the top of the report."""
+    return [headline(verdict),
+            *(f"hang: rank {rank} {why}" for rank, why in {**verdict["stuck"], **verdict["waiting"]}.items()),
+            f"hang: {saved}",
+            f"hang: every rank's stack in {path}; stopping with exit status {exit_status}"]
+
+
+def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks: dict[int, str],
+          backend: Optional[str], save_dir: str, world_size: int) -> None:
+    """<save-dir>/hang_report.txt: the summary, each rank's heartbeat, each rank's main-thread stack."""
+    parts = [f"# hang report written {time.strftime('%Y-%m-%d %H:%M:%S')} (MULTI_GPU_GUIDE.md, \"When a run hangs\")",
+             *lines, "", "## heartbeats (the last each rank published)"]
+    for rank, beat in sorted(beats.items()):
+        parts.append(f"rank {rank} (host {beat['host']}, pid {beat['pid']}): step {beat['step']}, phase {beat['phase']}, "
+                     f"last trainer collective {beat['op'] or '-'} #{beat['seq']} "
+                     f"{'(inside it)' if beat['in_collective'] else '(returned)'}, "
+                     f"group collectives issued {beat['group_seq']}, main thread at {beat['code']}")
+    parts += ["", "## main-thread stacks (innermost call last)"]
+    for rank in range(world_size):
+        parts += [f"--- rank {rank}", stacks.get(rank, f"(no answer: rank {rank} {SILENT})\n").rstrip()]
+    if backend == "nccl":
+        parts += ["", f"## NCCL flight recorder: {os.path.join(save_dir, NCCL_TRACE_PREFIX)}<rank> (analyse with "
+                      f"python -m torch.distributed.flight_recorder.fr_trace {save_dir} -p {NCCL_TRACE_PREFIX})"]
+    with open(path, "w") as report:
+        report.write("\n".join(parts) + "\n")
+
+
+def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
+    """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective;
+    the line that says where it is, or why none was written."""
+    newest = trainer.checkpointer.newest()
+    if trainer.config.multi_gpu == "fsdp":
+        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+    if 0 in verdict["stuck"]:
+        return f"no checkpoint written: rank 0 itself is stuck; the newest checkpoint is {newest}"
+    if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated
+        return f"no checkpoint written: rank 0 was inside an optimizer step; the newest checkpoint is {newest}"
+    step = trainer.progress.global_step
+    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
+    try:
+        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer, gather=False), path)
+    except Exception as error:  # a failed save must not keep the report from being written
+        return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
+    return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "
+            f"the same command plus --resume auto")
+
+
+def nccl_flight_recorder_env(save_dir: str) -> None:
+    """Turn NCCL's flight recorder on (unless the user set it), dumping into the save-dir on a timeout.
+    Read when the NCCL process group is created, so call this before init_process_group."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    prefix = os.path.join(os.path.abspath(save_dir), NCCL_TRACE_PREFIX)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)  # its name before torch 2.9
+
+
+def dump_nccl_trace(backend: Optional[str], save_dir: str, rank: int) -> None:
+    """On NCCL, write this rank's flight-recorder buffer into the save-dir now: the watchdog acts before
+    NCCL's own timeout would dump it."""
+    if backend != "nccl":
+        return
+    try:
+        import torch
+        trace = torch._C._distributed_c10d._dump_nccl_trace()
+        with open(os.path.join(save_dir, f"{NCCL_TRACE_PREFIX}{rank}"), "wb") as dump:
+            dump.write(trace)
+    except Exception:  # a torch without it: NCCL's own dump on timeout still comes
+        pass

@@ -1,0 +1,83 @@
+"""The hang watchdog (--hang-timeout) on real hangs: 2 gloo processes started as torchrun starts its workers,
+one of them misbehaving; each run ends by itself within the hang timeout plus a few seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import HANG, HANG_RUN_LIMIT as LIMIT, TINY, cli_env, run_cli, run_hang_scenario as scenario, torchrun_command
+from multigpu.errors import HANG_EXIT_STATUS
+from multigpu.faults import FAULT_ENV
+
+def report(save_dir: Path) -> str:
+    return (save_dir / "hang_report.txt").read_text()
+
+
+def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
+    """Through multigpu/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
+    save_dir, log, started = tmp_path / "ckpt", tmp_path / "torchrun.log", time.monotonic()
+    result = subprocess.run(torchrun_command(log, *HANG, "--save-dir", str(save_dir)), cwd=tmp_path,
+                            env=cli_env({FAULT_ENV: "1:3:stop"}), capture_output=True, text=True, timeout=LIMIT)
+    assert result.returncode == HANG_EXIT_STATUS, result.stderr
+    assert time.monotonic() - started < LIMIT
+    assert f"torchrun: hang: see {save_dir / 'hang_report.txt'} (rank 0 stopped the run with status 3" in result.stderr
+    assert "exitcode  : -9" in log.read_text()  # rank 0's watchdog ended the stopped rank: torchrun did not wait
+    text = report(save_dir)
+    assert "rank 1 does not respond (stopped, frozen or dead)" in text.splitlines()[1]
+    assert "rank 0 waits in DDP's gradient all-reduce (backward)" in text
+    assert "in _forward_backward" in text.split("--- rank 0")[1]  # rank 0's stack, from its own watchdog thread
+    assert "(no answer: rank 1 does not respond" in text
+    assert (save_dir / "step-000000003.pt").exists()  # rank 1 stopped after step 3: the last completed step
+    assert "hang: checkpoint of the last completed step (3) written" in result.stderr
+
+    resumed = run_cli([*TINY, *HANG, "--save-dir", str(save_dir), "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from " + str(save_dir / "step-000000003.pt") in resumed.stdout
+
+
+def test_a_data_set_stuck_on_rank_1_is_named_with_the_line_of_its_getitem(tmp_path):
+    ranks = scenario("getitem", tmp_path)
+    assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
+    text = report(tmp_path)
+    assert "rank 1 stuck in data loading" in text.splitlines()[1]
+    assert "hang_scenarios.py:" in text.splitlines()[2] and "in __getitem__" in text.splitlines()[2]
+    assert "threading.Event().wait()  # a read that never returns" in text.split("--- rank 1")[1]
+    assert list(tmp_path.glob("step-*.pt"))
+
+
+def test_a_collective_on_rank_0_only_is_named_a_desync(tmp_path):
+    ranks = scenario("extra-barrier", tmp_path)
+    assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
+    headline = report(tmp_path).splitlines()[1]
+    assert "desync: ranks wait in different collectives: rank 0 in torch.distributed.barrier" in headline
+    assert "rank 1 in DDP's gradient all-reduce (backward)" in headline
+
+
+def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes_the_report(tmp_path):
+    ranks = scenario("callback", tmp_path)
+    assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
+    text = report(tmp_path)
+    assert "rank 0 stuck in user code (callbacks) at step 3, at " in text
+    assert "self.lock.acquire()  # never released" in text.split("--- rank 0")[1]
+    assert "rank 1 waits in all_reduce" in text
+    assert "no checkpoint written: rank 0 itself is stuck" in text
+    assert not list(tmp_path.glob("step-*.pt"))
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_slow_is_not_stuck_a_run_under_cpu_load_with_a_short_timeout_finishes(tmp_path, run):
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        ranks = scenario("plain", tmp_path, "--hang-timeout", "2", "--epochs", "1")
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr
+    assert not (tmp_path / "hang_report.txt").exists()
