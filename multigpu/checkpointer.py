@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from multigpu import checkpoint, faults, preemption, rng, run_settings, savedir
+from multigpu import checkpoint, faults, preemption, run_settings, savedir
 from multigpu.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.optim import move_schedule_to
 from multigpu.reporting import Reporter
 
-if TYPE_CHECKING:
-    from train_multi_gpu import MultiGPUTrainer
-
+# The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
+PROGRESS = "progress"
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
 MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "train_size", "optimizer_class",
                         "scheduler_class")
@@ -268,78 +266,27 @@ class Checkpointer:
                                   f"{epochs + 1} or more to train on")
 
     # ------------------------------------------------------------------ what a checkpoint holds
-    def state_of(self, trainer: "MultiGPUTrainer") -> dict[str, Any]:
-        """Everything a resume needs, in plain types so it loads with weights_only=True.
+    def state_of(self, stateful: dict[str, Any]) -> dict[str, Any]:
+        """The one-file checkpoint of `stateful` ({name: thing with state_dict()}), in plain types so it loads
+        with weights_only=True: each thing's state under its name, PROGRESS's keys at the top (the format's
+        keys since version 1). Every rank must call it (the RNG states are gathered; rank 0 gets the whole
+        model). Saves happen between optimizer steps only, so no gradient accumulation is ever in flight."""
+        state = {name: thing.state_dict() for name, thing in stateful.items()}
+        return {"format_version": checkpoint.FORMAT_VERSION,
+                "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
+                **state.pop(PROGRESS, {}), **state, "world_size": self.runtime.world_size,
+                "config": self.config.to_dict()}
 
-        The ranks' RNG states are gathered, so every rank must call it. Saves happen
-        between optimizer steps only, so no gradient accumulation is ever in flight.
-        """
-        rng_states = gather_objects(rng.rng_state(self.runtime.device))
-        model = getattr(trainer.model, "_orig_mod", trainer.model)  # torch.compile'd modules save plain keys
-        progress = trainer.progress
-        return {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-            "model": model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "optimizer_class": type(trainer.optimizer).__name__,
-            "scheduler": trainer.scheduler.state_dict(),
-            "scheduler_class": type(trainer.scheduler).__name__,
-            "scheduler_interval": trainer.scheduler_interval,
-            "scaler": trainer.scaler.state_dict(),
-            **dataclasses.asdict(progress),  # epoch, global_step, samples_in_epoch, best_value, evaluated
-            "steps_per_epoch": trainer.steps_per_epoch,
-            "sampler_seed": trainer.sampler.seed,
-            "train_size": trainer.sampler.dataset_size,
-            "monitor": trainer.monitor.name,
-            "metrics": dict(trainer.metrics),
-            "world_size": self.runtime.world_size,
-            "rng": rng_states,
-            "callbacks": trainer.callbacks.state_dict(),  # e.g. early stopping's counter (multigpu/callbacks.py)
-            "config": self.config.to_dict(),
-        }
-
-    def load_into(self, trainer: "MultiGPUTrainer", state: dict[str, Any], path: str) -> None:
-        """Load a checkpoint into the trainer's live model, optimizer, scheduler, scaler, progress and RNG."""
-        try:
-            trainer.model.load_state_dict(state["model"])
-            trainer.optimizer.load_state_dict(state["optimizer"])
-            trainer.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, KeyError) as error:
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-            raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                                  f"{lines[min(1, len(lines) - 1)][:300]}") from None
-        if trainer.scaler.is_enabled() and not state["scaler"]:
-            self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
-        else:
-            trainer.scaler.load_state_dict(state["scaler"])
-        same_monitor = state["monitor"] is None or trainer.monitor.name in (None, state["monitor"])
-        trainer.monitor.name = trainer.monitor.name or state["monitor"]
-        trainer.progress = type(trainer.progress)(state["epoch"], state["global_step"], state["samples_in_epoch"],
-                                                  state["best_value"] if same_monitor else None,
-                                                  state.get("evaluated", True))
-        trainer.metrics = dict(state.get("metrics", {}))
-        trainer.callbacks.load_state_dict(state.get("callbacks", {}))
-        trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
-        if state["world_size"] == self.runtime.world_size:
-            rng.set_rng_state(state["rng"][self.runtime.rank], self.runtime.device)
-        else:
-            self._continue_on_another_world_size(trainer, state["world_size"])
-
-    def _continue_on_another_world_size(self, trainer: "MultiGPUTrainer", saved_world_size: int) -> None:
-        """The data position is kept in global samples; the built-in schedule moves to the same point of
-        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
-        if trainer.builtin_schedule:
-            step = trainer.progress.epoch * trainer.steps_per_epoch + trainer.steps_done_in_epoch()
-            move_schedule_to(trainer.scheduler, step, trainer.lr)
-            schedule = "the LR schedule continues at the same point in samples"
-        elif trainer.scheduler_interval == "step":
-            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
-        else:
-            schedule = "your per-epoch scheduler continues"
-        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
-                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
-                         f"but results are not bit-identical to an uninterrupted run")
+    def load_into(self, stateful: dict[str, Any], state: dict[str, Any], path: str) -> None:
+        """Load checkpoint `state` into each of `stateful`'s things, in the dict's order; one that does not
+        fit (another model, optimizer or scheduler) is refused in one line naming `path`."""
+        for name, thing in stateful.items():
+            try:
+                thing.load_state_dict(state if name == PROGRESS else state.get(name, {}))
+            except (RuntimeError, ValueError, KeyError, IndexError) as error:
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+                raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
+                                      f"{lines[min(1, len(lines) - 1)][:300]}") from None
 
     # ------------------------------------------------------------------ save
     def save(self, state: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
