@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from main_multi_gpu import main_guarded
-from multigpu import checkpoint, safe_files, savedir
+from multigpu import checkpoint, safe_files, savedir, sharded
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import default_forward
 from multigpu.callbacks import ema_weights
@@ -48,7 +48,7 @@ FROM_MACHINE = ("multi_gpu", "gpu_ids", "num_workers", "dist_timeout", "download
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="last.pt, best.pt or a step checkpoint of a training run")
+    parser.add_argument("--checkpoint", required=True, help="last.pt, best.pt or a step checkpoint of a training run, or a sharded checkpoint folder (last/)")
     parser.add_argument("--split", choices=["val", "train"], default="val", help="which split of --dataset")
     parser.add_argument("--imagefolder", metavar="DIR",
                         help="predict every image under DIR (no labels) instead of a split of --dataset")
@@ -272,7 +272,7 @@ def predict(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, predict, write, and print the metrics on a labelled set."""
     args = parse_args(argv)
     check_arguments(args)
-    state = checkpoint.load(args.checkpoint)
+    state = sharded.load_whole(args.checkpoint, keys=("model",))  # a file, or a sharded folder's whole model
     config = prediction_config(args, state)
     runtime = setup(config)
     try:

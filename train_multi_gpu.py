@@ -281,7 +281,7 @@ class MultiGPUTrainer:
             if self._at_sync_point(samples_left == 0) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
-                self.checkpointer.save_step(self.state_dict())
+                self.checkpointer.save_step(self.stateful(), self.progress.global_step)
                 self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
                 faults.kill_self()  # test-only fault injection: SIGKILL, like a preempted or OOM-killed worker
@@ -452,7 +452,8 @@ class MultiGPUTrainer:
         return self.checkpointer.state_of(self.stateful())
 
     def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
-        """Load a checkpoint into the live model, optimizer, scheduler, scaler, progress and RNG."""
+        """Load a checkpoint (a file's state, or a sharded folder's at `path`) into the live model, optimizer,
+        scheduler, scaler, progress and RNG."""
         self.checkpointer.load_into(self.stateful(), state, path)
         if state["world_size"] != self.runtime.world_size:
             self._continue_on_another_world_size(state["world_size"])
@@ -475,7 +476,7 @@ class MultiGPUTrainer:
     def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
         """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this), then call the
         callbacks' on_save."""
-        path = self.checkpointer.save(self.state_dict(), name, also_as)
+        path = self.checkpointer.save(self.stateful(), name, also_as)
         self.callbacks.call("on_save", self)
         return path
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from multigpu import checkpoint, faults, preemption, run_settings, savedir
+from multigpu import checkpoint, faults, preemption, run_settings, safe_files, savedir, sharded
 from multigpu.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
@@ -63,6 +65,8 @@ class Checkpointer:
         # Set by the first fit()'s claim: the checkpoints there are then this trainer's own run, which a later
         # fit() of the same trainer continues, not another run's to refuse or set aside.
         self.claimed = False
+        self.sharded = config.sharded_checkpoints()  # the writer: one file from rank 0, or every rank's shards
+        self.background = sharded.AsyncSaves()  # --async-checkpoint's save in flight
 
     @property
     def keeps_previous_run(self) -> bool:
@@ -105,7 +109,7 @@ class Checkpointer:
         config = self.config
         steps = min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
         files = 2 + steps + 1
-        there = sum(os.path.getsize(path) for path in savedir.checkpoint_files(self.save_dir))
+        there = sum(checkpoint.size_of(path) for path in savedir.checkpoint_files(self.save_dir))
         need = max(files * checkpoint_bytes - there, (2 if config.overwrite else 1) * checkpoint_bytes)
         what = (f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
                 f"about {checkpoint.megabytes(checkpoint_bytes)} each"
@@ -170,6 +174,12 @@ class Checkpointer:
         """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held). A run that ends
         before its first checkpoint puts --overwrite's set-aside files back first, unless torchrun will restart
         it (its next attempt continues afresh with them still aside)."""
+        try:
+            self.finish_saves()  # a background save is put in place before the run ends
+        finally:
+            self._release_save_dir()
+
+    def _release_save_dir(self) -> None:
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             if preemption.restarts_left() > 0:
@@ -215,10 +225,10 @@ class Checkpointer:
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
-        if os.path.isdir(config.resume):
+        if os.path.isdir(config.resume) and not checkpoint.is_sharded(config.resume):
             found = self._newest_in(config.resume, f"--resume {config.resume}")
             if found is None:
-                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt): "
+                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) or sharded ones (last/): "
                                       f"name a checkpoint file, or a folder that holds one")
             return found
         return config.resume, checkpoint.load(config.resume)
@@ -279,48 +289,123 @@ class Checkpointer:
 
     def load_into(self, stateful: dict[str, Any], state: dict[str, Any], path: str) -> None:
         """Load checkpoint `state` into each of `stateful`'s things, in the dict's order; one that does not
-        fit (another model, optimizer or scheduler) is refused in one line naming `path`."""
-        for name, thing in stateful.items():
-            try:
-                thing.load_state_dict(state if name == PROGRESS else state.get(name, {}))
-            except (RuntimeError, ValueError, KeyError, IndexError) as error:
-                lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-                raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                                      f"{lines[min(1, len(lines) - 1)][:300]}") from None
+        fit (another model, optimizer or scheduler) is refused in one line naming `path`. From a sharded folder
+        each rank reads the model's and optimizer's shards it holds, at any world size."""
+        folder = checkpoint.is_sharded(path)
+        try:
+            if folder:
+                sharded.load_shards(stateful, path)
+            for name, thing in stateful.items():
+                if not (folder and name in sharded.SHARDED):
+                    thing.load_state_dict(state if name == PROGRESS else state.get(name, {}))
+        except (RuntimeError, ValueError, KeyError, IndexError, CheckpointException) as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+            raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
+                                  f"{lines[min(1, len(lines) - 1)][:300]}") from None
 
     # ------------------------------------------------------------------ save
-    def save(self, state: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
-        """Write `state` to <save-dir>/name (and also_as) from rank 0; every rank must call this.
+    def save(self, stateful: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
+        """Write the checkpoint of `stateful` to <save-dir>/name (and also_as); every rank must call this.
+        The sharded format drops the names' .pt: `last.pt` is the folder `last/` there.
 
         The success flag all-reduced at the end is also the barrier, so no rank
         runs ahead, and a failed write (full disk, lost permission) stops every
         rank with one line naming the file, while the previous checkpoint stays.
         """
+        step = stateful[PROGRESS].state_dict()["global_step"]
+        if self.sharded:
+            return self._save_sharded(stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"),
+                                      step)
+        state = self.state_of(stateful)
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
             for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
                 try:
-                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(state["global_step"]))
+                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(step))
                 except OSError as failure:
                     failed_path, error = target, f"{failure.strerror or failure}"
                     break
                 if target == path:
                     self.last_saved = path
+        self._agree(path, failed_path, error, step)
+        self._saved(path)
+        return path
+
+    def _agree(self, path: str, failed_path: str, error: str, step: int) -> None:
+        """Every rank learns whether rank 0's writing for `path` failed (`error`), and then stops in one line."""
         failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.runtime.device)).item()
         if failed:
             kept = "the previous checkpoint is kept" if failed_path in ("", path) else "the newest checkpoint is kept"
             raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
-                                  f"stopped at step {state['global_step']}, {kept}: {self.newest()}")
+                                  f"stopped at step {step}, {kept}: {self.newest()}")
+
+    def _saved(self, path: str) -> None:
+        """`path` is in place: the newest checkpoint, and --overwrite's set-aside run can go."""
         self.last_saved = path
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             savedir.drop_set_aside(folder)  # our first checkpoint is safely written
+
+    def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: Optional[str], step: int) -> str:
+        """Every rank writes its shards into `<name>.tmp/`, rank 0 the rest; renamed to `name` (and linked as
+        `also_as`) once complete, after the writing in the background with --async-checkpoint."""
+        started = time.perf_counter()
+        self.finish_saves()  # the previous background save first: saves are in place in their order
+        path = os.path.join(self.save_dir, name)
+        folder, error = sharded.temporary_folder(path), ""
+        rest = self.state_of({key: thing for key, thing in stateful.items() if key not in sharded.SHARDED})
+        if self.runtime.is_main:
+            try:
+                if os.path.lexists(folder):  # a killed save's: ours now
+                    safe_files.remove(folder)
+                safe_files.make_folder(folder, inside=self.save_dir)
+                checkpoint.atomic_save(rest, os.path.join(folder, checkpoint.STATE_FILE))
+            except OSError as failure:
+                error = f"{failure.strerror or failure}"
+        self._agree(path, folder, error, step)  # the folder is there before any rank writes into it
+        background = self.background if self.config.async_checkpoint else None
+        fault = self._save_fault(step)  # test-only: a kill in the background writing, else before the rename
+        try:
+            pending = sharded.start_save(stateful, folder, background, die_midway=bool(fault and background))
+        except Exception as failure:  # DCP raises on every rank when one failed: the ranks stop together
+            raise TrainingStopped(f"could not write checkpoint {path}: {str(failure).strip()[:300]}; stopped at "
+                                  f"step {step}, the previous checkpoint is kept: {self.newest()}") from None
+
+        def finish() -> None:
+            if self.runtime.is_main:
+                if fault:
+                    fault()
+                safe_files.replace_folder(folder, path)
+                if also_as:
+                    also = os.path.join(self.save_dir, also_as)
+                    safe_files.linked_copy(path, sharded.temporary_folder(also))
+                    safe_files.replace_folder(sharded.temporary_folder(also), also)
+                if name.startswith("step-"):
+                    checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
+            self._saved(path)
+
+        if pending is None:
+            finish()
+            self.report.line(f"checkpoint {path}/ saved in {time.perf_counter() - started:.2f}s "
+                             f"({checkpoint.megabytes(checkpoint.size_of(path)) if self.runtime.is_main else ''})")
+        else:
+            self.background.pending = (pending, finish)
+            self.report.line(f"checkpoint {path}/ being written in the background: training blocked "
+                             f"{time.perf_counter() - started:.2f}s")
         return path
 
-    def save_step(self, state: dict[str, Any]) -> None:
+    def finish_saves(self) -> None:
+        """Wait for the background save still being written, and put it in place (every rank calls this)."""
+        try:
+            self.background.wait()
+        except Exception as failure:  # every rank's future fails alike: DCP's collective reports it to each
+            raise TrainingStopped(f"could not write a checkpoint in the background: {str(failure).strip()[:300]}; "
+                                  f"the previous checkpoint is kept: {self.newest()}") from None
+
+    def save_step(self, stateful: dict[str, Any], global_step: int) -> None:
         """A step checkpoint, then the oldest ones beyond --keep-last go (only once the new one is in place)."""
-        self.save(state, checkpoint.step_checkpoint_name(state["global_step"]))
-        if self.runtime.is_main:
+        self.save(stateful, checkpoint.step_checkpoint_name(global_step))
+        if self.runtime.is_main and not self.sharded:  # a sharded one prunes once it is in place
             checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
 
     def newest(self) -> str:

@@ -78,7 +78,9 @@ HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
-CHECKPOINT_PATTERNS = ("last.pt", "best.pt", "step-*.pt")  # what --overwrite sets aside
+# What --overwrite sets aside: checkpoint files, and sharded checkpoint folders (multigpu/sharded.py).
+CHECKPOINT_PATTERNS = ("last.pt", "best.pt", "step-*.pt", "last", "best", "step-[0-9]*[0-9]")
+SHARDED_MARKER = ".metadata"  # a sharded checkpoint folder's last file written: its time is the folder's
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # no locks on this file system
 
 
@@ -382,15 +384,25 @@ def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]
 
 
 def newest_first(paths: list[str]) -> list[str]:
-    """Most recently written first. On an equal mtime (coarse file-system clocks) last.pt, written
-    after the step checkpoint of the same step, and then the higher step count as newer."""
-    return sorted(paths, key=lambda path: (os.path.getmtime(path), os.path.basename(path) == "last.pt",
+    """Most recently written first (a sharded folder when its marker was written). On an equal mtime (coarse
+    file-system clocks) last.pt, written after the step checkpoint of the same step, and then the higher step
+    count as newer."""
+    return sorted(paths, key=lambda path: (written_at(path), os.path.basename(path) in ("last.pt", "last"),
                                            os.path.basename(path)), reverse=True)
 
 
+def written_at(path: str) -> float:
+    """When the checkpoint at `path` was written: a file's mtime, a sharded folder's marker's (the folder's own
+    when it has none: a half folder, refused when loaded)."""
+    marker = os.path.join(path, SHARDED_MARKER)
+    return os.path.getmtime(marker if os.path.isdir(path) and os.path.exists(marker) else path)
+
+
 def resumable_files(save_dir: str) -> list[str]:
-    """Checkpoints in `save_dir` that a resume may use, newest first (best.pt is not one: it is older)."""
-    return newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt")))
+    """Checkpoints in `save_dir` that a resume may use, files and sharded folders, newest first (best is not
+    one: it is older)."""
+    return newest_first([path for pattern in ("step-*.pt", "last.pt", "step-[0-9]*[0-9]", "last")
+                         for path in glob.glob(os.path.join(save_dir, pattern))])
 
 
 # ---------------------------------------------------------------- --overwrite
