@@ -227,8 +227,7 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints, files or folders (called only after a new one is in
     place)."""
-    for path in newest_first(glob.glob(os.path.join(save_dir, "step-*.pt"))
-                             + glob.glob(os.path.join(save_dir, "step-[0-9]*[0-9]")))[keep:]:
+    for path in newest_first(savedir.matching(save_dir, ("step-*.pt",), ("step-[0-9]*[0-9]",)))[keep:]:
         safe_files.remove(path)
 
 
@@ -241,10 +240,8 @@ def remove_unfinished(save_dir: str) -> list[str]:
     for old in glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)):
         if not os.path.lexists(old[:-len(safe_files.OLD_SUFFIX)]):
             os.rename(old, old[:-len(safe_files.OLD_SUFFIX)])
-    unfinished = sorted(glob.glob(os.path.join(save_dir, "*.pt.*" + TMP_SUFFIX))
-                        + [path for pattern in ("last", "best", "step-[0-9]*[0-9]")
-                           for path in glob.glob(os.path.join(save_dir, pattern + TMP_SUFFIX))]
-                        + glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)))
+    unfinished = savedir.matching(save_dir, ("*.pt.*" + TMP_SUFFIX, "*" + safe_files.OLD_SUFFIX),
+                                  tuple(folder + TMP_SUFFIX for folder in savedir.CHECKPOINT_FOLDERS))
     for path in unfinished:
         safe_files.remove(path)
     return [os.path.basename(path) for path in unfinished]

@@ -228,8 +228,8 @@ class Checkpointer:
         if os.path.isdir(config.resume) and not checkpoint.is_sharded(config.resume):
             found = self._newest_in(config.resume, f"--resume {config.resume}")
             if found is None:
-                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) or sharded ones (last/): "
-                                      f"name a checkpoint file, or a folder that holds one")
+                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) "
+                                      f"or sharded ones (last/): name a checkpoint file, or a folder that holds one")
             return found
         return config.resume, checkpoint.load(config.resume)
 

@@ -79,7 +79,9 @@ STALE_SECONDS = 60.0
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
 # What --overwrite sets aside: checkpoint files, and sharded checkpoint folders (multigpu/sharded.py).
-CHECKPOINT_PATTERNS = ("last.pt", "best.pt", "step-*.pt", "last", "best", "step-[0-9]*[0-9]")
+CHECKPOINT_FILES = ("last.pt", "best.pt", "step-*.pt")
+CHECKPOINT_FOLDERS = ("last", "best", "step-[0-9]*[0-9]")
+CHECKPOINT_PATTERNS = CHECKPOINT_FILES + CHECKPOINT_FOLDERS
 SHARDED_MARKER = ".metadata"  # a sharded checkpoint folder's last file written: its time is the folder's
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # no locks on this file system
 
@@ -401,14 +403,21 @@ def written_at(path: str) -> float:
 def resumable_files(save_dir: str) -> list[str]:
     """Checkpoints in `save_dir` that a resume may use, files and sharded folders, newest first (best is not
     one: it is older)."""
-    return newest_first([path for pattern in ("step-*.pt", "last.pt", "step-[0-9]*[0-9]", "last")
-                         for path in glob.glob(os.path.join(save_dir, pattern))])
+    return newest_first(matching(save_dir, ("step-*.pt", "last.pt"), ("step-[0-9]*[0-9]", "last")))
+
+
+def matching(save_dir: str, files: tuple[str, ...], folders: tuple[str, ...] = ()) -> list[str]:
+    """The paths in `save_dir` that match one of the glob patterns `files`, or one of `folders` and are folders
+    (no file a pattern of sharded checkpoint folders happens to match)."""
+    found = {path for pattern in files for path in glob.glob(os.path.join(save_dir, pattern))}
+    found |= {path for pattern in folders for path in glob.glob(os.path.join(save_dir, pattern)) if os.path.isdir(path)}
+    return sorted(found)
 
 
 # ---------------------------------------------------------------- --overwrite
 def checkpoint_files(save_dir: str) -> list[str]:
     """The checkpoints in `save_dir` that a new run would replace."""
-    return sorted({path for pattern in CHECKPOINT_PATTERNS for path in glob.glob(os.path.join(save_dir, pattern))})
+    return matching(save_dir, CHECKPOINT_FILES, CHECKPOINT_FOLDERS)
 
 
 def set_aside(save_dir: str, extra: tuple[str, ...] = ()) -> Optional[str]:

@@ -206,3 +206,15 @@ def test_every_write_in_the_project_goes_through_safe_files():
     dcp_writers = [line for line in found if line.startswith("multigpu/sharded.py:") and "FileSystemWriter" in line]
     assert len(dcp_writers) == 2, found  # the writer a save uses, and the fault injector's subclass of it
     assert [line for line in found if line not in dcp_writers] == []
+
+
+def test_a_folder_replaces_a_planted_link_not_its_target(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_bytes(VICTIM_BYTES)
+    (tmp_path / "last").symlink_to(victim)
+    (tmp_path / "last.tmp").mkdir()
+    (tmp_path / "last.tmp" / "shard").write_bytes(b"new")
+    safe_files.replace_folder(str(tmp_path / "last.tmp"), str(tmp_path / "last"))
+    assert not (tmp_path / "last").is_symlink() and (tmp_path / "last" / "shard").read_bytes() == b"new"
+    assert (victim / "keep.txt").read_bytes() == VICTIM_BYTES and not (tmp_path / "last.old.tmp").exists()
