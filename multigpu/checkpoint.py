@@ -32,7 +32,7 @@ REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", 
 # A sharded checkpoint folder (multigpu/sharded.py): DCP's shards and its metadata, written last, and rank 0's
 # file of the rest (every key above but the model's and optimizer's).
 MARKER = savedir.SHARDED_MARKER
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = savedir.SHARDED_STATE_FILE
 
 
 class CheckpointError(UsageError):

@@ -83,6 +83,7 @@ CHECKPOINT_FILES = ("last.pt", "best.pt", "step-*.pt")
 CHECKPOINT_FOLDERS = ("last", "best", "step-[0-9]*[0-9]")
 CHECKPOINT_PATTERNS = CHECKPOINT_FILES + CHECKPOINT_FOLDERS
 SHARDED_MARKER = ".metadata"  # a sharded checkpoint folder's last file written: its time is the folder's
+SHARDED_STATE_FILE = "trainer_state.pt"  # rank 0's part of a sharded checkpoint folder: config, progress, ...
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # no locks on this file system
 
 
@@ -369,7 +370,7 @@ def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]
         # A folder with no checkpoint but a killed --overwrite run's set-aside copy gets it back when it is taken.
         files = resumable_files(folder) or [path for aside in set_aside_folders(folder)
                                             for path in resumable_files(aside)]
-        saved = next(filter(None, map(run_settings.saved_settings, files)), None)
+        saved = next(filter(None, (run_settings.saved_settings(settings_file(path)) for path in files)), None)
         if saved is None:
             continue  # nothing to continue there
         differing = run_settings.differences(saved, config)
@@ -398,6 +399,11 @@ def written_at(path: str) -> float:
     when it has none: a half folder, refused when loaded)."""
     marker = os.path.join(path, SHARDED_MARKER)
     return os.path.getmtime(marker if os.path.isdir(path) and os.path.exists(marker) else path)
+
+
+def settings_file(path: str) -> str:
+    """The file that holds the config of the checkpoint at `path`: itself, or a sharded folder's state file."""
+    return os.path.join(path, SHARDED_STATE_FILE) if os.path.isdir(path) else path
 
 
 def resumable_files(save_dir: str) -> list[str]:

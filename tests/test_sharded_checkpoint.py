@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 import main_multi_gpu
 import predict_multi_gpu
 from conftest import TINY, assert_ok, blobs, config_for, run_cli, run_ranks, tiny_model
-from multigpu import checkpoint, export, sharded
+from multigpu import checkpoint, export, savedir, sharded
+from multigpu.config import parse_config
+from multigpu.errors import UsageError
 from multigpu.faults import FAULT_ENV
 from multigpu.stateful import ModelState
 from train_multi_gpu import MultiGPUTrainer
@@ -174,3 +176,11 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume
     assert "removed 1 unfinished save(s) of a killed run: step-000000004.tmp" in resumed.stdout
     assert f"resumed from {save_dir / 'step-000000002'}: epoch 1, step 2" in resumed.stdout
     assert checkpoint.load(str(save_dir / "last"))["epoch"] == 1
+
+
+def test_resume_auto_without_a_save_dir_finds_a_run_of_sharded_folders(sharded_run, tmp_path):
+    shutil.copytree(sharded_run, tmp_path / "run-1")
+    args = [*TINY, "--epochs", "2", "--mode", "flatten", "--checkpoint-format", "sharded"]
+    assert savedir.run_to_continue(str(tmp_path), parse_config(args))[0] == str(tmp_path / "run-1")
+    with pytest.raises(UsageError, match="differs in mode: flatten -> image"):
+        savedir.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
