@@ -371,17 +371,16 @@ class Checkpointer:
             raise TrainingStopped(f"could not write checkpoint {path}: {str(failure).strip()[:300]}; stopped at "
                                   f"step {step}, the previous checkpoint is kept: {self.newest()}") from None
 
-        def finish() -> None:
+        def finish() -> None:  # on every rank, once every rank's shards are written: rank 0 renames
+            error = ""
             if self.runtime.is_main:
                 if fault:
                     fault()
-                safe_files.replace_folder(folder, path)
-                if also_as:
-                    also = os.path.join(self.save_dir, also_as)
-                    safe_files.linked_copy(path, sharded.temporary_folder(also))
-                    safe_files.replace_folder(sharded.temporary_folder(also), also)
-                if name.startswith("step-"):
-                    checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
+                try:
+                    self._put_in_place(folder, path, also_as)
+                except OSError as failure:
+                    error = f"{failure.strerror or failure}"
+            self._agree(path, path, error, step)
             self._saved(path)
 
         if pending is None:
@@ -394,10 +393,25 @@ class Checkpointer:
                              f"{time.perf_counter() - started:.2f}s")
         return path
 
+    def _put_in_place(self, folder: str, path: str, also_as: Optional[str]) -> None:
+        """Rank 0: the complete `folder` becomes `path` (and `also_as`, linked), then old step folders go."""
+        safe_files.replace_folder(folder, path)
+        if also_as:
+            also = os.path.join(self.save_dir, also_as)
+            copy = sharded.temporary_folder(also)
+            if os.path.lexists(copy):  # a killed save's
+                safe_files.remove(copy)
+            safe_files.linked_copy(path, copy)
+            safe_files.replace_folder(copy, also)
+        if os.path.basename(path).startswith("step-"):
+            checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
+
     def finish_saves(self) -> None:
         """Wait for the background save still being written, and put it in place (every rank calls this)."""
         try:
             self.background.wait()
+        except TrainingStopped:  # its renaming failed: said already
+            raise
         except Exception as failure:  # every rank's future fails alike: DCP's collective reports it to each
             raise TrainingStopped(f"could not write a checkpoint in the background: {str(failure).strip()[:300]}; "
                                   f"the previous checkpoint is kept: {self.newest()}") from None
