@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from main_multi_gpu import main_guarded
-from multigpu import checkpoint, safe_files, savedir
+from multigpu import checkpoint, safe_files, savedir, sharded
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import fitted_forward
 from multigpu.callbacks import ema_weights
@@ -48,7 +48,9 @@ FROM_MACHINE = ("multi_gpu", "gpu_ids", "num_workers", "dist_timeout", "download
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="last.pt, best.pt or a step checkpoint of a training run")
+    parser.add_argument("--checkpoint", required=True,
+                        help="last.pt, best.pt or a step checkpoint of a training run, or a sharded checkpoint folder "
+                             "(last/)")
     parser.add_argument("--split", choices=["val", "train"], default="val", help="which split of --dataset")
     parser.add_argument("--imagefolder", metavar="DIR",
                         help="predict every image under DIR (no labels) instead of a split of --dataset")
@@ -122,9 +124,9 @@ def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
         raise UsageError(f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
                          f"choose another file")
     name = os.path.basename(output)
-    if any(fnmatch.fnmatchcase(name, pattern) for pattern in savedir.CHECKPOINT_PATTERNS):
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in savedir.CHECKPOINT_FILES):
         raise UsageError(f"--output {output}: {name} is a save-dir's checkpoint name "
-                         f"({', '.join(savedir.CHECKPOINT_PATTERNS)}), refused even with --overwrite; "
+                         f"({', '.join(savedir.CHECKPOINT_FILES)}), refused even with --overwrite; "
                          f"choose another name")
     if os.path.exists(output) and not overwrite:
         raise UsageError(f"--output {output} exists; add --overwrite to replace it (only once the prediction "
@@ -285,7 +287,7 @@ def predict(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, predict, write, and print the metrics on a labelled set."""
     args = parse_args(argv)
     check_arguments(args)
-    state = checkpoint.load(args.checkpoint)
+    state = sharded.load_whole(args.checkpoint, keys=("model",))  # a file, or a sharded folder's whole model
     config = prediction_config(args, state)
     check_text_model(args, config)
     runtime = setup(config)

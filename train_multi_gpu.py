@@ -33,7 +33,7 @@ from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
 from multigpu.callbacks import Callbacks, builtin_callbacks
-from multigpu.checkpointer import Checkpointer, with_run_folder
+from multigpu.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
@@ -46,10 +46,11 @@ from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            schedule_config, users_optimizer, users_scheduler)
+                            move_schedule_to, schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
+from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
 from multigpu.telemetry import Telemetry
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
@@ -64,6 +65,32 @@ class Progress:
     samples_in_epoch: int = 0  # global samples of the current epoch already trained on, in the sampler's order
     best_value: Optional[float] = None  # of the monitored validation metric
     evaluated: bool = True  # False between an epoch's last step and the end of its evaluation
+
+
+class _ProgressState:
+    """Where training stands and what it trained with, as a checkpoint's top-level keys (multigpu/checkpointer.py
+    PROGRESS): loading it moves the trainer's progress, monitor, metrics and data order to the checkpoint's."""
+
+    def __init__(self, trainer: "MultiGPUTrainer"):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        return {"optimizer_class": type(trainer.optimizer).__name__,
+                "scheduler_class": type(trainer.scheduler).__name__, "scheduler_interval": trainer.scheduler_interval,
+                **dataclasses.asdict(trainer.progress),  # epoch, global_step, samples_in_epoch, best_value, evaluated
+                "steps_per_epoch": trainer.steps_per_epoch, "sampler_seed": trainer.sampler.seed,
+                "train_size": trainer.sampler.dataset_size, "monitor": trainer.monitor.name,
+                "metrics": dict(trainer.metrics)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        same_monitor = state["monitor"] is None or trainer.monitor.name in (None, state["monitor"])
+        trainer.monitor.name = trainer.monitor.name or state["monitor"]
+        trainer.progress = Progress(state["epoch"], state["global_step"], state["samples_in_epoch"],
+                                    state["best_value"] if same_monitor else None, state.get("evaluated", True))
+        trainer.metrics = dict(state.get("metrics", {}))
+        trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
 
 
 class MultiGPUTrainer:
@@ -218,7 +245,7 @@ class MultiGPUTrainer:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0)):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 self.resume()
-                for line in plan.plan_lines(self):  # what will train, and how (multigpu/plan.py)
+                for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
                     self.report.line(line)
                 self.callbacks.call("on_fit_start", self)
                 self.telemetry.start()
@@ -266,7 +293,7 @@ class MultiGPUTrainer:
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 BEAT.phase = heartbeat.CHECKPOINT
-                self.checkpointer.save_step(self.state_dict())
+                self.checkpointer.save_step(self.stateful(), self.progress.global_step)
                 self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
                 faults.misbehave(self.runtime.rank)  # test-only: SIGKILL (a preempted worker) or SIGSTOP (a hang)
@@ -433,18 +460,46 @@ class MultiGPUTrainer:
         return True
 
     # ------------------------------------------------------------------ checkpoints
+    def stateful(self, gather: bool = True) -> dict[str, Any]:
+        """What a checkpoint holds, each thing with state_dict()/load_state_dict(): the checkpointer saves and
+        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `gather=False`:
+        no collective (the hang watchdog's save from rank 0's replica alone)."""
+        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
+                PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
+                "rng": RngState(self.runtime, gather)}
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs (every rank must call it: the ranks' RNG states are gathered)."""
-        return self.checkpointer.state_of(self)
+        """Everything a resume needs, as one checkpoint file holds it (every rank must call it: the ranks' RNG
+        states are gathered; rank 0 gets the whole model)."""
+        return self.checkpointer.state_of(self.stateful())
 
     def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
-        """Load a checkpoint into the live model, optimizer, scheduler, scaler, progress and RNG."""
-        self.checkpointer.load_into(self, state, path)
+        """Load a checkpoint (a file's state, or a sharded folder's at `path`) into the live model, optimizer,
+        scheduler, scaler, progress and RNG."""
+        self.checkpointer.load_into(self.stateful(), state, path)
+        if state["world_size"] != self.runtime.world_size:
+            self._continue_on_another_world_size(state["world_size"])
+
+    def _continue_on_another_world_size(self, saved_world_size: int) -> None:
+        """The data position is kept in global samples; the built-in schedule moves to the same point of
+        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
+        if self.builtin_schedule:
+            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
+                             self.lr)
+            schedule = "the LR schedule continues at the same point in samples"
+        elif self.scheduler_interval == "step":
+            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
+        else:
+            schedule = "your per-epoch scheduler continues"
+        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
+                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
+                         f"but results are not bit-identical to an uninterrupted run")
 
     def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
         """Write a checkpoint to <save-dir>/name (rank 0 writes; every rank must call this), then call the
         callbacks' on_save."""
-        path = self.checkpointer.save(self.state_dict(), name, also_as)
+        path = self.checkpointer.save(self.stateful(), name, also_as)
         self.callbacks.call("on_save", self)
         return path
 
@@ -513,11 +568,21 @@ class MultiGPUTrainer:
                 "samples_per_sec": self.train_samples / max(self.train_seconds, 1e-9), **self.telemetry.summary(),
                 **extra}
 
+    def plan_facts(self) -> plan.PlanFacts:
+        """What the plan lines describe (multigpu/plan.py), read from the live run."""
+        return plan.PlanFacts(
+            self.config, self.runtime, self.given, self.optimizer, self.scheduler, self.scheduler_interval,
+            self.builtin_optimizer, self.builtin_schedule, self.lr, self.effective_batch, self.loader_batch,
+            self.steps_per_epoch, self.sampler.usable, any(p.dim() == 4 for p in self.model.parameters()),
+            self.amp.name, self.progress, self.steps_done_in_epoch())
+
     def _report_done(self, summary: dict[str, Any]) -> None:
-        warning = plan.learning_warning(self)
+        warning = plan.learning_warning(self.report, self.evaluator.classes, self.optimizer, self.lr,
+                                        self.config.lr_scaling)
         if warning:
             self.report.line(warning)
-        self.report.line(plan.done_line(self, summary))
+        self.report.line(plan.done_line(summary, self.monitor.name, self.val_dataset is not None,
+                                        self.runtime.devices_per_step, self.telemetry.summary_text(summary)))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
                                           and (key.startswith("val_") or key.startswith("best_"))})
 

@@ -20,7 +20,10 @@
 - snapshot:     probes at start that leave no trace (model, optimizer and RNG restored exactly)
 - callbacks:    user code at fixed points of fit() (state in checkpoints); built-ins: early stopping, EMA
 - checkpoint:   checkpoint files: atomic saves, safe loads, finding the newest good one
-- checkpointer: the trainer's resume and save protocol (what goes in, what must match)
+- checkpointer: the resume and save protocol over a dict of stateful things (what must match); knows no trainer
+- stateful:     the things a checkpoint holds, each with state_dict()/load_state_dict() (model, optimizer, RNG...)
+- sharded:      sharded checkpoint folders: every rank writes its shards with DCP, renamed into place when complete
+- export:       python -m multigpu.export CKPT_DIR OUT.pt: a sharded folder as one checkpoint file
 - rng:          seeding, and RNG state as plain types for checkpoints
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts

@@ -9,6 +9,7 @@ the trainer decides what goes in.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import glob
 import os
 import pickle
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu import safe_files
+from multigpu import safe_files, savedir
 from multigpu.errors import UsageError
 from multigpu.savedir import newest_first, resumable_files
 
@@ -28,6 +29,10 @@ from multigpu.savedir import newest_first, resumable_files
 FORMAT_VERSION = 2
 TMP_SUFFIX = safe_files.TMP_SUFFIX  # unfinished saves: never loaded, removed at the next start
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
+# A sharded checkpoint folder (multigpu/sharded.py): DCP's shards and its metadata, written last, and rank 0's
+# file of the rest (every key above but the model's and optimizer's).
+MARKER = savedir.SHARDED_MARKER
+STATE_FILE = savedir.SHARDED_STATE_FILE
 
 
 class CheckpointError(UsageError):
@@ -80,30 +85,56 @@ def _save_to(state: dict[str, Any], file: Any) -> None:
         raise
 
 
+def is_sharded(path: str) -> bool:
+    """Whether `path` names a sharded checkpoint folder (complete or not), not a folder of checkpoints."""
+    name = os.path.basename(os.path.normpath(path))
+    return os.path.isdir(path) and (name in ("last", "best") or fnmatch.fnmatch(name, "step-[0-9]*[0-9]")
+                                    or any(os.path.exists(os.path.join(path, part)) for part in (MARKER, STATE_FILE)))
+
+
+def check_complete(path: str) -> None:
+    """CheckpointError (one line) unless the sharded folder `path` holds its metadata and state file."""
+    missing = [part for part in (MARKER, STATE_FILE) if not os.path.isfile(os.path.join(path, part))]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} refused: an incomplete sharded checkpoint (no "
+                              f"{' or '.join(missing)}: its save did not finish)")
+
+
 def load(path: str) -> dict[str, Any]:
-    """Load and validate a checkpoint on the CPU; CheckpointError (one line) if it is unusable."""
+    """Load and validate a checkpoint on the CPU; CheckpointError (one line) if it is unusable. Of a sharded
+    folder, everything but the model's and optimizer's shards (multigpu/sharded.py reads those)."""
+    if is_sharded(path):
+        check_complete(path)
+        return _load_file(os.path.join(path, STATE_FILE), path, [key for key in REQUIRED_KEYS
+                                                                 if key not in ("model", "optimizer")])
+    return _load_file(path, path, REQUIRED_KEYS)
+
+
+def _load_file(path: str, name: str, required: Any) -> dict[str, Any]:
+    """Load and validate the checkpoint file `path` (`name` in messages: its folder for a sharded one), which
+    must hold the `required` keys."""
     try:
         kind = _file_kind(path)
         if kind is not None:
-            raise CheckpointError(f"checkpoint {path} refused: not a checkpoint ({kind})")
+            raise CheckpointError(f"checkpoint {name} refused: not a checkpoint ({kind})")
         with warnings.catch_warnings():  # its multi-line pickle-protocol warning would break the one line
             warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist") from None
+        raise CheckpointError(f"checkpoint {name} does not exist") from None
     except OSError as error:
         if error.errno == errno.EINVAL:  # torch's reader seeking past the end of a file cut short
-            raise CheckpointError(f"checkpoint {path} refused: truncated or corrupt ({error.strerror})") from None
-        raise CheckpointError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
+            raise CheckpointError(f"checkpoint {name} refused: truncated or corrupt ({error.strerror})") from None
+        raise CheckpointError(f"checkpoint {name} cannot be read: {error.strerror or error}") from None
     except CheckpointError:
         raise
     except Exception as error:  # truncated, random bytes, or a pickle that holds code
-        raise CheckpointError(f"checkpoint {path} refused: {_load_failure(error)}") from None
-    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+        raise CheckpointError(f"checkpoint {name} refused: {_load_failure(error)}") from None
+    missing = [key for key in required if not isinstance(state, dict) or key not in state]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: not written by this trainer")
+        raise CheckpointError(f"checkpoint {name} lacks {', '.join(missing)}: not written by this trainer")
     if state["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {state['format_version']}, newer than this code "
+        raise CheckpointError(f"checkpoint {name} has format {state['format_version']}, newer than this code "
                               f"({FORMAT_VERSION}): update the code")
     return _upgrade(state)
 
@@ -194,20 +225,33 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 
 
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
-    """Delete all but the newest `keep` step checkpoints (called only after a new one is in place)."""
-    for path in newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")))[keep:]:
-        os.unlink(path)
+    """Delete all but the newest `keep` step checkpoints, files or folders (called only after a new one is in
+    place)."""
+    for path in newest_first(savedir.matching(save_dir, ("step-*.pt",), ("step-[0-9]*[0-9]",)))[keep:]:
+        safe_files.remove(path)
 
 
 def remove_unfinished(save_dir: str) -> list[str]:
-    """Delete the temporary files of saves that a killed process never finished; return their names.
+    """Delete the temporary files and folders of saves that a killed process never finished; return their names.
+    A sharded checkpoint a kill caught between its two renames (safe_files.replace_folder) is put back first.
 
     Only one run may use a save dir at a time, so no other process is writing them.
     """
-    unfinished = sorted(glob.glob(os.path.join(save_dir, "*.pt.*" + TMP_SUFFIX)))
+    for old in glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)):
+        if not os.path.lexists(old[:-len(safe_files.OLD_SUFFIX)]):
+            os.rename(old, old[:-len(safe_files.OLD_SUFFIX)])
+    unfinished = savedir.matching(save_dir, ("*.pt.*" + TMP_SUFFIX, "*" + safe_files.OLD_SUFFIX),
+                                  tuple(folder + TMP_SUFFIX for folder in savedir.CHECKPOINT_FOLDERS))
     for path in unfinished:
-        os.unlink(path)
+        safe_files.remove(path)
     return [os.path.basename(path) for path in unfinished]
+
+
+def size_of(path: str) -> int:
+    """Bytes of the checkpoint at `path`: a file's, or a sharded folder's files together."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
 
 PROBE_BYTES = 64 * 1024  # real bytes: an empty file can be created on a full disk

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Optional
+import time
+from typing import Any, Optional
 
 import torch
 
-from multigpu import checkpoint, faults, preemption, rng, run_settings, savedir, sharding
+from multigpu import checkpoint, faults, preemption, run_settings, safe_files, savedir, sharded
 from multigpu.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.optim import move_schedule_to
 from multigpu.reporting import Reporter
 
-if TYPE_CHECKING:
-    from train_multi_gpu import MultiGPUTrainer
-
+# The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
+PROGRESS = "progress"
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
 MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "train_size", "optimizer_class",
                         "scheduler_class")
@@ -65,6 +64,8 @@ class Checkpointer:
         # Set by the first fit()'s claim: the checkpoints there are then this trainer's own run, which a later
         # fit() of the same trainer continues, not another run's to refuse or set aside.
         self.claimed = False
+        self.sharded = config.sharded_checkpoints()  # the writer: one file from rank 0, or every rank's shards
+        self.background = sharded.AsyncSaves()  # --async-checkpoint's save in flight
 
     @property
     def keeps_previous_run(self) -> bool:
@@ -107,7 +108,7 @@ class Checkpointer:
         config = self.config
         steps = min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
         files = 2 + steps + 1
-        there = sum(os.path.getsize(path) for path in savedir.checkpoint_files(self.save_dir))
+        there = sum(checkpoint.size_of(path) for path in savedir.checkpoint_files(self.save_dir))
         need = max(files * checkpoint_bytes - there, (2 if config.overwrite else 1) * checkpoint_bytes)
         what = (f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
                 f"about {checkpoint.megabytes(checkpoint_bytes)} each"
@@ -172,6 +173,12 @@ class Checkpointer:
         """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held). A run that ends
         before its first checkpoint puts --overwrite's set-aside files back first, unless torchrun will restart
         it (its next attempt continues afresh with them still aside)."""
+        try:
+            self.finish_saves()  # a background save is put in place before the run ends
+        finally:
+            self._release_save_dir()
+
+    def _release_save_dir(self) -> None:
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             if preemption.restarts_left() > 0:
@@ -217,11 +224,11 @@ class Checkpointer:
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
-        if os.path.isdir(config.resume):
+        if os.path.isdir(config.resume) and not checkpoint.is_sharded(config.resume):
             found = self._newest_in(config.resume, f"--resume {config.resume}")
             if found is None:
-                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt): "
-                                      f"name a checkpoint file, or a folder that holds one")
+                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) "
+                                      f"or sharded ones (last/): name a checkpoint file, or a folder that holds one")
             return found
         return config.resume, checkpoint.load(config.resume)
 
@@ -268,124 +275,154 @@ class Checkpointer:
                                   f"{epochs + 1} or more to train on")
 
     # ------------------------------------------------------------------ what a checkpoint holds
-    def state_of(self, trainer: "MultiGPUTrainer", gather: bool = True) -> dict[str, Any]:
-        """Everything a resume needs, in plain types so it loads with weights_only=True.
+    def state_of(self, stateful: dict[str, Any]) -> dict[str, Any]:
+        """The one-file checkpoint of `stateful` ({name: thing with state_dict()}), in plain types so it loads
+        with weights_only=True: each thing's state under its name, PROGRESS's keys at the top (the format's
+        keys since version 1). Every rank must call it (the RNG states are gathered; rank 0 gets the whole
+        model). Saves happen between optimizer steps only, so no gradient accumulation is ever in flight."""
+        state = {name: thing.state_dict() for name, thing in stateful.items()}
+        return {"format_version": checkpoint.FORMAT_VERSION,
+                "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
+                **state.pop(PROGRESS, {}), **state, "world_size": self.runtime.world_size,
+                "config": self.config.to_dict()}
 
-        The ranks' RNG states are gathered, so every rank must call it. Saves happen
-        between optimizer steps only, so no gradient accumulation is ever in flight.
-        `gather=False` (the hang watchdog's save, where a collective would hang): no
-        collective, this rank's RNG state stands in for every rank's.
-        """
-        mine = rng.rng_state(self.runtime.device)
-        rng_states = gather_objects(mine) if gather else [mine] * self.runtime.world_size
-        model = getattr(trainer.model, "_orig_mod", trainer.model)  # torch.compile'd modules save plain keys
-        progress = trainer.progress
-        if sharding.is_sharded(model):  # gathered whole to rank 0's CPU: the one-file checkpoint of any world size
-            model_state, optimizer_state = (sharding.full_model_state(model),
-                                            sharding.full_optimizer_state(model, trainer.optimizer))
-        else:
-            model_state, optimizer_state = model.state_dict(), trainer.optimizer.state_dict()
-        return {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "optimizer_class": type(trainer.optimizer).__name__,
-            "scheduler": trainer.scheduler.state_dict(),
-            "scheduler_class": type(trainer.scheduler).__name__,
-            "scheduler_interval": trainer.scheduler_interval,
-            "scaler": trainer.scaler.state_dict(),
-            **dataclasses.asdict(progress),  # epoch, global_step, samples_in_epoch, best_value, evaluated
-            "steps_per_epoch": trainer.steps_per_epoch,
-            "sampler_seed": trainer.sampler.seed,
-            "train_size": trainer.sampler.dataset_size,
-            "monitor": trainer.monitor.name,
-            "metrics": dict(trainer.metrics),
-            "world_size": self.runtime.world_size,
-            "rng": rng_states,
-            "callbacks": trainer.callbacks.state_dict(),  # e.g. early stopping's counter (multigpu/callbacks.py)
-            "config": self.config.to_dict(),
-        }
-
-    def load_into(self, trainer: "MultiGPUTrainer", state: dict[str, Any], path: str) -> None:
-        """Load a checkpoint into the trainer's live model, optimizer, scheduler, scaler, progress and RNG."""
+    def load_into(self, stateful: dict[str, Any], state: dict[str, Any], path: str) -> None:
+        """Load checkpoint `state` into each of `stateful`'s things, in the dict's order; one that does not
+        fit (another model, optimizer or scheduler) is refused in one line naming `path`. From a sharded folder
+        each rank reads the model's and optimizer's shards it holds, at any world size."""
+        folder = checkpoint.is_sharded(path)
+        errors: tuple[type[BaseException], ...] = (RuntimeError, ValueError, KeyError, IndexError)
+        if folder:  # DCP's own error is a BaseException; imported only here (see sharded._dcp)
+            from torch.distributed.checkpoint.api import CheckpointException
+            errors += (CheckpointException,)
         try:
-            optimizer_state = sharding.optimizer_state_for(state["optimizer"], trainer.model, trainer.optimizer)
-            if sharding.is_sharded(trainer.model):
-                sharding.load_full_state(trainer.model, trainer.optimizer, state["model"], optimizer_state)
-            else:
-                trainer.model.load_state_dict(state["model"])
-                trainer.optimizer.load_state_dict(optimizer_state)
-            trainer.scheduler.load_state_dict(state["scheduler"])
-        except (RuntimeError, ValueError, LookupError) as error:
+            if folder:
+                sharded.load_shards(stateful, path)
+            for name, thing in stateful.items():
+                if not (folder and name in sharded.SHARDED):
+                    thing.load_state_dict(state if name == PROGRESS else state.get(name, {}))
+        except errors as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
                                   f"{lines[min(1, len(lines) - 1)][:300]}") from None
-        if trainer.scaler.is_enabled() and not state["scaler"]:
-            self.report.line("the checkpoint has no fp16 loss scale (saved without --amp fp16): starting a fresh one")
-        else:
-            trainer.scaler.load_state_dict(state["scaler"])
-        same_monitor = state["monitor"] is None or trainer.monitor.name in (None, state["monitor"])
-        trainer.monitor.name = trainer.monitor.name or state["monitor"]
-        trainer.progress = type(trainer.progress)(state["epoch"], state["global_step"], state["samples_in_epoch"],
-                                                  state["best_value"] if same_monitor else None,
-                                                  state.get("evaluated", True))
-        trainer.metrics = dict(state.get("metrics", {}))
-        trainer.callbacks.load_state_dict(state.get("callbacks", {}))
-        trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
-        if state["world_size"] == self.runtime.world_size:
-            rng.set_rng_state(state["rng"][self.runtime.rank], self.runtime.device)
-        else:
-            self._continue_on_another_world_size(trainer, state["world_size"])
-
-    def _continue_on_another_world_size(self, trainer: "MultiGPUTrainer", saved_world_size: int) -> None:
-        """The data position is kept in global samples; the built-in schedule moves to the same point of
-        training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
-        if trainer.builtin_schedule:
-            step = trainer.progress.epoch * trainer.steps_per_epoch + trainer.steps_done_in_epoch()
-            move_schedule_to(trainer.scheduler, step, trainer.lr)
-            schedule = "the LR schedule continues at the same point in samples"
-        elif trainer.scheduler_interval == "step":
-            schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
-        else:
-            schedule = "your per-epoch scheduler continues"
-        self.report.line(f"resuming {saved_world_size} ranks' checkpoint with {self.runtime.world_size}: model and "
-                         f"optimizer continue, the data position is kept by global sample count and {schedule}, "
-                         f"but results are not bit-identical to an uninterrupted run")
 
     # ------------------------------------------------------------------ save
-    def save(self, state: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
-        """Write `state` to <save-dir>/name (and also_as) from rank 0; every rank must call this.
+    def save(self, stateful: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
+        """Write the checkpoint of `stateful` to <save-dir>/name (and also_as); every rank must call this.
+        The sharded format drops the names' .pt: `last.pt` is the folder `last/` there.
 
         The success flag all-reduced at the end is also the barrier, so no rank
         runs ahead, and a failed write (full disk, lost permission) stops every
         rank with one line naming the file, while the previous checkpoint stays.
         """
+        step = stateful[PROGRESS].state_dict()["global_step"]
+        if self.sharded:
+            return self._save_sharded(stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"),
+                                      step)
+        state = self.state_of(stateful)
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
             for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
                 try:
-                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(state["global_step"]))
+                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(step))
                 except OSError as failure:
                     failed_path, error = target, f"{failure.strerror or failure}"
                     break
                 if target == path:
                     self.last_saved = path
+        self._agree(path, failed_path, error, step)
+        self._saved(path)
+        return path
+
+    def _agree(self, path: str, failed_path: str, error: str, step: int) -> None:
+        """Every rank learns whether rank 0's writing for `path` failed (`error`), and then stops in one line."""
         failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.runtime.device)).item()
         if failed:
             kept = "the previous checkpoint is kept" if failed_path in ("", path) else "the newest checkpoint is kept"
             raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
-                                  f"stopped at step {state['global_step']}, {kept}: {self.newest()}")
+                                  f"stopped at step {step}, {kept}: {self.newest()}")
+
+    def _saved(self, path: str) -> None:
+        """`path` is in place: the newest checkpoint, and --overwrite's set-aside run can go."""
         self.last_saved = path
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             savedir.drop_set_aside(folder)  # our first checkpoint is safely written
+
+    def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: Optional[str], step: int) -> str:
+        """Every rank writes its shards into `<name>.tmp/`, rank 0 the rest; renamed to `name` (and linked as
+        `also_as`) once complete, after the writing in the background with --async-checkpoint."""
+        started = time.perf_counter()
+        self.finish_saves()  # the previous background save first: saves are in place in their order
+        path = os.path.join(self.save_dir, name)
+        folder, error = sharded.temporary_folder(path), ""
+        rest = self.state_of({key: thing for key, thing in stateful.items() if key not in sharded.SHARDED})
+        if self.runtime.is_main:
+            try:
+                if os.path.lexists(folder):  # a killed save's: ours now
+                    safe_files.remove(folder)
+                safe_files.make_folder(folder, inside=self.save_dir)
+                checkpoint.atomic_save(rest, os.path.join(folder, checkpoint.STATE_FILE))
+            except OSError as failure:
+                error = f"{failure.strerror or failure}"
+        self._agree(path, folder, error, step)  # the folder is there before any rank writes into it
+        background = self.background if self.config.async_checkpoint else None
+        fault = self._save_fault(step)  # test-only: a kill in the background writing, else before the rename
+        try:
+            pending = sharded.start_save(stateful, folder, background, die_midway=bool(fault and background))
+        except Exception as failure:  # DCP raises on every rank when one failed: the ranks stop together
+            raise TrainingStopped(f"could not write checkpoint {path}: {str(failure).strip()[:300]}; stopped at "
+                                  f"step {step}, the previous checkpoint is kept: {self.newest()}") from None
+
+        def finish() -> None:  # on every rank, once every rank's shards are written: rank 0 renames
+            error = ""
+            if self.runtime.is_main:
+                if fault:
+                    fault()
+                try:
+                    self._put_in_place(folder, path, also_as)
+                except OSError as failure:
+                    error = f"{failure.strerror or failure}"
+            self._agree(path, path, error, step)
+            self._saved(path)
+
+        if pending is None:
+            finish()
+            self.report.line(f"checkpoint {path}/ saved in {time.perf_counter() - started:.2f}s "
+                             f"({checkpoint.megabytes(checkpoint.size_of(path)) if self.runtime.is_main else ''})")
+        else:
+            self.background.pending = (pending, finish)
+            self.report.line(f"checkpoint {path}/ being written in the background: training blocked "
+                             f"{time.perf_counter() - started:.2f}s")
         return path
 
-    def save_step(self, state: dict[str, Any]) -> None:
+    def _put_in_place(self, folder: str, path: str, also_as: Optional[str]) -> None:
+        """Rank 0: the complete `folder` becomes `path` (and `also_as`, linked), then old step folders go."""
+        safe_files.replace_folder(folder, path)
+        if also_as:
+            also = os.path.join(self.save_dir, also_as)
+            copy = sharded.temporary_folder(also)
+            if os.path.lexists(copy):  # a killed save's
+                safe_files.remove(copy)
+            safe_files.linked_copy(path, copy)
+            safe_files.replace_folder(copy, also)
+        if os.path.basename(path).startswith("step-"):
+            checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
+
+    def finish_saves(self) -> None:
+        """Wait for the background save still being written, and put it in place (every rank calls this)."""
+        try:
+            self.background.wait()
+        except TrainingStopped:  # its renaming failed: said already
+            raise
+        except Exception as failure:  # every rank's future fails alike: DCP's collective reports it to each
+            raise TrainingStopped(f"could not write a checkpoint in the background: {str(failure).strip()[:300]}; "
+                                  f"the previous checkpoint is kept: {self.newest()}") from None
+
+    def save_step(self, stateful: dict[str, Any], global_step: int) -> None:
         """A step checkpoint, then the oldest ones beyond --keep-last go (only once the new one is in place)."""
-        self.save(state, checkpoint.step_checkpoint_name(state["global_step"]))
-        if self.runtime.is_main:
+        self.save(stateful, checkpoint.step_checkpoint_name(global_step))
+        if self.runtime.is_main and not self.sharded:  # a sharded one prunes once it is in place
             checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
 
     def newest(self) -> str:

@@ -138,6 +138,12 @@ class TrainConfig:
     save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",
                                  group="output")
     keep_last: int = _opt(3, "step checkpoints to keep", group="output")
+    checkpoint_format: str = _opt("auto", "file: rank 0 writes one file (last.pt); sharded: a folder (last/) where "
+                                  "every process writes its own shards in parallel, which resumes at any number of "
+                                  "processes; auto: sharded under --multi-gpu fsdp, else file",
+                                  ["auto", "file", "sharded"], group="output")
+    async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
+                                  "copy is taken first; the next save waits for the previous one)", group="output")
     monitor: Optional[str] = _opt(None, "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
                                   "(default: val_acc when accuracy is computed, else val_loss)", group="output")
     monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
@@ -173,7 +179,7 @@ class TrainConfig:
                              f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
-                     "monitor_mode"]:
+                     "monitor_mode", "checkpoint_format"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
@@ -193,11 +199,19 @@ class TrainConfig:
                              f"windows of characters, --dataset text --data-file FILE gives them and no other model "
                              f"reads them")
 
+        if self.async_checkpoint and not self.sharded_checkpoints():
+            raise UsageError("--async-checkpoint writes sharded checkpoints in the background, and this run writes "
+                             "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint")
+
     # --- derived values: computed, never stored, so they cannot go stale ---
     @property
     def watchdog_seconds(self) -> float:
         """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
         return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)
+
+    def sharded_checkpoints(self) -> bool:
+        """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
+        return self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and self.multi_gpu == "fsdp")
 
     def image_dims(self) -> tuple[int, int, int]:
         """--image-shape as (C, H, W)."""

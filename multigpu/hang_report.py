@@ -112,7 +112,7 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     step = trainer.progress.global_step
     path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
     try:
-        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer, gather=False), path)
+        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(gather=False)), path)
     except Exception as error:  # a failed save must not keep the report from being written
         return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
     return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "

@@ -12,7 +12,9 @@ through here:
 - `replacing`: whole files, written under a temporary name in the same folder
   and renamed over the name (a rename replaces a link, never its target);
 - `make_folder`: the folders the project names itself inside a user's folder
-  (`<save-dir>/tb`, a sweep's run folders), where a planted link is refused too.
+  (`<save-dir>/tb`, a sweep's run folders), where a planted link is refused too;
+- `replace_folder` / `linked_copy`: a sharded checkpoint folder, written whole under a temporary
+  name and renamed into place (a rename replaces a link, never its target).
 
 A planted link is refused with one line (`UsageError`, exit 2) naming it and
 what it points to; the link and its target are left untouched. Links the user
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -36,6 +39,7 @@ from typing import IO, Any, Callable, Iterator, Optional, Sequence
 from multigpu.errors import UsageError
 
 TMP_SUFFIX = ".tmp"  # a whole file's unfinished content: `<name>.<random>.tmp` in the file's folder
+OLD_SUFFIX = ".old" + TMP_SUFFIX  # a folder being replaced, between replace_folder's two renames
 # open()'s modes as flags; every one of them creates the file, and none follows a final link.
 _FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
           "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
@@ -108,11 +112,7 @@ def replacing(path: str, mode: str = "wb", perms: Optional[int] = None, sync_fol
             os.unlink(tmp_path)
         raise
     if sync_folder:
-        folder = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        _sync_folder(directory)
 
 
 def create_once(path: str, data: bytes | str, perms: Optional[int] = None) -> bool:
@@ -177,6 +177,50 @@ def make_folder(path: str, inside: Optional[str] = None) -> None:
             refuse_link(current)
             if not stat.S_ISDIR(os.stat(current).st_mode):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), current) from None
+
+
+def replace_folder(new: str, path: str) -> None:
+    """Put the complete folder `new` at its sibling `path`, replacing the folder there: that one is renamed
+    to `<path>.old.tmp`, `new` to `path`, and only then the old one deleted. A kill between the two renames
+    leaves the old one under that name (checkpoint.remove_unfinished puts it back); a link at `path` is
+    renamed away, its target untouched."""
+    old = path + OLD_SUFFIX
+    if os.path.lexists(old):
+        remove(old)
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(new, path)
+    _sync_folder(os.path.dirname(os.path.abspath(path)))
+    if os.path.lexists(old):
+        remove(old)
+
+
+def linked_copy(folder: str, copy: str) -> None:
+    """A copy of `folder`'s files at `copy` (a new folder) as hard links: no bytes copied; a file is never
+    changed once written, so the two cannot drift. Copied where the file system has no hard links."""
+    os.mkdir(copy)
+    for entry in os.scandir(folder):
+        try:
+            os.link(entry.path, os.path.join(copy, entry.name), follow_symlinks=False)
+        except OSError:
+            shutil.copy2(entry.path, os.path.join(copy, entry.name), follow_symlinks=False)
+
+
+def remove(path: str) -> None:
+    """Delete `path`: a folder with what it holds, or a file or link (never what a link points to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _sync_folder(directory: str) -> None:
+    """fsync a folder, so the renames in it survive a power cut."""
+    folder = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

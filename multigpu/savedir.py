@@ -78,7 +78,12 @@ HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
-CHECKPOINT_PATTERNS = ("last.pt", "best.pt", "step-*.pt")  # what --overwrite sets aside
+# What --overwrite sets aside: checkpoint files, and sharded checkpoint folders (multigpu/sharded.py).
+CHECKPOINT_FILES = ("last.pt", "best.pt", "step-*.pt")
+CHECKPOINT_FOLDERS = ("last", "best", "step-[0-9]*[0-9]")
+CHECKPOINT_PATTERNS = CHECKPOINT_FILES + CHECKPOINT_FOLDERS
+SHARDED_MARKER = ".metadata"  # a sharded checkpoint folder's last file written: its time is the folder's
+SHARDED_STATE_FILE = "trainer_state.pt"  # rank 0's part of a sharded checkpoint folder: config, progress, ...
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # no locks on this file system
 
 
@@ -370,7 +375,7 @@ def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]
         # A folder with no checkpoint but a killed --overwrite run's set-aside copy gets it back when it is taken.
         files = resumable_files(folder) or [path for aside in set_aside_folders(folder)
                                             for path in resumable_files(aside)]
-        saved = next(filter(None, map(run_settings.saved_settings, files)), None)
+        saved = next(filter(None, (run_settings.saved_settings(settings_file(path)) for path in files)), None)
         if saved is None:
             continue  # nothing to continue there
         differing = run_settings.differences(saved, config)
@@ -387,21 +392,43 @@ def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]
 
 
 def newest_first(paths: list[str]) -> list[str]:
-    """Most recently written first. On an equal mtime (coarse file-system clocks) last.pt, written
-    after the step checkpoint of the same step, and then the higher step count as newer."""
-    return sorted(paths, key=lambda path: (os.path.getmtime(path), os.path.basename(path) == "last.pt",
+    """Most recently written first (a sharded folder when its marker was written). On an equal mtime (coarse
+    file-system clocks) last.pt, written after the step checkpoint of the same step, and then the higher step
+    count as newer."""
+    return sorted(paths, key=lambda path: (written_at(path), os.path.basename(path) in ("last.pt", "last"),
                                            os.path.basename(path)), reverse=True)
 
 
+def written_at(path: str) -> float:
+    """When the checkpoint at `path` was written: a file's mtime, a sharded folder's marker's (the folder's own
+    when it has none: a half folder, refused when loaded)."""
+    marker = os.path.join(path, SHARDED_MARKER)
+    return os.path.getmtime(marker if os.path.isdir(path) and os.path.exists(marker) else path)
+
+
+def settings_file(path: str) -> str:
+    """The file that holds the config of the checkpoint at `path`: itself, or a sharded folder's state file."""
+    return os.path.join(path, SHARDED_STATE_FILE) if os.path.isdir(path) else path
+
+
 def resumable_files(save_dir: str) -> list[str]:
-    """Checkpoints in `save_dir` that a resume may use, newest first (best.pt is not one: it is older)."""
-    return newest_first(glob.glob(os.path.join(save_dir, "step-*.pt")) + glob.glob(os.path.join(save_dir, "last.pt")))
+    """Checkpoints in `save_dir` that a resume may use, files and sharded folders, newest first (best is not
+    one: it is older)."""
+    return newest_first(matching(save_dir, ("step-*.pt", "last.pt"), ("step-[0-9]*[0-9]", "last")))
+
+
+def matching(save_dir: str, files: tuple[str, ...], folders: tuple[str, ...] = ()) -> list[str]:
+    """The paths in `save_dir` that match one of the glob patterns `files`, or one of `folders` and are folders
+    (no file a pattern of sharded checkpoint folders happens to match)."""
+    found = {path for pattern in files for path in glob.glob(os.path.join(save_dir, pattern))}
+    found |= {path for pattern in folders for path in glob.glob(os.path.join(save_dir, pattern)) if os.path.isdir(path)}
+    return sorted(found)
 
 
 # ---------------------------------------------------------------- --overwrite
 def checkpoint_files(save_dir: str) -> list[str]:
     """The checkpoints in `save_dir` that a new run would replace."""
-    return sorted({path for pattern in CHECKPOINT_PATTERNS for path in glob.glob(os.path.join(save_dir, pattern))})
+    return matching(save_dir, CHECKPOINT_FILES, CHECKPOINT_FOLDERS)
 
 
 def set_aside(save_dir: str, extra: tuple[str, ...] = ()) -> Optional[str]:

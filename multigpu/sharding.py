@@ -10,9 +10,9 @@ Mixed precision is FSDP2's own MixedPrecisionPolicy: the sharded master weights 
 fp32, forward and backward compute in the --amp dtype, gradients are reduced in fp32.
 Autocast is then not used (multigpu/amp.py), so nothing casts the computation back.
 
-Checkpoints: until the sharded (DCP) writer lands, the full state is gathered to the
-CPU (full_state_dict) and written as today's one-file checkpoint, so it resumes at any
-world size; `full_*_state` and `load_full_state` are the only places that know it.
+Checkpoints need nothing here: multigpu/stateful.py reads a sharded model's state
+through torch.distributed.checkpoint.state_dict, whole on rank 0 for a one-file
+checkpoint or as each rank's shards for a sharded folder (multigpu/sharded.py).
 """
 
 from __future__ import annotations
@@ -147,51 +147,6 @@ def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-# ---------------------------------------------------------------- checkpoints: the full state on rank 0's CPU
-def _full_options(cpu_offload: bool = True) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-
-
-def full_model_state(model: nn.Module) -> dict[str, Any]:
-    """The whole model's state_dict on rank 0's CPU (empty on the others); every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return get_model_state_dict(model, options=_full_options())
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's whole state (keyed by parameter names) on rank 0's CPU; every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer, options=_full_options())
-
-
-def load_full_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], model_state: dict[str, Any],
-                    optimizer_state: Optional[dict[str, Any]] = None) -> None:
-    """Load a full (unsharded) state into the sharded model and optimizer: each rank keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-    set_model_state_dict(model, model_state, options=_full_options(cpu_offload=False))
-    if optimizer is not None and optimizer_state is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=_full_options(cpu_offload=False))
-
-
-def optimizer_state_for(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """A saved optimizer state in the form `optimizer` loads: parameters by name for a sharded model (what
-    full_optimizer_state writes), by position for a plain one (torch's own format), whichever was saved, so a
-    ddp or one-device checkpoint resumes under fsdp and back. The order of the optimizer's parameters is the
-    same either way: it is built over the model's parameters in the same order."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    ordered = [names.get(id(p), str(index)) for index, p in
-               enumerate(p for group in optimizer.param_groups for p in group["params"])]
-    by_name = is_sharded(model)
-    saved_by_name = any(isinstance(key, str) for group in state.get("param_groups", []) for key in group["params"])
-    if by_name == saved_by_name:
-        return state
-    position = {name: index for index, name in enumerate(ordered)}
-    key = (lambda index: ordered[index]) if by_name else (lambda name: position[name])
-    return {"state": {key(k): value for k, value in state["state"].items()},
-            "param_groups": [{**group, "params": [key(k) for k in group["params"]]} for group in state["param_groups"]]}
-
-
 # ---------------------------------------------------------------- an average of the weights that stays sharded
 class AveragedShards(nn.Module):
     """--ema-decay under fsdp: the average of a sharded model's floating-point parameters, kept as this rank's
@@ -240,11 +195,11 @@ class AveragedShards(nn.Module):
         with self.swapped_in() as model:
             # Copies: with one shard on the CPU the gathered tensors are the parameters themselves, which get
             # the trained weights back when the swap ends.
-            return {name: tensor.clone() for name, tensor in full_model_state(model).items()}
+            return {name: tensor.clone() for name, tensor in _whole(model).state_dict().items()}
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         with self.swapped_in() as model:
-            load_full_state(model, None, state)
+            _whole(model).load_state_dict(state)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -252,3 +207,9 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if is_sharded(module):
             module.reshard()  # type: ignore[operator]
+
+
+def _whole(model: nn.Module) -> Any:
+    """The model's whole state as a checkpoint holds it (multigpu/stateful.py, which imports this module)."""
+    from multigpu.stateful import ModelState
+    return ModelState(model)

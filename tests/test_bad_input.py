@@ -132,6 +132,12 @@ def empty_folder(tmp_path: Path) -> str:
     return str(tmp_path / "notes")
 
 
+def half_sharded(tmp_path: Path) -> str:
+    """A sharded checkpoint folder whose save never finished: no metadata, no state file."""
+    (tmp_path / "last").mkdir()
+    return str(tmp_path / "last")
+
+
 def named_pipe(tmp_path: Path) -> str:
     os.mkfifo(tmp_path / "pipe")
     return str(tmp_path / "pipe")
@@ -260,6 +266,11 @@ CLI = {
     "resume a folder without checkpoints": Case(
         [], "is a folder without checkpoints (last.pt, step-*.pt)",
         lambda tmp, ckpt: ["--resume", empty_folder(tmp)]),
+    "resume a half-written sharded checkpoint": Case(
+        [], "refused: an incomplete sharded checkpoint (no .metadata or trainer_state.pt: its save did not finish)",
+        lambda tmp, ckpt: ["--resume", half_sharded(tmp)]),
+    "async checkpoint of one file": Case(["--async-checkpoint"], "--async-checkpoint writes sharded checkpoints in "
+                                         "the background, and this run writes one file from rank 0"),
     "resume auto and overwrite at once": Case(["--resume", "auto", "--overwrite"],
                                               "--resume auto continues the run in --save-dir and --overwrite starts "
                                               "afresh over it: give one of them"),

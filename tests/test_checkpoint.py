@@ -217,3 +217,17 @@ def test_the_size_estimate_is_close_to_a_real_checkpoint(tmp_path):
     trainer.fit()  # AdamW's state exists after the first step
     real = (tmp_path / "ckpt" / "last.pt").stat().st_size
     assert abs(estimate - real) / real < 0.05, (estimate, real)
+
+
+def test_unfinished_saves_go_and_a_folder_caught_between_its_renames_comes_back(tmp_path):
+    """A kill inside safe_files.replace_folder leaves the old folder as `last.old.tmp`: put back when nothing
+    took its place, dropped when the new one is in place; half-written folders and files are removed."""
+    (tmp_path / "last.old.tmp").mkdir()
+    (tmp_path / "last.old.tmp" / checkpoint.MARKER).write_bytes(b"complete")
+    for folder in ("best", "best.old.tmp", "step-000000004.tmp"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "step-000000010.pt.abc4.tmp").write_bytes(b"half")  # a file that a folder's pattern also fits
+    removed = checkpoint.remove_unfinished(str(tmp_path))
+    assert removed == ["best.old.tmp", "step-000000004.tmp", "step-000000010.pt.abc4.tmp"]
+    assert (tmp_path / "last" / checkpoint.MARKER).read_bytes() == b"complete"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["best", "last"]

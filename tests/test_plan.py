@@ -17,7 +17,7 @@ from train_multi_gpu import MultiGPUTrainer
 def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_path: Path):
     config = config_for(tmp_path, 1, grad_accum_steps=2, epochs=3, warmup_epochs=1.0)
     with MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config) as trainer:  # 64 / (8 x 2): 4 steps per epoch
-        layout, batch, optimizer = plan_lines(trainer)
+        layout, batch, optimizer = plan_lines(trainer.plan_facts())
     assert layout == "mode none: one device, cpu"
     assert batch == "batch 8 per device x 1 devices x 2 accumulation = 16 effective (one device)"
     assert optimizer.startswith("optimizer AdamW, lr 0.01")
@@ -32,14 +32,14 @@ def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):
                                 scheduler=lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(
                                     optimizer, max_lr=1e-3, total_steps=total_steps, pct_start=0.25))
     with one_cycle:
-        optimizer = plan_lines(one_cycle)[2]
+        optimizer = plan_lines(one_cycle.plan_facts())[2]
     assert "; scheduler OneCycleLR per step (first step lr 4e-05, peak 0.001), 8 steps/epoch, 16 steps;" in optimizer
 
 
 def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_path: Path):
     config = config_for(tmp_path, 1, epochs=1, warmup_epochs=2.0)  # 8 steps of warm-up in a run of 8 steps
     with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config) as trainer:
-        warnings = [line for line in plan_lines(trainer) if line.startswith("warning:")]
+        warnings = [line for line in plan_lines(trainer.plan_facts()) if line.startswith("warning:")]
     peak = 0.01 * lr_factor(3, config, 4)  # the last of the run's 4 steps
     assert warnings == [f"warning: the warm-up (8 steps) is longer than the run (4 steps): the LR peaks at "
                         f"{peak:g}, never at 0.01"]
@@ -48,18 +48,18 @@ def test_a_warm_up_longer_than_the_run_is_a_warning_with_the_lr_it_peaks_at(tmp_
 def test_linear_lr_scaling_of_an_adam_family_optimizer_is_a_warning_pointing_at_sqrt(tmp_path: Path):
     config = config_for(tmp_path, 1, lr=1e-3, lr_scaling="linear", lr_base_batch=2, epochs=1)  # 8/2: x4 or x2
     with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config) as adamw:
-        warnings = [line for line in plan_lines(adamw) if line.startswith("warning:")]
+        warnings = [line for line in plan_lines(adamw.plan_facts()) if line.startswith("warning:")]
     assert warnings == ["warning: --lr-scaling linear is the rule for SGD; AdamW usually scales by sqrt "
                         "(lr 0.004 here, 0.002 with --lr-scaling sqrt)"]
     with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path / "sgd", 1, lr_scaling="linear",
                                                                       optimizer="sgd", epochs=1)) as sgd:
-        assert not [line for line in plan_lines(sgd) if line.startswith("warning:")]
+        assert not [line for line in plan_lines(sgd.plan_facts()) if line.startswith("warning:")]
 
 
 def test_fewer_samples_than_one_step_is_a_warning(tmp_path: Path):
     config = config_for(tmp_path, 1, batch_size=16, grad_accum_steps=2, epochs=1)
     with MultiGPUTrainer(tiny_model(), blobs(20, 0), None, config) as trainer:
-        warnings = [line for line in plan_lines(trainer) if line.startswith("warning:")]
+        warnings = [line for line in plan_lines(trainer.plan_facts()) if line.startswith("warning:")]
     assert warnings == ["warning: each process gets 20 training samples per epoch, fewer than one step's 16 x 2: "
                         "every step uses 20 samples per process, not the effective batch above"]
 
@@ -67,7 +67,7 @@ def test_fewer_samples_than_one_step_is_a_warning(tmp_path: Path):
 def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path, capsys: pytest.CaptureFixture):
     with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config_for(tmp_path, 1)) as trainer:
         summary = trainer.fit()
-        line = done_line(trainer, summary)
+        line = done_line(summary, trainer.monitor.name, True, 1, trainer.telemetry.summary_text(summary))
     assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
     assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
 

@@ -193,11 +193,28 @@ def test_a_link_planted_for_a_file_the_project_writes_is_refused_and_its_target_
 def test_every_write_in_the_project_goes_through_safe_files():
     """The cases above cover the writers there are: a new open-for-writing elsewhere must use the helper."""
     writes = re.compile(r"os\.open\([^)]*O_(CREAT|WRONLY|RDWR|APPEND|TRUNC)|\bopen\([^)]*[\"'][wax]b?\+?[\"']"
-                        r"|mkstemp\(|\.write_(text|bytes)\(|os\.chmod\(|>>? *\"\$")
+                        r"|mkstemp\(|\.write_(text|bytes)\(|os\.chmod\(|>>? *\"\$|FileSystemWriter\b")
     sources = [*REPO.glob("*.py"), *REPO.glob("*.sh"), *(path for folder in ("multigpu", "data", "models")
                                                           for path in (REPO / folder).rglob("*.py"))]
     found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sources
              if path.name != "safe_files.py"
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if writes.search(line) and "os.devnull" not in line]  # /dev/null is no file a run creates
-    assert found == []
+    # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in multigpu/sharded.py
+    # only, and only inside the temporary folder that safe_files.make_folder made for that save (renamed into
+    # place by safe_files.replace_folder), a folder of the project's own naming where no link was planted.
+    dcp_writers = [line for line in found if line.startswith("multigpu/sharded.py:") and "FileSystemWriter" in line]
+    assert len(dcp_writers) == 2, found  # the writer a save uses, and the fault injector's subclass of it
+    assert [line for line in found if line not in dcp_writers] == []
+
+
+def test_a_folder_replaces_a_planted_link_not_its_target(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_bytes(VICTIM_BYTES)
+    (tmp_path / "last").symlink_to(victim)
+    (tmp_path / "last.tmp").mkdir()
+    (tmp_path / "last.tmp" / "shard").write_bytes(b"new")
+    safe_files.replace_folder(str(tmp_path / "last.tmp"), str(tmp_path / "last"))
+    assert not (tmp_path / "last").is_symlink() and (tmp_path / "last" / "shard").read_bytes() == b"new"
+    assert (victim / "keep.txt").read_bytes() == VICTIM_BYTES and not (tmp_path / "last.old.tmp").exists()

@@ -20,9 +20,10 @@ import torch.nn as nn
 
 import main_multi_gpu
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu import sharding
+from multigpu import sharded, sharding
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
+from multigpu.stateful import ModelState
 from train_multi_gpu import MultiGPUTrainer
 
 TOLERANCE = 1e-5
@@ -38,8 +39,7 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 def _full_weights(trainer: MultiGPUTrainer) -> dict[str, torch.Tensor]:
-    state = (sharding.full_model_state(trainer.model) if sharding.is_sharded(trainer.model)
-             else trainer.model.state_dict())
+    state = ModelState(trainer.model).state_dict()  # whole on rank 0, sharded or not
     return {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
 
 
@@ -189,5 +189,9 @@ def test_fsdp_in_one_process_trains_one_shard_and_says_so(tmp_path, capsys):
     assert "mode fsdp: one process, one shard" in out
     assert "(parameters kept gathered from forward to backward)" in out
     assert not torch.distributed.is_initialized()  # the one-process group is gone with the run
-    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (tmp_path / "run" / "last" / ".metadata").is_file()  # fsdp writes sharded folders (one shard here)
+    state = sharded.load_whole(str(tmp_path / "run" / "last"))
     assert all(type(tensor) is torch.Tensor for tensor in state["model"].values())  # whole tensors, not DTensors
+    assert main_multi_gpu.main(args + ["--checkpoint-format", "file", "--save-dir", str(tmp_path / "file")]) == 0
+    state = torch.load(tmp_path / "file" / "last.pt", weights_only=True)  # or one file, gathered whole
+    assert all(type(tensor) is torch.Tensor for tensor in state["model"].values())

@@ -1,0 +1,186 @@
+"""Sharded checkpoints (multigpu/sharded.py, --checkpoint-format sharded): every rank writes its shards into a
+folder renamed into place when complete; it resumes at another number of processes, from and into one-file
+checkpoints, after a kill in an async save; export and prediction read it."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+import main_multi_gpu
+import predict_multi_gpu
+from conftest import TINY, assert_ok, blobs, config_for, run_cli, run_ranks, tiny_model
+from multigpu import checkpoint, export, savedir, sharded
+from multigpu.config import parse_config
+from multigpu.errors import UsageError
+from multigpu.faults import FAULT_ENV
+from multigpu.stateful import ModelState
+from train_multi_gpu import MultiGPUTrainer
+
+EFFECTIVE_BATCH = 24  # 1, 2 and 3 processes each take an equal share of every step's samples
+
+
+class _Recorder:
+    """A loss function that records each micro-batch's loss and LR, and a callback that records the state a
+    run starts from (after its resume), whole, on rank 0."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+        self.started: dict[str, Any] = {}
+        self.trainer: Optional[MultiGPUTrainer] = None
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(outputs, targets)
+        self.steps.append((loss.item(), self.trainer.optimizer.param_groups[0]["lr"]))
+        return loss
+
+    def on_fit_start(self, trainer: MultiGPUTrainer) -> None:
+        optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                             options=StateDictOptions(full_state_dict=True))
+        self.started = {"model": ModelState(trainer.model).state_dict(), "optimizer": optimizer["state"],
+                        "step": trainer.progress.global_step}
+        self.started = copy.deepcopy(self.started)  # the states share the live tensors, which train on
+
+
+def _train(rank: int, world_size: int, save_dir: Path, resume: Optional[str], checkpoint_format: str) -> dict:
+    """2 epochs of 96 samples, EFFECTIVE_BATCH per step (4 steps an epoch), a step checkpoint every 4 steps."""
+    recorder = _Recorder()
+    config = config_for(save_dir, world_size, batch_size=EFFECTIVE_BATCH // world_size, epochs=2, warmup_epochs=0.5,
+                        save_every_steps=4, keep_last=5, checkpoint_format=checkpoint_format, resume=resume)
+    with MultiGPUTrainer(tiny_model(), blobs(96, 0), None, config, loss_fn=recorder, callbacks=[recorder]) as trainer:
+        recorder.trainer = trainer
+        trainer.fit()
+        final = ModelState(trainer.model).state_dict()
+    return {"steps": recorder.steps, "started": recorder.started, "final": final}
+
+
+def _global_steps(ranks: list[dict]) -> list[tuple[float, float]]:
+    """Each step's loss over all ranks (equal shares: the mean of theirs) and its LR."""
+    return [(sum(loss for loss, _ in step) / len(step), step[0][1]) for step in zip(*(r["steps"] for r in ranks))]
+
+
+def test_a_folder_saved_at_2_processes_resumes_at_1_and_at_3_as_if_uninterrupted(tmp_path):
+    reference = run_ranks(_train, 2, tmp_path, tmp_path / "reference", None, "sharded")
+    saved = tmp_path / "reference" / "ckpt" / "step-000000004"
+    whole = sharded.load_whole(str(saved))
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                       checkpoint.STATE_FILE]  # both ranks wrote shards
+    expected = _global_steps(reference)[4:]  # steps 5 to 8
+    for world_size in (1, 3):
+        resumed = run_ranks(_train, world_size, tmp_path, tmp_path / f"at-{world_size}", str(saved), "sharded")
+        started = resumed[0]["started"]
+        assert started["step"] == 4
+        for name, tensor in whole["model"].items():  # the full state, bit for bit
+            assert torch.equal(started["model"][name], tensor), (world_size, name)
+        for name, slots in whole["optimizer"]["state"].items():
+            for slot, tensor in slots.items():
+                assert torch.equal(started["optimizer"][name][slot], tensor), (world_size, name, slot)
+        steps = _global_steps(resumed)
+        assert len(steps) == 4 and [lr for _, lr in steps] == pytest.approx([lr for _, lr in expected], rel=1e-9)
+        assert [loss for loss, _ in steps] == pytest.approx([loss for loss, _ in expected], abs=1e-5)
+        for name, tensor in reference[0]["final"].items():
+            torch.testing.assert_close(resumed[0]["final"][name], tensor, atol=1e-5, rtol=0)
+
+
+def _in_process(save_dir: Path, epochs: int, checkpoint_format: str) -> MultiGPUTrainer:
+    # A constant LR: a schedule's length would change with the epochs asked for.
+    config = config_for(save_dir, 1, epochs=epochs, checkpoint_format=checkpoint_format, resume="auto",
+                        save_dir=str(save_dir), lr_schedule="constant")
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config)
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def test_a_file_resumes_into_a_folder_and_back_bit_exactly(tmp_path, capsys):
+    _in_process(tmp_path / "whole", 3, "file")
+    for epochs, checkpoint_format in ((1, "file"), (2, "sharded"), (3, "file")):
+        _in_process(tmp_path / "chain", epochs, checkpoint_format)
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'chain' / 'last.pt'}: epoch 2" in out
+    assert f"resumed from {tmp_path / 'chain' / 'last'}: epoch 3" in out  # the folder, newer than last.pt
+    ours, theirs = (checkpoint.load(str(tmp_path / run / "last.pt")) for run in ("chain", "whole"))
+    assert (ours["scheduler"], ours["global_step"]) == (theirs["scheduler"], theirs["global_step"])
+    for name, tensor in theirs["model"].items():
+        assert torch.equal(ours["model"][name], tensor), name
+    for index, slots in theirs["optimizer"]["state"].items():
+        for slot, tensor in slots.items():
+            assert torch.equal(ours["optimizer"]["state"][index][slot], tensor), (index, slot)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """The save-dir of one CLI epoch (an MLP on synthetic data) with sharded checkpoints."""
+    save_dir = tmp_path_factory.mktemp("sharded") / "run"
+    assert main_multi_gpu.main([*TINY, "--epochs", "1", "--mode", "flatten", "--checkpoint-format", "sharded",
+                                "--save-dir", str(save_dir)]) == 0
+    return save_dir
+
+
+def test_a_half_written_folder_is_skipped_by_resume_auto_and_refused_when_named(sharded_run, tmp_path, capsys):
+    save_dir = tmp_path / "run"
+    shutil.copytree(sharded_run, save_dir)
+    shutil.copytree(save_dir / "last", save_dir / "step-000000099")
+    (save_dir / "step-000000099" / ".metadata").unlink()  # its shards written, never completed
+    shutil.copytree(save_dir / "last", save_dir / "last.tmp")  # a save killed before its rename
+    capsys.readouterr()
+    named = main_multi_gpu.main([*TINY, "--epochs", "2", "--mode", "flatten", "--checkpoint-format", "sharded",
+                                 "--save-dir", str(save_dir), "--resume", str(save_dir / "step-000000099")])
+    first = capsys.readouterr()
+    assert "removed 1 unfinished save(s) of a killed run: last.tmp" in first.out  # at the start of any resume
+    err = first.err
+    assert named == 2 and err.count("\n") == 1 and err == (
+        f"error: checkpoint {save_dir / 'step-000000099'} refused: an incomplete sharded checkpoint (no .metadata: "
+        f"its save did not finish)\n")
+    assert main_multi_gpu.main([*TINY, "--epochs", "2", "--mode", "flatten", "--checkpoint-format", "sharded",
+                                "--save-dir", str(save_dir), "--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {save_dir / 'step-000000099'} refused: an incomplete sharded checkpoint" in out
+    assert f"resumed from {save_dir / 'last'}: epoch 2" in out
+    assert checkpoint.load(str(save_dir / "last"))["epoch"] == 2 and not (save_dir / "last.tmp").exists()
+
+
+def test_export_gives_a_weights_only_file_that_predicts_as_the_folder_does(sharded_run, tmp_path, capsys):
+    out = tmp_path / "weights.pt"
+    assert export.main([str(sharded_run / "best"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    whole = sharded.load_whole(str(sharded_run / "best"))
+    assert state["model"].keys() == whole["model"].keys() and state["epoch"] == 1
+    for source, output in ((sharded_run / "best", tmp_path / "from-folder.pt"), (out, tmp_path / "from-file.pt")):
+        assert predict_multi_gpu.main(["--checkpoint", str(source), "--output", str(output)]) == 0
+    torch.testing.assert_close(torch.load(tmp_path / "from-folder.pt", weights_only=True),
+                               torch.load(tmp_path / "from-file.pt", weights_only=True), atol=0, rtol=0)
+    assert export.main([str(sharded_run), str(tmp_path / "x.pt")]) == 2
+    assert capsys.readouterr().err.endswith("is not a sharded checkpoint folder (last/, best/, step-N/ of a run "
+                                            "with --checkpoint-format sharded): name one\n")
+
+
+def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    save_dir = tmp_path / "run"
+    args = [*TINY, "--epochs", "1", "--checkpoint-format", "sharded", "--async-checkpoint", "--save-every-steps",
+            "2", "--save-dir", str(save_dir)]
+    killed = run_cli(args, nproc=2, env={FAULT_ENV: "0:4:save"})  # rank 0 dies writing step 4's shards
+    assert killed.returncode != 0
+    assert f"checkpoint {save_dir / 'step-000000002'}/ being written in the background: training blocked" \
+        in killed.stdout
+    assert (save_dir / "step-000000004.tmp").is_dir() and not (save_dir / "step-000000004").exists()
+    resumed = run_cli([*args, "--resume", "auto"])
+    assert_ok(resumed)
+    assert "removed 1 unfinished save(s) of a killed run: step-000000004.tmp" in resumed.stdout
+    assert f"resumed from {save_dir / 'step-000000002'}: epoch 1, step 2" in resumed.stdout
+    assert checkpoint.load(str(save_dir / "last"))["epoch"] == 1
+
+
+def test_resume_auto_without_a_save_dir_finds_a_run_of_sharded_folders(sharded_run, tmp_path):
+    shutil.copytree(sharded_run, tmp_path / "run-1")
+    args = [*TINY, "--epochs", "2", "--mode", "flatten", "--checkpoint-format", "sharded"]
+    assert savedir.run_to_continue(str(tmp_path), parse_config(args))[0] == str(tmp_path / "run-1")
+    with pytest.raises(UsageError, match="differs in mode: flatten -> image"):
+        savedir.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
