@@ -392,6 +392,15 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def load_last(save_dir: str) -> dict[str, Any]:
+    """The run's last checkpoint read whole: `last/` (sharded, fsdp's default; read by one process, whatever the
+    number that wrote it) or `last.pt`."""
+    from multigpu import sharded
+
+    folder = os.path.join(save_dir, "last")
+    return sharded.load_whole(folder) if os.path.isdir(folder) else load_checkpoint(folder + ".pt")
+
+
 @row("ddp torchrun")
 def row_ddp_torchrun(ctx: Context) -> Verdict:
     sizes, nproc = ctx.sizes("ddp"), ctx.nproc
@@ -495,7 +504,7 @@ def row_fsdp(ctx: Context) -> Verdict:
     for mode in ("ddp", "fsdp"):
         save_dir = ctx.folder(f"fsdp-{mode}")
         ctx.cli([*args, "--multi-gpu", mode, "--epochs", "1", "--save-dir", save_dir], timeout=150, nproc=nproc)
-        weights[mode] = load_checkpoint(os.path.join(save_dir, "last.pt"))["model"]
+        weights[mode] = load_last(save_dir)["model"]
     bf16_dir = ctx.folder("fsdp-bf16")
     bf16 = ctx.cli([*args, "--multi-gpu", "fsdp", "--amp", "bf16", "--epochs", "1", "--save-dir", bf16_dir],
                    timeout=150, nproc=nproc).stdout

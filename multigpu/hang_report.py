@@ -10,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from multigpu import checkpoint
+from multigpu import checkpoint, safe_files
 from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
 
 if TYPE_CHECKING:
@@ -95,8 +95,7 @@ def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks:
     if backend == "nccl":
         parts += ["", f"## NCCL flight recorder: {os.path.join(save_dir, NCCL_TRACE_PREFIX)}<rank> (analyse with "
                       f"python -m torch.distributed.flight_recorder.fr_trace {save_dir} -p {NCCL_TRACE_PREFIX})"]
-    with open(path, "w") as report:
-        report.write("\n".join(parts) + "\n")
+    safe_files.write_atomically(path, "\n".join(parts) + "\n")
 
 
 def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
