@@ -296,6 +296,7 @@ class Checkpointer:
             "world_size": self.runtime.world_size,
             "rng": rng_states,
             "callbacks": trainer.callbacks.state_dict(),  # e.g. early stopping's counter (multigpu/callbacks.py)
+            **({"stream_state": trainer.stream.state_dict()} if trainer.stream is not None else {}),
             "config": self.config.to_dict(),
         }
 
@@ -321,6 +322,11 @@ class Checkpointer:
         trainer.metrics = dict(state.get("metrics", {}))
         trainer.callbacks.load_state_dict(state.get("callbacks", {}))
         trainer.sampler.seed = state.get("sampler_seed", trainer.sampler.seed)  # the epoch's order must not change
+        if trainer.stream is not None:  # where each slot of the stream stopped (multigpu/streaming.py)
+            if "stream_state" not in state:
+                raise CheckpointError(f"{path} holds no stream position (saved with map-style data): resume it "
+                                      f"with that data, or start this stream with a new --save-dir")
+            trainer.stream.load_state_dict(state["stream_state"], path)
         if state["world_size"] == self.runtime.world_size:
             rng.set_rng_state(state["rng"][self.runtime.rank], self.runtime.device)
         else:

@@ -1,0 +1,94 @@
+"""Streaming training data (multigpu/streaming.py): every sample once over ranks x workers, uneven ends that
+never hang, and resume at the exact sample, at another layout too. Real DataLoader workers and real gloo ranks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, IdModel, IdStream, cli_env, config_for, free_port,
+                      read_ids, run_ranks)
+from multigpu.streaming import StreamShard, TaggedCollate
+
+EPOCH = sum(SHARDS)
+
+
+def shard_ids(rank: int, world: int, workers: int, skip=None, batches=None) -> tuple[list[int], dict[int, int]]:
+    """The ids one rank's loader gives (all, or its first `batches` batches), and the samples per slot."""
+    shard = StreamShard(IdStream(), rank, world)
+    shard.skip = skip
+    loader = DataLoader(shard, batch_size=5, num_workers=workers, collate_fn=TaggedCollate(None))
+    ids, counts = [], {}
+    for slot, samples, batch in itertools.islice(loader, batches):
+        ids += batch["id"].tolist()
+        counts[slot] = counts.get(slot, 0) + samples
+    return ids, counts
+
+
+@pytest.mark.parametrize("world, workers", [(1, 0), (1, 2), (2, 1), (3, 2)])
+def test_the_trainers_split_gives_every_sample_once_over_ranks_and_workers(world, workers):
+    ids = [i for rank in range(world) for i in shard_ids(rank, world, workers)[0]]
+    assert sorted(ids) == list(range(EPOCH))
+
+
+def test_a_resume_at_another_layout_continues_every_slot_exactly():
+    """2 ranks x 2 workers read 3 batches each, then 3 ranks x 1 worker, then 1 rank x 2 workers resume the
+    pass: together they read every id once."""
+    layers, seen = [], []
+    for world, workers, batches in [(2, 2, 3), (3, 1, 4), (1, 2, None)]:
+        counts = [0] * (world * max(1, workers))
+        for rank in range(world):
+            ids, mine = shard_ids(rank, world, workers, skip=[dict(layer) for layer in layers] or None,
+                                  batches=batches)
+            seen += ids
+            for slot, n in mine.items():
+                counts[slot] = n
+        layers.append({"slots": len(counts), "counts": counts})
+    assert sorted(seen) == list(range(EPOCH))
+
+
+def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStream, **overrides) -> dict:
+    """One rank of a run on `dataset`; its ids and the lines it reported."""
+    import contextlib
+    import io
+
+    from train_multi_gpu import MultiGPUTrainer
+
+    config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, **overrides)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), MultiGPUTrainer(IdModel(tmp / f"ids{rank}"), dataset, IdStream(),
+                                                          config) as trainer:
+        summary = trainer.fit()
+    return {"summary": summary, "out": out.getvalue(), "ids": read_ids([tmp / f"ids{rank}"])}
+
+
+# (ranks, workers, the stream shards itself by whole shards, samples each rank leaves unused at the uneven end)
+CASES = [(2, 2, True, [36, 0]), (3, 0, True, [60, 61, 0]), (1, 1, False, None)]
+
+
+@pytest.mark.parametrize("world, workers, by_shard, unused", CASES)
+def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(tmp_path, world, workers, by_shard,
+                                                                             unused):
+    results = run_ranks(train_stream, world, tmp_path, tmp_path, workers, IdStream(shards_itself=by_shard))
+    trained = [i for result in results for i in result["ids"]]
+    assert len(trained) == len(set(trained)), "a sample was trained on twice"
+    assert {result["summary"]["global_step"] for result in results} == {results[0]["summary"]["global_step"]}
+    out = results[0]["out"]
+    assert "val acc" in out and "(238 samples)" in out  # evaluation over the stream: every sample once
+    if unused is None:
+        assert sorted(trained) == list(range(EPOCH)) and "unused" not in out
+    else:
+        assert "samples left unused: " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(unused)) in out
+        assert len(trained) + sum(unused) == EPOCH
+
+
+def test_a_stream_that_claims_to_shard_itself_but_reads_everything_gets_one_warning(tmp_path):
+    results = run_ranks(train_stream, 2, tmp_path, tmp_path, 0, IdStream(shards_itself=True, mistaken=True))
+    assert results[0]["out"].count("warning: every rank read the same first batch") == 1
