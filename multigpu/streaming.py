@@ -60,11 +60,15 @@ class StreamShard(IterableDataset):
 
     def __init__(self, dataset: Any, rank: int, world_size: int, tagged: bool = True):
         self.dataset, self.rank, self.world_size, self.tagged = dataset, rank, world_size, tagged
+        # A resumed pass: the worker that gives the first batch plays the slot that was next (rotate), after
+        # rotate_base batches taken before the resume.
+        self.rotate, self.rotate_base = 0, 0
         self.pass_number, self.skip = 0, None  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker = (worker + self.rotate) % workers  # the DataLoader takes batches from workers 0, 1, ... in turn
         slot, slots = worker * self.world_size + self.rank, workers * self.world_size
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.pass_number)
@@ -131,6 +135,7 @@ class TrainStream:
                                                                               * runtime.world_size)))
         self.usable = length if length is not None else self.steps_per_epoch * loader_batch * grad_accum
         self.counts: dict[int, int] = {}  # samples each of this rank's slots handed to training, this pass
+        self.batches_taken = 0  # micro-batches this rank trained on, this pass (which worker gives the next)
         self.steps_in_epoch, self.checked = 0, False
         self._batches: Optional[Iterator[Any]] = None  # the pass's loader, kept across --steps-per-epoch epochs
 
@@ -160,6 +165,7 @@ class TrainStream:
             following_agreed = not epoch_full and self._all_have(following)
             for slot, samples, _ in window:  # type: ignore[union-attr]
                 self.counts[slot] = self.counts.get(slot, 0) + samples
+            self.batches_taken += len(window)  # type: ignore[arg-type]
             self._check_shards(window, report)  # type: ignore[arg-type]
             sizes = [samples for _, samples, _ in window]  # type: ignore[union-attr]
             yield iter([batch for _, _, batch in window]), sum(sizes), sizes, not following_agreed  # type: ignore
@@ -197,8 +203,9 @@ class TrainStream:
                    f"ended it together; samples left unused: " +
                    ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts)))
         self.shard.pass_number += 1
-        self.shard.skip, self.counts, self.steps_in_epoch = None, {}, 0
-        self._batches = None
+        self.shard.skip, self.shard.rotate, self.shard.rotate_base = None, 0, 0
+        self.counts, self.steps_in_epoch = {}, 0
+        self._batches, self.batches_taken = None, 0
 
     def _check_shards(self, window: list, report: Callable[[str], None]) -> None:
         """Once: a self-sharding stream whose ranks all read the same first batch reads everything everywhere."""
@@ -226,6 +233,7 @@ class TrainStream:
         else:
             layers.append({"slots": slots, "counts": counts})
         return {"pass": self.shard.pass_number, "steps_in_epoch": self.steps_in_epoch, "layers": layers,
+                "batches_taken": gather_objects(self.batches_taken + self.shard.rotate_base),
                 "world_size": self.runtime.world_size, "workers": workers,
                 "shards_itself": shards_itself(self.shard.dataset)}
 
@@ -238,6 +246,9 @@ class TrainStream:
                              f"{workers}: resume with that layout, or drop shards_itself so the trainer splits it")
         self.shard.pass_number, self.steps_in_epoch = state["pass"], state["steps_in_epoch"]
         self.shard.skip, self.counts = [dict(layer) for layer in state["layers"]], {}
+        if (state["world_size"], state["workers"]) == (world, workers):  # the same batches in the same order
+            self.shard.rotate_base = state["batches_taken"][self.runtime.rank]
+            self.shard.rotate = self.shard.rotate_base % workers
 
 
 def _digest(batch: Any) -> str:

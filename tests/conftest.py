@@ -438,14 +438,17 @@ class IdStream(torch.utils.data.IterableDataset):
 
 
 class IdModel(torch.nn.Module):
-    """tiny_model's layers; forward also appends the ids it trains on to `ids_file` (one line per batch)."""
+    """tiny_model's layers; forward also appends the ids it trains on to `ids_file` (one line per batch; not the
+    batch the trainer counts FLOPs on at start)."""
 
     def __init__(self, ids_file: Optional[Path] = None):
         super().__init__()
         self.net, self.ids_file = tiny_model(), ids_file
 
     def forward(self, x: torch.Tensor, id: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: A002
-        if self.ids_file is not None and id is not None and self.training:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode  # the trainer's FLOP count runs under one
+
+        if self.ids_file is not None and id is not None and self.training and _get_current_dispatch_mode() is None:
             with open(self.ids_file, "a") as out:
                 out.write(" ".join(map(str, id.tolist())) + "\n")
         return self.net(x)

@@ -92,3 +92,88 @@ def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(tmp_
 def test_a_stream_that_claims_to_shard_itself_but_reads_everything_gets_one_warning(tmp_path):
     results = run_ranks(train_stream, 2, tmp_path, tmp_path, 0, IdStream(shards_itself=True, mistaken=True))
     assert results[0]["out"].count("warning: every rank read the same first batch") == 1
+
+
+STREAM_RUN = """
+import os, sys, torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+from pathlib import Path
+from conftest import IdModel, IdStream, config_for
+from train_multi_gpu import MultiGPUTrainer
+out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+model = IdModel(out / f"ids{{rank}}-{{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}}")
+config = config_for(out, 2, num_workers=2, epochs=1, save_every_steps={kill_step}, resume="auto", log_every=1000)
+with MultiGPUTrainer(model, IdStream(), None, config) as trainer:
+    trainer.fit()
+    if rank == 0:
+        torch.save(trainer.model.state_dict(), out / "final.pt")
+"""
+
+
+def run_stream_torchrun(out: Path, fault: str = "") -> subprocess.CompletedProcess:
+    """STREAM_RUN under torchrun, 2 ranks x 2 workers, one restart allowed; `fault` for MULTIGPU_FAULT_INJECT."""
+    out.mkdir()
+    script = out / "run.py"
+    script.write_text(STREAM_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), kill_step=KILL_STEP))
+    env = cli_env({"MULTIGPU_FAULT_INJECT": fault} if fault else None)
+    command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+               "--master-port", str(free_port()), str(script), str(out)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+KILL_STEP = 5
+
+
+def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path):
+    """Rank 1 is SIGKILLed after step 5's checkpoint; torchrun restarts both ranks with --resume auto: the ids
+    trained before the kill and after the restart are exactly one epoch, and the weights equal an uninterrupted
+    run's."""
+    killed = run_stream_torchrun(tmp_path / "killed", fault=f"1:{KILL_STEP}")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "resumed from" in killed.stdout + killed.stderr
+    before = [i for rank in (0, 1) for line in (tmp_path / "killed" / f"ids{rank}-0").read_text().splitlines()
+              [:KILL_STEP] for i in map(int, line.split())]  # steps after the checkpoint were never saved
+    after = read_ids([tmp_path / "killed" / f"ids{rank}-1" for rank in (0, 1)])
+    assert sorted(before + after) == list(range(EPOCH))
+    whole = run_stream_torchrun(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, uninterrupted = (torch.load(tmp_path / name / "final.pt") for name in ("killed", "whole"))
+    assert max((resumed[key] - uninterrupted[key]).abs().max().item() for key in resumed) == 0
+
+
+class IdMap(torch.utils.data.Dataset):
+    """IdStream's samples by index: map-style data with ids."""
+
+    def __len__(self) -> int:
+        return EPOCH
+
+    def __getitem__(self, i: int) -> dict:
+        return {"id": i, **IdStream.features(i)}
+
+
+class SigtermAt:
+    """A callback that sends this rank SIGTERM after `step`, as a preemption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.progress.global_step == self.step:
+            os.kill(os.getpid(), __import__("signal").SIGTERM)
+
+
+def train_map(rank: int, world: int, tmp: Path, phase: str, stop_step: int) -> list[int]:
+    from train_multi_gpu import MultiGPUTrainer
+
+    config = config_for(tmp, world, epochs=1, log_every=stop_step or 50, resume="auto", num_workers=1)
+    callbacks = [SigtermAt(stop_step)] if stop_step else []
+    with MultiGPUTrainer(IdModel(tmp / f"{phase}{rank}"), IdMap(), None, config, callbacks=callbacks) as trainer:
+        trainer.fit()
+    return read_ids([tmp / f"{phase}{rank}"])
+
+
+def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order(tmp_path):
+    before = [i for ids in run_ranks(train_map, 2, tmp_path, tmp_path, "before", 4) for i in ids]
+    after = [i for ids in run_ranks(train_map, 3, tmp_path, tmp_path, "after", 0) for i in ids]
+    assert 0 < len(before) < EPOCH // 2  # stopped mid-epoch, at a sync point after step 4
+    assert sorted(before + after) == list(range(EPOCH))  # 238 - 64 = 174 splits evenly over 3: nothing trimmed
