@@ -61,7 +61,7 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 
     from train_multi_gpu import MultiGPUTrainer
 
-    config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, **overrides)
+    config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, batch_size=16, **overrides)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), MultiGPUTrainer(IdModel(tmp / f"ids{rank}"), dataset, IdStream(),
                                                           config) as trainer:
@@ -70,13 +70,15 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 
 
 # (ranks, workers, the stream shards itself by whole shards, samples each rank leaves unused at the uneven end)
-CASES = [(2, 2, True, [36, 0]), (3, 0, True, [60, 61, 0]), (1, 1, False, None)]
+CASES = [(2, 2, True, [36, 0]), (3, 0, True, [52, 53, 0]), (1, 1, False, None)]
 
 
 @pytest.mark.parametrize("world, workers, by_shard, unused", CASES)
 def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(tmp_path, world, workers, by_shard,
                                                                              unused):
-    results = run_ranks(train_stream, world, tmp_path, tmp_path, workers, IdStream(shards_itself=by_shard))
+    dataset = IdStream(shards_itself=by_shard)
+    results = (run_ranks(train_stream, world, tmp_path, tmp_path, workers, dataset) if world > 1
+               else [train_stream(0, 1, tmp_path, workers, dataset)])  # one rank: in this process
     trained = [i for result in results for i in result["ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained on twice"
     assert {result["summary"]["global_step"] for result in results} == {results[0]["summary"]["global_step"]}
@@ -165,7 +167,7 @@ class SigtermAt:
 def train_map(rank: int, world: int, tmp: Path, phase: str, stop_step: int) -> list[int]:
     from train_multi_gpu import MultiGPUTrainer
 
-    config = config_for(tmp, world, epochs=1, log_every=stop_step or 50, resume="auto", num_workers=1)
+    config = config_for(tmp, world, epochs=1, log_every=stop_step or 50, resume="auto", batch_size=16)
     callbacks = [SigtermAt(stop_step)] if stop_step else []
     with MultiGPUTrainer(IdModel(tmp / f"{phase}{rank}"), IdMap(), None, config, callbacks=callbacks) as trainer:
         trainer.fit()
@@ -173,7 +175,34 @@ def train_map(rank: int, world: int, tmp: Path, phase: str, stop_step: int) -> l
 
 
 def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order(tmp_path):
-    before = [i for ids in run_ranks(train_map, 2, tmp_path, tmp_path, "before", 4) for i in ids]
+    before = [i for ids in run_ranks(train_map, 2, tmp_path, tmp_path, "before", 2) for i in ids]
     after = [i for ids in run_ranks(train_map, 3, tmp_path, tmp_path, "after", 0) for i in ids]
-    assert 0 < len(before) < EPOCH // 2  # stopped mid-epoch, at a sync point after step 4
+    assert 0 < len(before) < EPOCH // 2  # stopped mid-epoch, at a sync point after step 2
     assert sorted(before + after) == list(range(EPOCH))  # 238 - 64 = 174 splits evenly over 3: nothing trimmed
+
+
+class EndlessIds(IdStream):
+    """A stream without __len__."""
+
+    __len__ = None  # type: ignore[assignment]
+
+
+def test_a_stream_without_a_length_needs_steps_per_epoch_and_then_trains_that_many(tmp_path):
+    from multigpu.errors import UsageError
+    from train_multi_gpu import MultiGPUTrainer
+
+    with pytest.raises(UsageError, match="needs --steps-per-epoch"):
+        MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "a", 1))
+    with MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "b", 1, steps_per_epoch=7)) as trainer:
+        assert trainer.fit()["global_step"] == 2 * 7  # the pass of 30 batches goes on across epochs
+
+
+def test_a_self_sharding_streams_position_is_refused_at_another_layout_in_one_line(tmp_path):
+    from multigpu.errors import UsageError
+    from train_multi_gpu import MultiGPUTrainer
+
+    with MultiGPUTrainer(IdModel(), IdStream(shards_itself=True), None, config_for(tmp_path, 1)) as trainer:
+        state = {"pass": 0, "steps_in_epoch": 3, "layers": [{"slots": 2, "counts": [24, 24]}], "world_size": 2,
+                 "workers": 1, "shards_itself": True, "batches_taken": [3, 3]}
+        with pytest.raises(UsageError, match=r"^\S+ holds the position of a stream that shards itself over 2 rank"):
+            trainer.stream.load_state_dict(state, "last.pt")
