@@ -1,6 +1,7 @@
 """Benchmark: samples/s of the data loader alone and of training, map-style vs streaming, 0/1/2 workers.
 
-    python benchmarks/data_throughput.py [--samples 4096] [--batch 64] [--work 200] [--output benchmarks/results/data_throughput.md]
+    python benchmarks/data_throughput.py [--samples 4096] [--batch 64] [--work 200] [--workers 0 1 2]
+                                         [--output benchmarks/results/data_throughput.md]
 
 Each sample costs the same to make in both forms: it is parsed from a JSON line
 of --work numbers, as a reader of JSONL shards does. Map-style reads line i by

@@ -192,5 +192,6 @@ def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[i
     check_num_workers(workers)
     return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
                       batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=persistent_workers and workers > 0, generator=torch.Generator().manual_seed(seed),
+                      persistent_workers=persistent_workers and workers > 0,
+                      generator=torch.Generator().manual_seed(seed),
                       collate_fn=collate_fn)

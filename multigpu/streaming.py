@@ -3,8 +3,9 @@ ended together by every rank, and resumed at the exact sample (MULTI_GPU_GUIDE.m
 
 Sharding. A dataset that shards itself declares it with `shards_itself = True`
 and reads its rank from the RANK and WORLD_SIZE variables torchrun sets (they
-reach DataLoader workers, where the process group is not to be relied on) and its worker from `torch.utils.data.get_worker_info()` in
-`__iter__`; the trainer then takes what each (rank, worker) yields.
+reach DataLoader workers, where the process group is not to be relied on) and
+its worker from `torch.utils.data.get_worker_info()` in `__iter__`; the trainer
+then takes what each (rank, worker) yields.
 Any other stream is split by the trainer: every (rank, worker) reads the
 stream and keeps positions `slot, slot + S, slot + 2S, ...` where
 `S = world size x workers` and `slot = worker x world size + rank`, so every
@@ -144,7 +145,8 @@ class TrainStream:
         """Nothing to point: the stream's position is its own state."""
 
     def __len__(self) -> int:
-        return (self.steps_per_epoch - self.steps_in_epoch) * self.loader_batch * self.grad_accum
+        # A length-sized estimate may fall short of the real pass (workers' partial last batches): never below 0.
+        return max(0, self.steps_per_epoch - self.steps_in_epoch) * self.loader_batch * self.grad_accum
 
     # --- training ---
     def windows(self, report: Callable[[str], None]) -> Iterator[Window]:
@@ -215,8 +217,8 @@ class TrainStream:
         digests = gather_objects(_digest(window[0][2]))
         if len(digests) > 1 and len(set(digests)) == 1:
             report("warning: every rank read the same first batch: the dataset says shards_itself but does not "
-                   "split by rank; read the RANK and WORLD_SIZE variables in its __iter__, or drop shards_itself and let "
-                   "the trainer split it (MULTI_GPU_GUIDE.md, \"Your own data\")")
+                   "split by rank; read the RANK and WORLD_SIZE variables in its __iter__, or drop shards_itself "
+                   "and let the trainer split it (MULTI_GPU_GUIDE.md, \"Your own data\")")
 
     # --- checkpoints ---
     def state_dict(self) -> dict[str, Any]:
