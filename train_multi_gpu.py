@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, config_checks, faults, heartbeat, plan, rng, sharding, watchdog
+from multigpu import checkpoint, config_checks, faults, heartbeat, plan, rng, sharding, streaming, watchdog
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -148,9 +148,16 @@ class MultiGPUTrainer:
         self.loader_batch = config.batch_size * per_step
         self.eval_batch = (config.eval_batch_size or config.batch_size) * per_step
         self.effective_batch = config.batch_size * rt.devices_per_step * config.grad_accum_steps
-        self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
-        self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
-                                         sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
+        if streaming.is_stream(train_dataset):  # an IterableDataset: split, ended and resumed by multigpu/streaming.py
+            self.sampler = self.stream = streaming.TrainStream(
+                train_dataset, rt, self.loader_batch, config.grad_accum_steps, config.steps_per_epoch,
+                config.num_workers, config.seed, collate_fn, build_loader)
+            self.train_loader = self.stream.loader
+        else:
+            self.stream = None
+            self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
+            self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
+                                             sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
         self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
 
         # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
@@ -274,22 +281,18 @@ class MultiGPUTrainer:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
         progress, config = self.progress, self.config
         done_steps = self.steps_done_in_epoch()
-        samples_left = len(self.sampler)  # this rank's, equal on every rank
         self.report.start_epoch(progress.epoch, config.epochs, self.steps_per_epoch, done_steps)
         self.wrapped.train()
         self.meter.started = time.perf_counter()  # evaluation and saving are not training time
-        batches = iter(self.train_loader)
-        while samples_left > 0:
-            window = min(config.grad_accum_steps * self.loader_batch, samples_left)
-            self._train_step(batches, window)
-            samples_left -= window
+        for batches, window, sizes, last in self._windows():
+            self._train_step(batches, window, sizes)
             progress.samples_in_epoch += window * self.runtime.world_size
             progress.global_step += 1
             BEAT.step, BEAT.phase = progress.global_step, heartbeat.USER_CODE  # plain writes: the watchdog reads them
             for on_step_end in self._on_step_end:  # an empty list without callbacks
                 on_step_end(self)
             BEAT.phase = heartbeat.LOGGING
-            if self._at_sync_point(samples_left == 0) and self._sync_and_log():
+            if self._at_sync_point(last) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 BEAT.phase = heartbeat.CHECKPOINT
@@ -310,20 +313,32 @@ class MultiGPUTrainer:
         self.sampler.start_at(self.progress.epoch, self.progress.samples_in_epoch)
         return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.config.grad_accum_steps))
 
-    def _train_step(self, batches: Iterator, window_samples: int) -> None:
+    def _windows(self) -> Iterator[streaming.Window]:
+        """The rest of the epoch's steps: (micro-batches, samples, their sizes, last step of the epoch).
+        The sampler gives every rank the same number of samples: full micro-batches, then what is left."""
+        if self.stream is not None:
+            yield from self.stream.windows(self.report.line)
+            return
+        batches, samples_left, full = iter(self.train_loader), len(self.sampler), self.loader_batch
+        while samples_left > 0:  # this rank's, equal on every rank
+            window = min(self.config.grad_accum_steps * full, samples_left)
+            samples_left -= window
+            yield batches, window, [full] * ((window - 1) // full) + [window - (window - 1) // full * full], \
+                samples_left == 0
+
+    def _train_step(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
 
         DDP all-reduces (fsdp reduce-scatters) only in the last micro-batch's backward: the others run
         forward and backward in no_sync (MULTI_GPU_GUIDE.md, "The effective-batch rule").
-        The sampler decides each micro-batch's samples: full ones, then what is left.
+        `sizes`: the samples of each micro-batch.
         """
-        fetch, full = self.clock.fetch, self.loader_batch  # fetch: the next batch on the device, its wait timed
+        fetch = self.clock.fetch  # the next batch on the device, its wait timed
         BEAT.phase = heartbeat.DATA  # and again after each backward: the next fetch
-        earlier = (window_samples - 1) // full  # micro-batches before the last one, all full
-        for _ in range(earlier):
+        for size in sizes[:-1]:
             with self.no_sync():
-                self._forward_backward(fetch(batches, self.move), full, window_samples)
-        self._forward_backward(fetch(batches, self.move), window_samples - earlier * full, window_samples)
+                self._forward_backward(fetch(batches, self.move), size, window_samples)
+        self._forward_backward(fetch(batches, self.move), sizes[-1], window_samples)
         self.meter.end_step(window_samples)
         self._optimizer_step()
 
@@ -467,7 +482,8 @@ class MultiGPUTrainer:
         return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
-                "rng": RngState(self.runtime, gather)}
+                "rng": RngState(self.runtime, gather),
+                **({"stream_state": self.stream} if self.stream is not None else {})}  # multigpu/streaming.py
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, as one checkpoint file holds it (every rank must call it: the ranks' RNG

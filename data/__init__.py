@@ -178,11 +178,13 @@ def default_num_workers(device: torch.device) -> int:
 
 def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[int], seed: int = 0, *,
                  sampler: Optional[Sampler] = None, batch_size: Optional[int] = None,
-                 batch_sampler: Optional[Sampler] = None, collate_fn: Optional[Callable] = None) -> DataLoader:
+                 batch_sampler: Optional[Sampler] = None, collate_fn: Optional[Callable] = None,
+                 persistent_workers: bool = True) -> DataLoader:
     """A DataLoader with the settings that matter for speed on GPUs.
 
     Pinned memory lets the trainer's non_blocking copies overlap with compute;
-    persistent workers are not restarted every epoch. `collate_fn` is the user's
+    persistent workers are not restarted every epoch (unless `persistent_workers=False`: a stream's workers
+    must see where each pass resumes). `collate_fn` is the user's
     (None: torch's default, which stacks tensors inside any tuple/dict nesting). The generator makes the
     workers' base seeds a function of `seed`, so augmentation repeats on a rerun.
     """
@@ -190,5 +192,6 @@ def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[i
     check_num_workers(workers)
     return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
                       batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
+                      persistent_workers=persistent_workers and workers > 0,
+                      generator=torch.Generator().manual_seed(seed),
                       collate_fn=collate_fn)

@@ -57,7 +57,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def start_at(self, epoch: int, consumed: int) -> None:
         """Start `epoch` after its first `consumed` global samples."""
-        self.epoch, self.consumed = epoch, min(consumed, self.usable)
+        self.epoch, self.consumed = epoch, min(consumed, self.dataset_size)
 
     def __iter__(self) -> Iterator[int]:
         order = epoch_order(self.dataset_size, self.seed, self.epoch, self.shuffle)
@@ -67,8 +67,9 @@ class ResumableDistributedSampler(DistributedSampler):
         return (self._end() - self.consumed) // self.world_size
 
     def _end(self) -> int:
-        # After a resume with another world size the remainder may not split evenly: trim it too.
-        remaining = self.usable - self.consumed
+        # What is left of the epoch's order is trimmed to this world size, not the whole epoch: after a resume
+        # with another world size, trimming the epoch's remainder too would drop samples no rank saw.
+        remaining = self.dataset_size - self.consumed
         return self.consumed + remaining - remaining % self.world_size
 
 

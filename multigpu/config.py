@@ -76,6 +76,8 @@ class TrainConfig:
     num_classes: int = _opt(10, "classes of the synthetic/fake data sets", group="data")
     num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
                                       group="data")
+    steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset; "
+                                "0: one pass over the stream, which needs its __len__)", group="data")
     eval_batch_size: Optional[int] = _opt(None, "samples per device per evaluation batch (default: --batch-size)",
                                           group="data")
     # --- model ---------------------------------------------------------
@@ -296,7 +298,7 @@ RANGES = {
                                    "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size",
                                    "block_size", "n_layer", "n_head", "n_embd")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
+                                   "steps_per_epoch", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
                                    "hang_timeout")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),

@@ -25,6 +25,7 @@ from multigpu.batches import (ForwardFn, batch_size, check_first_batch, compute_
                               sample_batch, to_device)
 from multigpu.data import build_loader
 from multigpu.data.sampler import ShardedBatchSampler
+from multigpu.streaming import StreamShard, is_stream
 from multigpu.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import UsageError
 from multigpu.preemption import StopRequest
@@ -58,8 +59,8 @@ class Evaluator:
         trace: the RNG states (a random transform), the model's buffers and its mode are restored, and the
         training data order is not touched.
         """
-        if dataset is None or len(dataset) == 0:  # type: ignore[arg-type]
-            return
+        if dataset is None or is_stream(dataset) or len(dataset) == 0:  # type: ignore[arg-type]
+            return  # a stream is checked at its first evaluation: reading it here would use up a pass
         with snapshot.kept(model, self.runtime.device), torch.no_grad():
             try:
                 batch = sample_batch(dataset, CHECK_SAMPLES, self.collate_fn)
@@ -81,6 +82,8 @@ class Evaluator:
         a long validation set cannot outlast torchrun's grace period.
         """
         rt = self.runtime
+        if is_stream(dataset):
+            return self._run_stream(model, dataset, batch_size_)
         batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]
         loader = iter(build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
                                    collate_fn=self.collate_fn))
@@ -102,6 +105,22 @@ class Evaluator:
         finally:
             model.train(was_training)
         return self._reduce(rows, batches.num_batches)
+
+    def _run_stream(self, model: torch.nn.Module, dataset: Any, batch_size_: int) -> dict[str, float]:
+        """A stream, split over ranks and workers as training splits it, each sample counted once. Ranks may end
+        at different batches: no collective until the sums, so no stop vote either."""
+        rt = self.runtime
+        shard = StreamShard(dataset, rt.rank, rt.world_size, tagged=False)
+        loader = build_loader(shard, rt.device, self.num_workers, batch_size=batch_size_, collate_fn=self.collate_fn,
+                              persistent_workers=False)
+        was_training = model.training
+        model.eval()
+        try:
+            rows = {index: self._batch_sums(model, self.move(batch)) for index, batch in enumerate(loader)}
+        finally:
+            model.train(was_training)
+        sums = [torch.stack(column).sum().reshape(1) for column in zip(*rows.values())]
+        return self._reduce({0: [value[0] for value in sums]} if sums else {}, 1)
 
     def _batch_sums(self, model: torch.nn.Module, batch: Any) -> list[torch.Tensor]:
         """[loss sum, samples, then sum and count of each metric] of one batch."""

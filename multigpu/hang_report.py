@@ -104,6 +104,8 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     newest = trainer.checkpointer.newest()
     if trainer.config.multi_gpu == "fsdp":
         return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+    if trainer.stream is not None:  # its position is every rank's count, which only a collective can gather
+        return f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"
     if 0 in verdict["stuck"]:
         return f"no checkpoint written: rank 0 itself is stuck; the newest checkpoint is {newest}"
     if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated

@@ -422,3 +422,57 @@ def slurm_cluster(_slurm_daemons: SlurmCluster) -> Iterator[SlurmCluster]:
     """
     yield _slurm_daemons
     _slurm_daemons.cancel_left_over()
+
+
+SHARDS = (100, 101, 37)  # a stream's shards of unequal length: 238 samples, ids 0..237
+
+
+class IdStream(torch.utils.data.IterableDataset):
+    """A user's stream: {"id", "x", "y"} samples read shard after shard, the same on every pass. It does not
+    shard itself, unless `shards_itself`: then (rank, worker) slot `worker x world + rank` reads whole shards
+    k = slot (mod slots), as a reader of shard files does, so ranks run out at different steps; with `mistaken`
+    every rank reads everything (the common mistake)."""
+
+    def __init__(self, shards: Sequence[int] = SHARDS, shards_itself: bool = False, mistaken: bool = False):
+        self.shards, self.shards_itself, self.mistaken = tuple(shards), shards_itself, mistaken
+
+    def __len__(self) -> int:  # a length is optional: it sizes the LR schedule and the progress bar
+        return sum(self.shards)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # as torchrun sets them
+        slot, slots = worker * world + rank, world * workers
+        starts = [sum(self.shards[:k]) for k in range(len(self.shards))]
+        for k, (start, size) in enumerate(zip(starts, self.shards)):
+            if not self.shards_itself or self.mistaken or k % slots == slot:
+                yield from ({"id": i, **self.features(i)} for i in range(start, start + size))
+
+    @staticmethod
+    def features(i: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(i)
+        y = i % 4
+        return {"x": torch.randn(16, generator=generator) + 3 * torch.eye(16)[y], "y": torch.tensor(y)}
+
+
+class IdModel(torch.nn.Module):
+    """tiny_model's layers; forward also appends the ids it trains on to `ids_file` (one line per batch; not the
+    batch the trainer counts FLOPs on at start)."""
+
+    def __init__(self, ids_file: Optional[Path] = None):
+        super().__init__()
+        self.net, self.ids_file = tiny_model(), ids_file
+
+    def forward(self, x: torch.Tensor, id: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: A002
+        from torch.utils._python_dispatch import _get_current_dispatch_mode  # the trainer's FLOP count runs under one
+
+        if self.ids_file is not None and id is not None and self.training and _get_current_dispatch_mode() is None:
+            with open(self.ids_file, "a") as out:
+                out.write(" ".join(map(str, id.tolist())) + "\n")
+        return self.net(x)
+
+
+def read_ids(files: Sequence[Path]) -> list[int]:
+    """Every id IdModel wrote to these files."""
+    return [int(i) for path in files if path.exists() for i in path.read_text().split()]
