@@ -33,6 +33,12 @@ from multigpu.heartbeat import BEAT, main_thread_stack
 
 PREFIX = "multigpu/hang/"  # in the attempt's own store (multigpu/preemption.py restart_safe_store)
 
+# A DataLoader worker is a fork of its rank (Linux's default): forked while this thread is inside torch or the
+# store, the child would inherit the locks that call holds, and could wait on one forever. A fork waits for
+# the current look to end, and the next look waits for the fork.
+_LOOKING = threading.Lock()
+os.register_at_fork(before=_LOOKING.acquire, after_in_parent=_LOOKING.release, after_in_child=_LOOKING.release)
+
 
 def group_sequence_number() -> Optional[int]:
     """How many collectives the default process group has issued (DDP's and the user's included), or None."""
@@ -77,7 +83,8 @@ class Watchdog:
     def _run(self) -> None:
         while True:  # a first heartbeat at once: a rank may hang within its first second
             try:
-                self._tick()
+                with _LOOKING:
+                    self._tick()
             except Exception as error:  # the store is gone (the run is ending) or a report failed: say it once
                 if not self._stopped.is_set():
                     print(f"rank {self.rank}: hang watchdog stopped: {type(error).__name__}: {error}",
