@@ -4,13 +4,14 @@
 - config_checks: the warnings for flags the user gave that this run does not use
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
-- sharding:     --multi-gpu fsdp: FSDP2 fully_shard per block then the root, its mixed precision, full-state gather
+- sharding:     --multi-gpu fsdp: FSDP2 fully_shard per block then the root, its mixed precision, a sharded EMA
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
 - batches:      moving any nesting of tensors to the device; a batch into outputs and a loss by forward's signature
 - optim:        optimizer and LR schedule (built-in, or the user's own)
 - lr_scaling:   the LR scaling rule (torch-free, so the launcher can ask it)
 - metrics:      evaluation metrics reduced exactly across ranks (sums and counts)
 - evaluation:   exact distributed evaluation: every sample once, any world size
+- streaming:    IterableDataset input: split over ranks and workers, uneven ends agreed, the stream's position
 - prediction:   the outputs of every sample in dataset order, any world size, in memory or streamed to a file
 - inference:    BatchParallel: a batch split over several devices in one process, for prediction
 - meters:       per-interval loss/throughput, the one host sync of a logging interval
