@@ -16,7 +16,7 @@ import torch
 from multigpu import console
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
-from multigpu.distributed import Runtime, barrier, setup, teardown
+from multigpu.distributed import Runtime, gather_objects, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.models import build_model
 from multigpu.preemption import PeerLost, error_detail, is_peer_failure
@@ -35,12 +35,21 @@ def run(config: TrainConfig) -> dict:
 
 
 def _train(config: TrainConfig, runtime: Runtime) -> dict:
-    # Rank 0 downloads (if asked) while the others wait, then they read its files.
-    if not runtime.is_main:
-        barrier()
-    data = build_datasets(config, download_allowed=runtime.is_main)
+    # Rank 0 downloads (if asked) while the others wait, then they read its files. Its refusal (no files
+    # there, say) reaches them through that wait, so they stop with it quietly instead of losing rank 0.
+    refusal = None
     if runtime.is_main:
-        barrier()
+        try:
+            data = build_datasets(config, download_allowed=True)
+        except UsageError as error:
+            refusal = error
+    said = gather_objects(None if refusal is None else str(refusal))[0]  # rank 0's refusal, on every rank
+    if refusal is not None:
+        raise refusal
+    if said is not None:
+        raise UsageError(said)  # the same verdict: rank 0 says it (main_guarded)
+    if not runtime.is_main:
+        data = build_datasets(config, download_allowed=False)
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
