@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from multigpu.distributed import gather_objects, is_distributed
+from multigpu.distributed import all_reduce_sum, gather_objects, is_distributed
 from multigpu.errors import UsageError
 
 Window = tuple[Iterator[Any], int, list[int], bool]  # (micro-batches, samples, their sizes, last of the epoch)
@@ -191,9 +191,10 @@ class TrainStream:
         mine = window is not None and len(window) == self.grad_accum
         if not is_distributed():
             return mine
-        flag = torch.tensor([float(mine)], device=self.runtime.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        # Through the project's own all-reduce, so the hang watchdog and --debug-collectives see it too:
+        # every rank has a full window exactly when the flags sum to the world size.
+        flag = all_reduce_sum(torch.tensor([float(mine)], device=self.runtime.device))
+        return bool(flag.item() == self.runtime.world_size)
 
     def _end_of_pass(self, window: Optional[list], report: Callable[[str], None]) -> None:
         """Count what this rank still held, tell the user, and start the next pass at its beginning."""
