@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -28,7 +29,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import checkpoint, config_checks, faults, heartbeat, plan, rng, sharding, streaming, watchdog
+from multigpu import (checkpoint, config_checks, faults, hang_report, heartbeat, plan, rng, sharding, streaming,
+                      watchdog)
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -48,7 +50,7 @@ from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             move_schedule_to, schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
-from multigpu.preemption import StopRequest, stops_handled
+from multigpu.preemption import PeerLost, StopRequest, stops_handled
 from multigpu.reporting import Reporter
 from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
 from multigpu.telemetry import Telemetry
@@ -269,6 +271,9 @@ class MultiGPUTrainer:
                                     **({"stopped_early": self.stop_reason} if self.stop_reason else {}))
             self._report_done(summary)
             return summary
+        except PeerLost:
+            self._save_after_losing_a_peer()
+            raise
         finally:
             if hang_watchdog is not None:
                 hang_watchdog.stop()
@@ -276,6 +281,14 @@ class MultiGPUTrainer:
                 self.report.close()
             finally:  # also when the logs cannot be closed: the save-dir is given up, --overwrite's files put back
                 self.checkpointer.release()
+
+    def _save_after_losing_a_peer(self) -> None:
+        """A peer died or hung mid-run: rank 0 keeps the last completed step from its own replica, with no
+        collective (MULTI_GPU_GUIDE.md, "When a run hangs"); the hang watchdog, when it is ending the run, saves
+        and says it itself."""
+        if self.runtime.rank == 0 and not BEAT.hang_declared:
+            saved = hang_report.save_last_step(self, {"stuck": {}})
+            print(f"rank 0: {saved}", file=sys.stderr, flush=True)
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""

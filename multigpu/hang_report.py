@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Optional
 
 from multigpu import checkpoint, safe_files
-from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
+from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, LIBRARIES
 
 if TYPE_CHECKING:
     from train_multi_gpu import MultiGPUTrainer
@@ -34,6 +35,30 @@ def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
     if beat["phase"] == BACKWARD and ddp:
         return "DDP's gradient all-reduce (backward)"
     return None
+
+
+def failed_collective(error: BaseException, peers: str) -> str:
+    """The collective a failed call was in, in words, from the error's traceback and this rank's heartbeat.
+
+    A collective that is not the trainer's (the user's own torch.distributed call) is the usual desync: one rank
+    took a branch the others did not. On gloo the peer that receives the unexpected data aborts at once ("Is
+    there a distributed collective mismatch in your code?"), so this survivor's words are all that is left.
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    c10d = [i for i, frame in enumerate(frames) if frame.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    if c10d:
+        first = c10d[0]
+        callers = [frame for frame in frames[:first] if not frame.filename.startswith(LIBRARIES)]
+        caller = callers[-1] if callers else frames[first]
+        if not caller.filename.endswith(os.path.join("multigpu", "distributed.py")):
+            return (f"torch.distributed.{frames[first].name} called at {caller.filename}:{caller.lineno} in "
+                    f"{caller.name}, not one of the trainer's collectives: if {peers} did not call it too, the ranks "
+                    f"desynchronised (a desync; --debug-collectives checks every collective)")
+    if BEAT.in_collective:
+        return f"{BEAT.op} #{BEAT.seq} of the trainer (shape {'x'.join(map(str, BEAT.shape)) or '-'}, {BEAT.dtype})"
+    if BEAT.phase == BACKWARD:
+        return "DDP's gradient all-reduce (backward)"
+    return f"a collective during {BEAT.phase}"
 
 
 def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int) -> dict[str, Any]:
@@ -111,6 +136,8 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated
         return f"no checkpoint written: rank 0 was inside an optimizer step; the newest checkpoint is {newest}"
     step = trainer.progress.global_step
+    if step == 0:
+        return "no checkpoint written: no optimizer step was completed yet"
     path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
     try:
         checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(gather=False)), path)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
+from multigpu import hang_report
 from multigpu.errors import TrainingStopped
 from multigpu.heartbeat import BEAT
 
@@ -90,7 +91,12 @@ def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- a lost rank
 class PeerLost(TrainingStopped):
-    """Another rank died or hung: a collective failed. Exit 1; the line was printed by every survivor."""
+    """Another rank died or hung: a collective failed. Exit 1; the line was printed by every survivor.
+    `lost`: the ranks that did not answer the roll call (empty when that could not be told)."""
+
+    def __init__(self, line: str, lost: Optional[list[int]] = None) -> None:
+        super().__init__(line)
+        self.lost = lost or []
 
 
 def is_peer_failure(error: BaseException) -> bool:
@@ -127,17 +133,12 @@ def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list
         return [0] if rank != 0 else None
 
 
-def lost_contact_line(rank: int, world_size: int, error: BaseException, wait_seconds: float) -> Optional[str]:
-    """One line for a survivor: which rank was lost, and torch's own words for how.
-
-    None when every rank answered the roll call: then the collective failed for
-    another reason, and the caller lets the original error through.
-    """
-    missing = lost_ranks(rank, world_size, wait_seconds)
-    if missing == []:
-        return None
+def lost_contact_line(rank: int, missing: Optional[list[int]], error: BaseException) -> str:
+    """One line for a survivor: which rank was lost, torch's own words for how, and the collective this rank
+    was in when it noticed (a collective that is not the trainer's points at a desync)."""
     who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "another rank"
-    return f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}); stopping"
+    return (f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}) while this rank was "
+            f"in {hang_report.failed_collective(error, 'the other ranks' if not missing else who)}; stopping")
 
 
 def error_detail(error: BaseException) -> str:
@@ -160,12 +161,13 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
         if world_size == 1 or not is_peer_failure(error):
             raise
         BEAT.hang_declared and BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
-        line = lost_contact_line(rank, world_size, error, wait_seconds)
-        if line is None:  # every rank is alive: not a lost peer
+        missing = lost_ranks(rank, world_size, wait_seconds)
+        if missing == []:  # every rank answered the roll call: the collective failed for another reason
             raise
+        line = lost_contact_line(rank, missing, error)
         # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
         print(line, file=sys.stderr, flush=True)
-        raise PeerLost(line) from None
+        raise PeerLost(line, missing) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

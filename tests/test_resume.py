@@ -135,35 +135,37 @@ def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_pa
     """One job interrupted four times, each leg continuing the last with --resume auto."""
     save_dir = tmp_path / "run"
 
-    # Leg 1: rank 1 dies at step 7, mid-epoch; its peer names it instead of waiting for the timeout.
+    # Leg 1: rank 1 dies after step 7, mid-epoch; its peer names it instead of waiting for the timeout, and
+    # keeps step 7 from its own replica (the periodic checkpoint was step 5).
     result = run(save_dir, fault="1:7")
     assert_failed(result)
     out = output(result)
     assert "rank 0: lost contact with rank 1, which died or hung" in out
-    assert files(save_dir) == ["step-000000005.pt"]
+    assert "rank 0: checkpoint of the last completed step (7) written from rank 0's replica" in out
+    assert files(save_dir) == ["step-000000005.pt", "step-000000007.pt"]
 
-    # Leg 2: continues mid-epoch from step 5, passes the epoch end and dies right after it, at step 9.
+    # Leg 2: continues mid-epoch from step 7, passes the epoch end and dies right after it, at step 9.
     result = run(save_dir, "--resume", "auto", fault="1:9")
     assert_failed(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'step-000000005.pt'}: epoch 1, step 5, 320 samples into the epoch"
+    assert resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
 
-    # Leg 3: continues from the epoch boundary; rank 0 is SIGKILLed inside the save of step 10, with the
-    # new file complete but not yet renamed: the previous checkpoints stay as they were.
+    # Leg 3: continues from step 9, which rank 0 kept past the epoch boundary; rank 0 is SIGKILLed inside the
+    # save of step 10, with the new file complete but not yet renamed: the previous checkpoints stay as they were.
     result = run(save_dir, "--resume", "auto", fault="0:10:save")
     assert_failed(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch"
+    assert resumed_from(out) == f"{save_dir / 'step-000000009.pt'}: epoch 2, step 9, 64 samples into the epoch"
     assert "rank 1: lost contact with rank 0" in out
     assert [name for name in files(save_dir) if name.endswith(".tmp")] != []
     assert "step-000000010.pt" not in files(save_dir)
 
-    # Leg 4: continues from last.pt again (the half-done save is cleaned up); SIGTERM to rank 1 only:
+    # Leg 4: continues from step 9 again (the half-done save is cleaned up); SIGTERM to rank 1 only:
     # both ranks stop at the next step, rank 0 saves, exit 0.
-    result = sigterm_rank_at(save_dir, 1, "step 9:", "--resume", "auto")
+    result = sigterm_rank_at(save_dir, 1, "step 10:", "--resume", "auto")
     assert_ok(result)
     out = output(result)
-    assert resumed_from(out).startswith(f"{save_dir / 'last.pt'}: epoch 2, step 8,")
+    assert resumed_from(out).startswith(f"{save_dir / 'step-000000009.pt'}: epoch 2, step 9,")
     assert "removed 1 unfinished save(s) of a killed run: step-000000010.pt." in out
     stop_line = next(line for line in out.splitlines() if line.startswith("stopped by"))
     assert stop_line.endswith("Continue with the same command plus --resume auto")
@@ -184,7 +186,7 @@ def test_elastic_restart_resumes_by_itself_to_identical_weights(reference, tmp_p
     result = run(save_dir, fault="1:7", torchrun_args=("--max-restarts", "1"))
     assert_ok(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'step-000000005.pt'}: epoch 1, step 5, 320 samples into the epoch"
+    assert resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
     assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
 
 

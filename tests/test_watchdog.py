@@ -59,6 +59,21 @@ def test_a_collective_on_rank_0_only_is_named_a_desync(tmp_path):
     assert "rank 1 in DDP's gradient all-reduce (backward)" in headline
 
 
+def test_a_rank_that_dies_of_a_desync_is_named_by_its_peer_which_saves_the_last_step(tmp_path):
+    """On gloo an extra all_reduce of another size aborts the peer that receives it at once (no hang): the
+    survivor names the lost rank, the collective it was in as not the trainer's, a desync, and keeps its step."""
+    ranks = scenario("extra-all-reduce", tmp_path)
+    assert [rank.returncode for rank in ranks] == [1, -6], ranks[0].stderr  # rank 1: gloo's abort (SIGABRT)
+    said = ranks[0].stderr.strip().splitlines()
+    assert said[0].startswith("rank 0: lost contact with rank 1, which died or hung (")
+    assert "while this rank was in torch.distributed.all_reduce called at " in said[0]
+    assert "hang_scenarios.py:" in said[0] and "not one of the trainer's collectives" in said[0]
+    assert "the ranks desynchronised (a desync; --debug-collectives checks every collective)" in said[0]
+    assert said[1].startswith("rank 0: checkpoint of the last completed step (3) written from rank 0's replica: ")
+    assert [path.name for path in tmp_path.glob("step-*.pt")] == ["step-000000003.pt"]
+    assert "Traceback" not in ranks[0].stderr
+
+
 def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes_the_report(tmp_path):
     ranks = scenario("callback", tmp_path)
     assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
