@@ -26,6 +26,15 @@ def benchmark_parser(description: Optional[str], *, rounds: int, steps: int, bat
     return parser
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, for the rendezvous of processes a benchmark starts itself."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

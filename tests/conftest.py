@@ -7,6 +7,7 @@ subprocess a wall-clock limit, so a hang fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import resource
@@ -65,6 +66,15 @@ def run_cli(args: Sequence[str], nproc: Optional[int] = None, env: Optional[dict
     """Run the real CLI (or another script) to completion and return its result (stdout/stderr as text)."""
     return subprocess.run(cli_command(args, nproc, torchrun_args, script), cwd=cwd, env=cli_env(env),
                           timeout=timeout, capture_output=True, text=True)
+
+
+def run_benchmark(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Any]:
+    """Run benchmarks/<script> with `args` and --json; its result (exit 0 asserted) and the raw figures."""
+    raw = tmp_path / "raw.json"
+    result = subprocess.run([PYTHON, str(REPO / "benchmarks" / script), *args, "--json", str(raw)], cwd=tmp_path,
+                            env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert_ok(result)
+    return result, json.loads(raw.read_text())
 
 
 def free_port() -> int:

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
-from conftest import PYTHON, REPO, RUN_TIMEOUT, assert_ok, cli_env
+from conftest import run_benchmark
 
 
 def test_fsdp_holds_about_one_nth_of_ddps_parameters_gradients_and_optimizer_state(tmp_path: Path):
-    raw = tmp_path / "raw.json"
-    result = subprocess.run([PYTHON, str(REPO / "benchmarks" / "memory_scaling.py"), "--small", "--json", str(raw)],
-                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    assert_ok(result)
-    measured = json.loads(raw.read_text())
+    result, measured = run_benchmark("memory_scaling.py", tmp_path, "--small")
     assert sorted(measured) == ["1", "2", "3"]
     for world_size, ranks in measured.items():
         n = int(world_size)
