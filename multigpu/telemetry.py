@@ -11,19 +11,23 @@ adds no host sync to a step (MULTI_GPU_GUIDE.md, "Speed"):
   until the next batch arrives, not the host waiting while the GPU still works.
 - memory/ (CUDA): the interval's peak allocated and reserved memory (peaks reset
   each interval), and the allocator's retries and out-of-memory errors since training began.
+  With several ranks, every rank's figure too (`memory/rank<R>_peak_gb`: on CUDA the interval's
+  peak allocated, on the CPU the process's peak resident memory), one small all-reduce at the
+  sync point: under fsdp each rank holds its own shard, and the largest is what must fit.
 - perf/: TFLOP/s per device from FLOPs counted once at start (multigpu/flops.py), and MFU
   on the GPUs in its table.
 """
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from multigpu import flops as flop_lib
-from multigpu.distributed import Runtime
+from multigpu.distributed import Runtime, all_reduce_sum
 from multigpu.meters import Interval
 from multigpu.snapshot import kept
 
@@ -117,6 +121,7 @@ class Telemetry:
                  say: Callable[[str], None]):
         self.device, self.devices, self.num_workers, self.say = runtime.device, runtime.devices_per_step, \
             num_workers, say
+        self.rank, self.world_size = runtime.rank, runtime.world_size
         self.cuda = self.device.type == "cuda"
         self.clock = CudaClock(self.device) if self.cuda else HostClock()
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.cuda else None
@@ -126,6 +131,8 @@ class Telemetry:
         self.seconds = {"data": 0.0, "copy": 0.0, "compute": 0.0}  # over the run
         self.samples, self.train_seconds = 0.0, 0.0
         self.max_allocated: Optional[float] = None
+        self.interval_allocated = 0.0  # this interval's peak allocated GiB (CUDA)
+        self.rank_peaks: Optional[list[float]] = None  # every rank's peak GiB over the run (several ranks)
         self.baseline = {"num_alloc_retries": 0, "num_ooms": 0}  # allocator counts before training began
         self.hinted: set[str] = set()
         self.intervals = 0
@@ -163,6 +170,8 @@ class Telemetry:
         scalars = self._time_scalars(split, interval, step - first_step + 1)
         if self.cuda:
             scalars.update(self._memory_scalars(first_step, step))
+        if self.world_size > 1:
+            scalars.update(self._rank_memory_scalars())
         if self.flops_per_sample:
             per_device = self.flops_per_sample * interval.samples / max(interval.seconds, 1e-9) / self.devices
             scalars["perf/tflops_per_device"] = per_device / 1e12
@@ -187,6 +196,7 @@ class Telemetry:
         stats = torch.cuda.memory_stats(self.device)  # the allocator's counters: no device sync
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated = stats.get("allocated_bytes.all.peak", 0) / GIB
+        self.interval_allocated = allocated
         self.max_allocated = max(self.max_allocated or 0.0, allocated)
         retries = stats.get("num_alloc_retries", 0) - self.baseline["num_alloc_retries"]
         if retries:
@@ -199,6 +209,15 @@ class Telemetry:
                 "memory/alloc_retries": float(retries),
                 "memory/ooms": float(stats.get("num_ooms", 0) - self.baseline["num_ooms"])}
 
+    def _rank_memory_scalars(self) -> dict[str, float]:
+        """Every rank's memory in GiB, gathered by one all-reduce of a vector where each rank fills its own slot."""
+        mine = self.interval_allocated if self.cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        slots = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
+        slots[self.rank] = mine
+        figures = all_reduce_sum(slots).tolist()  # at the sync point: the host waits here anyway
+        self.rank_peaks = [max(old, new) for old, new in zip(self.rank_peaks or figures, figures)]
+        return {f"memory/rank{rank}_peak_gb": figure for rank, figure in enumerate(figures)}
+
     def _hint_once(self, topic: str, text: str) -> None:
         if topic not in self.hinted:
             self.hinted.add(topic)
@@ -210,6 +229,8 @@ class Telemetry:
         (None where not measured)."""
         total = sum(self.seconds.values())
         result: dict[str, Optional[float]] = {"data_wait_frac": self.seconds["data"] / total if total else None}
+        if self.rank_peaks:
+            result["peak_memory_per_rank_gb"] = self.rank_peaks
         if self.cuda:
             result["max_memory_allocated_gb"] = self.max_allocated
             result["mfu"] = (self.flops_per_sample * self.samples / self.train_seconds / self.devices / self.peak
@@ -223,6 +244,11 @@ class Telemetry:
             parts.append(f"data wait {summary['data_wait_frac']:.0%}")
         if summary.get("max_memory_allocated_gb") is not None:
             parts.append(f"peak memory {summary['max_memory_allocated_gb']:.2f} GiB")
+        if summary.get("peak_memory_per_rank_gb"):
+            peaks = summary["peak_memory_per_rank_gb"]
+            what = "allocated" if self.cuda else "resident"
+            parts.append(f"peak {what} memory per rank {min(peaks):.2f}-{max(peaks):.2f} GiB (rank "
+                         f"{peaks.index(max(peaks))} the most)")
         if summary.get("mfu") is not None:
             parts.append(f"MFU {summary['mfu']:.1%} ({self.precision} peak of {self.gpu_name})")
         elif self.cuda:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import blobs, config_for, read_scalars, tiny_model
+from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, tiny_model
 from multigpu.telemetry import split_timeline
 from train_multi_gpu import MultiGPUTrainer
 
@@ -66,6 +66,23 @@ def test_waiting_for_data_shows_in_the_split_and_gets_one_hint(tmp_path: Path, c
     hints = [line for line in capsys.readouterr().out.splitlines() if "waiting for data" in line]
     assert len(hints) == 1 and hints[0].startswith("steps 3-4: ")  # the first interval holds the loader's start-up
     assert hints[0].endswith("of the time went to waiting for data: raise --num-workers (TrainConfig.num_workers from Python; now 0)")
+
+
+def test_under_fsdp_every_ranks_memory_is_logged_and_the_largest_named_at_the_end(tmp_path: Path):
+    """2 real gloo processes under fsdp: one memory/rank<R>_peak_gb series per rank (the CPU's peak resident
+    memory), gathered at each sync point, and the end-of-run line's range over the ranks."""
+    result = run_cli([*TINY, "--multi-gpu", "fsdp", "--epochs", "1", "--log-every", "4", "--save-dir",
+                      str(tmp_path / "ckpt")], nproc=2)
+    assert_ok(result)
+    scalars = read_scalars(tmp_path / "ckpt" / "tb")
+    per_rank = [values(scalars, f"memory/rank{rank}_peak_gb") for rank in (0, 1)]
+    steps = 512 // (32 * 2)
+    assert [len(series) for series in per_rank] == [steps // 4] * 2
+    assert all(0.05 < figure < 8 for series in per_rank for figure in series)  # a process with torch: 50 MB..8 GB
+    assert all(later >= earlier for series in per_rank for earlier, later in zip(series, series[1:]))  # a peak
+    done = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
+    low, high = min(s[-1] for s in per_rank), max(s[-1] for s in per_rank)
+    assert f"peak resident memory per rank {low:.2f}-{high:.2f} GiB" in done
 
 
 def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp_path: Path):
