@@ -4,8 +4,9 @@ others, so a mismatch is one line naming the operation, the ranks and the shapes
 
 A rank that has not arrived is waited for (slow is not stuck) until its heartbeat (multigpu/heartbeat.py,
 published by the hang watchdog) shows that it issued more collectives of the group than this rank: it waits
-in one this rank did not call, which is the mismatch. torch's own TORCH_DISTRIBUTED_DEBUG=DETAIL check is not used: DDP built on its checking process
-group crashes on the CPU (torch 2.14).
+in one this rank did not call, which is the mismatch. torch's own TORCH_DISTRIBUTED_DEBUG=DETAIL check is turned
+on beside it on NCCL only (multigpu/distributed.py): DDP built on its checking process group crashes on the CPU
+(gloo, torch 2.14).
 """
 
 from __future__ import annotations

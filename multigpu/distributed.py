@@ -151,6 +151,10 @@ def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
         device, backend = torch.device("cpu"), "gloo"
     if backend == "nccl" and config.watchdog_seconds:
         nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
+    if backend == "nccl" and config.debug_collectives:
+        # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP
+        # built on its checking group crashes with torch 2.14, so there only multigpu/collective_check.py runs).
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
