@@ -153,7 +153,7 @@ class MultiGPUTrainer:
         if streaming.is_stream(train_dataset):  # an IterableDataset: split, ended and resumed by multigpu/streaming.py
             self.sampler = self.stream = streaming.TrainStream(
                 train_dataset, rt, self.loader_batch, config.grad_accum_steps, config.steps_per_epoch,
-                config.num_workers, config.seed, collate_fn, build_loader)
+                config.num_workers, config.seed, collate_fn, build_loader, config.max_steps)
             self.train_loader = self.stream.loader
         else:
             self.stream = None
@@ -178,7 +178,7 @@ class MultiGPUTrainer:
                                                                         self.effective_batch, config.lr_base_batch))
                           if optimizer is None else users_optimizer(optimizer, self.model, lr_factor_))
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.total_steps = config.epochs * self.steps_per_epoch  # optimizer steps of the whole run
+        self.total_steps = config.planned_steps(self.steps_per_epoch)  # optimizer steps of the whole run
         self.config = config = schedule_config(config, self.given, optimizer is not None, scheduler is not None)
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
         self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
@@ -211,7 +211,7 @@ class MultiGPUTrainer:
         self.checkpointer = Checkpointer(config, rt, self.report)
         self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer,
                                                                  model_copies=2 if config.ema_decay else 1),
-                                        config.epochs * self.steps_per_epoch)
+                                        self.total_steps)
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -259,8 +259,7 @@ class MultiGPUTrainer:
                 self.callbacks.call("on_fit_start", self)
                 self.telemetry.start()
                 with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
-                    while ((self.progress.epoch < self.config.epochs or not self.progress.evaluated)
-                           and not self._stopping_early()):
+                    while not self._trained() and not self._stopping_early():
                         if self.progress.evaluated and not self._run_epoch():
                             return self._stop_for_signal()
                         if not self._evaluate_and_save():
@@ -294,7 +293,9 @@ class MultiGPUTrainer:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
         progress, config = self.progress, self.config
         done_steps = self.steps_done_in_epoch()
-        self.report.start_epoch(progress.epoch, config.epochs, self.steps_per_epoch, done_steps)
+        steps = self.steps_per_epoch if not config.max_steps else \
+            min(self.steps_per_epoch, done_steps + config.max_steps - progress.global_step)  # ends mid-epoch
+        self.report.start_epoch(progress.epoch, config.epochs, steps, done_steps)
         self.wrapped.train()
         self.meter.started = time.perf_counter()  # evaluation and saving are not training time
         for batches, window, sizes, last in self._windows():
@@ -305,7 +306,8 @@ class MultiGPUTrainer:
             for on_step_end in self._on_step_end:  # an empty list without callbacks
                 on_step_end(self)
             BEAT.phase = heartbeat.LOGGING
-            if self._at_sync_point(last) and self._sync_and_log():
+            reached = self._reached_max_steps()  # --max-steps ends the run mid-epoch, as an epoch's end would
+            if self._at_sync_point(last or reached) and self._sync_and_log():
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 BEAT.phase = heartbeat.CHECKPOINT
@@ -313,6 +315,10 @@ class MultiGPUTrainer:
                 self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
                 faults.misbehave(self.runtime.rank)  # test-only: SIGKILL (a preempted worker) or SIGSTOP (a hang)
+            if reached and not last:
+                self.report.end_epoch()
+                progress.evaluated = False
+                return True
         self.report.end_epoch()
         progress.epoch, progress.samples_in_epoch, progress.evaluated = progress.epoch + 1, 0, False
         BEAT.phase = heartbeat.USER_CODE
@@ -320,6 +326,13 @@ class MultiGPUTrainer:
             self.scheduler.step()
         self.callbacks.call("on_epoch_end", self)
         return True
+
+    def _reached_max_steps(self) -> bool:
+        return bool(self.config.max_steps) and self.progress.global_step >= self.config.max_steps
+
+    def _trained(self) -> bool:
+        """The run is done: --epochs (or --max-steps) trained, and the last of it evaluated and saved."""
+        return self.progress.evaluated and (self.progress.epoch >= self.config.epochs or self._reached_max_steps())
 
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already taken; also points the sampler at the rest."""
@@ -466,7 +479,8 @@ class MultiGPUTrainer:
             if result is None:
                 return False
             self.metrics = {f"val_{name}": value for name, value in result.items() if name != "count"}
-            self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step)
+            self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step,
+                                      mid_epoch=progress.samples_in_epoch > 0)  # --max-steps ended it there
         progress.evaluated = True
         is_best = self._is_new_best()
         BEAT.phase = heartbeat.USER_CODE
@@ -509,6 +523,10 @@ class MultiGPUTrainer:
         self.checkpointer.load_into(self.stateful(), state, path)
         if state["world_size"] != self.runtime.world_size:
             self._continue_on_another_world_size(state["world_size"])
+        elif self.builtin_schedule and state.get("config", {}).get("max_steps", 0) != self.config.max_steps:
+            # Another --max-steps reshapes the schedule: the next step takes this run's LR, not the saved one's.
+            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
+                             self.lr)
 
     def _continue_on_another_world_size(self, saved_world_size: int) -> None:
         """The data position is kept in global samples; the built-in schedule moves to the same point of
@@ -558,10 +576,11 @@ class MultiGPUTrainer:
             raise UsageError("trainer.optimizer was replaced after construction, but the LR scheduler still drives "
                              "the old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
         if self._resumed:  # a later fit() of this trainer: the same run, continued in memory
-            if self.progress.epoch >= self.config.epochs and self.progress.evaluated:
-                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs is the "
-                                 f"total, not epochs per call): nothing to train; to train further, build a trainer "
-                                 f"with more epochs and resume='auto' (it continues from {self.config.save_dir})")
+            if self._trained():
+                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs and "
+                                 f"max_steps are totals, not per call): nothing to train; to train further, build a "
+                                 f"trainer with more epochs (or max_steps) and resume='auto' (it continues from "
+                                 f"{self.config.save_dir})")
             return False
         self._resumed = True
         found = self.checkpointer.find()

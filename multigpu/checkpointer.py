@@ -265,8 +265,13 @@ class Checkpointer:
             self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
 
     def _refuse_past_epochs(self, path: str, state: dict[str, Any]) -> None:
-        """A checkpoint already beyond --epochs (the total, not epochs more): nothing to train, and a plan
+        """A checkpoint already beyond --epochs or --max-steps (totals, not more): nothing to train, and a plan
         with a negative number of steps left would be a lie."""
+        steps, limit = state.get("global_step", 0), self.config.max_steps
+        if limit and steps >= limit:
+            raise CheckpointError(f"checkpoint {path} has trained {steps} optimizer steps, already at --max-steps "
+                                  f"{limit} (the total, not steps more): nothing to train; pass a larger --max-steps "
+                                  f"to train on")
         epochs, partial = state["epoch"], state["samples_in_epoch"] > 0
         if epochs > self.config.epochs or (epochs == self.config.epochs and partial):
             part = " and part of the next" if partial else ""

@@ -97,6 +97,10 @@ class TrainConfig:
                                "on tensor-core GPUs, above all with --amp", group="model")
     # --- optimisation ----------------------------------------------------
     epochs: int = _opt(3, "training epochs", group="optimisation")
+    max_steps: int = _opt(0, "end training after this many optimizer steps in all (counting those before a resume), "
+                             "evaluating and saving as at an epoch's end; the LR schedule and warm-up then span "
+                             "them. 0: --epochs alone decides; with both, whichever comes first ends the run. Alone "
+                             "it bounds an endless stream", group="optimisation")
     batch_size: Union[int, str] = _opt(64, "samples per GPU/process per micro-batch (effective batch = batch_size x "
                                        "devices x grad_accum_steps); auto: the largest that fits in GPU memory with a "
                                        "10 percent margin (CUDA only)", group="optimisation", words=(AUTO,))
@@ -211,6 +215,12 @@ class TrainConfig:
         """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
         return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)
 
+    def planned_steps(self, steps_per_epoch: int) -> int:
+        """The optimizer steps of the whole run: --epochs of `steps_per_epoch`, or --max-steps when it is fewer.
+        The one rule the LR schedule, the warm-up, the plan and the end of training share."""
+        whole = self.epochs * steps_per_epoch
+        return min(whole, self.max_steps) if self.max_steps else whole
+
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
         return self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and self.multi_gpu == "fsdp")
@@ -298,7 +308,7 @@ RANGES = {
                                    "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size",
                                    "block_size", "n_layer", "n_head", "n_embd")},
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "steps_per_epoch", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
+                                   "steps_per_epoch", "max_steps", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
                                    "hang_timeout")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
     "momentum": Range(0, 1),

@@ -66,7 +66,7 @@ def lr_factor(step: int, config: TrainConfig, steps_per_epoch: int) -> float:
     if config.lr_schedule == "step":
         decay_every = max(1, round(config.lr_step_epochs * steps_per_epoch))
         return config.lr_gamma ** ((step - warmup_steps) // decay_every)
-    total_steps = config.epochs * steps_per_epoch
+    total_steps = config.planned_steps(steps_per_epoch)
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 

@@ -52,6 +52,8 @@ def plan_lines(run: PlanFacts) -> list[str]:
     batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
                   else f"{rt.mode}: --batch-size is per process" if rt.mode in ("ddp", "fsdp") else "one device")
     steps_left = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
+    if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
+        steps_left = min(steps_left, config.max_steps - progress.global_step)
     last_step = progress.global_step + max(0, steps_left)
     warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
     schedule = (f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
@@ -89,7 +91,7 @@ def _lr_range(run: PlanFacts, steps_left: int) -> str:
 
 def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
     config, samples_per_rank = run.config, run.samples_per_epoch // run.runtime.world_size
-    total_steps = config.epochs * run.steps_per_epoch
+    total_steps = config.planned_steps(run.steps_per_epoch)
     facts = config_checks.RunFacts(run.builtin_optimizer, run.builtin_schedule,
                                    convolutions=run.convolutions)
     lines = config_checks.ignored_flags(config, run.given, facts)  # flags given that do nothing

@@ -98,13 +98,16 @@ class Reporter:
         if not self.show_progress:
             self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s")
 
-    def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int) -> None:
-        """An epoch's validation results: `val/<name>` scalars and one line."""
+    def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int,
+                      mid_epoch: bool = False) -> None:
+        """An epoch's validation results: `val/<name>` scalars and one line (`mid_epoch`: --max-steps ended
+        training inside epoch `epoch` + 1, at `step`)."""
         values = {name: value for name, value in result.items() if name != "count"}
         self.first_val, self.last_val = self.first_val or values, values
         self.scalars({f"val/{name}": value for name, value in values.items()}, step)
         shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
-        self.line(f"epoch {epoch}/{epochs}: {shown} ({result['count']} samples)")
+        where = f"epoch {epoch + 1}/{epochs} to step {step} (--max-steps)" if mid_epoch else f"epoch {epoch}/{epochs}"
+        self.line(f"{where}: {shown} ({result['count']} samples)")
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:

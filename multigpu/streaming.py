@@ -120,18 +120,22 @@ class TrainStream:
     usable, start_at, len)."""
 
     def __init__(self, dataset: Any, runtime: Any, loader_batch: int, grad_accum: int, steps_per_epoch: int,
-                 num_workers: Optional[int], seed: int, collate_fn: Optional[Callable], build_loader: Callable):
+                 num_workers: Optional[int], seed: int, collate_fn: Optional[Callable], build_loader: Callable,
+                 max_steps: int = 0):
         self.runtime, self.loader_batch, self.grad_accum = runtime, loader_batch, grad_accum
         self.seed, self.dataset_size = seed, stream_length(dataset) or -1
         self.shard = StreamShard(dataset, runtime.rank, runtime.world_size)
         self.loader: DataLoader = build_loader(self.shard, runtime.device, num_workers, seed + runtime.rank,
                                                batch_size=loader_batch, collate_fn=TaggedCollate(collate_fn),
                                                persistent_workers=False)  # each pass's workers see its skip
-        self.fixed_steps = steps_per_epoch  # --steps-per-epoch (0: an epoch is one pass)
         length = stream_length(dataset)
         if not steps_per_epoch and length is None:
-            raise UsageError("a training stream without __len__ needs --steps-per-epoch N (steps_per_epoch=N): the "
-                             "LR schedule, warm-up and progress bar need a length; or give the dataset a __len__")
+            if not max_steps:
+                raise UsageError("a training stream without __len__ needs --steps-per-epoch N or --max-steps N "
+                                 "(steps_per_epoch=N, max_steps=N): the LR schedule, warm-up and progress bar need a "
+                                 "length; or give the dataset a __len__")
+            steps_per_epoch = max_steps  # an endless stream bounded by --max-steps alone: one epoch of them
+        self.fixed_steps = steps_per_epoch  # --steps-per-epoch (0: an epoch is one pass)
         self.steps_per_epoch = steps_per_epoch or max(1, math.ceil(length / (loader_batch * grad_accum
                                                                               * runtime.world_size)))
         self.usable = length if length is not None else self.steps_per_epoch * loader_batch * grad_accum

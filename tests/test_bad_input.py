@@ -223,6 +223,7 @@ CLI = {
                                                     "3,100000,100000: one batch of 16 such images takes 1,920.0 GB, "
                                                     "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
+    "max-steps negative": Case(["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
     "fsdp-blocks unknown": Case(["--multi-gpu", "fsdp", "--fsdp-blocks", "Nope"], "--fsdp-blocks Nope: the model "
                                 "has no module of class Nope; name classes it has, e.g. "),
     "fsdp with batch-size auto": Case(["--multi-gpu", "fsdp", "--batch-size", "auto"], "--batch-size auto measures "

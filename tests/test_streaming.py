@@ -191,10 +191,21 @@ def test_a_stream_without_a_length_needs_steps_per_epoch_and_then_trains_that_ma
     from multigpu.errors import UsageError
     from train_multi_gpu import MultiGPUTrainer
 
-    with pytest.raises(UsageError, match="needs --steps-per-epoch"):
+    with pytest.raises(UsageError, match="needs --steps-per-epoch N or --max-steps N"):
         MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "a", 1))
     with MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "b", 1, steps_per_epoch=7)) as trainer:
         assert trainer.fit()["global_step"] == 2 * 7  # the pass of 30 batches goes on across epochs
+
+
+def test_max_steps_alone_bounds_an_endless_stream_and_its_schedule(tmp_path):
+    from train_multi_gpu import MultiGPUTrainer
+
+    config = config_for(tmp_path, 1, max_steps=9, epochs=3, lr_schedule="cosine")
+    with MultiGPUTrainer(IdModel(), EndlessIds(), None, config) as trainer:
+        assert trainer.steps_per_epoch == 9 and trainer.total_steps == 9  # one epoch of --max-steps steps
+        summary = trainer.fit()
+        assert summary["global_step"] == 9 and summary["epochs"] == 1
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # cosine ends at step 9
 
 
 def test_a_self_sharding_streams_position_is_refused_at_another_layout_in_one_line(tmp_path):

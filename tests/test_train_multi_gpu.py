@@ -179,3 +179,44 @@ def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path
     once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
     assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
                              callbacks=(LogsEachStep(), EMA(0.9))) == once
+
+
+class CrashAt:
+    """A run that dies after optimizer step `step` (a callback raising), as a preempted job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: MultiGPUTrainer) -> None:
+        if trainer.progress.global_step == self.step:
+            raise RuntimeError("killed")
+
+
+def test_max_steps_ends_mid_epoch_on_its_schedule_and_a_resume_reaches_it_bit_identically(tmp_path):
+    """--max-steps 13 with 8 steps per epoch: training ends in epoch 2 at step 13, evaluated and saved there, the
+    cosine schedule at its end; a run that died at step 7 resumes from its step-5 checkpoint to the same weights."""
+    def trainer(name: str, **extra) -> MultiGPUTrainer:
+        torch.manual_seed(0)
+        config = config_for(tmp_path / name, 1, epochs=3, max_steps=13, lr_schedule="cosine", **extra)
+        return MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config)
+
+    with trainer("whole") as whole:
+        assert whole.steps_per_epoch == 8 and whole.total_steps == 13
+        summary = whole.fit()
+        assert (summary["global_step"], summary["epochs"], whole.progress.samples_in_epoch) == (13, 1, 5 * 8)
+        assert whole.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+        final = checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt"))
+        assert final["global_step"] == 13 and final["evaluated"] and "val_acc" in final["metrics"]
+    with pytest.raises(Exception, match="already at --max-steps 13"):
+        with trainer("whole", resume="auto") as again:
+            again.fit()
+
+    torch.manual_seed(0)
+    config = config_for(tmp_path / "cut", 1, epochs=3, max_steps=13, lr_schedule="cosine", save_every_steps=5)
+    with pytest.raises(RuntimeError, match="killed"):
+        with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config, callbacks=[CrashAt(7)]) as cut:
+            cut.fit()
+    with trainer("cut", save_every_steps=5, resume="auto") as resumed:
+        assert resumed.fit()["global_step"] == 13
+        for name, tensor in resumed.model.state_dict().items():
+            assert torch.equal(tensor, whole.model.state_dict()[name]), name
