@@ -62,6 +62,10 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     if name == "text":  # windows of character ids: nothing to flatten
         train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
         return DataSpec(train, val, (config.block_size,), vocabulary)
+    if name == "hf":  # local files through Hugging Face datasets (data/hf.py)
+        from .hf import hf_datasets
+        train, val, shape, classes = hf_datasets(config)
+        return DataSpec(train, val, shape, classes)  # type: ignore[arg-type]  (val: None without --val-files)
     if name in ("synthetic", "fake", "imagefolder"):  # --image-shape sizes their samples: refused before any is made
         check_batch_fits_in_memory(config)
     if name == "synthetic":

@@ -63,17 +63,29 @@ class TrainConfig:
                                    "(slower: a store round trip each)", group="devices")
     # --- data ----------------------------------------------------------
     dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                                  "imagefolder", "fake", "text"], group="data")
+                                                  "imagefolder", "fake", "text", "hf"], group="data")
     data_dir: str = _opt("datasets", "where torchvision data sets live (imagefolder: a folder with train/ and val/)",
                          group="data")
     data_file: Optional[str] = _opt(None, "--dataset text: a UTF-8 plain text file; its characters are the tokens, "
                                     "its last 10 percent the validation set", group="data")
+    data_files: Optional[str] = _opt(None, "--dataset hf: local .parquet, .jsonl/.json, .csv or .txt files of the "
+                                     "training set (globs, comma-separated), read with Hugging Face datasets "
+                                     "(pip install '.[hf]')", group="data")
+    val_files: Optional[str] = _opt(None, "--dataset hf: the validation set's files, as --data-files (none: no "
+                                    "validation)", group="data")
+    streaming: bool = _opt(False, "--dataset hf: read the files as a stream (split over ranks by "
+                                  "split_dataset_by_node, over workers by the files) instead of as one table",
+                           group="data")
+    input_column: Optional[str] = _opt(None, "--dataset hf: the column of each sample's input, numbers or an image "
+                                       "(default: the first of image, pixels, x, features, input)", group="data")
+    label_column: str = _opt("label", "--dataset hf: the column of each sample's class id", group="data")
     download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir", group="data")
     train_size: int = _opt(8192, "samples in the synthetic/fake training set", group="data")
     val_size: int = _opt(1000, "samples in the synthetic/fake validation set", group="data")
-    image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder)",
-                            group="data")
-    num_classes: int = _opt(10, "classes of the synthetic/fake data sets", group="data")
+    image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder, and "
+                                       "the shape of --dataset hf's numeric inputs)", group="data")
+    num_classes: int = _opt(10, "classes of the synthetic/fake data sets (and of --dataset hf's label column when it "
+                                "has no class names)", group="data")
     num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
                                       group="data")
     steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset; "
@@ -198,6 +210,13 @@ class TrainConfig:
         if self.data_file is not None and self.dataset != "text":
             raise UsageError(f"--data-file is the text of --dataset text, and this run's data set is {self.dataset}; "
                              f"add --dataset text (or drop --data-file)")
+        hf_only = [name for name in ("data_files", "val_files", "streaming", "input_column") if getattr(self, name)]
+        if self.dataset != "hf" and hf_only:
+            raise UsageError(f"--{flag(hf_only[0])} is for --dataset hf, and this run's data set is {self.dataset}; "
+                             f"add --dataset hf (or drop --{flag(hf_only[0])})")
+        if self.dataset == "hf" and not self.data_files:
+            raise UsageError("--dataset hf needs --data-files GLOB: the local files of the training set (.parquet, "
+                             ".jsonl/.json, .csv or .txt)")
         if self.dataset == "text" and not self.data_file:
             raise UsageError("--dataset text needs --data-file FILE, a UTF-8 plain text file")
         if (self.dataset == "text") != (self.model_name == "gpt"):

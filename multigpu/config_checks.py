@@ -64,8 +64,9 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
         yield "early_stop_min_delta", "it is the least improvement --early-stop-patience counts, and that is off"
     if config.dataset not in GENERATED:
         for name in SIZES_OF_GENERATED:
-            yield name, f"it sizes the synthetic and fake data sets, and --dataset {config.dataset} has its own"
-        if config.dataset not in ("imagefolder", "text"):
+            if not (name == "num_classes" and config.dataset == "hf"):  # hf: a label column without class names
+                yield name, f"it sizes the synthetic and fake data sets, and --dataset {config.dataset} has its own"
+        if config.dataset not in ("imagefolder", "text", "hf"):  # hf: the shape a column of numbers takes
             yield "image_shape", f"--dataset {config.dataset} has images of its own shape"
     if config.dataset in GENERATED:
         for name in ("data_dir", "download"):

@@ -54,7 +54,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
         print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
-              f"data {config.dataset}: {len(data.train)} train / {len(data.val)} val samples", flush=True)
+              f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples", flush=True)
         for line in data.warnings:
             print(line, flush=True)
     return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
@@ -71,6 +71,16 @@ def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable
             on_summary(summary)
 
     return main_guarded(train, argv)
+
+
+def _samples(dataset: Any) -> str:
+    """A data set's size in words: no set (--dataset hf without --val-files), or a stream of unknown length."""
+    if dataset is None:
+        return "no"
+    try:
+        return str(len(dataset))
+    except TypeError:
+        return "a stream of"
 
 
 def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv with requirements.txt installed, unless it is already there and up to date.
 # Used by README's two commands and by .ci/run, so all three set up the same way.
+#   bash scripts/ensure_env.sh        # the framework
+#   bash scripts/ensure_env.sh hf     # and pyproject.toml's optional extras named (comma-separated), as the tests do
 set -euo pipefail
 cd "$(dirname "$0")/.."
+extras=${1:-}
 
 python_bin=${PYTHON:-}
 if [ -z "$python_bin" ]; then
@@ -14,7 +17,7 @@ fi
 
 # The stamp records which requirements.txt and pyproject.toml the environment was built from.
 stamp=.venv/.requirements.sha256
-wanted=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+wanted=$( (cat requirements.txt pyproject.toml; echo "extras: $extras") | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
     exit 0
 fi
@@ -32,6 +35,12 @@ if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-de
         >> .venv/pip-install.log 2>&1; then
     tail -20 .venv/pip-install.log >&2
     echo "error: installing this checkout into .venv failed (log in .venv/pip-install.log)" >&2
+    exit 1
+fi
+if [ -n "$extras" ] && ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
+        -e ".[$extras]" >> .venv/pip-install.log 2>&1; then
+    tail -20 .venv/pip-install.log >&2
+    echo "error: installing the extras [$extras] into .venv failed (log in .venv/pip-install.log)" >&2
     exit 1
 fi
 echo "$wanted" > "$stamp"

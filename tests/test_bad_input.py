@@ -224,6 +224,11 @@ CLI = {
                                                     "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
     "max-steps negative": Case(["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
+    "dataset hf without files": Case(["--dataset", "hf"], "--dataset hf needs --data-files GLOB"),
+    "streaming without dataset hf": Case(["--streaming"], "--streaming is for --dataset hf, and this run's data "
+                                                          "set is synthetic; add --dataset hf"),
+    "data-files matching nothing": Case(["--dataset", "hf", "--data-files", "no-such-dir/*.parquet"],
+                                        "--data-files 'no-such-dir/*.parquet' matches no file"),
     "fsdp-blocks unknown": Case(["--multi-gpu", "fsdp", "--fsdp-blocks", "Nope"], "--fsdp-blocks Nope: the model "
                                 "has no module of class Nope; name classes it has, e.g. "),
     "fsdp with batch-size auto": Case(["--multi-gpu", "fsdp", "--batch-size", "auto"], "--batch-size auto measures "

@@ -1,0 +1,202 @@
+"""--dataset hf: local files read through Hugging Face `datasets` (the optional extra: pip install '.[hf]').
+
+`--data-files` (and `--val-files`) name Parquet, JSON Lines/JSON, CSV or text files by glob; the format comes
+from the extension. Each sample's input is `--input-column` (a list of numbers, reshaped to --image-shape, or
+flat with --mode flatten; or an image, turned into a tensor) and its class `--label-column`. Strings are
+refused: the built-in models read numbers, so tokenize text into a column of numbers first (--dataset text
+reads characters of one plain file).
+
+Map-style by default: the whole table, the trainer's sampler splits it over ranks. With `--streaming` the
+files are read as they are consumed: an HF IterableDataset that `datasets.distributed.split_dataset_by_node`
+splits over ranks (whole files per rank when their number divides by the world size, else every rank keeps
+one sample in world-size) and that splits its files over each rank's DataLoader workers itself, so the trainer
+takes it as a stream that shards itself (multigpu/streaming.py: the uneven ends, the exact resume at the same
+layout). Its length, counted from the files (Parquet metadata; lines of the others), sizes an epoch as one pass.
+
+Only local files are read: HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set, so no network is tried.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+INPUT_COLUMNS = ("image", "pixels", "x", "features", "input")  # tried in order without --input-column
+INSTALL = "pip install '.[hf]' (or pip install datasets)"
+
+
+def import_datasets(module: str = "datasets") -> Any:
+    """The `datasets` library, or UsageError saying what to install (`module`: its import name)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network round trip
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        library = __import__(module)
+    except ImportError:
+        raise UsageError(f"--dataset hf needs the Hugging Face datasets library, which is not installed: "
+                         f"{INSTALL}") from None
+    # Its progress bars and notes ("Too many dataloader workers ...: stopping 1", when a rank's files are fewer
+    # than its workers: harmless, the others read them) would print on every rank; its errors still show.
+    library.disable_progress_bars()
+    library.logging.set_verbosity_error()
+    return library
+
+
+def files_of(patterns: str, flag: str) -> tuple[str, list[str]]:
+    """The files `patterns` (comma-separated globs) match, and their one format; UsageError naming the flag when
+    none match or the extensions mix or are unknown."""
+    files = sorted({path for pattern in patterns.split(",") if pattern.strip()
+                    for path in glob.glob(os.path.expanduser(pattern.strip()), recursive=True) if os.path.isfile(path)})
+    if not files:
+        raise UsageError(f"{flag} {patterns!r} matches no file; give a path or glob of local .parquet, .jsonl, "
+                         f".json, .csv or .txt files")
+    kinds = {os.path.splitext(path)[1].lower() for path in files}
+    unknown = sorted(kinds - set(FORMATS))
+    if unknown or len({FORMATS[kind] for kind in kinds}) > 1:
+        raise UsageError(f"{flag} {patterns!r} matches files of {', '.join(sorted(kinds))}: give files of one "
+                         f"format, .parquet, .jsonl/.json, .csv or .txt")
+    return FORMATS[kinds.pop()], files
+
+
+def count_rows(kind: str, files: list[str]) -> Optional[int]:
+    """Rows in `files` without reading them as a table: Parquet's metadata, or lines; None for a .json file,
+    which may hold one array."""
+    if kind == "parquet":
+        import pyarrow.parquet as parquet
+        return sum(parquet.ParquetFile(path).metadata.num_rows for path in files)
+    if any(path.lower().endswith(".json") for path in files):
+        return None
+    rows = 0
+    for path in files:
+        with open(path, "rb") as lines:
+            rows += sum(1 for line in lines if line.strip()) - (1 if kind == "csv" else 0)  # a CSV's header
+    return rows
+
+
+class HFSamples:
+    """Turns one HF example (a dict of columns) into the trainer's sample: {"x": input, "y": class}, plus the
+    `keep` columns as they are (an id a model records, say)."""
+
+    def __init__(self, input_column: str, label_column: str, shape: Optional[tuple[int, ...]],
+                 keep: tuple[str, ...] = ()):
+        self.input_column, self.label_column, self.shape, self.keep = input_column, label_column, shape, keep
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        value = example[self.input_column]
+        if hasattr(value, "convert"):  # a PIL image
+            import torchvision.transforms.functional as functional
+            x = functional.to_tensor(value)
+        else:
+            x = torch.as_tensor(value, dtype=torch.float32)
+        if self.shape is not None:
+            x = x.reshape(self.shape)
+        return {"x": x, "y": torch.as_tensor(example[self.label_column], dtype=torch.long),
+                **{name: example[name] for name in self.keep}}
+
+
+class HFTable(Dataset):
+    """A map-style HF Dataset as the trainer's samples (the sampler splits it over ranks)."""
+
+    def __init__(self, table: Any, samples: HFSamples):
+        self.table, self.samples = table, samples
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.samples(self.table[int(index)])
+
+
+class HFStream(IterableDataset):
+    """A streaming HF IterableDataset as the trainer's samples: this rank's part (split_dataset_by_node, by the
+    RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself."""
+
+    shards_itself = True  # multigpu/streaming.py takes what each (rank, worker) yields
+
+    def __init__(self, stream: Any, samples: HFSamples, length: Optional[int]):
+        self.stream, self.samples, self.length = stream, samples, length
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("a .json stream's length is not counted")  # streaming.stream_length reads None
+        return self.length
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from datasets.distributed import split_dataset_by_node
+
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        for example in split_dataset_by_node(self.stream, rank=rank, world_size=world_size):
+            yield self.samples(example)
+
+
+def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Dataset, Optional[Dataset], tuple[int, ...],
+                                                                        int]:
+    """(train, val or None, one input's shape, classes) of --dataset hf; `keep`: columns passed on as they are."""
+    datasets = import_datasets()
+    kind, files = files_of(config.data_files or "", "--data-files")
+    train = datasets.load_dataset(kind, data_files=files, split="train", streaming=config.streaming)
+    first = next(iter(train))
+    input_column = _input_column(config, first)
+    _check_label(config, first)
+    shape = _shape(config, first[input_column], input_column)
+    samples = HFSamples(input_column, config.label_column, shape, keep)
+    label_feature = (train.features or {}).get(config.label_column)
+    classes = len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
+    sample_shape = tuple(samples(first)["x"].shape)
+
+    def wrap(table: Any, found: list[str]) -> Dataset:
+        if config.streaming:
+            return HFStream(table, samples, count_rows(kind, found))
+        return HFTable(table, samples)
+
+    val = None
+    if config.val_files:
+        val_kind, val_found = files_of(config.val_files, "--val-files")
+        val = wrap(datasets.load_dataset(val_kind, data_files=val_found, split="train", streaming=config.streaming),
+                   val_found)
+    return wrap(train, files), val, sample_shape, classes
+
+
+def _input_column(config: TrainConfig, example: dict[str, Any]) -> str:
+    column = config.input_column or next((name for name in INPUT_COLUMNS if name in example), None)
+    if column is None or column not in example:
+        raise UsageError(f"--input-column {column or '(not given)'}: the files' columns are "
+                         f"{', '.join(example)}; name the column that holds each sample's input")
+    if isinstance(example[column], str):
+        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: "
+                         f"tokenize the text into a column of numbers first (or, for characters of one plain "
+                         f"file, use --dataset text --data-file FILE)")
+    return column
+
+
+def _check_label(config: TrainConfig, example: dict[str, Any]) -> None:
+    label = example.get(config.label_column)
+    if config.label_column not in example:
+        raise UsageError(f"--label-column {config.label_column}: the files' columns are {', '.join(example)}; name "
+                         f"the column that holds each sample's class")
+    if isinstance(label, bool) or not isinstance(label, int):
+        raise UsageError(f"--label-column {config.label_column} holds {type(label).__name__} values ({label!r}); "
+                         f"it must hold integer class ids 0..N-1")
+
+
+def _shape(config: TrainConfig, value: Any, column: str) -> Optional[tuple[int, ...]]:
+    """How a numeric input is reshaped: to --image-shape (--mode image) or flat (--mode flatten); None keeps an
+    image as its tensor is (flattened under --mode flatten)."""
+    if hasattr(value, "convert"):
+        return (-1,) if config.mode == "flatten" else None
+    count = torch.as_tensor(value, dtype=torch.float32).numel()
+    if config.mode == "flatten":
+        return (count,)
+    dims = config.image_dims()
+    if dims[0] * dims[1] * dims[2] != count:
+        raise UsageError(f"--input-column {column} holds {count} numbers per sample; --mode image reads them as "
+                         f"--image-shape {config.image_shape} ({dims[0] * dims[1] * dims[2]}): give an --image-shape "
+                         f"C,H,W whose product is {count}, or --mode flatten --model mlp")
+    return dims
