@@ -15,32 +15,38 @@ if [ -z "$python_bin" ]; then
 fi
 [ -n "$python_bin" ] || { echo "error: no python3 found; install Python 3.11" >&2; exit 2; }
 
-# The stamp records which requirements.txt and pyproject.toml the environment was built from.
+# The stamp records which requirements.txt and pyproject.toml the environment was built from; the extras'
+# stamp, which extras were added on top of that build (a plain run after the tests needs no rebuild).
 stamp=.venv/.requirements.sha256
-wanted=$( (cat requirements.txt pyproject.toml; echo "extras: $extras") | sha256sum | cut -d' ' -f1)
-if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
-    exit 0
+wanted=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if ! { [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; }; then
+    echo "setting up .venv (torch, torchvision, tensorboard, tqdm, pytest)..." >&2
+    "$python_bin" -m venv .venv
+    # pip's log goes to a file (this machine's pip config adds pages of warnings); shown only if it fails.
+    if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt \
+            > .venv/pip-install.log 2>&1; then
+        cat .venv/pip-install.log >&2
+        echo "error: installing requirements.txt failed (log above, also in .venv/pip-install.log)" >&2
+        exit 1
+    fi
+    # The framework itself, editable: `from train_multi_gpu import ...` and `multigpu-train` work from any folder.
+    if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
+            >> .venv/pip-install.log 2>&1; then
+        tail -20 .venv/pip-install.log >&2
+        echo "error: installing this checkout into .venv failed (log in .venv/pip-install.log)" >&2
+        exit 1
+    fi
+    echo "$wanted" > "$stamp"
 fi
-echo "setting up .venv (torch, torchvision, tensorboard, tqdm, pytest)..." >&2
-"$python_bin" -m venv .venv
-# pip's log goes to a file (this machine's pip config adds pages of warnings); shown only if it fails.
-if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt \
-        > .venv/pip-install.log 2>&1; then
-    cat .venv/pip-install.log >&2
-    echo "error: installing requirements.txt failed (log above, also in .venv/pip-install.log)" >&2
-    exit 1
-fi
-# The framework itself, editable: `from train_multi_gpu import ...` and `multigpu-train` work from any folder.
-if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e . \
+[ -n "$extras" ] || exit 0
+extras_stamp=.venv/.extras.sha256
+wanted_extras=$(echo "$wanted $extras" | sha256sum | cut -d' ' -f1)
+[ "$(cat "$extras_stamp" 2>/dev/null)" = "$wanted_extras" ] && exit 0
+echo "adding the extras [$extras] to .venv..." >&2
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[$extras]" \
         >> .venv/pip-install.log 2>&1; then
-    tail -20 .venv/pip-install.log >&2
-    echo "error: installing this checkout into .venv failed (log in .venv/pip-install.log)" >&2
-    exit 1
-fi
-if [ -n "$extras" ] && ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation \
-        -e ".[$extras]" >> .venv/pip-install.log 2>&1; then
     tail -20 .venv/pip-install.log >&2
     echo "error: installing the extras [$extras] into .venv failed (log in .venv/pip-install.log)" >&2
     exit 1
 fi
-echo "$wanted" > "$stamp"
+echo "$wanted_extras" > "$extras_stamp"
