@@ -577,10 +577,9 @@ class MultiGPUTrainer:
                              "the old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
         if self._resumed:  # a later fit() of this trainer: the same run, continued in memory
             if self._trained():
-                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs and "
-                                 f"max_steps are totals, not per call): nothing to train; to train further, build a "
-                                 f"trainer with more epochs (or max_steps) and resume='auto' (it continues from "
-                                 f"{self.config.save_dir})")
+                raise UsageError(f"fit() already trained this run to its {self.config.epochs} epochs (epochs is the "
+                                 f"total, not epochs per call): nothing to train; to train further, build a trainer "
+                                 f"with more epochs and resume='auto' (it continues from {self.config.save_dir})")
             return False
         self._resumed = True
         found = self.checkpointer.find()
