@@ -20,12 +20,13 @@ SIZES_OF_GENERATED = ("train_size", "val_size", "num_classes")
 @dataclass(frozen=True)
 class RunFacts:
     """What the rules need to know beyond the config: whether the trainer uses its own optimizer and schedule
-    (a user's replace them), and whether the model has convolution weights (the only 4-D tensors
-    channels-last changes)."""
+    (a user's replace them), whether the model has convolution weights (the only 4-D tensors
+    channels-last changes), and the optimizer steps of an epoch (0: not known yet)."""
 
     builtin_optimizer: bool = True
     builtin_schedule: bool = True
     convolutions: bool = True
+    steps_per_epoch: int = 0
 
 
 def given(config: TrainConfig) -> FrozenSet[str]:
@@ -81,6 +82,10 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if config.multi_gpu != "fsdp":
         for name in ("fsdp_blocks", "fsdp_reshard_after_forward"):
             yield name, f"it shapes --multi-gpu fsdp, and this run is --multi-gpu {config.multi_gpu}"
+    if facts.steps_per_epoch and config.max_steps > config.epochs * facts.steps_per_epoch:
+        yield "max_steps", (f"--epochs {config.epochs} of {facts.steps_per_epoch} steps end the run first, at "
+                            f"{config.epochs * facts.steps_per_epoch} steps; raise --epochs to train "
+                            f"{config.max_steps} steps")
     if not facts.convolutions:
         yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
                                 "channels-last")

@@ -93,7 +93,7 @@ def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
     config, samples_per_rank = run.config, run.samples_per_epoch // run.runtime.world_size
     total_steps = config.planned_steps(run.steps_per_epoch)
     facts = config_checks.RunFacts(run.builtin_optimizer, run.builtin_schedule,
-                                   convolutions=run.convolutions)
+                                   convolutions=run.convolutions, steps_per_epoch=run.steps_per_epoch)
     lines = config_checks.ignored_flags(config, run.given, facts)  # flags given that do nothing
     if samples_per_rank < run.loader_batch * config.grad_accum_steps:
         lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "

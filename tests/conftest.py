@@ -467,20 +467,32 @@ class IdStream(torch.utils.data.IterableDataset):
 
 
 class IdModel(torch.nn.Module):
-    """tiny_model's layers; forward also appends the ids it trains on to `ids_file` (one line per batch; not the
-    batch the trainer counts FLOPs on at start)."""
+    """tiny_model's layers; forward also appends the ids it trains on to `ids_file`, and those it evaluates to
+    `eval_ids_file` (one line per batch; not the batch the trainer counts FLOPs on at start)."""
 
-    def __init__(self, ids_file: Optional[Path] = None):
+    def __init__(self, ids_file: Optional[Path] = None, eval_ids_file: Optional[Path] = None):
         super().__init__()
-        self.net, self.ids_file = tiny_model(), ids_file
+        self.net, self.ids_file, self.eval_ids_file = tiny_model(), ids_file, eval_ids_file
 
     def forward(self, x: torch.Tensor, id: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: A002
         from torch.utils._python_dispatch import _get_current_dispatch_mode  # the trainer's FLOP count runs under one
 
-        if self.ids_file is not None and id is not None and self.training and _get_current_dispatch_mode() is None:
-            with open(self.ids_file, "a") as out:
+        ids_file = self.ids_file if self.training else self.eval_ids_file
+        if ids_file is not None and id is not None and _get_current_dispatch_mode() is None:
+            with open(ids_file, "a") as out:
                 out.write(" ".join(map(str, id.tolist())) + "\n")
         return self.net(x)
+
+
+class CrashAt:
+    """A callback that raises after optimizer step `step`, as a run that dies there (preempted, crashed) would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Any) -> None:
+        if trainer.progress.global_step == self.step:
+            raise RuntimeError("killed")
 
 
 def read_ids(files: Sequence[Path]) -> list[int]:

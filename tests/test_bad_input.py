@@ -224,6 +224,7 @@ CLI = {
                                                     "more than the "),
     "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
     "max-steps negative": Case(["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
+    "max-steps fractional": Case(["--max-steps", "2.5"], "argument --max-steps: invalid int value: '2.5'"),
     "dataset hf without files": Case(["--dataset", "hf"], "--dataset hf needs --data-files GLOB"),
     "streaming without dataset hf": Case(["--streaming"], "--streaming is for --dataset hf, and this run's data "
                                                           "set is synthetic; add --dataset hf"),
@@ -286,6 +287,9 @@ CLI = {
                                           "has trained 2 epoch(s), already past --epochs 1 (the total, not epochs "
                                           "more): nothing to train; pass --epochs 3 or more",
                                           lambda tmp, ckpt: at_epoch(ckpt / "last.pt", 2)),
+    "max-steps the checkpoint already reached": Case(["--resume", "auto", "--max-steps", "1"],
+                                                     "optimizer steps, already at --max-steps 1 (the total, not steps "
+                                                     "more): nothing to train; pass a larger --max-steps to train on"),
     # data sets
     "imagefolder without class folders": Case([], "Couldn't find any class folder in",
                                               lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})),
@@ -565,6 +569,8 @@ def api(make: Callable[[Path], object], error: type, expected: str, *marks) -> o
 API = {
     "batch_size as text": api(lambda tmp: TrainConfig(batch_size="64"), UsageError,
                               "TrainConfig batch_size (--batch-size) must be an int or 'auto', got '64' (str)"),
+    "fractional max_steps": api(lambda tmp: TrainConfig(max_steps=2.5), UsageError,
+                                "TrainConfig max_steps (--max-steps) must be an int, got 2.5 (float)"),
     "fractional epochs": api(lambda tmp: TrainConfig(epochs=1.5), UsageError,
                              "TrainConfig epochs (--epochs) must be an int, got 1.5 (float)"),
     "lr as text": api(lambda tmp: TrainConfig(lr="0.1"), UsageError, "TrainConfig lr (--lr) must be a float"),

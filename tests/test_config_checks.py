@@ -81,6 +81,17 @@ def test_channels_last_with_a_model_without_convolutions_is_a_warning():
     assert ignored_flags(config, config.given, RunFacts(convolutions=True)) == []
 
 
+def test_max_steps_beyond_what_the_epochs_train_is_a_warning():
+    """--epochs 2 of 8 steps end the run at 16: --max-steps 20 never ends it, --max-steps 16 or 12 does."""
+    config = parse_config(["--max-steps", "20", "--epochs", "2"])
+    assert ignored_flags(config, config.given, RunFacts(steps_per_epoch=8)) == [
+        "warning: --max-steps 20 has no effect: --epochs 2 of 8 steps end the run first, at 16 steps; raise --epochs "
+        "to train 20 steps"]
+    for steps in ("16", "12"):
+        config = parse_config(["--max-steps", steps, "--epochs", "2"])
+        assert ignored_flags(config, config.given, RunFacts(steps_per_epoch=8)) == []
+
+
 def test_a_flag_given_its_default_value_is_still_a_given_flag():
     config = parse_config(["--lr-gamma", "0.1"])  # 0.1 is the default: the user still asked for it
     assert [line.split(":")[1] for line in ignored_flags(config, config.given, RunFacts())] == [" --lr-gamma 0.1 has no effect"]

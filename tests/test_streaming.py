@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, IdModel, IdStream, cli_env, config_for, free_port,
-                      read_ids, run_ranks)
+from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, CrashAt, IdModel, IdStream, cli_env, config_for,
+                      free_port, read_ids, run_ranks)
 from multigpu.streaming import StreamShard, TaggedCollate
 
 EPOCH = sum(SHARDS)
@@ -206,6 +206,50 @@ def test_max_steps_alone_bounds_an_endless_stream_and_its_schedule(tmp_path):
         summary = trainer.fit()
         assert summary["global_step"] == 9 and summary["epochs"] == 1
         assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # cosine ends at step 9
+
+
+def test_a_resume_reaches_max_steps_on_an_endless_stream_with_the_uninterrupted_weights(tmp_path):
+    """--max-steps 13 alone on an endless stream: a run that died at step 7 resumes from its step-5 checkpoint,
+    trains exactly to 13 on the samples the uninterrupted run saw, and ends with its weights, bit for bit."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    def run(name: str, callbacks=(), **extra) -> MultiGPUTrainer:
+        torch.manual_seed(0)
+        config = config_for(tmp_path / name, 1, max_steps=13, lr_schedule="cosine", warmup_epochs=0.2,
+                            save_every_steps=5, num_workers=1, **extra)
+        return MultiGPUTrainer(IdModel(tmp_path / f"ids-{name}"), EndlessIds(), None, config, callbacks=list(callbacks))
+
+    with run("whole") as whole:
+        assert whole.fit()["global_step"] == 13
+    with pytest.raises(RuntimeError, match="killed"), run("cut", [CrashAt(7)]) as cut:
+        cut.fit()
+    saved = (tmp_path / "ids-cut").read_text().splitlines()[:5]  # steps 6 and 7 died with the run
+    (tmp_path / "ids-cut").write_text("\n".join(saved) + "\n")
+    with run("cut", resume="auto") as resumed:
+        assert resumed.fit()["global_step"] == 13
+        assert read_ids([tmp_path / "ids-cut"]) == read_ids([tmp_path / "ids-whole"])  # the same 13 steps' samples
+        for name, tensor in resumed.model.state_dict().items():
+            assert torch.equal(tensor, whole.model.state_dict()[name]), name
+
+
+def evaluate_stream(rank: int, world: int, tmp: Path, workers: int, by_shard: bool) -> dict[str, float]:
+    """One rank's evaluation of IdStream (its ids go to eval<rank>), without training."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    config = config_for(tmp, world, num_workers=workers, eval_batch_size=5)
+    model = IdModel(eval_ids_file=tmp / f"eval{rank}")
+    with MultiGPUTrainer(model, IdStream(), IdStream(shards_itself=by_shard), config) as trainer:
+        return trainer.evaluate()
+
+
+@pytest.mark.parametrize("world, workers, by_shard", [(1, 2, True), (2, 2, False)])
+def test_evaluation_over_a_stream_counts_every_sample_once_over_ranks_and_workers(tmp_path, world, workers, by_shard):
+    """The ids the model evaluated, over all ranks and loader workers, are each sample of the pass once, and
+    every rank reports the same result over all of them (uneven shards: ranks end at different batches)."""
+    results = (run_ranks(evaluate_stream, world, tmp_path, tmp_path, workers, by_shard) if world > 1
+               else [evaluate_stream(0, 1, tmp_path, workers, by_shard)])
+    assert sorted(read_ids([tmp_path / f"eval{rank}" for rank in range(world)])) == list(range(EPOCH))
+    assert all(result == results[0] for result in results) and results[0]["count"] == EPOCH
 
 
 def test_a_self_sharding_streams_position_is_refused_at_another_layout_in_one_line(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model
+from conftest import CrashAt, blobs, config_for, read_scalars, run_ranks, tiny_model
 from multigpu import checkpoint
 from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
@@ -179,17 +179,6 @@ def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path
     once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
     assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
                              callbacks=(LogsEachStep(), EMA(0.9))) == once
-
-
-class CrashAt:
-    """A run that dies after optimizer step `step` (a callback raising), as a preempted job would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, trainer: MultiGPUTrainer) -> None:
-        if trainer.progress.global_step == self.step:
-            raise RuntimeError("killed")
 
 
 def test_max_steps_ends_mid_epoch_on_its_schedule_and_a_resume_reaches_it_bit_identically(tmp_path):
