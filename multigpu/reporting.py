@@ -7,7 +7,9 @@ Other ranks get a Reporter that does nothing, so call sites need no `if rank == 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
+import threading
 from typing import Any, Iterator, Optional
 
 from multigpu.config import TrainConfig
@@ -26,6 +28,12 @@ class Reporter:
         self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
+        if enabled and config.num_workers == 0:
+            # TensorBoard's modules take 40-60 ms to import: here they load beside the first steps (whose kernels
+            # release the interpreter lock), not at the first sync point, where the other ranks would wait for
+            # rank 0. Not with loader workers: a fork during an import could leave its lock held in the worker.
+            threading.Thread(target=importlib.import_module, args=("multigpu.event_file",), daemon=True,
+                             name="import TensorBoard").start()
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
