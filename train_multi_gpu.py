@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import (checkpoint, config_checks, faults, hang_report, heartbeat, plan, rng, sharding, streaming,
-                      watchdog)
+from multigpu import (autotune, checkpoint, config_checks, faults, hang_report, heartbeat, plan, rng, sharding,
+                      streaming, watchdog)
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -140,6 +140,7 @@ class MultiGPUTrainer:
         self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once
+        self.channels_last = config.channels_last  # --autotune may switch it (_use_setting)
         self.move = batch_mover(self.device, config.channels_last)  # a batch from the loader to the device
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         if config.batch_size == AUTO:  # measured before anything that depends on the batch is built
@@ -208,6 +209,7 @@ class MultiGPUTrainer:
         self.meter = IntervalMeter(self.device, self.loader_batch)
         self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
         self._resumed, self._batch_checked = False, False
+        self.autotune = autotune.for_trainer(self) if config.autotune else None  # tried in fit's first steps
         self.checkpointer = Checkpointer(config, rt, self.report)
         self.checkpointer.check_folders(checkpoint.estimate_size(self.model, self.optimizer,
                                                                  model_copies=2 if config.ema_decay else 1),
@@ -257,6 +259,7 @@ class MultiGPUTrainer:
                 for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
                     self.report.line(line)
                 self.callbacks.call("on_fit_start", self)
+                self._start_autotune()
                 self.telemetry.start()
                 with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
                     while not self._trained() and not self._stopping_early():
@@ -288,6 +291,35 @@ class MultiGPUTrainer:
         if self.runtime.rank == 0 and not BEAT.hang_declared:
             saved = hang_report.save_last_step(self, {"stuck": {}})
             print(f"rank 0: {saved}", file=sys.stderr, flush=True)
+
+    def _start_autotune(self) -> None:
+        """--autotune: its trials run from the first step ends, ahead of the callbacks, until it has chosen."""
+        hooks = self.callbacks.hooks["on_step_end"]
+        if self.autotune is not None and self.autotune.start(self.progress.global_step, self.total_steps):
+            self._on_step_end = [self.autotune.on_step_end, *hooks]
+            self.autotune.finished = lambda: setattr(self, "_on_step_end", hooks)  # no per-step cost after
+
+    def _use_setting(self, setting: autotune.Setting) -> None:
+        """Switch to an --autotune setting between two steps: the threads, the memory format (weights, optimizer
+        state, batches) and compiled or not; nothing a step computes changes beyond rounding."""
+        torch.set_num_threads(setting.threads)
+        if setting.channels_last != self.channels_last:
+            layout = torch.channels_last if setting.channels_last else torch.contiguous_format
+            self.model.to(memory_format=layout)  # 4-D weights only, in place: the optimizer keeps its parameters
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 4:
+                        state[key] = value.contiguous(memory_format=layout)
+            self.channels_last = setting.channels_last
+            self.move = self.evaluator.move = batch_mover(self.device, setting.channels_last)
+            if self.runtime.mode == "ddp":  # DDP's gradient buckets take the weights' layout when it is built
+                self.wrapped._remove_autograd_hooks()
+                self.wrapped = wrap_model(self.model, self.config, self.runtime, lambda line: None, self.amp.dtype)
+                self.no_sync = self.wrapped.no_sync
+        if setting.compiled and self.model._compiled_call_impl is None:
+            self.model.compile()  # in place, inside DDP's wrapper: as --compile, plain state_dict keys
+        elif not setting.compiled:
+            self.model._compiled_call_impl = None  # what nn.Module.compile set: the plain forward again
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
@@ -510,7 +542,8 @@ class MultiGPUTrainer:
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
                 "rng": RngState(self.runtime, gather),
-                **({"stream_state": self.stream} if self.stream is not None else {})}  # multigpu/streaming.py
+                **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
+                **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, as one checkpoint file holds it (every rank must call it: the ranks' RNG

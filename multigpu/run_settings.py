@@ -23,7 +23,8 @@ from multigpu.config import AUTO, FIELDS, TrainConfig
 RUN_GROUPS = ("data", "model", "optimisation")
 # Those that may still differ in a command that continues the run: --epochs is the total, so continuing a run
 # to more epochs is the point; the others change where data is read from, or how fast, not what is learned.
-MAY_DIFFER = ("epochs", "data_dir", "download", "num_workers", "eval_batch_size", "compile", "channels_last")
+MAY_DIFFER = ("epochs", "data_dir", "download", "num_workers", "eval_batch_size", "compile", "channels_last",
+              "autotune")
 # How one start of a run goes, never a setting of the run: a resume does not report them as changed.
 START_ONLY = ("resume", "overwrite", "allow_low_disk")
 
