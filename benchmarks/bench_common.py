@@ -76,26 +76,27 @@ def write_markdown(path: Path, title: str, header: Sequence[str], rows: Sequence
     print(f"written: {path} and {path.with_suffix('.csv')}", flush=True)
 
 
-def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10):
-    """The same in-memory synthetic images for every loop compared, so data loading is not what differs."""
+def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, split: str = "train"):
+    """The same in-memory synthetic images for every loop compared, so data loading is not what differs
+    (split "val": held-out samples of the same task)."""
     import torch
     from torch.utils.data import TensorDataset
 
     from multigpu.data import SyntheticImages
 
-    source = SyntheticImages(size, shape, classes, seed=0)
+    source = SyntheticImages(size, shape, classes, seed=0, split=split)
     return TensorDataset(torch.stack([source[i][0] for i in range(size)]),
                          torch.tensor([source[i][1] for i in range(size)]))
 
 
-def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10):
-    """The project's default model with the same initial weights in every process."""
+def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, name: str = "cnn"):
+    """The project's default model (or another built-in `name`) with the same initial weights in every process."""
     import torch
 
     from multigpu.models import build_model
 
     torch.manual_seed(0)
-    return build_model("cnn", shape, classes)
+    return build_model(name, shape, classes)
 
 
 def logged_rates(log_dir: str) -> list[float]:
