@@ -165,6 +165,8 @@ class MultiGPUTrainer:
 
         # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
         self.telemetry = Telemetry(rt, self.amp.dtype, self.train_loader.num_workers, self.report.line)
+        if self.train_loader.num_workers == 0:
+            self.report.import_writer_in_background()
         self.telemetry.flops_per_sample = self._flops_per_sample(collate_fn)
         self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
         # What trains: DDP, DataParallel, the module itself sharded in place (fsdp), or the module.

@@ -2,7 +2,7 @@
 on one workload, interleaved round by round (MULTI_GPU_GUIDE.md, "Speed").
 
     python benchmarks/peers.py                            # 1 process and DDP over 2; 64 and 256 steps; 7 rounds
-    python benchmarks/peers.py --nproc 2 --steps 64 --rounds 11
+    python benchmarks/peers.py --nproc 2 --lengths 64 --rounds 11
     pip install '.[peers]'                                # Accelerate and Lightning (else: skipped, one line each)
 
 The workload: the project's cnn, synthetic 1x28x28 images in memory, batch 64 per process, SGD (lr 0.01,
@@ -10,8 +10,9 @@ momentum 0.9, constant), no validation, one epoch of exactly --steps steps, 1 in
 Every contender runs in fresh processes (torchrun for 2 or more, gloo on the CPU and NCCL on GPUs), in an
 order that rotates every round. Time is rank 0's, from just before the contender builds its own objects
 (MultiGPUTrainer, Accelerator, lightning.Trainer; the model and data are built before, alike for all, the
-imports are done (torch._dynamo too, which DDP's constructor imports on first use), and the process group is joined, then a barrier) to the end of the last optimizer step: a
-framework's start-up inside that window counts.
+imports are done, torch._dynamo too, which every torch optimizer's constructor and DDP's import on first use,
+and the process group is joined, then a barrier) to the end of the last optimizer step: a framework's start-up inside
+that window counts.
 The trainer runs with its defaults but the workload's (it writes TensorBoard events and, after the last step,
 a checkpoint, which is outside the window); Lightning without logger, checkpointing, progress bar or summary.
 ratio = a contender's samples/s / the hand-written loop's in the same round; the table gives the median over
@@ -186,7 +187,7 @@ def worker(args) -> None:
         import lightning  # noqa: F401  (imported before the window: an import is not the framework's start-up)
     elif args.worker == "accelerate":
         import accelerate  # noqa: F401
-    import torch._dynamo  # noqa: F401  (DDP's constructor imports it on first use: 2 s here, an import)
+    import torch._dynamo  # noqa: F401  (0.7-2 s here, an import every contender pays: see the docstring)
     import train_multi_gpu  # noqa: F401
 
     if world > 1:  # joined before the window, then a barrier: the ranks' start-up skew is not a framework's

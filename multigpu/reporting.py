@@ -28,12 +28,6 @@ class Reporter:
         self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
-        if enabled and config.num_workers == 0:
-            # TensorBoard's modules take 40-60 ms to import: here they load beside the first steps (whose kernels
-            # release the interpreter lock), not at the first sync point, where the other ranks would wait for
-            # rank 0. Not with loader workers: a fork during an import could leave its lock held in the worker.
-            threading.Thread(target=importlib.import_module, args=("multigpu.event_file",), daemon=True,
-                             name="import TensorBoard").start()
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
@@ -42,6 +36,14 @@ class Reporter:
         self.last_loss: Optional[float] = None
         self.first_val: Optional[dict[str, float]] = None
         self.last_val: Optional[dict[str, float]] = None
+
+    def import_writer_in_background(self) -> None:
+        """Load TensorBoard's modules (40-60 ms) beside the first steps, whose kernels release the interpreter lock,
+        rather than at the first sync point, where the other ranks would wait for rank 0. Only for a run without
+        loader workers: a fork during an import could leave its lock held in the worker."""
+        if self.enabled:
+            threading.Thread(target=importlib.import_module, args=("multigpu.event_file",), daemon=True,
+                             name="import TensorBoard").start()
 
     @property
     def writer(self) -> Any:

@@ -97,3 +97,37 @@ def test_a_redirected_log_gets_plain_lines_at_the_log_interval_not_the_bar(tmp_p
     assert "\r" not in result.stdout and "" not in result.stdout.splitlines()
     assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == [
         "step 4", "step 8", "step 12", "step 16"]  # 512 samples / 32: 16 steps
+
+
+# In a fresh interpreter (this one has imported TensorBoard already): the thread that imported the event file's
+# module, seen by an audit hook, and whether that was done before the run's first sync point.
+BACKGROUND_IMPORT = """
+import sys, tempfile, threading
+import torch
+sys.path[:0] = [{repo!r}]
+from train_multi_gpu import MultiGPUTrainer, TrainConfig
+importers = []
+sys.addaudithook(lambda event, args: importers.append(threading.current_thread().name)  # the module's code runs
+                 if event == "exec" and getattr(args[0], "co_filename", "").endswith("event_file.py") else None)
+class FirstStep:
+    def on_step_end(self, trainer):
+        if trainer.progress.global_step == 1:
+            for thread in threading.enumerate():
+                if thread.name == "import TensorBoard":
+                    thread.join()
+            print("imported before the first sync point:", "multigpu.event_file" in sys.modules)
+data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+config = TrainConfig(epochs=1, batch_size=8, log_every=4, progress=False, num_workers={workers},
+                     save_dir=tempfile.mkdtemp())
+MultiGPUTrainer(torch.nn.Linear(16, 4), data, None, config, callbacks=[FirstStep()]).fit()
+print("imported by:", importers)
+"""
+
+
+def test_tensorboard_is_imported_beside_the_first_steps_only_without_loader_workers():
+    for workers, before, importer in ((0, True, "import TensorBoard"), (1, False, "MainThread")):
+        done = subprocess.run([PYTHON, "-c", BACKGROUND_IMPORT.format(repo=str(REPO), workers=workers)],
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=REPO)
+        assert_ok(done)
+        assert f"imported before the first sync point: {before}" in done.stdout, done.stdout[-800:]
+        assert f"imported by: {[importer]!r}" in done.stdout, done.stdout[-800:]
