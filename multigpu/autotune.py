@@ -158,30 +158,28 @@ class Autotuner:
             self._begin(self.trials[trial + 1])
             return
         steps_left = trainer.total_steps - trainer.progress.global_step
-        if not self.trials[-1].compiled and self._worth_compiling(steps_left):
-            self.trials.append(dataclasses.replace(self._fastest()[0], compiled=True))
+        times = self._slowest_rank()  # one gather per decision: every rank calls it at the same step
+        fastest = self._fastest(times)
+        if not self.trials[-1].compiled and self.compile_allowed and steps_left * fastest[1] >= COMPILE_WORTH_SECONDS:
+            self.trials.append(dataclasses.replace(fastest[0], compiled=True))
             self._begin(self.trials[-1])
             return
-        self._choose(trainer, steps_left)
+        self._choose(trainer, times, fastest, steps_left)
 
     def _slowest_rank(self) -> list[float]:
         """Each trial's step time on the slowest rank: a DDP step waits for all of them."""
         per_rank = gather_objects(self.medians)
         return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]  # type: ignore[index]
 
-    def _fastest(self) -> tuple[Setting, float]:
-        """The fastest eager trial; the setting as given unless another is BETTER_BY faster."""
-        times = self._slowest_rank()
+    def _fastest(self, times: list[float]) -> tuple[Setting, float]:
+        """The fastest eager trial at `times` (the slowest rank's); the setting as given unless another is
+        BETTER_BY faster."""
         eager = [(setting, time_) for setting, time_ in zip(self.trials, times) if not setting.compiled]
         best = min(eager, key=lambda pair: pair[1])
         return best if best[1] < eager[0][1] * (1 - BETTER_BY) else eager[0]
 
-    def _worth_compiling(self, steps_left: int) -> bool:
-        return self.compile_allowed and steps_left * self._fastest()[1] >= COMPILE_WORTH_SECONDS
-
-    def _choose(self, trainer: Any, steps_left: int) -> None:
-        times = self._slowest_rank()
-        chosen, chosen_time = self._fastest()
+    def _choose(self, trainer: Any, times: list[float], fastest: tuple[Setting, float], steps_left: int) -> None:
+        chosen, chosen_time = fastest
         if self.trials[-1].compiled:
             compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
             if times[-1] < chosen_time and (chosen_time - times[-1]) * steps_left > compile_seconds:
@@ -195,5 +193,5 @@ class Autotuner:
         self.summary = {"at_step": step, "gain": times[0] / chosen_time,
                         "tried": {setting.words(): time_ for setting, time_ in zip(self.trials, times)}}
         self.say(f"--autotune: {chosen.words()}, x{times[0] / chosen_time:.2f} the settings as given (median step "
-                 f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} measured, ms per step: "
-                 f"{tried})")
+                 f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
+                 f"measured, ms per step: {tried})")

@@ -107,8 +107,8 @@ class TrainConfig:
                          "compiles; checkpoints stay loadable without it)", group="model")
     channels_last: bool = _opt(False, "keep conv weights and image batches channels-last (NHWC): faster convolutions "
                                "on tensor-core GPUs, above all with --amp", group="model")
-    autotune: bool = _opt(False, "measure, in the first optimizer steps (which train as usual), the settings that change "
-                          "speed but not the numbers: channels-last for convolution nets, intra-op threads on the "
+    autotune: bool = _opt(False, "measure, in the first optimizer steps (which train as usual), the settings that "
+                          "change speed but not the numbers: channels-last for convolution nets, intra-op threads on the "
                           "CPU, torch.compile on runs long enough to repay it; keep the fastest, say so in one line "
                           "and save the choice in the checkpoint (a resume reuses it)", group="model")
     # --- optimisation ----------------------------------------------------
