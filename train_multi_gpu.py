@@ -50,7 +50,7 @@ from multigpu.metrics import MetricsSpec, Monitor
 from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                             move_schedule_to, schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
-from multigpu.preemption import PeerLost, StopRequest, stops_handled
+from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
 from multigpu.telemetry import Telemetry
@@ -255,7 +255,8 @@ class MultiGPUTrainer:
         rt, started = self.runtime, time.perf_counter()
         hang_watchdog = watchdog.for_trainer(self)  # --hang-timeout (MULTI_GPU_GUIDE.md, "When a run hangs")
         try:
-            with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0)):
+            with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0),
+                               on_peer_lost=self._save_after_losing_a_peer):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 self.resume()
                 for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
@@ -275,9 +276,6 @@ class MultiGPUTrainer:
                                     **({"stopped_early": self.stop_reason} if self.stop_reason else {}))
             self._report_done(summary)
             return summary
-        except PeerLost:
-            self._save_after_losing_a_peer()
-            raise
         finally:
             if hang_watchdog is not None:
                 hang_watchdog.stop()

@@ -15,7 +15,7 @@ import threading
 import time
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -148,9 +148,14 @@ def error_detail(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: float) -> Iterator[None]:
+def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: float,
+                  on_peer_lost: Callable[[], None] = lambda: None) -> Iterator[None]:
     """SIGTERM/SIGINT set `stop` (checked at the trainer's sync points), and a collective that fails
-    because another rank died or hung becomes one line on every survivor (PeerLost, exit 1)."""
+    because another rank died or hung becomes one line on every survivor (PeerLost, exit 1).
+
+    `on_peer_lost` runs after that line and before the handlers are put back: torchrun SIGTERMs the
+    survivors as soon as it sees a worker die, and what runs here (rank 0's save of the last completed
+    step) must not be cut off by it."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
         previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
@@ -167,6 +172,7 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
         line = lost_contact_line(rank, missing, error)
         # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
         print(line, file=sys.stderr, flush=True)
+        on_peer_lost()
         raise PeerLost(line, missing) from None
     finally:
         for signum, handler in previous.items():
