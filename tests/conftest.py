@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -146,6 +147,7 @@ def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
 # A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
 SAVE_DIR_HOLDER = """
 import sys
+import time
 from multigpu.savedir import SaveDirLock
 with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
     print("held", flush=True)
@@ -277,14 +279,26 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
         process.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + RUN_TIMEOUT
     try:
-        for _ in range(world_size):  # read before join: a rank blocks on exit until its result is read
-            rank, value, error = queue.get(timeout=RUN_TIMEOUT)
+        while len(results) < world_size:  # read before join: a rank blocks on exit until its result is read
+            try:
+                rank, value, error = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank killed by a signal never reports: say so now rather than after RUN_TIMEOUT. A rank
+                # that reported has flushed its result into the pipe before it exited, so it is not mistaken.
+                dead = {rank: process.exitcode for rank, process in enumerate(processes)
+                        if rank not in results and process.exitcode is not None}
+                if dead and queue.empty():
+                    errors.append(f"ranks died without a result (rank: exit code): {dead}")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result (hung)")
+                    break
+                continue
             results[rank] = None if value is None else pickle.loads(value)
             if error:
                 errors.append(f"rank {rank} failed:\n{error}")
-    except queue_module.Empty:
-        errors.append(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result (hung or died)")
     finally:
         for process in processes:
             process.join(10)
