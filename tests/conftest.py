@@ -147,7 +147,6 @@ def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
 # A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
 SAVE_DIR_HOLDER = """
 import sys
-import time
 from multigpu.savedir import SaveDirLock
 with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
     print("held", flush=True)

@@ -1,4 +1,5 @@
-"""Stopping on signals and naming a lost rank (multigpu/preemption.py), in real gloo processes."""
+"""A survivor of a lost peer (multigpu/preemption.py), in real gloo processes. The double SIGTERM and Ctrl-C cases
+are in test_resume.py."""
 
 from __future__ import annotations
 
@@ -36,14 +37,3 @@ def test_a_survivors_save_after_losing_a_peer_is_not_cut_off_by_sigterm(tmp_path
     assert (lost, signal_name, saved) == ([1], "SIGTERM", "saved")  # the signal only set the flag
     assert handler_after == signal.SIG_DFL  # and the handlers are put back afterwards
 
-
-def test_a_second_signal_within_the_window_is_the_same_sigterm_delivered_twice():
-    stop = StopRequest(repeat_window=60.0)
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        stop.install()
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # SLURM signals torchrun and its workers, torchrun forwards it
-        assert stop.requested and stop.signal_name == "SIGTERM"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
