@@ -378,11 +378,13 @@ class MultiGPUTrainer:
             yield from self.stream.windows(self.report.line)
             return
         batches, samples_left, full = iter(self.train_loader), len(self.sampler), self.loader_batch
+        full_window, full_sizes = self.config.grad_accum_steps * full, [full] * self.config.grad_accum_steps
         while samples_left > 0:  # this rank's, equal on every rank
-            window = min(self.config.grad_accum_steps * full, samples_left)
+            window = min(full_window, samples_left)
             samples_left -= window
-            yield batches, window, [full] * ((window - 1) // full) + [window - (window - 1) // full * full], \
-                samples_left == 0
+            sizes = full_sizes if window == full_window else \
+                [full] * ((window - 1) // full) + [window - (window - 1) // full * full]  # the epoch's short last
+            yield batches, window, sizes, samples_left == 0
 
     def _train_step(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
@@ -411,6 +413,10 @@ class MultiGPUTrainer:
                 check_first_batch(outputs, targets, self.loss_fn)
                 self._batch_checked = True
             loss = compute_loss(outputs, targets, self.loss_fn)
+        # Dropped before backward: the logits are no input of any backward (log_softmax keeps its own result),
+        # so without a Python reference they are freed now, not after the whole backward: a lower memory peak
+        # by their size, which a large vocabulary makes large.
+        del outputs, targets
         share = loss if samples == window_samples else loss * (samples / window_samples)
         BEAT.phase = heartbeat.BACKWARD  # DDP's gradient all-reduce runs in here
         self.amp.scaler.scale(share).backward()

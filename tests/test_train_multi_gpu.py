@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,32 @@ def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path
     once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
     assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
                              callbacks=(LogsEachStep(), EMA(0.9))) == once
+
+
+class LogitsWatcher(torch.nn.Module):
+    """tiny_model's layers; during each training backward it notes whether that step's logits are still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = tiny_model()
+        self.logits_alive_in_backward: list[bool] = []
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.layers[1](self.layers[0](inputs))
+        if hidden.requires_grad:  # training: its gradient arrives after the loss's and the last layer's backward
+            hidden.register_hook(lambda grad: self.logits_alive_in_backward.append(logits() is not None))
+        outputs = self.layers[2](hidden)
+        logits = weakref.ref(outputs)
+        return outputs
+
+
+def test_a_steps_logits_are_freed_before_its_backward_not_after(tmp_path):
+    """No backward needs the logits, so once the loss is computed nothing may keep them: the memory peak of a large
+    vocabulary's logits does not last through the whole backward."""
+    model = LogitsWatcher()
+    MultiGPUTrainer(model, blobs(32, 0), None, config_for(tmp_path, 1, epochs=1)).fit()
+    training = model.logits_alive_in_backward[-4:]  # 32 samples, batch 8 (before them: the FLOP count's pass)
+    assert training == [False] * 4
 
 
 def test_max_steps_ends_mid_epoch_on_its_schedule_and_a_resume_reaches_it_bit_identically(tmp_path):
