@@ -378,13 +378,11 @@ class MultiGPUTrainer:
             yield from self.stream.windows(self.report.line)
             return
         batches, samples_left, full = iter(self.train_loader), len(self.sampler), self.loader_batch
-        full_window, full_sizes = self.config.grad_accum_steps * full, [full] * self.config.grad_accum_steps
         while samples_left > 0:  # this rank's, equal on every rank
-            window = min(full_window, samples_left)
+            window = min(self.config.grad_accum_steps * full, samples_left)
             samples_left -= window
-            sizes = full_sizes if window == full_window else \
-                [full] * ((window - 1) // full) + [window - (window - 1) // full * full]  # the epoch's short last
-            yield batches, window, sizes, samples_left == 0
+            yield batches, window, [full] * ((window - 1) // full) + [window - (window - 1) // full * full], \
+                samples_left == 0
 
     def _train_step(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
@@ -416,7 +414,7 @@ class MultiGPUTrainer:
         # Dropped before backward: the logits are no input of any backward (log_softmax keeps its own result),
         # so without a Python reference they are freed now, not after the whole backward: a lower memory peak
         # by their size, which a large vocabulary makes large.
-        del outputs, targets
+        del outputs
         share = loss if samples == window_samples else loss * (samples / window_samples)
         BEAT.phase = heartbeat.BACKWARD  # DDP's gradient all-reduce runs in here
         self.amp.scaler.scale(share).backward()

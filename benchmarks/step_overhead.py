@@ -142,11 +142,11 @@ def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
     """Instructions per step under valgrind's callgrind: exact, whatever else the machine runs.
 
     The main thread's count is the per-step cost. The trainer's other threads (the hang watchdog, the
-    TensorBoard writer) wake on wall-clock time, which valgrind stretches some fifty-fold, and how far it
+    save-dir heartbeat) wake on wall-clock time, which valgrind stretches some fifty-fold, and how far it
     stretches changes with the machine's load: counted in with the steps they made the total move by about
     35,000 instructions per step from run to run. They are shown on a row of their own.
     """
-    per_step: dict[str, list[float]] = {}
+    per_step: dict[str, tuple[float, float]] = {}  # (main thread, other threads)
     for name in RUNS:
         totals = []
         for steps in (args.steps // 10, args.steps):
@@ -160,7 +160,7 @@ def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
                                check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
                 totals.append(thread_instructions(folder))
         span = args.steps - args.steps // 10
-        per_step[name] = [(totals[1][0] - totals[0][0]) / span, (totals[1][1] - totals[0][1]) / span]
+        per_step[name] = ((totals[1][0] - totals[0][0]) / span, (totals[1][1] - totals[0][1]) / span)
         print(f"{name}: {per_step[name][0]:,.0f} instructions per step in the main thread, "
               f"{per_step[name][1]:,.0f} in other threads", flush=True)
     trainer, plain = per_step["trainer"][0], per_step["plain loop"][0]
@@ -169,8 +169,8 @@ def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
             ["trainer - plain loop", f"{trainer - plain:+,.0f} ({(trainer - plain) / plain:+.1%})"],
             ["trainer's other threads (per step under valgrind, time-driven)", f"{per_step['trainer'][1]:,.0f}"]]
     return rows, ["instructions counted by valgrind --tool=callgrind --separate-threads=yes (the runs' difference, "
-                  "so start-up cancels); the main thread's are the steps' cost. The other threads wake once a "
-                  "second of wall time, which valgrind stretches, so their row overstates them by the slow-down"]
+                  "so start-up cancels); the main thread's are the steps' cost. The other threads wake on wall-clock "
+                  "time, which valgrind stretches, so their row follows the slow-down, not the steps"]
 
 
 def thread_instructions(folder: str) -> tuple[int, int]:
