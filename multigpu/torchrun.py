@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable, 
 from multigpu import safe_files  # noqa: E402  (after the path fix)
 from multigpu.console import best_effort  # noqa: E402
 from multigpu.errors import HANG_EXIT_STATUS, UsageError  # noqa: E402
+from multigpu.gc_pauses import skip_the_collection_at_exit  # noqa: E402
 
 PROG = "torchrun"
 
@@ -182,6 +183,7 @@ def _save_dir(torchrun_argv: Sequence[str]) -> str:
 
 
 def main() -> None:
+    skip_the_collection_at_exit()  # torch is imported: its final collection would cost a second at exit
     with best_effort():  # `launcher | tee log`, Ctrl-C: tee dies first; the workers' verdict still counts
         try:
             status = run(sys.argv[1:])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
-from conftest import blobs, config_for, tiny_model
+from conftest import REPO, blobs, cli_env, config_for, tiny_model
 from multigpu.gc_pauses import long_lived_objects_frozen
 from multigpu.batches import default_forward
 from train_multi_gpu import MultiGPUTrainer
@@ -45,3 +47,49 @@ def test_fit_trains_with_the_objects_of_its_start_frozen(tmp_path):
     trainer.fit()
     assert seen and min(seen) > 1000  # the model, the optimizer and the libraries, at every step
     assert gc.get_freeze_count() == 0  # given back when fit returns
+
+
+# A handler registered before the skip runs after it (atexit is last-in, first-out): it sees what the
+# interpreter's final collection will see.
+REPORT_AT_EXIT = """
+import atexit, gc, sys
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))
+{body}
+print("frozen before exit:", gc.get_freeze_count() > 0, flush=True)
+"""
+
+
+def run_and_report(body: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-c", REPORT_AT_EXIT.format(body=body), *args], cwd=REPO,
+                            env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_collection_at_exit_is_skipped_once_asked_and_registered_once():
+    registered = run_and_report("""
+from multigpu.gc_pauses import skip_the_collection_at_exit
+before = atexit._ncallbacks()
+skip_the_collection_at_exit(); skip_the_collection_at_exit()
+print("handlers added:", atexit._ncallbacks() - before)""")
+    assert registered.splitlines() == ["handlers added: 1", "frozen before exit: False", "frozen at exit: True"]
+    assert run_and_report("pass").splitlines() == ["frozen before exit: False", "frozen at exit: False"]
+
+
+def test_every_command_skips_it(tmp_path):
+    for module in ("main_multi_gpu", "predict_multi_gpu", "sweep_multi_gpu"):
+        output = run_and_report(f"""
+import {module}
+try:
+    {module}.main(["--help"])
+except SystemExit:
+    pass""")
+        assert output.splitlines()[-2:] == ["frozen before exit: False", "frozen at exit: True"], module
+    launcher_wrapper = run_and_report("""
+sys.argv = ["torchrun.py"]
+from multigpu import torchrun
+try:
+    torchrun.main()
+except SystemExit:
+    pass""")
+    assert launcher_wrapper.splitlines()[-2:] == ["frozen before exit: False", "frozen at exit: True"]

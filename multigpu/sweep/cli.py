@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from multigpu.console import best_effort
 from multigpu.errors import UsageError
+from multigpu.gc_pauses import skip_the_collection_at_exit
 from multigpu.sweep import records, slurm, summary
 from multigpu.sweep.options import SweepOptions, parse, split_separated
 from multigpu.sweep.plan import Experiment, Plan, build_plan
@@ -37,6 +38,7 @@ def _parsed(sweep_argv: list[str], train_argv: list[str], mixed: bool) -> tuple[
 
 
 def _one_line_errors(action: Callable[[], int]) -> int:
+    skip_the_collection_at_exit()
     with best_effort():  # a console nobody reads any more (a dead pipe) never stops the sweep
         try:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
