@@ -2,6 +2,7 @@
 
     bash benchmarks/gpu_check.sh                       # on a GPU machine: every row, within 7 min 50 s on one GPU
     bash benchmarks/gpu_check.sh --cpu-dry-run         # every row's code path on the CPU, tiny sizes (a CI test)
+    bash benchmarks/gpu_check.sh --cpu-dry-run --jobs 2   # the same, two rows at a time (each uses about a core)
     bash benchmarks/gpu_check.sh --only dp,sync-bn --output /tmp/gpu_check.md
 
 A row is a function `row_xxx(ctx) -> Verdict` registered with @row("name"); a
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -782,20 +784,24 @@ def row_scaling(ctx: Context) -> Verdict:
 
 
 # ---------------------------------------------------------------------------- the table
-def check(ctx: Context, rows: Sequence[tuple[str, Callable[[Context], Verdict]]]) -> list[Row]:
-    """Run each row; an exception is that row's FAIL with its one-line error, and the next row runs."""
-    results = []
-    for name, function in rows:
-        started = time.monotonic()
-        try:
-            verdict = function(ctx)
-        except RowError as error:
-            verdict = Verdict(FAIL, str(error))
-        except Exception as error:  # noqa: BLE001  (any bug in a check is that check's FAIL)
-            verdict = Verdict(FAIL, f"{type(error).__name__}: {last_line(str(error)) or 'no message'}")
-        results.append(Row(name, verdict.status, verdict.figure, verdict.raw, time.monotonic() - started))
-        print(f"{name}: {verdict.status} ({results[-1].seconds:.0f}s)", file=sys.stderr, flush=True)
-    return results
+def check(ctx: Context, rows: Sequence[tuple[str, Callable[[Context], Verdict]]], jobs: int = 1) -> list[Row]:
+    """Run each row (`jobs` of them side by side, a dry run's option); an exception is that row's FAIL with its
+    one-line error, and the next row runs. The rows come back in the order given."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # threads: a row mostly waits for its subprocesses
+        return list(pool.map(lambda item: run_row(ctx, *item), rows))
+
+
+def run_row(ctx: Context, name: str, function: Callable[[Context], Verdict]) -> Row:
+    started = time.monotonic()
+    try:
+        verdict = function(ctx)
+    except RowError as error:
+        verdict = Verdict(FAIL, str(error))
+    except Exception as error:  # noqa: BLE001  (any bug in a check is that check's FAIL)
+        verdict = Verdict(FAIL, f"{type(error).__name__}: {last_line(str(error)) or 'no message'}")
+    result = Row(name, verdict.status, verdict.figure, verdict.raw, time.monotonic() - started)
+    print(f"{name}: {verdict.status} ({result.seconds:.0f}s)", file=sys.stderr, flush=True)
+    return result
 
 
 def exit_status(rows: Sequence[Row]) -> int:
@@ -826,7 +832,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--output", default="gpu_check.md",
                         help="where the Markdown table goes; the raw figures go beside it as .json")
     parser.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(row_names())}")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="rows run side by side (--cpu-dry-run only: on GPUs each row has the GPUs to itself)")
     args = parser.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and not args.cpu_dry_run):
+        parser.error(f"--jobs {args.jobs}: give 1 or more, and more than 1 only with --cpu-dry-run (on GPUs the "
+                     f"rows time themselves, so they run one at a time)")
     if args.only:
         unknown = sorted(set(args.only.split(",")) - set(row_names()))
         if unknown:
@@ -852,7 +863,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started, scratch = time.monotonic(), Path(tempfile.mkdtemp(prefix="gpu_check-"))
     try:
         ctx = Context(args.cpu_dry_run, cuda, gpus, memory, scratch, started + BUDGET_S[mode])
-        rows = check(ctx, selected)
+        rows = check(ctx, selected, args.jobs)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started

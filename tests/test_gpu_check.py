@@ -14,9 +14,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from conftest import REPO, cli_env, needs_shellcheck, shellcheck_path
 
@@ -40,7 +42,8 @@ def table_rows(markdown: str) -> dict[str, str]:
 
 def test_cpu_dry_run_lists_every_row_and_none_fails(tmp_path: Path) -> None:
     output = tmp_path / "out" / "gpu_check.md"
-    result = run_script("--cpu-dry-run", "--output", str(output))
+    # Two rows at a time: a dry-run row is mostly one process on one core, and this machine has two.
+    result = run_script("--cpu-dry-run", "--jobs", "2", "--output", str(output))
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     statuses = table_rows(output.read_text())
     assert list(statuses) == gpu_check.row_names()
@@ -61,6 +64,28 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 1 and "no CUDA device" in result.stdout, result.stdout
     assert not output.exists()
+
+
+def test_rows_side_by_side_are_for_the_dry_run_only() -> None:
+    result = run_script("--jobs", "2", timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["gpu_check: --jobs 2: give 1 or more, and more than 1 only with "
+                                          "--cpu-dry-run (on GPUs the rows time themselves, so they run one at a "
+                                          "time) (see --help)"]
+
+
+def test_rows_run_side_by_side_come_back_in_their_order(tmp_path: Path) -> None:
+    started = threading.Barrier(2, timeout=30)  # each of the first two rows waits for the other: side by side
+
+    def meeting(name: str) -> Callable[[gpu_check.Context], gpu_check.Verdict]:
+        def row(ctx: gpu_check.Context) -> gpu_check.Verdict:
+            started.wait()
+            return gpu_check.Verdict(gpu_check.PASS, name)
+        return row
+
+    ctx = gpu_check.Context(True, False, 0, 0.0, tmp_path, time.monotonic() + 60)
+    rows = gpu_check.check(ctx, [("a", meeting("a")), ("b", meeting("b"))], jobs=2)
+    assert [(row.name, row.figure) for row in rows] == [("a", "a"), ("b", "b")]
 
 
 def test_an_unknown_row_is_refused_in_one_line_naming_the_rows() -> None:
