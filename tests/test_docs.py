@@ -140,7 +140,10 @@ def fresh_clone() -> Path:
 
 
 def environment(block: Block, port_base: int) -> dict[str, str]:
+    # One thread per process: two sequences run side by side on a 2-core machine, and torch's threads of a
+    # one-process command would only spin against them (the launcher sets the same for its processes).
     env = {**os.environ, "PYTHON": sys.executable, "MULTIGPU_TEST_ARGS": SHRINK, "PYTHONDONTWRITEBYTECODE": "1",
+           "OMP_NUM_THREADS": "1",
            "LAUNCH_DEFAULT_PORT": str(port_base), "LAUNCH_INPUT_TIMEOUT": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if block.lang == "sh":
@@ -234,11 +237,13 @@ def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -
     if command.startswith("tensorboard "):
         problem = serve_tensorboard(runnable, folder, env)
         return f"`{command}`: {problem}" if problem else None
+    started = time.monotonic()
     try:
         result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, input=ENTER_AT_EVERY_QUESTION,
                                 capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
         return f"`{runnable}` ran past {COMMAND_TIMEOUT}s"
+    print(f"{block.where}: {time.monotonic() - started:5.1f}s `{runnable}`")  # with -s: where the time goes
     if result.returncode != 0:
         return f"`{runnable}` exited {result.returncode}:\n{result.stdout[-1500:]}{result.stderr[-2500:]}"
     problem = learning_failure(block, runnable, result.stdout + result.stderr)
