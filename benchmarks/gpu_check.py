@@ -787,8 +787,13 @@ def row_scaling(ctx: Context) -> Verdict:
 def check(ctx: Context, rows: Sequence[tuple[str, Callable[[Context], Verdict]]], jobs: int = 1) -> list[Row]:
     """Run each row (`jobs` of them side by side, a dry run's option); an exception is that row's FAIL with its
     one-line error, and the next row runs. The rows come back in the order given."""
-    with ThreadPoolExecutor(max_workers=jobs) as pool:  # threads: a row mostly waits for its subprocesses
+    if jobs == 1:  # in this thread: Ctrl-C stops the check at once (a pool would wait for the running row)
+        return [run_row(ctx, *item) for item in rows]
+    pool = ThreadPoolExecutor(max_workers=jobs)  # threads: a row mostly waits for its subprocesses
+    try:
         return list(pool.map(lambda item: run_row(ctx, *item), rows))
+    finally:
+        pool.shutdown(cancel_futures=True)  # on Ctrl-C the rows not started are dropped
 
 
 def run_row(ctx: Context, name: str, function: Callable[[Context], Verdict]) -> Row:
@@ -800,7 +805,8 @@ def run_row(ctx: Context, name: str, function: Callable[[Context], Verdict]) -> 
     except Exception as error:  # noqa: BLE001  (any bug in a check is that check's FAIL)
         verdict = Verdict(FAIL, f"{type(error).__name__}: {last_line(str(error)) or 'no message'}")
     result = Row(name, verdict.status, verdict.figure, verdict.raw, time.monotonic() - started)
-    print(f"{name}: {verdict.status} ({result.seconds:.0f}s)", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{name}: {verdict.status} ({result.seconds:.0f}s)\n")  # one write: rows may end together
+    sys.stderr.flush()
     return result
 
 

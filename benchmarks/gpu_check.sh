@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command that proves the GPU path (MULTI_GPU_GUIDE.md, "Measured on GPUs"):
-#   bash benchmarks/gpu_check.sh [--cpu-dry-run] [--output PATH] [--only ROW,...]
+#   bash benchmarks/gpu_check.sh [--cpu-dry-run [--jobs N]] [--output PATH] [--only ROW,...]
 # Installs nothing from the network. It uses the torch it finds; the project's other requirements, when
 # missing, come from the wheels carried in .whl/ beside the checkout, installed into a temporary folder
 # on PYTHONPATH. Then it runs benchmarks/gpu_check.py with the same arguments.

@@ -49,8 +49,12 @@ def skip_the_collection_at_exit() -> None:
     "Speed").
 
     Safe at that point: objects still die by reference counting as the interpreter clears its modules, and
-    Python never promised to collect reference cycles at exit. Registered once, when a command starts, so
-    it runs after the atexit handlers of what the command imports later (they run last-in, first-out).
+    Python never promised to collect reference cycles at exit; what must reach disk is closed or flushed
+    explicitly (the trainer closes its writer and checkpointer in `fit()`; logging and multiprocessing flush
+    and join in atexit handlers of their own). Registered once, when a command starts: atexit runs
+    last-in, first-out, so the freeze comes after the handlers of what is imported later and before those
+    of what was imported already (torch, logging, multiprocessing), which a freeze does not hinder. Called
+    from `main_guarded` inside a program of your own, it also applies when that program exits.
     """
     global _skipping_at_exit
     if not _skipping_at_exit:

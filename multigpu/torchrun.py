@@ -183,7 +183,7 @@ def _save_dir(torchrun_argv: Sequence[str]) -> str:
 
 
 def main() -> None:
-    skip_the_collection_at_exit()  # torch is imported: its final collection would cost a second at exit
+    skip_the_collection_at_exit()  # torchrun will import torch: the final collection would cost a second at exit
     with best_effort():  # `launcher | tee log`, Ctrl-C: tee dies first; the workers' verdict still counts
         try:
             status = run(sys.argv[1:])

@@ -141,7 +141,8 @@ def fresh_clone() -> Path:
 
 def environment(block: Block, port_base: int) -> dict[str, str]:
     # One thread per process: two sequences run side by side on a 2-core machine, and torch's threads of a
-    # one-process command would only spin against them (the launcher sets the same for its processes).
+    # one-process command would only spin against them (the launcher sets the same for its processes). Torch's
+    # default thread count is left to the tests that run in pytest's own process.
     env = {**os.environ, "PYTHON": sys.executable, "MULTIGPU_TEST_ARGS": SHRINK, "PYTHONDONTWRITEBYTECODE": "1",
            "OMP_NUM_THREADS": "1",
            "LAUNCH_DEFAULT_PORT": str(port_base), "LAUNCH_INPUT_TIMEOUT": "1",

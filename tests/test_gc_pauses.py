@@ -76,7 +76,7 @@ print("handlers added:", atexit._ncallbacks() - before)""")
     assert run_and_report("pass").splitlines() == ["frozen before exit: False", "frozen at exit: False"]
 
 
-def test_every_command_skips_it(tmp_path):
+def test_every_command_skips_it():
     for module in ("main_multi_gpu", "predict_multi_gpu", "sweep_multi_gpu"):
         output = run_and_report(f"""
 import {module}

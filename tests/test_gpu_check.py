@@ -67,25 +67,35 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
 
 
 def test_rows_side_by_side_are_for_the_dry_run_only() -> None:
-    result = run_script("--jobs", "2", timeout=120)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines() == ["gpu_check: --jobs 2: give 1 or more, and more than 1 only with "
-                                          "--cpu-dry-run (on GPUs the rows time themselves, so they run one at a "
-                                          "time) (see --help)"]
+    for args in (["--jobs", "2"], ["--jobs", "0", "--cpu-dry-run"]):
+        result = run_script(*args, timeout=120)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.splitlines() == [f"gpu_check: --jobs {args[1]}: give 1 or more, and more than 1 only "
+                                              f"with --cpu-dry-run (on GPUs the rows time themselves, so they run "
+                                              f"one at a time) (see --help)"]
 
 
 def test_rows_run_side_by_side_come_back_in_their_order(tmp_path: Path) -> None:
-    started = threading.Barrier(2, timeout=30)  # each of the first two rows waits for the other: side by side
+    started = threading.Barrier(2, timeout=30)  # each row waits for the other to start: side by side
+    b_done, finished = threading.Event(), []
 
-    def meeting(name: str) -> Callable[[gpu_check.Context], gpu_check.Verdict]:
-        def row(ctx: gpu_check.Context) -> gpu_check.Verdict:
-            started.wait()
-            return gpu_check.Verdict(gpu_check.PASS, name)
-        return row
+    def a(ctx: gpu_check.Context) -> gpu_check.Verdict:
+        started.wait()
+        assert b_done.wait(timeout=30)  # the first row ends last
+        finished.append("a")
+        return gpu_check.Verdict(gpu_check.PASS, "a")
+
+    def b(ctx: gpu_check.Context) -> gpu_check.Verdict:
+        started.wait()
+        finished.append("b")
+        b_done.set()
+        return gpu_check.Verdict(gpu_check.PASS, "b")
 
     ctx = gpu_check.Context(True, False, 0, 0.0, tmp_path, time.monotonic() + 60)
-    rows = gpu_check.check(ctx, [("a", meeting("a")), ("b", meeting("b"))], jobs=2)
-    assert [(row.name, row.figure) for row in rows] == [("a", "a"), ("b", "b")]
+    rows = gpu_check.check(ctx, [("a", a), ("b", b)], jobs=2)
+    assert finished == ["b", "a"]
+    assert [(row.name, row.status, row.figure) for row in rows] == [("a", gpu_check.PASS, "a"),
+                                                                      ("b", gpu_check.PASS, "b")]
 
 
 def test_an_unknown_row_is_refused_in_one_line_naming_the_rows() -> None:

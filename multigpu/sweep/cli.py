@@ -38,7 +38,7 @@ def _parsed(sweep_argv: list[str], train_argv: list[str], mixed: bool) -> tuple[
 
 
 def _one_line_errors(action: Callable[[], int]) -> int:
-    skip_the_collection_at_exit()
+    skip_the_collection_at_exit()  # the sweep imports torch: a second less at exit
     with best_effort():  # a console nobody reads any more (a dead pipe) never stops the sweep
         try:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
