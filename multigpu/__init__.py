@@ -40,11 +40,18 @@
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
 - runner:       one training run from a config or a command line, and its exit status (CLI and sweep workers)
 - console:      the console is best-effort: a closed or broken stdout/stderr never stops a run
+- fork_safety:  loader workers that cannot hang as they are forked (a lock of Python before 3.12)
 - sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """
 
 import os as _os
+
+from multigpu.fork_safety import wait_for_thread_states_before_fork as _wait_before_fork
+
+# First, so that its wait runs last before each fork (Python runs fork handlers in reverse order): a loader
+# worker forked while a torch thread holds Python's thread-state lock would hang (multigpu/fork_safety.py).
+_wait_before_fork()
 
 # data/ and models/ sit at the top of the checkout, where the layout shows the architecture, yet they
 # belong to this package: installed, pyproject maps them to multigpu.data and multigpu.models; run from
