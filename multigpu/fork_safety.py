@@ -1,4 +1,4 @@
-"""Loader workers that do not hang as they are forked, on Python before 3.12.
+"""Forks that wait for Python's thread-state lock, so that loader workers do not hang on Python before 3.12.
 
 A DataLoader worker is a fork of its rank (Linux's default start method). In
 Python 3.11 before 3.11.10 (and older versions; CPython issue gh-112275) the
