@@ -40,7 +40,7 @@
 - torchrun:     torchrun that ends with the workers' exit status, its own reports in a log file
 - runner:       one training run from a config or a command line, and its exit status (CLI and sweep workers)
 - console:      the console is best-effort: a closed or broken stdout/stderr never stops a run
-- fork_safety:  each fork waits for Python's thread-state lock (a loader worker forked while it is held hangs, before 3.12)
+- fork_safety:  each fork waits for Python's thread-state lock (held at a fork, it hangs the worker: < 3.12)
 - sweep/:       experiment sweeps (seeds x a grid over device slots, resume, summary, SLURM job arrays)
 - data, models: the data-set and model registries (the checkout's top-level data/ and models/)
 """

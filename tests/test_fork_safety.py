@@ -1,4 +1,4 @@
-"""Before each fork, on Python before 3.12, the forking thread waits for the thread-state lock (multigpu/fork_safety.py)."""
+"""Before each fork, on Python before 3.12, the forking thread waits for the thread-state lock (fork_safety)."""
 
 from __future__ import annotations
 
