@@ -25,6 +25,17 @@ _, status = os.waitpid(pid, 0)
 print(order, os.waitstatus_to_exitcode(status), fork_safety.wait_for_thread_states_before_fork())
 """
 
+# The same with the real wait: the fork goes through and the child runs.
+FORK_WITH_THE_WAIT = """
+import os
+import multigpu
+pid = os.fork()
+if pid == 0:
+    print("child")
+    os._exit(3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
 
 def test_each_fork_waits_for_the_thread_state_lock_last_on_python_before_3_12():
     result = subprocess.run([PYTHON, "-c", FORK_AFTER_IMPORT], cwd=REPO, env=cli_env(), capture_output=True,
@@ -42,7 +53,6 @@ def test_the_wait_itself_returns_and_the_child_runs():
     from multigpu import fork_safety
 
     assert fork_safety.wait_for_thread_states_before_fork()  # registered by the import of multigpu already
-    result = subprocess.run([PYTHON, "-c", "import os, multigpu\npid = os.fork()\nif pid == 0:\n    print('child')\n"
-                             "    os._exit(3)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))"],
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run([PYTHON, "-c", FORK_WITH_THE_WAIT], cwd=REPO, env=cli_env(), capture_output=True,
+                            text=True, timeout=60)
     assert result.stdout.split() == ["child", "3"], result.stderr
