@@ -378,11 +378,14 @@ class MultiGPUTrainer:
             yield from self.stream.windows(self.report.line)
             return
         batches, samples_left, full = iter(self.train_loader), len(self.sampler), self.loader_batch
+        full_window = self.config.grad_accum_steps * full
+        full_sizes = [full] * self.config.grad_accum_steps  # built once: most steps are full windows
         while samples_left > 0:  # this rank's, equal on every rank
-            window = min(self.config.grad_accum_steps * full, samples_left)
+            window = min(full_window, samples_left)
             samples_left -= window
-            yield batches, window, [full] * ((window - 1) // full) + [window - (window - 1) // full * full], \
-                samples_left == 0
+            sizes = full_sizes if window == full_window else \
+                [full] * ((window - 1) // full) + [window - (window - 1) // full * full]
+            yield batches, window, sizes, samples_left == 0
 
     def _train_step(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples.
@@ -405,31 +408,36 @@ class MultiGPUTrainer:
         of the window, so the gradient is the mean over the window whatever its size, a short last window of an
         epoch included."""
         BEAT.phase = heartbeat.FORWARD
-        with self.amp.autocast():
-            outputs, targets = self.forward(self.wrapped, batch)
-            if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
-                check_first_batch(outputs, targets, self.loss_fn)
-                self._batch_checked = True
-            loss = compute_loss(outputs, targets, self.loss_fn)
-        # Dropped before backward: the logits are no input of any backward (log_softmax keeps its own result),
-        # so without a Python reference they are freed now, not after the whole backward: a lower memory peak
-        # by their size, which a large vocabulary makes large.
-        del outputs
+        if self.amp.autocasts:
+            with self.amp.autocast():
+                loss = self._loss(batch)
+        else:
+            loss = self._loss(batch)
         share = loss if samples == window_samples else loss * (samples / window_samples)
         BEAT.phase = heartbeat.BACKWARD  # DDP's gradient all-reduce runs in here
-        self.amp.scaler.scale(share).backward()
+        (self.amp.scaler.scale(share) if self.amp.scaling else share).backward()
         BEAT.phase = heartbeat.DATA
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The micro-batch's forward and loss. The outputs are dropped on return, before the backward: the
+        logits are no input of any backward (log_softmax keeps its own result), so they are freed now, not after
+        the whole backward: a lower memory peak by their size, which a large vocabulary makes large."""
+        outputs, targets = self.forward(self.wrapped, batch)
+        if not self._batch_checked:  # once: a mismatch is one clear line, not an error deep in the loss
+            check_first_batch(outputs, targets, self.loss_fn)
+            self._batch_checked = True
+        return compute_loss(outputs, targets, self.loss_fn)
+
     def _optimizer_step(self) -> None:
         """unscale -> clip -> step -> update, in the only order that is right (MULTI_GPU_GUIDE.md, "Mixed precision")."""
-        scaler = self.amp.scaler
         BEAT.phase = heartbeat.OPTIMIZER  # until the step's end: the weights may be half updated
         if self.config.clip_grad_norm > 0:
-            scaler.unscale_(self.optimizer)
+            self.amp.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
         self.applied_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, as TensorBoard shows it
-        if scaler.is_enabled():
+        if self.amp.scaling:
+            scaler = self.amp.scaler
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()

@@ -40,12 +40,23 @@ class Amp:
         self.sharded = sharded
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-            self.scaler: torch.amp.GradScaler = ShardedGradScaler(device_type, init_scale=init_scale,
-                                                                  enabled=dtype == torch.float16)
+            self.scaler = ShardedGradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
         else:
             self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
         self.device_type = device_type
         self._nothing = contextlib.nullcontext()
+        # A plain flag: the training step tests it rather than entering a no-op context on every step
+        # (MULTI_GPU_GUIDE.md, "Per-step overhead"); `scaling` likewise, kept by the scaler's setter.
+        self.autocasts = dtype is not None and not sharded
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """fp16's GradScaler (disabled in other precisions); `scaling` says whether it is enabled."""
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler) -> None:
+        self._scaler, self.scaling = scaler, scaler.is_enabled()
 
     def autocast(self) -> ContextManager:
         """The autocast context of this run (a no-op without --amp, and under fsdp, whose policy casts)."""

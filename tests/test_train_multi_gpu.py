@@ -49,7 +49,11 @@ def test_fit_trains_a_users_module_and_returns_final_metrics(tmp_path):
 def test_bf16_autocast_trains_on_the_cpu(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), blobs(256, 0), blobs(100, 1), config_for(tmp_path, 1, amp="bf16"))
     assert trainer.amp_dtype == torch.bfloat16
+    dtypes: list[torch.dtype] = []  # what the training steps' forward passes return: autocast is on
+    trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype)
+                                        if module.training else None)
     assert trainer.fit()["val_acc"] > 0.9
+    assert dtypes and set(dtypes) == {torch.bfloat16}
 
 
 def test_fp16_on_the_cpu_falls_back_to_bf16_with_one_line(tmp_path, capsys):
