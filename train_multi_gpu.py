@@ -43,6 +43,7 @@ from multigpu.distributed import Runtime, gather_objects, is_distributed, prepar
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
+from multigpu.gradient_nodes import hold_gradient_nodes
 from multigpu.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
@@ -173,6 +174,9 @@ class MultiGPUTrainer:
         self.wrapped = wrap_model(self.model, config, rt, self.report.line, self.amp.dtype)
         self.no_sync = (self.wrapped.no_sync if rt.mode == "ddp" else sharding.no_gradient_sync(self.wrapped)
                         if rt.mode == "fsdp" else contextlib.nullcontext)
+        # Without DDP's reducer to hold them, autograd would rebuild every parameter's AccumulateGrad node each
+        # step (multigpu/gradient_nodes.py); fsdp's parameters are its own to manage.
+        self.gradient_nodes = hold_gradient_nodes(self.model) if rt.mode in ("none", "dp") else []
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
         lr_factor_ = scaled_lr(1.0, config.lr_scaling, self.effective_batch, config.lr_base_batch)
