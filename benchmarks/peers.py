@@ -6,7 +6,7 @@ on one workload, interleaved round by round (MULTI_GPU_GUIDE.md, "Speed").
     pip install '.[peers]'                                # Accelerate and Lightning (else: skipped, one line each)
 
 The workload: the project's cnn, synthetic 1x28x28 images in memory, batch 64 per process, SGD (lr 0.01,
-momentum 0.9, constant), no validation, one epoch of exactly --steps steps, 1 intra-op thread per process.
+momentum 0.9, no weight decay, constant), no validation, one epoch of exactly --steps steps, 1 intra-op thread per process.
 Every contender runs in fresh processes (torchrun for 2 or more, gloo on the CPU and NCCL on GPUs), in an
 order that rotates every round. Time is rank 0's, from just before the contender builds its own objects
 (MultiGPUTrainer, Accelerator, lightning.Trainer; the model and data are built before, alike for all, the
@@ -56,8 +56,9 @@ def run_trainer(model, data, args, world: int, started: Callable[[], float]) -> 
 
     last = LastStep()
     start = started()
+    # weight_decay=0: torch's SGD default, as the other contenders build it (the trainer's own default is 0.01)
     config = TrainConfig(multi_gpu="ddp" if world > 1 else "none", epochs=1, batch_size=args.batch, optimizer="sgd",
-                         lr=LR, momentum=MOMENTUM, lr_schedule="constant", progress=False,
+                         lr=LR, momentum=MOMENTUM, weight_decay=0.0, lr_schedule="constant", progress=False,
                          save_dir=tempfile.mkdtemp(prefix="peers-"), autotune=args.worker == "autotune")
     trainer = MultiGPUTrainer(model, data, None, config, callbacks=[last])
     trainer.fit()
