@@ -60,7 +60,7 @@ class Amp:
 
     def autocast(self) -> ContextManager:
         """The autocast context of this run (a no-op without --amp, and under fsdp, whose policy casts)."""
-        if self.dtype is None or self.sharded:
+        if not self.autocasts:
             return self._nothing
         return torch.autocast(self.device_type, dtype=self.dtype)
 
