@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import (autotune, checkpoint, config_checks, faults, hang_report, heartbeat, plan, rng, sharding,
-                      streaming, watchdog)
+from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, hang_report, heartbeat, plan, rng,
+                      sharding, streaming, watchdog)
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -268,7 +268,10 @@ class MultiGPUTrainer:
                 self.callbacks.call("on_fit_start", self)
                 self._start_autotune()
                 self.telemetry.start()
-                with long_lived_objects_frozen():  # short collector pauses: ranks do not wait on one another's
+                # Short collector pauses (ranks do not wait on one another's), and on the CPU no page faults for
+                # memory a step frees and the next takes again (MULTI_GPU_GUIDE.md, "Speed").
+                with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
+                        self.device.type == "cpu" and self.config.cache_cpu_memory):
                     while not self._trained() and not self._stopping_early():
                         if self.progress.evaluated and not self._run_epoch():
                             return self._stop_for_signal()

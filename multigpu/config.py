@@ -58,6 +58,11 @@ class TrainConfig:
                                          "<save-dir>/hang_report.txt, saves the last completed step and stops the "
                                          "run with exit status 3 (0: off; default: 300, or half of --dist-timeout "
                                          "when that is shorter; must be below --dist-timeout)", group="devices")
+    cache_cpu_memory: bool = _opt(True, "training on the CPU: keep the memory a step frees for the next step "
+                                  "instead of handing it back to the kernel, which faults it in afresh (glibc "
+                                  "malloc's trim and mmap thresholds; the CPU's counterpart of CUDA's caching "
+                                  "allocator: the process holds its peak memory until training ends)",
+                                  group="devices")
     debug_collectives: bool = _opt(False, "check before each of the trainer's collectives and each DDP gradient "
                                    "all-reduce that all ranks call the same operation with the same shapes "
                                    "(slower: a store round trip each)", group="devices")
