@@ -16,7 +16,15 @@ NAMES = {None: "off", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) -> Optional[torch.dtype]:
-    """--amp as a dtype for `device`, with a one-line note where the device cannot do what was asked."""
+    """--amp as a dtype for `device`, with a one-line note where the device cannot do what was asked.
+
+    auto: bf16 on a GPU that has it, else fp16 (with its GradScaler) on a GPU; fp32 on the CPU, where
+    autocast is faster only on processors with bf16 matrix units, and the user says so with --amp bf16."""
+    if amp == "auto":
+        if device.type != "cuda":
+            say("--amp auto: fp32 on the CPU (--amp bf16 autocasts there)")
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if amp == "fp16" and device.type != "cuda":
         say("--amp fp16 needs a CUDA device; using bf16 autocast on the CPU instead")
         return torch.bfloat16

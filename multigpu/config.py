@@ -140,7 +140,8 @@ class TrainConfig:
     momentum: float = _opt(0.9, "SGD momentum", group="optimisation")
     clip_grad_norm: float = _opt(0.0, "clip the global gradient norm to this value after unscaling (0: off)",
                                  group="optimisation")
-    amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast", ["off", "fp16", "bf16"],
+    amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast; auto: bf16 on GPUs that have "
+                    "it, else fp16 on GPUs, fp32 on the CPU", ["off", "fp16", "bf16", "auto"],
                     group="optimisation")
     seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
     ema_decay: float = _opt(0.0, "keep an exponential moving average of the weights, updated after each optimizer "

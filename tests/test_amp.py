@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from multigpu.amp import Amp
+from multigpu.amp import Amp, resolve_dtype
 
 
 def test_autocast_only_with_a_dtype_and_not_under_fsdp():
@@ -19,3 +19,23 @@ def test_scaling_follows_the_scaler_even_when_it_is_replaced():
     amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # as a test or the GPU check's dry run does
     assert amp.scaling and amp.scaler.is_enabled()
     assert Amp(torch.float16, "cpu").scaling
+
+
+def test_auto_is_fp32_on_the_cpu_and_says_so_in_one_line():
+    said: list[str] = []
+    assert resolve_dtype("auto", torch.device("cpu"), said.append) is None
+    assert said == ["--amp auto: fp32 on the CPU (--amp bf16 autocasts there)"]
+    assert resolve_dtype("bf16", torch.device("cpu"), said.append) is torch.bfloat16 and len(said) == 1
+
+
+def test_auto_is_a_choice_of_the_command_line_and_trains_in_fp32_on_the_cpu(tmp_path, capsys):
+    from main_multi_gpu import main
+
+    summaries: list[dict] = []
+    status = main(["--amp", "auto", "--train-size", "64", "--val-size", "16", "--batch-size", "16", "--epochs", "1",
+                   "--no-progress", "--multi-gpu", "none", "--save-dir", str(tmp_path / "run")], summaries.append)
+    out = capsys.readouterr().out
+    assert status == 0 and summaries
+    assert "--amp auto: fp32 on the CPU" in out and "amp off" in out  # the plan line names the precision used
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    assert checkpoint["config"]["amp"] == "auto"  # resolved at each start, for the device of that start
