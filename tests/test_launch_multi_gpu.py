@@ -496,7 +496,7 @@ def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_bu
     assert f"Port {port} is busy: using port {chosen} for the rendezvous." in result.stderr
     # From another directory the trainer is named by its full path.
     assert command.endswith(f" --nproc_per_node=2 --master_port={chosen} {REPO}/main_multi_gpu.py --multi-gpu ddp "
-                            f"{training_flags(1, 32, repr(DEFAULTS.lr), 'sqrt')} {' '.join(TINY[1:])}")
+                            f"{training_flags(1, 32, repr(DEFAULTS.lr), 'sqrt', str(FIRST_RUN))} {' '.join(TINY[1:])}")
     assert "done:" in result.stdout
     save_dir = tmp_path / FIRST_RUN
     assert (save_dir / "last.pt").is_file()
@@ -511,7 +511,9 @@ def test_a_silent_stdin_pipe_times_out_to_the_defaults_instead_of_hanging(tmp_pa
                           keep_stdin_open=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no answer on standard input within 1s: taking the defaults" in result.stderr
-    assert f"main_multi_gpu.py --multi-gpu none {training_flags(epochs=1, batch=32)} --train-size" in result.stdout
+    # the launcher's run folder is numbered in its working directory (tmp_path), not in the checkout
+    assert f"main_multi_gpu.py --multi-gpu none {training_flags(1, 32, save_dir=str(FIRST_RUN))} --train-size" \
+        in result.stdout
     assert (tmp_path / FIRST_RUN / "last.pt").is_file()
 
 
