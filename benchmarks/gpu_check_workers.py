@@ -123,6 +123,7 @@ def peak_memory(device: torch.device) -> Optional[int]:
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
+        torch.cuda.init()  # before the first allocation the allocator has no device yet: "Invalid device argument"
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -274,8 +275,10 @@ def steady_rate(interval_rates: list[float]) -> float:
     return len(rates) / sum(1.0 / rate for rate in rates)
 
 
-def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) -> float:
-    """MultiGPUTrainer's samples/s (whole job) from its TensorBoard train/samples_per_sec; 0 off rank 0."""
+def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) -> tuple[float, Optional[int]]:
+    """MultiGPUTrainer's samples/s (whole job) from its TensorBoard train/samples_per_sec, and its peak memory
+    from memory/max_allocated_gb (its telemetry resets CUDA's peak at each interval, so torch's counter after
+    fit() holds only the last one); (0, None) off rank 0."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     config = TrainConfig(multi_gpu=runtime.mode, amp=amp, epochs=1, batch_size=params["batch"],
@@ -288,10 +291,12 @@ def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) 
     trainer.fit()
     del trainer
     if not runtime.is_main:
-        return 0.0
-    rates = [value for _, value in read_scalars(os.path.join(save_dir, "tb"))["train/samples_per_sec"]]
+        return 0.0, None
+    scalars = read_scalars(os.path.join(save_dir, "tb"))
+    rates = [value for _, value in scalars["train/samples_per_sec"]]
+    peaks = [value for _, value in scalars.get("memory/max_allocated_gb", [])]
     shutil.rmtree(save_dir)  # a ResNet-50 checkpoint with its AdamW state is 300 MB
-    return steady_rate(rates)
+    return steady_rate(rates), round(max(peaks) * 2 ** 30) if peaks else None
 
 
 def raw_rate(params: dict[str, Any], amp: str, runtime: Any) -> float:
@@ -339,12 +344,13 @@ def throughput(params: dict[str, Any]) -> dict[str, Any]:
             for loop in (("trainer", "raw") if round_index % 2 == 0 else ("raw", "trainer")):
                 reset_peak_memory(runtime.device)
                 save_dir = os.path.join(params["tmp"], f"{amp}-{round_index}-{loop}")
-                rate = (trainer_rate(params, amp, runtime, save_dir) if loop == "trainer"
-                        else raw_rate(params, amp, runtime))
+                if loop == "trainer":
+                    rate, peak = trainer_rate(params, amp, runtime, save_dir)
+                else:
+                    rate, peak = raw_rate(params, amp, runtime), peak_memory(runtime.device)
                 rates[amp][loop].append(rate)
                 if runtime.is_main:  # progress, and the last words if the check runs out of time
                     print(f"amp {amp}, round {round_index + 1}: {loop} {rate:.0f} samples/s", flush=True)
-                peak = peak_memory(runtime.device)
                 if peak is not None:
                     memory[amp][loop] = max(memory[amp][loop] or 0, peak)
                 free_cuda()

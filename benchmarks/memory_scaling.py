@@ -82,6 +82,7 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict
     gc.collect()
     _reset_peak_rss()
     if device.type == "cuda":
+        torch.cuda.init()  # before the first allocation the allocator has no device yet: "Invalid device argument"
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(width, blocks).to(device)
     if mode == "fsdp":
