@@ -76,17 +76,22 @@ def write_markdown(path: Path, title: str, header: Sequence[str], rows: Sequence
     print(f"written: {path} and {path.with_suffix('.csv')}", flush=True)
 
 
-def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, split: str = "train"):
+def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, split: str = "train",
+                distinct: Optional[int] = None):
     """The same in-memory synthetic images for every loop compared, so data loading is not what differs
-    (split "val": held-out samples of the same task)."""
+    (split "val": held-out samples of the same task). `distinct`: generate only that many and repeat them."""
     import torch
     from torch.utils.data import TensorDataset
 
     from multigpu.data import SyntheticImages
 
-    source = SyntheticImages(size, shape, classes, seed=0, split=split)
-    return TensorDataset(torch.stack([source[i][0] for i in range(size)]),
-                         torch.tensor([source[i][1] for i in range(size)]))
+    made = min(size, distinct or size)
+    source = SyntheticImages(made, shape, classes, seed=0, split=split)
+    images, labels = torch.stack([source[i][0] for i in range(made)]), torch.tensor([source[i][1] for i in range(made)])
+    if made == size:
+        return TensorDataset(images, labels)
+    copies = -(-size // made)
+    return TensorDataset(images.repeat(copies, 1, 1, 1)[:size], labels.repeat(copies)[:size])
 
 
 def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, name: str = "cnn"):

@@ -41,7 +41,10 @@ CONTENDERS = ("trainer", "autotune", "loop", "accelerate", "lightning")
 NAMES = {"trainer": "this project", "autotune": "this project --autotune", "loop": "hand-written loop",
          "accelerate": "Accelerate", "lightning": "Lightning"}
 DEFAULT_CONTENDERS = "trainer,loop,accelerate,lightning"
-SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32)}
+SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "resnet50": (3, 224, 224)}
+# Distinct training images: all of them for the small shapes; for 224 px a pool repeated to the run's length, since
+# generating thousands of 224 px images would take each process longer than its run (a GPU's time is lent).
+DISTINCT = {"resnet50": 512}
 PACKAGES = {"accelerate": "accelerate", "lightning": "lightning"}  # the module each needs
 LR, MOMENTUM = 0.01, 0.9
 
@@ -59,7 +62,7 @@ def run_trainer(model, data, args, world: int, started: Callable[[], float]) -> 
     # weight_decay=0: torch's SGD default, as the other contenders build it (the trainer's own default is 0.01)
     config = TrainConfig(multi_gpu="ddp" if world > 1 else "none", epochs=1, batch_size=args.batch, optimizer="sgd",
                          lr=LR, momentum=MOMENTUM, weight_decay=0.0, lr_schedule="constant", progress=False,
-                         save_dir=tempfile.mkdtemp(prefix="peers-"), autotune=args.worker == "autotune")
+                         save_dir=tempfile.mkdtemp(prefix="peers-"), autotune=args.worker == "autotune", amp=args.amp)
     trainer = MultiGPUTrainer(model, data, None, config, callbacks=[last])
     trainer.fit()
     chosen = {"chosen": trainer.autotune.chosen.words()} if trainer.autotune and trainer.autotune.chosen else {}
@@ -71,8 +74,9 @@ def _loader(data, args, world: int):
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(data, seed=0, drop_last=True) if world > 1 else None
-    return DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None,
-                      pin_memory=torch.cuda.is_available())
+    cuda = torch.cuda.is_available()  # on a GPU, loader workers and pinned memory, as the trainer has by default
+    return DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None, pin_memory=cuda,
+                      num_workers=4 if cuda else 0)
 
 
 def run_loop(model, data, args, world: int, started: Callable[[], float]) -> tuple[float, Any, dict]:
@@ -166,14 +170,18 @@ RUNS = {"trainer": run_trainer, "autotune": run_trainer, "loop": run_loop, "acce
 
 
 def accuracy(model, args) -> float:
-    """On 512 held-out samples of the same task, after the run (outside the window)."""
+    """On 512 held-out samples of the same task, after the run (outside the window), in fp32 on the device it
+    trained on (a 224 px model on the CPU would take longer than its run)."""
     import torch
 
     held_out = make_images(512, SHAPES[args.model], split="val")
-    model = model.cpu().eval()
+    device = next(model.parameters()).device
+    model = model.eval()
+    correct = 0
     with torch.no_grad():
-        inputs, targets = held_out.tensors
-        return (model(inputs.contiguous()).argmax(1) == targets).float().mean().item()
+        for inputs, targets in zip(*(part.split(128) for part in held_out.tensors)):
+            correct += (model(inputs.to(device)).argmax(1).cpu() == targets).sum().item()
+    return correct / len(held_out)
 
 
 def worker(args) -> None:
@@ -183,7 +191,8 @@ def worker(args) -> None:
         torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shape = SHAPES[args.model]
-    model, data = make_cnn(shape, name=args.model), make_images(args.steps * args.batch * world, shape)
+    model = make_cnn(shape, name=args.model)
+    data = make_images(args.steps * args.batch * world, shape, distinct=DISTINCT.get(args.model))
     if args.worker == "lightning":
         import lightning  # noqa: F401  (imported before the window: an import is not the framework's start-up)
     elif args.worker == "accelerate":
@@ -209,7 +218,7 @@ def worker(args) -> None:
 # ------------------------------------------------------------------ rounds and the table
 def launch(args, contender: str, nproc: int, steps: int) -> dict[str, float]:
     script = [str(Path(__file__).resolve()), "--worker", contender, "--steps", str(steps), "--batch",
-              str(args.batch), "--threads", str(args.threads), "--model", args.model]
+              str(args.batch), "--threads", str(args.threads), "--model", args.model, "--amp", args.amp]
     command = ([sys.executable, *script] if nproc == 1 else
                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr",
                 "127.0.0.1", "--master_port", str(free_port()), *script])
@@ -233,7 +242,9 @@ def main() -> None:
     parser.add_argument("--nproc", default="1,2", help="process counts, comma-separated (2 or more: DDP)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0: torch's default)")
     parser.add_argument("--model", choices=sorted(SHAPES), default="cnn",
-                        help="cnn on 1x28x28, or resnet18 on 3x32x32")
+                        help="cnn on 1x28x28, resnet18 on 3x32x32, or resnet50 on 3x224x224")
+    parser.add_argument("--amp", choices=["off", "auto", "bf16", "fp16"], default="off",
+                        help="this project's --amp (its two contenders only: the loop and the peers stay fp32)")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="which to run, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="one round of 24 steps at 2 processes (CI)")
     parser.add_argument("--json", help="also write the raw figures here")
@@ -271,7 +282,8 @@ def main() -> None:
     chosen = sorted({measured["autotune"]["chosen"] for per_round in raw.values() for measured in per_round
                      if "chosen" in measured.get("autotune", {})})
     notes = [machine_line(), f"the project's {args.model} on synthetic {'x'.join(map(str, SHAPES[args.model]))} "
-             f"images in memory, batch {args.batch} per process, SGD, fp32, no validation, {_threads(args)}; "
+             f"images in memory{_distinct(args)}, batch {args.batch} per process, SGD, {_precision(args)}, no "
+             f"validation, {_threads(args)}; "
              f"{args.rounds} interleaved rounds",
              "ratio: samples/s / the hand-written loop's in the same round, median (range); time from building "
              "the framework's objects to the end of the last optimizer step, on rank 0; accuracy: medians, on 512 "
@@ -283,6 +295,14 @@ def main() -> None:
     write_markdown(output, "Trainer, hand-written loop and peers (benchmarks/peers.py)", header, rows, notes)
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
+
+
+def _distinct(args) -> str:
+    return f" ({DISTINCT[args.model]} distinct, repeated)" if args.model in DISTINCT else ""
+
+
+def _precision(args) -> str:
+    return "fp32" if args.amp == "off" else f"this project with --amp {args.amp}, the others fp32"
 
 
 def _threads(args) -> str:

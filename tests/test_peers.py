@@ -5,9 +5,13 @@ and the table holds one ratio per contender (no timing is asserted)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
-from conftest import run_benchmark
+from conftest import REPO, run_benchmark
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_common import make_images  # noqa: E402  (after the path set-up)
 
 CONTENDERS = ["trainer", "autotune", "loop", "accelerate", "lightning"]
 
@@ -30,3 +34,13 @@ def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_p
     assert len(table) == 1
     assert len(table[0].split(" | ")) == 2 + (len(installed) - 1) + 2  # length, config, ratios, loop, accuracies
     assert "--autotune chose: " in output.read_text()
+
+
+def test_a_224_px_workload_repeats_a_pool_of_distinct_images_to_the_run_length():
+    import torch
+
+    pooled, whole = make_images(10, (1, 8, 8), distinct=4), make_images(4, (1, 8, 8))
+    assert len(pooled) == 10
+    images, labels = pooled.tensors
+    assert torch.equal(images[:4], whole.tensors[0]) and torch.equal(images[4:8], images[:4])  # the pool, again
+    assert torch.equal(images[8:], images[:2]) and torch.equal(labels[4:8], labels[:4])  # cut at the run length
