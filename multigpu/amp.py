@@ -24,14 +24,20 @@ def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) ->
         if device.type != "cuda":
             say("--amp auto: fp32 on the CPU (--amp bf16 autocasts there)")
             return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     if amp == "fp16" and device.type != "cuda":
         say("--amp fp16 needs a CUDA device; using bf16 autocast on the CPU instead")
         return torch.bfloat16
-    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if amp == "bf16" and device.type == "cuda" and not native_bf16(device):
         say("--amp bf16 is not supported by this GPU; using fp16 with a GradScaler instead")
         return torch.float16
     return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the GPU `device` computes in bf16 itself: Ampere (compute capability 8) and later, or ROCm.
+    torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated, slowly (V100, T4)."""
+    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class Amp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from multigpu.amp import Amp, resolve_dtype
@@ -28,6 +29,24 @@ def test_auto_is_fp32_on_the_cpu_and_says_so_in_one_line():
     assert resolve_dtype("bf16", torch.device("cpu"), said.append) is torch.bfloat16 and len(said) == 1
 
 
+@pytest.mark.parametrize("capability, expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_on_a_gpu_is_bf16_from_ampere_on_and_fp16_before(monkeypatch, capability, expected):
+    """The GPU's compute capability decides, not torch.cuda.is_bf16_supported(), which also says yes where bf16
+    is only emulated (V100, T4); --amp bf16 on such a GPU falls back to fp16 with one line."""
+    asked: list[torch.device] = []
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # emulation counts there
+    said: list[str] = []
+    gpu = torch.device("cuda", 1)
+    assert resolve_dtype("auto", gpu, said.append) is expected and said == [] and asked == [gpu]
+    assert resolve_dtype("bf16", gpu, said.append) is expected
+    assert said == ([] if expected is torch.bfloat16 else
+                    ["--amp bf16 is not supported by this GPU; using fp16 with a GradScaler instead"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--multi-gpu none trains on the GPU where there is one")
 def test_auto_is_a_choice_of_the_command_line_and_trains_in_fp32_on_the_cpu(tmp_path, capsys):
     from main_multi_gpu import main
 
