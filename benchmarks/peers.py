@@ -6,7 +6,10 @@ on one workload, interleaved round by round (MULTI_GPU_GUIDE.md, "Speed").
     pip install '.[peers]'                                # Accelerate and Lightning (else: skipped, one line each)
 
 The workload: the project's cnn, synthetic 1x28x28 images in memory, batch 64 per process, SGD (lr 0.01,
-momentum 0.9, no weight decay, constant), no validation, one epoch of exactly --steps steps, 1 intra-op thread per process.
+momentum 0.9, no weight decay, constant), fp32, no validation, one epoch of exactly --steps steps, 1 intra-op thread
+per process. --model resnet18 (3x32x32) or resnet50 (3x224x224, 512 distinct images indexed over and over) and
+--amp (this project's contenders only; the loop and the peers stay fp32) make the --autotune tables, e.g.
+    python benchmarks/peers.py --model resnet50 --amp auto --contenders trainer,autotune,loop --nproc 1 --threads 0
 Every contender runs in fresh processes (torchrun for 2 or more, gloo on the CPU and NCCL on GPUs), in an
 order that rotates every round. Time is rank 0's, from just before the contender builds its own objects
 (MultiGPUTrainer, Accelerator, lightning.Trainer; the model and data are built before, alike for all, the
@@ -36,6 +39,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_common import benchmark_parser, free_port, machine_line, make_cnn, make_images, write_markdown  # noqa: E402
+from multigpu.config import FIELDS  # noqa: E402
 
 CONTENDERS = ("trainer", "autotune", "loop", "accelerate", "lightning")
 NAMES = {"trainer": "this project", "autotune": "this project --autotune", "loop": "hand-written loop",
@@ -175,8 +179,8 @@ def accuracy(model, args) -> float:
     import torch
 
     held_out = make_images(512, SHAPES[args.model], split="val")
-    device = next(model.parameters()).device
-    model = model.eval()
+    device = _device()  # where it trained (a framework may have moved it back to the CPU at its end)
+    model = model.to(device).eval()
     correct = 0
     with torch.no_grad():
         for inputs, targets in zip(*(part.split(128) for part in held_out.tensors)):
@@ -243,7 +247,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0: torch's default)")
     parser.add_argument("--model", choices=sorted(SHAPES), default="cnn",
                         help="cnn on 1x28x28, resnet18 on 3x32x32, or resnet50 on 3x224x224")
-    parser.add_argument("--amp", choices=["off", "auto", "bf16", "fp16"], default="off",
+    parser.add_argument("--amp", choices=FIELDS["amp"].metadata["choices"], default="off",
                         help="this project's --amp (its two contenders only: the loop and the peers stay fp32)")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="which to run, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="one round of 24 steps at 2 processes (CI)")
