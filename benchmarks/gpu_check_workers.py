@@ -277,8 +277,8 @@ def steady_rate(interval_rates: list[float]) -> float:
 
 def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) -> tuple[float, Optional[int]]:
     """MultiGPUTrainer's samples/s (whole job) from its TensorBoard train/samples_per_sec, and its peak memory
-    from memory/max_allocated_gb (its telemetry resets CUDA's peak at each interval, so torch's counter after
-    fit() holds only the last one); (0, None) off rank 0."""
+    from memory/max_allocated_gb (its telemetry resets CUDA's peak at each sync point, the last one after the
+    last step, so torch's counter after fit() holds only what came after training); (0, None) off rank 0."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     config = TrainConfig(multi_gpu=runtime.mode, amp=amp, epochs=1, batch_size=params["batch"],
