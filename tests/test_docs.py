@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -239,11 +240,17 @@ def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -
         problem = serve_tensorboard(runnable, folder, env)
         return f"`{command}`: {problem}" if problem else None
     started = time.monotonic()
+    # A session of its own, killed whole on a timeout: a command's own children (a benchmark's workers) would
+    # otherwise run on, orphaned, and slow every later test.
+    process = subprocess.Popen(["bash", "-c", runnable], cwd=folder, env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        result = subprocess.run(["bash", "-c", runnable], cwd=folder, env=env, input=ENTER_AT_EVERY_QUESTION,
-                                capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        stdout, stderr = process.communicate(ENTER_AT_EVERY_QUESTION, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         return f"`{runnable}` ran past {COMMAND_TIMEOUT}s"
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     print(f"{block.where}: {time.monotonic() - started:5.1f}s `{runnable}`")  # with -s: where the time goes
     if result.returncode != 0:
         return f"`{runnable}` exited {result.returncode}:\n{result.stdout[-1500:]}{result.stderr[-2500:]}"
