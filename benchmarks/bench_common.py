@@ -93,6 +93,15 @@ def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: i
     return pool if made == size else Subset(pool, [index % made for index in range(size)])
 
 
+def reset_cuda_peak(device) -> None:
+    """torch.cuda.reset_peak_memory_stats(device), also before anything has touched CUDA: the allocator has no
+    device until CUDA is initialised, and the reset alone fails with "Invalid device argument"."""
+    import torch
+
+    torch.cuda.init()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def make_cnn(shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, name: str = "cnn"):
     """The project's default model (or another built-in `name`) with the same initial weights in every process."""
     import torch

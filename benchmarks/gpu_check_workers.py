@@ -28,7 +28,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+from bench_common import reset_cuda_peak  # noqa: E402  (after the path set-up)
 
 RESULT = "GPU_CHECK_RESULT "
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
@@ -123,8 +124,7 @@ def peak_memory(device: torch.device) -> Optional[int]:
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.init()  # before the first allocation the allocator has no device yet: "Invalid device argument"
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_cuda_peak(device)
 
 
 # ---------------------------------------------------------------------------- workers

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import machine_line, markdown_table  # noqa: E402
+from bench_common import machine_line, markdown_table, reset_cuda_peak  # noqa: E402
 
 MODES = ("ddp", "fsdp")
 SIZES = {"full": (2048, 12), "small": (64, 4)}  # (width, blocks): 50.4M and 17k parameters
@@ -82,8 +82,7 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict
     gc.collect()
     _reset_peak_rss()
     if device.type == "cuda":
-        torch.cuda.init()  # before the first allocation the allocator has no device yet: "Invalid device argument"
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_cuda_peak(device)
     model = build_model(width, blocks).to(device)
     if mode == "fsdp":
         mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))

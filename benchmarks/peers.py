@@ -39,6 +39,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_common import benchmark_parser, free_port, machine_line, make_cnn, make_images, write_markdown  # noqa: E402
+from data import default_num_workers  # noqa: E402
 from multigpu.config import FIELDS  # noqa: E402
 
 CONTENDERS = ("trainer", "autotune", "loop", "accelerate", "lightning")
@@ -78,9 +79,9 @@ def _loader(data, args, world: int):
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(data, seed=0, drop_last=True) if world > 1 else None
-    cuda = torch.cuda.is_available()  # on a GPU, loader workers and pinned memory, as the trainer has by default
-    return DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None, pin_memory=cuda,
-                      num_workers=4 if cuda else 0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the trainer's loader settings there
+    return DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None,
+                      pin_memory=device.type == "cuda", num_workers=default_num_workers(device))
 
 
 def run_loop(model, data, args, world: int, started: Callable[[], float]) -> tuple[float, Any, dict]:
