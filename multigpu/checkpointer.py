@@ -296,10 +296,7 @@ class Checkpointer:
         fit (another model, optimizer or scheduler) is refused in one line naming `path`. From a sharded folder
         each rank reads the model's and optimizer's shards it holds, at any world size."""
         folder = checkpoint.is_sharded(path)
-        errors: tuple[type[BaseException], ...] = (RuntimeError, ValueError, KeyError, IndexError)
-        if folder:  # DCP's own error is a BaseException; imported only here (see sharded._dcp)
-            from torch.distributed.checkpoint.api import CheckpointException
-            errors += (CheckpointException,)
+        errors = (RuntimeError, ValueError, KeyError, IndexError)  # a damaged folder is sharded's CheckpointError
         try:
             if folder:
                 sharded.load_shards(stateful, path)

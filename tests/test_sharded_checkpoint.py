@@ -1,10 +1,14 @@
 """Sharded checkpoints (multigpu/sharded.py, --checkpoint-format sharded): every rank writes its shards into a
 folder renamed into place when complete; it resumes at another number of processes, from and into one-file
-checkpoints, after a kill in an async save; export and prediction read it."""
+checkpoints, after a kill in an async save; export and prediction read it; a folder that would run code, is
+damaged or belongs to another model is refused in one line by each of them."""
 
 from __future__ import annotations
 
 import copy
+import io
+import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -16,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import TINY, assert_ok, blobs, config_for, run_cli, run_ranks, tiny_model
+from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, assert_ok, blobs, config_for, contents, run_cli, run_cli_ranks,
+                      run_ranks, tiny_model, tiny_text)
 from multigpu import checkpoint, export, savedir, sharded
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
@@ -184,3 +189,118 @@ def test_resume_auto_without_a_save_dir_finds_a_run_of_sharded_folders(sharded_r
     assert savedir.run_to_continue(str(tmp_path), parse_config(args))[0] == str(tmp_path / "run-1")
     with pytest.raises(UsageError, match="differs in mode: flatten -> image"):
         savedir.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """The save-dir of one epoch of --model gpt trained by 2 ranks under --multi-gpu fsdp (sharded folders last/,
+    best/, step-000000004/ and step-000000008/, each with __0_0.distcp and __1_0.distcp), and its command but
+    --save-dir."""
+    root = tmp_path_factory.mktemp("fsdp")
+    args = [*TINY_GPT, "--data-file", str(tiny_text(root / "tiny.txt")), "--epochs", "1", "--batch-size", "8",
+            "--no-progress", "--dist-timeout", str(DIST_TIMEOUT), "--multi-gpu", "fsdp", "--save-every-steps", "4"]
+    assert_ok(run_cli([*args, "--save-dir", str(root / "run")], nproc=2))
+    return root / "run", args
+
+
+def _copy(fsdp_run: tuple[Path, list[str]], tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of the fsdp run's save-dir (files of its own, no hard links) and the command that resumes it."""
+    save_dir = tmp_path / "run"
+    shutil.copytree(fsdp_run[0], save_dir)
+    return save_dir, [*fsdp_run[1], "--save-dir", str(save_dir), "--resume", "auto"]
+
+
+class _RunsCode:
+    """What a hostile pickle holds: loading it calls os.system, which creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _one_error_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_a_folder_that_would_run_code_is_refused_by_resume_predict_and_export_and_nothing_runs(fsdp_run, tmp_path,
+                                                                                                capsys):
+    save_dir, resume = _copy(fsdp_run, tmp_path)
+    shutil.rmtree(save_dir / "step-000000004")
+    # step-8: DCP's metadata as it is, but one value of the optimizer's (not a tensor: read back by unpickling)
+    # in a shard file of its own that runs code; last/, newer: its .metadata runs code.
+    values, step_8 = tmp_path / "values-ran", save_dir / "step-000000008"
+    payload = io.BytesIO()
+    torch.save(_RunsCode(values), payload)
+    (step_8 / "__2_0.distcp").write_bytes(payload.getvalue())
+    metadata = pickle.loads((step_8 / ".metadata").read_bytes())  # our own file
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    metadata.storage_data[MetadataIndex("optimizer.param_groups.0.lr")] = _StorageInfo("__2_0.distcp", 0,
+                                                                                      len(payload.getvalue()))
+    (step_8 / ".metadata").write_bytes(pickle.dumps(metadata))
+    ran = tmp_path / "metadata-ran"
+    (save_dir / "last" / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    os.utime(step_8 / ".metadata", (1, 1))  # older than last/: the search meets last/ first
+    before = contents(save_dir)
+    runs_code = f"error: checkpoint {save_dir / 'last'} refused: its .metadata names posix.system, which DCP's " \
+                f"metadata never holds and loading would call; nothing in it was run\n"
+    predicted = predict_multi_gpu.main(["--checkpoint", str(save_dir / "last"), "--output", str(tmp_path / "p.pt")])
+    assert not ran.exists() and predicted == 2
+    assert capsys.readouterr().err == runs_code
+    assert export.main([str(save_dir / "last"), str(tmp_path / "e.pt")]) == 2
+    assert capsys.readouterr().err == runs_code
+    value_runs_code = (f"error: checkpoint {step_8} refused: its value optimizer.param_groups.0.lr (in a shard file): "
+                       f"it holds something other than tensors and plain data")
+    exported = export.main([str(step_8), str(tmp_path / "e.pt")])
+    assert not values.exists() and exported == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(value_runs_code)
+    ranks = run_cli_ranks(resume, 2)
+    assert not ran.exists() and not values.exists()
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr for rank in ranks]
+    assert f"{runs_code[len('error: '):-1]}; trying an older one" in ranks[0].stdout
+    assert _one_error_line(ranks[0].stderr).startswith(value_runs_code) and ranks[1].stderr == ""
+    assert contents(save_dir) == before and not (tmp_path / "p.pt").exists() and not (tmp_path / "e.pt").exists()
+
+
+def test_a_damaged_folder_is_refused_in_one_line_naming_its_file_by_resume_predict_and_export(fsdp_run, tmp_path,
+                                                                                               capsys):
+    save_dir, resume = _copy(fsdp_run, tmp_path)
+    last, step_8, step_4 = (save_dir / name for name in ("last", "step-000000008", "step-000000004"))
+    (last / "__1_0.distcp").unlink()
+    cut = step_8 / "__1_0.distcp"
+    whole = cut.stat().st_size
+    cut.write_bytes(cut.read_bytes()[:whole // 2])
+    (step_4 / ".metadata").write_bytes(bytes(range(256)) * 4)
+    before = contents(save_dir)
+    reasons = {last: f"checkpoint {last} refused: its shard file __1_0.distcp is missing",
+               step_8: f"checkpoint {step_8} refused: its shard file __1_0.distcp is cut short ({whole // 2} bytes of "
+                       f"the {whole} its .metadata names)",
+               step_4: f"checkpoint {step_4} refused: its .metadata is not DCP's metadata, truncated or corrupt "
+                       f"(UnpicklingError: invalid load key, '\\x00'.)"}
+    for folder, reason in reasons.items():
+        assert predict_multi_gpu.main(["--checkpoint", str(folder), "--output", str(tmp_path / "p.pt")]) == 2
+        assert capsys.readouterr().err == f"error: {reason}\n"
+        assert export.main([str(folder), str(tmp_path / "e.pt")]) == 2
+        assert capsys.readouterr().err == f"error: {reason}\n"
+    ranks = run_cli_ranks(resume, 2)
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr for rank in ranks]
+    err = _one_error_line(ranks[0].stderr)
+    assert err.startswith(f"error: --resume auto found no usable checkpoint in {save_dir}: ")
+    assert all(reason in err for reason in reasons.values()) and ranks[1].stderr == ""
+    assert contents(save_dir) == before
+
+
+def test_a_folder_of_another_model_width_is_refused_in_one_line_naming_the_parameter(fsdp_run, tmp_path):
+    save_dir, resume = _copy(fsdp_run, tmp_path)
+    before = contents(save_dir)
+    narrower = [*resume[:resume.index("--n-embd") + 1], "16", *resume[resume.index("--n-embd") + 2:]]
+    ranks = run_cli_ranks(narrower, 2)
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr for rank in ranks]
+    vocabulary = len(set((fsdp_run[0].parent / "tiny.txt").read_text()))
+    assert _one_error_line(ranks[0].stderr).startswith(
+        f"error: checkpoint {save_dir / 'last'} does not fit this model/optimizer: model.token_embedding.weight is "
+        f"[{vocabulary}, 32] in it, [{vocabulary}, 16] here (")
+    assert ranks[1].stderr == "" and contents(save_dir) == before
