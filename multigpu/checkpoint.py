@@ -109,7 +109,8 @@ def check_complete(path: str) -> Any:
 # What DCP's `.metadata` (a pickle) is made of, as torch 2.14 writes it: the dataclasses of
 # torch.distributed.checkpoint.metadata, the file system writer's entry, torch.Size, dtypes and layouts, the
 # checkpoint's path, plain containers. Nothing else is built: a `.metadata` that names anything else (os.system
-# in a __reduce__) is refused before DCP reads it (MULTI_GPU_GUIDE.md, "Sharded checkpoints").
+# in a __reduce__) is refused before DCP reads it (MULTI_GPU_GUIDE.md, "Sharded checkpoints: every rank writes
+# its own shards").
 _DCP = "torch.distributed.checkpoint."
 METADATA_GLOBALS = frozenset(
     {(_DCP + "metadata", name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",

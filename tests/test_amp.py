@@ -56,5 +56,5 @@ def test_auto_is_a_choice_of_the_command_line_and_trains_in_fp32_on_the_cpu(tmp_
     out = capsys.readouterr().out
     assert status == 0 and summaries
     assert "--amp auto: fp32 on the CPU" in out and "amp off" in out  # the plan line names the precision used
-    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert checkpoint["config"]["amp"] == "auto"  # resolved at each start, for the device of that start

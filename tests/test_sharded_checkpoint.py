@@ -191,6 +191,23 @@ def test_resume_auto_without_a_save_dir_finds_a_run_of_sharded_folders(sharded_r
         savedir.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
 
 
+def test_what_dcp_writes_of_every_dtype_and_plain_value_reads_back_through_the_checks(tmp_path):
+    """The restricted unpickler admits DCP's metadata as torch writes it: a guard against a list too short."""
+    import torch.distributed.checkpoint as dcp
+    tensors = {str(dtype): torch.arange(6).reshape(2, 3).to(dtype) for dtype in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.complex64, torch.int8,
+        torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)}
+    values = {"lr": 0.1, "betas": (0.9, 0.99), "params": ["net.0.weight"], "foreach": None, "amsgrad": False}
+    dcp.save({"model": tensors, "optimizer": values}, checkpoint_id=str(tmp_path), no_dist=True)
+    torch.save({"format_version": checkpoint.FORMAT_VERSION, "scheduler": {}, "scaler": {}, "epoch": 0,
+                "global_step": 0, "config": {}}, tmp_path / checkpoint.STATE_FILE)
+    whole = sharded.load_whole(str(tmp_path))
+    assert whole["optimizer"] == values and whole["model"].keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert whole["model"][name].dtype == tensor.dtype and torch.equal(whole["model"][name].view(torch.uint8),
+                                                                          tensor.view(torch.uint8)), name
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """The save-dir of one epoch of --model gpt trained by 2 ranks under --multi-gpu fsdp (sharded folders last/,
