@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fnmatch
 import glob
+import math
 import os
 import pickle
 import resource
@@ -127,8 +128,8 @@ class _Refused(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        # vars(), not getattr(): torch's module __getattr__ imports submodules by name
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}"[:100])
 
@@ -177,10 +178,10 @@ def _storage_problem(metadata: Any) -> Optional[str]:
     for name, entry in entries.items():
         try:  # each piece's offsets in the tensor and bytes of data; an entry of other types fails here
             pieces = [(None, 0)] if isinstance(entry, BytesStorageMetadata) else [
-                (chunk.offsets, torch.Size(chunk.sizes).numel() * entry.properties.dtype.itemsize)
+                (chunk.offsets, math.prod(chunk.sizes) * entry.properties.dtype.itemsize)
                 for chunk in entry.chunks if _counts(*entry.size, *chunk.offsets, *chunk.sizes)
                 and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)]
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, ValueError):
             return malformed
         if not isinstance(name, str) or not isinstance(entry, (BytesStorageMetadata, TensorStorageMetadata)) \
                 or len(pieces) != len(getattr(entry, "chunks", [None])):
