@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -262,7 +263,8 @@ class MultiGPUTrainer:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0),
                                on_peer_lost=self._save_after_losing_a_peer):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
-                self.resume()
+                if self.resume() and self._trained():  # a finished run, resumed: said in one line, nothing written
+                    return self._summary(already_complete=True)
                 for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
                     self.report.line(line)
                 self.callbacks.call("on_fit_start", self)
@@ -643,10 +645,22 @@ class MultiGPUTrainer:
                     "optimizer_class": type(self.optimizer).__name__, "scheduler_class": type(self.scheduler).__name__}
         self.checkpointer.check(path, state, identity)
         self.load_state_dict(state, path)
+        if self._trained():
+            self.report.line(self._already_complete(path))
+            return True
         self.report.line(f"resumed from {path}: epoch {self.progress.epoch + 1}, step {self.progress.global_step}, "
                          f"{self.progress.samples_in_epoch} samples into the epoch")
         self.report.purge_step = self.progress.global_step + 1
         return True
+
+    def _already_complete(self, path: str) -> str:
+        """The one line of a resume whose checkpoint has trained and evaluated every epoch (a checkpoint at
+        --max-steps is refused before: multigpu/checkpointer.py): what it reached, and how to train further."""
+        name, best = self.monitor.name, self.progress.best_value
+        result = (f"best {name} {best:.4f}" if name and best is not None
+                  else "no validation set" if self.val_dataset is None else "no finite validation metric")
+        return (f"run in {os.path.dirname(os.path.normpath(path)) or '.'} is already complete: {self.progress.epoch} "
+                f"epochs, {result}; nothing to train (raise --epochs to train further)")
 
     def _stop_for_signal(self) -> dict[str, Any]:
         signal_name = self.stop.signal_name or "a signal on another rank"

@@ -272,3 +272,20 @@ def test_a_second_fit_of_the_same_trainer_is_its_own_run_and_says_what_to_do_for
     assert_untouched(tmp_path / "ckpt", before)
     more = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, resume="auto"))
     assert more.fit()["epochs"] == 3  # what the line says works
+
+
+def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_nothing(tmp_path):
+    """The same command again, --resume auto added (a requeued job that had finished): one line, exit 0, and the
+    checkpoints and TensorBoard event files stay byte for byte as they were."""
+    save_dir = tmp_path / "ckpt"
+    first = run_cli([*QUICK, "--save-dir", str(save_dir)])
+    assert_ok(first)
+    best = checkpoint.load(str(save_dir / "best.pt"))["best_value"]
+    before = contents(save_dir)
+    assert any(name.parts[0] == "tb" for name in before)  # the event file is among what must stay as it was
+    again = run_cli([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"])
+    assert_ok(again)
+    assert again.stdout.splitlines()[1:] == [
+        f"run in {save_dir} is already complete: 1 epochs, best val_acc {best:.4f}; nothing to train (raise "
+        f"--epochs to train further)"], again.stdout  # after the model line: no plan, no "first step lr 0"
+    assert contents(save_dir) == before
