@@ -49,8 +49,8 @@ from multigpu.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
-from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            move_schedule_to, schedule_config, users_optimizer, users_scheduler)
+from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, group_settings,
+                            keep_run_settings, schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
@@ -574,20 +574,19 @@ class MultiGPUTrainer:
     def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
         """Load a checkpoint (a file's state, or a sharded folder's at `path`) into the live model, optimizer,
         scheduler, scaler, progress and RNG."""
+        built = group_settings(self.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
         self.checkpointer.load_into(self.stateful(), state, path)
+        # The schedule continues at the same point of training, in this run's steps, from this run's LR.
+        keep_run_settings(self.optimizer, self.scheduler, built,
+                          self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
+                          self.builtin_schedule, self.builtin_optimizer)
         if state["world_size"] != self.runtime.world_size:
             self._continue_on_another_world_size(state["world_size"])
-        elif self.builtin_schedule and state.get("config", {}).get("max_steps", 0) != self.config.max_steps:
-            # Another --max-steps reshapes the schedule: the next step takes this run's LR, not the saved one's.
-            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
-                             self.lr)
 
     def _continue_on_another_world_size(self, saved_world_size: int) -> None:
         """The data position is kept in global samples; the built-in schedule moves to the same point of
         training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
-        if self.builtin_schedule:
-            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
-                             self.lr)
+        if self.builtin_schedule:  # moved there by keep_run_settings
             schedule = "the LR schedule continues at the same point in samples"
         elif self.scheduler_interval == "step":
             schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
