@@ -56,12 +56,12 @@ def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_nex
     killed = run_cli([*QUICK, "--save-dir", str(save_dir), "--overwrite"], env={FAULT_ENV: "0:3"})
     assert killed.returncode == -9 and not (save_dir / "best.pt").exists()
     (kept,) = save_dir.glob(".replaced-*")  # what the killed run set aside: nothing could put it back
-    # The next start puts it back before anything else, and --resume auto continues the old run (here, to its end).
+    # The next start puts it back before anything else, and --resume auto continues the old run (here finished).
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"]) == 0
     out = capsys.readouterr().out
     assert f"--save-dir {save_dir}: put the previous run's files back from {kept}, where an --overwrite run that " \
            f"ended before its first checkpoint had left them" in out
-    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 16, 0 samples into the epoch" in out
+    assert f"run in {save_dir} is already complete: 1 epochs, best val_acc " in out
     assert_untouched(save_dir, before)
     # An --overwrite run that saves drops its own set-aside copy.
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--overwrite", "--seed", "1"]) == 0
