@@ -54,7 +54,7 @@ from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimiz
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
-from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
+from multigpu.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
 from multigpu.telemetry import Telemetry
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
@@ -210,6 +210,8 @@ class MultiGPUTrainer:
         self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
         rng.seed_all(config.seed + rt.rank)
+        self.rng_state = RngState(rt)
+        self.buffers_at_start: list[tuple[int, int]] = []  # fit() notes them (hang_report.buffer_versions)
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
@@ -270,6 +272,10 @@ class MultiGPUTrainer:
                 self.callbacks.call("on_fit_start", self)
                 self._start_autotune()
                 self.telemetry.start()
+                # Every rank's random state, and the model's buffers, as training starts: what rank 0's replica
+                # needs to save alone when it loses a peer (hang_report.save_last_step).
+                self.rng_state.state_dict()
+                self.buffers_at_start = hang_report.buffer_versions(self.model)
                 # Short collector pauses (ranks do not wait on one another's), and on the CPU no page faults for
                 # memory a step frees and the next takes again (MULTI_GPU_GUIDE.md, "Speed").
                 with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
@@ -555,14 +561,15 @@ class MultiGPUTrainer:
         return True
 
     # ------------------------------------------------------------------ checkpoints
-    def stateful(self, gather: bool = True) -> dict[str, Any]:
+    def stateful(self, known_rng: Optional[Saved] = None) -> dict[str, Any]:
         """What a checkpoint holds, each thing with state_dict()/load_state_dict(): the checkpointer saves and
-        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `gather=False`:
-        no collective (the hang watchdog's save from rank 0's replica alone)."""
+        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `known_rng`:
+        every rank's RNG states known without a collective (the save from rank 0's replica alone); else
+        gathered."""
         return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
-                "rng": RngState(self.runtime, gather),
+                "rng": known_rng or self.rng_state,
                 **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
                 **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 
