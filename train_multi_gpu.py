@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -48,12 +49,12 @@ from multigpu.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
 from multigpu.meters import IntervalMeter, LoggedScalars
 from multigpu.metrics import MetricsSpec, Monitor
-from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
-                            move_schedule_to, schedule_config, users_optimizer, users_scheduler)
+from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, group_settings,
+                            keep_run_settings, schedule_config, users_optimizer, users_scheduler)
 from multigpu.prediction import Predictor
 from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
-from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
+from multigpu.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
 from multigpu.telemetry import Telemetry
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
@@ -209,6 +210,8 @@ class MultiGPUTrainer:
         self.progress, self.metrics = Progress(), {}
         # Dropout and augmentation differ per rank but repeat on a rerun (MULTI_GPU_GUIDE.md, "Randomness").
         rng.seed_all(config.seed + rt.rank)
+        self.rng_state = RngState(rt)
+        self.buffers_at_start: list[tuple[int, int]] = []  # fit() notes them (hang_report.buffer_versions)
         self.train_samples, self.train_seconds, self.applied_lr = 0, 0.0, self.lr
         self.stop = StopRequest()
         self.die_at_step = faults.fault_step(rt.rank)
@@ -262,12 +265,17 @@ class MultiGPUTrainer:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0),
                                on_peer_lost=self._save_after_losing_a_peer):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
-                self.resume()
+                if self.resume() and self._trained():  # a finished run, resumed: said in one line, nothing written
+                    return self._summary(already_complete=True)
                 for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
                     self.report.line(line)
                 self.callbacks.call("on_fit_start", self)
                 self._start_autotune()
                 self.telemetry.start()
+                # Every rank's random state, and the model's buffers, as training starts: what rank 0's replica
+                # needs to save alone when it loses a peer (hang_report.save_last_step).
+                self.rng_state.state_dict()
+                self.buffers_at_start = hang_report.buffer_versions(self.model)
                 # Short collector pauses (ranks do not wait on one another's), and on the CPU no page faults for
                 # memory a step frees and the next takes again (MULTI_GPU_GUIDE.md, "Speed").
                 with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
@@ -553,14 +561,15 @@ class MultiGPUTrainer:
         return True
 
     # ------------------------------------------------------------------ checkpoints
-    def stateful(self, gather: bool = True) -> dict[str, Any]:
+    def stateful(self, known_rng: Optional[Saved] = None) -> dict[str, Any]:
         """What a checkpoint holds, each thing with state_dict()/load_state_dict(): the checkpointer saves and
-        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `gather=False`:
-        no collective (the hang watchdog's save from rank 0's replica alone)."""
+        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `known_rng`:
+        every rank's RNG states known without a collective (the save from rank 0's replica alone); else
+        gathered."""
         return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
-                "rng": RngState(self.runtime, gather),
+                "rng": known_rng or self.rng_state,
                 **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
                 **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 
@@ -572,20 +581,19 @@ class MultiGPUTrainer:
     def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
         """Load a checkpoint (a file's state, or a sharded folder's at `path`) into the live model, optimizer,
         scheduler, scaler, progress and RNG."""
+        built = group_settings(self.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
         self.checkpointer.load_into(self.stateful(), state, path)
+        # The schedule continues at the same point of training, in this run's steps, from this run's LR.
+        keep_run_settings(self.optimizer, self.scheduler, built,
+                          self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
+                          self.builtin_schedule, self.builtin_optimizer)
         if state["world_size"] != self.runtime.world_size:
             self._continue_on_another_world_size(state["world_size"])
-        elif self.builtin_schedule and state.get("config", {}).get("max_steps", 0) != self.config.max_steps:
-            # Another --max-steps reshapes the schedule: the next step takes this run's LR, not the saved one's.
-            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
-                             self.lr)
 
     def _continue_on_another_world_size(self, saved_world_size: int) -> None:
         """The data position is kept in global samples; the built-in schedule moves to the same point of
         training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size")."""
-        if self.builtin_schedule:
-            move_schedule_to(self.scheduler, self.progress.epoch * self.steps_per_epoch + self.steps_done_in_epoch(),
-                             self.lr)
+        if self.builtin_schedule:  # moved there by keep_run_settings
             schedule = "the LR schedule continues at the same point in samples"
         elif self.scheduler_interval == "step":
             schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
@@ -643,10 +651,22 @@ class MultiGPUTrainer:
                     "optimizer_class": type(self.optimizer).__name__, "scheduler_class": type(self.scheduler).__name__}
         self.checkpointer.check(path, state, identity)
         self.load_state_dict(state, path)
+        if self._trained():
+            self.report.line(self._already_complete(path))
+            return True
         self.report.line(f"resumed from {path}: epoch {self.progress.epoch + 1}, step {self.progress.global_step}, "
                          f"{self.progress.samples_in_epoch} samples into the epoch")
         self.report.purge_step = self.progress.global_step + 1
         return True
+
+    def _already_complete(self, path: str) -> str:
+        """The one line of a resume whose checkpoint has trained and evaluated every epoch (a checkpoint at
+        --max-steps is refused before: multigpu/checkpointer.py): what it reached, and how to train further."""
+        name, best = self.monitor.name, self.progress.best_value
+        result = (f"best {name} {best:.4f}" if name and best is not None
+                  else "no validation set" if self.val_dataset is None else "no finite validation metric")
+        return (f"run in {os.path.dirname(os.path.normpath(path)) or '.'} is already complete: {self.progress.epoch} "
+                f"epochs, {result}; nothing to train (raise --epochs to train further)")
 
     def _stop_for_signal(self) -> dict[str, Any]:
         signal_name = self.stop.signal_name or "a signal on another rank"

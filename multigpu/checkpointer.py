@@ -58,6 +58,7 @@ class Checkpointer:
         self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by with_run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)
         self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
+        self.saved_step: Optional[int] = None  # its optimizer step
         # --overwrite's copy of the previous run, known on every rank (rank 0 moves the files): dropped at this
         # run's first save, put back if the run ends before it.
         self.set_aside: Optional[str] = None
@@ -206,7 +207,7 @@ class Checkpointer:
             raise CheckpointError(f"ranks found different checkpoints to resume (steps by rank: {steps}); "
                                   f"put --save-dir on storage that every node shares")
         if found is not None:
-            self.last_saved = found[0]
+            self.last_saved, self.saved_step = found[0], found[1]["global_step"]
         return found
 
     def _find_here(self) -> Optional[tuple[str, dict[str, Any]]]:
@@ -333,7 +334,7 @@ class Checkpointer:
                 if target == path:
                     self.last_saved = path
         self._agree(path, failed_path, error, step)
-        self._saved(path)
+        self._saved(path, step)
         return path
 
     def _agree(self, path: str, failed_path: str, error: str, step: int) -> None:
@@ -344,9 +345,10 @@ class Checkpointer:
             raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
                                   f"stopped at step {step}, {kept}: {self.newest()}")
 
-    def _saved(self, path: str) -> None:
-        """`path` is in place: the newest checkpoint, and --overwrite's set-aside run can go."""
-        self.last_saved = path
+    def _saved(self, path: str, step: int) -> None:
+        """`path` (of optimizer step `step`) is in place: the newest checkpoint, and --overwrite's set-aside run
+        can go."""
+        self.last_saved, self.saved_step = path, step
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             savedir.drop_set_aside(folder)  # our first checkpoint is safely written
@@ -386,7 +388,7 @@ class Checkpointer:
                 except OSError as failure:
                     error = f"{failure.strerror or failure}"
             self._agree(path, path, error, step)
-            self._saved(path)
+            self._saved(path, step)
 
         if pending is None:
             finish()

@@ -15,6 +15,8 @@ from multigpu import checkpoint, safe_files
 from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, LIBRARIES
 
 if TYPE_CHECKING:
+    import torch
+
     from train_multi_gpu import MultiGPUTrainer
 
 FILE_NAME = "hang_report.txt"
@@ -123,9 +125,20 @@ def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks:
     safe_files.write_atomically(path, "\n".join(parts) + "\n")
 
 
+def buffer_versions(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each buffer of `model` and how often it was written (its version counter): a forward that updates its
+    buffers (BatchNorm's running statistics) changes them."""
+    return [(id(buffer), buffer._version) for buffer in model.buffers()]
+
+
 def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective;
-    the line that says where it is, or why none was written."""
+    the line that says where it is, or why none was written.
+
+    Written only where it is exactly what every rank would have saved at that step (MULTI_GPU_GUIDE.md, "When
+    a run hangs"): not when that step is saved already, not when random numbers were drawn since every rank's
+    generators were last gathered (then the other ranks' are unknown, and rank 0's own may be the next step's),
+    and not when the next step's forward has already updated the model's buffers (BatchNorm's statistics)."""
     newest = trainer.checkpointer.newest()
     if trainer.config.multi_gpu == "fsdp":
         return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
@@ -138,9 +151,20 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     step = trainer.progress.global_step
     if step == 0:
         return "no checkpoint written: no optimizer step was completed yet"
+    if step == trainer.checkpointer.saved_step:
+        return f"no checkpoint written: step {step} is saved already: {newest}"
+    known_rng = trainer.rng_state.still_gathered()
+    if known_rng is None:
+        return (f"no checkpoint written: random numbers were drawn (dropout, random augmentation) since every rank's "
+                f"generators were last gathered, and rank 0 knows only its own; the newest checkpoint is {newest}")
+    # In backward the next step's forward has run; a forward that writes buffers writes them each time. (A peer
+    # lost at the forward's start, in DDP's broadcast of the buffers, has left them as the last step did.)
+    if BEAT.phase == BACKWARD and buffer_versions(trainer.model) != trainer.buffers_at_start:
+        return (f"no checkpoint written: step {step + 1}'s forward had already updated the model's buffers (BatchNorm "
+                f"statistics) on rank 0; the newest checkpoint is {newest}")
     path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
     try:
-        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(gather=False)), path)
+        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(known_rng)), path)
     except Exception as error:  # a failed save must not keep the report from being written
         return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
     return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "

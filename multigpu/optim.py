@@ -135,16 +135,52 @@ def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]
     return peak
 
 
-def move_schedule_to(scheduler: LambdaLR, step: int, base_lr: float) -> None:
-    """Put the built-in schedule at optimizer step `step` of this run, starting from `base_lr`.
+def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float]) -> None:
+    """Put the built-in schedule at optimizer step `step` of this run, each param group starting from its
+    `base_lrs` entry: the LR of the next step is then the schedule's value there.
 
-    A resume on another number of processes changes the steps per epoch: the
-    schedule continues from the same point of training counted in samples, in
-    the new run's steps (MULTI_GPU_GUIDE.md, "Resume on another world size").
+    A resume does it, so the rest of the run follows this run's settings: a new
+    --lr or --epochs, or another number of processes, whose steps per epoch
+    differ (the schedule continues from the same point of training counted in
+    samples; MULTI_GPU_GUIDE.md, "Resume on another world size"). With the
+    settings unchanged it sets exactly what the schedule's own step would.
     """
-    scheduler.base_lrs = [base_lr for _ in scheduler.optimizer.param_groups]
+    scheduler.base_lrs = list(base_lrs)
     scheduler.last_epoch = step
     lrs = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"], group["initial_lr"] = lr, base_lr
+    for group, lr, base in zip(scheduler.optimizer.param_groups, lrs, base_lrs):
+        group["lr"], group["initial_lr"] = lr, base
     scheduler._last_lr = lrs  # what get_last_lr() reports
+
+
+def group_settings(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (all but its parameters), copied: what this run built, kept before a
+    checkpoint's param groups replace them (see `keep_run_settings`)."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str, Any]], step: int,
+                      builtin_schedule: bool, builtin_optimizer: bool) -> None:
+    """After a resume has loaded the checkpoint's optimizer and scheduler: this run's LR and weight decay (`built`,
+    from `group_settings` before the load) hold from the next step, as the changed-settings line says; the
+    optimizer's state (its moments, step counts) and the schedule's position continue (MULTI_GPU_GUIDE.md,
+    "Resume").
+
+    Weight decay is this run's in every group (no scheduler changes it). The built-in schedule moves to `step`
+    from this run's base LRs, and the built-in SGD takes this run's --momentum. A scheduler of the user's
+    continues the checkpoint's LR, which cannot be given another base: a base LR other than the checkpoint's
+    is refused in one line.
+    """
+    if not builtin_schedule:
+        for ours, group in zip(built, optimizer.param_groups):
+            theirs = group.get("initial_lr")
+            if ours.get("initial_lr") not in (None, theirs) and theirs is not None:
+                raise UsageError(f"this run's optimizer starts from lr {ours['initial_lr']:g} and the checkpoint's "
+                                 f"from {theirs:g}, but your scheduler {type(scheduler).__name__} continues the "
+                                 f"checkpoint's LR (a scheduler's state cannot be moved to another base LR): resume "
+                                 f"with lr {theirs:g}, or start afresh in a new --save-dir")
+    kept = ("weight_decay", "momentum") if builtin_optimizer and builtin_schedule else ("weight_decay",)
+    for ours, group in zip(built, optimizer.param_groups):
+        group.update({key: ours[key] for key in kept if key in ours and key in group})
+    if builtin_schedule:
+        move_schedule_to(scheduler, step, [ours["initial_lr"] for ours in built])

@@ -29,6 +29,13 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     }
 
 
+def same_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Whether two `rng_state`s are the same: no random number was drawn between them."""
+    def same(a: Any, b: Any) -> bool:
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
+    return all(same(ours[name], theirs[name]) for name in ("torch", "cuda", "python", "numpy"))
+
+
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     """Restore what `rng_state` captured."""
     torch.set_rng_state(state["torch"])

@@ -12,7 +12,7 @@ unsharded model keeps torch's own format in a one-file checkpoint: see Optimizer
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -128,16 +128,39 @@ class ScalerState:
 class RngState:
     """Every rank's random number generators (gathered: every rank must call `state_dict`). Each rank continues
     its own on the same world size; on another one they keep this run's seeding (the trainer says so).
-    `gather=False` (the hang watchdog's save, where a collective would hang): this rank's state stands in for
-    every rank's."""
 
-    def __init__(self, runtime: Runtime, gather: bool = True):
-        self.runtime, self.gather = runtime, gather
+    The states last gathered stay known: the save from rank 0's replica alone, where a collective would hang
+    (multigpu/hang_report.py), can write them while they still hold (`still_gathered`)."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.gathered: Optional[list[dict[str, Any]]] = None
 
     def state_dict(self) -> list[dict[str, Any]]:
-        mine = rng.rng_state(self.runtime.device)
-        return gather_objects(mine) if self.gather else [mine] * self.runtime.world_size
+        self.gathered = gather_objects(rng.rng_state(self.runtime.device))
+        return self.gathered
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         if len(states) == self.runtime.world_size:
             rng.set_rng_state(states[self.runtime.rank], self.runtime.device)
+
+    def still_gathered(self) -> Optional["Saved"]:
+        """Every rank's states as last gathered, if this rank has drawn no random number since; else None.
+
+        The ranks run the same code, so where this rank drew nothing, no rank did (no dropout, no random
+        augmentation in the main process): the gathered states are every rank's now. Where it drew, the other
+        ranks' states are unknown without a collective."""
+        if self.gathered is None:
+            return None
+        now = rng.rng_state(self.runtime.device)
+        return Saved(self.gathered) if rng.same_state(now, self.gathered[self.runtime.rank]) else None
+
+
+class Saved:
+    """A state known already, as a thing whose `state_dict()` returns it (a save without a collective)."""
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state

@@ -56,12 +56,12 @@ def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_nex
     killed = run_cli([*QUICK, "--save-dir", str(save_dir), "--overwrite"], env={FAULT_ENV: "0:3"})
     assert killed.returncode == -9 and not (save_dir / "best.pt").exists()
     (kept,) = save_dir.glob(".replaced-*")  # what the killed run set aside: nothing could put it back
-    # The next start puts it back before anything else, and --resume auto continues the old run (here, to its end).
+    # The next start puts it back before anything else, and --resume auto continues the old run (here finished).
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"]) == 0
     out = capsys.readouterr().out
     assert f"--save-dir {save_dir}: put the previous run's files back from {kept}, where an --overwrite run that " \
            f"ended before its first checkpoint had left them" in out
-    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 16, 0 samples into the epoch" in out
+    assert f"run in {save_dir} is already complete: 1 epochs, best val_acc " in out
     assert_untouched(save_dir, before)
     # An --overwrite run that saves drops its own set-aside copy.
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--overwrite", "--seed", "1"]) == 0
@@ -272,3 +272,20 @@ def test_a_second_fit_of_the_same_trainer_is_its_own_run_and_says_what_to_do_for
     assert_untouched(tmp_path / "ckpt", before)
     more = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, resume="auto"))
     assert more.fit()["epochs"] == 3  # what the line says works
+
+
+def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_nothing(tmp_path):
+    """The same command again, --resume auto added (a requeued job that had finished): one line, exit 0, and the
+    checkpoints and TensorBoard event files stay byte for byte as they were."""
+    save_dir = tmp_path / "ckpt"
+    first = run_cli([*QUICK, "--save-dir", str(save_dir)])
+    assert_ok(first)
+    best = checkpoint.load(str(save_dir / "best.pt"))["best_value"]
+    before = contents(save_dir)
+    assert any(name.parts[0] == "tb" for name in before)  # the event file is among what must stay as it was
+    again = run_cli([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"])
+    assert_ok(again)
+    assert again.stdout.splitlines()[1:] == [
+        f"run in {save_dir} is already complete: 1 epochs, best val_acc {best:.4f}; nothing to train (raise "
+        f"--epochs to train further)"], again.stdout  # after the model line: no plan, no "first step lr 0"
+    assert contents(save_dir) == before

@@ -1,4 +1,5 @@
-"""The LR: scaling rule, warm-up and schedule per optimizer step, and TensorBoard showing the LR applied (issue 5).
+"""The LR: scaling rule, warm-up and schedule per optimizer step, TensorBoard showing the LR applied (issue 5), and the
+LR, weight decay and momentum a resume changes (issue 39).
 
 The applied LR is read where it is used: an optimizer step pre-hook records
 param_groups[0]["lr"] as each real optimizer step starts. The LR does not
@@ -9,6 +10,7 @@ equals one process's), so these run in-process.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 
 from conftest import blobs, config_for, read_scalars, tiny_model, use_fp16_on_cpu
 from multigpu.config import TrainConfig
-from multigpu.errors import UsageError
+from multigpu.errors import TrainingStopped, UsageError
 from multigpu.lr_scaling import scaled_lr
 from multigpu.optim import lr_factor
 from train_multi_gpu import MultiGPUTrainer
@@ -175,3 +177,79 @@ def test_a_scheduler_factory_with_total_steps_gets_the_runs_steps_after_world_si
     trainer.fit()  # OneCycleLR raises when stepped past total_steps
     assert trainer.progress.global_step == 12
     assert trainer.applied_lr < 1e-5  # the last step annealed to max_lr / 25 / 1e4: the cycle fits the run
+
+
+# ---------------------------------------------------------------- settings changed on resume
+def resume_one_epoch_run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture, **changes: Any
+                         ) -> tuple[MultiGPUTrainer, list[dict[str, float]], str]:
+    """A copy of the run in tmp_path/"run" (1 epoch of 8 steps, AdamW at lr 0.01, weight decay 0.01) resumed to 2
+    epochs with `changes`: the trainer, each resumed step's LR and weight decay as the step read them, and the plan
+    line that describes the optimizer."""
+    shutil.copytree(tmp_path / "run", tmp_path / name)
+    config = config_for(tmp_path / name, 1, **{"epochs": 2, "lr": 0.01, "weight_decay": 0.01, "resume": "auto",
+                                               **changes})
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config)
+    used: list[dict[str, float]] = []
+    trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: used.append(
+        {key: optimizer.param_groups[0][key] for key in ("lr", "weight_decay")}))
+    capsys.readouterr()
+    trainer.fit()
+    return trainer, used, next(line for line in capsys.readouterr().out.splitlines() if line.startswith("optimizer "))
+
+
+def test_lr_and_weight_decay_changed_on_resume_hold_from_the_next_step_and_the_plan_says_the_lrs_used(tmp_path, capsys):
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path / "run", 1, epochs=1, lr=0.01,
+                                                                 weight_decay=0.01)).fit()
+    same, same_used, same_plan = resume_one_epoch_run(tmp_path, "same", capsys)
+    faster, faster_used, faster_plan = resume_one_epoch_run(tmp_path, "faster", capsys, lr=0.05)
+    decayed, decayed_used, _ = resume_one_epoch_run(tmp_path, "decayed", capsys, weight_decay=0.5)
+    # Each resumed step (8 to 15) takes the 2-epoch cosine's value there, from this run's --lr.
+    for lr, used in ((0.01, same_used), (0.05, faster_used), (0.01, decayed_used)):
+        assert [step["lr"] for step in used] == [lr * lr_factor(step, same.config, 8) for step in range(8, 16)]
+    assert faster.optimizer.param_groups[0]["initial_lr"] == 0.05
+    assert [step["weight_decay"] for step in decayed_used] == [0.5] * 8
+    assert {step["weight_decay"] for step in same_used + faster_used} == {0.01}
+    for other in (faster, decayed):
+        assert not torch.equal(other.model[0].weight, same.model[0].weight)
+    for plan, used in ((same_plan, same_used), (faster_plan, faster_used)):  # cosine: the first step is the peak
+        assert plan.startswith(f"optimizer AdamW, lr {used[0]['lr'] / lr_factor(8, same.config, 8):g} (as given")
+        assert f"(first step lr {used[0]['lr']:g}, peak {used[0]['lr']:g})" in plan
+    with pytest.raises(TrainingStopped, match="loss became non-finite"):  # an absurd LR is not silently ignored
+        resume_one_epoch_run(tmp_path, "absurd", capsys, lr=1e30, log_every=1)
+
+
+def test_a_users_scheduler_refuses_a_resume_at_another_lr_in_one_line_and_keeps_its_weight_decay(tmp_path):
+    """A scheduler of the user's continues the checkpoint's LR and cannot be moved to another: another LR is refused
+    (under the built-in schedule the same optimizer takes it); weight decay, which no scheduler changes, holds."""
+    def trainer(lr: float, weight_decay: float = 0.0, resume: bool = True, **schedule: Any) -> MultiGPUTrainer:
+        config = config_for(tmp_path / ("builtin" if schedule else "own"), 1, epochs=2 if resume else 1,
+                            resume="auto" if resume else None, **schedule)
+        own = {} if schedule else {"scheduler": lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer,
+                                                                                                          0.9)}
+        return MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config, **own,
+                               optimizer=lambda params: torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay))
+
+    trainer(0.01, resume=False).fit()
+    with pytest.raises(UsageError) as refused:
+        trainer(0.05).fit()
+    assert str(refused.value) == ("this run's optimizer starts from lr 0.05 and the checkpoint's from 0.01, but your "
+                                  "scheduler ExponentialLR continues the checkpoint's LR (a scheduler's state cannot be "
+                                  "moved to another base LR): resume with lr 0.01, or start afresh in a new --save-dir")
+    decayed = trainer(0.01, weight_decay=0.1)
+    decayed.fit()
+    assert decayed.optimizer.param_groups[0]["weight_decay"] == 0.1 and decayed.progress.epoch == 2
+    trainer(0.01, resume=False, lr_schedule="constant").fit()
+    moved = trainer(0.05, lr_schedule="constant")
+    moved.fit()
+    assert moved.optimizer.param_groups[0]["lr"] == 0.05 == moved.scheduler.base_lrs[0]
+
+
+def test_sgd_momentum_changed_on_resume_holds_from_the_next_step(tmp_path):
+    MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1, optimizer="sgd")).fit()
+    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), None,
+                              config_for(tmp_path, 1, epochs=2, optimizer="sgd", momentum=0.5, resume="auto"))
+    used: list[float] = []
+    resumed.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs:
+                                             used.append(optimizer.param_groups[0]["momentum"]))
+    resumed.fit()
+    assert used == [0.5] * 8

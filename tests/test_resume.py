@@ -17,13 +17,13 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port, run_cli,
-                      run_ranks, tiny_model)
+                      run_cli_ranks, run_ranks, tiny_model)
 from multigpu.data import build_datasets
 from multigpu.models import build_model
 from multigpu import checkpoint
@@ -351,3 +351,111 @@ def test_resume_on_another_world_size_continues_the_lr_schedule_at_the_same_samp
     steps_left = len(reference["trace"]) - 48 // (8 * after)
     assert resumed["global_step"] == stop_after + steps_left
     assert f"{resumed['global_step']} steps ({steps_left} left)" in resumed["plan"][0]  # the plan is what ran
+
+
+# ---------------------------------------------------------------- the save from rank 0's replica
+# A user's RMSprop and per-step ExponentialLR, given as functions; the model has dropout (random numbers each
+# step) or BatchNorm (buffers each forward updates). 160 samples: 10 steps an epoch at 2 ranks x 8. With a
+# forward to die in, rank 1 is SIGKILLed inside it (as by the OOM killer), after DDP's broadcast of the buffers.
+REPLICA_RUN = """
+import os, signal, sys, torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+from pathlib import Path
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from conftest import blobs, config_for
+from multigpu.runner import main_guarded
+from train_multi_gpu import MultiGPUTrainer
+
+class DieInForward(torch.nn.Module):
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.forwards = step, 0
+    def forward(self, x):
+        if self.training and _get_current_dispatch_mode() is None:  # not the trainer's FLOP count
+            self.forwards += 1
+            if self.forwards == self.step and os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+def train(argv):
+    out, layer = Path(argv[0]), {{"dropout": torch.nn.Dropout(0.3), "batchnorm": torch.nn.BatchNorm1d(32)}}[argv[1]]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), layer, torch.nn.ReLU(), DieInForward(int(argv[2])),
+                                torch.nn.Linear(32, 4))
+    config = config_for(out, 2, epochs=2, save_every_steps=5, keep_last=5, log_every=1000, resume="auto")
+    with MultiGPUTrainer(model, blobs(160, 0), None, config,
+                         optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
+                         scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99)) as trainer:
+        trainer.fit()
+sys.exit(main_guarded(train, sys.argv[1:]))
+"""
+
+
+def run_replica_case(out: Path, layer: str, fault: str = "", die_in_forward: int = 0
+                     ) -> list[subprocess.CompletedProcess]:
+    """REPLICA_RUN as 2 ranks into out/ckpt (continuing what is there): rank:step of the fault injector, or the
+    forward rank 1 dies in, if given."""
+    out.mkdir(exist_ok=True)
+    script = out / "run.py"
+    script.write_text(REPLICA_RUN.format(repo=str(REPO), tests=str(REPO / "tests")))
+    return run_cli_ranks([str(out), layer, str(die_in_forward)], 2, env={FAULT_ENV: fault} if fault else None,
+                         script=script)
+
+
+def kill_and_resume(out: Path, layer: str, said: str, resumed_at: str, **death: Any) -> dict[str, Any]:
+    """Rank 1 dies as `death` says; rank 0 says `said` (after "rank 0: "); --resume auto resumes from `resumed_at`
+    (a file of out/ckpt) and trains to the end: the final checkpoint."""
+    killed = run_replica_case(out, layer, **death)
+    assert [rank.returncode for rank in killed] == [1, -signal.SIGKILL], killed[0].stderr
+    assert f"rank 0: {said}" in killed[0].stderr
+    resumed = run_replica_case(out, layer)
+    assert all(rank.returncode == 0 for rank in resumed), resumed[0].stderr
+    assert resumed_from(resumed[0].stdout).startswith(f"{out / 'ckpt' / resumed_at}: ")
+    return checkpoint.load(str(out / "ckpt" / "last.pt"))
+
+
+def assert_same_weights(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    assert ours["global_step"] == theirs["global_step"] == 20
+    for name, tensor in theirs["model"].items():  # BatchNorm's running statistics included
+        assert torch.equal(ours["model"][name], tensor), name
+
+
+def test_rank_0_writes_no_replica_save_after_random_numbers_were_drawn_and_the_resume_is_exact(tmp_path):
+    """Rank 1 is SIGKILLed after step 13; rank 0 meets its loss in step 14's backward, its dropout masks drawn:
+    the other rank's random state is unknown and its own is step 14's, so it writes nothing, and --resume auto
+    from step 10 ends on the uninterrupted run's weights (before, its replica put 0.06 between them)."""
+    assert all(rank.returncode == 0 for rank in run_replica_case(tmp_path / "whole", "dropout"))
+    final = kill_and_resume(tmp_path / "cut", "dropout", "no checkpoint written: random numbers were drawn (dropout, "
+                            "random augmentation) since every rank's generators were last gathered, and rank 0 knows "
+                            f"only its own; the newest checkpoint is {tmp_path / 'cut' / 'ckpt' / 'last.pt'}",
+                            "last.pt", fault="1:13")
+    assert files(tmp_path / "cut" / "ckpt") == ["last.pt", "step-000000005.pt", "step-000000010.pt", "step-000000015.pt",
+                                                "step-000000020.pt"]
+    assert_same_weights(final, checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt")))
+
+
+def test_rank_0_writes_a_replica_save_only_before_the_next_forward_updated_its_batchnorm_statistics(tmp_path):
+    """Rank 1 dies after step 13: rank 0 meets it in DDP's broadcast of the buffers, at step 14's start, with
+    step 13's statistics, and keeps step 13. Rank 1 dies inside step 14's forward: rank 0 meets it in backward,
+    its statistics updated by step 14's batch, and writes nothing. Both resumes end on the uninterrupted run's
+    weights and statistics."""
+    assert all(rank.returncode == 0 for rank in run_replica_case(tmp_path / "whole", "batchnorm"))
+    whole = checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt"))
+    after_step = kill_and_resume(tmp_path / "after", "batchnorm", "checkpoint of the last completed step (13) written "
+                                 "from rank 0's replica", "step-000000013.pt", fault="1:13")
+    assert_same_weights(after_step, whole)
+    in_forward = kill_and_resume(tmp_path / "in", "batchnorm", "no checkpoint written: step 14's forward had already "
+                                 "updated the model's buffers (BatchNorm statistics) on rank 0; the newest checkpoint "
+                                 f"is {tmp_path / 'in' / 'ckpt' / 'last.pt'}", "last.pt", die_in_forward=14)
+    assert_same_weights(in_forward, whole)
+
+
+def test_a_replica_save_does_not_replace_the_checkpoint_of_its_own_step(tmp_path):
+    """Killed right after step 15's checkpoint, which every rank's state went into: rank 0 keeps it as it is
+    (before, its replica overwrote it, with its own random state for every rank, already moved by step 16)."""
+    killed = run_replica_case(tmp_path, "dropout", fault="1:15")
+    assert killed[0].returncode == 1, killed[0].stderr
+    path = tmp_path / "ckpt" / "step-000000015.pt"
+    assert f"rank 0: no checkpoint written: step 15 is saved already: {path}" in killed[0].stderr
+    states = checkpoint.load(str(path))["rng"]
+    assert not torch.equal(states[0]["torch"], states[1]["torch"])  # each rank's own
