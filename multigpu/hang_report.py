@@ -12,7 +12,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional
 
 from multigpu import checkpoint, safe_files
-from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, LIBRARIES
+from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, FORWARD, LIBRARIES
 
 if TYPE_CHECKING:
     from train_multi_gpu import MultiGPUTrainer
@@ -21,6 +21,7 @@ FILE_NAME = "hang_report.txt"
 NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + rank: where NCCL's flight recorder dumps, in the save-dir
 NO_SAVE_OFF_RANK_0 = "no checkpoint written: rank 0, which writes checkpoints, does not respond"
 SILENT = "does not respond (stopped, frozen or dead)"
+TRAINER_STEP = "train_multi_gpu.py"  # where the trainer runs forward and backward: FSDP's collectives come from here
 
 
 def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
@@ -30,7 +31,12 @@ def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
     if beat["in_collective"]:
         return f"{beat['op']} #{beat['seq']} of the trainer (shape {shape}, {beat['dtype']})"
     if "distributed_c10d.py" in beat["where"]:  # torch.distributed called outside the trainer's helpers
-        return (f"torch.distributed.{beat['where'].rsplit(' in ', 1)[-1]} called in {beat['phase']} at {beat['code']} "
+        operation = beat["where"].rsplit(" in ", 1)[-1]
+        if beat["phase"] in (FORWARD, BACKWARD) and TRAINER_STEP in beat["code"]:
+            # No user code between the trainer's step and torch: FSDP's hooks issued it (an all-gather, a
+            # reduce-scatter, or on a hybrid mesh the gradient all-reduce across the replicas).
+            return f"FSDP's torch.distributed.{operation} ({beat['phase']})"
+        return (f"torch.distributed.{operation} called in {beat['phase']} at {beat['code']} "
                 f"(not one of the trainer's)")
     if beat["phase"] == BACKWARD and ddp:
         return "DDP's gradient all-reduce (backward)"
