@@ -10,7 +10,9 @@ fsdp at 2 processes resumes at 1 to the same weights as an uninterrupted run.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -69,8 +71,11 @@ def train(tmp_path: Path, world_size: int, mode: str, epochs: int = 1, val_size:
     config = config_for(tmp_path, world_size, multi_gpu=mode, optimizer="adamw", lr=3e-3, epochs=epochs,
                         **overrides)
     counter = CollectivesPerStep() if count else None
-    with MultiGPUTrainer(tiny_model(), blobs(SIZE, 0), blobs(val_size, 1), config,
+    model, dtypes = tiny_model(), set()
+    model[0].register_forward_hook(lambda module, args, output: dtypes.add(output.dtype))
+    with MultiGPUTrainer(model, blobs(SIZE, 0), blobs(val_size, 1), config,
                          callbacks=[counter] if counter else []) as trainer:
+        dtypes.clear()  # the construction's forwards (FLOP count, name checks) are not training's
         try:
             summary = trainer.fit()
         finally:
@@ -81,7 +86,8 @@ def train(tmp_path: Path, world_size: int, mode: str, epochs: int = 1, val_size:
                    tuple(p.device_mesh.get_coordinate())) for p in trainer.model.parameters() if hasattr(p, "placements")}
         return {"weights": _full_weights(trainer), "ema": ema, "steps": summary["global_step"], "summary": summary,
                 "eval": trainer.evaluate(), "predict": trainer.predict(batch_size=predict_batch), "meshes": meshes,
-                "position": trainer.runtime.mesh_position, "collectives": counter.steps if counter else None}
+                "position": trainer.runtime.mesh_position, "collectives": counter.steps if counter else None,
+                "dtypes": dtypes}
 
 
 def _clipped_norm(world_size: int) -> tuple[float, float]:
@@ -244,18 +250,30 @@ SHAPES = {"2x2": dict(multi_gpu="fsdp", dp_replicate=2, dp_shard=2), "1x4": dict
 STEPS_EVERY = 16  # samples per optimizer step at any world size: 8 steps of the 128 samples
 
 
+class SigtermAt:
+    """A callback: SIGTERM to this process after optimizer step `step` on rank `rank`, as a preemption sends it."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, trainer: MultiGPUTrainer) -> None:
+        if trainer.progress.global_step == self.step and trainer.runtime.rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def resumable(rank: int, world_size: int, save_dir: Path, shape: str, resume: Optional[str] = None,
-              checkpoint_format: str = "sharded") -> dict[str, Any]:
+              checkpoint_format: str = "sharded", callbacks: tuple = ()) -> dict[str, Any]:
     """8 AdamW steps (2 of warm-up, then cosine) at `shape`, a step checkpoint every 2 (in `save_dir`, every rank
-    the same): each step's (loss, lr) this rank trained, and the final weights."""
+    the same): each step's (loss, lr) this rank trained, the final weights and fit's summary."""
     recorder = StepRecorder(record_start=False)
     config = config_for(save_dir, world_size, **SHAPES[shape], batch_size=STEPS_EVERY // world_size, epochs=1,
                         warmup_epochs=0.25, save_every_steps=2, keep_last=5, checkpoint_format=checkpoint_format,
                         resume=resume, log_every=100)
-    with MultiGPUTrainer(tiny_model(), blobs(128, 0), None, config, loss_fn=recorder, callbacks=[recorder]) as trainer:
+    with MultiGPUTrainer(tiny_model(), blobs(128, 0), None, config, loss_fn=recorder,
+                         callbacks=[recorder, *callbacks]) as trainer:
         recorder.trainer = trainer
-        trainer.fit()
-        return {"steps": recorder.steps, "final": _full_weights(trainer)}
+        summary = trainer.fit()
+        return {"steps": recorder.steps, "final": _full_weights(trainer), "summary": summary}
 
 
 def step_checkpoint(run: Path, step: int, suffix: str = "") -> str:
@@ -282,6 +300,12 @@ def _four(rank: int, world_size: int, tmp_path: Path, from_one: str, from_1x2: s
                                                step_checkpoint(tmp_path / shape, 6, ".pt" if file else ""))
     results["one .pt -> 2x2"] = resumable(rank, world_size, tmp_path / "one back", "2x2", from_one)
     results["1x2 -> 2x2"] = resumable(rank, world_size, tmp_path / "1x2 back", "2x2", from_1x2)
+    # A SIGTERM on rank 3 after step 3: every rank stops at the next sync point (step 4) with a checkpoint, and
+    # the same run with --resume auto continues.
+    results["stopped"] = resumable(rank, world_size, tmp_path / "stopped", "2x2", callbacks=(SigtermAt(3, 3),))
+    results["stopped -> auto"] = resumable(rank, world_size, tmp_path / "stopped", "2x2", "auto")
+    results["bf16"] = train(tmp_path / f"rank{rank}" / "bf16", world_size, **MESHES["hsdp 2x2"], amp="bf16",
+                            **RUNS_AT_FOUR["plain"])
     return results
 
 
@@ -353,6 +377,17 @@ def test_accumulation_talks_across_replicas_once_per_optimizer_step(four_ranks):
             # Forward and backward gather each unit once per micro-step (the first step also gathers at start).
             assert [per_group(step)["dp_shard"]["all_gather_single"][0] for step in steps[1:]] == [gathers] * 4
         assert per_group(whole[1])["dp_shard"]["all_reduce"][0] == 1  # clipping's norm: within the shard group
+
+
+def test_on_the_mesh_a_sigterm_saves_and_resume_auto_continues_and_bf16_computes_through_fsdps_policy(four_ranks):
+    ranks = four_ranks[0]
+    assert [rank["stopped"]["summary"]["global_step"] for rank in ranks] == [4] * FOUR
+    assert all(rank["stopped"]["summary"]["stopped"] for rank in ranks)
+    assert_continues([rank["stopped -> auto"] for rank in ranks], [rank["2x2"] for rank in ranks], 4)
+    assert all(rank["bf16"]["dtypes"] == {torch.bfloat16} for rank in ranks)  # bf16 compute (FSDP's policy) ...
+    bf16, fp32 = ranks[0]["bf16"]["weights"], ranks[0]["hsdp 2x2/plain"]["weights"]  # whole on rank 0
+    assert {tensor.dtype for tensor in bf16.values()} == {torch.float32}  # ... on fp32 master weights
+    assert max_difference(bf16, fp32) < 0.5 * max_difference(fp32, tiny_model().state_dict())  # fp32's learning
 
 
 RESUMED = {"2x2 -> 1x4": 4, "2x2 -> 4x1": 4, "2x2 -> ddp": 4, "1x4 -> 2x2": 6, "4x1 -> 2x2": 6, "ddp -> 2x2": 6,
