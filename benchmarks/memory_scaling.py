@@ -126,8 +126,8 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any, replica
 
 
 def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, dict[str, list[float]]]:
-    """Per optimizer step of the sharded `model`, for each of ACCUMULATIONS: {group: [calls, bytes this rank
-    sends]}, counted over the second of two steps (the first also gathers at the start)."""
+    """Per optimizer step of the sharded `model`, which has taken a step (the first also gathers at the start),
+    for each of ACCUMULATIONS: {group: [calls, bytes this rank sends]}."""
     import contextlib
 
     import torch
@@ -139,16 +139,14 @@ def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, di
     counted: dict[str, dict[str, list[float]]] = {}
     for name, (micro_steps, accumulate) in ACCUMULATIONS.items():
         inner = sharding.no_gradient_sync(model, accumulate == "sharded")
-        for step in range(2):
-            with CollectiveTally(labels) as tally:
-                for micro in range(micro_steps):
-                    inputs = torch.randn(4, width, device=device)
-                    with inner() if micro < micro_steps - 1 else contextlib.nullcontext():
-                        loss = nn.functional.cross_entropy(model(inputs), torch.zeros(4, dtype=torch.long,
-                                                                                      device=device))
-                        (loss / micro_steps).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        with CollectiveTally(labels) as tally:
+            for micro in range(micro_steps):
+                inputs = torch.randn(4, width, device=device)
+                with inner() if micro < micro_steps - 1 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(model(inputs), torch.zeros(4, dtype=torch.long, device=device))
+                    (loss / micro_steps).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         counted[name] = {}
         for (group, _), (calls, _, sent) in tally.counts.items():
             total = counted[name].setdefault(group, [0, 0.0])
@@ -177,10 +175,12 @@ def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, dev
         if traffic_size:
             results["ddp"] = measure("ddp", width, blocks, dist.group.WORLD, device)
             for replicate, shard in MESHES:
-                results[f"{replicate}x{shard}"] = measure("fsdp", width, blocks, dist.group.WORLD, device, replicate)
-                counted = measure("fsdp", *traffic_size, dist.group.WORLD, device, replicate, count_traffic=True)
-                results[f"{replicate}x{shard}"].update(traffic=counted["traffic"],
-                                                       traffic_parameters=counted["parameters"])
+                one_model = traffic_size == (width, blocks)  # --small: memory and traffic of the same model
+                result = measure("fsdp", width, blocks, dist.group.WORLD, device, replicate, count_traffic=one_model)
+                counted = result if one_model else measure("fsdp", *traffic_size, dist.group.WORLD, device, replicate,
+                                                           count_traffic=True)
+                results[f"{replicate}x{shard}"] = {**result, "traffic": counted["traffic"],
+                                                   "traffic_parameters": counted["parameters"]}
         for size in [] if traffic_size else sizes:
             group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
             if rank < size:
