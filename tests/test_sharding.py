@@ -6,6 +6,11 @@ runs share one spawn of real gloo processes (module fixture); the same spawn che
 over sharded gradients is the full one, that evaluation and prediction are exact when the ranks have different
 numbers of batches, that the EMA of sharded weights is the EMA of one process, and that a checkpoint saved by
 fsdp at 2 processes resumes at 1 to the same weights as an uninterrupted run.
+
+Hybrid sharding (issue 41): one spawn of 4 gloo processes (module fixture) places the parameters on the 2x2 mesh,
+checks hybrid 2x2 = fsdp 1x4 = ddp at 4 = one process at 4 times the batch, counts every optimizer step's
+collectives on each process group, moves checkpoints between 2x2 and 1x4, 4x1, ddp, one device and (by the 2-rank
+spawn, before and after) 1x2, and checks a SIGTERM's checkpoint and bf16 on the mesh.
 """
 
 from __future__ import annotations
