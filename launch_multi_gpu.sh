@@ -71,6 +71,11 @@ Multi-node (ddp or fsdp; torchrun's c10d rendezvous, hosted by node 0):
   --master-port P         rendezvous port (default: ${LAUNCH_DEFAULT_PORT:-29500}; on a
                           single node a free port from there upward)
   --max-restarts K        let torchrun restart failed workers K times
+  --dp-replicate R        fsdp: replicate the model over R groups of processes,
+                          sharded within each (hybrid sharding; default with
+                          --nnodes N: R = N, each node one group)
+  --dp-shard S            fsdp: processes per shard group (default: per node;
+                          -1: the processes left after --dp-replicate)
 SLURM (writes <save-dir>/launch_slurm.sbatch and prints it):
   --slurm                 a job script instead of a run: --nnodes N nodes with
                           --gpus G GPUs each (default: as many as here; 0: --nproc
@@ -147,7 +152,7 @@ parse_args() {
             --scale-lr) key=lr-scaling ;;
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
-                --partition | --time | --account | --cpus-per-task) key=${name#--} ;;
+                --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then

@@ -173,8 +173,8 @@ class MultiGPUTrainer:
         self.clock = self.telemetry.clock  # times each step's wait for data, copy and compute
         # What trains: DDP, DataParallel, the module itself sharded in place (fsdp), or the module.
         self.wrapped = wrap_model(self.model, config, rt, self.report.line, self.amp.dtype)
-        self.no_sync = (self.wrapped.no_sync if rt.mode == "ddp" else sharding.no_gradient_sync(self.wrapped)
-                        if rt.mode == "fsdp" else contextlib.nullcontext)
+        self.no_sync = (self.wrapped.no_sync if rt.mode == "ddp" else contextlib.nullcontext if rt.mode != "fsdp"
+                        else sharding.no_gradient_sync(self.wrapped, config.fsdp_accumulate == "sharded"))
         # Without DDP's reducer to hold them, autograd would rebuild every parameter's AccumulateGrad node each
         # step (multigpu/gradient_nodes.py); fsdp's parameters are its own to manage.
         self.gradient_nodes = hold_gradient_nodes(self.model) if rt.mode in ("none", "dp") else []

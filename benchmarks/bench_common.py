@@ -129,3 +129,83 @@ def steady(rates: Sequence[float]) -> float:
     equal numbers of samples, so the rate over them is the harmonic mean."""
     kept = rates[1:]
     return len(kept) / sum(1.0 / rate for rate in kept)
+
+
+# The collectives FSDP2, DTensor and the trainer issue, on the modules they look them up on at each call:
+# torch.distributed (FSDP2's all-gathers, reduce-scatters and HSDP's all-reduce) and its functional collectives
+# (DTensor's redistributions, e.g. the gradient norm of clipping).
+DIST_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
+                    "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single")
+FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor")
+
+
+class CollectiveTally:
+    """Counts every collective this process issues while it is entered, by process group and operation: calls,
+    the bytes reduced or gathered (the larger of input and output) and the bytes each rank sends by the ring
+    algorithms NCCL and gloo use (all-reduce 2(n-1)/n of them, reduce-scatter and all-gather (n-1)/n, over the
+    n ranks of the group). It wraps the functions in place and puts them back on exit; nothing else changes.
+
+    `labels` names groups by their ranks (`mesh_labels` gives a device mesh's dimensions); the default group is
+    "world", others "ranks 0,2". `tally.counts[(label, operation)] = (calls, bytes, bytes sent)`."""
+
+    def __init__(self, labels: Optional[dict] = None):
+        self.labels = dict(labels or {})
+        self.counts: dict = {}
+        self._saved: list = []
+
+    def __enter__(self) -> "CollectiveTally":
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        for module, names, functional in ((dist, DIST_COLLECTIVES, False), (funcol, FUNCTIONAL_COLLECTIVES, True)):
+            for name in names:
+                original = getattr(module, name)
+                self._saved.append((module, name, original))
+                setattr(module, name, self._wrapped(name, original, functional))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()
+
+    def reset(self) -> dict:
+        """The counts so far, and a fresh start."""
+        counts, self.counts = self.counts, {}
+        return counts
+
+    def _wrapped(self, name: str, original, functional: bool):
+        import inspect
+
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            self._add(name, signature.bind(*args, **kwargs).arguments, functional)
+            return original(*args, **kwargs)
+        return counted
+
+    def _add(self, name: str, arguments: dict, functional: bool) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        values, group = list(arguments.values()), arguments.get("group")
+        if functional:  # the group as a name, a (mesh, dimension), a ProcessGroup
+            group = dist.distributed_c10d._resolve_process_group(funcol._resolve_group_name(group))
+        group = group or dist.group.WORLD
+        ranks, size = tuple(dist.get_process_group_ranks(group)), group.size()
+        largest = max((v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)), default=0)
+        if functional and name == "all_gather_tensor":
+            largest *= size  # its output is made inside
+        share = 2 * (size - 1) / size if "all_reduce" in name else (size - 1) / size
+        world = group is dist.group.WORLD or size == dist.get_world_size()
+        key = (self.labels.get(ranks, "world" if world else "ranks " + ",".join(map(str, ranks))), name)
+        calls, moved, sent = self.counts.get(key, (0, 0, 0.0))
+        self.counts[key] = (calls + 1, moved + largest, sent + share * largest)
+
+
+def mesh_labels(mesh) -> dict:
+    """{ranks: dimension name} of this rank's process groups in a device mesh, for CollectiveTally."""
+    import torch.distributed as dist
+
+    return {tuple(dist.get_process_group_ranks(mesh.get_group(name))): name for name in mesh.mesh_dim_names}

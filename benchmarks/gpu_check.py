@@ -67,6 +67,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "overflow": {"batch": 64, "steps": 60, "bad_step": 30, "log_every": 10},
         "sync_bn": {"batch": 16, "steps": 12, "log_every": 4},
         "fsdp": {"batch": 64, "steps": 20, "log_every": 5, "memory": []},  # memory: the 50M-parameter model
+        "hsdp": {"batch": 32, "steps": 20, "log_every": 5},
         "data_path": {"batch_shape": [128, 3, 224, 224], "steps": 20},
         "predict": {"samples": 20000, "batch": 512, "shape": [3, 16, 16]},
         "throughput": {"model": "resnet50", "image_shape": [3, 224, 224], "classes": 1000, "steps": 30,
@@ -91,6 +92,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "overflow": {"batch": 16, "steps": 12, "bad_step": 6, "log_every": 4},
         "sync_bn": {"batch": 8, "steps": 8, "log_every": 4},
         "fsdp": {"batch": 16, "steps": 4, "log_every": 2, "memory": ["--small"]},
+        "hsdp": {"batch": 8, "steps": 3, "log_every": 3},
         "data_path": {},
         "predict": {"samples": 101, "batch": 16, "shape": [3, 8, 8]},
         "throughput": {"model": "small", "image_shape": [3, 16, 16], "classes": 10, "steps": 8, "log_every": 2,
@@ -537,6 +539,39 @@ def row_fsdp(ctx: Context) -> Verdict:
               f"{losses[-1] if losses else float('nan'):.3f}; checkpoint of {nproc} resumed in 1; params+grads+AdamW "
               f"per rank {held['fsdp'] / 1e6:.1f} MB vs ddp {held['ddp'] / 1e6:.1f} MB "
               f"({held['fsdp'] / held['ddp']:.3f}, ideal {1 / nproc:.3f})")
+    return judge(ctx, figure, raw, problems)
+
+
+@row("hsdp")
+def row_hsdp(ctx: Context) -> Verdict:
+    """--multi-gpu fsdp on a hybrid mesh (--dp-replicate 2) with NCCL: replicate 2 x shard N/2 on 4 or more GPUs,
+    2 x 1 on 2 or 3 (the 2-D mesh's code path; on one node); the same weights as ddp with --grad-accum-steps 2,
+    and its checkpoint resumed at 1 x N (sharded over every process). Needs 2 GPUs (2 gloo processes dry)."""
+    if ctx.cuda and ctx.gpus < 2:
+        return Verdict(NOT_APPLICABLE, f"hybrid sharding needs 2 or more GPUs, this machine has {ctx.gpus}")
+    sizes = ctx.sizes("hsdp")
+    nproc = 2 * (ctx.gpus // 2) if ctx.cuda else 2
+    shard = nproc // 2
+    args = ["--mode", "flatten", "--train-size", str(sizes["batch"] * nproc * 2 * sizes["steps"]), "--val-size", "64",
+            "--batch-size", str(sizes["batch"]), "--grad-accum-steps", "2", "--log-every", str(sizes["log_every"]),
+            "--lr-schedule", "constant", "--epochs", "1"]
+    runs = {"ddp": ["--multi-gpu", "ddp"], "hsdp": ["--multi-gpu", "fsdp", "--dp-replicate", "2"]}
+    outputs, weights = {}, {}
+    for name, flags in runs.items():
+        save_dir = ctx.folder(f"hsdp-{name}")
+        outputs[name] = ctx.cli([*args, *flags, "--save-dir", save_dir], timeout=150, nproc=nproc).stdout
+        weights[name] = load_last(save_dir)["model"]
+    resumed = ctx.cli([*args, "--multi-gpu", "fsdp", "--dp-replicate", "1", "--epochs", "2", "--resume", "auto",
+                       "--save-dir", str(ctx.scratch / "hsdp-hsdp")], timeout=150, nproc=nproc).stdout
+    raw = {"nproc": nproc, "mesh": [2, shard], "max_abs_difference": max_difference(weights["hsdp"], weights["ddp"])}
+    problems = [text for failed, text in [
+        (not raw["max_abs_difference"] <= FSDP_TOLERANCE,
+         f"hybrid differs from ddp by {raw['max_abs_difference']:.3g} > {FSDP_TOLERANCE}"),
+        (f"mesh replicate 2 x shard {shard}" not in outputs["hsdp"], "no 'mesh replicate 2' plan line"),
+        ("resumed from" not in resumed, f"the 2 x {shard} checkpoint did not resume at 1 x {nproc}"),
+    ] if failed]
+    figure = (f"{nproc} processes, mesh replicate 2 x shard {shard}, 2 accumulation steps: vs ddp max abs difference "
+              f"{raw['max_abs_difference']:.3g} (tolerance {FSDP_TOLERANCE}); checkpoint resumed at 1 x {nproc}")
     return judge(ctx, figure, raw, problems)
 
 

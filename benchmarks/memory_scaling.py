@@ -1,4 +1,5 @@
-"""Per-rank memory of ddp and fsdp at 1, 2 and 3 processes: what sharding saves (issue 22).
+"""Per-rank memory of ddp and fsdp at 1, 2 and 3 processes: what sharding saves (issue 22); with --mesh, the
+memory and the collective traffic per optimizer step of each mesh shape at 4 processes (issue 41).
 
 Each rank builds the same model (a stack of Linear+GELU blocks in an nn.Sequential, ≥ 50M parameters by
 default), wraps it as the trainer does (DDP, or multigpu.sharding.shard: each block an FSDP unit, then the
@@ -10,6 +11,13 @@ which also holds torch itself, DDP's gradient buckets and fsdp's gathered blocks
     python benchmarks/memory_scaling.py                 # 50M parameters, N = 1, 2, 3 (CPU, gloo)
     python benchmarks/memory_scaling.py --small         # a tiny model: what CI runs (tests/test_memory_scaling.py)
     python benchmarks/memory_scaling.py --device cuda --processes 1,2   # GPUs, NCCL (gpu_check.sh's fsdp row)
+    python benchmarks/memory_scaling.py --mesh          # ddp and the meshes 1x4, 2x2, 4x1 at 4 processes
+
+--mesh: the same memory count for ddp and fsdp's meshes (replicate x shard) of 4 processes, then each mesh's
+traffic per optimizer step, counted by the collectives themselves (bench_common.CollectiveTally): the bytes each
+rank sends across the replicas (dp_replicate: between nodes, in the hybrid layout) and within its shard group
+(dp_shard, or all ranks at 1x4: within a node), for one micro-step and for --grad-accum-steps 4 with
+--fsdp-accumulate whole and sharded.
 """
 
 from __future__ import annotations
@@ -20,16 +28,22 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import machine_line, markdown_table, reset_cuda_peak  # noqa: E402
+from bench_common import CollectiveTally, machine_line, markdown_table, mesh_labels, reset_cuda_peak  # noqa: E402
 
 MODES = ("ddp", "fsdp")
 SIZES = {"full": (2048, 12), "small": (64, 4)}  # (width, blocks): 50.4M and 17k parameters
+# --mesh counts the traffic on a model of its own: bytes grow with the parameters, and 50M of them would take an
+# hour through gloo on a small CPU machine (--small: the small model for both).
+TRAFFIC_SIZE = (512, 4)  # 1.06M parameters
+MESH_PROCESSES = 4
+MESHES = ((1, 4), (2, 2), (4, 1))  # (replicate, shard) at MESH_PROCESSES
+ACCUMULATIONS = {"none": (1, "whole"), "4 micro-steps, whole": (4, "whole"), "4 micro-steps, sharded": (4, "sharded")}
 
 
 def build_model(width: int, blocks: int) -> Any:
@@ -67,9 +81,11 @@ def _peak_rss() -> int:
     return 0
 
 
-def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict[str, int]:
-    """One AdamW step of the model under `mode` over the ranks of `group`; this rank's bytes of parameters,
-    gradients and optimizer state."""
+def measure(mode: str, width: int, blocks: int, group: Any, device: Any, replicate: int = 1,
+            count_traffic: bool = False) -> dict[str, Any]:
+    """One AdamW step of the model under `mode` over the ranks of `group` (fsdp with `replicate` > 1: the hybrid
+    mesh of all ranks); this rank's bytes of parameters, gradients and optimizer state, and under --mesh the
+    traffic of each accumulation."""
     import gc
 
     import torch
@@ -85,7 +101,8 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict
         reset_cuda_peak(device)
     model = build_model(width, blocks).to(device)
     if mode == "fsdp":
-        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        mesh = (DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",)) if replicate == 1
+                else sharding.device_mesh(device, dist.get_world_size(group), replicate))
         sharding.shard(model, device, dist.get_world_size(group), mesh=mesh)
         trained = model
     else:
@@ -101,14 +118,49 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any) -> dict
               "largest_block": max(sum(p.numel() * 4 for p in block.parameters()) for block in model.children()),
               "parameters": sum(p.numel() for p in model.parameters()), "peak_rss": _peak_rss(),
               "peak_gpu": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    if count_traffic and mode == "fsdp":
+        result["traffic"] = traffic(model, optimizer, width, device)
     del trained, model, optimizer
     gc.collect()
     return result
 
 
-def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, device_type: str) -> None:
+def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, dict[str, list[float]]]:
+    """Per optimizer step of the sharded `model`, which has taken a step (the first also gathers at the start),
+    for each of ACCUMULATIONS: {group: [calls, bytes this rank sends]}."""
+    import contextlib
+
+    import torch
+    import torch.nn as nn
+
+    from multigpu import sharding
+
+    labels = mesh_labels(next(model.parameters()).device_mesh)
+    counted: dict[str, dict[str, list[float]]] = {}
+    for name, (micro_steps, accumulate) in ACCUMULATIONS.items():
+        inner = sharding.no_gradient_sync(model, accumulate == "sharded")
+        with CollectiveTally(labels) as tally:
+            for micro in range(micro_steps):
+                inputs = torch.randn(4, width, device=device)
+                with inner() if micro < micro_steps - 1 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(model(inputs), torch.zeros(4, dtype=torch.long, device=device))
+                    (loss / micro_steps).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        counted[name] = {}
+        for (group, _), (calls, _, sent) in tally.counts.items():
+            total = counted[name].setdefault(group, [0, 0.0])
+            total[0] += calls
+            total[1] += sent
+    return counted
+
+
+def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, device_type: str,
+          traffic_size: Optional[tuple[int, int]] = None) -> None:
     """Rank `rank` of max(sizes) processes: for each world size N, the first N ranks measure both modes in a
-    process group of their own, while the others wait (one start of the processes for every N)."""
+    process group of their own, while the others wait (one start of the processes for every N). With
+    `traffic_size` (--mesh; sizes: [MESH_PROCESSES]), every rank measures ddp and each of MESHES, and each mesh's
+    traffic on a model of that (width, blocks)."""
     import torch
     import torch.distributed as dist
 
@@ -118,9 +170,18 @@ def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, dev
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{folder}/store",
                             rank=rank, world_size=max(sizes))
-    results: dict[int, Any] = {}
+    results: dict[Any, Any] = {}
     try:
-        for size in sizes:
+        if traffic_size:
+            results["ddp"] = measure("ddp", width, blocks, dist.group.WORLD, device)
+            for replicate, shard in MESHES:
+                one_model = traffic_size == (width, blocks)  # --small: memory and traffic of the same model
+                result = measure("fsdp", width, blocks, dist.group.WORLD, device, replicate, count_traffic=one_model)
+                counted = result if one_model else measure("fsdp", *traffic_size, dist.group.WORLD, device, replicate,
+                                                           count_traffic=True)
+                results[f"{replicate}x{shard}"] = {**result, "traffic": counted["traffic"],
+                                                   "traffic_parameters": counted["parameters"]}
+        for size in [] if traffic_size else sizes:
             group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
             if rank < size:
                 results[size] = {mode: measure(mode, width, blocks, group, device) for mode in MODES}
@@ -130,18 +191,51 @@ def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, dev
     Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu") -> dict[int, list[dict[str, Any]]]:
+def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu",
+        traffic_size: Optional[tuple[int, int]] = None) -> dict[Any, Any]:
     """Every rank's measurements at each world size in `sizes` (real processes, spawned once: gloo, or NCCL on
-    GPUs), by world size."""
+    GPUs), by world size; with `traffic_size` (--mesh), by ddp and mesh shape at MESH_PROCESSES."""
     import torch.multiprocessing as mp
 
     # Every allocation above 128 KiB gets pages of its own, returned to the system when freed: otherwise glibc's
     # heap keeps what the first mode freed, and the second mode's peak RSS would include it.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    sizes = [MESH_PROCESSES] if traffic_size else sizes
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(sizes, width, blocks, folder, device_type), nprocs=max(sizes), join=True)
+        mp.spawn(_rank, args=(sizes, width, blocks, folder, device_type, traffic_size), nprocs=max(sizes),
+                 join=True)
         ranks = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(max(sizes))]
+    if traffic_size:
+        return {shape: [rank[shape] for rank in ranks] for shape in ranks[0]}
     return {size: [ranks[rank][str(size)] for rank in range(size)] for size in sizes}
+
+
+def held(rank: dict[str, int]) -> int:
+    """A rank's bytes of parameters, gradients and optimizer state."""
+    return sum(rank[key] for key in ("params", "grads", "optimizer"))
+
+
+def mesh_tables(results: dict[str, list[dict[str, Any]]]) -> list[tuple[list[str], list[list[str]]]]:
+    """--mesh: the memory per rank of ddp and each mesh, and each mesh's traffic per optimizer step."""
+    ddp = held(results["ddp"][0])
+    memory = (["layout", "params+grads+optimizer per rank (MB)", "of ddp's", "ideal", "peak RSS per rank (MB)"], [])
+    for shape, ranks in results.items():
+        shard = int(shape.split("x")[1]) if shape != "ddp" else 1
+        name = "ddp" if shape == "ddp" else f"fsdp {shape}" if shape.startswith("1x") else f"hybrid {shape}"
+        most = max(held(rank) for rank in ranks)
+        memory[1].append([name, f"{most / 1e6:.2f}", f"{most / ddp:.3f}", f"{1 / shard:.3f}",
+                          f"{max(rank['peak_rss'] for rank in ranks) / 1e6:.0f}"])
+    traffic = (["mesh", "accumulation", "across replicas: calls, MB sent per rank",
+                "within the shard group: calls, MB sent per rank"], [])
+    for shape, ranks in results.items():
+        for accumulation in ACCUMULATIONS if shape != "ddp" else ():
+            groups = ranks[0]["traffic"][accumulation]
+            cells = []
+            for names in (("dp_replicate",), ("dp_shard", "dp")):
+                calls, sent = next((groups[name] for name in names if name in groups), (0, 0.0))
+                cells.append(f"{calls}, {sent / 1e6:.3f}")
+            traffic[1].append([shape, accumulation, *cells])
+    return [memory, traffic]
 
 
 def table(results: dict[int, list[dict[str, dict[str, int]]]]) -> tuple[list[str], list[list[str]]]:
@@ -167,9 +261,14 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--small", action="store_true", help="a tiny model (what CI runs)")
     parser.add_argument("--processes", default="1,2,3", help="world sizes, comma-separated")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process, NCCL")
+    shapes = ", ".join(f"{replicate}x{shard}" for replicate, shard in MESHES)
+    parser.add_argument("--mesh", action="store_true", help=f"ddp and fsdp's meshes {shapes} at {MESH_PROCESSES} "
+                        f"processes: memory, and traffic per optimizer step")
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
     width, blocks = SIZES["small" if args.small else "full"]
+    if args.mesh:
+        return main_mesh(width, blocks, (width, blocks) if args.small else TRAFFIC_SIZE, args.device, args.json)
     results = run(sorted({int(part) for part in args.processes.split(",")}), width, blocks, args.device)
     parameters = next(iter(results.values()))[0]["ddp"]["parameters"]
     header, rows = table(results)
@@ -178,6 +277,22 @@ def main(argv: Any = None) -> int:
     print(markdown_table(header, rows))
     if args.json:
         Path(args.json).write_text(json.dumps({str(n): ranks for n, ranks in results.items()}))
+    return 0
+
+
+def main_mesh(width: int, blocks: int, traffic_size: tuple[int, int], device: str, json_path: Any) -> int:
+    results = run([], width, blocks, device, traffic_size)
+    memory, traffic = mesh_tables(results)
+    parameters = results["ddp"][0]["parameters"]
+    print(f"Per-rank memory at {MESH_PROCESSES} processes, {parameters / 1e6:.2f}M parameters (fp32, AdamW), {blocks} "
+          f"blocks of Linear({width}, {width}) + GELU; {machine_line()}\n")
+    print(markdown_table(*memory))
+    print(f"\nCollective traffic per optimizer step, {results['2x2'][0]['traffic_parameters'] / 1e6:.2f}M parameters "
+          f"({traffic_size[1]} blocks of Linear({traffic_size[0]}, {traffic_size[0]}) + GELU; batch 4 per micro-step; "
+          f"ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a reduce-scatter or all-gather (n-1)/n):\n")
+    print(markdown_table(*traffic))
+    if json_path:
+        Path(json_path).write_text(json.dumps(results))
     return 0
 
 

@@ -4,7 +4,8 @@
 - config_checks: the warnings for flags the user gave that this run does not use
 - errors:       UsageError, the one-line, exit-2 way to reject bad input
 - distributed:  which mode/device/backend to use, and process-group set-up
-- sharding:     --multi-gpu fsdp: FSDP2 fully_shard per block then the root, its mixed precision, a sharded EMA
+- sharding:     --multi-gpu fsdp: FSDP2 fully_shard per block then the root, on a 1-D or hybrid 2-D mesh, its mixed
+                precision, accumulation without a gradient sync, a sharded EMA
 - amp:          mixed precision: autocast, the fp16 GradScaler, skipped-step counting
 - batches:      moving any nesting of tensors to the device; a batch into outputs and a loss by forward's signature
 - optim:        optimizer and LR schedule (built-in, or the user's own)

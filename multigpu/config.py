@@ -50,6 +50,18 @@ class TrainConfig:
                                             "gather them again for backward (ZeRO-3); --no-fsdp-reshard-after-forward "
                                             "keeps them (ZeRO-2-like: more memory, fewer collectives)",
                                             group="devices")
+    dp_replicate: Optional[int] = _opt(None, "fsdp: hybrid sharding (HSDP): the model is sharded within groups of "
+                                       "--dp-shard processes and replicated over this many such groups (a 2-D device "
+                                       "mesh, replicate x shard = the processes); default: the number of nodes, so "
+                                       "shards stay within a node; 1: shard over every process", group="devices")
+    dp_shard: Optional[int] = _opt(None, "fsdp: the processes each shard group spans (-1: the processes left after "
+                                   "--dp-replicate); default: the processes per node", group="devices")
+    fsdp_accumulate: str = _opt("whole", "fsdp with --grad-accum-steps: how the inner micro-steps keep their "
+                                "gradients. whole: no collective until the last micro-step, each rank sums the whole "
+                                "model's gradients meanwhile (fewest collectives); sharded: each micro-step "
+                                "reduce-scatters within its shard group, each rank keeps 1/S of them (less memory). "
+                                "Either way nothing crosses the replica groups before the last micro-step",
+                                ["whole", "sharded"], group="devices")
     gpu_ids: Optional[str] = _opt(None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)",
                                   group="devices")
     dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails",
@@ -190,6 +202,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f, getattr(self, f.name)))
+        if self.dp_shard is not None and self.dp_shard < 1 and self.dp_shard != -1:
+            raise UsageError(f"--dp-shard must be at least 1, or -1 for the processes left after --dp-replicate; "
+                             f"got {self.dp_shard}")
         for name, allowed in RANGES.items():
             if getattr(self, name) not in FIELDS[name].metadata["words"]:
                 allowed.check(name, getattr(self, name))
@@ -207,7 +222,7 @@ class TrainConfig:
                              f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
-                     "monitor_mode", "checkpoint_format"]:
+                     "monitor_mode", "checkpoint_format", "fsdp_accumulate"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
@@ -249,6 +264,35 @@ class TrainConfig:
         The one rule the LR schedule, the warm-up, the plan and the end of training share."""
         whole = self.epochs * steps_per_epoch
         return min(whole, self.max_steps) if self.max_steps else whole
+
+    def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
+        """fsdp's device mesh (replicate, shard) for `world_size` processes on `nodes` nodes: --dp-replicate and
+        --dp-shard, the one given deciding the other; neither: shard within each node and replicate across the
+        nodes (one node: shard over all). A shape the processes cannot fill is a UsageError (MULTI_GPU_GUIDE.md,
+        "Hybrid sharding")."""
+        replicate, shard = self.dp_replicate, None if self.dp_shard == -1 else self.dp_shard
+        if replicate is None and shard is None:
+            return (nodes, world_size // nodes) if nodes > 1 and world_size % nodes == 0 else (1, world_size)
+        needs = (replicate or 1) * (shard or 1)
+        if world_size == 1 and needs > 1:
+            flags = " ".join(f"--{flag(name)} {getattr(self, name)}" for name in ("dp_replicate", "dp_shard")
+                             if getattr(self, name) is not None)
+            raise UsageError(f"{flags} needs {'' if replicate and shard else 'at least '}{needs} processes, and this "
+                             f"run is one process: start it with torchrun --nproc_per_node={needs}")
+        processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+        if replicate is None or shard is None:
+            given, name = (replicate, "replicate") if shard is None else (shard, "shard")
+            if world_size % given:  # type: ignore[operator]
+                divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+                raise UsageError(f"--dp-{name} {given} does not divide this run's {processes} into equal groups: give "
+                                 f"one of {divisors}")
+            other = world_size // given  # type: ignore[operator]
+            replicate, shard = (given, other) if shard is None else (other, given)
+        if replicate * shard != world_size:
+            raise UsageError(f"--dp-replicate {replicate} x --dp-shard {shard} = {replicate * shard} processes, but "
+                             f"this run has {processes}: make replicate x shard = {world_size}, or give --dp-shard "
+                             f"-1 for the processes left")
+        return replicate, shard
 
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
@@ -340,6 +384,8 @@ RANGES = {
                                    "steps_per_epoch", "max_steps", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
                                    "hang_timeout")},
     **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
+    "dp_replicate": Range(1),
+    "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
     "ema_decay": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s

@@ -80,8 +80,11 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
             yield name, f"it sizes --model gpt, and this run's model is {config.model_name}"
     if config.multi_gpu != "fsdp":
-        for name in ("fsdp_blocks", "fsdp_reshard_after_forward"):
+        for name in ("fsdp_blocks", "fsdp_reshard_after_forward", "dp_replicate", "dp_shard", "fsdp_accumulate"):
             yield name, f"it shapes --multi-gpu fsdp, and this run is --multi-gpu {config.multi_gpu}"
+    elif config.grad_accum_steps == 1:
+        yield "fsdp_accumulate", ("it says how the inner micro-steps of --grad-accum-steps keep their gradients, and "
+                                  "this run takes one micro-step per optimizer step")
     if facts.steps_per_epoch and config.max_steps > config.epochs * facts.steps_per_epoch:
         yield "max_steps", (f"--epochs {config.epochs} of {facts.steps_per_epoch} steps end the run first, at "
                             f"{config.epochs * facts.steps_per_epoch} steps; raise --epochs to train "

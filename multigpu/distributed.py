@@ -37,6 +37,11 @@ class Runtime:
     world_size: int = 1
     backend: Optional[str] = None  # "nccl"/"gloo" under ddp and fsdp
     dp_device_ids: list[int] = field(default_factory=list)  # GPUs nn.DataParallel splits over
+    mesh_shape: Optional[tuple[int, int]] = None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
+    nodes: int = 1  # torchrun's nodes (agents), when each runs the same number of processes
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = self.mesh_shape or (1, self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -54,7 +59,20 @@ class Runtime:
         batch of its own runs a stand-in)."""
         return self.mode == "fsdp"
 
+    @property
+    def mesh_position(self) -> tuple[int, int]:
+        """This rank's (replicate, shard) coordinates in fsdp's mesh: its rows are consecutive ranks."""
+        return divmod(self.rank, self.mesh_shape[1])
+
     def describe(self) -> str:
+        if self.mode == "fsdp" and self.mesh_shape[0] > 1:
+            replicate, shard = self.mesh_shape
+            nodes = (f"; with {self.nodes} nodes: shard within each node, replicate across them"
+                     if self.mesh_shape == (self.nodes, self.world_size // self.nodes) else "")
+            return (f"mode fsdp, hybrid: {self.world_size} processes, backend {self.backend}, mesh replicate {replicate} "
+                    f"x shard {shard} (dp_replicate, dp_shard){nodes}: parameters, gradients and optimizer state "
+                    f"sharded 1/{shard} per rank within each shard group, one gradient all-reduce across the "
+                    f"{replicate} replicas per optimizer step; this rank on {self.device}")
         if self.mode == "fsdp" and self.world_size == 1:
             return (f"mode fsdp: one process, one shard (the whole model on {self.device}; fsdp saves memory with "
                     f"several processes under torchrun)")
@@ -155,11 +173,21 @@ def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
         # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP
         # built on its checking group crashes with torch 2.14, so there only multigpu/collective_check.py runs).
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    nodes = nodes_in_job(world_size)
+    mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None  # refused before any group forms
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                 **restart_safe_store(timeout))
-    return Runtime(mode, device, rank, local_rank, world_size, backend)
+    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
+
+
+def nodes_in_job(world_size: int) -> int:
+    """The nodes torchrun runs on (GROUP_WORLD_SIZE: its agents, one per node), when each runs the same number of
+    processes (LOCAL_WORLD_SIZE); else 1."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return nodes if nodes > 1 and nodes * per_node == world_size else 1
 
 
 def _setup_one_shard(config: TrainConfig) -> Runtime:
@@ -167,6 +195,7 @@ def _setup_one_shard(config: TrainConfig) -> Runtime:
     (FSDP's device mesh needs one)."""
     if config.gpu_ids is not None:
         raise UsageError("--gpu-ids is for --multi-gpu dp; for fsdp choose GPUs with CUDA_VISIBLE_DEVICES")
+    config.mesh_shape(1)  # a hybrid mesh needs more than this one process: refused in one line
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
@@ -260,7 +289,8 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
     BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
     if runtime.mode == "fsdp":
         model, blocks = sharding.shard(model, runtime.device, runtime.world_size, blocks=config.fsdp_blocks,
-                                       reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype)
+                                       reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype,
+                                       replicate=runtime.mesh_shape[0])
         say(f"fsdp: {blocks} block(s) sharded as units of their own, then the root"
             f"{'' if config.fsdp_reshard_after_forward else ' (parameters kept gathered from forward to backward)'}")
         return model

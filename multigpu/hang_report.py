@@ -12,7 +12,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional
 
 from multigpu import checkpoint, safe_files
-from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, LIBRARIES
+from multigpu.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, FORWARD, LIBRARIES
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +23,7 @@ FILE_NAME = "hang_report.txt"
 NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + rank: where NCCL's flight recorder dumps, in the save-dir
 NO_SAVE_OFF_RANK_0 = "no checkpoint written: rank 0, which writes checkpoints, does not respond"
 SILENT = "does not respond (stopped, frozen or dead)"
+TRAINER_STEP = "train_multi_gpu.py"  # where the trainer runs forward and backward: FSDP's collectives come from here
 
 
 def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
@@ -32,7 +33,12 @@ def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
     if beat["in_collective"]:
         return f"{beat['op']} #{beat['seq']} of the trainer (shape {shape}, {beat['dtype']})"
     if "distributed_c10d.py" in beat["where"]:  # torch.distributed called outside the trainer's helpers
-        return (f"torch.distributed.{beat['where'].rsplit(' in ', 1)[-1]} called in {beat['phase']} at {beat['code']} "
+        operation = beat["where"].rsplit(" in ", 1)[-1]
+        if beat["phase"] in (FORWARD, BACKWARD) and TRAINER_STEP in beat["code"]:
+            # No user code between the trainer's step and torch: FSDP's hooks issued it (an all-gather, a
+            # reduce-scatter, or on a hybrid mesh the gradient all-reduce across the replicas).
+            return f"FSDP's torch.distributed.{operation} ({beat['phase']})"
+        return (f"torch.distributed.{operation} called in {beat['phase']} at {beat['code']} "
                 f"(not one of the trainer's)")
     if beat["phase"] == BACKWARD and ddp:
         return "DDP's gradient all-reduce (backward)"
@@ -63,9 +69,20 @@ def failed_collective(error: BaseException, peers: str) -> str:
     return f"a collective during {BEAT.phase}"
 
 
-def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int) -> dict[str, Any]:
+def rank_name(rank: int, mesh: Optional[tuple[int, int]] = None) -> str:
+    """"rank 3", or on fsdp's hybrid mesh (replicate, shard) "rank 3 (mesh replicate 1, shard 1)": the replica and
+    the place in its shard group, which tell a stuck node from a stuck process."""
+    if mesh is None:
+        return f"rank {rank}"
+    replicate, shard = divmod(rank, mesh[1])
+    return f"rank {rank} (mesh replicate {replicate}, shard {shard})"
+
+
+def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int,
+             mesh: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """Which ranks are stuck and where, which wait in which collective, and whether the ranks desynchronised
-    (different collective counts of the process group, or different collectives at the same one)."""
+    (different collective counts of the process group, or different collectives at the same one); `mesh`: the
+    hybrid mesh's shape, whose coordinates the report gives beside each rank."""
     stuck, waiting, ddp = {}, {}, world_size > 1
     stuck.update({rank: f"{SILENT}; it never published a heartbeat" for rank in silent if rank not in beats})
     for rank, beat in sorted(beats.items()):
@@ -87,13 +104,15 @@ def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float
         desync = "ranks wait in different collectives: " + "; ".join(
             f"rank {rank} in {kind}" for rank, kind in kinds.items())
     step = max((beat["step"] for beat in beats.values()), default=0)
-    return {"stuck": dict(sorted(stuck.items())), "waiting": waiting, "desync": desync, "timeout": timeout, "step": step}
+    return {"stuck": dict(sorted(stuck.items())), "waiting": waiting, "desync": desync, "timeout": timeout, "step": step,
+            "mesh": mesh}
 
 
 def headline(verdict: dict[str, Any]) -> str:
     """The first line: no rank advanced, and the cause in a few words."""
     cause = (f"desync: {verdict['desync']}" if verdict["desync"]
-             else "; ".join(f"rank {rank} {why.split(';')[0].split(', at ')[0]}" for rank, why in verdict["stuck"].items())
+             else "; ".join(f"{rank_name(rank, verdict.get('mesh'))} {why.split(';')[0].split(', at ')[0]}"
+                            for rank, why in verdict["stuck"].items())
              or "every rank waits in a collective that does not complete (network or backend)")
     return f"hang: no rank advanced for {verdict['timeout']:g} s (--hang-timeout), near step {verdict['step']}: {cause}"
 
@@ -101,7 +120,8 @@ def headline(verdict: dict[str, Any]) -> str:
 def summary(verdict: dict[str, Any], saved: str, path: str, exit_status: int) -> list[str]:
     """The few lines printed on the deciding rank and put at the top of the report."""
     return [headline(verdict),
-            *(f"hang: rank {rank} {why}" for rank, why in {**verdict["stuck"], **verdict["waiting"]}.items()),
+            *(f"hang: {rank_name(rank, verdict.get('mesh'))} {why}"
+              for rank, why in {**verdict["stuck"], **verdict["waiting"]}.items()),
             f"hang: {saved}",
             f"hang: every rank's stack in {path}; stopping with exit status {exit_status}"]
 

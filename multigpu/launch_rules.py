@@ -42,12 +42,14 @@ TORCHRUN = os.path.join(REPO, "multigpu", "torchrun.py")
 CPU_PROCESSES = 2  # ddp on a machine without GPUs: gloo processes unless told otherwise
 # The trainer options the launcher sets from its own flags; a copy after -- would win in the trainer's
 # parser and make the shown batch and LR a lie.
-LAUNCHER_OWNED = ("multi_gpu", "gpu_ids", "epochs", "batch_size", "lr", "lr_scaling", "save_dir")
+LAUNCHER_OWNED = ("multi_gpu", "gpu_ids", "epochs", "batch_size", "lr", "lr_scaling", "save_dir", "dp_replicate",
+                  "dp_shard")
 # The training questions, answered through TrainConfig's fields of the same names.
 # The modes torchrun launches, one process per device (on every node): the trainer's ddp, and fsdp, which also
 # shards the model over those processes.
 PROCESS_PER_DEVICE = ("ddp", "fsdp")
 TRAINING = ("epochs", "batch_size", "lr", "lr_scaling", "save_dir")
+MESH = ("dp_replicate", "dp_shard")  # fsdp's device mesh, passed on as the trainer's flags of the same names
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
@@ -66,6 +68,8 @@ class Settings:
     lr: Optional[str] = None
     lr_scaling: Optional[str] = None
     save_dir: Optional[str] = None
+    dp_replicate: Optional[str] = None
+    dp_shard: Optional[str] = None
     nnodes: Optional[str] = None
     node_rank: Optional[str] = None
     master_addr: Optional[str] = None
@@ -146,10 +150,33 @@ def trainer_flags(s: Settings, devices: Optional[Devices]) -> list[str]:
         argv += ["--multi-gpu", devices.mode]
         if devices.mode == "dp" and devices.ids:
             argv += ["--gpu-ids", devices.ids]
-    for name in TRAINING:
+    for name in (*MESH, *TRAINING):
         if getattr(s, name) is not None:
             argv += [f"--{flag(name)}", getattr(s, name)]
     return argv
+
+
+def settle_mesh(s: Settings, devices: Devices, nodes: "Nodes") -> Optional[tuple[int, int]]:
+    """fsdp's device mesh (replicate, shard) by the trainer's own rule (TrainConfig.mesh_shape): --dp-replicate
+    and --dp-shard, or with several nodes the hybrid layout, shard within a node and replicate across the nodes.
+    A hybrid mesh is named in the command, so it runs as planned; None: not fsdp."""
+    given = [name for name in MESH if getattr(s, name) is not None]
+    if devices.mode != "fsdp":
+        if given:
+            raise UsageError(f"--{flag(given[0])} shapes the device mesh of --multi-gpu fsdp; add --multi-gpu fsdp")
+        return None
+    replicate, shard = training_config(s, devices).mesh_shape(devices.count * nodes.count, nodes.count)
+    if given or replicate > 1:
+        s.dp_replicate, s.dp_shard = str(replicate), str(shard)
+    return replicate, shard
+
+
+def mesh_phrase(mesh: Optional[tuple[int, int]], nodes: "Nodes", devices: Devices) -> str:
+    """', hybrid: replicate 2 x shard 4 (...)' for a hybrid mesh; nothing otherwise."""
+    if mesh is None or mesh[0] == 1:
+        return ""
+    where = (" (shard within each node, replicate across the nodes)" if mesh == (nodes.count, devices.count) else "")
+    return f", hybrid: mesh replicate {mesh[0]} x shard {mesh[1]}{where}"
 
 
 # --------------------------------------------------------------------------- devices
@@ -441,6 +468,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     if s.slurm:
         check_slurm_job(s, nodes, config)
     check_save_dir(config.save_dir)
+    settle_mesh(s, devices, nodes)
     if not s.slurm and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
         rendezvous_port(s, nodes)  # a port the user named must be free before anything is asked
     # The settings as the launcher should keep them: the mode by its name, the GPU answer as a count or ids.
@@ -498,12 +526,13 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     apply_gpu_choice(s)
     devices = devices_of(s, mode)
     nodes = nodes_of(s, mode)
+    mesh = settle_mesh(s, devices, nodes)
     yield from settle_save_dir(s, training_config(s, devices))
     config = training_config(s, devices)
     check_save_dir(config.save_dir)
     settle_training(s, config)
     port, note = rendezvous_port(s, nodes) if devices.mode in PROCESS_PER_DEVICE else (0, "")
-    yield "plan", f"Plan: {device_phrase(devices, nodes)}"
+    yield "plan", f"Plan: {device_phrase(devices, nodes)}{mesh_phrase(mesh, nodes, devices)}"
     if not devices.on_gpu and devices.count > cores_here():
         yield "plan", f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}"
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
@@ -565,13 +594,14 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     devices = slurm_devices(s)
     gpus, procs = (devices.count if devices.on_gpu else 0), devices.count
     nodes = nodes_of(s, "ddp")
+    mesh = settle_mesh(s, devices, nodes)
     config = training_config(s, devices)
     check_slurm_job(s, nodes, config)
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
     settle_training(s, config)
     what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
-    yield "plan", (f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()} with c10d "
-                   f"rendezvous on the first node")
+    yield "plan", (f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()}"
+                   f"{mesh_phrase(mesh, nodes, devices)} with c10d rendezvous on the first node")
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     script = os.path.join(config.save_dir, "launch_slurm.sbatch")
@@ -614,7 +644,7 @@ rm -f "$marker"
     restart_env = " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" if nodes.count > 1 and nodes.max_restarts else ""
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime('%Y-%m-%d %H:%M:%S')}:
-# {plural(nodes.count, 'node')} x {plural(gpus, 'GPU') if gpus else plural(procs, 'CPU process')}, DDP under torchrun, c10d rendezvous on the allocation's first node.
+# {plural(nodes.count, 'node')} x {plural(gpus, 'GPU') if gpus else plural(procs, 'CPU process')}, {(mode_of(s) or 'ddp').upper()} under torchrun, c10d rendezvous on the allocation's first node.
 # Submit: sbatch {shlex.quote(os.path.join(config.save_dir, 'launch_slurm.sbatch'))}
 # Submitting it again, or a requeue, continues from the newest checkpoint (--resume auto).
 {chr(10).join('#SBATCH ' + d for d in directives)}

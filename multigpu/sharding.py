@@ -1,4 +1,5 @@
-"""Sharded training (--multi-gpu fsdp): FSDP2's `fully_shard` over a 1-D device mesh, on any nn.Module.
+"""Sharded training (--multi-gpu fsdp): FSDP2's `fully_shard` over a 1-D device mesh, or a 2-D one for hybrid
+sharding (--dp-replicate, --dp-shard), on any nn.Module.
 
 Each repeated block (a child of an nn.ModuleList/nn.Sequential that holds a fair
 share of the parameters, or the classes --fsdp-blocks names) becomes its own FSDP
@@ -91,20 +92,30 @@ def root_policy(amp_dtype: Optional[torch.dtype]) -> Any:
                                 output_dtype=torch.float32 if amp_dtype else None)
 
 
-def device_mesh(device: torch.device, world_size: int) -> Any:
-    """The 1-D mesh of all ranks (the process group torchrun's ranks already joined)."""
+# The dimensions of a hybrid mesh, as torchtitan names them: parameters are Replicate() over the first and
+# Shard(0) over the second (MULTI_GPU_GUIDE.md, "Hybrid sharding").
+MESH_DIMS = ("dp_replicate", "dp_shard")
+
+
+def device_mesh(device: torch.device, world_size: int, replicate: int = 1) -> Any:
+    """The ranks as FSDP's device mesh: 1-D ("dp") over all of them, or with `replicate` > 1 the 2-D mesh
+    (replicate, world_size / replicate) of MESH_DIMS. Its rows are consecutive ranks, which torchrun puts on one
+    node: a shard group's all-gathers and reduce-scatters stay inside a node, only the once-per-step all-reduce of
+    the gradient shards crosses nodes."""
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (replicate, world_size // replicate), mesh_dim_names=MESH_DIMS)
 
 
 def shard(model: nn.Module, device: torch.device, world_size: int, *, blocks: Optional[str] = None,
           reshard_after_forward: bool = True, amp_dtype: Optional[torch.dtype] = None,
-          mesh: Any = None) -> tuple[nn.Module, int]:
-    """`model` sharded in place over all ranks (or over `mesh`, a DeviceMesh of some of them): each block its
-    own FSDP unit, then the root. Returns the module (the same object, now an FSDPModule) and the number of
-    blocks."""
+          mesh: Any = None, replicate: int = 1) -> tuple[nn.Module, int]:
+    """`model` sharded in place over all ranks (with `replicate` > 1: over each shard group of the hybrid mesh,
+    replicated across the groups; or over `mesh`, a DeviceMesh of some of them): each block its own FSDP unit,
+    then the root. Returns the module (the same object, now an FSDPModule) and the number of blocks."""
     from torch.distributed.fsdp import fully_shard
-    mesh = mesh if mesh is not None else device_mesh(device, world_size)
+    mesh = mesh if mesh is not None else device_mesh(device, world_size, replicate)
     found = find_blocks(model, blocks)
     for block in found:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(amp_dtype))
@@ -122,16 +133,21 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def no_gradient_sync(model: nn.Module) -> Callable[[], ContextManager]:
-    """DDP's no_sync for a sharded model: inner micro-steps keep their gradients unreduced (summed locally),
-    the last one reduce-scatters the sum."""
+def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[], ContextManager]:
+    """DDP's no_sync for a sharded model, around the inner micro-steps of accumulation: no collective crosses the
+    replica groups of a hybrid mesh before the last micro-step, whose all-reduce is the step's only one across
+    them. Meanwhile each rank sums the whole gradients with no collective at all, or with `keep_sharded`
+    (--fsdp-accumulate sharded) each micro-step reduce-scatters within its shard group and the rank sums 1/S of
+    them (MULTI_GPU_GUIDE.md, "Hybrid sharding")."""
+    setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync  # type: ignore
+
     @contextlib.contextmanager
     def context() -> Iterator[None]:
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        setter(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            setter(True)
     return context
 
 

@@ -56,8 +56,10 @@ class Watchdog:
     """
 
     def __init__(self, rank: int, world_size: int, timeout: float, save_dir: str, backend: Optional[str],
-                 save_last_step: Callable[[dict[str, Any]], str], store: Optional[Any] = None):
+                 save_last_step: Callable[[dict[str, Any]], str], store: Optional[Any] = None,
+                 mesh: Optional[tuple[int, int]] = None):
         self.rank, self.world_size, self.timeout, self.save_dir = rank, world_size, timeout, save_dir
+        self.mesh = mesh  # fsdp's hybrid mesh (replicate, shard): the report names each rank's place in it
         self.backend, self.save_last_step = backend, save_last_step
         self.store = store if store is not None else (dist.distributed_c10d._get_default_store()
                                                       if dist.is_initialized() else dist.HashStore())
@@ -144,7 +146,7 @@ class Watchdog:
         BEAT.hang_declared = True
         silent = [r for r in range(self.world_size) if not self.responding(r, now)]
         stacks = self._collect_stacks(silent)
-        verdict = hang_report.diagnose(self.latest, silent, self.timeout, self.world_size)
+        verdict = hang_report.diagnose(self.latest, silent, self.timeout, self.world_size, self.mesh)
         saved = self.save_last_step(verdict) if self.rank == 0 else hang_report.NO_SAVE_OFF_RANK_0
         path = os.path.join(self.save_dir, hang_report.FILE_NAME)
         lines = hang_report.summary(verdict, saved, path, HANG_EXIT_STATUS)
@@ -222,4 +224,5 @@ def for_trainer(trainer: Any) -> Optional[Watchdog]:
     BEAT.restart()
     BEAT.step = trainer.progress.global_step
     return Watchdog(rt.rank, rt.world_size, seconds, trainer.checkpointer.save_dir, rt.backend,
-                    lambda verdict: hang_report.save_last_step(trainer, verdict)).start()
+                    lambda verdict: hang_report.save_last_step(trainer, verdict),
+                    mesh=rt.mesh_shape if rt.mode == "fsdp" and rt.mesh_shape[0] > 1 else None).start()

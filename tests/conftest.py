@@ -385,6 +385,44 @@ def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig
     return TrainConfig(**values)
 
 
+class StepRecorder:
+    """A loss function that records each micro-batch's loss and LR, and a callback that records the state a
+    run starts from (after its resume), whole, on rank 0 (`started`; skipped with `record_start=False`).
+    Give it the trainer (`recorder.trainer = trainer`) before fit."""
+
+    def __init__(self, record_start: bool = True) -> None:
+        self.steps: list[tuple[float, float]] = []
+        self.started: dict[str, Any] = {}
+        self.trainer: Any = None
+        self.record_start = record_start
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(outputs, targets)
+        self.steps.append((loss.item(), self.trainer.optimizer.param_groups[0]["lr"]))
+        return loss
+
+    def on_fit_start(self, trainer: Any) -> None:
+        import copy
+
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from multigpu.stateful import ModelState
+
+        if not self.record_start:
+            return
+        optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                             options=StateDictOptions(full_state_dict=True))
+        self.started = {"model": ModelState(trainer.model).state_dict(), "optimizer": optimizer["state"],
+                        "step": trainer.progress.global_step}
+        self.started = copy.deepcopy(self.started)  # the states share the live tensors, which train on
+
+
+def global_steps(ranks: list[dict]) -> list[tuple[float, float]]:
+    """Each step's loss over all ranks (their StepRecorder's `steps`; equal shares: the mean of theirs) and its
+    LR."""
+    return [(sum(loss for loss, _ in step) / len(step), step[0][1]) for step in zip(*(r["steps"] for r in ranks))]
+
+
 def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.dtype]:
     """Switch a built trainer to float16 autocast with a GradScaler, on the CPU; return the list the
     model's forward passes record their output dtypes in (a test asserts float16 is there).

@@ -234,6 +234,18 @@ CLI = {
                                 "has no module of class Nope; name classes it has, e.g. "),
     "fsdp with batch-size auto": Case(["--multi-gpu", "fsdp", "--batch-size", "auto"], "--batch-size auto measures "
                                       "the whole model on one GPU, not the shards fsdp trains"),
+    "hybrid mesh in one process": Case(["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "2"],
+                                       "--dp-replicate 2 --dp-shard 2 needs 4 processes, and this run is one process: "
+                                       "start it with torchrun --nproc_per_node=4"),
+    "mesh that is not torchrun's 4 processes": Case(
+        ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "3"], "--dp-replicate 2 x --dp-shard 3 = 6 "
+        "processes, but this run has 4 processes: make replicate x shard = 4, or give --dp-shard -1 for the processes "
+        "left", env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")),
+    "replicas that do not divide the processes": Case(
+        ["--multi-gpu", "fsdp", "--dp-replicate", "3"], "--dp-replicate 3 does not divide this run's 4 processes "
+        "into equal groups: give one of 1, 2, 4", env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")),
+    "dp-shard zero": Case(["--dp-shard", "0"], "--dp-shard must be at least 1, or -1 for the processes left after "
+                                               "--dp-replicate; got 0"),
     "ema-decay 1": Case(["--ema-decay", "1"], "--ema-decay 1 would keep the starting weights forever: give a value "
                                               "below 1"),
     "ema-decay above 1": Case(["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, got 1.5"),

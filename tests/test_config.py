@@ -86,3 +86,28 @@ def test_the_hang_timeout_defaults_below_the_dist_timeout_and_0_turns_the_watchd
     assert TrainConfig(hang_timeout=0).watchdog_seconds == 0
     with pytest.raises(UsageError, match="--hang-timeout 60 must be below --dist-timeout 60"):
         TrainConfig(dist_timeout=60, hang_timeout=60)
+
+
+@pytest.mark.parametrize("replicate, shard, world, nodes, shape", [
+    (None, None, 4, 1, (1, 4)),  # one node: shard over every process, as fsdp always did
+    (None, None, 8, 2, (2, 4)),  # several nodes: shard within a node, replicate across the nodes
+    (None, -1, 4, 2, (2, 2)),
+    (2, None, 4, 1, (2, 2)), (2, -1, 4, 1, (2, 2)), (4, -1, 4, 1, (4, 1)), (None, 2, 8, 1, (4, 2)),
+    (1, None, 8, 2, (1, 8)), (None, 3, 6, 1, (2, 3)), (None, None, 1, 1, (1, 1)), (1, -1, 1, 1, (1, 1)),
+])
+def test_the_mesh_is_the_flags_or_the_nodes_by_their_processes(replicate, shard, world, nodes, shape):
+    assert TrainConfig(dp_replicate=replicate, dp_shard=shard).mesh_shape(world, nodes) == shape
+
+
+@pytest.mark.parametrize("replicate, shard, world, message", [
+    (2, 3, 4, "--dp-replicate 2 x --dp-shard 3 = 6 processes, but this run has 4 processes: make replicate x shard "
+              "= 4, or give --dp-shard -1 for the processes left"),
+    (3, None, 4, "--dp-replicate 3 does not divide this run's 4 processes into equal groups: give one of 1, 2, 4"),
+    (2, 2, 1, "--dp-replicate 2 --dp-shard 2 needs 4 processes, and this run is one process: start it with torchrun "
+              "--nproc_per_node=4"),
+    (None, 2, 1, "--dp-shard 2 needs at least 2 processes, and this run is one process"),
+])
+def test_a_mesh_the_processes_cannot_fill_is_refused_in_one_line(replicate, shard, world, message):
+    with pytest.raises(UsageError) as error:
+        TrainConfig(dp_replicate=replicate, dp_shard=shard).mesh_shape(world)
+    assert str(error.value).startswith(message)

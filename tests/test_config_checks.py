@@ -56,6 +56,14 @@ UNUSED = {
     "fsdp-blocks under ddp": (["--fsdp-blocks", "Block", "--multi-gpu", "ddp"], "--fsdp-blocks Block has no effect: "
                               "it shapes --multi-gpu fsdp, and this run is --multi-gpu ddp",
                               ["--fsdp-blocks", "Block", "--multi-gpu", "fsdp"]),
+    "dp-replicate under ddp": (["--dp-replicate", "2", "--multi-gpu", "ddp"], "--dp-replicate 2 has no effect: it "
+                               "shapes --multi-gpu fsdp, and this run is --multi-gpu ddp",
+                               ["--dp-replicate", "2", "--multi-gpu", "fsdp"]),
+    "fsdp-accumulate without accumulation": (["--fsdp-accumulate", "sharded", "--multi-gpu", "fsdp"],
+                                             "--fsdp-accumulate sharded has no effect: it says how the inner "
+                                             "micro-steps of --grad-accum-steps keep their gradients",
+                                             ["--fsdp-accumulate", "sharded", "--multi-gpu", "fsdp",
+                                              "--grad-accum-steps", "2"]),
     "early-stop-min-delta without early stopping": (["--early-stop-min-delta", "0.01"], "--early-stop-min-delta 0.01 "
                                                     "has no effect: it is the least improvement --early-stop-patience "
                                                     "counts, and that is off",

@@ -255,6 +255,21 @@ def test_dry_run_of_a_two_node_job_uses_c10d_rendezvous_hosted_by_node_0(rank: i
     assert "use a --save-dir all nodes share" in result.stderr
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp_on_two_nodes_shards_within_each_node_and_replicates_across_them(rank: int) -> None:
+    port = free_port()
+    args = ["--multi-gpu", "fsdp", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "10.1.2.3",
+            "--master-port", str(port), "--save-dir", "runs/two", "--dry-run"]
+    result = launch(args, launcher_env(gpus=4))
+    assert result.returncode == 0, result.stderr
+    assert " main_multi_gpu.py --multi-gpu fsdp --dp-replicate 2 --dp-shard 4 --epochs " in result.stdout
+    assert ("Plan: FSDP (the model sharded) over 4 GPUs per node x 2 nodes (this is node "
+            f"{rank}), hybrid: mesh replicate 2 x shard 4 (shard within each node, replicate across the nodes)"
+            ) in result.stderr
+    one_node = launch(["--multi-gpu", "fsdp", "--dry-run"], launcher_env(gpus=4))
+    assert " main_multi_gpu.py --multi-gpu fsdp --epochs " in one_node.stdout  # one node: fsdp as always
+
+
 def test_shown_lr_and_effective_batch_come_from_the_trainers_formula() -> None:
     args = ["--gpus", "4", "--batch-size", "48", "--lr", "3e-4", "--scale-lr", "sqrt", "--dry-run", "--",
             "--grad-accum-steps", "3", "--lr-base-batch", "64"]
@@ -318,6 +333,12 @@ def test_help_lists_every_flag() -> None:
     (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "h"], "--node-rank must be at least 0, got -1"),
     (["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--mode", "dp"],
      "--nnodes 2 needs --multi-gpu ddp"),
+    (["--multi-gpu", "fsdp", "--dp-replicate", "3"], "--dp-replicate 3 does not divide this run's 4 processes into "
+                                                     "equal groups: give one of 1, 2, 4"),
+    (["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "4"], "--dp-replicate 2 x --dp-shard 4 = 8 "
+                                                                        "processes, but this run has 4 processes"),
+    (["--dp-replicate", "2"], "--dp-replicate shapes the device mesh of --multi-gpu fsdp; add --multi-gpu fsdp"),
+    (["--multi-gpu", "fsdp", "--", "--dp-shard", "2"], "--dp-shard after -- would override the launcher's setting"),
     (["--frobnicate"], "unknown option --frobnicate"),
     (["--epochs"], "--epochs needs a value"),
     (["--", "--batch-size", "8"], "--batch-size after -- would override the launcher's setting"),

@@ -65,6 +65,16 @@ def test_two_node_script_checks_the_allocation_and_that_the_save_dir_is_shared(t
     assert not (tmp_path / "shared").exists()
 
 
+def test_an_fsdp_script_for_two_nodes_runs_the_hybrid_layout() -> None:
+    result = launch([*DRY, "--multi-gpu", "fsdp", "--nnodes", "2", "--gpus", "8", "--save-dir", "/shared/run1"],
+                    launcher_env())
+    script = script_of(result)
+    assert f"{REPO}/main_multi_gpu.py --multi-gpu fsdp --dp-replicate 2 --dp-shard 8 --epochs 3 " in script
+    assert "# 2 nodes x 8 GPUs, FSDP under torchrun" in script
+    assert ("Plan: SLURM job, 2 nodes x 8 GPUs, FSDP, hybrid: mesh replicate 2 x shard 8 (shard within each node, "
+            "replicate across the nodes) with c10d rendezvous on the first node") in result.stderr
+
+
 def test_a_cpu_only_script_runs_gloo_processes_without_asking_for_gpus() -> None:
     script = script_of(launch([*DRY, "--gpus", "0", "--nproc", "3"], launcher_env()))
     assert "--gpus-per-node" not in script and "SLURM_GPUS_ON_NODE" not in script

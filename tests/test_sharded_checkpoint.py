@@ -5,23 +5,20 @@ damaged or belongs to another model is refused in one line by each of them."""
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, assert_ok, blobs, config_for, contents, run_cli, run_cli_ranks,
-                      run_ranks, tiny_model, tiny_text)
+from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, StepRecorder, assert_ok, blobs, config_for, contents, global_steps,
+                      run_cli, run_cli_ranks, run_ranks, tiny_model, tiny_text)
 from multigpu import checkpoint, export, savedir, sharded
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
@@ -32,31 +29,9 @@ from train_multi_gpu import MultiGPUTrainer
 EFFECTIVE_BATCH = 24  # 1, 2 and 3 processes each take an equal share of every step's samples
 
 
-class _Recorder:
-    """A loss function that records each micro-batch's loss and LR, and a callback that records the state a
-    run starts from (after its resume), whole, on rank 0."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[float, float]] = []
-        self.started: dict[str, Any] = {}
-        self.trainer: Optional[MultiGPUTrainer] = None
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(outputs, targets)
-        self.steps.append((loss.item(), self.trainer.optimizer.param_groups[0]["lr"]))
-        return loss
-
-    def on_fit_start(self, trainer: MultiGPUTrainer) -> None:
-        optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                             options=StateDictOptions(full_state_dict=True))
-        self.started = {"model": ModelState(trainer.model).state_dict(), "optimizer": optimizer["state"],
-                        "step": trainer.progress.global_step}
-        self.started = copy.deepcopy(self.started)  # the states share the live tensors, which train on
-
-
 def _train(rank: int, world_size: int, save_dir: Path, resume: Optional[str], checkpoint_format: str) -> dict:
     """2 epochs of 96 samples, EFFECTIVE_BATCH per step (4 steps an epoch), a step checkpoint every 4 steps."""
-    recorder = _Recorder()
+    recorder = StepRecorder()
     config = config_for(save_dir, world_size, batch_size=EFFECTIVE_BATCH // world_size, epochs=2, warmup_epochs=0.5,
                         save_every_steps=4, keep_last=5, checkpoint_format=checkpoint_format, resume=resume)
     with MultiGPUTrainer(tiny_model(), blobs(96, 0), None, config, loss_fn=recorder, callbacks=[recorder]) as trainer:
@@ -66,18 +41,13 @@ def _train(rank: int, world_size: int, save_dir: Path, resume: Optional[str], ch
     return {"steps": recorder.steps, "started": recorder.started, "final": final}
 
 
-def _global_steps(ranks: list[dict]) -> list[tuple[float, float]]:
-    """Each step's loss over all ranks (equal shares: the mean of theirs) and its LR."""
-    return [(sum(loss for loss, _ in step) / len(step), step[0][1]) for step in zip(*(r["steps"] for r in ranks))]
-
-
 def test_a_folder_saved_at_2_processes_resumes_at_1_and_at_3_as_if_uninterrupted(tmp_path):
     reference = run_ranks(_train, 2, tmp_path, tmp_path / "reference", None, "sharded")
     saved = tmp_path / "reference" / "ckpt" / "step-000000004"
     whole = sharded.load_whole(str(saved))
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                        checkpoint.STATE_FILE]  # both ranks wrote shards
-    expected = _global_steps(reference)[4:]  # steps 5 to 8
+    expected = global_steps(reference)[4:]  # steps 5 to 8
     for world_size in (1, 3):
         resumed = run_ranks(_train, world_size, tmp_path, tmp_path / f"at-{world_size}", str(saved), "sharded")
         started = resumed[0]["started"]
@@ -87,7 +57,7 @@ def test_a_folder_saved_at_2_processes_resumes_at_1_and_at_3_as_if_uninterrupted
         for name, slots in whole["optimizer"]["state"].items():
             for slot, tensor in slots.items():
                 assert torch.equal(started["optimizer"][name][slot], tensor), (world_size, name, slot)
-        steps = _global_steps(resumed)
+        steps = global_steps(resumed)
         assert len(steps) == 4 and [lr for _, lr in steps] == pytest.approx([lr for _, lr in expected], rel=1e-9)
         assert [loss for loss, _ in steps] == pytest.approx([loss for loss, _ in expected], abs=1e-5)
         for name, tensor in reference[0]["final"].items():

@@ -51,6 +51,16 @@ def test_a_data_set_stuck_on_rank_1_is_named_with_the_line_of_its_getitem(tmp_pa
     assert list(tmp_path.glob("step-*.pt"))
 
 
+def test_on_a_hybrid_mesh_the_report_names_the_stuck_ranks_replica_and_shard(tmp_path):
+    """fsdp at replicate 2 x shard 1: rank 1, alone in the second replica, blocks in its data set."""
+    ranks = scenario("getitem", tmp_path, "--multi-gpu", "fsdp", "--dp-replicate", "2")
+    assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
+    lines = report(tmp_path).splitlines()
+    assert "rank 1 (mesh replicate 1, shard 0) stuck in data loading" in lines[1]
+    # Its peer waits in FSDP's gradient all-reduce across the replicas.
+    assert "rank 0 (mesh replicate 0, shard 0) waits in FSDP's torch.distributed.all_reduce (backward)" in lines[3]
+
+
 def test_a_collective_on_rank_0_only_is_named_a_desync(tmp_path):
     ranks = scenario("extra-barrier", tmp_path)
     assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
