@@ -55,6 +55,7 @@ from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 from multigpu.stateful import ModelState, OptimizerState, RngState, ScalerState
 from multigpu.telemetry import Telemetry
+from multigpu.weights import ModelInfo
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
 
@@ -282,6 +283,7 @@ class MultiGPUTrainer:
             summary = self._summary(wall_time=time.perf_counter() - started,
                                     **({"stopped_early": self.stop_reason} if self.stop_reason else {}))
             self._report_done(summary)
+            self.callbacks.call("on_fit_end", self)  # --export-on-end's export, among others
             return summary
         finally:
             if hang_watchdog is not None:
@@ -557,10 +559,11 @@ class MultiGPUTrainer:
         """What a checkpoint holds, each thing with state_dict()/load_state_dict(): the checkpointer saves and
         loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `gather=False`:
         no collective (the hang watchdog's save from rank 0's replica alone)."""
-        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+        return {"model": ModelState(self.model), "model_info": ModelInfo(self.model),  # ties, a transformers config
+                "optimizer": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
-                "rng": RngState(self.runtime, gather),
+                "rng": RngState(self.runtime, gather), "trackers": self.report.trackers,  # their runs' ids
                 **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
                 **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 

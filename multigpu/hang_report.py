@@ -138,7 +138,7 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     step = trainer.progress.global_step
     if step == 0:
         return "no checkpoint written: no optimizer step was completed yet"
-    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
+    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step, trainer.checkpointer.suffix)
     try:
         checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(gather=False)), path)
     except Exception as error:  # a failed save must not keep the report from being written
