@@ -429,6 +429,25 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 GROUPS = ("devices", "data", "model", "optimisation", "output")
+_BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+class _BooleanAction(argparse.BooleanOptionalAction):
+    """--flag, --no-flag, and also --flag true / --flag false (how a value is written in a config or a sweep)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.nargs, self.metavar = "?", "true|false"
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        if values is None:
+            super().__call__(parser, namespace, None, option_string)
+            return
+        if option_string.startswith("--no-") or values.lower() not in _BOOLEAN_WORDS:
+            allowed = "no value" if option_string.startswith("--no-") else "no value, or true or false"
+            raise UsageError(f"{option_string} takes {allowed}, got {values!r} (see --help)")
+        setattr(namespace, self.dest, _BOOLEAN_WORDS[values.lower()])
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -448,8 +467,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         group, option = groups[f.metadata["group"]], f"--{flag(f.name)}"
         if f.type in ("bool", bool):
-            group.add_argument(option, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
+            group.add_argument(option, action=_BooleanAction, default=f.default, help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(field_kind(f), str)
         words = f.metadata["words"]

@@ -330,8 +330,8 @@ def _load_through_dcp(folder: str, targets: dict[str, torch.Tensor], found: dict
 
 class InitFrom:
     """--init-from as a built-in callback, ahead of the others (an EMA starts from the loaded weights): at the
-    first fit() of a run that did not resume, every rank loads the weights; its state in the checkpoint says
-    the run's weights came from there, and a resumed run keeps its checkpoint's instead."""
+    first fit() of a run that did not resume, every rank loads the weights; a resumed run keeps its
+    checkpoint's instead."""
 
     def __init__(self, path: str, strict: bool):
         self.path, self.strict, self.done = path, strict, False
@@ -347,10 +347,10 @@ class InitFrom:
         load_initial(trainer.model, self.path, self.strict, trainer.report.line)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path}  # in the checkpoint: where the run's weights came from
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.done = True
+        """Nothing to load: a resumed run is told apart by the checkpoint it resumed from."""
 
 
 # ---------------------------------------------------------------- writing
