@@ -185,10 +185,10 @@ def _file_kind(path: str) -> Optional[str]:
         head = file.read(512)
     if not head:
         return "the file is empty"
+    if tensor_files.is_safetensors(path):  # first: its header's length may begin with the pickle mark, 0x80
+        return SAFETENSORS_KIND
     if head.startswith(TORCH_SAVE_MAGIC):
         return None
-    if tensor_files.is_safetensors(path):
-        return SAFETENSORS_KIND
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:  # possibly a multi-byte character cut at 512 bytes: still text if the rest is
