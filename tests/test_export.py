@@ -196,3 +196,34 @@ def test_export_refuses_bad_input_in_one_line(one_file_run, tmp_path, capsys, ar
     names = {"ckpt": one_file_run, "tmp": tmp_path}
     assert export.main([arg.format(**names) for arg in args]) == 2
     assert capsys.readouterr().err == f"error: {message.format(**names)}\n"
+
+
+def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loads_with_the_same_logits(tmp_path,
+                                                                                                       capsys):
+    from conftest import TokenDicts, tiny_gpt2
+    transformers = pytest.importorskip("transformers")
+
+    config = config_for(tmp_path, 1, epochs=1, batch_size=4, export_on_end="hf")
+    with MultiGPUTrainer(tiny_gpt2(), TokenDicts(16, 0), TokenDicts(8, 1), config) as trainer:
+        trainer.fit()
+        expected = trainer.predict()["logits"]
+    assert f"to {tmp_path / 'ckpt' / 'best-hf'} (" in capsys.readouterr().out  # --export-on-end hf
+    assert export.main([str(tmp_path / "ckpt" / "best.pt"), str(tmp_path / "gpt2"), "--format", "hf"]) == 0
+    inputs = torch.stack([sample["input_ids"] for sample in TokenDicts(8, 1)])
+    for folder in (tmp_path / "ckpt" / "best-hf", tmp_path / "gpt2"):
+        assert {"config.json", "model.safetensors"} <= {path.name for path in folder.iterdir()}
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"] and not info["error_msgs"], info
+        assert type(model).__name__ == "GPT2LMHeadModel" and model.lm_head.weight is model.transformer.wte.weight
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(inputs).logits, expected, rtol=0, atol=0)
+
+
+def test_export_on_end_hf_of_another_model_is_refused_before_training(tmp_path, capsys):
+    args = ["--train-size", "16", "--val-size", "8", "--mode", "flatten", "--epochs", "1", "--no-progress",
+            "--save-dir", str(tmp_path / "run"), "--export-on-end", "hf"]
+    assert main_multi_gpu.main(args) == 2
+    captured = capsys.readouterr()
+    assert "step 1" not in captured.out and captured.err == (
+        "error: --export-on-end hf writes a transformers model's own folder, and this model is not a transformers "
+        "PreTrainedModel: use --export-on-end safetensors\n")

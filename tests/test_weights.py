@@ -12,7 +12,7 @@ import torch
 
 import main_multi_gpu
 from conftest import TINY
-from multigpu import checkpoint, export
+from multigpu import checkpoint
 
 pytest.importorskip("safetensors", reason="the [hf] extra (safetensors) is not installed")
 
@@ -22,15 +22,15 @@ MLP = [*TINY, "--train-size", "64", "--val-size", "32", "--mode", "flatten", "--
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step run's best weights, exported to safetensors."""
+    """A 2-step run whose best weights --export-on-end wrote as safetensors."""
     save_dir = tmp_path_factory.mktemp("source") / "run"
-    assert main_multi_gpu.main([*MLP, "--save-dir", str(save_dir), "--max-steps", "2"]) == 0
-    export.export(str(save_dir / "best.pt"), str(save_dir / "weights.safetensors"))
+    assert main_multi_gpu.main([*MLP, "--save-dir", str(save_dir), "--max-steps", "2",
+                                "--export-on-end", "safetensors"]) == 0
     return save_dir
 
 
 def test_a_run_starts_from_the_weights_afresh_and_a_resumed_run_keeps_its_own(source, tmp_path, capsys):
-    weights_file = source / "weights.safetensors"
+    weights_file = source / "best-weights.safetensors"
     args = [*MLP, "--save-dir", str(tmp_path / "run"), "--init-from", str(weights_file), "--seed", "1",
             "--lr", "1e-12", "--max-steps", "1"]
     capsys.readouterr()
@@ -51,7 +51,7 @@ def test_a_run_starts_from_the_weights_afresh_and_a_resumed_run_keeps_its_own(so
 
 def test_weights_of_another_shape_are_refused_or_with_init_strict_false_loaded_where_they_fit(source, tmp_path,
                                                                                              capsys):
-    weights_file = source / "weights.safetensors"
+    weights_file = source / "best-weights.safetensors"
     args = [*MLP, "--num-classes", "4", "--max-steps", "1", "--init-from", str(weights_file)]
     capsys.readouterr()
     assert main_multi_gpu.main([*args, "--save-dir", str(tmp_path / "strict")]) == 2
