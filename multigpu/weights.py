@@ -443,6 +443,7 @@ def write_hf(info: dict[str, Any], weights: dict[str, torch.Tensor], out: str, m
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, written into
     `<out>.tmp` and renamed into place whole."""
     model = rebuild_hf(info, weights)
+    transformers_module("--format hf").utils.logging.disable_progress_bar()  # a bar for one file says nothing
     if dtype is not None:
         model.to(dtype)
     tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
