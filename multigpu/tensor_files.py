@@ -19,12 +19,12 @@ from typing import Any, Optional
 
 import torch
 
-from multigpu import safe_files
+from multigpu import run_settings, safe_files
 from multigpu.errors import UsageError
 
 SUFFIX = ".safetensors"
 TIED_KEY = "multigpu.tied_weights"  # header entry: JSON {alias: the name its tensor is stored under}
-STATE_KEY = "multigpu.trainer_state"  # header entry of a checkpoint: its state as JSON, tensors as references
+STATE_KEY = run_settings.TRAINER_STATE_KEY  # header entry of a checkpoint: its state as JSON, tensors as references
 _TENSOR, _TUPLE, _PAIRS = "__tensor__", "__tuple__", "__pairs__"  # JSON markers of what JSON has no type for
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 

@@ -13,7 +13,7 @@ import torch
 
 import predict_multi_gpu
 from conftest import TINY, assert_ok, run_cli
-from multigpu import checkpoint, tensor_files
+from multigpu import checkpoint, run_settings, tensor_files
 from multigpu.faults import FAULT_ENV
 
 safetensors = pytest.importorskip("safetensors.torch", reason="the [hf] extra (safetensors) is not installed")
@@ -52,6 +52,8 @@ def test_killed_after_a_step_and_inside_a_save_it_resumes_bit_identically_and_pr
     # The file is safetensors through and through: its own reader takes it, the state is JSON in the header.
     stored = safetensors.load_file(str(save_dir / "last.safetensors"))
     assert torch.equal(stored["/model/net.1.weight"], theirs["model"]["net.1.weight"])
+    # What --resume auto without --save-dir (and the launcher) read, torch-free: the config in the header.
+    assert run_settings.saved_settings(str(save_dir / "last.safetensors"))["save_dir"] == str(save_dir)
     outputs = {}
     for name in ("last.safetensors", "best.safetensors"):
         out = tmp_path / f"{name}.pt"

@@ -85,8 +85,10 @@ def assert_same(ours: Scalars, tensorboard: Scalars) -> None:
 def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
     pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
-    if shutil.which("wandb", path=str(Path(sys.executable).parent)) is None:
-        pytest.skip("wandb's command is not beside this Python")
+    wandb_command = shutil.which("wandb", path=str(Path(sys.executable).parent))
+    if wandb_command is None or subprocess.run([wandb_command, "leet", "inspect", "--help"], capture_output=True,
+                                               timeout=60).returncode != 0:
+        pytest.skip("no `wandb leet inspect` beside this Python (wandb 0.31 reads its offline runs with it)")
     save_dir = tmp_path_factory.mktemp("tracked") / "run"
     with pytest.MonkeyPatch.context() as env:  # the spawned ranks inherit it
         env.setenv("WANDB_MODE", "offline")
