@@ -217,6 +217,11 @@ def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loa
         assert type(model).__name__ == "GPT2LMHeadModel" and model.lm_head.weight is model.transformer.wte.weight
         with torch.no_grad():
             torch.testing.assert_close(model.eval()(inputs).logits, expected, rtol=0, atol=0)
+    # And back: --init-from the folder (its file lacks the tied lm_head.weight, found under the embedding's name).
+    fresh = tiny_gpt2(seed=5)
+    weights.load_initial(fresh, str(tmp_path / "gpt2"), strict=True, say=lambda line: None)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(inputs).logits, expected, rtol=0, atol=0)
 
 
 def test_export_on_end_hf_of_another_model_is_refused_before_training(tmp_path, capsys):
