@@ -160,20 +160,25 @@ def _safetensors_source(path: str, files: list[str]) -> Source:
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}
     stack = contextlib.ExitStack()
+    prefix, describe = "", "safetensors"
     try:
         for name in files:
             handle = stack.enter_context(safe_open(name, framework="pt"))
-            aliases.update(json.loads((handle.metadata() or {}).get(tensor_files.TIED_KEY, "{}")))
+            metadata = handle.metadata() or {}
+            aliases.update(json.loads(metadata.get(tensor_files.TIED_KEY, "{}")))
+            if tensor_files.STATE_KEY in metadata:  # a checkpoint (--checkpoint-format safetensors): its weights
+                prefix, describe = _checkpoint_weights(json.loads(metadata[tensor_files.STATE_KEY]))
             for key in handle.keys():
                 where[key] = handle
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
     except Exception as error:  # safetensors' own error: a header cut short or not JSON
         stack.close()
         raise _refusal(path, f"cannot be read as safetensors ({str(error).splitlines()[0][:160]})") from None
-    raw = plain_names(list(shapes))
+    raw = plain_names([key.removeprefix(prefix) for key in shapes if key.startswith(prefix)])
+    raw = {plain: prefix + name for plain, name in raw.items()}
     for alias, stored in aliases.items():
-        if stored in shapes:
-            raw[alias] = stored
+        if stored in shapes and alias.startswith(prefix):
+            raw[alias.removeprefix(prefix)] = stored
 
     def read(plain: str, index: Any = None) -> torch.Tensor:
         name = raw[plain]
@@ -181,9 +186,17 @@ def _safetensors_source(path: str, files: list[str]) -> Source:
             return where[name].get_tensor(name)
         return where[name].get_slice(name)[index]
 
-    source = Source(path, {plain: shapes[name] for plain, name in raw.items()}, read, "safetensors")
+    source = Source(path, {plain: shapes[name] for plain, name in raw.items()}, read, describe)
     source.closers.append(stack.close)
     return source
+
+
+def _checkpoint_weights(state: dict[str, Any]) -> tuple[str, str]:
+    """Where a safetensors checkpoint keeps the weights its predictions use (see weights_of): the prefix of their
+    names in the file, and which they are."""
+    if ema_weights(state) is not None:
+        return "/callbacks/EMA/weights/", "a checkpoint (the EMA's average (--ema-decay))"
+    return "/model/", "a checkpoint (the trained weights)"
 
 
 def _torch_file_source(path: str) -> Source:

@@ -99,3 +99,20 @@ def test_a_path_without_weights_is_one_line_and_exit_2(tmp_path, capfd, kind):
                         "blocked.); it is not loaded, since that would run code from the file",
         "folder": "is a folder without weights (no model.safetensors, model.safetensors.index.json, "
                   "pytorch_model.bin, nor a sharded checkpoint)"}[kind] + "\n"
+
+
+def test_a_safetensors_checkpoint_gives_its_model_weights(tmp_path):
+    from conftest import tiny_model
+    from multigpu import tensor_files, weights
+
+    trained = tiny_model()
+    torch.nn.init.normal_(trained[0].weight)
+    state = {key: {} for key in checkpoint.REQUIRED_KEYS} | {"format_version": 2, "model": trained.state_dict(),
+                                                             "optimizer": {"state": {0: {"x": torch.ones(3)}}}}
+    tensor_files.save_state(state, str(tmp_path / "last.safetensors"))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    lines: list[str] = []
+    weights.load_initial(model, str(tmp_path / "last.safetensors"), strict=True, say=lines.append)
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in trained.state_dict().items())
+    assert lines[0].endswith("4 tensors loaded from a checkpoint (the trained weights) (weights only: the "
+                             "optimizer, schedule and progress start afresh)")
