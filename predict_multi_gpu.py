@@ -124,9 +124,10 @@ def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
         raise UsageError(f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
                          f"choose another file")
     name = os.path.basename(output)
-    if any(fnmatch.fnmatchcase(name, pattern) for pattern in savedir.CHECKPOINT_FILES):
+    names = [pattern for pattern in savedir.CHECKPOINT_FILES if pattern.endswith(".pt")]  # --output: .pt or .csv
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
         raise UsageError(f"--output {output}: {name} is a save-dir's checkpoint name "
-                         f"({', '.join(savedir.CHECKPOINT_FILES)}), refused even with --overwrite; "
+                         f"({', '.join(names)}), refused even with --overwrite; "
                          f"choose another name")
     if os.path.exists(output) and not overwrite:
         raise UsageError(f"--output {output} exists; add --overwrite to replace it (only once the prediction "

@@ -56,6 +56,7 @@ from multigpu.preemption import StopRequest, stops_handled
 from multigpu.reporting import Reporter
 from multigpu.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
 from multigpu.telemetry import Telemetry
+from multigpu.weights import ModelInfo
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
 
@@ -290,6 +291,7 @@ class MultiGPUTrainer:
             summary = self._summary(wall_time=time.perf_counter() - started,
                                     **({"stopped_early": self.stop_reason} if self.stop_reason else {}))
             self._report_done(summary)
+            self.callbacks.call("on_fit_end", self)  # --export-on-end's export, among others
             return summary
         finally:
             if hang_watchdog is not None:
@@ -566,10 +568,11 @@ class MultiGPUTrainer:
         loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `known_rng`:
         every rank's RNG states known without a collective (the save from rank 0's replica alone); else
         gathered."""
-        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+        return {"model": ModelState(self.model), "model_info": ModelInfo(self.model),  # ties, a transformers config
+                "optimizer": OptimizerState(self.model, self.optimizer),
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
-                "rng": known_rng or self.rng_state,
+                "rng": known_rng or self.rng_state, "trackers": self.report.trackers,  # their runs' ids
                 **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
                 **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 

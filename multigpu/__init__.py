@@ -25,7 +25,10 @@
 - checkpointer: the resume and save protocol over a dict of stateful things (what must match); knows no trainer
 - stateful:     the things a checkpoint holds, each with state_dict()/load_state_dict() (model, optimizer, RNG...)
 - sharded:      sharded checkpoint folders: every rank writes its shards with DCP, renamed into place when complete
-- export:       python -m multigpu.export CKPT_DIR OUT.pt: a sharded folder as one checkpoint file
+- export:       python -m multigpu.export CKPT OUT: a checkpoint as one .pt, as safetensors, or as a HF folder
+- weights:      weights in any format into a model (--init-from, each rank its shards), written as safetensors/HF
+- tensor_files: safetensors files: tied weights once, a checkpoint's state as JSON in the header (no pickle)
+- trackers:     --logger csv/mlflow/wandb beside TensorBoard: the Reporter's scalars, run ids in the checkpoint
 - rng:          seeding, and RNG state as plain types for checkpoints
 - reporting:    rank-0 console, progress bar and TensorBoard
 - preemption:   SIGTERM/SIGINT as a clean stop, naming a lost rank, torchrun restarts

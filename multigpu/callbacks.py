@@ -7,6 +7,7 @@ A callback is any object with any subset of these methods, each given the traine
     on_epoch_end(trainer)       after an epoch's training, before its evaluation
     on_validation_end(trainer)  after an epoch's evaluation (trainer.metrics holds it), before its checkpoint
     on_save(trainer)            after a checkpoint is written (trainer.checkpointer.last_saved names it)
+    on_fit_end(trainer)         after training ended and was reported (not when a signal stopped it)
 
 A callback with `state_dict()` and `load_state_dict(state)` has its state saved in
 every checkpoint (under "callbacks", plain Python types only) and loaded on resume.
@@ -31,7 +32,7 @@ from multigpu import sharding
 if TYPE_CHECKING:
     from train_multi_gpu import MultiGPUTrainer
 
-HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_validation_end", "on_save")
+HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_validation_end", "on_save", "on_fit_end")
 
 
 class Callbacks:
@@ -189,6 +190,12 @@ def _plain(model: torch.nn.Module) -> torch.nn.Module:
 def builtin_callbacks(config: Any) -> list[Any]:
     """The callbacks the config's flags ask for (a TrainConfig), before the user's own."""
     found: list[Any] = []
+    if config.init_from:  # first: the weights every other callback starts from (EMA's copy)
+        from multigpu.weights import InitFrom
+        found.append(InitFrom(config.init_from, config.init_strict))
+    if config.export_on_end:
+        from multigpu.export import ExportOnEnd
+        found.append(ExportOnEnd(config.export_on_end))
     if config.early_stop_patience > 0:
         found.append(EarlyStopping(config.early_stop_patience, config.early_stop_min_delta))
     if config.ema_decay > 0:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu import safe_files, savedir
+from multigpu import safe_files, savedir, tensor_files
 from multigpu.errors import UsageError
 from multigpu.savedir import newest_first, resumable_files
 
@@ -51,6 +51,9 @@ def atomic_save(state: dict[str, Any], path: str, before_rename: Optional[Callab
     `before_rename` runs between the fsync and the rename: the test-only fault
     injector kills the process there.
     """
+    if path.endswith(tensor_files.SUFFIX):  # --checkpoint-format safetensors: no pickle
+        tensor_files.save_state(state, path, before_rename=before_rename)
+        return
     with safe_files.replacing(path, "wb", sync_folder=True, before_rename=before_rename) as tmp_file:
         _save_to(state, tmp_file)
 
@@ -236,11 +239,14 @@ def _load_file(path: str, name: str, required: Any) -> dict[str, Any]:
     must hold the `required` keys."""
     try:
         kind = _file_kind(path)
-        if kind is not None:
+        if kind == SAFETENSORS_KIND:
+            state = tensor_files.load_state(path)
+        elif kind is not None:
             raise CheckpointError(f"checkpoint {name} refused: not a checkpoint ({kind})")
-        with warnings.catch_warnings():  # its multi-line pickle-protocol warning would break the one line
-            warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            with warnings.catch_warnings():  # its multi-line pickle-protocol warning would break the one line
+                warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {name} does not exist") from None
     except OSError as error:
@@ -249,6 +255,8 @@ def _load_file(path: str, name: str, required: Any) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {name} cannot be read: {error.strerror or error}") from None
     except CheckpointError:
         raise
+    except tensor_files.NotACheckpoint as error:  # a safetensors file of weights alone
+        raise CheckpointError(f"checkpoint {name} refused: {error}") from None
     except Exception as error:  # truncated, random bytes, or a pickle that holds code
         raise CheckpointError(f"checkpoint {name} refused: {load_failure(error)}") from None
     missing = [key for key in required if not isinstance(state, dict) or key not in state]
@@ -274,12 +282,17 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
 TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
+SAFETENSORS_KIND = "a safetensors file"  # what _file_kind says of one: a checkpoint (--checkpoint-format
+# safetensors) when its header holds the trainer's state
+
+
 _SPECIAL_FILES = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
                   stat.S_IFBLK: "a block device"}
 
 
 def _file_kind(path: str) -> Optional[str]:
-    """None for what may be a torch.save file; else what the file is instead, in a few words.
+    """None for what may be a torch.save file; SAFETENSORS_KIND for a safetensors file; else what the file is
+    instead, in a few words.
 
     Without this, torch's unpickler reports a text file as a bare opcode number, and
     reading a named pipe waits for a writer forever.
@@ -293,6 +306,8 @@ def _file_kind(path: str) -> Optional[str]:
         head = file.read(512)
     if not head:
         return "the file is empty"
+    if tensor_files.is_safetensors(path):  # first: its header's length may begin with the pickle mark, 0x80
+        return SAFETENSORS_KIND
     if head.startswith(TORCH_SAVE_MAGIC):
         return None
     try:
@@ -321,13 +336,13 @@ def load_failure(error: Exception) -> str:
     return f"{kind} ({detail.split('. ')[0][:160]})"
 
 
-def step_checkpoint_name(global_step: int) -> str:
+def step_checkpoint_name(global_step: int, suffix: str = ".pt") -> str:
     """File name of the step checkpoint of `global_step` (zero-padded, so names sort by step)."""
-    return f"step-{global_step:09d}.pt"
+    return f"step-{global_step:09d}{suffix}"
 
 
-def step_checkpoint_path(save_dir: str, global_step: int) -> str:
-    return os.path.join(save_dir, step_checkpoint_name(global_step))
+def step_checkpoint_path(save_dir: str, global_step: int, suffix: str = ".pt") -> str:
+    return os.path.join(save_dir, step_checkpoint_name(global_step, suffix))
 
 
 def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[str, dict[str, Any]]]:
@@ -348,7 +363,8 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints, files or folders (called only after a new one is in
     place)."""
-    for path in newest_first(savedir.matching(save_dir, ("step-*.pt",), ("step-[0-9]*[0-9]",)))[keep:]:
+    for path in newest_first(savedir.matching(save_dir, tuple(f"step-*{suffix}" for suffix in savedir.FILE_SUFFIXES),
+                                                  ("step-[0-9]*[0-9]",)))[keep:]:
         safe_files.remove(path)
 
 
@@ -361,7 +377,8 @@ def remove_unfinished(save_dir: str) -> list[str]:
     for old in glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)):
         if not os.path.lexists(old[:-len(safe_files.OLD_SUFFIX)]):
             os.rename(old, old[:-len(safe_files.OLD_SUFFIX)])
-    unfinished = savedir.matching(save_dir, ("*.pt.*" + TMP_SUFFIX, "*" + safe_files.OLD_SUFFIX),
+    unfinished = savedir.matching(save_dir, (*(f"*{suffix}.*{TMP_SUFFIX}" for suffix in savedir.FILE_SUFFIXES),
+                                             "*" + safe_files.OLD_SUFFIX),
                                   tuple(folder + TMP_SUFFIX for folder in savedir.CHECKPOINT_FOLDERS))
     for path in unfinished:
         safe_files.remove(path)

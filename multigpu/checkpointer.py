@@ -66,6 +66,7 @@ class Checkpointer:
         # fit() of the same trainer continues, not another run's to refuse or set aside.
         self.claimed = False
         self.sharded = config.sharded_checkpoints()  # the writer: one file from rank 0, or every rank's shards
+        self.suffix = ".safetensors" if config.checkpoint_format == "safetensors" else ".pt"  # one file's kind
         self.background = sharded.AsyncSaves()  # --async-checkpoint's save in flight
 
     @property
@@ -323,6 +324,7 @@ class Checkpointer:
             return self._save_sharded(stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"),
                                       step)
         state = self.state_of(stateful)
+        name, also_as = (None if each is None else each.removesuffix(".pt") + self.suffix for each in (name, also_as))
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
             for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
@@ -425,7 +427,7 @@ class Checkpointer:
 
     def save_step(self, stateful: dict[str, Any], global_step: int) -> None:
         """A step checkpoint, then the oldest ones beyond --keep-last go (only once the new one is in place)."""
-        self.save(stateful, checkpoint.step_checkpoint_name(global_step))
+        self.save(stateful, checkpoint.step_checkpoint_name(global_step))  # .pt: save() gives it the run's suffix
         if self.runtime.is_main and not self.sharded:  # a sharded one prunes once it is in place
             checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
 

@@ -30,6 +30,8 @@ def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, gr
 AUTO = "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/batch_size.py)
 
 
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # --logger's names (multigpu/trackers.py)
+
 DEFAULT_SAVE_ROOT = "checkpoints"  # without --save-dir, each run gets its own run-N folder here
 
 
@@ -124,6 +126,12 @@ class TrainConfig:
                          "compiles; checkpoints stay loadable without it)", group="model")
     channels_last: bool = _opt(False, "keep conv weights and image batches channels-last (NHWC): faster convolutions "
                                "on tensor-core GPUs, above all with --amp", group="model")
+    init_from: Optional[str] = _opt(None, "start training from these weights (a .safetensors file or its index, a "
+                                    "Hugging Face folder, a .pt weights file or a checkpoint): fine-tuning, not a "
+                                    "resume (optimizer, schedule and progress start afresh; a run that resumes keeps "
+                                    "its checkpoint's weights)", group="model")
+    init_strict: bool = _opt(True, "--init-from: every key of the model and of the file must match in name and shape; "
+                             "--no-init-strict loads what matches and says what did not", group="model")
     autotune: bool = _opt(False, "measure, in the first optimizer steps (which train as usual), the settings that "
                           "change speed but not the numbers: channels-last for convolution nets, intra-op threads on the "
                           "CPU, torch.compile on runs long enough to repay it; keep the fastest, say so in one line "
@@ -178,10 +186,19 @@ class TrainConfig:
     save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",
                                  group="output")
     keep_last: int = _opt(3, "step checkpoints to keep", group="output")
-    checkpoint_format: str = _opt("auto", "file: rank 0 writes one file (last.pt); sharded: a folder (last/) where "
-                                  "every process writes its own shards in parallel, which resumes at any number of "
-                                  "processes; auto: sharded under --multi-gpu fsdp, else file",
-                                  ["auto", "file", "sharded"], group="output")
+    checkpoint_format: str = _opt("auto", "file: rank 0 writes one file (last.pt); safetensors: the same as "
+                                  "last.safetensors, without pickle (the trainer state as JSON in its header); "
+                                  "sharded: a folder (last/) where every process writes its own shards in parallel, "
+                                  "which resumes at any number of processes; auto: sharded under --multi-gpu fsdp, "
+                                  "else file", ["auto", "file", "safetensors", "sharded"], group="output")
+    export_on_end: Optional[str] = _opt(None, "when training ends, write best's weights (last's without validation) "
+                                        "beside the checkpoints: safetensors (best-weights.safetensors) or hf (a "
+                                        "transformers model's own folder, best-hf/)", ["safetensors", "hf"],
+                                        group="output")
+    logger: str = _opt("tensorboard", "where the scalars go, a comma list of tensorboard, csv (metrics.csv in the "
+                       "save-dir), mlflow (pip install '.[mlflow]'; a file store under the save-dir unless "
+                       "MLFLOW_TRACKING_URI), wandb (pip install '.[wandb]'; WANDB_MODE=offline and the other "
+                       "WANDB_ variables apply): the same scalars at the same steps, from rank 0", group="output")
     async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
                                   "copy is taken first; the next save waits for the previous one)", group="output")
     monitor: Optional[str] = _opt(None, "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
@@ -222,12 +239,16 @@ class TrainConfig:
                              f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
-                     "monitor_mode", "checkpoint_format", "fsdp_accumulate"]:
+                     "monitor_mode", "checkpoint_format", "fsdp_accumulate", "export_on_end"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
         self._check_text_pairing()
+        unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
+        if unknown:
+            raise UsageError(f"--logger takes a comma list of {', '.join(LOGGERS)}; got {unknown[0]!r} in "
+                             f"{self.logger!r}")
 
     def _check_text_pairing(self) -> None:
         """UsageError where --dataset text, --data-file and --model gpt are not given together: character windows
@@ -293,6 +314,10 @@ class TrainConfig:
                              f"this run has {processes}: make replicate x shard = {world_size}, or give --dp-shard "
                              f"-1 for the processes left")
         return replicate, shard
+    @property
+    def loggers(self) -> list[str]:
+        """--logger's names, in order, once each."""
+        return list(dict.fromkeys(name.strip() for name in self.logger.split(",") if name.strip()))
 
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
@@ -449,6 +474,25 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 GROUPS = ("devices", "data", "model", "optimisation", "output")
+_BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+class _BooleanAction(argparse.BooleanOptionalAction):
+    """--flag, --no-flag, and also --flag true / --flag false (how a value is written in a config or a sweep)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.nargs, self.metavar = "?", "true|false"
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        if values is None:
+            super().__call__(parser, namespace, None, option_string)
+            return
+        if option_string.startswith("--no-") or values.lower() not in _BOOLEAN_WORDS:
+            allowed = "no value" if option_string.startswith("--no-") else "no value, or true or false"
+            raise UsageError(f"{option_string} takes {allowed}, got {values!r} (see --help)")
+        setattr(namespace, self.dest, _BOOLEAN_WORDS[values.lower()])
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -468,8 +512,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         group, option = groups[f.metadata["group"]], f"--{flag(f.name)}"
         if f.type in ("bool", bool):
-            group.add_argument(option, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
+            group.add_argument(option, action=_BooleanAction, default=f.default, help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(field_kind(f), str)
         words = f.metadata["words"]

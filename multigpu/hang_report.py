@@ -182,7 +182,7 @@ def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
     if BEAT.phase == BACKWARD and buffer_versions(trainer.model) != trainer.buffers_at_start:
         return (f"no checkpoint written: step {step + 1}'s forward had already updated the model's buffers (BatchNorm "
                 f"statistics) on rank 0; the newest checkpoint is {newest}")
-    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step)
+    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step, trainer.checkpointer.suffix)
     try:
         checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(known_rng)), path)
     except Exception as error:  # a failed save must not keep the report from being written

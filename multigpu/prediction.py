@@ -120,8 +120,28 @@ def forward_for_prediction(forward: ForwardFn, model: torch.nn.Module, batch: An
 
 def _per_sample(outputs: Any) -> Any:
     """The outputs that belong to samples, with their whole structure (every head of a dict, the logits next
-    to other entries): all of them but the batch's scalar loss."""
-    return without_loss(outputs)
+    to other entries): all of them but the batch's scalar loss, and tensors only: a transformers model's
+    cache of attention keys and values (`past_key_values`, an object) or a None entry is no prediction."""
+    kept = _tensors_only(without_loss(outputs))
+    return None if kept is _NOTHING else kept
+
+
+_NOTHING = object()  # what _tensors_only leaves of a value that holds no tensor
+
+
+def _tensors_only(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        kept = {key: _tensors_only(item) for key, item in value.items()}
+        kept = {key: item for key, item in kept.items() if item is not _NOTHING}
+        return kept if kept else _NOTHING
+    if isinstance(value, (list, tuple)):
+        items = [item for item in map(_tensors_only, value) if item is not _NOTHING]
+        if hasattr(value, "_fields") and len(items) == len(value):  # a named tuple, whole
+            return type(value)(*items)
+        return (list if isinstance(value, list) else tuple)(items) if items else _NOTHING
+    return _NOTHING
 
 
 def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:

@@ -1,4 +1,5 @@
-"""What the user sees: console lines, the progress bar and TensorBoard, all from rank 0 only.
+"""What the user sees: console lines, the progress bar, TensorBoard and the other trackers (--logger), all
+from rank 0 only.
 
 Other ranks get a Reporter that does nothing, so call sites need no `if rank == 0`
 (and cannot accidentally put a collective inside one, PITFALLS 6).
@@ -15,6 +16,7 @@ from typing import Any, Iterator, Optional
 from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped
 from multigpu.meters import Interval
+from multigpu.trackers import Trackers
 
 
 class Reporter:
@@ -28,6 +30,10 @@ class Reporter:
         self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
+        self.tensorboard = "tensorboard" in config.loggers
+        # The other trackers get every scalar TensorBoard gets (multigpu/trackers.py); their run ids are checkpoint
+        # state, so they open at the first scalars, after a resume has loaded them.
+        self.trackers = Trackers(config, enabled, self.line)
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
@@ -48,7 +54,7 @@ class Reporter:
     @property
     def writer(self) -> Any:
         """The TensorBoard event file, opened on first use (after a resume has set purge_step); None off rank 0."""
-        if self._writer is None and self.enabled:
+        if self._writer is None and self.enabled and self.tensorboard:
             from multigpu.event_file import EventFile  # imports TensorBoard: only where it is used
 
             self._writer = EventFile(self.log_dir, purge_step=self.purge_step, inside=self.log_root)
@@ -84,10 +90,15 @@ class Reporter:
         self.flush()
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        """TensorBoard scalars of one step, written as one event (a write per scalar costs about 30 us)."""
+        """TensorBoard scalars of one step, written as one event (a write per scalar costs about 30 us), and the
+        same to every other tracker."""
+        if not self.enabled or not values:
+            return
         with self._writing():
-            if self.writer is not None and values:
+            if self.writer is not None:
                 self.writer.scalars(values, step)
+        self.trackers.start(self.purge_step)
+        self.trackers.scalars(values, step)
 
     def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
                  skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
@@ -136,6 +147,7 @@ class Reporter:
 
         params = {key: ("" if value is None else value) for key, value in config.to_dict().items()}
         metric_values = {f"hparam/{key}": value for key, value in metrics.items()}
+        self.trackers.summary(metric_values)  # their parameters were given when their runs were created
         with self._writing():
             if self.writer is None:
                 return
@@ -151,6 +163,7 @@ class Reporter:
 
     def close(self) -> None:
         self.end_epoch()
+        self.trackers.close()
         writer, self._writer = self._writer, None
         if writer is not None:
             with self._writing():

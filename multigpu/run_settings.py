@@ -12,8 +12,10 @@ in the pickle becomes an inert placeholder, so no code in the file runs.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pickle
+import struct
 import zipfile
 from typing import Any, Optional
 
@@ -47,18 +49,37 @@ class _SettingsUnpickler(pickle.Unpickler):
         return None  # a tensor's bytes: not read
 
 
+# The header entry of a safetensors checkpoint (--checkpoint-format safetensors) that holds its trainer state
+# as JSON (multigpu/tensor_files.py); read here as JSON alone, no tensor.
+TRAINER_STATE_KEY = "multigpu.trainer_state"
+
+
+def _safetensors_state(path: str) -> Any:
+    """The trainer state in a safetensors checkpoint's header: 8 bytes of length, then the header's JSON."""
+    with open(path, "rb") as file:
+        length = struct.unpack("<Q", file.read(8))[0]
+        if length > 100 * 1024 * 1024:  # safetensors' own limit: no header is larger
+            raise ValueError("not a safetensors header")
+        return json.loads(json.loads(file.read(length))["__metadata__"][TRAINER_STATE_KEY])
+
+
 def saved_settings(path: str) -> Optional[dict[str, Any]]:
     """The `config` a checkpoint was saved with (TrainConfig.to_dict), or None when the file has none or cannot be
-    read that way (not a torch.save zip archive, truncated, not written by this trainer)."""
+    read that way (not a torch.save zip archive nor a safetensors checkpoint, truncated, not written by this
+    trainer)."""
     if not os.path.isfile(path):  # a named pipe would block the read for good
         return None
     try:
+        if path.endswith(".safetensors"):
+            state = _safetensors_state(path)
+            config = state.get("config") if isinstance(state, dict) else None
+            return config if isinstance(config, dict) else None
         with zipfile.ZipFile(path) as archive:
             name = next(entry for entry in archive.namelist() if entry.endswith("/data.pkl"))
             with archive.open(name) as data:
                 state = _SettingsUnpickler(data).load()
     except (OSError, StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError,
-            AttributeError, IndexError, KeyError):
+            AttributeError, IndexError, KeyError, struct.error):
         return None
     config = state.get("config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else None

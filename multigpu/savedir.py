@@ -79,7 +79,10 @@ STALE_SECONDS = 60.0
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
 # What --overwrite sets aside: checkpoint files, and sharded checkpoint folders (multigpu/sharded.py).
-CHECKPOINT_FILES = ("last.pt", "best.pt", "step-*.pt")
+# A one-file checkpoint is a .pt (torch.save) or, with --checkpoint-format safetensors, a .safetensors file.
+FILE_SUFFIXES = (".pt", ".safetensors")
+CHECKPOINT_FILES = tuple(f"{name}{suffix}" for suffix in FILE_SUFFIXES for name in ("last", "best", "step-*"))
+LAST_FILES = tuple(f"{name}{suffix}" for suffix in FILE_SUFFIXES for name in ("step-*", "last"))
 CHECKPOINT_FOLDERS = ("last", "best", "step-[0-9]*[0-9]")
 CHECKPOINT_PATTERNS = CHECKPOINT_FILES + CHECKPOINT_FOLDERS
 SHARDED_MARKER = ".metadata"  # a sharded checkpoint folder's last file written: its time is the folder's
@@ -395,7 +398,7 @@ def newest_first(paths: list[str]) -> list[str]:
     """Most recently written first (a sharded folder when its marker was written). On an equal mtime (coarse
     file-system clocks) last.pt, written after the step checkpoint of the same step, and then the higher step
     count as newer."""
-    return sorted(paths, key=lambda path: (written_at(path), os.path.basename(path) in ("last.pt", "last"),
+    return sorted(paths, key=lambda path: (written_at(path), os.path.basename(path).split(".")[0] == "last",
                                            os.path.basename(path)), reverse=True)
 
 
@@ -414,7 +417,7 @@ def settings_file(path: str) -> str:
 def resumable_files(save_dir: str) -> list[str]:
     """Checkpoints in `save_dir` that a resume may use, files and sharded folders, newest first (best is not
     one: it is older)."""
-    return newest_first(matching(save_dir, ("step-*.pt", "last.pt"), ("step-[0-9]*[0-9]", "last")))
+    return newest_first(matching(save_dir, LAST_FILES, ("step-[0-9]*[0-9]", "last")))
 
 
 def matching(save_dir: str, files: tuple[str, ...], folders: tuple[str, ...] = ()) -> list[str]:

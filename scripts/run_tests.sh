@@ -2,5 +2,6 @@
 # Set up .venv if needed, then run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/ensure_env.sh hf  # the tests cover --dataset hf too (pyproject.toml's [hf] extra)
+# The tests cover --dataset hf and weights in and out ([hf]), and --logger mlflow and wandb ([mlflow], [wandb]).
+bash scripts/ensure_env.sh hf,mlflow,wandb
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

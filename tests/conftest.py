@@ -551,3 +551,27 @@ class CrashAt:
 def read_ids(files: Sequence[Path]) -> list[int]:
     """Every id IdModel wrote to these files."""
     return [int(i) for path in files if path.exists() for i in path.read_text().split()]
+
+
+# ---------------------------------------------------------------- transformers models
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    """A transformers GPT2LMHeadModel built from its config (no download): 2 layers of width 16, a vocabulary of
+    32, its output layer tied to its token embedding. Skips where transformers is not installed."""
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class TokenDicts(torch.utils.data.Dataset):
+    """What a tokenized Hugging Face data set gives a causal LM: {"input_ids", "labels"} (the model shifts)."""
+
+    def __init__(self, size: int, seed: int, length: int = 12, vocab: int = 32):
+        start = torch.randint(vocab, (size, 1), generator=torch.Generator().manual_seed(seed))
+        self.ids = (start + torch.arange(length)) % vocab  # counting on: easy to learn
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}

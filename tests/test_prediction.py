@@ -165,3 +165,11 @@ def test_a_predictions_file_that_is_not_one_or_is_cut_short_is_refused(tmp_path)
     path.with_name("text").write_text("index,predicted\n")
     with pytest.raises(ValueError, match="is not a predictions file"):
         prediction.load_predictions(str(path.with_name("text")))
+
+
+def test_a_transformers_models_predictions_are_its_tensors_not_its_cache(tmp_path):
+    from conftest import TokenDicts, tiny_gpt2
+
+    trainer = MultiGPUTrainer(tiny_gpt2(), TokenDicts(8, 0), None, config_for(tmp_path, 1, batch_size=4))
+    outputs = trainer.predict(TokenDicts(6, 1))  # GPT-2 also returns past_key_values, a cache object
+    assert list(outputs) == ["logits"] and outputs["logits"].shape == (6, 12, 32)
