@@ -215,10 +215,10 @@ def _torch_file_source(path: str) -> Source:
                     raise
                 loaded = torch.load(path, map_location="cpu", weights_only=True)  # the legacy format
     except pickle.UnpicklingError as error:
-        raise _refusal(path, f"refused: {checkpoint._load_failure(error)}; it is not loaded, since that would "
+        raise _refusal(path, f"refused: {checkpoint.load_failure(error)}; it is not loaded, since that would "
                              f"run code from the file") from None
     except Exception as error:
-        raise _refusal(path, f"refused: {checkpoint._load_failure(error)}") from None
+        raise _refusal(path, f"refused: {checkpoint.load_failure(error)}") from None
     if isinstance(loaded, dict) and all(key in loaded for key in checkpoint.REQUIRED_KEYS):
         return _checkpoint_source(path, loaded, sharded=False)
     tensors = _state_dict_in(loaded)
