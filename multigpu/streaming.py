@@ -344,9 +344,9 @@ class TrainStream:
     def state_dict(self) -> dict[str, Any]:
         """The position of the stream (every rank must call it: the ranks' counts are gathered)."""
         slots = self.workers * self.runtime.world_size
-        counts = [0] * slots
-        for rank_counts in gather_objects(self.counts):
-            for slot, n in rank_counts.items():  # type: ignore[union-attr]
+        counts, ranks = [0] * slots, gather_objects((self.counts, self.next_worker))
+        for rank_counts, _ in ranks:  # type: ignore[misc]
+            for slot, n in rank_counts.items():
                 counts[slot] = n
         layers = [dict(layer) for layer in self.shard.skip or []]
         if layers and layers[-1]["slots"] == slots:  # the same layout continues its last layer
@@ -355,7 +355,7 @@ class TrainStream:
             layers.append({"slots": slots, "counts": counts})
         return {"pass": self.shard.pass_number, "steps_in_epoch": self.steps_in_epoch,
                 "steps_in_pass": self.steps_in_pass, "layers": layers,
-                "next_worker": gather_objects(self.next_worker), "world_size": self.runtime.world_size,
+                "next_worker": [turn for _, turn in ranks], "world_size": self.runtime.world_size,  # type: ignore[misc]
                 "workers": self.workers, "shards_itself": not self.shard.split_by_trainer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
