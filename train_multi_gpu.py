@@ -164,7 +164,9 @@ class MultiGPUTrainer:
             self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
             self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
                                              sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
-        self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
+        # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
+        self.steps_per_epoch = ((self.stream.steps_per_epoch or 0) if self.stream is not None else
+                                math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps)))
 
         # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
         self.telemetry = Telemetry(rt, self.amp.dtype, self.train_loader.num_workers, self.report.line)
@@ -187,9 +189,13 @@ class MultiGPUTrainer:
                                                                         self.effective_batch, config.lr_base_batch))
                           if optimizer is None else users_optimizer(optimizer, self.model, lr_factor_))
         self.lr = self.optimizer.param_groups[0]["lr"]
-        self.total_steps = config.planned_steps(self.steps_per_epoch)  # optimizer steps of the whole run
+        # Optimizer steps of the whole run; a stream without __len__: unknown, taken as unbounded where a length is
+        # only weighed (room for checkpoints, --autotune's payback); what needs it exactly is refused below.
+        self.total_steps = config.planned_steps(self.steps_per_epoch) if self.steps_per_epoch else math.inf
         self.config = config = schedule_config(config, self.given, optimizer is not None, scheduler is not None)
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
+        if self.stream is not None and not self.steps_per_epoch:
+            streaming.refuse_schedules_without_length(config, scheduler is None, scheduler, self.scheduler_interval)
         self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
                           else users_scheduler(scheduler, self.optimizer, config.lr_scaling,
                                                self.total_steps if scheduler_interval == "step" else config.epochs))
@@ -342,8 +348,9 @@ class MultiGPUTrainer:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
         progress, config = self.progress, self.config
         done_steps = self.steps_done_in_epoch()
-        steps = self.steps_per_epoch if not config.max_steps else \
-            min(self.steps_per_epoch, done_steps + config.max_steps - progress.global_step)  # ends mid-epoch
+        steps = self.steps_per_epoch or None  # None: one pass of a stream without __len__, its steps unknown
+        if steps and config.max_steps:  # it ends mid-epoch
+            steps = min(steps, done_steps + config.max_steps - progress.global_step)
         self.report.start_epoch(progress.epoch, config.epochs, steps, done_steps)
         self.wrapped.train()
         self.meter.started = time.perf_counter()  # evaluation and saving are not training time
@@ -385,6 +392,8 @@ class MultiGPUTrainer:
 
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already taken; also points the sampler at the rest."""
+        if self.stream is not None:
+            return self.stream.steps_in_epoch
         self.sampler.start_at(self.progress.epoch, self.progress.samples_in_epoch)
         return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.config.grad_accum_steps))
 

@@ -13,18 +13,24 @@ one sample in world-size) and that splits its files over each rank's DataLoader 
 takes it as a stream that shards itself (multigpu/streaming.py: the uneven ends, the exact resume at the same
 layout). Its length, counted from the files (Parquet metadata; lines of the others), sizes an epoch as one pass.
 
+A row that cannot be read (broken JSON, a number count that does not fit the shape) is one line naming its
+file and row, said by the rank (or the loader worker's rank) that met it; so is a set of files with no rows.
+
 Only local files are read: HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set, so no network is tried.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import math
 import os
 from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from .files import UnreadableFile
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
@@ -43,9 +49,10 @@ def import_datasets(module: str = "datasets") -> Any:
         raise UsageError(f"--dataset hf needs the Hugging Face datasets library, which is not installed: "
                          f"{INSTALL}") from None
     # Its progress bars and notes ("Too many dataloader workers ...: stopping 1", when a rank's files are fewer
-    # than its workers: harmless, the others read them) would print on every rank; its errors still show.
+    # than its workers: harmless, the others read them) would print on every rank, and its error logs ("Failed
+    # to load JSON from file ...") beside the one line each of its errors becomes here (Files.bad_row).
     library.disable_progress_bars()
-    library.logging.set_verbosity_error()
+    library.logging.set_verbosity(library.logging.CRITICAL)
     return library
 
 
@@ -87,6 +94,7 @@ class HFSamples:
     def __init__(self, input_column: str, label_column: str, shape: Optional[tuple[int, ...]],
                  keep: tuple[str, ...] = ()):
         self.input_column, self.label_column, self.shape, self.keep = input_column, label_column, shape, keep
+        self.numbers = math.prod(shape) if shape is not None else 0  # what each input must hold
 
     def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
         value = example[self.input_column]
@@ -96,22 +104,84 @@ class HFSamples:
         else:
             x = torch.as_tensor(value, dtype=torch.float32)
         if self.shape is not None:
+            if self.numbers > 0 and x.numel() != self.numbers:  # (-1,): an image, flattened, whatever its size
+                raise ValueError(f"its column {self.input_column} holds {x.numel()} numbers, and a sample needs "
+                                 f"{self.numbers}")
             x = x.reshape(self.shape)
         return {"x": x, "y": torch.as_tensor(example[self.label_column], dtype=torch.long),
                 **{name: example[name] for name in self.keep}}
 
 
+class Files:
+    """The files of one flag (--data-files or --val-files) and their format: what a bad row's line names."""
+
+    def __init__(self, flag: str, kind: str, paths: list[str]):
+        self.flag, self.kind, self.paths = flag, kind, paths
+
+    def bad_row(self, samples: Optional[HFSamples], error: BaseException) -> str:
+        """One line for `error`, met reading these files: the first row of them that cannot be read or made a
+        sample, by file and row (1 = the first data row; a JSON Lines file's row is its line), and how to go on.
+        Found by reading the files again, one at a time: only on this error's path."""
+        where = self._first_bad_row(samples) or f"{', '.join(self.paths)}: {_last_line(error)}"
+        return f"{self.flag}: {where}; fix or remove it (--resume auto then continues from the last checkpoint)"
+
+    def _first_bad_row(self, samples: Optional[HFSamples]) -> Optional[str]:
+        datasets = import_datasets()
+        for path in self.paths:
+            broken = _broken_json(path) if self.kind == "json" else None
+            if broken:
+                return broken
+            try:
+                rows = datasets.load_dataset(self.kind, data_files=[path], split="train", streaming=True)
+                for row, example in enumerate(rows, 1):
+                    try:
+                        if samples is not None:
+                            samples(example)
+                    except Exception as error:  # noqa: BLE001 -- whatever makes a row unusable is named
+                        return f"{path} row {row}: {_last_line(error)}"
+            except Exception as error:  # noqa: BLE001 -- the file itself does not read
+                return f"{path} cannot be read: {_last_line(error)}"
+        return None
+
+
+def _broken_json(path: str) -> Optional[str]:
+    """'<path> row N is not valid JSON (why)' for the first such line of a JSON Lines file (a .json file: the
+    line where its document breaks), else None."""
+    with open(path, encoding="utf-8", errors="replace") as text:
+        if not path.lower().endswith(".jsonl"):
+            try:
+                json.load(text)
+            except json.JSONDecodeError as error:
+                return f"{path} line {error.lineno} is not valid JSON ({error.msg})"
+            return None
+        for row, line in enumerate(text, 1):
+            try:
+                if line.strip():
+                    json.loads(line.rstrip())
+            except json.JSONDecodeError as error:
+                return f"{path} row {row} is not valid JSON ({error.msg} at column {error.colno})"
+    return None
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 class HFTable(Dataset):
     """A map-style HF Dataset as the trainer's samples (the sampler splits it over ranks)."""
 
-    def __init__(self, table: Any, samples: HFSamples):
-        self.table, self.samples = table, samples
+    def __init__(self, table: Any, samples: HFSamples, files: Files):
+        self.table, self.samples, self.files = table, samples, files
 
     def __len__(self) -> int:
         return len(self.table)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.samples(self.table[int(index)])
+        try:
+            return self.samples(self.table[int(index)])
+        except Exception as error:  # a row the checks at start could not see: named, not a traceback
+            raise UnreadableFile(self.files.bad_row(self.samples, error)) from None
 
 
 class HFStream(IterableDataset):
@@ -120,8 +190,8 @@ class HFStream(IterableDataset):
 
     shards_itself = True  # multigpu/streaming.py takes what each (rank, worker) yields
 
-    def __init__(self, stream: Any, samples: HFSamples, length: Optional[int]):
-        self.stream, self.samples, self.length = stream, samples, length
+    def __init__(self, stream: Any, samples: HFSamples, length: Optional[int], files: Files):
+        self.stream, self.samples, self.length, self.files = stream, samples, length, files
 
     def __len__(self) -> int:
         if self.length is None:
@@ -132,17 +202,21 @@ class HFStream(IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        for example in split_dataset_by_node(self.stream, rank=rank, world_size=world_size):
-            yield self.samples(example)
+        try:
+            for example in split_dataset_by_node(self.stream, rank=rank, world_size=world_size):
+                yield self.samples(example)
+        except Exception as error:  # in a loader worker too: UnreadableFile reaches the rank as its one line
+            raise UnreadableFile(self.files.bad_row(self.samples, error)) from None
 
 
 def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Dataset, Optional[Dataset], tuple[int, ...],
                                                                         int]:
     """(train, val or None, one input's shape, classes) of --dataset hf; `keep`: columns passed on as they are."""
     datasets = import_datasets()
-    kind, files = files_of(config.data_files or "", "--data-files")
-    train = datasets.load_dataset(kind, data_files=files, split="train", streaming=config.streaming)
-    first = next(iter(train))
+    kind, paths = files_of(config.data_files or "", "--data-files")
+    files = Files("--data-files", kind, paths)
+    train = _load(datasets, files, config.streaming)
+    first = _first_row(train, files)
     input_column = _input_column(config, first)
     _check_label(config, first)
     shape = _shape(config, first[input_column], input_column)
@@ -151,17 +225,41 @@ def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Datase
     classes = len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
     sample_shape = tuple(samples(first)["x"].shape)
 
-    def wrap(table: Any, found: list[str]) -> Dataset:
+    def wrap(table: Any, of: Files) -> Dataset:  # each flag's files counted in their own format
         if config.streaming:
-            return HFStream(table, samples, count_rows(kind, found))
-        return HFTable(table, samples)
+            return HFStream(table, samples, count_rows(of.kind, of.paths), of)
+        return HFTable(table, samples, of)
 
     val = None
     if config.val_files:
-        val_kind, val_found = files_of(config.val_files, "--val-files")
-        val = wrap(datasets.load_dataset(val_kind, data_files=val_found, split="train", streaming=config.streaming),
-                   val_found)
+        val_files = Files("--val-files", *files_of(config.val_files, "--val-files"))
+        val = wrap(_load(datasets, val_files, config.streaming), val_files)
     return wrap(train, files), val, sample_shape, classes
+
+
+def _load(datasets: Any, files: Files, streaming: bool) -> Any:
+    """load_dataset of `files`; a set without rows, or a row that breaks the load, is one line."""
+    try:
+        return datasets.load_dataset(files.kind, data_files=files.paths, split="train", streaming=streaming)
+    except Exception as error:  # noqa: BLE001 -- datasets raises what its readers raise
+        try:
+            empty = count_rows(files.kind, files.paths) == 0
+        except Exception:  # noqa: BLE001 -- a file that does not even count: bad_row names it
+            empty = False
+        raise (_no_rows(files) if empty else UsageError(files.bad_row(None, error))) from None
+
+
+def _first_row(table: Any, files: Files) -> dict[str, Any]:
+    try:
+        return next(iter(table))
+    except StopIteration:
+        raise _no_rows(files) from None
+    except Exception as error:  # noqa: BLE001 -- a first row that does not read
+        raise UsageError(files.bad_row(None, error)) from None
+
+
+def _no_rows(files: Files) -> UsageError:
+    return UsageError(f"{files.flag}: {', '.join(files.paths)} hold no rows; give files with data")
 
 
 def _input_column(config: TrainConfig, example: dict[str, Any]) -> str:

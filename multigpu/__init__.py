@@ -13,6 +13,7 @@
 - metrics:      evaluation metrics reduced exactly across ranks (sums and counts)
 - evaluation:   exact distributed evaluation: every sample once, any world size
 - streaming:    IterableDataset input: split over ranks and workers, uneven ends agreed, the stream's position
+- stream_split: what a stream splits over ranks and workers by itself (probed, or read from Hugging Face's config)
 - prediction:   the outputs of every sample in dataset order, any world size, in memory or streamed to a file
 - inference:    BatchParallel: a batch split over several devices in one process, for prediction
 - meters:       per-interval loss/throughput, the one host sync of a logging interval

@@ -107,8 +107,9 @@ class TrainConfig:
                                 "has no class names)", group="data")
     num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
                                       group="data")
-    steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset; "
-                                "0: one pass over the stream, which needs its __len__)", group="data")
+    steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset), "
+                                "passes following one another; 0: an epoch is one pass (without __len__ its steps "
+                                "are unknown, and a schedule that needs them is refused)", group="data")
     eval_batch_size: Optional[int] = _opt(None, "samples per device per evaluation batch (default: --batch-size)",
                                           group="data")
     # --- model ---------------------------------------------------------

@@ -90,7 +90,7 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
     scheduler`, for OneCycleLR and the like: the times the trainer will step it), or given built (then on
     `optimizer`)."""
     if callable(scheduler) and not hasattr(scheduler, "step"):
-        if "total_steps" in _parameters(scheduler):
+        if takes_total_steps(scheduler):
             return scheduler(optimizer, total_steps=total_steps)
         return scheduler(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -100,6 +100,11 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
         raise UsageError(f"--lr-scaling {lr_scaling} cannot rescale a scheduler that is already built (it "
                          f"captured the unscaled LR): pass scheduler=lambda optimizer: ... instead")
     return scheduler
+
+
+def takes_total_steps(scheduler: SchedulerArg) -> bool:
+    """Whether `scheduler` is a function `(optimizer, total_steps) -> scheduler` (OneCycleLR and the like)."""
+    return callable(scheduler) and not hasattr(scheduler, "step") and "total_steps" in _parameters(scheduler)
 
 
 def _parameters(function: Callable) -> Collection[str]:

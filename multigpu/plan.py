@@ -37,7 +37,7 @@ class PlanFacts:
     lr: float  # the optimizer's LR after scaling: the schedule's base
     effective_batch: int
     loader_batch: int  # samples per micro-batch on each process
-    steps_per_epoch: int
+    steps_per_epoch: int  # 0: a stream without __len__, an epoch of one pass whose steps are unknown
     samples_per_epoch: int  # the sampler's usable samples, all ranks together
     convolutions: bool  # the model has 2-d convolutions (--channels-last helps)
     amp: str  # the precision's name
@@ -51,10 +51,14 @@ def plan_lines(run: PlanFacts) -> list[str]:
     config, rt, progress = run.config, run.runtime, run.progress
     batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
                   else f"{rt.mode}: --batch-size is per process" if rt.mode in ("ddp", "fsdp") else "one device")
-    steps_left = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
+    steps_left: Optional[int] = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
     if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
         steps_left = min(steps_left, config.max_steps - progress.global_step)
-    last_step = progress.global_step + max(0, steps_left)
+    length = (f"{run.steps_per_epoch} steps/epoch, {progress.global_step + max(0, steps_left)} steps"
+              f"{f' ({steps_left} left)' if progress.global_step else ''}")
+    if not run.steps_per_epoch:  # a stream without __len__: its passes' steps are counted as they come
+        steps_left = None
+        length = f"an epoch is one pass of the stream (no __len__: steps unknown), {config.epochs} epochs"
     warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
     schedule = (f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
                 if run.builtin_schedule else f"scheduler {type(run.scheduler).__name__} per "
@@ -65,8 +69,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
     return [rt.describe(),
             f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
             f"accumulation = {run.effective_batch} effective ({batch_rule})",
-            f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {run.steps_per_epoch} steps/epoch, "
-            f"{last_step} steps{f' ({steps_left} left)' if progress.global_step else ''}; amp {run.amp}",
+            f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
             *_warnings(run, warmup_steps)]
 
 
@@ -77,14 +80,16 @@ def _why_schedule(run: PlanFacts) -> str:
     return " (your optimizer's own LR: no scheduler given, lr_schedule not set)"
 
 
-def _lr_range(run: PlanFacts, steps_left: int) -> str:
+def _lr_range(run: PlanFacts, steps_left: Optional[int]) -> str:
     """The LR the next step applies and the highest the schedule reaches: the optimizer's LR above is only
-    the schedule's base (a warm-up or OneCycleLR starts far below it)."""
+    the schedule's base (a warm-up or OneCycleLR starts far below it). `steps_left` None: not known."""
     first = run.optimizer.param_groups[0]["lr"]
     steps = steps_left if run.scheduler_interval == "step" else run.config.epochs - run.progress.epoch
+    if steps is None and not run.builtin_schedule:
+        return f" (first step lr {first:g}, peak unknown)"
     if run.builtin_schedule:  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
         warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
-        steps = min(steps, max(0, warmup_steps - run.progress.global_step) + 1)
+        steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
     peak = peak_lr(run.scheduler, max(1, steps))
     return f" (first step lr {first:g}, peak {'unknown' if peak is None else f'{peak:g}'})"
 
@@ -95,7 +100,7 @@ def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
     facts = config_checks.RunFacts(run.builtin_optimizer, run.builtin_schedule,
                                    convolutions=run.convolutions, steps_per_epoch=run.steps_per_epoch)
     lines = config_checks.ignored_flags(config, run.given, facts)  # flags given that do nothing
-    if samples_per_rank < run.loader_batch * config.grad_accum_steps:
+    if run.steps_per_epoch and samples_per_rank < run.loader_batch * config.grad_accum_steps:
         lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
                      f"step's {run.loader_batch} x {config.grad_accum_steps}: every step uses "
                      f"{samples_per_rank} samples per process, not the effective batch above")

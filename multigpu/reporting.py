@@ -69,7 +69,8 @@ class Reporter:
         else:
             print(text, flush=True)
 
-    def start_epoch(self, epoch: int, epochs: int, total_steps: int, done_steps: int) -> None:
+    def start_epoch(self, epoch: int, epochs: int, total_steps: Optional[int], done_steps: int) -> None:
+        """The epoch's progress bar (`total_steps` None: steps and their rate, no total)."""
         if self.show_progress:
             from tqdm import tqdm
 

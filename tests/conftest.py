@@ -178,6 +178,15 @@ def assert_untouched(directory: Path, before: dict[Path, bytes]) -> None:
     assert {n for n in after if n.suffix == ".pt"} == {n for n in before if n.suffix == ".pt"}
 
 
+def assert_one_line(code: int, stderr: str, expected: str) -> None:
+    """Bad input as the project answers it: exit status 2 and one line on stderr, `error: ...` holding
+    `expected`, no traceback."""
+    lines = stderr.strip().splitlines()
+    assert code == 2, f"exit {code}\n{stderr}"
+    assert "Traceback" not in stderr and len(lines) == 1, stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
@@ -517,6 +526,59 @@ class IdStream(torch.utils.data.IterableDataset):
         generator = torch.Generator().manual_seed(i)
         y = i % 4
         return {"x": torch.randn(16, generator=generator) + 3 * torch.eye(16)[y], "y": torch.tensor(y)}
+
+
+def _part(start: int, end: int, index: int, parts: int) -> tuple[int, int]:
+    """Part `index` of `parts` contiguous parts of range(start, end), as PyTorch's IterableDataset example cuts."""
+    per = -(-(end - start) // parts)
+    return min(end, start + index * per), min(end, start + (index + 1) * per)
+
+
+class SplitIds(torch.utils.data.IterableDataset):
+    """A user's stream of ids 0..n-1 (IdStream's samples) that splits itself as users' streams do, with no
+    shards_itself attribute (the trainer has to find out): over DataLoader workers as PyTorch's IterableDataset
+    documentation shows (`get_worker_info()` in `__iter__`, a contiguous range per worker), over ranks by the
+    RANK and WORLD_SIZE variables (`ranks="env"`) or torch.distributed's get_rank (`"dist"`) in `__iter__`, or by
+    the rank read at construction (`"init"`, which no probe of `__iter__` sees). `length=False`: no __len__."""
+
+    def __init__(self, n: int = 30, workers: bool = False, ranks: Optional[str] = None, length: bool = True):
+        self.n, self.workers, self.ranks, self.length = n, workers, ranks, length
+        self.init_rank = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+    def __len__(self) -> int:
+        if not self.length:
+            raise TypeError("no length")  # what len() of a stream without __len__ raises
+        return self.n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        start, end = 0, self.n
+        if self.ranks:
+            rank, world = (self.init_rank if self.ranks == "init" else
+                           (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))) if self.ranks == "env"
+                           else (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1))
+            start, end = _part(start, end, rank, world)
+        info = torch.utils.data.get_worker_info()
+        if self.workers and info is not None:
+            start, end = _part(start, end, info.id, info.num_workers)
+        for i in range(start, end):
+            yield {"id": i, **IdStream.features(i)}
+
+
+def write_id_files(folder: Path, kind: str, shards: Sequence[int] = SHARDS) -> Path:
+    """IdStream's samples (ids 0.. in shards of `shards` rows) as JSONL or Parquet files, one per shard, with
+    the columns id, x (16 numbers) and label, for --dataset hf and Hugging Face streams."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for index, size in enumerate(shards):
+        rows = [{"id": i, "x": IdStream.features(i)["x"].tolist(), "label": int(IdStream.features(i)["y"])}
+                for i in range(start, start + size)]
+        start += size
+        if kind == "jsonl":
+            (folder / f"part-{index}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        else:
+            import datasets
+            datasets.Dataset.from_list(rows).to_parquet(str(folder / f"part-{index}.parquet"))
+    return folder
 
 
 class IdModel(torch.nn.Module):

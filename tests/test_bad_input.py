@@ -35,9 +35,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_untouched, blobs, cli_command, cli_env, config_for,
-                      contents, file_size_limit, hold_save_dir, image_folder, permissions_apply, run_cli_ranks,
-                      run_on_small_file_system, tiny_model, tiny_text)
+from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_one_line, assert_untouched, blobs, cli_command, cli_env,
+                      config_for, contents, file_size_limit, hold_save_dir, image_folder, permissions_apply,
+                      run_cli_ranks, run_on_small_file_system, tiny_model, tiny_text)
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.models import build_model
 from multigpu import launch_rules
@@ -65,13 +65,6 @@ def save_dir(prepared: Path, tmp_path: Path) -> Path:
     """A copy of the prepared save-dir, for one case."""
     shutil.copytree(prepared, tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def assert_one_line(code: int, stderr: str, expected: str) -> None:
-    lines = stderr.strip().splitlines()
-    assert code == 2, f"exit {code}\n{stderr}"
-    assert "Traceback" not in stderr and len(lines) == 1, stderr
-    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
 
 
 # ---------------------------------------------------------------- files the cases need

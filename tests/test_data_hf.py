@@ -13,27 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDS, IdModel, IdStream, assert_ok, config_for, read_ids, run_cli, run_ranks
+from conftest import SHARDS, IdModel, assert_ok, config_for, read_ids, run_cli, run_ranks, write_id_files
 from multigpu.errors import UsageError
 
 datasets = pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
 EPOCH = sum(SHARDS)
 CASES = [("jsonl", 0), ("jsonl", 1), ("jsonl", 2), ("parquet", 1)]  # (format, workers): parquet once, to save CI time
-
-
-def write_files(folder: Path, kind: str) -> Path:
-    """IdStream's samples (ids 0..237 in shards of 100, 101 and 37) as JSONL or Parquet files, one per shard."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rows, start = [], 0
-    for index, size in enumerate(SHARDS):
-        rows = [{"id": i, "x": IdStream.features(i)["x"].tolist(), "label": int(IdStream.features(i)["y"])}
-                for i in range(start, start + size)]
-        start += size
-        if kind == "jsonl":
-            (folder / f"part-{index}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        else:
-            datasets.Dataset.from_list(rows).to_parquet(str(folder / f"part-{index}.parquet"))
-    return folder
 
 
 def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
@@ -60,7 +45,7 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_streamed_files_give_every_sample_once_over_ranks_and_workers(tmp_path, world):
     for kind in ("jsonl", "parquet"):
-        write_files(tmp_path / kind, kind)
+        write_id_files(tmp_path / kind, kind)
     ranks = run_ranks(_train, world, tmp_path, tmp_path) if world > 1 else [_train(0, 1, tmp_path)]
     for case in ranks[0]:
         results = [rank[case] for rank in ranks]
@@ -76,7 +61,7 @@ def test_streamed_files_give_every_sample_once_over_ranks_and_workers(tmp_path, 
 
 
 def test_map_style_files_train_and_a_streamed_run_learns_under_torchrun(tmp_path):
-    folder = write_files(tmp_path / "jsonl", "jsonl")
+    folder = write_id_files(tmp_path / "jsonl", "jsonl")
     args = ["--dataset", "hf", "--data-files", str(folder / "part-[01].jsonl"), "--val-files",
             str(folder / "part-2.jsonl"), "--mode", "flatten", "--model", "mlp", "--num-classes", "4",
             "--batch-size", "16", "--epochs", "2", "--lr", "0.01", "--no-progress"]
@@ -110,3 +95,114 @@ def test_without_the_library_it_says_what_to_install():
     with pytest.raises(UsageError, match=re.escape("--dataset hf needs the Hugging Face datasets library, which is "
                                                    "not installed: pip install '.[hf]'")):
         import_datasets("datasets_that_is_not_installed")
+
+
+# ---------------------------------------------------------------- bad rows and odd sets of files
+def _break_json(folder: Path) -> str:
+    rows = (folder / "part-1.jsonl").read_text().splitlines()
+    rows[6] = rows[6][:30]  # row 7 cut off mid-list
+    (folder / "part-1.jsonl").write_text("\n".join(rows) + "\n")
+    return f"{folder / 'part-1.jsonl'} row 7 is not valid JSON (Expecting ',' delimiter at column 31)"
+
+
+def _wrong_length(folder: Path) -> str:
+    rows = (folder / "part-1.jsonl").read_text().splitlines()
+    rows[8] = json.dumps({"id": 20, "x": [1.0, 2.0], "label": 0})
+    (folder / "part-1.jsonl").write_text("\n".join(rows) + "\n")
+    return f"{folder / 'part-1.jsonl'} row 9: its column x holds 2 numbers, and a sample needs 16"
+
+
+def _empty(folder: Path) -> str:
+    for path in folder.glob("*.jsonl"):
+        path.write_text("\n" if path.name == "part-0.jsonl" else "")
+    return f"{', '.join(str(path) for path in sorted(folder.glob('*.jsonl')))} hold no rows; give files with data"
+
+
+@pytest.mark.parametrize("damage, workers", [(_break_json, 1), (_wrong_length, 0), (_empty, 0)],
+                         ids=["broken JSON mid-shard, in a loader worker", "a row of the wrong length",
+                              "only empty shards"])
+def test_bad_rows_are_one_line_naming_file_and_row_and_the_checkpoints_are_kept(tmp_path, capsys, damage, workers):
+    """A streamed run trains an epoch and saves; then a file is damaged and --resume auto trains on: the row met
+    mid-epoch (in a DataLoader worker, whose error arrives wrapped) is one line naming the file and the row,
+    exit 2, and the checkpoints are untouched."""
+    import main_multi_gpu
+    from conftest import assert_one_line, assert_untouched, contents
+
+    folder = write_id_files(tmp_path / "files", "jsonl", (12, 11, 7))
+    save_dir = tmp_path / "ckpt"
+    run = ["--dataset", "hf", "--data-files", str(folder / "*.jsonl"), "--streaming", "--mode", "flatten", "--model",
+           "mlp", "--num-classes", "4", "--batch-size", "4", "--epochs", "1", "--no-progress", "--num-workers",
+           str(workers), "--save-dir", str(save_dir)]
+    assert main_multi_gpu.main(run) == 0
+    where = damage(folder)
+    before = contents(save_dir)
+    capsys.readouterr()
+    code = main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"])
+    assert_one_line(code, capsys.readouterr().err, f"error: --data-files: {where}")
+    assert_untouched(save_dir, before)
+
+
+def test_validation_files_are_read_in_their_own_format(tmp_path):
+    """--data-files Parquet with --val-files JSON Lines, streamed: each flag's files in their own format."""
+    from data.hf import hf_datasets
+    from multigpu.config import TrainConfig
+
+    train_files = write_id_files(tmp_path / "p", "parquet", (12, 11))
+    val_files = write_id_files(tmp_path / "j", "jsonl", (7,))
+    config = TrainConfig(dataset="hf", data_files=str(train_files / "*.parquet"), val_files=str(val_files / "*.jsonl"),
+                         streaming=True, mode="flatten")
+    train, val, shape, _ = hf_datasets(config, keep=("id",))
+    assert (len(train), len(val), shape) == (23, 7, (16,))
+    assert [sample["id"] for sample in val] == list(range(7))
+
+
+def test_fewer_samples_than_ranks_is_refused_in_one_line(tmp_path):
+    """One file of one row, streamed at 2 ranks: rank 1 gets no sample, so no step can have a batch on every
+    rank; the run says so in one line (rank 0's), exit 2, on both ranks, and writes no checkpoint."""
+    from conftest import run_cli_ranks
+
+    write_id_files(tmp_path / "files", "jsonl", (1,))
+    results = run_cli_ranks(["--dataset", "hf", "--data-files", str(tmp_path / "files" / "*.jsonl"), "--streaming",
+                             "--mode", "flatten", "--model", "mlp", "--num-classes", "4", "--batch-size", "4",
+                             "--no-progress", "--dist-timeout", "60", "--save-dir", str(tmp_path / "ckpt")], 2)
+    assert [result.returncode for result in results] == [2, 2], [result.stderr[-2000:] for result in results]
+    assert results[0].stderr.splitlines() == [
+        "error: the training stream is too small for 2 ranks: a whole pass gave rank 0: 1, rank 1: 0 sample(s), and "
+        "every step needs 1 batch(es) on every rank; use fewer ranks, or more data"]
+    assert results[1].stderr == ""
+    assert not list((tmp_path / "ckpt").glob("*.pt"))
+
+
+def test_a_streamed_run_with_loader_workers_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
+    """--dataset hf --streaming, 2 ranks x 2 loader workers under torchrun: rank 1 SIGKILLed after step 5, torchrun
+    restarts both with --resume auto from step 3's checkpoint (3 batches in: worker 1's turn next, on files worker
+    0 does not read): the final weights equal the uninterrupted run's exactly."""
+    folder = write_id_files(tmp_path / "files", "jsonl")
+    args = ["--dataset", "hf", "--data-files", str(folder / "*.jsonl"), "--streaming", "--mode", "flatten", "--model",
+            "mlp", "--num-classes", "4", "--batch-size", "16", "--epochs", "1", "--lr", "0.01", "--num-workers", "2",
+            "--no-progress", "--save-every-steps", "3", "--resume", "auto", "--dist-timeout", "60"]
+    killed = run_cli([*args, "--save-dir", str(tmp_path / "killed")], nproc=2, torchrun_args=["--max-restarts", "1"],
+                     env={"MULTIGPU_FAULT_INJECT": "1:5"})
+    assert_ok(killed)
+    assert f"resumed from {tmp_path / 'killed' / 'step-000000003.pt'}" in killed.stdout
+    assert_ok(run_cli([*args, "--save-dir", str(tmp_path / "whole")], nproc=2))
+    resumed, whole = (torch.load(tmp_path / name / "last.pt", weights_only=True)["model"]
+                      for name in ("killed", "whole"))
+    assert max((resumed[key] - whole[key]).abs().max().item() for key in whole) == 0
+
+
+def test_a_bad_row_that_one_rank_meets_is_that_ranks_one_line(tmp_path):
+    """Two files at 2 ranks: split_dataset_by_node gives each rank one; rank 1's has broken JSON at row 7, met in
+    its loader worker mid-epoch. Rank 1 says so in one line naming the file and row, exit 2; rank 0, left
+    waiting for it in the step's collective, says it lost rank 1, exit 1."""
+    from conftest import run_cli_ranks
+
+    folder = write_id_files(tmp_path / "files", "jsonl", (12, 11))
+    where = _break_json(folder)
+    results = run_cli_ranks(["--dataset", "hf", "--data-files", str(folder / "*.jsonl"), "--streaming", "--mode",
+                             "flatten", "--model", "mlp", "--num-classes", "4", "--batch-size", "4", "--no-progress",
+                             "--num-workers", "1", "--dist-timeout", "60", "--save-dir", str(tmp_path / "ckpt")], 2)
+    assert results[1].returncode == 2 and results[1].stderr.splitlines() == [
+        f"error: rank 1: --data-files: {where}; fix or remove it (--resume auto then continues from the last "
+        f"checkpoint)"], results[1].stderr
+    assert results[0].returncode == 1 and "lost contact with rank 1" in results[0].stderr, results[0].stderr

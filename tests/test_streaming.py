@@ -3,8 +3,12 @@ never hang, and resume at the exact sample, at another layout too. Real DataLoad
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, CrashAt, IdModel, IdStream, cli_env, config_for,
-                      free_port, read_ids, run_ranks)
+from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, CrashAt, IdModel, IdStream, SplitIds, cli_env, config_for,
+                      free_port, read_ids, run_ranks, write_id_files)
 from multigpu.streaming import StreamShard, TaggedCollate
 
 EPOCH = sum(SHARDS)
@@ -52,6 +56,118 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
                 counts[slot] = n
         layers.append({"slots": len(counts), "counts": counts})
     assert sorted(seen) == list(range(EPOCH))
+
+
+# ---------------------------------------------------------------- what a stream splits by itself
+MATRIX_SHARDS = (12, 11, 7)  # 30 ids; as files, the 3 shards of a Hugging Face stream
+MATRIX_IDS = list(range(sum(MATRIX_SHARDS)))
+KINDS = ("naive", "splits workers", "splits ranks", "splits both", "hf", "hf split by node")
+
+
+def matrix_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
+    """A stream of MATRIX_IDS of `kind`: SplitIds (the trainer has to find out what it splits), or a Hugging
+    Face stream of the files in `folder`, raw or split by split_dataset_by_node as its documentation shows."""
+    if not kind.startswith("hf"):
+        return SplitIds(len(MATRIX_IDS), workers=kind in ("splits workers", "splits both"),
+                        ranks={"splits ranks": "env", "splits both": "dist"}.get(kind))
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.load_dataset("json", data_files=sorted(map(str, folder.glob("*.jsonl"))), split="train",
+                                   streaming=True)
+    if kind == "hf split by node":
+        stream = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    return stream
+
+
+def read_every_kind(rank: int, world: int, folder: Path) -> dict:
+    """On each rank: for each kind x 0, 1 and 2 loader workers, the ids the trainer's own loader gives this rank
+    in its first two passes; then the lines the first pass of streams the probe cannot see makes the trainer say."""
+    import multiprocessing
+
+    from multigpu.data import build_loader
+    from multigpu.distributed import Runtime
+    from multigpu.streaming import TrainStream
+
+    # Loader workers fork, as they do under torchrun (a rank started by spawn would spawn them too: 50 times
+    # importing torch and datasets afresh).
+    multiprocessing.set_start_method("fork", force=True)
+    runtime = Runtime("ddp" if world > 1 else "none", torch.device("cpu"), rank, rank, world)
+    ids = {}
+    for kind in KINDS:
+        dataset = matrix_stream(kind, folder)
+        if kind.startswith("hf"):
+            dataset = dataset.select_columns(["id"])  # the ids are what is checked
+        for workers in (0, 1, 2):
+            stream = TrainStream(dataset, runtime, 4, 1, 0, workers, 0, None, build_loader)
+            for pass_number in (0, 1):
+                stream.shard.pass_number = pass_number
+                ids[kind, workers, pass_number] = [i for _, _, batch in stream.loader for i in batch["id"].tolist()]
+    undetected = {"rank read in __init__": (SplitIds(len(MATRIX_IDS), ranks="init"), 0),
+                  "shards_itself but reads all": (SplitIds(len(MATRIX_IDS)), 2),
+                  "no __len__, shards_itself but reads all": (SplitIds(len(MATRIX_IDS), length=False), 2)}
+    undetected["shards_itself but reads all"][0].shards_itself = True
+    undetected["no __len__, shards_itself but reads all"][0].shards_itself = True
+    said = {}
+    for name, (dataset, workers) in undetected.items():
+        lines: list[str] = []
+        stream = TrainStream(dataset, runtime, 4, 1, 0, workers, 0, None, build_loader)
+        for _ in stream.windows(lines.append):
+            pass
+        said[name] = lines
+    return {"ids": ids, "said": said}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_workers(tmp_path, world):
+    """A naive stream, one that splits over workers (PyTorch's documented pattern), one that splits over ranks
+    (RANK and WORLD_SIZE), one that splits over both (torch.distributed's rank), and a Hugging Face stream raw
+    and after split_dataset_by_node, each with 0, 1 and 2 loader workers, in one process group per world size:
+    the trainer's loaders give every id exactly once in each of two passes."""
+    pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
+    folder = write_id_files(tmp_path / "files", "jsonl", MATRIX_SHARDS)
+    ranks = run_ranks(read_every_kind, world, tmp_path, folder)
+    for case in ranks[0]["ids"]:
+        assert sorted(i for rank in ranks for i in rank["ids"][case]) == MATRIX_IDS, case
+    said = ranks[0]["said"]
+    # What the probe cannot see, the counts show: each rank kept 1/world of its own 1/world.
+    assert said["rank read in __init__"] == ([] if world == 1 else [
+        f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
+        f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
+        f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
+        f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, "
+        f"\"Your own data\")"])
+    if world == 1:  # 2 workers that both read everything: twice the length, or the same first batch
+        assert said["shards_itself but reads all"] == [
+            "warning: the first pass of the training stream gave 60 samples over 1 rank(s) x 2 worker(s), and its "
+            "__len__ is 30: each sample read about 2 times, by several (rank, worker)s; the trainer took it as a "
+            "stream that splits over ranks and workers by itself (its shards_itself attribute). Read the rank and "
+            "worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")"]
+        assert said["no __len__, shards_itself but reads all"] == [
+            "warning: in the first pass of the training stream rank 0 worker 0 and rank 0 worker 1 read the same "
+            "first batch: samples are read more than once; the trainer took it as a stream that splits over ranks "
+            "and workers by itself (its shards_itself attribute). Read the rank and worker in __iter__, or set "
+            "shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")"]
+
+
+@pytest.mark.parametrize("kind", ["splits workers", "hf"])
+def test_a_stream_that_splits_over_workers_itself_trains_on_every_sample_once_per_epoch(tmp_path, kind):
+    """The issue's cases through fit: PyTorch's documented pattern (a range per get_worker_info() worker) and a
+    Hugging Face stream passed through the Python API (no __len__: a constant LR), 2 loader workers, 2 epochs:
+    each id trained once per epoch (before, half of them were never trained)."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    if kind == "hf":
+        pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
+    dataset = matrix_stream(kind, write_id_files(tmp_path / "files", "jsonl", MATRIX_SHARDS))
+    if kind == "hf":
+        dataset = dataset.with_format("torch")
+    for epochs in (1, 2):
+        config = config_for(tmp_path / "ckpt", 1, num_workers=2, epochs=epochs, lr_schedule="constant", batch_size=4,
+                            resume="auto", log_every=1000)
+        with MultiGPUTrainer(IdModel(tmp_path / f"ids{epochs}"), dataset, None, config) as trainer:
+            trainer.fit()
+        assert sorted(read_ids([tmp_path / f"ids{epochs}"])) == MATRIX_IDS, f"epoch {epochs}"
 
 
 def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStream, **overrides) -> dict:
@@ -100,23 +216,25 @@ STREAM_RUN = """
 import os, sys, torch
 sys.path[:0] = [{repo!r}, {tests!r}]
 from pathlib import Path
-from conftest import IdModel, IdStream, config_for
+from conftest import SHARDS, IdModel, IdStream, SplitIds, config_for
 from train_multi_gpu import MultiGPUTrainer
 out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
 model = IdModel(out / f"ids{{rank}}-{{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}}")
 config = config_for(out, 2, num_workers=2, epochs=1, save_every_steps={kill_step}, resume="auto", log_every=1000)
-with MultiGPUTrainer(model, IdStream(), None, config) as trainer:
+with MultiGPUTrainer(model, {stream}, None, config) as trainer:
     trainer.fit()
     if rank == 0:
         torch.save(trainer.model.state_dict(), out / "final.pt")
 """
 
 
-def run_stream_torchrun(out: Path, fault: str = "") -> subprocess.CompletedProcess:
-    """STREAM_RUN under torchrun, 2 ranks x 2 workers, one restart allowed; `fault` for MULTIGPU_FAULT_INJECT."""
+def run_stream_torchrun(out: Path, stream: str, fault: str = "") -> subprocess.CompletedProcess:
+    """STREAM_RUN of `stream` (an expression) under torchrun, 2 ranks x 2 workers, one restart allowed; `fault`
+    for MULTIGPU_FAULT_INJECT."""
     out.mkdir()
     script = out / "run.py"
-    script.write_text(STREAM_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), kill_step=KILL_STEP))
+    script.write_text(STREAM_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), kill_step=KILL_STEP,
+                                        stream=stream))
     env = cli_env({"MULTIGPU_FAULT_INJECT": fault} if fault else None)
     command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
                "--master-port", str(free_port()), str(script), str(out)]
@@ -126,18 +244,21 @@ def run_stream_torchrun(out: Path, fault: str = "") -> subprocess.CompletedProce
 KILL_STEP = 5
 
 
-def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path):
-    """Rank 1 is SIGKILLed after step 5's checkpoint; torchrun restarts both ranks with --resume auto: the ids
-    trained before the kill and after the restart are exactly one epoch, and the weights equal an uninterrupted
-    run's."""
-    killed = run_stream_torchrun(tmp_path / "killed", fault=f"1:{KILL_STEP}")
+@pytest.mark.parametrize("stream", ["IdStream()", "SplitIds(sum(SHARDS), workers=True)"],
+                         ids=["split by the trainer", "splits over workers itself"])
+def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path, stream):
+    """Rank 1 is SIGKILLed right after step 5's checkpoint (its first), mid-epoch; torchrun restarts both ranks
+    with --resume auto: the ids trained before the kill and after the restart are exactly one epoch, and the
+    weights equal an uninterrupted run's. With 2 loader workers per rank: 5 batches in, the worker whose turn
+    is next is worker 1, which a stream that splits over workers by get_worker_info() must be told it is."""
+    killed = run_stream_torchrun(tmp_path / "killed", stream, fault=f"1:{KILL_STEP}")
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "resumed from" in killed.stdout + killed.stderr
     before = [i for rank in (0, 1) for line in (tmp_path / "killed" / f"ids{rank}-0").read_text().splitlines()
               [:KILL_STEP] for i in map(int, line.split())]  # steps after the checkpoint were never saved
     after = read_ids([tmp_path / "killed" / f"ids{rank}-1" for rank in (0, 1)])
     assert sorted(before + after) == list(range(EPOCH))
-    whole = run_stream_torchrun(tmp_path / "whole")
+    whole = run_stream_torchrun(tmp_path / "whole", stream)
     assert whole.returncode == 0, whole.stderr[-3000:]
     resumed, uninterrupted = (torch.load(tmp_path / name / "final.pt") for name in ("killed", "whole"))
     assert max((resumed[key] - uninterrupted[key]).abs().max().item() for key in resumed) == 0
@@ -187,14 +308,69 @@ class EndlessIds(IdStream):
     __len__ = None  # type: ignore[assignment]
 
 
-def test_a_stream_without_a_length_needs_steps_per_epoch_and_then_trains_that_many(tmp_path):
+class Terminal(io.StringIO):
+    """A console that says it is a terminal, so the progress bar draws into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_stream_without_a_length_trains_by_passes_with_a_bar_of_steps_and_no_total(tmp_path):
+    """No __len__, no --steps-per-epoch, a constant LR: each of the 2 epochs is one pass (30 steps of 8), every
+    id trained once in each; the plan says so and the bar counts steps and their rate, with no total."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    config = config_for(tmp_path, 1, lr_schedule="constant", progress=True, log_every=1000)
+    console = Terminal()
+    with contextlib.redirect_stdout(console), MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None,
+                                                              config) as trainer:
+        summary = trainer.fit()
+    assert (summary["epochs"], summary["global_step"]) == (2, 60)
+    assert collections.Counter(read_ids([tmp_path / "ids"])) == {i: 2 for i in range(EPOCH)}
+    printed = console.getvalue()
+    assert "schedule constant, warm-up 0 steps (first step lr 0.01, peak 0.01), an epoch is one pass of the stream " \
+           "(no __len__: steps unknown), 2 epochs; amp" in printed
+    assert re.search(r"epoch 2/2: 30step \[[0-9:]+, +[0-9.]+step/s", printed), printed  # no "30/N"
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    ({}, "--lr-schedule cosine needs the run's length in steps, and this training stream has no __len__"),
+    ({"lr_schedule": "constant", "warmup_epochs": 0.5}, "--warmup-epochs 0.5 counts steps in epochs, and this "
+                                                        "training stream has no __len__"),
+    ({"lr_schedule": "step"}, "--lr-schedule step needs the run's length in steps"),
+    ({"scheduler": lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps)},
+     "your scheduler takes total_steps, and this training stream has no __len__"),
+])
+def test_a_schedule_that_needs_the_length_of_a_stream_without_one_is_refused_naming_the_flags(tmp_path, overrides,
+                                                                                              refusal):
     from multigpu.errors import UsageError
     from train_multi_gpu import MultiGPUTrainer
 
-    with pytest.raises(UsageError, match="needs --steps-per-epoch N or --max-steps N"):
-        MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "a", 1))
-    with MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path / "b", 1, steps_per_epoch=7)) as trainer:
-        assert trainer.fit()["global_step"] == 2 * 7  # the pass of 30 batches goes on across epochs
+    scheduler = overrides.pop("scheduler", None)
+    with pytest.raises(UsageError, match="^" + re.escape(refusal) + ".*: give --steps-per-epoch N or --max-steps N "
+                                                                    r"\(steps_per_epoch=N, max_steps=N\)"):
+        MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path, 1, **overrides), scheduler=scheduler)
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"steps_per_epoch": 20, "epochs": 2}, "10 steps into an epoch of --steps-per-epoch 20"),
+    ({"max_steps": 40, "epochs": 1}, "30 steps into an epoch of --max-steps 40"),
+])
+def test_a_pass_that_runs_out_before_the_epoch_is_followed_by_the_next_and_said_once(tmp_path, flags, said):
+    """30 steps of data a pass: --steps-per-epoch 20 x 2 epochs, or --max-steps 40 alone, train all 40 steps,
+    pass 2 following pass 1 from the stream's start, and the cosine schedule reaches its end; one line says so."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    out = io.StringIO()
+    config = config_for(tmp_path, 1, log_every=1000, **flags)
+    with contextlib.redirect_stdout(out), MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None,
+                                                          config) as trainer:
+        assert trainer.fit()["global_step"] == 40
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+    assert sorted(read_ids([tmp_path / "ids"])) == sorted([*range(EPOCH), *range(10 * 8)])  # 29 x 8 + 6, 10 x 8
+    assert out.getvalue().count("the training stream ran out") == 1
+    assert f"the training stream ran out after 30 steps (pass 1), {said}: the epoch goes on with pass 2, from the " \
+           f"stream's start (said once)" in out.getvalue()
 
 
 def test_max_steps_alone_bounds_an_endless_stream_and_its_schedule(tmp_path):
