@@ -15,9 +15,9 @@ Run under `torchrun --nproc_per_node=N` and the same code trains with DDP.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
-import gc
 import math
 import sys
 import time
@@ -39,7 +39,8 @@ from multigpu.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import Runtime, gather_objects, is_distributed, prepare_model, setup, teardown, wrap_model
+from multigpu.distributed import (Runtime, gather_objects, is_distributed, prepare_model, setup, teardown,
+                                  teardown_at_exit, wrap_model)
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
@@ -129,6 +130,8 @@ class MultiGPUTrainer:
         group_before = is_distributed()
         self.runtime = rt = runtime or setup(config)
         self.owns_process_group = runtime is None and is_distributed() and not group_before
+        # A script that calls fit() or predict() and simply ends: the group is destroyed at exit, as close() does.
+        self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
         self.config, run_folder = with_run_folder(config, rt)
         config, self.device = self.config, rt.device
         self.report = Reporter(config, rt.is_main)
@@ -688,14 +691,21 @@ class MultiGPUTrainer:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Release the save-dir and the writer and, if this trainer set up the process group, destroy it
-        (after the DDP wrapper that holds it is gone)."""
-        self.report.close()
-        self.checkpointer.release()
+        (after the DDP wrapper that holds it is gone). Without a call, it runs at interpreter exit, also for a
+        trainer whose construction failed part-way (which has only some of these)."""
+        built = vars(self)
+        if "report" in built:
+            self.report.close()
+        if "checkpointer" in built:
+            self.checkpointer.release()
         if self.owns_process_group:
-            self.wrapped = self.model
-            gc.collect()
+            # DDP and its bound no_sync hold the group: dropped before it is destroyed
+            self.wrapped, self.no_sync = built.get("model"), contextlib.nullcontext
             teardown()
             self.owns_process_group = False
+        if self._close_at_exit is not None:
+            atexit.unregister(self._close_at_exit)
+            self._close_at_exit = None
 
     def __enter__(self) -> "MultiGPUTrainer":
         return self

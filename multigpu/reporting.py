@@ -28,6 +28,7 @@ class Reporter:
         self.show_progress = enabled and config.progress and sys.stdout.isatty()
         self.bar: Any = None
         self._writer: Any = None
+        self._importing: Optional[threading.Thread] = None  # import_writer_in_background's
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
@@ -40,10 +41,12 @@ class Reporter:
     def import_writer_in_background(self) -> None:
         """Load TensorBoard's modules (40-60 ms) beside the first steps, whose kernels release the interpreter lock,
         rather than at the first sync point, where the other ranks would wait for rank 0. Only for a run without
-        loader workers: a fork during an import could leave its lock held in the worker."""
+        loader workers: a fork during an import could leave its lock held in the worker. Not a daemon: a script
+        that ends first waits for it, rather than meeting it half-way through C code at interpreter finalization."""
         if self.enabled:
-            threading.Thread(target=importlib.import_module, args=("multigpu.event_file",), daemon=True,
-                             name="import TensorBoard").start()
+            self._importing = threading.Thread(target=importlib.import_module, args=("multigpu.event_file",),
+                                               name="import TensorBoard")
+            self._importing.start()
 
     @property
     def writer(self) -> Any:
@@ -150,6 +153,9 @@ class Reporter:
                 self._writer.flush()
 
     def close(self) -> None:
+        """Close the bar and the TensorBoard file, and wait for the background import (threads of ours end here)."""
+        if self._importing is not None:
+            self._importing.join()
         self.end_epoch()
         writer, self._writer = self._writer, None
         if writer is not None:

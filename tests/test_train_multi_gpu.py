@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -10,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import CrashAt, blobs, config_for, read_scalars, run_ranks, tiny_model
+from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
+                      thread_names, tiny_model)
 from multigpu import checkpoint
 from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
@@ -133,14 +136,68 @@ def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str
     with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path, world_size, epochs=1)) as trainer:
         trainer.fit()
         during = dist.is_initialized() and trainer.owns_process_group
-    return {"during": during, "after": dist.is_initialized()}
+    return {"during": during, "after": dist.is_initialized(), "gloo threads after": any(
+        name.startswith(("gloo", "pt_gloo")) for name in thread_names())}
 
 
 def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
+    """Destroyed means gone: its gloo threads are joined, though DDP's first construction imports a module whose
+    default arguments would hold the group for good (multigpu/distributed.py _import_before_the_group)."""
     owned = run_ranks(_process_group_owner, 2, tmp_path / "owned", tmp_path / "owned", join_group=False)
-    assert owned == [{"during": True, "after": False}] * 2
+    assert owned == [{"during": True, "after": False, "gloo threads after": False}] * 2
     given = run_ranks(_process_group_owner, 2, tmp_path / "given", tmp_path / "given")  # the test set it up
-    assert given == [{"during": False, "after": True}] * 2
+    assert given == [{"during": False, "after": True, "gloo threads after": True}] * 2
+
+
+# A user's script, as the guide's "Your own task" shows it: build, fit (or only predict), and simply end; no
+# close(), no `with`. Its own at-exit handler, registered first, runs after the framework's and reports which
+# threads are still there then: only the main thread may be, or the interpreter's finalization meets them.
+SCRIPT_THAT_ENDS = """
+import atexit, os, sys, threading
+
+def threads_at_exit():
+    names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+    print(f"threads at exit: {len(names)} {names} {[t.name for t in threading.enumerate()]}", flush=True)
+
+atexit.register(threads_at_exit)
+
+import torch
+from torch.utils.data import TensorDataset
+from train_multi_gpu import MultiGPUTrainer, TrainConfig
+
+torch.manual_seed(0)
+inputs, targets = torch.randn(48, 8), torch.randint(0, 3, (48,))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+config = TrainConfig(save_dir=sys.argv[1], epochs=1, batch_size=8, progress=False, dist_timeout=60)
+if sys.argv[2] == "fit":
+    MultiGPUTrainer(model, TensorDataset(inputs, targets), TensorDataset(inputs[:16], targets[:16]), config=config).fit()
+else:  # a trainer built only to predict, kept to the end of the script
+    trainer = MultiGPUTrainer(model, TensorDataset(inputs, targets), None, config=config)
+    trainer.predict(TensorDataset(inputs[:16], targets[:16]))
+"""
+
+
+def test_a_script_that_fits_or_predicts_and_simply_ends_exits_0_under_load(tmp_path):
+    """Gloo's threads met interpreter finalization ("terminate called without an active exception", SIGABRT) in
+    3 of 5 such runs on a busy machine: the trainer that set up the group destroys it, and its threads end, at exit.
+    20 fit scripts and 2 predict-only ones under torchrun (2 processes each, two runs at a time) beside 2 busy
+    loops: every one exits 0 with only its main thread left when the interpreter finalizes."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_THAT_ENDS)
+    runs = [(f"fit-{index}", "fit") for index in range(20)] + [(f"predict-{index}", "predict") for index in range(2)]
+    results = {}
+    with busy_cpus(2):
+        for pair in (runs[i:i + 2] for i in range(0, len(runs), 2)):
+            started = {name: subprocess.Popen(cli_command([str(tmp_path / name), kind], nproc=2, script=script),
+                                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True) for name, kind in pair}
+            for name, process in started.items():
+                output = process.communicate(timeout=RUN_TIMEOUT)[0]
+                results[name] = process.returncode, output
+    failed = {name: output[-2000:] for name, (code, output) in results.items() if code != 0}
+    assert not failed, f"{len(failed)} of {len(runs)} runs failed: {failed}"
+    for name, (_, output) in results.items():  # searched, not read by line: the two ranks share one pipe
+        assert re.findall(r"threads at exit: (\d+) ", output) == ["1", "1"], (name, output)
 
 
 # Calls that make the host wait for the device (on CUDA): reading a tensor's value, or synchronising.
