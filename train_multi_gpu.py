@@ -60,6 +60,18 @@ from multigpu.telemetry import Telemetry
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
 
 
+def _check_model(model: Any) -> None:
+    """A TypeError in one line where `model` is no torch.nn.Module instance (torch's own error would come from
+    deep inside the set-up, such as `'function' object has no attribute 'to'`)."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"model is the class {model.__name__}, not a model: build it first, e.g. "
+                        f"MultiGPUTrainer({model.__name__}(...), ...)")
+    raise TypeError(f"model must be a torch.nn.Module (its parameters are what trains); got a "
+                    f"{type(model).__name__}: {model!r:.60}")
+
+
 @dataclass
 class Progress:
     """Where training stands; saved in every checkpoint."""
@@ -125,6 +137,7 @@ class MultiGPUTrainer:
                  callbacks: Sequence[Any] = ()):
         if scheduler_interval not in INTERVALS:
             raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
+        _check_model(model)  # before the process group is set up: nothing to undo
         config = config or TrainConfig()
         self.given = config_checks.given(config)  # the flags the user set (before copies of the config forget them)
         group_before = is_distributed()

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
                       thread_names, tiny_model)
 from multigpu import checkpoint
+from multigpu.batches import BatchMismatch
 from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 
@@ -34,6 +36,26 @@ def test_evaluate_counts_every_sample_once_for_any_world_size(tmp_path):
     for world_size in (2, 3):
         for rank_results in run_ranks(_evaluate, world_size, tmp_path, tmp_path):
             assert rank_results == single  # counts, accuracy and loss: bit-identical on every rank
+
+
+def test_python_api_misuse_is_one_clear_exception_not_torchs(tmp_path):
+    floats = TensorDataset(torch.randn(32, 16), torch.randint(4, (32,)).float())  # class labels stored as floats
+    says = (r"^targets of dtype float32 and shape \(8,\) for outputs of shape \(8, 4\): cross-entropy \(the default "
+            r"loss_fn\) takes class indices, integers \(e\.g\. targets\.long\(\) in the data set\), or class "
+            r"probabilities of the outputs' shape; for real-valued targets pass a loss_fn such as torch\.nn\.MSELoss\(\)$")
+    with pytest.raises(BatchMismatch, match=says):  # at the first step
+        MultiGPUTrainer(tiny_model(), floats, None, config_for(tmp_path / "fit", 1, epochs=1)).fit()
+    with pytest.raises(BatchMismatch, match=says.replace("(8,)", "(4,)").replace("(8, 4)", "(4, 4)")):
+        MultiGPUTrainer(tiny_model(), floats, floats, config_for(tmp_path / "val", 1))  # the validation set's check
+    probabilities = TensorDataset(torch.randn(32, 16), torch.softmax(torch.randn(32, 4), dim=1))
+    assert MultiGPUTrainer(tiny_model(), probabilities, None, config_for(tmp_path / "soft", 1, epochs=1)).fit()[
+        "global_step"] == 4  # floats of the outputs' shape are class probabilities: cross-entropy takes them
+    with pytest.raises(TypeError, match=r"^model is the class Linear, not a model: build it first, e\.g\. "
+                                        r"MultiGPUTrainer\(Linear\(\.\.\.\), \.\.\.\)$"):
+        MultiGPUTrainer(torch.nn.Linear, blobs(32, 0), None, config_for(tmp_path / "class", 1))
+    with pytest.raises(TypeError, match=r"^model must be a torch\.nn\.Module \(its parameters are what trains\); got a "
+                                        r"function: <function "):
+        MultiGPUTrainer(lambda inputs: inputs, blobs(32, 0), None, config_for(tmp_path / "function", 1))
 
 
 def test_fit_trains_a_users_module_and_returns_final_metrics(tmp_path):
