@@ -692,10 +692,15 @@ class MultiGPUTrainer:
             self.amp.name, self.progress, self.steps_done_in_epoch())
 
     def _report_done(self, summary: dict[str, Any]) -> None:
-        warning = plan.learning_warning(self.report, self.evaluator.classes, self.optimizer, self.lr,
-                                        self.config.lr_scaling)
+        """The end-of-run lines and hparams; `summary` gets `did_not_learn` (why) where the run shows it did not
+        learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py)."""
+        classes = self.evaluator.classes
+        warning = plan.learning_warning(self.report, classes, self.optimizer, self.lr, self.config.lr_scaling)
         if warning:
             self.report.line(warning)
+        why = "; ".join(plan.no_learning_signs(self.report, classes)) or plan.at_chance(self.report, classes)
+        if why:
+            summary["did_not_learn"] = why
         self.report.line(plan.done_line(summary, self.monitor.name, self.val_dataset is not None,
                                         self.runtime.devices_per_step, self.telemetry.summary_text(summary)))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)

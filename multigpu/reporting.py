@@ -35,6 +35,7 @@ class Reporter:
         # This run's first and latest training loss and validation results: did it learn (plan.learning_warning)?
         self.first_loss: Optional[float] = None
         self.last_loss: Optional[float] = None
+        self.loss_intervals = 0  # logged intervals: with one, the training loss has nothing to be compared with
         self.first_val: Optional[dict[str, float]] = None
         self.last_val: Optional[dict[str, float]] = None
 
@@ -95,11 +96,14 @@ class Reporter:
     def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
                  skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
         """A logging interval: TensorBoard scalars (`more` too), the bar's postfix (or a line without the bar),
-        fp16 skips. Other ranks format nothing: their lines would go nowhere."""
+        fp16 skips. Other ranks format nothing: their lines would go nowhere; every rank keeps the (reduced)
+        loss, so every rank's fit() says alike whether the run learned."""
+        loss = interval.mean_loss
+        self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
+        self.loss_intervals += 1
         if not self.enabled:
             return
-        loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
-        self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
+        per_sec = interval.samples / max(interval.seconds, 1e-9)
         fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
         self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
                       "train/samples_per_sec_per_device": per_sec / devices, **fp16, **(more or {})}, step)
