@@ -15,9 +15,9 @@ Run under `torchrun --nproc_per_node=N` and the same code trains with DDP.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 import sys
@@ -40,7 +40,8 @@ from multigpu.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import Runtime, gather_objects, is_distributed, prepare_model, setup, teardown, wrap_model
+from multigpu.distributed import (Runtime, gather_objects, is_distributed, prepare_model, setup, teardown,
+                                  teardown_at_exit, wrap_model)
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
 from multigpu.gc_pauses import long_lived_objects_frozen
@@ -59,6 +60,18 @@ from multigpu.telemetry import Telemetry
 from multigpu.weights import ModelInfo
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
+
+
+def _check_model(model: Any) -> None:
+    """A TypeError in one line where `model` is no torch.nn.Module instance (torch's own error would come from
+    deep inside the set-up, such as `'function' object has no attribute 'to'`)."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"model is the class {model.__name__}, not a model: build it first, e.g. "
+                        f"MultiGPUTrainer({model.__name__}(...), ...)")
+    raise TypeError(f"model must be a torch.nn.Module (its parameters are what trains); got a "
+                    f"{type(model).__name__}: {model!r:.60}")
 
 
 @dataclass
@@ -126,11 +139,14 @@ class MultiGPUTrainer:
                  callbacks: Sequence[Any] = ()):
         if scheduler_interval not in INTERVALS:
             raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
+        _check_model(model)  # before the process group is set up: nothing to undo
         config = config or TrainConfig()
         self.given = config_checks.given(config)  # the flags the user set (before copies of the config forget them)
         group_before = is_distributed()
         self.runtime = rt = runtime or setup(config)
         self.owns_process_group = runtime is None and is_distributed() and not group_before
+        # A script that calls fit() or predict() and simply ends: the group is destroyed at exit, as close() does.
+        self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
         self.config, run_folder = with_run_folder(config, rt)
         config, self.device = self.config, rt.device
         self.report = Reporter(config, rt.is_main)
@@ -708,10 +724,15 @@ class MultiGPUTrainer:
             self.amp.name, self.progress, self.steps_done_in_epoch())
 
     def _report_done(self, summary: dict[str, Any]) -> None:
-        warning = plan.learning_warning(self.report, self.evaluator.classes, self.optimizer, self.lr,
-                                        self.config.lr_scaling)
+        """The end-of-run lines and hparams; `summary` gets `did_not_learn` (why) where the run shows it did not
+        learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py)."""
+        classes = self.evaluator.classes
+        warning = plan.learning_warning(self.report, classes, self.optimizer, self.lr, self.config.lr_scaling)
         if warning:
             self.report.line(warning)
+        why = "; ".join(plan.no_learning_signs(self.report, classes)) or plan.at_chance(self.report, classes)
+        if why:
+            summary["did_not_learn"] = why
         self.report.line(plan.done_line(summary, self.monitor.name, self.val_dataset is not None,
                                         self.runtime.devices_per_step, self.telemetry.summary_text(summary)))
         self.report.hparams(self.config, {key: value for key, value in summary.items() if isinstance(value, float)
@@ -720,14 +741,21 @@ class MultiGPUTrainer:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Release the save-dir and the writer and, if this trainer set up the process group, destroy it
-        (after the DDP wrapper that holds it is gone)."""
-        self.report.close()
-        self.checkpointer.release()
+        (after the DDP wrapper that holds it is gone). Without a call, it runs at interpreter exit, also for a
+        trainer whose construction failed part-way (which has only some of these)."""
+        built = vars(self)
+        if "report" in built:
+            self.report.close()
+        if "checkpointer" in built:
+            self.checkpointer.release()
         if self.owns_process_group:
-            self.wrapped = self.model
-            gc.collect()
+            # DDP and its bound no_sync hold the group: dropped before it is destroyed
+            self.wrapped, self.no_sync = built.get("model"), contextlib.nullcontext
             teardown()
             self.owns_process_group = False
+        if self._close_at_exit is not None:
+            atexit.unregister(self._close_at_exit)
+            self._close_at_exit = None
 
     def __enter__(self) -> "MultiGPUTrainer":
         return self

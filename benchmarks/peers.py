@@ -3,7 +3,7 @@ on one workload, interleaved round by round (MULTI_GPU_GUIDE.md, "Speed").
 
     python benchmarks/peers.py                            # 1 process and DDP over 2; 64 and 256 steps; 7 rounds
     python benchmarks/peers.py --nproc 2 --lengths 64 --rounds 11
-    pip install '.[peers]'                                # Accelerate and Lightning (else: skipped, one line each)
+    bash scripts/ensure_env.sh peers                      # Accelerate and Lightning (else: skipped, one line each)
 
 The workload: the project's cnn, synthetic 1x28x28 images in memory, batch 64 per process, SGD (lr 0.01,
 momentum 0.9, no weight decay, constant), fp32, no validation, one epoch of exactly --steps steps, 1 intra-op thread
@@ -267,7 +267,7 @@ def main() -> None:
     contenders = [name for name in CONTENDERS if name in asked and installed(name)]
     for name in asked:
         if name not in contenders:
-            print(f"{NAMES[name]}: not installed (pip install '.[peers]'): skipped", flush=True)
+            print(f"{NAMES[name]}: not installed (pip install -e '.[peers]'): skipped", flush=True)
     raw: dict[str, Any] = {}
     rows = []
     for steps in [int(length) for length in args.lengths.split(",")]:

@@ -1,4 +1,4 @@
-"""--dataset hf: local files read through Hugging Face `datasets` (the optional extra: pip install '.[hf]').
+"""--dataset hf: local files read through Hugging Face `datasets` (the optional extra: pip install -e '.[hf]').
 
 `--data-files` (and `--val-files`) name Parquet, JSON Lines/JSON, CSV or text files by glob; the format comes
 from the extension. Each sample's input is `--input-column` (a list of numbers, reshaped to --image-shape, or
@@ -36,7 +36,7 @@ from multigpu.errors import UsageError
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 INPUT_COLUMNS = ("image", "pixels", "x", "features", "input")  # tried in order without --input-column
-INSTALL = "pip install '.[hf]' (or pip install datasets)"
+INSTALL = "pip install -e '.[hf]' from the checkout (or pip install datasets)"
 
 
 def import_datasets(module: str = "datasets") -> Any:

@@ -339,7 +339,8 @@ ELEMENTWISE_LOSS_FUNCTIONS = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_l
 
 
 def check_first_batch(outputs: Any, targets: Any, loss_fn: Any) -> None:
-    """One clear BatchMismatch where class-index targets do not fit the model's class count, or where a
+    """One clear BatchMismatch where class-index targets do not fit the model's class count, where cross-entropy
+    gets floating-point targets that are no class probabilities (labels stored as floats), or where a
     value-by-value loss (MSE, L1, Huber) would broadcast outputs and targets of different shapes.
 
     Checked once, on the first batch (one host sync at start): later the same
@@ -348,7 +349,14 @@ def check_first_batch(outputs: Any, targets: Any, loss_fn: Any) -> None:
     logits = predictions(outputs)
     if not (isinstance(logits, torch.Tensor) and isinstance(targets, torch.Tensor)) or own_loss(outputs) is not None:
         return
-    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) and logits.dim() == 2 and not targets.is_floating_point():
+    cross_entropy = isinstance(loss_fn, torch.nn.CrossEntropyLoss) or loss_fn is F.cross_entropy
+    if cross_entropy and targets.is_floating_point() and targets.shape != logits.shape:
+        raise BatchMismatch(f"targets of dtype {str(targets.dtype).replace('torch.', '')} and shape "
+                            f"{tuple(targets.shape)} for outputs of shape {tuple(logits.shape)}: cross-entropy (the "
+                            f"default loss_fn) takes class indices, integers (e.g. targets.long() in the data set), "
+                            f"or class probabilities of the outputs' shape; for real-valued targets pass a loss_fn "
+                            f"such as torch.nn.MSELoss()")
+    if cross_entropy and logits.dim() == 2 and not targets.is_floating_point():
         if targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
             raise BatchMismatch(f"targets of shape {tuple(targets.shape)} do not fit outputs of shape "
                                 f"{tuple(logits.shape)}: cross-entropy needs one class index per sample")

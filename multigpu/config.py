@@ -89,7 +89,7 @@ class TrainConfig:
                                     "its last 10 percent the validation set", group="data")
     data_files: Optional[str] = _opt(None, "--dataset hf: local .parquet, .jsonl/.json, .csv or .txt files of the "
                                      "training set (globs, comma-separated), read with Hugging Face datasets "
-                                     "(pip install '.[hf]')", group="data")
+                                     "(pip install -e '.[hf]')", group="data")
     val_files: Optional[str] = _opt(None, "--dataset hf: the validation set's files, as --data-files (none: no "
                                     "validation)", group="data")
     streaming: bool = _opt(False, "--dataset hf: read the files as a stream (split over ranks by "

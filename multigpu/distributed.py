@@ -7,13 +7,15 @@ its own.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import shlex
 import sys
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -177,6 +179,7 @@ def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
     mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None  # refused before any group forms
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
+        _import_before_the_group()
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                 **restart_safe_store(timeout))
     return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
@@ -190,6 +193,17 @@ def nodes_in_job(world_size: int) -> int:
     return nodes if nodes > 1 and nodes * per_node == world_size else 1
 
 
+def _import_before_the_group() -> None:
+    """Import what DDP imports on its first construction, before the group exists.
+
+    torch.distributed.nn.functional's functions take `group=group.WORLD` as a default argument, read once at
+    import: imported while a group exists (DDP imports it), ten defaults hold that group for the life of the
+    process, so `destroy_process_group` can never free it and its gloo threads live on into the interpreter's
+    finalization (see `teardown`). Imported first, the defaults hold None.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+
 def _setup_one_shard(config: TrainConfig) -> Runtime:
     """--multi-gpu fsdp without torchrun: one process holding the one shard, in a process group of its own
     (FSDP's device mesh needs one)."""
@@ -199,6 +213,7 @@ def _setup_one_shard(config: TrainConfig) -> Runtime:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        _import_before_the_group()
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=config.dist_timeout))
     return Runtime("fsdp", device, 0, 0, 1, backend)
@@ -209,12 +224,42 @@ def teardown() -> None:
 
     Then the group's gloo/NCCL threads are joined here, not during the
     interpreter's shutdown, where they can abort the process ("terminate called
-    without an active exception"); gc.collect frees what only reference cycles
-    still hold.
+    without an active exception": a gloo worker dropping the last collective's
+    tensors takes the interpreter lock, which a finalizing interpreter answers
+    by ending the thread); gc.collect frees what only reference cycles still
+    hold, frozen objects included (an exit-time freeze, multigpu/gc_pauses.py,
+    may have run before an at-exit teardown).
     """
     if dist.is_initialized():
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
         gc.collect()
+        if frozen:
+            gc.freeze()
         dist.destroy_process_group()
+
+
+def teardown_at_exit(owner: Any) -> Callable[[], None]:
+    """Register, for interpreter exit, `owner.close()` while `owner` lives (a trainer that set up the process
+    group), else `teardown()`: a script that calls fit() or predict() and simply ends then destroys the group
+    and stops the trainer's threads before the interpreter finalizes, as `close()` would. Returns the handler,
+    for `atexit.unregister` once the owner closed itself.
+
+    atexit runs its handlers last-registered first: this one, registered when the group is made, runs before
+    those of torch and of anything imported before the trainer (the exit-time freeze of multigpu/gc_pauses.py,
+    registered when a command starts, included).
+    """
+    owner_ref = weakref.ref(owner)
+
+    def at_exit() -> None:
+        alive = owner_ref()
+        if alive is not None:
+            alive.close()
+        else:
+            teardown()
+
+    atexit.register(at_exit)
+    return at_exit
 
 
 def is_distributed() -> bool:

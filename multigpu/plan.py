@@ -116,30 +116,65 @@ def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
     return lines
 
 
-# Where each optimizer usually trains (peak LR), for a run that did not learn: the first suspect is the LR.
-USUAL_LR = {"sgd": "0.01 to 0.1", "adam": "1e-4 to 3e-3"}
+# Where each optimizer usually trains (peak LR), for a run that did not learn: an LR outside it is the first suspect.
+USUAL_LR = {"sgd": (0.01, 0.1), "adam": (1e-4, 3e-3)}
+# A loss that ended above this share of where it started did not fall (a run that learns slowly gets below it).
+NOT_FALLEN = 0.999
+
+
+def chance_accuracy(classes: Optional[int]) -> Optional[float]:
+    """Below this accuracy a classifier of `classes` classes is at chance (1/classes) for this project: less than
+    half of chance above it, and at most 0.1 above it (0.15 for 10 classes, 0.6 for 2); None without classes."""
+    if not classes or classes < 2:
+        return None
+    return 1 / classes + min(0.5 / classes, 0.1)
+
+
+def at_chance(report: Reporter, classes: Optional[int]) -> Optional[str]:
+    """The last validation accuracy as a sign, when it is at chance (`chance_accuracy`); else None."""
+    acc, below = (report.last_val or {}).get("acc"), chance_accuracy(classes)
+    if acc is None or below is None or acc >= below:
+        return None
+    return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"  # type: ignore[operator]
+
+
+def no_learning_signs(report: Reporter, classes: Optional[int]) -> list[str]:
+    """Evidence, as `report` saw it, that this run did not learn: its training loss grew tenfold (diverged); or
+    its validation loss did not fall (by 0.1%, over two or more evaluations) while its accuracy stayed at chance
+    or its training loss did not fall either; or, without two evaluations, its training loss did not fall (over
+    two or more logged intervals). An accuracy at chance alone is no evidence: a run that learns slowly is there
+    too; nor is a validation loss that rose while the training loss fell (overfitting)."""
+    first, last, signs = report.first_val or {}, report.last_val or {}, []
+    chance = at_chance(report, classes)
+    training_flat = report.loss_intervals > 1 and not report.last_loss < NOT_FALLEN * report.first_loss
+    if report.first_loss is not None and report.last_loss > 10 * report.first_loss:  # NaN never gets here
+        signs.append(f"training loss grew from {report.first_loss:.4g} to {report.last_loss:.4g}")
+    if last is not first and "loss" in last:  # two evaluations, of the same samples: no noise between them
+        if not last["loss"] < NOT_FALLEN * first["loss"] and (chance or training_flat):
+            signs.append(f"val loss {first['loss']:.4g} -> {last['loss']:.4g} since the first epoch")
+    elif training_flat and not signs:
+        signs.append(f"training loss {report.first_loss:.4g} -> {report.last_loss:.4g} since the first log")
+    return signs + [chance] if signs and chance else signs
 
 
 def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.optim.Optimizer, lr: float,
                      lr_scaling: str) -> Optional[str]:
-    """One warning line when this run ended where it started: validation loss not below the first epoch's,
-    accuracy at chance for `classes` classes, or a training loss that grew tenfold (as `report` saw them); with the
-    likely cause, the LR (`lr`, after `lr_scaling`) of `optimizer`."""
-    first, last = report.first_val or {}, report.last_val or {}
-    signs = []
-    if last is not first and "loss" in last and not last["loss"] < first["loss"]:
-        signs.append(f"val loss {last['loss']:.4g}, not below the first epoch's {first['loss']:.4g}")
-    if classes and classes > 1 and "acc" in last and last["acc"] < 1.5 / classes:
-        signs.append(f"val acc {last['acc']:.4f}, chance for {classes} classes is {1 / classes:.4f}")
-    if report.first_loss is not None and report.last_loss > 10 * report.first_loss:  # NaN never gets here
-        signs.append(f"training loss grew from {report.first_loss:.4g} to {report.last_loss:.4g}")
+    """One warning line when this run shows it did not learn (`no_learning_signs`), with the likely cause: the LR
+    (`lr`, after `lr_scaling`) of `optimizer` when it is outside the optimizer's usual range, else the data."""
+    signs = no_learning_signs(report, classes)
     if not signs:
         return None
     name = type(optimizer).__name__
-    usual = next((f"; {name} usually trains at {lrs}" for key, lrs in USUAL_LR.items() if key in name.lower()), "")
+    usual = next((lrs for key, lrs in USUAL_LR.items() if key in name.lower()), None)
     scaled = "" if lr_scaling == "none" else f" after --lr-scaling {lr_scaling}"
-    return (f"warning: the run ended where it started ({'; '.join(signs)}): check the LR first, "
-            f"lr {lr:g}{scaled}{usual}")
+    if usual is None:
+        advice = f"check the LR first, lr {lr:g}{scaled}"
+    elif usual[0] <= lr <= usual[1]:
+        advice = (f"lr {lr:g}{scaled} is in {name}'s usual range ({usual[0]:g} to {usual[1]:g}): check the data and "
+                  f"targets first (do the targets follow the inputs?), then the LR")
+    else:
+        advice = f"check the LR first, lr {lr:g}{scaled}; {name} usually trains at {usual[0]:g} to {usual[1]:g}"
+    return f"warning: the run ended where it started ({'; '.join(signs)}): {advice}"
 
 
 def done_line(summary: dict[str, Any], monitor: Optional[str], has_val: bool, devices_per_step: int,

@@ -34,22 +34,26 @@ class Reporter:
         # The other trackers get every scalar TensorBoard gets (multigpu/trackers.py); their run ids are checkpoint
         # state, so they open at the first scalars, after a resume has loaded them.
         self.trackers = Trackers(config, enabled, self.line)
+        self._importing: Optional[threading.Thread] = None  # import_writer_in_background's
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
         # This run's first and latest training loss and validation results: did it learn (plan.learning_warning)?
         self.first_loss: Optional[float] = None
         self.last_loss: Optional[float] = None
+        self.loss_intervals = 0  # logged intervals: with one, the training loss has nothing to be compared with
         self.first_val: Optional[dict[str, float]] = None
         self.last_val: Optional[dict[str, float]] = None
 
     def import_writer_in_background(self) -> None:
         """Load TensorBoard's modules (40-60 ms) beside the first steps, whose kernels release the interpreter lock,
         rather than at the first sync point, where the other ranks would wait for rank 0. Only for a run without
-        loader workers: a fork during an import could leave its lock held in the worker."""
+        loader workers: a fork during an import could leave its lock held in the worker. Not a daemon: a script
+        that ends first waits for it, rather than meeting it half-way through C code at interpreter finalization."""
         if self.enabled:
-            threading.Thread(target=importlib.import_module, args=("multigpu.event_file",), daemon=True,
-                             name="import TensorBoard").start()
+            self._importing = threading.Thread(target=importlib.import_module, args=("multigpu.event_file",),
+                                               name="import TensorBoard")
+            self._importing.start()
 
     @property
     def writer(self) -> Any:
@@ -104,11 +108,14 @@ class Reporter:
     def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
                  skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
         """A logging interval: TensorBoard scalars (`more` too), the bar's postfix (or a line without the bar),
-        fp16 skips. Other ranks format nothing: their lines would go nowhere."""
+        fp16 skips. Other ranks format nothing: their lines would go nowhere; every rank keeps the (reduced)
+        loss, so every rank's fit() says alike whether the run learned."""
+        loss = interval.mean_loss
+        self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
+        self.loss_intervals += 1
         if not self.enabled:
             return
-        loss, per_sec = interval.mean_loss, interval.samples / max(interval.seconds, 1e-9)
-        self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
+        per_sec = interval.samples / max(interval.seconds, 1e-9)
         fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
         self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
                       "train/samples_per_sec_per_device": per_sec / devices, **fp16, **(more or {})}, step)
@@ -163,6 +170,9 @@ class Reporter:
                 self._writer.flush()
 
     def close(self) -> None:
+        """Close the bar and the TensorBoard file, and wait for the background import (threads of ours end here)."""
+        if self._importing is not None:
+            self._importing.join()
         self.end_epoch()
         self.trackers.close()
         writer, self._writer = self._writer, None

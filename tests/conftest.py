@@ -7,6 +7,7 @@ subprocess a wall-clock limit, so a hang fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -108,6 +109,24 @@ def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]]
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads as the kernel has them (Linux /proc): C++ threads too (gloo's)."""
+    return sorted(Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task"))
+
+
+@contextlib.contextmanager
+def busy_cpus(count: int) -> Iterator[None]:
+    """`count` busy-loop processes for the duration of the block: the test's processes compete for the cores as
+    on a loaded machine (a scheduler that lets a thread wait longer widens the windows races need)."""
+    hogs = [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def torchrun_command(log: Path, *trainer_args: str) -> list[str]:

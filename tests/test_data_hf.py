@@ -16,7 +16,7 @@ import torch
 from conftest import SHARDS, IdModel, assert_ok, config_for, read_ids, run_cli, run_ranks, write_id_files
 from multigpu.errors import UsageError
 
-datasets = pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
+datasets = pytest.importorskip("datasets", reason="the [hf] extra is not installed: bash scripts/ensure_env.sh hf")
 EPOCH = sum(SHARDS)
 CASES = [("jsonl", 0), ("jsonl", 1), ("jsonl", 2), ("parquet", 1)]  # (format, workers): parquet once, to save CI time
 
@@ -93,7 +93,7 @@ def test_without_the_library_it_says_what_to_install():
     from data.hf import import_datasets
 
     with pytest.raises(UsageError, match=re.escape("--dataset hf needs the Hugging Face datasets library, which is "
-                                                   "not installed: pip install '.[hf]'")):
+                                                   "not installed: pip install -e '.[hf]'")):
         import_datasets("datasets_that_is_not_installed")
 
 

@@ -2,8 +2,10 @@
 
 - README.md then QUICK_REFERENCE.md run as a new user reads them: every block
   of both, in order, in one fresh clone, so that a command that collides with
-  an earlier one (a save-dir, a sweep dir, an output file) fails here. Each
-  guide block runs in a fresh clone of its own.
+  an earlier one (a save-dir, a sweep dir, an output file) fails here; then,
+  as a reader who comes back, the commands that write a named output
+  (`--output`, `--save-dir`, `--sweep-dir`) once more, which must work again.
+  Each guide block runs in a fresh clone of its own.
 - `bash` blocks run as written, on the CPU, with less data and one epoch through
   MULTIGPU_TEST_ARGS (test-only flags the trainer reads before the command
   line's own, which win). Standard input is a person pressing Enter at every
@@ -50,6 +52,10 @@ SHRINK = "--epochs 1 --train-size 2048 --val-size 64 --batch-size 16 --no-progre
 # The built-in data sets have 10 classes: chance is 0.1, and on 64 validation samples it reads below 0.2.
 ABOVE_CHANCE = 0.3
 TRAINS = re.compile(r"\b(main_multi_gpu|sweep_multi_gpu)\.py\b|\blaunch_multi_gpu\.sh\b")
+# A command that writes where its flags say (not a new run-N folder of its own): a reader runs it twice.
+NAMED_OUTPUT = re.compile(r"--(output|save-dir|sweep-dir)\b")
+# A port named in a command fails wherever anything else holds it: documented commands leave it to the launcher.
+FIXED_PORT = re.compile(r"--(master[-_]port|rdzv[-_]endpoint)[ =]\S*\d")
 COMMAND_TIMEOUT = 240
 ENTER_AT_EVERY_QUESTION = "\n" * 32  # more than the launcher asks
 FAKE_BIN = REPO / "tests" / "fake_bin"
@@ -140,13 +146,13 @@ def fresh_clone() -> Path:
     return folder
 
 
-def environment(block: Block, port_base: int) -> dict[str, str]:
+def environment(block: Block) -> dict[str, str]:
     # One thread per process: two sequences run side by side on a 2-core machine, and torch's threads of a
     # one-process command would only spin against them (the launcher sets the same for its processes). Torch's
     # default thread count is left to the tests that run in pytest's own process.
     env = {**os.environ, "PYTHON": sys.executable, "MULTIGPU_TEST_ARGS": SHRINK, "PYTHONDONTWRITEBYTECODE": "1",
            "OMP_NUM_THREADS": "1",
-           "LAUNCH_DEFAULT_PORT": str(port_base), "LAUNCH_INPUT_TIMEOUT": "1",
+           "LAUNCH_DEFAULT_PORT": str(free_port()), "LAUNCH_INPUT_TIMEOUT": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if block.lang == "sh":
         env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -211,12 +217,14 @@ def learning_failure(block: Block, command: str, output: str) -> Optional[str]:
     return None
 
 
-def run_blocks(blocks: list[Block], port_base: int) -> list[str]:
-    """Run the blocks' commands in order in one fresh clone, as a reader would; the failures, described."""
+def run_blocks(blocks: list[Block], again: bool = False) -> list[str]:
+    """Run the blocks' commands in order in one fresh clone, as a reader would; the failures, described.
+    `again`: then run every command that writes a named output a second time, in order, as a reader who
+    comes back to the document does (the others write new folders of their own each time)."""
     folder, failures = fresh_clone(), []
     started = time.monotonic()
     for block in blocks:
-        env = environment(block, port_base)
+        env = environment(block)
         for command in block.commands:
             problem = run_command(block, command, folder, env)
             if problem:
@@ -224,6 +232,12 @@ def run_blocks(blocks: list[Block], port_base: int) -> list[str]:
                 break  # later commands of a block may build on this one
         if failures:
             break  # and later blocks on earlier ones
+    for block in blocks if again and not failures else []:
+        for command in filter(NAMED_OUTPUT.search, block.commands):
+            problem = run_command(block, command, folder, environment(block))
+            if problem:
+                failures.append(f"{block.where}: run a second time: {problem}")
+                break
     subprocess.run(["rm", "-rf", str(folder)], check=False)
     print(f"{blocks[0].where}..: {sum(len(block.commands) for block in blocks)} command(s) in "
           f"{time.monotonic() - started:.1f}s")  # with -s
@@ -276,11 +290,19 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
     sequences = [reader] + [[block] for block in guide]  # the reader's sequence first: it is the longest
     before = checkout_state()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(run_blocks, sequences, [30000 + 200 * i for i in range(len(sequences))])
+        results = pool.map(run_blocks, sequences, [True] + [False] * len(guide))  # the reader comes back
         failures = [failure for result in results for failure in result]
     assert not failures, "\n\n".join(failures)
     assert sum(len(block.commands) for block in reader + guide) >= 15  # the parser found the documents' commands
     assert checkout_state() == before, "a documented command wrote into the checkout"
+
+
+def test_documented_commands_name_no_fixed_rendezvous_port() -> None:
+    """`--master-port 29500` in the multi-node example failed (`port 29500 is busy`) whenever anything held it:
+    commands that run leave the port to the launcher (its default, a free one in these tests)."""
+    fixed = [f"{block.where}: {command}" for block in all_blocks() if not block.illustrative
+             for command in block.commands if FIXED_PORT.search(command)]
+    assert not fixed, fixed
 
 
 def test_only_a_handful_of_blocks_are_illustrative_and_each_says_why() -> None:

@@ -29,7 +29,7 @@ def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_p
         assert only[name]["samples_per_sec"] > 0 and 0.0 <= only[name]["accuracy"] <= 1.0
     assert "chosen" in only["autotune"]  # 24 steps at 2 ranks: it tried both memory formats
     for name in set(CONTENDERS) - set(installed):
-        assert f"{name.capitalize()}: not installed (pip install '.[peers]'): skipped" in result.stdout
+        assert f"{name.capitalize()}: not installed (pip install -e '.[peers]'): skipped" in result.stdout
     table = [line for line in output.read_text().splitlines() if line.startswith("| 24 steps")]
     assert len(table) == 1
     assert len(table[0].split(" | ")) == 2 + (len(installed) - 1) + 2  # length, config, ratios, loop, accuracies

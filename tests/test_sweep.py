@@ -53,7 +53,8 @@ def test_two_workers_run_every_experiment_once(two_workers):
     assert {record["slot"] for record in results.values()} == {"cpu0", "cpu1"}  # both workers took runs
     for name in EXPERIMENTS:  # each run wrote what main_multi_gpu.py writes into its own save dir
         assert (sweep_dir / name / "last.pt").exists() and list((sweep_dir / name / "tb").iterdir())
-        assert result.stdout.count(f"ok      {name}:") == 1
+        # a tiny run may end at chance: it is done, and marked as one that did not learn (MULTI_GPU_GUIDE.md, Sweeps)
+        assert len(re.findall(rf"^ok(      |, did not learn  ){re.escape(name)}:", result.stdout, re.M)) == 1
     progress = json.loads((sweep_dir / "progress.json").read_text())
     assert progress["finished_now"] == 6 and progress["to_run"] == 0 and progress["running"] == []
     assert "sweep done: 6 of 6 experiments ok" in result.stdout

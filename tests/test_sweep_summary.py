@@ -9,8 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from conftest import assert_ok, run_sweep
 from multigpu.sweep.options import parse
 from multigpu.sweep.plan import build_plan
+from multigpu.sweep.records import append_result, read_results
+from multigpu.sweep.scheduler import describe_result
 from multigpu.sweep.summary import describe, monitored, summarize, t_975, to_csv, to_markdown, within_range
 
 
@@ -74,9 +77,33 @@ def test_rows_per_grid_point_in_both_tables():
     assert float(table[0]["wall_time_mean"]) == pytest.approx(11.0)
     assert table[1]["best_val_loss_std"] == "" and table[1]["val_acc_mean"] == "0.5"
     markdown = to_markdown(rows).splitlines()
-    assert markdown[0].startswith("| grid point | done | failed | best val_loss (mean ± std) | 95% CI |")
+    assert markdown[0].startswith("| grid point | done | failed | did not learn | best val_loss (mean ± std) | 95% CI |")
     half = t_975(1) * np.std([0.3, 0.2], ddof=1) / math.sqrt(2)  # 0.635: two seeds give a wide interval
-    assert markdown[2].startswith(f"| lr=0.1 | 2/3 | 1 | 0.2500 ± 0.0707 | [0.0000, {0.25 + half:.4f}] (clipped: 2 "
-                                  f"seeds are too few) |")  # a loss is not negative
+    assert markdown[2].startswith(f"| lr=0.1 | 2/3 | 1 | 0 | 0.2500 ± 0.0707 | [0.0000, {0.25 + half:.4f}] (clipped: "
+                                  f"2 seeds are too few) |")  # a loss is not negative
     assert float(table[0]["best_val_loss_ci95_low"]) == 0.0
-    assert markdown[3].startswith("| lr=0.2 | 1/3 | 0 | 0.2500 | — |")
+    assert markdown[3].startswith("| lr=0.2 | 1/3 | 0 | 0 | 0.2500 | — |")
+
+
+def test_a_run_that_ended_at_chance_is_ok_but_marked_as_not_learned(tmp_path):
+    """The trainer says why a run did not learn (its summary's did_not_learn, multigpu/plan.py); the sweep's line
+    for the run, its closing line and both tables say it, and the run still counts as done."""
+    learned = {"monitor": "val_acc", "best": 0.91, "best_val_acc": 0.91, "val_acc": 0.91, "epochs": 2}
+    why = "val acc 0.1470, chance for 10 classes is 0.1000"
+    at_chance = {**learned, "best": 0.147, "best_val_acc": 0.147, "val_acc": 0.147, "did_not_learn": why}
+    for name in ("lr=0.1/seed-0", "lr=0.1/seed-1", "lr=0.2/seed-0", "lr=0.2/seed-1"):
+        append_result(str(tmp_path / "results.jsonl"), {
+            "experiment": name, "status": "ok", "exit_status": 0, "error": None, "wall_time": 3.0, "attempt": 1,
+            "metrics": at_chance if name == "lr=0.1/seed-0" else learned, "log": "train.log", "finished": 1.0})
+    result = run_sweep(["--sweep-dir", str(tmp_path), "--num-seeds", "2", "--grid", "lr=0.1,0.2", "--", "--epochs", "2"])
+    assert_ok(result)  # every experiment has its result: nothing runs, the summary is written
+    assert "sweep done: 4 of 4 experiments ok (1 did not learn: lr=0.1/seed-0); summary " in result.stdout
+    assert "| lr=0.1 | 2/2 | 0 | 1 | 0.5285 ± 0.5395 |" in result.stdout
+    assert "| lr=0.2 | 2/2 | 0 | 0 | 0.9100 ± 0.0000 |" in result.stdout
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [(row["point"], row["done"], row["did_not_learn"]) for row in rows] == [("lr=0.1", "2", "1"),
+                                                                                   ("lr=0.2", "2", "0")]
+    records = read_results(str(tmp_path))
+    assert describe_result(records["lr=0.1/seed-0"]) == (
+        f"ok, did not learn  lr=0.1/seed-0: best val_acc 0.1470, val_acc 0.1470, 2 epochs, 3.0s ({why})")
+    assert describe_result(records["lr=0.1/seed-1"]).startswith("ok      lr=0.1/seed-1: best val_acc 0.9100")

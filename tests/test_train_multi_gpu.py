@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -9,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
-from conftest import CrashAt, blobs, config_for, read_scalars, run_ranks, tiny_model
+from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
+                      thread_names, tiny_model)
 from multigpu import checkpoint
+from multigpu.batches import BatchMismatch
 from multigpu.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 
@@ -31,6 +36,26 @@ def test_evaluate_counts_every_sample_once_for_any_world_size(tmp_path):
     for world_size in (2, 3):
         for rank_results in run_ranks(_evaluate, world_size, tmp_path, tmp_path):
             assert rank_results == single  # counts, accuracy and loss: bit-identical on every rank
+
+
+def test_python_api_misuse_is_one_clear_exception_not_torchs(tmp_path):
+    floats = TensorDataset(torch.randn(32, 16), torch.randint(4, (32,)).float())  # class labels stored as floats
+    says = (r"^targets of dtype float32 and shape \(8,\) for outputs of shape \(8, 4\): cross-entropy \(the default "
+            r"loss_fn\) takes class indices, integers \(e\.g\. targets\.long\(\) in the data set\), or class "
+            r"probabilities of the outputs' shape; for real-valued targets pass a loss_fn such as torch\.nn\.MSELoss\(\)$")
+    with pytest.raises(BatchMismatch, match=says):  # at the first step
+        MultiGPUTrainer(tiny_model(), floats, None, config_for(tmp_path / "fit", 1, epochs=1)).fit()
+    with pytest.raises(BatchMismatch, match=says.replace("(8,)", "(4,)").replace("(8, 4)", "(4, 4)")):
+        MultiGPUTrainer(tiny_model(), floats, floats, config_for(tmp_path / "val", 1))  # the validation set's check
+    probabilities = TensorDataset(torch.randn(32, 16), torch.softmax(torch.randn(32, 4), dim=1))
+    assert MultiGPUTrainer(tiny_model(), probabilities, None, config_for(tmp_path / "soft", 1, epochs=1)).fit()[
+        "global_step"] == 4  # floats of the outputs' shape are class probabilities: cross-entropy takes them
+    with pytest.raises(TypeError, match=r"^model is the class Linear, not a model: build it first, e\.g\. "
+                                        r"MultiGPUTrainer\(Linear\(\.\.\.\), \.\.\.\)$"):
+        MultiGPUTrainer(torch.nn.Linear, blobs(32, 0), None, config_for(tmp_path / "class", 1))
+    with pytest.raises(TypeError, match=r"^model must be a torch\.nn\.Module \(its parameters are what trains\); got a "
+                                        r"function: <function "):
+        MultiGPUTrainer(lambda inputs: inputs, blobs(32, 0), None, config_for(tmp_path / "function", 1))
 
 
 def test_fit_trains_a_users_module_and_returns_final_metrics(tmp_path):
@@ -133,14 +158,68 @@ def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str
     with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path, world_size, epochs=1)) as trainer:
         trainer.fit()
         during = dist.is_initialized() and trainer.owns_process_group
-    return {"during": during, "after": dist.is_initialized()}
+    return {"during": during, "after": dist.is_initialized(), "gloo threads after": any(
+        name.startswith(("gloo", "pt_gloo")) for name in thread_names())}
 
 
 def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
+    """Destroyed means gone: its gloo threads are joined, though DDP's first construction imports a module whose
+    default arguments would hold the group for good (multigpu/distributed.py _import_before_the_group)."""
     owned = run_ranks(_process_group_owner, 2, tmp_path / "owned", tmp_path / "owned", join_group=False)
-    assert owned == [{"during": True, "after": False}] * 2
+    assert owned == [{"during": True, "after": False, "gloo threads after": False}] * 2
     given = run_ranks(_process_group_owner, 2, tmp_path / "given", tmp_path / "given")  # the test set it up
-    assert given == [{"during": False, "after": True}] * 2
+    assert given == [{"during": False, "after": True, "gloo threads after": True}] * 2
+
+
+# A user's script, as the guide's "Your own task" shows it: build, fit (or only predict), and simply end; no
+# close(), no `with`. Its own at-exit handler, registered first, runs after the framework's and reports which
+# threads are still there then: only the main thread may be, or the interpreter's finalization meets them.
+SCRIPT_THAT_ENDS = """
+import atexit, os, sys, threading
+
+def threads_at_exit():
+    names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+    print(f"threads at exit: {len(names)} {names} {[t.name for t in threading.enumerate()]}", flush=True)
+
+atexit.register(threads_at_exit)
+
+import torch
+from torch.utils.data import TensorDataset
+from train_multi_gpu import MultiGPUTrainer, TrainConfig
+
+torch.manual_seed(0)
+inputs, targets = torch.randn(48, 8), torch.randint(0, 3, (48,))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+config = TrainConfig(save_dir=sys.argv[1], epochs=1, batch_size=8, progress=False, dist_timeout=60)
+if sys.argv[2] == "fit":
+    MultiGPUTrainer(model, TensorDataset(inputs, targets), TensorDataset(inputs[:16], targets[:16]), config=config).fit()
+else:  # a trainer built only to predict, kept to the end of the script
+    trainer = MultiGPUTrainer(model, TensorDataset(inputs, targets), None, config=config)
+    trainer.predict(TensorDataset(inputs[:16], targets[:16]))
+"""
+
+
+def test_a_script_that_fits_or_predicts_and_simply_ends_exits_0_under_load(tmp_path):
+    """Gloo's threads met interpreter finalization ("terminate called without an active exception", SIGABRT) in
+    3 of 5 such runs on a busy machine: the trainer that set up the group destroys it, and its threads end, at exit.
+    20 fit scripts and 2 predict-only ones under torchrun (2 processes each, two runs at a time) beside 2 busy
+    loops: every one exits 0 with only its main thread left when the interpreter finalizes."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_THAT_ENDS)
+    runs = [(f"fit-{index}", "fit") for index in range(20)] + [(f"predict-{index}", "predict") for index in range(2)]
+    results = {}
+    with busy_cpus(2):
+        for pair in (runs[i:i + 2] for i in range(0, len(runs), 2)):
+            started = {name: subprocess.Popen(cli_command([str(tmp_path / name), kind], nproc=2, script=script),
+                                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True) for name, kind in pair}
+            for name, process in started.items():
+                output = process.communicate(timeout=RUN_TIMEOUT)[0]
+                results[name] = process.returncode, output
+    failed = {name: output[-2000:] for name, (code, output) in results.items() if code != 0}
+    assert not failed, f"{len(failed)} of {len(runs)} runs failed: {failed}"
+    for name, (_, output) in results.items():  # searched, not read by line: the two ranks share one pipe
+        assert re.findall(r"threads at exit: (\d+) ", output) == ["1", "1"], (name, output)
 
 
 # Calls that make the host wait for the device (on CUDA): reading a tensor's value, or synchronising.

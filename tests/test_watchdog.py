@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import HANG, HANG_RUN_LIMIT as LIMIT, TINY, cli_env, run_cli, run_hang_scenario as scenario, torchrun_command
+from conftest import (HANG, HANG_RUN_LIMIT as LIMIT, TINY, busy_cpus, cli_env, run_cli, run_hang_scenario as scenario,
+                      torchrun_command)
 from multigpu.errors import HANG_EXIT_STATUS
 from multigpu.faults import FAULT_ENV
 
@@ -97,12 +97,7 @@ def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes
 
 @pytest.mark.parametrize("run", [1, 2])
 def test_slow_is_not_stuck_a_run_under_cpu_load_with_a_short_timeout_finishes(tmp_path, run):
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
+    with busy_cpus(os.cpu_count() or 2):
         ranks = scenario("plain", tmp_path, "--hang-timeout", "2", "--epochs", "1")
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
     assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr
     assert not (tmp_path / "hang_report.txt").exists()

@@ -145,7 +145,9 @@ def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: 
             print(f"  {record['experiment']}: {record['error']} (log {record['log']})", file=sys.stderr, flush=True)
         print("  rerun with --retry-failed to run them again", file=sys.stderr, flush=True)
         return 1
-    print(f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok; summary {where} (and summary.csv); "
+    not_learned = [e.name for e in mine if summary.did_not_learn(results.get(e.name, {})) is not None]
+    learning = f" ({len(not_learned)} did not learn: {', '.join(not_learned)})" if not_learned else ""
+    print(f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok{learning}; summary {where} (and summary.csv); "
           f"compare the runs with: tensorboard --logdir {plan.sweep_dir}", flush=True)
     return 0
 

@@ -25,7 +25,7 @@ from multigpu.errors import UsageError
 from multigpu.sweep import records
 from multigpu.sweep.options import DEFAULT_CPU_WORKERS, SweepOptions
 from multigpu.sweep.plan import Experiment
-from multigpu.sweep.summary import monitored
+from multigpu.sweep.summary import did_not_learn, monitored
 from multigpu.sweep.worker import Task, outcome, worker_main
 
 # Test-only: "EXPERIMENT@RANK:STEP[@sweep]" arms the trainer's fault injector (MULTIGPU_FAULT_INJECT) in the
@@ -314,7 +314,9 @@ def describe_result(record: dict[str, Any]) -> str:
     shown = [f"best {metric} {best:.4f}"] if best is not None else []
     shown += [f"{key} {value:.4f}" for key, value in sorted(metrics.items())
               if key.startswith("val_") and isinstance(value, (int, float))]
-    return f"ok      {name}: {', '.join(shown)}, {metrics.get('epochs', '?')} epochs, {seconds:.1f}s"
+    line = f"{name}: {', '.join(shown)}, {metrics.get('epochs', '?')} epochs, {seconds:.1f}s"
+    why = did_not_learn(record)
+    return f"ok, did not learn  {line} ({why})" if why else f"ok      {line}"
 
 
 def describe_exit(code: Optional[int]) -> str:

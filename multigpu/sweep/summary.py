@@ -66,6 +66,13 @@ def describe(values: Sequence[float]) -> Stats:
     return Stats(len(values), mean, std, mean - half, mean + half)
 
 
+def did_not_learn(record: dict[str, Any]) -> Optional[str]:
+    """Why a finished run did not learn, as its trainer said (its summary's `did_not_learn`: the loss did not fall
+    or diverged, or the last validation accuracy stayed at chance for its number of classes, multigpu/plan.py
+    chance_accuracy); None when it learned, failed, or is from a trainer that did not say."""
+    return record["metrics"].get("did_not_learn") if record.get("status") == "ok" else None
+
+
 def monitored(metrics: dict[str, Any]) -> tuple[str, Optional[float]]:
     """The monitored metric's name and best value in a run's summary (older trainers: best val accuracy)."""
     name = metrics.get("monitor", "val_acc")
@@ -81,6 +88,7 @@ class PointSummary:
     runs: int
     done: int
     failed: int
+    not_learned: int  # of the done ones: ended at chance, or their loss did not fall (did_not_learn)
     metrics: dict[str, Stats]  # "best <monitor>", then the last val_* metrics
     wall_time: Stats
 
@@ -93,6 +101,7 @@ def summarize(plan: Plan, records: dict[str, dict[str, Any]]) -> list[PointSumma
         finished = [records[e.name] for e in experiments if e.name in records]
         ok = [record for record in finished if record["status"] == "ok"]
         rows.append(PointSummary(point, values, len(experiments), len(ok), len(finished) - len(ok),
+                                 sum(did_not_learn(record) is not None for record in ok),
                                  _metric_stats([record["metrics"] for record in ok]),
                                  describe([record["wall_time"] for record in ok])))
     return rows
@@ -136,7 +145,7 @@ def metric_names(rows: list[PointSummary]) -> list[str]:
 
 def to_csv(rows: list[PointSummary], grid_fields: list[str]) -> str:
     names = metric_names(rows)
-    header = ["point", *grid_fields, "runs", "done", "failed"]
+    header = ["point", *grid_fields, "runs", "done", "failed", "did_not_learn"]
     for name in names:
         key = name.replace(" ", "_")
         header += [f"{key}_mean", f"{key}_std", f"{key}_ci95_low", f"{key}_ci95_high"]
@@ -145,7 +154,8 @@ def to_csv(rows: list[PointSummary], grid_fields: list[str]) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
     for row in rows:
-        cells: list[Any] = [row.point, *[row.values[field] for field in grid_fields], row.runs, row.done, row.failed]
+        cells: list[Any] = [row.point, *[row.values[field] for field in grid_fields], row.runs, row.done, row.failed,
+                            row.not_learned]
         for name in names:
             stats = row.metrics.get(name, describe([]))
             cells += [_blank(stats.mean), _blank(stats.std), _blank(stats.low), _blank(stats.high)]
@@ -157,13 +167,13 @@ def to_csv(rows: list[PointSummary], grid_fields: list[str]) -> str:
 def to_markdown(rows: list[PointSummary]) -> str:
     names = metric_names(rows)
     first_name = [f"{names[0]} (mean ± std)", "95% CI"] if names else []
-    header = ["grid point", "done", "failed", *first_name, *[f"{name} (mean ± std)" for name in names[1:]],
-              "wall time (s)"]
+    header = ["grid point", "done", "failed", "did not learn", *first_name,
+              *[f"{name} (mean ± std)" for name in names[1:]], "wall time (s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         stats = [row.metrics.get(name, describe([])) for name in names]
         first = [_mean_std(stats[0]), _interval(stats[0])] if stats else []
-        cells = [row.point or "(no grid)", f"{row.done}/{row.runs}", str(row.failed), *first,
+        cells = [row.point or "(no grid)", f"{row.done}/{row.runs}", str(row.failed), str(row.not_learned), *first,
                  *[_mean_std(s) for s in stats[1:]], _mean_std(row.wall_time, digits=1)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
