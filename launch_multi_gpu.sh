@@ -7,7 +7,7 @@
 #
 # This script keeps the conversation and runs the command. Every check of a
 # value and every number shown (effective batch, LR, the command, the SLURM
-# script) comes from multigpu/launch_rules.py, which asks the trainer's own
+# script) comes from multigpu/launch/launch_rules.py, which asks the trainer's own
 # TrainConfig: the launcher cannot accept what the trainer would refuse.
 #
 # Streams: the conversation goes to stderr and the command line (or SLURM
@@ -182,7 +182,7 @@ pick_python() {
 
 # --- the rule set ------------------------------------------------------------------------
 
-# rules STEP [--name value ...]: ask multigpu/launch_rules.py about SET (plus the extra
+# rules STEP [--name value ...]: ask multigpu/launch/launch_rules.py about SET (plus the extra
 # settings, which win) and what was found. Fills RULES and PLAN, copies the normalised
 # settings into SET; returns 2 with the reason in RULES[error] when it refuses.
 rules() {
@@ -190,7 +190,7 @@ rules() {
     for key in "${!SET[@]}"; do args+=("--$key" "${SET[$key]}"); done
     args+=(--found-gpus "$(ids_csv)" --python "$PY" --default-port "${LAUNCH_DEFAULT_PORT:-29500}")
     mapfile -d '' records < <(PYTHONPATH=$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH} \
-        "$PY" -m multigpu.launch_rules "$1" "${args[@]}" "${@:2}" -- "${PASSTHROUGH[@]}")
+        "$PY" -m multigpu.launch.launch_rules "$1" "${args[@]}" "${@:2}" -- "${PASSTHROUGH[@]}")
     wait $! || status=$?
     RULES=() PLAN=()
     for record in "${records[@]}"; do
@@ -201,7 +201,7 @@ rules() {
             *) RULES[$key]=${record#*=} ;;
         esac
     done
-    [[ -n ${RULES[ok]:-} || -n ${RULES[error]:-} ]] || die "$PY -m multigpu.launch_rules $1 failed (status $status)"
+    [[ -n ${RULES[ok]:-} || -n ${RULES[error]:-} ]] || die "$PY -m multigpu.launch.launch_rules $1 failed (status $status)"
     [[ -z ${RULES[error]:-} ]] || return 2
 }
 

@@ -5,7 +5,7 @@
     python main_multi_gpu.py --help                           # every flag = a TrainConfig field
 
 Exit status: 0 done (or stopped cleanly by a signal), 1 training failed, 2 bad input.
-The training itself is multigpu/runner.py's (the sweep's workers train through it too).
+The training itself is multigpu/launch/runner.py's (the sweep's workers train through it too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from multigpu import sweep
-from multigpu.runner import main_guarded, run, train_from_argv
+from multigpu.launch.runner import main_guarded, run, train_from_argv
 
 __all__ = ["cli", "main", "main_guarded", "run"]
 

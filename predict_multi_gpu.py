@@ -26,18 +26,19 @@ import torch
 import torch.nn as nn
 
 from main_multi_gpu import main_guarded
-from multigpu import checkpoint, safe_files, savedir, sharded
-from multigpu.amp import Amp, resolve_dtype
-from multigpu.batches import fitted_forward
-from multigpu.callbacks import ema_weights
+from multigpu import safe_files
+from multigpu.checkpoints import checkpoint, savedir, sharded
+from multigpu.loop.amp import Amp, resolve_dtype
+from multigpu.loop.batches import fitted_forward
+from multigpu.loop.callbacks import ema_weights
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
-from multigpu.distributed import Runtime, barrier, setup, teardown
+from multigpu.parallel.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import UsageError
-from multigpu.evaluation import Evaluator
+from multigpu.loop.evaluation import Evaluator
 from multigpu.models import TEXT_MODELS, build_model
-from multigpu.prediction import Predictor, written_whole
+from multigpu.loop.prediction import Predictor, written_whole
 
 OUTPUT_KINDS = (".csv", ".pt")
 # Flags that describe the data and model: by default the checkpoint's own values.

@@ -29,35 +29,41 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
-from multigpu import batch_size as batch_size_search
-from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, hang_report, heartbeat, plan, rng,
-                      sharding, streaming, watchdog)
-from multigpu.amp import Amp, resolve_dtype
-from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
+from multigpu.tuning import batch_size as batch_size_search
+from multigpu import config_checks
+from multigpu.checkpoints import checkpoint
+from multigpu.data import streaming
+from multigpu.loop import rng
+from multigpu.monitoring import plan
+from multigpu.parallel import sharding
+from multigpu.resilience import faults, hang_report, heartbeat, watchdog
+from multigpu.tuning import autotune, cpu_memory
+from multigpu.loop.amp import Amp, resolve_dtype
+from multigpu.loop.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
-from multigpu.callbacks import Callbacks, builtin_callbacks
-from multigpu.checkpointer import PROGRESS, Checkpointer, with_run_folder
+from multigpu.loop.callbacks import Callbacks, builtin_callbacks
+from multigpu.checkpoints.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.distributed import (Runtime, gather_objects, is_distributed, prepare_model, setup, teardown,
+from multigpu.parallel.distributed import (Runtime, gather_objects, is_distributed, prepare_model, setup, teardown,
                                   teardown_at_exit, wrap_model)
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.evaluation import Evaluator
-from multigpu.gc_pauses import long_lived_objects_frozen
-from multigpu.gradient_nodes import hold_gradient_nodes
-from multigpu.heartbeat import BEAT
+from multigpu.loop.evaluation import Evaluator
+from multigpu.tuning.gc_pauses import long_lived_objects_frozen
+from multigpu.loop.gradient_nodes import hold_gradient_nodes
+from multigpu.resilience.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
-from multigpu.meters import IntervalMeter, LoggedScalars
-from multigpu.metrics import MetricsSpec, Monitor
-from multigpu.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, group_settings,
+from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
+from multigpu.loop.metrics import MetricsSpec, Monitor
+from multigpu.loop.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, group_settings,
                             keep_run_settings, schedule_config, users_optimizer, users_scheduler)
-from multigpu.prediction import Predictor
-from multigpu.preemption import StopRequest, stops_handled
-from multigpu.reporting import Reporter
-from multigpu.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
-from multigpu.telemetry import Telemetry
-from multigpu.weights import ModelInfo
+from multigpu.loop.prediction import Predictor
+from multigpu.resilience.preemption import StopRequest, stops_handled
+from multigpu.monitoring.reporting import Reporter
+from multigpu.checkpoints.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
+from multigpu.monitoring.telemetry import Telemetry
+from multigpu.checkpoints.weights import ModelInfo
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
 
@@ -86,7 +92,7 @@ class Progress:
 
 
 class _ProgressState:
-    """Where training stands and what it trained with, as a checkpoint's top-level keys (multigpu/checkpointer.py
+    """Where training stands and what it trained with, as a checkpoint's top-level keys (multigpu/checkpoints/checkpointer.py
     PROGRESS): loading it moves the trainer's progress, monitor, metrics and data order to the checkpoint's."""
 
     def __init__(self, trainer: "MultiGPUTrainer"):
@@ -122,9 +128,9 @@ class MultiGPUTrainer:
     or a built one, stepped per optimizer step or, with `scheduler_interval="epoch"`,
     per epoch (default: `config.lr_schedule`, which a user's optimizer gets only when
     `lr_schedule` is set: its LR otherwise stays its own); `metrics` names and/or functions
-    (multigpu/metrics.py); batches of any structure, through `forward_fn(model,
+    (multigpu/loop/metrics.py); batches of any structure, through `forward_fn(model,
     batch) -> (outputs, targets)` where the default (fitted to the model's forward signature) does not fit;
-    `callbacks` objects called at fixed points of `fit` (multigpu/callbacks.py).
+    `callbacks` objects called at fixed points of `fit` (multigpu/loop/callbacks.py).
 
     Every rank constructs the trainer and calls `fit`; only rank 0 prints, logs
     and writes files. A trainer that set up the process group itself destroys it
@@ -170,7 +176,7 @@ class MultiGPUTrainer:
         self.loader_batch = config.batch_size * per_step
         self.eval_batch = (config.eval_batch_size or config.batch_size) * per_step
         self.effective_batch = config.batch_size * rt.devices_per_step * config.grad_accum_steps
-        if streaming.is_stream(train_dataset):  # an IterableDataset: split, ended and resumed by multigpu/streaming.py
+        if streaming.is_stream(train_dataset):  # an IterableDataset: split, ended and resumed by data/streaming.py
             self.sampler = self.stream = streaming.TrainStream(
                 train_dataset, rt, self.loader_batch, config.grad_accum_steps, config.steps_per_epoch,
                 config.num_workers, config.seed, collate_fn, build_loader, config.max_steps)
@@ -195,7 +201,7 @@ class MultiGPUTrainer:
         self.no_sync = (self.wrapped.no_sync if rt.mode == "ddp" else contextlib.nullcontext if rt.mode != "fsdp"
                         else sharding.no_gradient_sync(self.wrapped, config.fsdp_accumulate == "sharded"))
         # Without DDP's reducer to hold them, autograd would rebuild every parameter's AccumulateGrad node each
-        # step (multigpu/gradient_nodes.py); fsdp's parameters are its own to manage.
+        # step (multigpu/loop/gradient_nodes.py); fsdp's parameters are its own to manage.
         self.gradient_nodes = hold_gradient_nodes(self.model) if rt.mode in ("none", "dp") else []
 
         # --- optimisation: the user's optimizer and schedule, or the config's; LR scaling applies to both ---
@@ -222,7 +228,7 @@ class MultiGPUTrainer:
         if config.early_stop_patience and val_dataset is None:
             raise UsageError("--early-stop-patience watches a validation metric, and this run has no validation "
                              "set: give one, or leave --early-stop-patience at 0")
-        # The flags' built-in features first, then the user's; each hook's list is made once (multigpu/callbacks.py).
+        # The flags' built-in features first, then the user's; each hook's list is made once (multigpu/loop/callbacks.py).
         self.callbacks = Callbacks([*builtin_callbacks(config), *callbacks])
         self._on_step_end = self.callbacks.hooks["on_step_end"]
         self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
@@ -290,7 +296,7 @@ class MultiGPUTrainer:
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 if self.resume() and self._trained():  # a finished run, resumed: said in one line, nothing written
                     return self._summary(already_complete=True)
-                for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/plan.py)
+                for line in plan.plan_lines(self.plan_facts()):  # what will train, and how (multigpu/monitoring/plan.py)
                     self.report.line(line)
                 self.callbacks.call("on_fit_start", self)
                 self._start_autotune()
@@ -590,7 +596,7 @@ class MultiGPUTrainer:
     # ------------------------------------------------------------------ checkpoints
     def stateful(self, known_rng: Optional[Saved] = None) -> dict[str, Any]:
         """What a checkpoint holds, each thing with state_dict()/load_state_dict(): the checkpointer saves and
-        loads these in this order, and knows nothing else of the trainer (multigpu/stateful.py). `known_rng`:
+        loads these in this order, and knows nothing else of the trainer (multigpu/checkpoints/stateful.py). `known_rng`:
         every rank's RNG states known without a collective (the save from rank 0's replica alone); else
         gathered."""
         return {"model": ModelState(self.model), "model_info": ModelInfo(self.model),  # ties, a transformers config
@@ -598,7 +604,7 @@ class MultiGPUTrainer:
                 "scheduler": self.scheduler, "scaler": ScalerState(self.scaler, self.report.line),
                 PROGRESS: _ProgressState(self), "callbacks": self.callbacks,
                 "rng": known_rng or self.rng_state, "trackers": self.report.trackers,  # their runs' ids
-                **({"stream_state": self.stream} if self.stream is not None else {}),  # multigpu/streaming.py
+                **({"stream_state": self.stream} if self.stream is not None else {}),  # data/streaming.py
                 **({"autotune": self.autotune} if self.autotune is not None else {})}  # its choice, reused on resume
 
     def state_dict(self) -> dict[str, Any]:
@@ -689,7 +695,7 @@ class MultiGPUTrainer:
 
     def _already_complete(self, path: str) -> str:
         """The one line of a resume whose checkpoint has trained and evaluated every epoch (a checkpoint at
-        --max-steps is refused before: multigpu/checkpointer.py): what it reached, and how to train further."""
+        --max-steps is refused before: multigpu/checkpoints/checkpointer.py): what it reached, and how to train further."""
         name, best = self.monitor.name, self.progress.best_value
         result = (f"best {name} {best:.4f}" if name and best is not None
                   else "no validation set" if self.val_dataset is None else "no finite validation metric")
@@ -716,7 +722,7 @@ class MultiGPUTrainer:
                 **extra}
 
     def plan_facts(self) -> plan.PlanFacts:
-        """What the plan lines describe (multigpu/plan.py), read from the live run."""
+        """What the plan lines describe (multigpu/monitoring/plan.py), read from the live run."""
         return plan.PlanFacts(
             self.config, self.runtime, self.given, self.optimizer, self.scheduler, self.scheduler_interval,
             self.builtin_optimizer, self.builtin_schedule, self.lr, self.effective_batch, self.loader_batch,

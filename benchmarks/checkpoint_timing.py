@@ -75,7 +75,7 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 def load_seconds(trainer: Any, path: str) -> float:
     """Read checkpoint `path` into the trainer's live model and optimizer, as `--resume` does."""
-    from multigpu import checkpoint
+    from multigpu.checkpoints import checkpoint
 
     return timed(lambda: trainer.checkpointer.load_into(trainer.stateful(), checkpoint.load(path), path))[0]
 
@@ -84,7 +84,7 @@ def _one_process(size: str, rounds: int, folder: str, sharded_from: str) -> dict
     """Rows raw torch.save and one file, and the sharded folders loaded into one process (resharding 2 -> 1)."""
     import torch
 
-    from multigpu import checkpoint
+    from multigpu.checkpoints import checkpoint
 
     results: dict[str, Any] = {"raw torch.save": [], "one file": [], "sharded load at 1": []}
     with build_trainer("none", size, os.path.join(folder, "file")) as trainer:
@@ -111,7 +111,7 @@ def _sharded_rank(rank: int, size: str, rounds: int, folder: str, port: int) -> 
     """Rank `rank` of 2: sharded saves, sync and async alternating, and loads at 2; rank 0 writes the figures."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from multigpu import checkpoint
+    from multigpu.checkpoints import checkpoint
 
     results: dict[str, list[dict[str, float]]] = {"sharded, sync": [], "sharded, async": []}
     save_dir = os.path.join(folder, "sharded")

@@ -6,7 +6,7 @@
 Each sample costs the same to make in both forms: it is parsed from a JSON line
 of --work numbers, as a reader of JSONL shards does. Map-style reads line i by
 index; the stream reads the lines in order through an IterableDataset, split by
-the trainer (multigpu/streaming.py). "loader" iterates the trainer's own
+the trainer (data/streaming.py). "loader" iterates the trainer's own
 DataLoader for one epoch; "training" is one epoch of MultiGPUTrainer (one
 process, a small MLP) and its samples/s. When training is much slower than the
 loader, data is not the bottleneck and more --num-workers buy nothing; when the

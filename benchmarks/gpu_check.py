@@ -400,7 +400,7 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 def load_last(save_dir: str) -> dict[str, Any]:
     """The run's last checkpoint read whole: `last/` (sharded, fsdp's default; read by one process, whatever the
     number that wrote it) or `last.pt`."""
-    from multigpu import sharded
+    from multigpu.checkpoints import sharded
 
     folder = os.path.join(save_dir, "last")
     return sharded.load_whole(folder) if os.path.isdir(folder) else load_checkpoint(folder + ".pt")
@@ -772,8 +772,8 @@ def mfu_args(ctx: Context) -> list[str]:
 
 @row("MFU")
 def row_mfu(ctx: Context) -> Verdict:
-    """perf/mfu on a GPU of multigpu/flops.py's table; on any other, none (never guessed)."""
-    from multigpu.flops import gpu_row
+    """perf/mfu on a GPU of multigpu/monitoring/flops.py's table; on any other, none (never guessed)."""
+    from multigpu.monitoring.flops import gpu_row
 
     scalars, stdout = train(ctx, "mfu", mfu_args(ctx), "mfu", timeout=240)
     steps = sorted(step for step, _ in scalars.get("perf/tflops_per_device", []))
@@ -788,7 +788,7 @@ def row_mfu(ctx: Context) -> Verdict:
         return judge(ctx, f"{tflops:.3g} TFLOP/s per device (FLOPs counted once at start); no perf/mfu on the CPU",
                      raw, ["perf/mfu logged on the CPU"] if later else [])
     if raw["row"] is None:
-        return Verdict(NOT_APPLICABLE, f"{name} is not in multigpu/flops.py's table: no MFU (never guessed); "
+        return Verdict(NOT_APPLICABLE, f"{name} is not in multigpu/monitoring/flops.py's table: no MFU (never guessed); "
                                        f"{tflops:.3g} TFLOP/s per device", raw)
     mfu = median_of(later)
     problems = ["no perf/mfu logged"] if mfu is None else ([] if 0 < mfu <= 1 else [f"MFU {mfu:.3f} outside (0, 1]"])

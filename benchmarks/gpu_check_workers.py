@@ -7,7 +7,7 @@ Rank 0 prints one line `GPU_CHECK_RESULT {json}` with the figures; a failed
 check raises (exit 1). Each worker decides nothing: it measures, and the row
 in gpu_check.py judges. Models and data are built here from torch and
 torchvision alone, so the check depends only on the trainer's public API
-(`MultiGPUTrainer`, `TrainConfig`, `main_multi_gpu.main`, `multigpu.distributed.setup/teardown`).
+(`MultiGPUTrainer`, `TrainConfig`, `main_multi_gpu.main`, `multigpu.parallel.distributed.setup/teardown`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def sync_bn(params: dict[str, Any]) -> dict[str, Any]:
     fp32 without TF32, so several GPUs can be compared with one process holding
     the whole batch. Rank 0 saves the final state to params["state_out"].
     """
-    from multigpu.distributed import launched_by_torchrun, setup, teardown
+    from multigpu.parallel.distributed import launched_by_torchrun, setup, teardown
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -333,7 +333,7 @@ def raw_rate(params: dict[str, Any], amp: str, runtime: Any) -> float:
 @worker
 def throughput(params: dict[str, Any]) -> dict[str, Any]:
     """Trainer vs raw loop, alternating which goes first, for each precision in params["amps"]; peak memory of each."""
-    from multigpu.distributed import setup, teardown
+    from multigpu.parallel.distributed import setup, teardown
     from train_multi_gpu import TrainConfig
 
     runtime = setup(TrainConfig(multi_gpu="auto"))
@@ -372,7 +372,7 @@ def timed_predict(trainer: Any, data: Dataset) -> tuple[torch.Tensor, float]:
 def predict(params: dict[str, Any]) -> dict[str, Any]:
     """MultiGPUTrainer.predict on this run's devices (DDP over the GPUs under torchrun) against the same model
     on the CPU, fp32 without TF32: the largest difference, whether both are in dataset order, and their times."""
-    from multigpu.distributed import Runtime, setup, teardown
+    from multigpu.parallel.distributed import Runtime, setup, teardown
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -399,7 +399,7 @@ def predict(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from multigpu.gc_pauses import skip_the_collection_at_exit
+    from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 
     skip_the_collection_at_exit()  # as the trainer's commands: a second less at exit
     name, params = argv[0], json.loads(argv[1])

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402  (after the path set-up)
 
-from multigpu.inference import BatchParallel, chunk_sizes, crossover  # noqa: E402
+from multigpu.loop.inference import BatchParallel, chunk_sizes, crossover  # noqa: E402
 from multigpu.models import build_model  # noqa: E402
 
 SPLIT_TOLERANCE, CROSS_DEVICE_TOLERANCE = 1e-6, 1e-4
@@ -197,7 +197,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from multigpu.config import TrainConfig
-    from multigpu.distributed import setup, teardown
+    from multigpu.parallel.distributed import setup, teardown
 
     runtime = setup(TrainConfig(multi_gpu="ddp", dist_timeout=args.timeout))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -235,7 +235,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- the table and the plot
 def crossover_text(split: Series, single: Series) -> str:
-    """multigpu.inference.crossover (the rule BatchParallel's "auto" uses) of the measured times."""
+    """multigpu.loop.inference.crossover (the rule BatchParallel's "auto" uses) of the measured times."""
     batches = sorted(set(split.points) & set(single.points))
     found = crossover(batches, [split.points[b].seconds < single.points[b].seconds for b in batches])
     return f"batch {found}" if found is not None else f"never up to batch {batches[-1]}" if batches else "not measured"

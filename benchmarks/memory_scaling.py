@@ -2,7 +2,7 @@
 memory and the collective traffic per optimizer step of each mesh shape at 4 processes (issue 41).
 
 Each rank builds the same model (a stack of Linear+GELU blocks in an nn.Sequential, ≥ 50M parameters by
-default), wraps it as the trainer does (DDP, or multigpu.sharding.shard: each block an FSDP unit, then the
+default), wraps it as the trainer does (DDP, or multigpu.parallel.sharding.shard: each block an FSDP unit, then the
 root), and takes one AdamW step; then it counts the bytes of the tensors it holds itself, its shard under
 fsdp: parameters, gradients and optimizer state. Under ddp that is 16 bytes per parameter on every rank;
 under fsdp about 1/N of it. Beside it, the rank's peak resident memory (VmHWM, reset before each mode),
@@ -93,7 +93,7 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any, replica
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from multigpu import sharding
+    from multigpu.parallel import sharding
 
     gc.collect()
     _reset_peak_rss()
@@ -133,7 +133,7 @@ def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, di
     import torch
     import torch.nn as nn
 
-    from multigpu import sharding
+    from multigpu.parallel import sharding
 
     labels = mesh_labels(next(model.parameters()).device_mesh)
     counted: dict[str, dict[str, list[float]]] = {}

@@ -41,7 +41,7 @@ from bench_common import benchmark_parser, machine_line, write_markdown  # noqa:
 from multigpu.config import TrainConfig  # noqa: E402
 from multigpu.data import build_loader  # noqa: E402
 from multigpu.data.sampler import ResumableDistributedSampler  # noqa: E402
-from multigpu.optim import build_scheduler  # noqa: E402
+from multigpu.loop.optim import build_scheduler  # noqa: E402
 
 INPUTS, HIDDEN, CLASSES = 32, 64, 10
 

@@ -10,7 +10,7 @@ Map-style by default: the whole table, the trainer's sampler splits it over rank
 files are read as they are consumed: an HF IterableDataset that `datasets.distributed.split_dataset_by_node`
 splits over ranks (whole files per rank when their number divides by the world size, else every rank keeps
 one sample in world-size) and that splits its files over each rank's DataLoader workers itself, so the trainer
-takes it as a stream that shards itself (multigpu/streaming.py: the uneven ends, the exact resume at the same
+takes it as a stream that shards itself (data/streaming.py: the uneven ends, the exact resume at the same
 layout). Its length, counted from the files (Parquet metadata; lines of the others), sizes an epoch as one pass.
 
 A row that cannot be read (broken JSON, a number count that does not fit the shape) is one line naming its
@@ -188,7 +188,7 @@ class HFStream(IterableDataset):
     """A streaming HF IterableDataset as the trainer's samples: this rank's part (split_dataset_by_node, by the
     RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself."""
 
-    shards_itself = True  # multigpu/streaming.py takes what each (rank, worker) yields
+    shards_itself = True  # data/streaming.py takes what each (rank, worker) yields
 
     def __init__(self, stream: Any, samples: HFSamples, length: Optional[int], files: Files):
         self.stream, self.samples, self.length, self.files = stream, samples, length, files

@@ -27,10 +27,10 @@ def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, gr
     return field(default=default, metadata={"help": help, "choices": choices, "group": group, "words": tuple(words)})
 
 
-AUTO = "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/batch_size.py)
+AUTO = "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/tuning/batch_size.py)
 
 
-LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # --logger's names (multigpu/trackers.py)
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # --logger's names (multigpu/monitoring/trackers.py)
 
 DEFAULT_SAVE_ROOT = "checkpoints"  # without --save-dir, each run gets its own run-N folder here
 

@@ -3,7 +3,7 @@
 A flag is warned about only when the user gave it: on the command line (parse_config records the flags it
 named, whatever their values, as `TrainConfig.given`), or from Python a field set to something other than its
 default. Defaults never warn, so neither does a command that the launcher or a sweep builds from them.
-The trainer's plan (multigpu/plan.py) prints these lines once, on rank 0, before the first step.
+The trainer's plan (multigpu/monitoring/plan.py) prints these lines once, on rank 0, before the first step.
 """
 
 from __future__ import annotations

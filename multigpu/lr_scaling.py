@@ -1,7 +1,7 @@
 """The LR scaling rule: the one place its formula lives.
 
 The trainer uses `scaled_lr`, and so does the launcher's rule set
-(multigpu/launch_rules.py, torch-free like this module), so the LR the launcher
+(multigpu/launch/launch_rules.py, torch-free like this module), so the LR the launcher
 prints is exactly the LR the run will use.
 """
 

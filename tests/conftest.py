@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
 from multigpu.config import TrainConfig
-from multigpu.gc_pauses import skip_the_collection_at_exit
-from multigpu.savedir import LOCK_NAME
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
+from multigpu.checkpoints.savedir import LOCK_NAME
 from slurm_cluster import SlurmCluster, why_not_available
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,8 +130,8 @@ def busy_cpus(count: int) -> Iterator[None]:
 
 
 def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
-    """multigpu/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
-    return [PYTHON, str(REPO / "multigpu" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
+    """multigpu/launch/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
+    return [PYTHON, str(REPO / "multigpu" / "launch" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
             f"--master_port={free_port()}", str(REPO / "main_multi_gpu.py"), "--multi-gpu", "ddp", *TINY,
             *trainer_args]
 
@@ -167,7 +167,7 @@ def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
 # A run holding a save-dir: it says "held" once it owns it, then waits for its standard input to close.
 SAVE_DIR_HOLDER = """
 import sys
-from multigpu.savedir import SaveDirLock
+from multigpu.checkpoints.savedir import SaveDirLock
 with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
     print("held", flush=True)
     sys.stdin.read()
@@ -175,7 +175,7 @@ with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
 
 
 def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    """Start a process that owns `save_dir` (multigpu.savedir) until its standard input is closed."""
+    """Start a process that owns `save_dir` (multigpu.checkpoints.savedir) until its standard input is closed."""
     holder = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(save_dir)], cwd=REPO, env=cli_env(env), text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.communicate()
@@ -434,7 +434,7 @@ class StepRecorder:
 
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        from multigpu.stateful import ModelState
+        from multigpu.checkpoints.stateful import ModelState
 
         if not self.record_start:
             return
@@ -460,7 +460,7 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.d
     CUDA, so the trainer's own scale/unscale/clip/step/update path runs here.
     The default scale is low enough that the tiny test models never overflow.
     """
-    from multigpu.amp import Amp
+    from multigpu.loop.amp import Amp
 
     trainer.amp = Amp(torch.float16, "cpu", init_scale=init_scale)
     trainer.evaluator.amp = trainer.amp

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from multigpu.config import parse_config  # noqa: E402
-from multigpu.runner import main_guarded  # noqa: E402
+from multigpu.launch.runner import main_guarded  # noqa: E402
 from train_multi_gpu import MultiGPUTrainer  # noqa: E402
 
 STUCK_AFTER = 30  # samples the misbehaving data set reads on rank 1 before it blocks (a few steps in)

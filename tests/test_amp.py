@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multigpu.amp import Amp, resolve_dtype
+from multigpu.loop.amp import Amp, resolve_dtype
 
 
 def test_autocast_only_with_a_dtype_and_not_under_fsdp():

@@ -1,4 +1,4 @@
-"""--autotune (multigpu/autotune.py): it tries its settings on real training steps, prints and saves its choice,
+"""--autotune (multigpu/tuning/autotune.py): it tries its settings on real training steps, prints and saves its choice,
 ends where a run given the chosen settings directly ends (within rounding), keeps fp32, and a resume reuses the
 choice without measuring again; under DDP the layout switch re-wraps the model and the ranks stay equal."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import config_for, run_ranks
-from multigpu import autotune
+from multigpu.tuning import autotune
 from train_multi_gpu import MultiGPUTrainer
 
 STEPS = 48  # enough for 4 settings of 5 steps, twice over

@@ -40,7 +40,7 @@ from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_one_line, assert_un
                       run_cli_ranks, run_on_small_file_system, tiny_model, tiny_text)
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.models import build_model
-from multigpu import launch_rules
+from multigpu.launch import launch_rules
 from multigpu.sweep import cli as sweep_cli
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError

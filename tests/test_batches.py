@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.batches import (BatchMismatch, batch_size, check_first_batch, compute_loss, concat, default_forward,
+from multigpu.loop.batches import (BatchMismatch, batch_size, check_first_batch, compute_loss, concat, default_forward,
                               fitted_forward, predictions, split, to_device)
 from train_multi_gpu import MultiGPUTrainer
 

@@ -1,4 +1,4 @@
-"""Callbacks (multigpu/callbacks.py): the hooks fit() calls, their state in checkpoints, and early stopping."""
+"""Callbacks (multigpu/loop/callbacks.py): the hooks fit() calls, their state in checkpoints, and early stopping."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 import main_multi_gpu
 import predict_multi_gpu
 from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, run_ranks, tiny_model
-from multigpu import checkpoint
-from multigpu.callbacks import ema_weights
+from multigpu.checkpoints import checkpoint
+from multigpu.loop.callbacks import ema_weights
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
-from multigpu.faults import FAULT_ENV
+from multigpu.resilience.faults import FAULT_ENV
 from multigpu.models import build_model
 from train_multi_gpu import MultiGPUTrainer
 

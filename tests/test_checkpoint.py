@@ -1,4 +1,4 @@
-"""Checkpoint files (multigpu/checkpoint.py): atomic saves, refused files, the fallback to an older
+"""Checkpoint files (multigpu/checkpoints/checkpoint.py): atomic saves, refused files, the fallback to an older
 good checkpoint, and a full disk. Distributed kill-and-resume scenarios live in test_resume.py."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, file_size_limit,
                       tiny_model)
-from multigpu import checkpoint, faults, rng
+from multigpu.checkpoints import checkpoint
+from multigpu.loop import rng
+from multigpu.resilience import faults
 from multigpu.data import build_datasets
 from multigpu.models import build_model
 from multigpu.errors import UsageError

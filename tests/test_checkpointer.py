@@ -20,9 +20,9 @@ from torch.utils.data import Dataset, TensorDataset
 import main_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, assert_untouched, blobs, cli_command, cli_env, config_for,
                       contents, image_folder, run_cli, run_ranks, tiny_model)
-from multigpu import checkpoint
+from multigpu.checkpoints import checkpoint
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.faults import FAULT_ENV
+from multigpu.resilience.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
 QUICK = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1"]
@@ -231,8 +231,8 @@ def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(
 
     whole = start("/dev/null", tmp_path / "whole")  # the marker exists: never stopped
     assert whole.wait(RUN_TIMEOUT) == 0, whole.stdout.read()
-    # Through the launcher's torchrun (multigpu/torchrun.py), whose exit status is the workers'.
-    stopped = subprocess.Popen([sys.executable, str(REPO / "multigpu" / "torchrun.py"), "--log-file",
+    # Through the launcher's torchrun (multigpu/launch/torchrun.py), whose exit status is the workers'.
+    stopped = subprocess.Popen([sys.executable, str(REPO / "multigpu" / "launch" / "torchrun.py"), "--log-file",
                                 str(tmp_path / "torchrun.log"), "--standalone", "--nproc_per_node=2", str(script),
                                 str(tmp_path / "marker"), *args, "--save-dir", str(tmp_path / "stopped")],
                                cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -10,7 +10,7 @@ import pytest
 
 import main_multi_gpu
 from conftest import REPO
-from multigpu import launch_rules
+from multigpu.launch import launch_rules
 from multigpu.config import TrainConfig, parse_config
 from multigpu.config_checks import RunFacts, given, ignored_flags
 

@@ -1,4 +1,4 @@
-"""multigpu/console.py: a console nobody reads any more (a pipe whose reader died) never stops a run.
+"""multigpu/launch/console.py: a console nobody reads any more (a pipe whose reader died) never stops a run.
 
 The launcher's piped Ctrl-C (tests/test_launch_multi_gpu.py) is the end-to-end case; here, real pipes.
 """
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from multigpu.console import BestEffortStream, best_effort
+from multigpu.launch.console import BestEffortStream, best_effort
 
 
 def dead_pipe() -> io.TextIOWrapper:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the s
 # Page faults per step of a small convolution net (6 MB of activations per step), after two steps of warm-up.
 CONV_STEPS = """
 import json, resource, sys, torch
-from multigpu import cpu_memory
+from multigpu.tuning import cpu_memory
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3), torch.nn.ReLU(),
@@ -79,7 +79,7 @@ print(json.dumps([(faults.counts[-1] - faults.counts[2]) / (len(faults.counts) -
 # and then inside the block (kept); and the process's resident memory inside the block and after it (given back).
 HELD_AFTER_A_FREE = MALLINFO + """
 import json, os
-from multigpu import cpu_memory
+from multigpu.tuning import cpu_memory
 def held_after_a_free():
     block = torch.ones(4 * 1024 * 1024)
     del block
@@ -139,7 +139,7 @@ def test_fit_on_the_cpu_keeps_freed_memory_unless_told_not_to():
 
 
 def test_a_malloc_tuned_through_the_environment_is_left_alone(monkeypatch):
-    from multigpu import cpu_memory
+    from multigpu.tuning import cpu_memory
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
     assert cpu_memory.tuned_by_the_user() and not cpu_memory.keep_freed_memory()

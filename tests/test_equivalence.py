@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu.distributed import Runtime
+from multigpu.parallel.distributed import Runtime
 from train_multi_gpu import MultiGPUTrainer
 
 TOLERANCE = 1e-5

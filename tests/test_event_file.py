@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import event_files, read_scalars
-from multigpu.event_file import EventFile
+from multigpu.monitoring.event_file import EventFile
 
 
 def test_with_no_delay_each_write_is_on_disk_before_the_file_is_closed(tmp_path: Path):
@@ -68,7 +68,7 @@ def test_records_carry_the_checksums_tensorboard_computes(tmp_path: Path):
 
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
 
-    from multigpu.event_file import crc32c, frame, masked_crc32c
+    from multigpu.monitoring.event_file import crc32c, frame, masked_crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # CRC-32C's published check value
     for length in range(0, 41):  # every remainder of the four-byte steps, and the empty record

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import REPO, assert_ok, read_scalars, run_cli
-from multigpu import checkpoint
-from multigpu.faults import FAULT_ENV
+from multigpu.checkpoints import checkpoint
+from multigpu.resilience.faults import FAULT_ENV
 
 # 96 samples, 8 per process: 6 steps per epoch with 2 processes; step checkpoints every 2 steps.
 SMALL = ["--train-size", "96", "--val-size", "40", "--batch-size", "8", "--epochs", "2", "--no-progress",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from multigpu import flops
+from multigpu.monitoring import flops
 
 
 @pytest.mark.parametrize("name, row", [

@@ -14,7 +14,7 @@ from conftest import PYTHON, REPO, cli_env
 FORK_AFTER_IMPORT = """
 import os
 import multigpu
-from multigpu import fork_safety
+from multigpu.resilience import fork_safety
 order = []
 fork_safety._thread_states_free = lambda: order.append("wait")
 os.register_at_fork(before=lambda: order.append("handler registered later"))
@@ -50,7 +50,7 @@ def test_each_fork_waits_for_the_thread_state_lock_last_on_python_before_3_12():
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12 re-creates the lock in the child first")
 def test_the_wait_itself_returns_and_the_child_runs():
-    from multigpu import fork_safety
+    from multigpu.resilience import fork_safety
 
     assert fork_safety.wait_for_thread_states_before_fork()  # registered by the import of multigpu already
     result = subprocess.run([PYTHON, "-c", FORK_WITH_THE_WAIT], cwd=REPO, env=cli_env(), capture_output=True,

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from conftest import REPO, blobs, cli_env, config_for, tiny_model
-from multigpu.gc_pauses import long_lived_objects_frozen
-from multigpu.batches import default_forward
+from multigpu.tuning.gc_pauses import long_lived_objects_frozen
+from multigpu.loop.batches import default_forward
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -68,7 +68,7 @@ def run_and_report(body: str, *args: str) -> str:
 
 def test_the_collection_at_exit_is_skipped_once_asked_and_registered_once():
     registered = run_and_report("""
-from multigpu.gc_pauses import skip_the_collection_at_exit
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 before = atexit._ncallbacks()
 skip_the_collection_at_exit(); skip_the_collection_at_exit()
 print("handlers added:", atexit._ncallbacks() - before)""")
@@ -87,7 +87,7 @@ except SystemExit:
         assert output.splitlines()[-2:] == ["frozen before exit: False", "frozen at exit: True"], module
     launcher_wrapper = run_and_report("""
 sys.argv = ["torchrun.py"]
-from multigpu import torchrun
+from multigpu.launch import torchrun
 try:
     torchrun.main()
 except SystemExit:

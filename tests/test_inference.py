@@ -1,4 +1,4 @@
-"""multigpu.inference.BatchParallel on two CPU devices (replicas on threads): the outputs of one device,
+"""multigpu.loop.inference.BatchParallel on two CPU devices (replicas on threads): the outputs of one device,
 in input order; one device below the threshold; and the "auto" threshold measured once."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from conftest import tiny_model
-from multigpu.batches import concat, split
-from multigpu.inference import BatchParallel, chunk_sizes
+from multigpu.loop.batches import concat, split
+from multigpu.loop.inference import BatchParallel, chunk_sizes
 
 CPUS = ["cpu", "cpu"]
 

@@ -40,7 +40,7 @@ RUN_TIMEOUT = 240
 
 sys.path.insert(0, str(REPO))
 from conftest import needs_shellcheck, shellcheck_path  # noqa: E402
-from multigpu import savedir  # noqa: E402
+from multigpu.checkpoints import savedir  # noqa: E402
 from multigpu.config import TrainConfig, parse_config  # noqa: E402  (after the path tweak)
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.lr_scaling import scaled_lr  # noqa: E402
@@ -92,11 +92,11 @@ def dry_run_save_dir() -> str:
 
 
 def ddp_head(nproc: int, port: int, ids: Optional[str] = None, log: Optional[str] = None) -> str:
-    """The start of the launcher's ddp command: torchrun (through multigpu/torchrun.py) with its threads per worker."""
+    """The start of the launcher's ddp command: torchrun (through multigpu/launch/torchrun.py) with its threads per worker."""
     cores = len(os.sched_getaffinity(0))
     env = f"CUDA_VISIBLE_DEVICES={ids} " if ids else ""
     log = log or f"{dry_run_save_dir()}/torchrun.log"
-    return (f"{env}OMP_NUM_THREADS={max(1, cores // nproc)} {shown(sys.executable)} multigpu/torchrun.py "
+    return (f"{env}OMP_NUM_THREADS={max(1, cores // nproc)} {shown(sys.executable)} multigpu/launch/torchrun.py "
             f"--log-file {log} --nproc_per_node={nproc} --master_port={port}")
 
 
@@ -589,7 +589,7 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
 
 def test_ctrl_c_with_the_output_piped_into_a_reader_that_died_still_checkpoints_and_exits_0(tmp_path: Path) -> None:
     """`bash launch_multi_gpu.sh --yes | tee run.log`, then Ctrl-C: the SIGINT reaches tee too, which dies first.
-    The console is best-effort (multigpu/console.py): the checkpoint is written all the same, exit 0.
+    The console is best-effort (multigpu/launch/console.py): the checkpoint is written all the same, exit 0.
 
     dill is installed here (requirements.txt), as Hugging Face datasets brings it; torch then imports it in
     torchrun's process, and torchrun.py's log redirection must cope with the log handler dill adds."""

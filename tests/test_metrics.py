@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu import metrics
+from multigpu.loop import metrics
 from train_multi_gpu import MultiGPUTrainer
 
 PRIME = 101  # not a multiple of 2 or 3 or of the batch: ranks get unequal shares, the last batch is short

@@ -21,7 +21,7 @@ from conftest import blobs, config_for, read_scalars, tiny_model, use_fp16_on_cp
 from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.lr_scaling import scaled_lr
-from multigpu.optim import lr_factor
+from multigpu.loop.optim import lr_factor
 from train_multi_gpu import MultiGPUTrainer
 
 BASE_LR = 0.1

@@ -1,4 +1,4 @@
-"""The plan lines a run prints before its first step, their warnings, and the done line (multigpu/plan.py)."""
+"""The plan lines a run prints before its first step, their warnings, and the done line (multigpu/monitoring/plan.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.plan import chance_accuracy, done_line, learning_warning, plan_lines
-from multigpu.optim import lr_factor
-from multigpu.reporting import Reporter
+from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
+from multigpu.loop.optim import lr_factor
+from multigpu.monitoring.reporting import Reporter
 from train_multi_gpu import MultiGPUTrainer
 
 

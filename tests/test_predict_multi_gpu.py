@@ -13,7 +13,7 @@ import torch
 import main_multi_gpu
 import predict_multi_gpu
 from conftest import REPO, TINY, TINY_GPT, assert_ok, guide_commands, image_folder, run_cli, tiny_text
-from multigpu import checkpoint
+from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
 from multigpu.models import build_model

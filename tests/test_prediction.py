@@ -1,4 +1,4 @@
-"""MultiGPUTrainer.predict (multigpu/prediction.py): every sample once, in dataset order, bit-identical to one
+"""MultiGPUTrainer.predict (multigpu/loop/prediction.py): every sample once, in dataset order, bit-identical to one
 process for 1, 2 and 3 real gloo processes; in memory on every rank, or streamed to a file by rank 0."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset, TensorDataset
 
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu import prediction
+from multigpu.loop import prediction
 from train_multi_gpu import MultiGPUTrainer
 
 SET_SIZES = (1, 7, 101)  # one sample, fewer than a batch, a prime number of them

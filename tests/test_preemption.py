@@ -1,4 +1,4 @@
-"""A survivor of a lost peer (multigpu/preemption.py), in real gloo processes. The double SIGTERM and Ctrl-C cases
+"""A survivor of a lost peer (multigpu/resilience/preemption.py), in real gloo processes. The double SIGTERM and Ctrl-C cases
 are in test_resume.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from multigpu.preemption import PeerLost, StopRequest, stops_handled
+from multigpu.resilience.preemption import PeerLost, StopRequest, stops_handled
 
 
 def _survive_torchruns_sigterm_while_saving(rank: int, world_size: int, marker: str) -> object:

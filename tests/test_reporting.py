@@ -115,7 +115,7 @@ class FirstStep:
             for thread in threading.enumerate():
                 if thread.name == "import TensorBoard":
                     thread.join()
-            print("imported before the first sync point:", "multigpu.event_file" in sys.modules)
+            print("imported before the first sync point:", "multigpu.monitoring.event_file" in sys.modules)
 data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
 config = TrainConfig(epochs=1, batch_size=8, log_every=4, progress=False, num_workers={workers},
                      save_dir=tempfile.mkdtemp())

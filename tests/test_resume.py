@@ -26,10 +26,10 @@ from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cl
                       run_cli_ranks, run_ranks, tiny_model)
 from multigpu.data import build_datasets
 from multigpu.models import build_model
-from multigpu import checkpoint
+from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
-from multigpu.faults import FAULT_ENV
-from multigpu.preemption import StopRequest
+from multigpu.resilience.faults import FAULT_ENV
+from multigpu.resilience.preemption import StopRequest
 from train_multi_gpu import MultiGPUTrainer
 
 # 8 steps per epoch with 2 processes; step checkpoints at 5, 10, 15, 20 (2 kept); last.pt at 8, 16, 24.
@@ -363,7 +363,7 @@ sys.path[:0] = [{repo!r}, {tests!r}]
 from pathlib import Path
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from conftest import blobs, config_for
-from multigpu.runner import main_guarded
+from multigpu.launch.runner import main_guarded
 from train_multi_gpu import MultiGPUTrainer
 
 class DieInForward(torch.nn.Module):

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from multigpu import run_settings
+from multigpu.checkpoints import run_settings
 from multigpu.config import TrainConfig
 
 

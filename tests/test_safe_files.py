@@ -16,10 +16,12 @@ import pytest
 
 import main_multi_gpu
 from conftest import PYTHON, REPO, TINY_SWEEP_RUN
-from multigpu import checkpoint, safe_files, torchrun
+from multigpu import safe_files
+from multigpu.checkpoints import checkpoint
+from multigpu.launch import torchrun
 from multigpu.errors import UsageError
-from multigpu.prediction import written_whole
-from multigpu.savedir import SaveDirLock
+from multigpu.loop.prediction import written_whole
+from multigpu.checkpoints.savedir import SaveDirLock
 from multigpu.sweep import cli as sweep_cli
 from multigpu.sweep import records
 from multigpu.sweep.plan import Experiment
@@ -200,10 +202,10 @@ def test_every_write_in_the_project_goes_through_safe_files():
              if path.name != "safe_files.py"
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if writes.search(line) and "os.devnull" not in line]  # /dev/null is no file a run creates
-    # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in multigpu/sharded.py
+    # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in multigpu/checkpoints/sharded.py
     # only, and only inside the temporary folder that safe_files.make_folder made for that save (renamed into
     # place by safe_files.replace_folder), a folder of the project's own naming where no link was planted.
-    dcp_writers = [line for line in found if line.startswith("multigpu/sharded.py:") and "FileSystemWriter" in line]
+    dcp_writers = [line for line in found if line.startswith("multigpu/checkpoints/sharded.py:") and "FileSystemWriter" in line]
     assert len(dcp_writers) == 2, found  # the writer a save uses, and the fault injector's subclass of it
     assert [line for line in found if line not in dcp_writers] == []
 

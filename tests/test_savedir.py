@@ -1,4 +1,4 @@
-"""Save-dir ownership, run folders and --overwrite's set-aside copy (multigpu/savedir.py), with real processes."""
+"""Save-dir ownership, run folders and --overwrite's set-aside copy (multigpu/checkpoints/savedir.py), with real processes."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, SAVE_DIR_HOLDER, TINY, cli_command, cli_env, contents, hold_save_dir,
                       run_cli)
-from multigpu import checkpoint, savedir
+from multigpu.checkpoints import checkpoint, savedir
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
-from multigpu.savedir import SaveDirLock
+from multigpu.checkpoints.savedir import SaveDirLock
 
 def acquire_in_process(save_dir: Path) -> tuple[SaveDirLock, list[str]]:
     lines: list[str] = []
@@ -75,7 +75,7 @@ def test_a_torchrun_restart_of_the_same_job_keeps_the_save_dir(tmp_path):
     # Attempt 0 takes the save-dir and dies by SIGKILL; torchrun restarts it; attempt 1 must own it again.
     script = tmp_path / "job.py"
     script.write_text("import os, signal, sys\n"
-                      "from multigpu.savedir import SaveDirLock\n"
+                      "from multigpu.checkpoints.savedir import SaveDirLock\n"
                       "lock = SaveDirLock(sys.argv[1]).acquire(lambda line: print('line:', line, flush=True))\n"
                       "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
                       "    os.kill(os.getpid(), signal.SIGKILL)\n"

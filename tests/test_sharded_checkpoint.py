@@ -1,4 +1,4 @@
-"""Sharded checkpoints (multigpu/sharded.py, --checkpoint-format sharded): every rank writes its shards into a
+"""Sharded checkpoints (multigpu/checkpoints/sharded.py, --checkpoint-format sharded): every rank writes its shards into a
 folder renamed into place when complete; it resumes at another number of processes, from and into one-file
 checkpoints, after a kill in an async save; export and prediction read it; a folder that would run code, is
 damaged or belongs to another model is refused in one line by each of them."""
@@ -19,11 +19,11 @@ import main_multi_gpu
 import predict_multi_gpu
 from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, StepRecorder, assert_ok, blobs, config_for, contents, global_steps,
                       run_cli, run_cli_ranks, run_ranks, tiny_model, tiny_text)
-from multigpu import checkpoint, export, savedir, sharded
+from multigpu.checkpoints import checkpoint, export, savedir, sharded
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
-from multigpu.faults import FAULT_ENV
-from multigpu.stateful import ModelState
+from multigpu.resilience.faults import FAULT_ENV
+from multigpu.checkpoints.stateful import ModelState
 from train_multi_gpu import MultiGPUTrainer
 
 EFFECTIVE_BATCH = 24  # 1, 2 and 3 processes each take an equal share of every step's samples

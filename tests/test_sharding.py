@@ -1,4 +1,4 @@
-"""--multi-gpu fsdp (multigpu/sharding.py): which blocks are sharded, and that sharded training is the same training.
+"""--multi-gpu fsdp (multigpu/parallel/sharding.py): which blocks are sharded, and that sharded training is the same training.
 
 Equivalence (issue 22): fsdp at 2 processes = ddp at 2 processes = one process at twice the batch, within 1e-5
 of every parameter after 5 AdamW steps (fp32), with and without gradient accumulation and clipping. All 2-rank
@@ -28,10 +28,11 @@ import torch.nn as nn
 
 import main_multi_gpu
 from conftest import REPO, StepRecorder, blobs, config_for, global_steps, run_ranks, tiny_model
-from multigpu import sharded, sharding
+from multigpu.checkpoints import sharded
+from multigpu.parallel import sharding
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
-from multigpu.stateful import ModelState
+from multigpu.checkpoints.stateful import ModelState
 from train_multi_gpu import MultiGPUTrainer
 
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from multigpu.snapshot import kept
+from multigpu.loop.snapshot import kept
 
 
 def model_with_state() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Streaming training data (multigpu/streaming.py): every sample once over ranks x workers, uneven ends that
+"""Streaming training data (data/streaming.py): every sample once over ranks x workers, uneven ends that
 never hang, and resume at the exact sample, at another layout too. Real DataLoader workers and real gloo ranks."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, CrashAt, IdModel, IdStream, SplitIds, cli_env, config_for,
                       free_port, read_ids, run_ranks, write_id_files)
-from multigpu.streaming import StreamShard, TaggedCollate
+from multigpu.data.streaming import StreamShard, TaggedCollate
 
 EPOCH = sum(SHARDS)
 
@@ -86,8 +86,8 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     import multiprocessing
 
     from multigpu.data import build_loader
-    from multigpu.distributed import Runtime
-    from multigpu.streaming import TrainStream
+    from multigpu.parallel.distributed import Runtime
+    from multigpu.data.streaming import TrainStream
 
     # Loader workers fork, as they do under torchrun (a rank started by spawn would spawn them too: 50 times
     # importing torch and datasets afresh).

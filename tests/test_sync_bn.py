@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu.distributed import Runtime
+from multigpu.parallel.distributed import Runtime
 from train_multi_gpu import MultiGPUTrainer
 
 WORLD = 2

@@ -1,5 +1,5 @@
 """Telemetry on the CPU: the time split and FLOP rate in TensorBoard with sane values, the data-wait hint, the
-end-of-run line, and the GPU-only figures absent (multigpu/telemetry.py)."""
+end-of-run line, and the GPU-only figures absent (multigpu/monitoring/telemetry.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, tiny_model
-from multigpu.telemetry import split_timeline
+from multigpu.monitoring.telemetry import split_timeline
 from train_multi_gpu import MultiGPUTrainer
 
 FLOPS_PER_SAMPLE = 3 * (2 * 16 * 32 + 2 * 32 * 4) - 2 * 16 * 32  # tiny_model: forward, backward (no input gradient)

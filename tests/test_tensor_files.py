@@ -1,4 +1,4 @@
-"""--checkpoint-format safetensors (multigpu/tensor_files.py): a checkpoint without pickle, one safetensors file
+"""--checkpoint-format safetensors (multigpu/checkpoints/tensor_files.py): a checkpoint without pickle, one safetensors file
 with the trainer state as JSON in its header; killed after a step and inside a save (written, not renamed), it
 resumes to the same weights bit for bit as an uninterrupted run, and predicts like a .pt; every type a checkpoint
 holds survives the round trip."""
@@ -13,8 +13,8 @@ import torch
 
 import predict_multi_gpu
 from conftest import TINY, assert_ok, run_cli
-from multigpu import checkpoint, run_settings, tensor_files
-from multigpu.faults import FAULT_ENV
+from multigpu.checkpoints import checkpoint, run_settings, tensor_files
+from multigpu.resilience.faults import FAULT_ENV
 
 safetensors = pytest.importorskip("safetensors.torch", reason="the [hf] extra (safetensors) is not installed")
 

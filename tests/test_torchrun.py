@@ -1,4 +1,4 @@
-"""multigpu/torchrun.py: torchrun whose exit status is the workers', its own reports kept in a log file.
+"""multigpu/launch/torchrun.py: torchrun whose exit status is the workers', its own reports kept in a log file.
 
 Real torchrun, real trainer processes (2 gloo ranks); the launcher's own runs
 through it are in tests/test_launch_multi_gpu.py.
@@ -12,8 +12,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from multigpu.errors import HANG_EXIT_STATUS
-from multigpu.faults import FAULT_ENV
-from multigpu.torchrun import verdict, worker_status
+from multigpu.resilience.faults import FAULT_ENV
+from multigpu.launch.torchrun import verdict, worker_status
 from conftest import PYTHON, REPO, RUN_TIMEOUT, cli_env, torchrun_command
 
 
@@ -49,7 +49,7 @@ def test_a_killed_worker_is_named_with_its_status_and_torchruns_report_stays_in_
 DILL_THEN_REDIRECT = """
 import logging, sys
 import dill  # noqa: F401  (adds a logging._StderrHandler, whose stream cannot be set, to its logger 'dill')
-from multigpu.torchrun import _send_logs_to
+from multigpu.launch.torchrun import _send_logs_to
 agent = logging.getLogger("torch.distributed.elastic.agent")
 agent.addHandler(logging.StreamHandler(sys.stderr))
 _send_logs_to(open(sys.argv[1], "a", buffering=1))

@@ -1,4 +1,4 @@
-"""--logger csv,mlflow,wandb (multigpu/trackers.py): under 2-process ddp, across a --resume auto, MLflow's file
+"""--logger csv,mlflow,wandb (multigpu/monitoring/trackers.py): under 2-process ddp, across a --resume auto, MLflow's file
 store and W&B's offline run, read back with their own tools, and metrics.csv hold exactly TensorBoard's scalars
 (trainer.log's too) at the same steps, from rank 0 alone, in one run each; a library that is missing is one line
 naming the extra; a tracker that fails mid-run is one warning and the run goes on."""

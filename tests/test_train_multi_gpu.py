@@ -15,9 +15,9 @@ from torch.utils.data import TensorDataset
 
 from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
                       thread_names, tiny_model)
-from multigpu import checkpoint
-from multigpu.batches import BatchMismatch
-from multigpu.callbacks import EMA
+from multigpu.checkpoints import checkpoint
+from multigpu.loop.batches import BatchMismatch
+from multigpu.loop.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 
 
@@ -164,7 +164,7 @@ def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str
 
 def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
     """Destroyed means gone: its gloo threads are joined, though DDP's first construction imports a module whose
-    default arguments would hold the group for good (multigpu/distributed.py _import_before_the_group)."""
+    default arguments would hold the group for good (multigpu/parallel/distributed.py _import_before_the_group)."""
     owned = run_ranks(_process_group_owner, 2, tmp_path / "owned", tmp_path / "owned", join_group=False)
     assert owned == [{"during": True, "after": False, "gloo threads after": False}] * 2
     given = run_ranks(_process_group_owner, 2, tmp_path / "given", tmp_path / "given")  # the test set it up

@@ -13,14 +13,14 @@ import pytest
 from conftest import (HANG, HANG_RUN_LIMIT as LIMIT, TINY, busy_cpus, cli_env, run_cli, run_hang_scenario as scenario,
                       torchrun_command)
 from multigpu.errors import HANG_EXIT_STATUS
-from multigpu.faults import FAULT_ENV
+from multigpu.resilience.faults import FAULT_ENV
 
 def report(save_dir: Path) -> str:
     return (save_dir / "hang_report.txt").read_text()
 
 
 def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
-    """Through multigpu/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
+    """Through multigpu/launch/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
     save_dir, log, started = tmp_path / "ckpt", tmp_path / "torchrun.log", time.monotonic()
     result = subprocess.run(torchrun_command(log, *HANG, "--save-dir", str(save_dir)), cwd=tmp_path,
                             env=cli_env({FAULT_ENV: "1:3:stop"}), capture_output=True, text=True, timeout=LIMIT)

@@ -1,4 +1,4 @@
-"""--init-from and --init-strict (multigpu/weights.py) from the command line: a run starts from another run's
+"""--init-from and --init-strict (multigpu/checkpoints/weights.py) from the command line: a run starts from another run's
 exported weights (not a resume: fresh optimizer, schedule and progress), a resumed run keeps its own; weights of
 another shape are refused in one line, or with --init-strict false loaded where they fit with one line per kind
 of misfit; a path that does not exist, holds no weights or holds pickled code is one line, exit 2."""
@@ -12,7 +12,7 @@ import torch
 
 import main_multi_gpu
 from conftest import TINY
-from multigpu import checkpoint
+from multigpu.checkpoints import checkpoint
 
 pytest.importorskip("safetensors", reason="the [hf] extra (safetensors) is not installed")
 
@@ -103,7 +103,7 @@ def test_a_path_without_weights_is_one_line_and_exit_2(tmp_path, capfd, kind):
 
 def test_a_safetensors_checkpoint_gives_its_model_weights(tmp_path):
     from conftest import tiny_model
-    from multigpu import tensor_files, weights
+    from multigpu.checkpoints import tensor_files, weights
 
     trained = tiny_model()
     torch.nn.init.normal_(trained[0].weight)

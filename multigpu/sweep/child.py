@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child SUMMARY.json [training flags]
 
-It trains as main_multi_gpu.py does (multigpu.runner: same flags, same messages, same exit status), except
+It trains as main_multi_gpu.py does (multigpu.launch.runner: same flags, same messages, same exit status), except
 that rank 0 also writes the run's final metrics to SUMMARY.json for the worker that started it.
 """
 
@@ -17,7 +17,7 @@ from multigpu.sweep.records import write_json_atomic
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Train on the training flags; rank 0 writes the summary file."""
-    from multigpu.runner import train_from_argv
+    from multigpu.launch.runner import train_from_argv
 
     summary_path, *train_argv = list(sys.argv[1:] if argv is None else argv)
 

@@ -12,9 +12,9 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from multigpu.console import best_effort
+from multigpu.launch.console import best_effort
 from multigpu.errors import UsageError
-from multigpu.gc_pauses import skip_the_collection_at_exit
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 from multigpu.sweep import records, slurm, summary
 from multigpu.sweep.options import SweepOptions, parse, split_separated
 from multigpu.sweep.plan import Experiment, Plan, build_plan

@@ -68,7 +68,7 @@ def describe(values: Sequence[float]) -> Stats:
 
 def did_not_learn(record: dict[str, Any]) -> Optional[str]:
     """Why a finished run did not learn, as its trainer said (its summary's `did_not_learn`: the loss did not fall
-    or diverged, or the last validation accuracy stayed at chance for its number of classes, multigpu/plan.py
+    or diverged, or the last validation accuracy stayed at chance for its number of classes, multigpu/monitoring/plan.py
     chance_accuracy); None when it learned, failed, or is from a trainer that did not say."""
     return record["metrics"].get("did_not_learn") if record.get("status") == "ok" else None
 

@@ -2,7 +2,7 @@
 
 The scheduler starts it with the slot's CUDA_VISIBLE_DEVICES and thread count already in its
 environment, sends it one task at a time over its own pipe and reads each outcome back from that pipe.
-A one-device run trains in this process through `multigpu.runner.run`; a run of K devices is a
+A one-device run trains in this process through `multigpu.launch.runner.run`; a run of K devices is a
 K-process DDP job under torchrun. A run's console output goes to its own `train.log`.
 """
 
@@ -82,8 +82,8 @@ def _import_run_dependencies() -> None:
     about 3 s) before the first run, so a run's wall time is the run's own."""
     import torch._dynamo  # noqa: F401
 
-    import multigpu.event_file  # noqa: F401  (the run's TensorBoard file)
-    import multigpu.runner  # noqa: F401
+    import multigpu.monitoring.event_file  # noqa: F401  (the run's TensorBoard file)
+    import multigpu.launch.runner  # noqa: F401
     from torch.utils.tensorboard.summary import hparams  # noqa: F401  (its end-of-run hparams)
 
 
@@ -104,7 +104,7 @@ def run_task(task: Task) -> dict[str, Any]:
 def _run_in_process(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     from multigpu.config import parse_config
     from multigpu.errors import TrainingStopped, UsageError
-    from multigpu.runner import run
+    from multigpu.launch.runner import run
 
     with _output_to(task.experiment.log_path), _fault_injected(task.fault):
         print(f"--- sweep: {task.experiment.name}, attempt {task.attempt}", flush=True)
@@ -156,7 +156,7 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
 
 
 def _fault_env() -> str:
-    from multigpu.faults import FAULT_ENV
+    from multigpu.resilience.faults import FAULT_ENV
 
     return FAULT_ENV
 

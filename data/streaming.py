@@ -1,0 +1,403 @@
+"""Streaming training data: a `torch.utils.data.IterableDataset`, split over ranks and DataLoader workers,
+ended together by every rank, and resumed at the exact sample (MULTI_GPU_GUIDE.md, "Your own data").
+
+Sharding. data/stream_split.py finds what the stream splits by itself
+(over workers: it reads get_worker_info(); over ranks: it reads its rank; a
+Hugging Face stream; or a `shards_itself` attribute) and the trainer splits the
+rest: every (rank, worker) reads the stream and keeps positions
+`slot, slot + S, ...` of what it is given, with `S` the ranks x workers (or
+only the ranks, or only the workers) the stream does not split over, so every
+sample of a pass goes to exactly one (rank, worker). What no probe sees, the
+first pass's counts show: one line when they do not add up to `__len__`.
+
+Epochs. An epoch is one pass (`__len__`, when there is one, sizes it in steps;
+without one the steps are unknown until the pass ends), or `--steps-per-epoch`
+steps (`--max-steps` alone on a stream without `__len__`: one epoch of them),
+passes following one another: a pass that runs out mid-epoch is said once.
+
+Uneven ends. A step happens only if every rank has a full window of
+micro-batches: one all-reduce (MIN) of a 1-element flag per step, for streams
+only. When some rank runs out, all end the pass at the same step, and the
+samples the others still held are counted and reported. A pass that gives not
+even one step is refused in one line.
+
+Resume. The checkpoint's "stream_state" holds the pass, the steps of the epoch,
+the samples each slot has handed to training and which worker gives each rank
+its next batch. A DataLoader takes batches from its workers in turn, dropping
+one that ran out; a resumed pass starts at the worker whose turn it was, and
+that worker plays that role for the dataset too (its get_worker_info() says so:
+a stream that splits over workers gives it that worker's samples). A stream the
+trainer splits alone skips exactly the trained positions at any world size or
+worker count; any other skips each slot's count and needs the same layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+
+from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
+from multigpu.errors import UsageError
+from multigpu.data.stream_split import Split, find_split, play_worker
+
+Window = tuple[Iterator[Any], int, list[int], bool]  # (micro-batches, samples, their sizes, last of the epoch)
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether `dataset` is read as a stream (an IterableDataset) rather than by index."""
+    return isinstance(dataset, IterableDataset)
+
+
+def stream_length(dataset: Any) -> Optional[int]:
+    """len(dataset) where the stream has one, else None."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, interval: str) -> None:
+    """A stream without __len__ trains by passes, of steps unknown until each ends: UsageError for a schedule
+    that needs the run's length in steps (cosine or step decay, a warm-up in epochs, a scheduler function taking
+    total_steps), naming the flags that give it. A constant LR, or a scheduler of your own that needs no total,
+    trains as it is."""
+    from multigpu.loop.optim import takes_total_steps
+
+    unknown = "this training stream has no __len__, so an epoch is one pass of steps unknown until it ends"
+    give = "give --steps-per-epoch N or --max-steps N (steps_per_epoch=N, max_steps=N), or the dataset a __len__"
+    if builtin and config.warmup_epochs:
+        raise UsageError(f"--warmup-epochs {config.warmup_epochs:g} counts steps in epochs, and {unknown}: {give}; "
+                         f"or drop the warm-up")
+    if builtin and config.lr_schedule != "constant":
+        raise UsageError(f"--lr-schedule {config.lr_schedule} needs the run's length in steps, and {unknown}: "
+                         f"{give}; or use --lr-schedule constant")
+    if not builtin and interval == "step" and takes_total_steps(scheduler):
+        raise UsageError(f"your scheduler takes total_steps, and {unknown}: {give}")
+
+
+class StreamShard(IterableDataset):
+    """What one rank reads of `dataset`: its (rank, worker) share, as (slot, sample) pairs, minus what a
+    resumed run already trained on (`skip`: the saved stream state of this pass)."""
+
+    def __init__(self, dataset: Any, rank: int, world_size: int, tagged: bool = True):
+        self.dataset, self.split = find_split(dataset, rank, world_size)
+        self.rank, self.world_size, self.tagged = rank, world_size, tagged
+        self.rotate = 0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
+        self.pass_number, self.skip = 0, None  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
+
+    @property
+    def split_by_trainer(self) -> bool:
+        """Whether the trainer alone splits the stream (then a resume may change the layout)."""
+        return not (self.split.ranks or self.split.workers)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        role = (worker + self.rotate) % workers  # the DataLoader takes batches from workers 0, 1, ... in turn
+        if role != worker:
+            play_worker(role)
+        slot, slots = role * self.world_size + self.rank, workers * self.world_size
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.pass_number)
+        if self.split_by_trainer:
+            samples = self._split(slot, slots)
+        else:  # keep every `every`-th of what the stream gives this (rank, worker): the dimension it does not split
+            every, mine = ((1, 0) if self.split.ranks and self.split.workers else
+                           (self.world_size, self.rank) if self.split.workers else (workers, role))
+            samples = self._own(slot, every, mine)
+        for sample in samples:
+            yield (slot, sample) if self.tagged else sample
+
+    def _own(self, slot: int, every: int, mine: int) -> Iterator[Any]:
+        skip = self.skip[-1]["counts"][slot] if self.skip else 0  # one layer: the layout cannot change
+        kept = 0
+        for position, sample in enumerate(self.dataset):
+            if position % every == mine:
+                kept += 1
+                if kept > skip:
+                    yield sample
+
+    def _split(self, slot: int, slots: int) -> Iterator[Any]:
+        layers = self.skip or []
+        seen = [[0] * layer["slots"] for layer in layers]  # per layer and slot: positions it dealt so far
+        for position, sample in enumerate(self.dataset):
+            if _trained_before(position, layers, seen):
+                continue
+            if position % slots == slot:
+                yield sample
+
+
+def _trained_before(position: int, layers: list[dict[str, Any]], seen: list[list[int]]) -> bool:
+    """Whether an earlier run trained on this position. Layer k is a run's (slots, counts): its slot s dealt,
+    in order, the positions = s (mod slots) that no earlier layer had trained on, and trained the first
+    counts[s] of them. Every reader walks the whole stream, so this is exact at any layout."""
+    for layer, dealt in zip(layers, seen):
+        slot = position % layer["slots"]
+        dealt[slot] += 1
+        if dealt[slot] <= layer["counts"][slot]:
+            return True
+    return False
+
+
+class TaggedCollate:
+    """Collates a worker's (slot, sample) pairs: (slot, samples, the user's batch)."""
+
+    def __init__(self, collate_fn: Optional[Callable]):
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[int, int, Any]:
+        return items[0][0], len(items), self.collate_fn([sample for _, sample in items])
+
+
+class TrainStream:
+    """The training loop's side of a stream: windows of micro-batches that every rank agrees on, and the
+    stream's position for checkpoints. Also the few sampler attributes the trainer reads (seed, dataset_size,
+    usable, start_at)."""
+
+    def __init__(self, dataset: Any, runtime: Any, loader_batch: int, grad_accum: int, steps_per_epoch: int,
+                 num_workers: Optional[int], seed: int, collate_fn: Optional[Callable], build_loader: Callable,
+                 max_steps: int = 0):
+        self.runtime, self.loader_batch, self.grad_accum = runtime, loader_batch, grad_accum
+        self.length = length = stream_length(dataset)
+        self.seed, self.dataset_size = seed, length if length is not None else -1
+        self.shard = StreamShard(dataset, runtime.rank, runtime.world_size)
+        _agree_on(self.shard.split)
+        self.loader: DataLoader = build_loader(self.shard, runtime.device, num_workers, seed + runtime.rank,
+                                               batch_size=loader_batch, collate_fn=TaggedCollate(collate_fn),
+                                               persistent_workers=False)  # each pass's workers see its skip
+        self.workers = max(1, self.loader.num_workers)
+        # --steps-per-epoch N: N steps an epoch; --max-steps alone on a stream without __len__: one epoch of them.
+        self.fixed_steps = steps_per_epoch or (max_steps if length is None else 0)  # 0: an epoch is one pass
+        self.fixed_by = f"--steps-per-epoch {steps_per_epoch}" if steps_per_epoch else f"--max-steps {max_steps}"
+        step_samples = loader_batch * grad_accum
+        self.steps_per_epoch: Optional[int] = self.fixed_steps or (  # None: a pass of unknown length
+            max(1, math.ceil(length / (step_samples * runtime.world_size))) if length is not None else None)
+        self.usable = length if length is not None else (self.steps_per_epoch or 0) * step_samples
+        self.counts: dict[int, int] = {}  # samples each of this rank's slots handed to training, this pass
+        self.next_worker = 0  # the worker whose batch this rank takes next: DataLoader takes them in turn
+        self.steps_in_epoch = self.steps_in_pass = 0
+        self.ranks_checked, self.warned, self.counted, self.said_wrap = False, False, False, False
+        self.first_batches: dict[int, str] = {}  # slot -> its first batch's digest, in the first whole pass
+        self._batches: Optional[Iterator[Any]] = None  # the pass's loader, kept across --steps-per-epoch epochs
+
+    # --- what the trainer reads of a sampler ---
+    def start_at(self, epoch: int, consumed: int) -> None:
+        """Nothing to point: the stream's position is its own state."""
+
+    # --- training ---
+    def windows(self, report: Callable[[str], None]) -> Iterator[Window]:
+        """This epoch's steps: every rank gets the same number; the last is flagged for the sync point."""
+        if self.fixed_steps:
+            yield from self._fixed_epoch(report)
+        else:
+            yield from self._rest_of_pass(report)
+
+    def _fixed_epoch(self, report: Callable[[str], None]) -> Iterator[Window]:
+        """--steps-per-epoch (or --max-steps) steps, the stream carrying on across epochs; a pass that runs out
+        mid-epoch is followed by the next, from the stream's start, and that is said once."""
+        while self.steps_in_epoch < self.fixed_steps:
+            window = self._next_window()
+            while not self._all_have(window):
+                ran_out = (self.shard.pass_number + 1, self.steps_in_pass) if self.steps_in_epoch else None
+                self._end_of_pass(window, report)
+                if ran_out and not self.said_wrap:
+                    self.said_wrap = True
+                    report(f"the training stream ran out after {ran_out[1]} steps (pass {ran_out[0]}), "
+                           f"{self.steps_in_epoch} steps into an epoch of {self.fixed_by}: the epoch goes on with "
+                           f"pass {ran_out[0] + 1}, from the stream's start (said once)")
+                window = self._next_window()
+            self.steps_in_epoch += 1
+            yield self._step(window, report, last=self.steps_in_epoch >= self.fixed_steps)
+        self.steps_in_epoch = 0
+
+    def _rest_of_pass(self, report: Callable[[str], None]) -> Iterator[Window]:
+        """An epoch is the rest of the pass (the next pass, when the epoch starts where one ended)."""
+        window = self._next_window()
+        agreed = self._all_have(window)
+        if not agreed and not self.steps_in_epoch:
+            self._end_of_pass(window, report)
+            window = self._next_window()
+            agreed = self._all_have(window)
+        while agreed:
+            following = self._next_window()
+            following_agreed = self._all_have(following)
+            self.steps_in_epoch += 1
+            yield self._step(window, report, last=not following_agreed)  # type: ignore[arg-type]
+            window, agreed = following, following_agreed
+        self._end_of_pass(window, report)
+        self.steps_in_epoch = 0
+
+    def _next_window(self) -> Optional[list[tuple[int, int, Any]]]:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        window = []
+        for item in self._batches:
+            window.append(item)
+            if len(window) == self.grad_accum:
+                return window
+        return window or None  # a short window still counts toward the unused samples
+
+    def _all_have(self, window: Optional[list]) -> bool:
+        """Whether every rank has a full window: one MIN all-reduce of a 1-element flag (a host sync per step,
+        for streams only: the price of never hanging at an uneven end)."""
+        mine = window is not None and len(window) == self.grad_accum
+        if not is_distributed():
+            return mine
+        # Through the project's own all-reduce, so the hang watchdog and --debug-collectives see it too:
+        # every rank has a full window exactly when the flags sum to the world size.
+        flag = all_reduce_sum(torch.tensor([float(mine)], device=self.runtime.device))
+        return bool(flag.item() == self.runtime.world_size)
+
+    def _step(self, window: list[tuple[int, int, Any]], report: Callable[[str], None], last: bool) -> Window:
+        """Count a window as trained (its samples per slot, the worker whose turn is next) and hand it over."""
+        self.steps_in_pass += 1
+        for slot, samples, batch in window:
+            self.counts[slot] = self.counts.get(slot, 0) + samples
+            if self.length is None and not self.counted and slot not in self.first_batches:
+                self.first_batches[slot] = _digest(batch)  # once per slot, in the first pass (None: no tensor)
+        self.next_worker = (window[-1][0] // self.runtime.world_size + 1) % self.workers
+        if not self.ranks_checked and self.shard.split.ranks:
+            self.ranks_checked = True
+            self._check_ranks(window, report)
+        sizes = [samples for _, samples, _ in window]
+        return iter([batch for _, _, batch in window]), sum(sizes), sizes, last
+
+    def _end_of_pass(self, window: Optional[list], report: Callable[[str], None]) -> None:
+        """Count what this rank still held, tell the user, check the first whole pass's counts, and start the
+        next pass at its beginning."""
+        whole = self.shard.skip is None  # this pass was read from its start by this run
+        unused = sum(samples for _, samples, _ in window or ())
+        unused += sum(samples for _, samples, _ in (self._batches if self._batches is not None else ()))
+        facts = gather_objects((unused, sum(self.counts.values()), self.first_batches if whole else {}))
+        held = [rank_unused for rank_unused, _, _ in facts]  # type: ignore[misc]
+        if any(held):
+            report(f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
+                   f"ended it together; samples left unused: " +
+                   ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(held)))
+        if whole and not self.steps_in_pass:
+            raise UsageError(self._too_few([rank_unused + trained for rank_unused, trained, _ in facts]))
+        if whole and not self.counted:
+            self.counted = True
+            line = self._count_line(facts)  # type: ignore[arg-type]
+            if line and not self.warned:
+                report(line)
+        self.shard.pass_number += 1
+        self.shard.skip, self.shard.rotate = None, 0
+        self.counts, self.next_worker, self.steps_in_pass = {}, 0, 0
+        self._batches, self.first_batches = None, {}
+
+    def _too_few(self, samples: list[int]) -> str:
+        if not any(samples):
+            return ("the training stream gave no sample in a whole pass: it is empty; check its files, or what its "
+                    "__iter__ yields")
+        world = self.runtime.world_size
+        return (f"the training stream is too small for {world} ranks: a whole pass gave " +
+                ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples)) +
+                f" sample(s), and every step needs {self.grad_accum} batch(es) on every rank; use fewer ranks"
+                f"{' or a smaller --grad-accum-steps' if self.grad_accum > 1 else ''}, or more data")
+
+    def _count_line(self, facts: list[tuple[int, int, dict[int, str]]]) -> Optional[str]:
+        """One warning when the first whole pass's samples, over every (rank, worker), do not add up: more
+        or fewer than __len__, or (without __len__) two of them starting with the same batch."""
+        world = self.runtime.world_size
+        took = f"the trainer took it as a stream that {self.shard.split.words()} ({self.shard.split.found})"
+        if self.length is not None:
+            total = sum(rank_unused + trained for rank_unused, trained, _ in facts)
+            if total == self.length:
+                return None
+            ratio = total / self.length if self.length else math.inf
+            how = (f"each sample read about {round(ratio)} times, by several (rank, worker)s" if ratio >= 1.5 else
+                   f"about 1/{round(1 / ratio)} of them: the stream is split twice, by itself and by the trainer"
+                   if 0 < ratio <= 2 / 3 else "its __len__ is off, or samples are read twice or never")
+            return (f"warning: the first pass of the training stream gave {total} samples over {world} rank(s) x "
+                    f"{self.workers} worker(s), and its __len__ is {self.length}: {how}; {took}. Read the rank and "
+                    f"worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")")
+        firsts: dict[str, int] = {}
+        for _, _, digests in facts:
+            for slot, digest in digests.items():
+                if digest is None:
+                    continue
+                if digest in firsts:
+                    return (f"warning: in the first pass of the training stream {_slot_words(firsts[digest], world)} "
+                            f"and {_slot_words(slot, world)} read the same first batch: samples are read more than "
+                            f"once; {took}. Read the rank and worker in __iter__, or set shards_itself "
+                            f"(MULTI_GPU_GUIDE.md, \"Your own data\")")
+                firsts[digest] = slot
+        return None
+
+    def _check_ranks(self, window: list, report: Callable[[str], None]) -> None:
+        """Once: a stream that splits over ranks itself whose ranks all read the same first batch reads
+        everything everywhere."""
+        digests = gather_objects(_digest(window[0][2]))
+        if len(digests) > 1 and len(set(digests)) == 1 and digests[0] is not None:
+            self.warned = True
+            report(f"warning: every rank read the same first batch: the dataset {self.shard.split.words()} "
+                   f"({self.shard.split.found}) but does not split by rank; read the RANK and WORLD_SIZE variables "
+                   f"in its __iter__, or drop shards_itself and let the trainer split it (MULTI_GPU_GUIDE.md, "
+                   f"\"Your own data\")")
+
+    # --- checkpoints ---
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the stream (every rank must call it: the ranks' counts are gathered)."""
+        slots = self.workers * self.runtime.world_size
+        counts, ranks = [0] * slots, gather_objects((self.counts, self.next_worker))
+        for rank_counts, _ in ranks:  # type: ignore[misc]
+            for slot, n in rank_counts.items():
+                counts[slot] = n
+        layers = [dict(layer) for layer in self.shard.skip or []]
+        if layers and layers[-1]["slots"] == slots:  # the same layout continues its last layer
+            layers[-1]["counts"] = [n + old for n, old in zip(counts, layers[-1]["counts"])]
+        else:
+            layers.append({"slots": slots, "counts": counts})
+        return {"pass": self.shard.pass_number, "steps_in_epoch": self.steps_in_epoch,
+                "steps_in_pass": self.steps_in_pass, "layers": layers,
+                "next_worker": [turn for _, turn in ranks], "world_size": self.runtime.world_size,  # type: ignore[misc]
+                "workers": self.workers, "shards_itself": not self.shard.split_by_trainer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved pass where it stopped; a stream that splits itself needs the same layout."""
+        if not state:
+            raise UsageError("the checkpoint holds no stream position (saved with map-style data): resume it with "
+                             "that data, or start this stream with a new --save-dir")
+        workers, world = self.workers, self.runtime.world_size
+        same_layout = (state["world_size"], state["workers"]) == (world, workers)
+        if state["shards_itself"] and not same_layout:
+            raise UsageError(f"the checkpoint holds the position of a stream that shards itself over {state['world_size']} "
+                             f"rank(s) x {state['workers']} worker(s), which cannot be re-split for {world} x "
+                             f"{workers}: resume with that layout, or drop shards_itself so the trainer splits it")
+        self.shard.pass_number, self.steps_in_epoch = state["pass"], state["steps_in_epoch"]
+        self.steps_in_pass = state.get("steps_in_pass", 0)
+        self.shard.skip, self.counts = [dict(layer) for layer in state["layers"]], {}
+        if same_layout:  # the same batches in the same order: the worker whose turn it was goes first
+            turn = (state["next_worker"][self.runtime.rank] if "next_worker" in state
+                    else state["batches_taken"][self.runtime.rank] % workers)  # saved before next_worker was
+            self.shard.rotate = self.next_worker = turn
+
+
+def _agree_on(split: Split) -> None:
+    """Every rank must take the stream alike (the first-batch check is a collective): UsageError if not."""
+    splits = gather_objects((split.ranks, split.workers))
+    if len(set(splits)) > 1:  # type: ignore[arg-type]
+        raise UsageError("the ranks see the training stream split differently (" +
+                         ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits)) +
+                         "): give it a shards_itself attribute, True or False (MULTI_GPU_GUIDE.md, \"Your own data\")")
+
+
+def _slot_words(slot: int, world: int) -> str:
+    return f"rank {slot % world} worker {slot // world}"
+
+
+def _digest(batch: Any) -> Optional[str]:
+    """A short fingerprint of a batch's tensors, to compare first batches once (None: it holds no tensor)."""
+    digest, tensors = hashlib.sha1(), []
+    from multigpu.loop.batches import map_tensors
+
+    def add(tensor: torch.Tensor) -> None:
+        tensors.append(tensor)
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    map_tensors(add, batch)
+    return digest.hexdigest() if tensors else None

@@ -1,0 +1,139 @@
+"""`python -m multigpu.export CKPT OUT [--format pt|safetensors|hf]`: a checkpoint's weights where users load them.
+
+- `pt` (OUT.pt): a sharded checkpoint folder (or a safetensors checkpoint) as the one
+  `.pt` file rank 0's writer would have written: the whole model, the optimizer's state
+  keyed by parameter name and the rest of the run, so training may also resume from it.
+- `safetensors` (OUT.safetensors): the weights alone, under the plain module's names,
+  tied weights once; above `--max-shard-size`, shards and `OUT.index.json` as Hugging
+  Face writes them; `--dtype bf16` converts the floating-point tensors.
+- `hf` (a folder): a transformers model's own `save_pretrained` folder, loadable by
+  `AutoModel...from_pretrained(OUT)`.
+
+The format follows OUT's name unless `--format` says it. From a file or a sharded
+folder alike; one process reads the whole model (MULTI_GPU_GUIDE.md, "Weights in and out").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from multigpu.checkpoints import checkpoint, savedir, sharded, tensor_files, weights
+from multigpu.config import OneLineParser
+from multigpu.errors import TrainingStopped, UsageError
+
+FORMATS = ("pt", "safetensors", "hf")
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
+
+
+def format_of(out: str, given: Optional[str]) -> str:
+    """The format `--format` gives, else the one OUT's name says: .pt, .safetensors, or a folder (hf)."""
+    if given:
+        return given
+    if out.endswith(".pt"):
+        return "pt"
+    if out.endswith(tensor_files.SUFFIX):
+        return "safetensors"
+    if os.path.isdir(out) or out.endswith("/") or not os.path.splitext(out)[1]:
+        return "hf"
+    raise UsageError(f"cannot tell the format from OUT {out}: name it .pt, .safetensors or a folder (hf), or give "
+                     f"--format {'|'.join(FORMATS)}")
+
+
+def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+           dtype: Optional[str] = None) -> str:
+    """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so."""
+    kind = format_of(out, kind)
+    max_bytes = weights.parse_size(max_shard_size)
+    if kind == "pt":
+        return _export_pt(source, out, dtype)
+    state = sharded.load_whole(source, keys=("model",))
+    tensors, which = weights.weights_of(state)
+    tensors = weights.in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
+    info = state.get("model_info", {})
+    checkpoint.check_writable(os.path.dirname(os.path.abspath(out.rstrip("/"))), flag="OUT")
+    if kind == "hf":
+        if not info.get("hf"):
+            raise UsageError(f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
+                             f"another model (or was saved before it recorded its class): use --format safetensors")
+        written = weights.write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None)
+    else:
+        if not out.endswith(tensor_files.SUFFIX):
+            raise UsageError(f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, "
+                             f"got {out}")
+        written = weights.write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+    size = sum(os.path.getsize(path) for path in written if os.path.isfile(path))
+    files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
+    return (f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
+            f"{checkpoint.megabytes(size)}")
+
+
+def _export_pt(source: str, out: str, dtype: Optional[str]) -> str:
+    """The sharded folder (or safetensors checkpoint) `source` as one .pt checkpoint file."""
+    if dtype:
+        raise UsageError("--dtype converts weights for --format safetensors or hf; a .pt checkpoint keeps the "
+                         "run's own, to resume from")
+    if not checkpoint.is_sharded(source) and not tensor_files.is_safetensors(source):
+        raise UsageError(f"{source} is not a sharded checkpoint folder (last/, best/, step-N/ of a run with "
+                         f"--checkpoint-format sharded): name one")
+    state = sharded.load_whole(source)
+    checkpoint.check_writable(os.path.dirname(os.path.abspath(out)), flag="OUT.pt")
+    checkpoint.atomic_save(state, out)
+    return (f"exported {source} (step {state['global_step']}, {len(state['model'])} tensors) to {out}: "
+            f"{checkpoint.megabytes(os.path.getsize(out))}")
+
+
+END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --export-on-end's, in the save-dir
+
+
+class ExportOnEnd:
+    """--export-on-end FORMAT as a built-in callback: once training has ended, rank 0 writes best's weights
+    (last's, for a run without validation) beside the checkpoints. A transformers model is required for hf:
+    checked at the start, not after the training."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if self.kind == "hf" and weights.hf_model(trainer.model) is None:
+            raise UsageError("--export-on-end hf writes a transformers model's own folder, and this model is not a "
+                             "transformers PreTrainedModel: use --export-on-end safetensors")
+
+    def on_fit_end(self, trainer: Any) -> None:
+        trainer.checkpointer.finish_saves()  # best/ may still be written in the background
+        if not trainer.runtime.is_main:
+            return
+        save_dir = trainer.checkpointer.save_dir
+        source = next((path for name in ("best", "last") for path in savedir.matching(
+            save_dir, tuple(name + suffix for suffix in savedir.FILE_SUFFIXES), (name,))), None)
+        if source is None:
+            raise TrainingStopped(f"--export-on-end: no best or last checkpoint in {save_dir} to export")
+        try:
+            trainer.report.line(export(source, os.path.join(save_dir, END_NAMES[self.kind]), self.kind))
+        except (UsageError, OSError) as error:
+            raise TrainingStopped(f"--export-on-end {self.kind} failed ({error}); the checkpoints are kept") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Bad input is one line on stderr and exit 2."""
+    parser = OneLineParser(prog="python -m multigpu.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ...")
+    parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf)")
+    parser.add_argument("--format", choices=FORMATS, help="default: from OUT's name")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help="larger weights are written as shards and an index, as Hugging Face does "
+                             "(default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(weights.DTYPES), help="the floating-point weights in this "
+                        "type (default: as trained)")
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype))
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

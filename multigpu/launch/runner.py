@@ -1,0 +1,128 @@
+"""One training run, from a TrainConfig or a command line: devices, data, model, the trainer, and how the
+run ends as an exit status.
+
+main_multi_gpu.py (the command line), the sweep's workers and its torchrun children all train through
+here, so the package never imports an entry script.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from multigpu.launch import console
+from multigpu.config import TrainConfig, parse_config
+from multigpu.data import build_datasets
+from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
+from multigpu.errors import TrainingStopped, UsageError
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
+from multigpu.models import build_model
+from multigpu.resilience.preemption import PeerLost, error_detail, is_peer_failure
+from train_multi_gpu import MultiGPUTrainer
+
+
+def run(config: TrainConfig) -> dict:
+    """Set up devices, data and model, train, and return the final metrics."""
+    runtime = setup(config)
+    try:
+        return _train(config, runtime)
+    finally:
+        # After _train returned, so the trainer and its DDP wrapper (which hold the process group)
+        # are gone first: a group still referenced at interpreter exit can abort the process.
+        teardown()
+
+
+def _train(config: TrainConfig, runtime: Runtime) -> dict:
+    # Rank 0 downloads (if asked) while the others wait, then they read its files. Its refusal (no files
+    # there, say) reaches them through that wait, so they stop with it quietly instead of losing rank 0.
+    refusal = None
+    if runtime.is_main:
+        try:
+            data = build_datasets(config, download_allowed=True)
+        except UsageError as error:
+            refusal = error
+    said = gather_objects(None if refusal is None else str(refusal))[0]  # rank 0's refusal, on every rank
+    if refusal is not None:
+        raise refusal
+    if said is not None:
+        raise UsageError(said)  # the same verdict: rank 0 says it (main_guarded)
+    if not runtime.is_main:
+        data = build_datasets(config, download_allowed=False)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
+    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
+    if runtime.is_main:
+        print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+              f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples", flush=True)
+        for line in data.warnings:
+            print(line, flush=True)
+    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
+
+
+def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable[[dict], None]] = None) -> int:
+    """Train on main_multi_gpu.py's training flags and return the exit status (see `main_guarded`).
+
+    `on_summary` receives the final metrics of a finished run.
+    """
+    def train(args: Optional[Sequence[str]]) -> None:
+        summary = run(parse_config(args))
+        if on_summary is not None:
+            on_summary(summary)
+
+    return main_guarded(train, argv)
+
+
+def _samples(dataset: Any) -> str:
+    """A data set's size in words: no set (--dataset hf without --val-files), or a stream of unknown length."""
+    if dataset is None:
+        return "no"
+    try:
+        return str(len(dataset))
+    except TypeError:
+        return "a stream of"
+
+
+def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:
+    """Run `train(argv)` and turn how it ends into an exit status: 0 done (or stopped cleanly by a signal),
+    1 training failed, 2 bad input, each with one line and no traceback. Scripts of your own
+    (examples/) use it too. The console is best-effort meanwhile (multigpu/launch/console.py)."""
+    skip_the_collection_at_exit()  # a second less per process at exit: nothing is left to collect then
+    with console.best_effort():
+        return _exit_status(train, argv)
+
+
+def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]]) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        train(argv)
+    except PeerLost as error:
+        return error.exit_code  # every survivor has already said which rank it lost
+    except (UsageError, TrainingStopped) as error:
+        # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once. An error that
+        # one rank met alone (a data file its loader read mid-epoch) is said by that rank.
+        if rank == 0 or not error.agreed:
+            print(f"error: {'' if rank == 0 else f'rank {rank}: '}{error}", file=sys.stderr, flush=True)
+        return error.exit_code
+    except PermissionError as error:
+        # What no check named already (the current folder when it is not writable, say): the path, in one line.
+        path = os.path.abspath(error.filename) if error.filename else str(error)
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}cannot use {path}: permission denied; give this user "
+              f"access to it, or use another path", file=sys.stderr, flush=True)
+        return UsageError.exit_code
+    except KeyboardInterrupt:
+        # Training turns Ctrl-C into a checkpoint and exit 0; this one came before or after training.
+        if rank == 0:
+            print("interrupted outside training: the interrupt wrote no checkpoint", file=sys.stderr, flush=True)
+        return 130
+    except BaseException as error:
+        if is_peer_failure(error) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank died or hung outside training (set-up, a barrier): the group is gone, no rank can be named.
+            print(f"rank {rank}: lost contact with another rank, which died or hung ({error_detail(error)}); "
+                  f"stopping", file=sys.stderr, flush=True)
+            return TrainingStopped.exit_code
+        if rank != 0:
+            print(f"rank {rank} failed:", file=sys.stderr, flush=True)
+        raise
+    return 0

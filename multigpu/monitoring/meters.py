@@ -1,0 +1,107 @@
+"""Per-interval training numbers, kept on the device between sync points.
+
+Each step adds its loss to a device tensor (no host sync); at a sync point
+(`--log-every` steps, save steps, epoch ends) one all-reduce carries the
+interval's per-step losses, its sample count and every rank's stop vote, so
+all ranks decide alike (MULTI_GPU_GUIDE.md, "When the loss becomes NaN or inf").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+
+from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
+
+
+@dataclass
+class Interval:
+    """One logging interval, summed over ranks."""
+
+    step_losses: list[float]  # per optimizer step: the loss summed over its samples
+    samples: float
+    stop_votes: float  # ranks that got SIGTERM/SIGINT
+    seconds: float
+    log_votes: float = 0.0  # ranks with scalars from trainer.log waiting
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.step_losses) / self.samples if self.samples else float("nan")
+
+
+class IntervalMeter:
+    """Loss, samples and skipped fp16 steps of the steps since the last sync point.
+
+    A step only appends its loss tensor (detached, still on the device) to a
+    Python list: no host sync, and no kernel unless it has several micro-batches
+    or a short one. Weighting by samples and summing happen once, at the sync point.
+    """
+
+    def __init__(self, device: torch.device, full_batch: int):
+        self.device, self.full_batch = device, full_batch  # the samples of a full micro-batch
+        self.reset()
+
+    def reset(self) -> None:
+        self.step_losses: list[torch.Tensor] = []  # per step: the loss summed over its samples / full_batch
+        self.micro: list[torch.Tensor] = []  # the current step's micro-batches so far
+        self.samples = 0
+        self.skipped_steps: Any = 0  # fp16 steps the scaler skipped: becomes a device tensor at the first add
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """A micro-batch's mean loss over `samples` samples (stays on the device)."""
+        self.micro.append(loss.detach() if samples == self.full_batch else loss.detach() * (samples / self.full_batch))
+
+    def end_step(self, samples: int) -> None:
+        micro, self.micro = self.micro, []
+        self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
+        self.samples += samples
+
+    def reduce(self, stop_requested: bool, logged: bool = False) -> Interval:
+        """Sum the interval over ranks: the one host sync of the interval (`logged`: this rank has scalars of
+        trainer.log waiting, so every rank learns whether to reduce them)."""
+        steps = len(self.step_losses)
+        per_step = (torch.stack(self.step_losses).float() * float(self.full_batch) if steps  # stack promotes dtypes
+                    else torch.zeros(0, device=self.device))
+        if not is_distributed():  # nothing to add up: the counts are this process's own
+            return Interval(per_step.tolist(), float(self.samples), float(stop_requested),
+                            time.perf_counter() - self.started, float(logged))
+        flags = torch.tensor([self.samples, float(stop_requested), float(logged)], device=self.device)
+        values = all_reduce_sum(torch.cat([per_step, flags])).tolist()
+        return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started,
+                        values[steps + 2])
+
+
+class LoggedScalars:
+    """The scalars user code hands to `trainer.log({name: value})` between two sync points.
+
+    A call only appends the value (a device tensor stays on the device): no host
+    sync, no collective. At the next sync point every value of a name, on every
+    rank, is averaged by one all-reduce of sums and counts: the rank-mean when each
+    rank logs a name once per step. A name some ranks did not log is averaged over
+    the values that were logged.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.values: dict[str, list[Union[torch.Tensor, float]]] = {}
+
+    def add(self, values: Mapping[str, Union[torch.Tensor, float]]) -> None:
+        for name, value in values.items():
+            self.values.setdefault(name, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def reduce(self) -> dict[str, float]:
+        """{name: mean over every rank's values} since the last reduce; every rank must call it."""
+        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})  # type: ignore[attr-defined]
+        if not names:
+            return {}
+        sums_and_counts = torch.stack([
+            torch.stack([torch.as_tensor(value, device=self.device).float().mean() for value in self.values[name]]).sum()
+            if name in self.values else torch.zeros((), device=self.device) for name in names]
+            + [torch.tensor(float(len(self.values.get(name, ()))), device=self.device) for name in names])
+        self.values = {}
+        totals = all_reduce_sum(sums_and_counts).tolist()
+        return {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}

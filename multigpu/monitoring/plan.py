@@ -1,0 +1,188 @@
+"""What a run says before its first step and after its last: the plan, its warnings, and the done line.
+
+The lines read the live run's facts (a `PlanFacts` the trainer fills in), so
+they describe what really runs: the resumed position, the LR after scaling, the
+batch each device gets. Only rank 0 prints them (the trainer passes them to its
+Reporter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, FrozenSet, Optional
+
+import torch
+
+from multigpu import config_checks
+from multigpu.config import TrainConfig
+from multigpu.parallel.distributed import Runtime
+from multigpu.lr_scaling import describe_lr, scaled_lr
+from multigpu.loop.optim import lr_factor, peak_lr
+from multigpu.monitoring.reporting import Reporter
+
+
+@dataclass
+class PlanFacts:
+    """What the plan lines describe: the run's settings, its optimizer and schedule, its batches and where it
+    starts (after a resume)."""
+
+    config: TrainConfig
+    runtime: Runtime
+    given: FrozenSet[str]  # the flags the user set
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scheduler_interval: str  # "step" or "epoch"
+    builtin_optimizer: bool
+    builtin_schedule: bool
+    lr: float  # the optimizer's LR after scaling: the schedule's base
+    effective_batch: int
+    loader_batch: int  # samples per micro-batch on each process
+    steps_per_epoch: int  # 0: a stream without __len__, an epoch of one pass whose steps are unknown
+    samples_per_epoch: int  # the sampler's usable samples, all ranks together
+    convolutions: bool  # the model has 2-d convolutions (--channels-last helps)
+    amp: str  # the precision's name
+    progress: Any  # epoch and global_step to start from
+    steps_done_in_epoch: int
+
+
+def plan_lines(run: PlanFacts) -> list[str]:
+    """The device layout, the batch arithmetic, the optimizer and schedule, then a warning for each setting that
+    these numbers do not really describe."""
+    config, rt, progress = run.config, run.runtime, run.progress
+    batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
+                  else f"{rt.mode}: --batch-size is per process" if rt.mode in ("ddp", "fsdp") else "one device")
+    steps_left: Optional[int] = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
+    if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
+        steps_left = min(steps_left, config.max_steps - progress.global_step)
+    length = (f"{run.steps_per_epoch} steps/epoch, {progress.global_step + max(0, steps_left)} steps"
+              f"{f' ({steps_left} left)' if progress.global_step else ''}")
+    if not run.steps_per_epoch:  # a stream without __len__: its passes' steps are counted as they come
+        steps_left = None
+        length = f"an epoch is one pass of the stream (no __len__: steps unknown), {config.epochs} epochs"
+    warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
+    schedule = (f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
+                if run.builtin_schedule else f"scheduler {type(run.scheduler).__name__} per "
+                f"{run.scheduler_interval}")
+    schedule += _lr_range(run, steps_left)
+    lr = (describe_lr(config, run.effective_batch) if run.builtin_optimizer else f"lr {run.lr:g} (the "
+          f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
+    return [rt.describe(),
+            f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
+            f"accumulation = {run.effective_batch} effective ({batch_rule})",
+            f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
+            *_warnings(run, warmup_steps)]
+
+
+def _why_schedule(run: PlanFacts) -> str:
+    """Why a user's optimizer keeps its LR: it has no scheduler, and lr_schedule was not set."""
+    if run.builtin_optimizer or "lr_schedule" in run.given:
+        return ""
+    return " (your optimizer's own LR: no scheduler given, lr_schedule not set)"
+
+
+def _lr_range(run: PlanFacts, steps_left: Optional[int]) -> str:
+    """The LR the next step applies and the highest the schedule reaches: the optimizer's LR above is only
+    the schedule's base (a warm-up or OneCycleLR starts far below it). `steps_left` None: not known."""
+    first = run.optimizer.param_groups[0]["lr"]
+    steps = steps_left if run.scheduler_interval == "step" else run.config.epochs - run.progress.epoch
+    if steps is None and not run.builtin_schedule:
+        return f" (first step lr {first:g}, peak unknown)"
+    if run.builtin_schedule:  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
+        warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
+        steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
+    peak = peak_lr(run.scheduler, max(1, steps))
+    return f" (first step lr {first:g}, peak {'unknown' if peak is None else f'{peak:g}'})"
+
+
+def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
+    config, samples_per_rank = run.config, run.samples_per_epoch // run.runtime.world_size
+    total_steps = config.planned_steps(run.steps_per_epoch)
+    facts = config_checks.RunFacts(run.builtin_optimizer, run.builtin_schedule,
+                                   convolutions=run.convolutions, steps_per_epoch=run.steps_per_epoch)
+    lines = config_checks.ignored_flags(config, run.given, facts)  # flags given that do nothing
+    if run.steps_per_epoch and samples_per_rank < run.loader_batch * config.grad_accum_steps:
+        lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
+                     f"step's {run.loader_batch} x {config.grad_accum_steps}: every step uses "
+                     f"{samples_per_rank} samples per process, not the effective batch above")
+    if config.lr_scaling == "linear" and "adam" in type(run.optimizer).__name__.lower():
+        sqrt_lr = run.lr * scaled_lr(1.0, "sqrt", run.effective_batch, config.lr_base_batch) / scaled_lr(
+            1.0, "linear", run.effective_batch, config.lr_base_batch)
+        lines.append(f"warning: --lr-scaling linear is the rule for SGD; {type(run.optimizer).__name__} usually "
+                     f"scales by sqrt (lr {run.lr:g} here, {sqrt_lr:g} with --lr-scaling sqrt)")
+    if run.builtin_schedule and warmup_steps > total_steps:
+        peak = run.lr * lr_factor(total_steps - 1, config, run.steps_per_epoch)
+        lines.append(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "
+                     f"the LR peaks at {peak:g}, never at {run.lr:g}")
+    return lines
+
+
+# Where each optimizer usually trains (peak LR), for a run that did not learn: an LR outside it is the first suspect.
+USUAL_LR = {"sgd": (0.01, 0.1), "adam": (1e-4, 3e-3)}
+# A loss that ended above this share of where it started did not fall (a run that learns slowly gets below it).
+NOT_FALLEN = 0.999
+
+
+def chance_accuracy(classes: Optional[int]) -> Optional[float]:
+    """Below this accuracy a classifier of `classes` classes is at chance (1/classes) for this project: less than
+    half of chance above it, and at most 0.1 above it (0.15 for 10 classes, 0.6 for 2); None without classes."""
+    if not classes or classes < 2:
+        return None
+    return 1 / classes + min(0.5 / classes, 0.1)
+
+
+def at_chance(report: Reporter, classes: Optional[int]) -> Optional[str]:
+    """The last validation accuracy as a sign, when it is at chance (`chance_accuracy`); else None."""
+    acc, below = (report.last_val or {}).get("acc"), chance_accuracy(classes)
+    if acc is None or below is None or acc >= below:
+        return None
+    return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"  # type: ignore[operator]
+
+
+def no_learning_signs(report: Reporter, classes: Optional[int]) -> list[str]:
+    """Evidence, as `report` saw it, that this run did not learn: its training loss grew tenfold (diverged); or
+    its validation loss did not fall (by 0.1%, over two or more evaluations) while its accuracy stayed at chance
+    or its training loss did not fall either; or, without two evaluations, its training loss did not fall (over
+    two or more logged intervals). An accuracy at chance alone is no evidence: a run that learns slowly is there
+    too; nor is a validation loss that rose while the training loss fell (overfitting)."""
+    first, last, signs = report.first_val or {}, report.last_val or {}, []
+    chance = at_chance(report, classes)
+    training_flat = report.loss_intervals > 1 and not report.last_loss < NOT_FALLEN * report.first_loss
+    if report.first_loss is not None and report.last_loss > 10 * report.first_loss:  # NaN never gets here
+        signs.append(f"training loss grew from {report.first_loss:.4g} to {report.last_loss:.4g}")
+    if last is not first and "loss" in last:  # two evaluations, of the same samples: no noise between them
+        if not last["loss"] < NOT_FALLEN * first["loss"] and (chance or training_flat):
+            signs.append(f"val loss {first['loss']:.4g} -> {last['loss']:.4g} since the first epoch")
+    elif training_flat and not signs:
+        signs.append(f"training loss {report.first_loss:.4g} -> {report.last_loss:.4g} since the first log")
+    return signs + [chance] if signs and chance else signs
+
+
+def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.optim.Optimizer, lr: float,
+                     lr_scaling: str) -> Optional[str]:
+    """One warning line when this run shows it did not learn (`no_learning_signs`), with the likely cause: the LR
+    (`lr`, after `lr_scaling`) of `optimizer` when it is outside the optimizer's usual range, else the data."""
+    signs = no_learning_signs(report, classes)
+    if not signs:
+        return None
+    name = type(optimizer).__name__
+    usual = next((lrs for key, lrs in USUAL_LR.items() if key in name.lower()), None)
+    scaled = "" if lr_scaling == "none" else f" after --lr-scaling {lr_scaling}"
+    if usual is None:
+        advice = f"check the LR first, lr {lr:g}{scaled}"
+    elif usual[0] <= lr <= usual[1]:
+        advice = (f"lr {lr:g}{scaled} is in {name}'s usual range ({usual[0]:g} to {usual[1]:g}): check the data and "
+                  f"targets first (do the targets follow the inputs?), then the LR")
+    else:
+        advice = f"check the LR first, lr {lr:g}{scaled}; {name} usually trains at {usual[0]:g} to {usual[1]:g}"
+    return f"warning: the run ended where it started ({'; '.join(signs)}): {advice}"
+
+
+def done_line(summary: dict[str, Any], monitor: Optional[str], has_val: bool, devices_per_step: int,
+              telemetry_text: str) -> str:
+    """The end-of-run line: the best monitored value (`monitor` names it), epochs, wall time, throughput
+    (also per device, of `devices_per_step`) and the telemetry totals (`telemetry_text`)."""
+    best = (f"best {monitor.replace('_', ' ', 1)} {summary['best']:.4f}" if monitor and summary["best"] is not None
+            else "no finite validation metric" if has_val else "no validation set")
+    return (f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+            f"{summary['samples_per_sec']:.0f} samples/s "
+            f"({summary['samples_per_sec'] / devices_per_step:.0f} per device){telemetry_text}")

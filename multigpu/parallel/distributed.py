@@ -1,0 +1,367 @@
+"""Which mode, device and backend a run uses, and the process-group set-up.
+
+torchrun is the only launcher of processes: this module reads RANK, LOCAL_RANK
+and WORLD_SIZE from the environment it sets and never starts a rendezvous of
+its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import shlex
+import sys
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from multigpu.parallel import sharding
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
+from multigpu.errors import UsageError
+from multigpu.resilience.hang_report import nccl_flight_recorder_env
+from multigpu.resilience.heartbeat import BEAT
+from multigpu.resilience.preemption import restart_safe_store
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: the resolved mode, device and rank layout."""
+
+    mode: str  # "ddp", "fsdp", "dp" or "none"
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: Optional[str] = None  # "nccl"/"gloo" under ddp and fsdp
+    dp_device_ids: list[int] = field(default_factory=list)  # GPUs nn.DataParallel splits over
+    mesh_shape: Optional[tuple[int, int]] = None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
+    nodes: int = 1  # torchrun's nodes (agents), when each runs the same number of processes
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = self.mesh_shape or (1, self.world_size)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that prints, logs and writes files."""
+        return self.rank == 0
+
+    @property
+    def devices_per_step(self) -> int:
+        """Devices that each process one --batch-size per micro-batch."""
+        return self.world_size * max(1, len(self.dp_device_ids))
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """fsdp: every forward all-gathers parameters, so every rank must run each one (a rank without a
+        batch of its own runs a stand-in)."""
+        return self.mode == "fsdp"
+
+    @property
+    def mesh_position(self) -> tuple[int, int]:
+        """This rank's (replicate, shard) coordinates in fsdp's mesh: its rows are consecutive ranks."""
+        return divmod(self.rank, self.mesh_shape[1])
+
+    def describe(self) -> str:
+        if self.mode == "fsdp" and self.mesh_shape[0] > 1:
+            replicate, shard = self.mesh_shape
+            nodes = (f"; with {self.nodes} nodes: shard within each node, replicate across them"
+                     if self.mesh_shape == (self.nodes, self.world_size // self.nodes) else "")
+            return (f"mode fsdp, hybrid: {self.world_size} processes, backend {self.backend}, mesh replicate {replicate} "
+                    f"x shard {shard} (dp_replicate, dp_shard){nodes}: parameters, gradients and optimizer state "
+                    f"sharded 1/{shard} per rank within each shard group, one gradient all-reduce across the "
+                    f"{replicate} replicas per optimizer step; this rank on {self.device}")
+        if self.mode == "fsdp" and self.world_size == 1:
+            return (f"mode fsdp: one process, one shard (the whole model on {self.device}; fsdp saves memory with "
+                    f"several processes under torchrun)")
+        if self.mode == "fsdp":
+            return (f"mode fsdp: {self.world_size} processes, backend {self.backend}, parameters, gradients and "
+                    f"optimizer state sharded 1/{self.world_size} per rank, this rank on {self.device}")
+        if self.mode == "ddp":
+            return (f"mode ddp: {self.world_size} processes, backend {self.backend}, "
+                    f"this rank on {self.device}")
+        if self.mode == "dp":
+            return f"mode dp: nn.DataParallel over cuda:{','.join(map(str, self.dp_device_ids))}"
+        return f"mode none: one device, {self.device}"
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def torchrun_hint(argv: Optional[list[str]] = None) -> str:
+    """The exact torchrun command that runs this script with the same arguments under DDP."""
+    argv = sys.argv if argv is None else argv
+    nproc = torch.cuda.device_count() or 2
+    return shlex.join(["torchrun", f"--nproc_per_node={nproc}", *argv])
+
+
+def resolve_mode(config: TrainConfig) -> str:
+    """--multi-gpu auto -> ddp under torchrun, dp with several visible GPUs, else none."""
+    if config.multi_gpu != "auto":
+        return config.multi_gpu
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return "ddp"
+    return "dp" if torch.cuda.device_count() > 1 else "none"
+
+
+def parse_gpu_ids(text: Optional[str]) -> list[int]:
+    """--gpu-ids '0,1,3' checked against the visible GPUs; None means all of them."""
+    visible = torch.cuda.device_count()
+    if text is None:
+        return list(range(visible))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--gpu-ids must be comma-separated integers like 0,1,3; got {text!r}") from None
+    unknown = [i for i in ids if not 0 <= i < visible]
+    if unknown or not ids or len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {text}: GPU id(s) {unknown or ids} not usable; "
+                         f"visible GPUs are {list(range(visible)) or 'none'} (check CUDA_VISIBLE_DEVICES)")
+    return ids
+
+
+def setup(config: TrainConfig) -> Runtime:
+    """Resolve the mode and, under DDP, join torchrun's process group.
+
+    The process-group timeout is --dist-timeout: a rank that died makes the others
+    fail after that long instead of hanging forever.
+    """
+    mode = resolve_mode(config)
+    if mode == "ddp" or (mode == "fsdp" and launched_by_torchrun()):
+        return _setup_ddp(config, mode)
+    if mode == "fsdp":
+        return _setup_one_shard(config)
+    processes = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if processes > 1:  # each process would train its own copy into the same files
+        raise UsageError(f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
+                         f"use --multi-gpu ddp under torchrun, or run without torchrun")
+    if config.gpu_ids is not None and mode != "dp":
+        raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
+                         "set CUDA_VISIBLE_DEVICES instead")
+    if mode == "dp":
+        ids = parse_gpu_ids(config.gpu_ids)
+        if len(ids) >= 2:
+            return Runtime("dp", torch.device(f"cuda:{ids[0]}"), dp_device_ids=ids)
+        where = f"cuda:{ids[0]}" if ids else "cpu"
+        print(f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device {where}",
+              flush=True)
+        return Runtime("none", torch.device(where))
+    return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
+
+
+def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
+    if not launched_by_torchrun():
+        raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
+    if config.gpu_ids is not None:
+        raise UsageError("--gpu-ids is for --multi-gpu dp; under torchrun choose GPUs with CUDA_VISIBLE_DEVICES")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+                             f"are visible; use --nproc_per_node={torch.cuda.device_count()}")
+        device, backend = torch.device(f"cuda:{local_rank}"), "nccl"
+        torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if backend == "nccl" and config.watchdog_seconds:
+        nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
+    if backend == "nccl" and config.debug_collectives:
+        # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP
+        # built on its checking group crashes with torch 2.14, so there only multigpu/parallel/collective_check.py runs).
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    nodes = nodes_in_job(world_size)
+    mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None  # refused before any group forms
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=config.dist_timeout)
+        _import_before_the_group()
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **restart_safe_store(timeout))
+    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
+
+
+def nodes_in_job(world_size: int) -> int:
+    """The nodes torchrun runs on (GROUP_WORLD_SIZE: its agents, one per node), when each runs the same number of
+    processes (LOCAL_WORLD_SIZE); else 1."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return nodes if nodes > 1 and nodes * per_node == world_size else 1
+
+
+def _import_before_the_group() -> None:
+    """Import what DDP imports on its first construction, before the group exists.
+
+    torch.distributed.nn.functional's functions take `group=group.WORLD` as a default argument, read once at
+    import: imported while a group exists (DDP imports it), ten defaults hold that group for the life of the
+    process, so `destroy_process_group` can never free it and its gloo threads live on into the interpreter's
+    finalization (see `teardown`). Imported first, the defaults hold None.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+
+def _setup_one_shard(config: TrainConfig) -> Runtime:
+    """--multi-gpu fsdp without torchrun: one process holding the one shard, in a process group of its own
+    (FSDP's device mesh needs one)."""
+    if config.gpu_ids is not None:
+        raise UsageError("--gpu-ids is for --multi-gpu dp; for fsdp choose GPUs with CUDA_VISIBLE_DEVICES")
+    config.mesh_shape(1)  # a hybrid mesh needs more than this one process: refused in one line
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        _import_before_the_group()
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=config.dist_timeout))
+    return Runtime("fsdp", device, 0, 0, 1, backend)
+
+
+def teardown() -> None:
+    """Destroy the process group; call it after the trainer (whose DDP reducer holds the group) is gone.
+
+    Then the group's gloo/NCCL threads are joined here, not during the
+    interpreter's shutdown, where they can abort the process ("terminate called
+    without an active exception": a gloo worker dropping the last collective's
+    tensors takes the interpreter lock, which a finalizing interpreter answers
+    by ending the thread); gc.collect frees what only reference cycles still
+    hold, frozen objects included (an exit-time freeze, multigpu/tuning/gc_pauses.py,
+    may have run before an at-exit teardown).
+    """
+    if dist.is_initialized():
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
+        dist.destroy_process_group()
+
+
+def teardown_at_exit(owner: Any) -> Callable[[], None]:
+    """Register, for interpreter exit, `owner.close()` while `owner` lives (a trainer that set up the process
+    group), else `teardown()`: a script that calls fit() or predict() and simply ends then destroys the group
+    and stops the trainer's threads before the interpreter finalizes, as `close()` would. Returns the handler,
+    for `atexit.unregister` once the owner closed itself.
+
+    atexit runs its handlers last-registered first: this one, registered when the group is made, runs before
+    those of torch and of anything imported before the trainer (the exit-time freeze of multigpu/tuning/gc_pauses.py,
+    registered when a command starts, included).
+    """
+    owner_ref = weakref.ref(owner)
+
+    def at_exit() -> None:
+        alive = owner_ref()
+        if alive is not None:
+            alive.close()
+        else:
+            teardown()
+
+    atexit.register(at_exit)
+    return at_exit
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op in one process)."""
+    if is_distributed():
+        with BEAT.recorded("all_reduce", tensor):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if is_distributed():
+        with BEAT.recorded("barrier"):
+            dist.barrier()
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    with BEAT.recorded("all_gather_object"):
+        dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+                  say: Callable[[str], None]) -> torch.nn.Module:
+    """The plain module on this process's device, in the form it trains in; `wrap_model` then wraps it.
+
+    --sync-bn converts BatchNorm (a CUDA feature: it raises in training mode on
+    the CPU; MULTI_GPU_GUIDE.md, "BatchNorm"). --channels-last converts the
+    weights here, before the DDP wrap, so DDP's buckets match their layout.
+    --compile compiles the module in place (`module.compile()`, the order
+    torch's documentation gives for DDP: compile the module, then wrap it), so
+    its state_dict keeps plain keys and checkpoints load compiled or not.
+    """
+    nn = torch.nn
+    if _syncs_batchnorm(config, runtime):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
+    elif config.sync_bn:
+        say("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
+    model = model.to(runtime.device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # 4-D weights (convolutions); others stay as they are
+    if config.compile and runtime.mode == "dp":
+        say("--compile does not work with nn.DataParallel (it copies the model to each GPU every step): training "
+            "uncompiled; use --multi-gpu ddp to compile")
+    elif config.compile:
+        model.compile()
+    return model
+
+
+def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+               say: Callable[[str], None], amp_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """What training calls: DDP or DataParallel around the prepared module, the module itself sharded in
+    place (fsdp, in `amp_dtype`: multigpu/parallel/sharding.py), or the module itself.
+
+    Small per-device batches with BatchNorm get a warning, since their statistics
+    then depend on the device count (MULTI_GPU_GUIDE.md, "BatchNorm").
+    """
+    nn = torch.nn
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and not _syncs_batchnorm(config, runtime) and runtime.devices_per_step > 1 \
+            and config.batch_size < 16:
+        say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
+            f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
+    if runtime.mode == "fsdp":
+        model, blocks = sharding.shard(model, runtime.device, runtime.world_size, blocks=config.fsdp_blocks,
+                                       reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype,
+                                       replicate=runtime.mesh_shape[0])
+        say(f"fsdp: {blocks} block(s) sharded as units of their own, then the root"
+            f"{'' if config.fsdp_reshard_after_forward else ' (parameters kept gathered from forward to backward)'}")
+        return model
+    if runtime.mode == "ddp":
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if config.debug_collectives:
+            from multigpu.parallel import collective_check  # (it imports the watchdog, which imports this module's users)
+            collective_check.install(ddp, runtime.rank, runtime.world_size, config.dist_timeout)
+        return ddp
+    if runtime.mode == "dp":
+        say("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, other replicas' "
+            "BatchNorm statistics are lost); DDP via torchrun is faster")
+        return nn.DataParallel(model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0])
+    return model
+
+
+def _syncs_batchnorm(config: TrainConfig, runtime: Runtime) -> bool:
+    return config.sync_bn and runtime.mode == "ddp" and runtime.device.type == "cuda"
+
+
+def gather_objects_to_main(obj: object) -> Optional[list[object]]:
+    """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
+    if not is_distributed():
+        return [obj]
+    gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    with BEAT.recorded("gather_object"):
+        dist.gather_object(obj, gathered, dst=0)
+    return gathered

@@ -1,0 +1,216 @@
+"""What the hang watchdog says and saves: the diagnosis of every rank's heartbeat, the summary lines,
+<save-dir>/hang_report.txt, the checkpoint of the last completed step, and NCCL's flight recorder.
+
+multigpu/resilience/watchdog.py decides when; this module decides what (MULTI_GPU_GUIDE.md, "When a run hangs").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Optional
+
+from multigpu import safe_files
+from multigpu.checkpoints import checkpoint
+from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, FORWARD, LIBRARIES
+
+if TYPE_CHECKING:
+    import torch
+
+    from train_multi_gpu import MultiGPUTrainer
+
+FILE_NAME = "hang_report.txt"
+NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + rank: where NCCL's flight recorder dumps, in the save-dir
+NO_SAVE_OFF_RANK_0 = "no checkpoint written: rank 0, which writes checkpoints, does not respond"
+SILENT = "does not respond (stopped, frozen or dead)"
+TRAINER_STEP = "train_multi_gpu.py"  # where the trainer runs forward and backward: FSDP's collectives come from here
+
+
+def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
+    """The collective this rank's main thread waits in, in words, or None when it is not in one (`ddp`: backward
+    runs DDP's gradient all-reduce)."""
+    shape = "x".join(map(str, beat["shape"])) or "-"
+    if beat["in_collective"]:
+        return f"{beat['op']} #{beat['seq']} of the trainer (shape {shape}, {beat['dtype']})"
+    if "distributed_c10d.py" in beat["where"]:  # torch.distributed called outside the trainer's helpers
+        operation = beat["where"].rsplit(" in ", 1)[-1]
+        if beat["phase"] in (FORWARD, BACKWARD) and TRAINER_STEP in beat["code"]:
+            # No user code between the trainer's step and torch: FSDP's hooks issued it (an all-gather, a
+            # reduce-scatter, or on a hybrid mesh the gradient all-reduce across the replicas).
+            return f"FSDP's torch.distributed.{operation} ({beat['phase']})"
+        return (f"torch.distributed.{operation} called in {beat['phase']} at {beat['code']} "
+                f"(not one of the trainer's)")
+    if beat["phase"] == BACKWARD and ddp:
+        return "DDP's gradient all-reduce (backward)"
+    return None
+
+
+def failed_collective(error: BaseException, peers: str) -> str:
+    """The collective a failed call was in, in words, from the error's traceback and this rank's heartbeat.
+
+    A collective that is not the trainer's (the user's own torch.distributed call) is the usual desync: one rank
+    took a branch the others did not. On gloo the peer that receives the unexpected data aborts at once ("Is
+    there a distributed collective mismatch in your code?"), so this survivor's words are all that is left.
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    c10d = [i for i, frame in enumerate(frames) if frame.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    if c10d:
+        first = c10d[0]
+        callers = [frame for frame in frames[:first] if not frame.filename.startswith(LIBRARIES)]
+        caller = callers[-1] if callers else frames[first]
+        if not caller.filename.endswith(os.path.join("multigpu", "parallel", "distributed.py")):
+            return (f"torch.distributed.{frames[first].name} called at {caller.filename}:{caller.lineno} in "
+                    f"{caller.name}, not one of the trainer's collectives: if {peers} did not call it too, the ranks "
+                    f"desynchronised (a desync; --debug-collectives checks every collective)")
+    if BEAT.in_collective:
+        return f"{BEAT.op} #{BEAT.seq} of the trainer (shape {'x'.join(map(str, BEAT.shape)) or '-'}, {BEAT.dtype})"
+    if BEAT.phase == BACKWARD:
+        return "DDP's gradient all-reduce (backward)"
+    return f"a collective during {BEAT.phase}"
+
+
+def rank_name(rank: int, mesh: Optional[tuple[int, int]] = None) -> str:
+    """"rank 3", or on fsdp's hybrid mesh (replicate, shard) "rank 3 (mesh replicate 1, shard 1)": the replica and
+    the place in its shard group, which tell a stuck node from a stuck process."""
+    if mesh is None:
+        return f"rank {rank}"
+    replicate, shard = divmod(rank, mesh[1])
+    return f"rank {rank} (mesh replicate {replicate}, shard {shard})"
+
+
+def diagnose(beats: dict[int, dict[str, Any]], silent: list[int], timeout: float, world_size: int,
+             mesh: Optional[tuple[int, int]] = None) -> dict[str, Any]:
+    """Which ranks are stuck and where, which wait in which collective, and whether the ranks desynchronised
+    (different collective counts of the process group, or different collectives at the same one); `mesh`: the
+    hybrid mesh's shape, whose coordinates the report gives beside each rank."""
+    stuck, waiting, ddp = {}, {}, world_size > 1
+    stuck.update({rank: f"{SILENT}; it never published a heartbeat" for rank in silent if rank not in beats})
+    for rank, beat in sorted(beats.items()):
+        waits = where_waiting(beat, ddp)
+        if rank in silent:
+            stuck[rank] = f"{SILENT}; last heard at step {beat['step']} in {beat['phase']}"
+        elif waits is None:
+            stuck[rank] = f"stuck in {beat['phase']} at step {beat['step']}, at {beat['code']}"
+        else:
+            waiting[rank] = f"waits in {waits} at step {beat['step']}, collective #{beat['group_seq']} of the group"
+    live_waiting = {rank: beats[rank] for rank in waiting}
+    desync = None
+    counts = {rank: beat["group_seq"] for rank, beat in live_waiting.items()}
+    kinds = {rank: where_waiting(beat, ddp) for rank, beat in live_waiting.items()}
+    if len(set(counts.values())) > 1:
+        desync = "ranks wait at different collectives of the group: " + ", ".join(
+            f"rank {rank} at #{count}" for rank, count in counts.items())
+    elif len(set(kinds.values())) > 1:
+        desync = "ranks wait in different collectives: " + "; ".join(
+            f"rank {rank} in {kind}" for rank, kind in kinds.items())
+    step = max((beat["step"] for beat in beats.values()), default=0)
+    return {"stuck": dict(sorted(stuck.items())), "waiting": waiting, "desync": desync, "timeout": timeout, "step": step,
+            "mesh": mesh}
+
+
+def headline(verdict: dict[str, Any]) -> str:
+    """The first line: no rank advanced, and the cause in a few words."""
+    cause = (f"desync: {verdict['desync']}" if verdict["desync"]
+             else "; ".join(f"{rank_name(rank, verdict.get('mesh'))} {why.split(';')[0].split(', at ')[0]}"
+                            for rank, why in verdict["stuck"].items())
+             or "every rank waits in a collective that does not complete (network or backend)")
+    return f"hang: no rank advanced for {verdict['timeout']:g} s (--hang-timeout), near step {verdict['step']}: {cause}"
+
+
+def summary(verdict: dict[str, Any], saved: str, path: str, exit_status: int) -> list[str]:
+    """The few lines printed on the deciding rank and put at the top of the report."""
+    return [headline(verdict),
+            *(f"hang: {rank_name(rank, verdict.get('mesh'))} {why}"
+              for rank, why in {**verdict["stuck"], **verdict["waiting"]}.items()),
+            f"hang: {saved}",
+            f"hang: every rank's stack in {path}; stopping with exit status {exit_status}"]
+
+
+def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks: dict[int, str],
+          backend: Optional[str], save_dir: str, world_size: int) -> None:
+    """<save-dir>/hang_report.txt: the summary, each rank's heartbeat, each rank's main-thread stack."""
+    parts = [f"# hang report written {time.strftime('%Y-%m-%d %H:%M:%S')} (MULTI_GPU_GUIDE.md, \"When a run hangs\")",
+             *lines, "", "## heartbeats (the last each rank published)"]
+    for rank, beat in sorted(beats.items()):
+        parts.append(f"rank {rank} (host {beat['host']}, pid {beat['pid']}): step {beat['step']}, phase {beat['phase']}, "
+                     f"last trainer collective {beat['op'] or '-'} #{beat['seq']} "
+                     f"{'(inside it)' if beat['in_collective'] else '(returned)'}, "
+                     f"group collectives issued {beat['group_seq']}, main thread at {beat['code']}")
+    parts += ["", "## main-thread stacks (innermost call last)"]
+    for rank in range(world_size):
+        parts += [f"--- rank {rank}", stacks.get(rank, f"(no answer: rank {rank} {SILENT})\n").rstrip()]
+    if backend == "nccl":
+        parts += ["", f"## NCCL flight recorder: {os.path.join(save_dir, NCCL_TRACE_PREFIX)}<rank> (analyse with "
+                      f"python -m torch.distributed.flight_recorder.fr_trace {save_dir} -p {NCCL_TRACE_PREFIX})"]
+    safe_files.write_atomically(path, "\n".join(parts) + "\n")
+
+
+def buffer_versions(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each buffer of `model` and how often it was written (its version counter): a forward that updates its
+    buffers (BatchNorm's running statistics) changes them."""
+    return [(id(buffer), buffer._version) for buffer in model.buffers()]
+
+
+def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
+    """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective;
+    the line that says where it is, or why none was written.
+
+    Written only where it is exactly what every rank would have saved at that step (MULTI_GPU_GUIDE.md, "When
+    a run hangs"): not when that step is saved already, not when random numbers were drawn since every rank's
+    generators were last gathered (then the other ranks' are unknown, and rank 0's own may be the next step's),
+    and not when the next step's forward has already updated the model's buffers (BatchNorm's statistics)."""
+    newest = trainer.checkpointer.newest()
+    if trainer.config.multi_gpu == "fsdp":
+        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+    if trainer.stream is not None:  # its position is every rank's count, which only a collective can gather
+        return f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"
+    if 0 in verdict["stuck"]:
+        return f"no checkpoint written: rank 0 itself is stuck; the newest checkpoint is {newest}"
+    if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated
+        return f"no checkpoint written: rank 0 was inside an optimizer step; the newest checkpoint is {newest}"
+    step = trainer.progress.global_step
+    if step == 0:
+        return "no checkpoint written: no optimizer step was completed yet"
+    if step == trainer.checkpointer.saved_step:
+        return f"no checkpoint written: step {step} is saved already: {newest}"
+    known_rng = trainer.rng_state.still_gathered()
+    if known_rng is None:
+        return (f"no checkpoint written: random numbers were drawn (dropout, random augmentation) since every rank's "
+                f"generators were last gathered, and rank 0 knows only its own; the newest checkpoint is {newest}")
+    # In backward the next step's forward has run; a forward that writes buffers writes them each time. (A peer
+    # lost at the forward's start, in DDP's broadcast of the buffers, has left them as the last step did.)
+    if BEAT.phase == BACKWARD and buffer_versions(trainer.model) != trainer.buffers_at_start:
+        return (f"no checkpoint written: step {step + 1}'s forward had already updated the model's buffers (BatchNorm "
+                f"statistics) on rank 0; the newest checkpoint is {newest}")
+    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step, trainer.checkpointer.suffix)
+    try:
+        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(known_rng)), path)
+    except Exception as error:  # a failed save must not keep the report from being written
+        return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
+    return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "
+            f"the same command plus --resume auto")
+
+
+def nccl_flight_recorder_env(save_dir: str) -> None:
+    """Turn NCCL's flight recorder on (unless the user set it), dumping into the save-dir on a timeout.
+    Read when the NCCL process group is created, so call this before init_process_group."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    prefix = os.path.join(os.path.abspath(save_dir), NCCL_TRACE_PREFIX)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)  # its name before torch 2.9
+
+
+def dump_nccl_trace(backend: Optional[str], save_dir: str, rank: int) -> None:
+    """On NCCL, write this rank's flight-recorder buffer into the save-dir now: the watchdog acts before
+    NCCL's own timeout would dump it."""
+    if backend != "nccl":
+        return
+    try:
+        import torch
+        trace = torch._C._distributed_c10d._dump_nccl_trace()
+        with open(os.path.join(save_dir, f"{NCCL_TRACE_PREFIX}{rank}"), "wb") as dump:
+            dump.write(trace)
+    except Exception:  # a torch without it: NCCL's own dump on timeout still comes
+        pass

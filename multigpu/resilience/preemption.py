@@ -1,0 +1,179 @@
+"""Stopping cleanly on SIGTERM/SIGINT, and naming a rank that was lost.
+
+A signal only sets a flag; the trainer checks it at its sync points, where
+the ranks agree on it with one all-reduce, so every rank stops after the same
+step and rank 0 can write a checkpoint that all of them reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from types import FrameType
+from typing import Any, Callable, Iterator, Optional
+
+import torch.distributed as dist
+
+from multigpu.resilience import hang_report
+from multigpu.errors import TrainingStopped
+from multigpu.resilience.heartbeat import BEAT
+
+
+class StopRequest:
+    """Remembers that SIGTERM or SIGINT arrived; a second one exits at once.
+
+    A SIGTERM within `repeat_window` seconds of the first is the same request
+    delivered twice, not a second one: SLURM signals every process of a job step
+    (torchrun and its workers), and torchrun forwards the signal to the workers
+    as well (MULTI_GPU_GUIDE.md, "SLURM").
+    """
+
+    def __init__(self, repeat_window: float = 2.0) -> None:
+        self.signal_name: Optional[str] = None
+        self.repeat_window = repeat_window
+        self._first_at = 0.0
+
+    def install(self) -> None:
+        """Make SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        now = time.monotonic()
+        if self.signal_name is not None:
+            if signum == signal.SIGTERM and self.signal_name == "SIGTERM" and now - self._first_at < self.repeat_window:
+                return
+            # os.write, not print: the handler may interrupt a print to the same stream.
+            os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+        self._first_at = now
+
+    @property
+    def requested(self) -> bool:
+        """True once SIGTERM or SIGINT reached this process."""
+        return self.signal_name is not None
+
+
+def restart_count() -> int:
+    """How often torchrun restarted the worker group (0 on the first attempt and without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def restarts_left() -> int:
+    """How many more times torchrun would restart the worker group if this attempt failed (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
+
+
+def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
+    """init_process_group arguments that keep a torchrun restart away from the previous attempt's keys.
+
+    torchrun lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    keeps it across restarts, while every attempt's process group writes the same
+    keys: a restarted rank can read a dead peer's address and hang in
+    init_process_group (with gloo here, about one restart in two; for NCCL see
+    pytorch/pytorch#135712). A prefix per attempt keeps the attempts apart. Empty
+    (torch's own env:// set-up) when torchrun does not lend its store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": rank,
+            "world_size": world_size}
+
+
+# ---------------------------------------------------------------- a lost rank
+class PeerLost(TrainingStopped):
+    """Another rank died or hung: a collective failed. Exit 1; the line was printed by every survivor.
+    `lost`: the ranks that did not answer the roll call (empty when that could not be told)."""
+
+    def __init__(self, line: str, lost: Optional[list[int]] = None) -> None:
+        super().__init__(line)
+        self.lost = lost or []
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another rank is gone or stuck."""
+    if not isinstance(error, RuntimeError):  # DistError is one too
+        return False
+    marks = ("gloo", "NCCL", "Connection closed")  # gloo's errors are plain RuntimeErrors naming it
+    return isinstance(error, dist.DistError) or any(mark in str(error) for mark in marks)
+
+
+def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list[int]]:
+    """The ranks that did not report in after a failed collective, or None if that cannot be told.
+
+    A failed collective names no rank (gloo says "Connection closed by peer
+    [address]"), so every survivor writes its rank into the rendezvous store and
+    looks for the others: the ones missing are the dead or hung ones. It waits
+    until all but one rank are in, or `wait_seconds`. The store is torchrun's
+    agent's, so it outlives the workers; without torchrun it lives in rank 0,
+    and losing it means rank 0 is gone.
+    """
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = "multigpu/lost/"  # the store is this attempt's own (restart_safe_store)
+        store.set(prefix + str(rank), "1")
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            missing = [r for r in range(world_size) if not store.check([prefix + str(r)])]
+            if len(missing) <= 1 or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.1)  # polling the store: a few cheap requests per second while waiting
+    except Exception:  # the store is gone too: it lived in rank 0
+        return [0] if rank != 0 else None
+
+
+def lost_contact_line(rank: int, missing: Optional[list[int]], error: BaseException) -> str:
+    """One line for a survivor: which rank was lost, torch's own words for how, and the collective this rank
+    was in when it noticed (a collective that is not the trainer's points at a desync)."""
+    who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "another rank"
+    return (f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}) while this rank was "
+            f"in {hang_report.failed_collective(error, 'the other ranks' if not missing else who)}; stopping")
+
+
+def error_detail(error: BaseException) -> str:
+    """The telling part of a collective's error: gloo prefixes its source file and appends advice."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return detail.split("] ", 1)[-1].split(". ")[0][:200]
+
+
+@contextlib.contextmanager
+def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: float,
+                  on_peer_lost: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` (checked at the trainer's sync points), and a collective that fails
+    because another rank died or hung becomes one line on every survivor (PeerLost, exit 1).
+
+    `on_peer_lost` runs after that line and before the handlers are put back: torchrun SIGTERMs the
+    survivors as soon as it sees a worker die, and what runs here (rank 0's save of the last completed
+    step) must not be cut off by it."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        stop.install()
+    try:
+        yield
+    except RuntimeError as error:
+        if world_size == 1 or not is_peer_failure(error):
+            raise
+        BEAT.hang_declared and BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
+        missing = lost_ranks(rank, world_size, wait_seconds)
+        if missing == []:  # every rank answered the roll call: the collective failed for another reason
+            raise
+        line = lost_contact_line(rank, missing, error)
+        # Said here, while a signal only sets a flag: torchrun's SIGTERM to survivors cannot cut it off.
+        print(line, file=sys.stderr, flush=True)
+        on_peer_lost()
+        raise PeerLost(line, missing) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,197 @@
+"""--autotune: the run's first optimizer steps measure the settings that change how fast a step runs but not
+what it computes, and the rest of the run keeps the fastest (MULTI_GPU_GUIDE.md, "--autotune").
+
+Every trial step is a real training step: nothing is lost or repeated, and the run ends with the weights a
+run given the chosen settings directly ends with, within floating-point rounding. What is tried:
+
+- the memory format: channels-last for a model with convolution weights (4-D), unless --channels-last or
+  --no-channels-last was given;
+- intra-op threads per process, on the CPU: the current count and, when it differs, this machine's cores
+  shared out over the local processes;
+- torch.compile of the fastest of those, only when the rest of the run at that speed lasts at least
+  COMPILE_WORTH_SECONDS (compiling takes tens of seconds; a short run never gets it back), a compiler is there,
+  and --compile/--no-compile was not given. It is kept only if the steps it saves over the rest of the run
+  pay back the compile time it measured.
+
+Never tried: anything that changes the numbers (precision, the batch, the data order), so fp32 stays fp32.
+The choice is saved in the checkpoint ("autotune") and a resumed --autotune run reuses it without measuring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from multigpu.parallel.distributed import Runtime, gather_objects
+
+STEPS_EACH = 5  # steps per setting: the first pays for the switch, the median of the other 4 is its step time
+COMPILE_WARMUP = 3  # compiled steps not timed: the first compiles, the next may recompile (a new shape)
+COMPILE_WORTH_SECONDS = 600.0  # compile is tried only when the rest of the run lasts this long at eager speed
+BETTER_BY = 0.03  # a setting replaces the one as given only when it is this much faster (not on noise)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One combination of the settings --autotune tries."""
+
+    channels_last: bool
+    threads: int
+    compiled: bool = False
+
+    def words(self) -> str:
+        return ", ".join(["channels-last" if self.channels_last else "channels-first",
+                          f"{self.threads} thread{'' if self.threads == 1 else 's'}",
+                          *(["compiled"] if self.compiled else [])])
+
+
+def can_compile(device: torch.device) -> bool:
+    """Whether torch.compile can build kernels here: a C++ compiler on the CPU, Triton on CUDA."""
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
+
+
+def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: torch.device) -> list[Setting]:
+    """The eager settings to try, the one as given first."""
+    layouts = [given.channels_last] + ([not given.channels_last] if convolutions and tune_layout else [])
+    threads = [given.threads]
+    if device.type == "cpu":  # oversubscribed cores (processes x threads > cores) slow every step several-fold
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        cores = len(os.sched_getaffinity(0)) // max(1, local_processes)
+        threads += [max(1, cores)] if max(1, cores) != given.threads else []
+    return [Setting(layout, count) for count in threads for layout in layouts]
+
+
+def for_trainer(trainer: Any) -> Autotuner:
+    """The trainer's autotuner: its settings as given first, then what may be tried for its model and mode.
+    Rank 0's list is every rank's, so all ranks switch at the same steps."""
+    config, runtime = trainer.config, trainer.runtime
+    given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
+    convolutions = any(parameter.dim() == 4 for parameter in trainer.model.parameters())
+    tune_layout = "channels_last" not in trainer.given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
+    compile_allowed = ("compile" not in trainer.given and runtime.mode in ("none", "ddp")
+                       and can_compile(runtime.device))
+    trials, compile_allowed = gather_objects((candidates(given, convolutions, tune_layout, runtime.device),
+                                              compile_allowed))[0]  # type: ignore[misc]
+    return Autotuner(trials, trainer._use_setting, runtime, trainer.report.line, compile_allowed)
+
+
+class Autotuner:
+    """Measures the trials from the trainer's step ends and applies settings through `apply` (the trainer's,
+    which knows how to switch its model, loader and wrapper). `state_dict` is the checkpoint's "autotune"."""
+
+    def __init__(self, trials: list[Setting], apply: Callable[[Setting], None], runtime: Runtime,
+                 say: Callable[[str], None], compile_allowed: bool):
+        self.trials, self.apply, self.runtime, self.say = trials, apply, runtime, say
+        self.compile_allowed = compile_allowed
+        self.chosen: Optional[Setting] = None
+        self.summary: dict[str, Any] = {}  # what the line said, for the checkpoint
+        self.medians: list[float] = []  # of the trials done, in order
+        self._times: list[float] = []
+        self._last = 0.0
+        self._compile_seconds = 0.0
+        self._first_step = 1
+        self.finished: Callable[[], None] = lambda: None  # the trainer's: stop calling on_step_end
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.chosen is None else {"setting": dataclasses.asdict(self.chosen), **self.summary}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("setting"):
+            self.chosen, self.summary = Setting(**state["setting"]), {k: v for k, v in state.items() if k != "setting"}
+
+    # ------------------------------------------------------------------ the trials
+    def start(self, done_steps: int, total_steps: int) -> bool:
+        """Before the first step of this start: True when trials follow (call `on_step_end` after each step
+        until `finished` is called)."""
+        steps_left, self._first_step = total_steps - done_steps, done_steps + 1
+        if self.chosen is not None:
+            self.apply(self.chosen)
+            self.say(f"--autotune: {self.chosen.words()}, as chosen at step {self.summary.get('at_step', '?')} "
+                     f"and saved in the checkpoint (not measured again)")
+            return False
+        needed = STEPS_EACH * len(self.trials)
+        if len(self.trials) == 1 and not self.compile_allowed:
+            self.chosen = self.trials[0]
+            self.say(f"--autotune: nothing to try for this model and device; training with {self.chosen.words()}")
+            return False
+        if steps_left < 2 * needed:
+            self.say(f"--autotune: {steps_left} steps are too few to measure {len(self.trials)} settings of "
+                     f"{STEPS_EACH} steps each and still gain; training with the settings as given")
+            self.chosen = self.trials[0]
+            return False
+        self._begin(self.trials[0])
+        return True
+
+    def _begin(self, setting: Setting) -> None:
+        self.apply(setting)
+        self._times = []
+        self._last = self._now()
+
+    def _now(self) -> float:
+        if self.runtime.device.type == "cuda":  # only during the trials: the step's kernels must be done
+            torch.cuda.synchronize(self.runtime.device)
+        return time.perf_counter()
+
+    def on_step_end(self, trainer: Any) -> None:
+        now = self._now()
+        self._times.append(now - self._last)
+        self._last = now
+        trial = len(self.medians)
+        compiling = trial == len(self.trials) - 1 and self.trials[-1].compiled
+        untimed = COMPILE_WARMUP if compiling else 1
+        if len(self._times) < untimed + STEPS_EACH - 1:
+            return
+        self.medians.append(statistics.median(self._times[untimed:]))
+        if compiling:
+            self._compile_seconds = sum(self._times[:untimed]) - untimed * self.medians[-1]
+        if trial + 1 < len(self.trials):
+            self._begin(self.trials[trial + 1])
+            return
+        steps_left = trainer.total_steps - trainer.progress.global_step
+        times = self._slowest_rank()  # one gather per decision: every rank calls it at the same step
+        fastest = self._fastest(times)
+        if not self.trials[-1].compiled and self.compile_allowed and steps_left * fastest[1] >= COMPILE_WORTH_SECONDS:
+            self.trials.append(dataclasses.replace(fastest[0], compiled=True))
+            self._begin(self.trials[-1])
+            return
+        self._choose(trainer, times, fastest, steps_left)
+
+    def _slowest_rank(self) -> list[float]:
+        """Each trial's step time on the slowest rank: a DDP step waits for all of them."""
+        per_rank = gather_objects(self.medians)
+        return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]  # type: ignore[index]
+
+    def _fastest(self, times: list[float]) -> tuple[Setting, float]:
+        """The fastest eager trial at `times` (the slowest rank's); the setting as given unless another is
+        BETTER_BY faster."""
+        eager = [(setting, time_) for setting, time_ in zip(self.trials, times) if not setting.compiled]
+        best = min(eager, key=lambda pair: pair[1])
+        return best if best[1] < eager[0][1] * (1 - BETTER_BY) else eager[0]
+
+    def _choose(self, trainer: Any, times: list[float], fastest: tuple[Setting, float], steps_left: int) -> None:
+        chosen, chosen_time = fastest
+        if self.trials[-1].compiled:
+            compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
+            if times[-1] < chosen_time and (chosen_time - times[-1]) * steps_left > compile_seconds:
+                chosen, chosen_time = self.trials[-1], times[-1]
+        self.chosen = chosen
+        if chosen != self.trials[-1]:
+            self.apply(chosen)
+        self.finished()
+        step = trainer.progress.global_step
+        tried = "; ".join(f"{setting.words()} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times))
+        self.summary = {"at_step": step, "gain": times[0] / chosen_time,
+                        "tried": {setting.words(): time_ for setting, time_ in zip(self.trials, times)}}
+        self.say(f"--autotune: {chosen.words()}, x{times[0] / chosen_time:.2f} the settings as given (median step "
+                 f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
+                 f"measured, ms per step: {tried})")
