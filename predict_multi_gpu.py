@@ -29,7 +29,7 @@ from main_multi_gpu import main_guarded
 from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, savedir, sharded
 from multigpu.loop.amp import Amp, resolve_dtype
-from multigpu.loop.batches import fitted_forward
+from multigpu.loop.forward import fitted_forward
 from multigpu.loop.callbacks import ema_weights
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets

@@ -33,14 +33,14 @@ from multigpu.tuning import batch_size as batch_size_search
 from multigpu import config_checks
 from multigpu.checkpoints import checkpoint
 from multigpu.data import streaming
-from multigpu.loop import rng
+from multigpu import rng
 from multigpu.monitoring import plan
 from multigpu.parallel import sharding
 from multigpu.resilience import faults, hang_report, heartbeat, watchdog
 from multigpu.tuning import autotune, cpu_memory
 from multigpu.loop.amp import Amp, resolve_dtype
-from multigpu.loop.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
-                              sample_batch)
+from multigpu.data.batches import batch_mover, batch_size, sample_batch
+from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss, fitted_forward
 from multigpu.loop.callbacks import Callbacks, builtin_callbacks
 from multigpu.checkpoints.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
@@ -56,7 +56,9 @@ from multigpu.resilience.heartbeat import BEAT
 from multigpu.lr_scaling import scaled_lr
 from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
 from multigpu.loop.metrics import MetricsSpec, Monitor
-from multigpu.loop.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler, group_settings,
+from multigpu.loop.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
+                                 refuse_schedules_without_length,
+                                 group_settings,
                             keep_run_settings, schedule_config, users_optimizer, users_scheduler)
 from multigpu.loop.prediction import Predictor
 from multigpu.resilience.preemption import StopRequest, stops_handled
@@ -217,7 +219,7 @@ class MultiGPUTrainer:
         self.config = config = schedule_config(config, self.given, optimizer is not None, scheduler is not None)
         self.scheduler_interval = "step" if scheduler is None else scheduler_interval
         if self.stream is not None and not self.steps_per_epoch:
-            streaming.refuse_schedules_without_length(config, scheduler is None, scheduler, self.scheduler_interval)
+            refuse_schedules_without_length(config, scheduler is None, scheduler, self.scheduler_interval)
         self.scheduler = (build_scheduler(self.optimizer, config, self.steps_per_epoch) if scheduler is None
                           else users_scheduler(scheduler, self.optimizer, config.lr_scaling,
                                                self.total_steps if scheduler_interval == "step" else config.epochs))

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data._utils import worker as worker_module
 
-from multigpu.loop import rng
+from multigpu import rng
 from multigpu.errors import UsageError
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE")  # what torchrun sets and DataLoader workers inherit

@@ -60,25 +60,6 @@ def stream_length(dataset: Any) -> Optional[int]:
         return None
 
 
-def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, interval: str) -> None:
-    """A stream without __len__ trains by passes, of steps unknown until each ends: UsageError for a schedule
-    that needs the run's length in steps (cosine or step decay, a warm-up in epochs, a scheduler function taking
-    total_steps), naming the flags that give it. A constant LR, or a scheduler of your own that needs no total,
-    trains as it is."""
-    from multigpu.loop.optim import takes_total_steps
-
-    unknown = "this training stream has no __len__, so an epoch is one pass of steps unknown until it ends"
-    give = "give --steps-per-epoch N or --max-steps N (steps_per_epoch=N, max_steps=N), or the dataset a __len__"
-    if builtin and config.warmup_epochs:
-        raise UsageError(f"--warmup-epochs {config.warmup_epochs:g} counts steps in epochs, and {unknown}: {give}; "
-                         f"or drop the warm-up")
-    if builtin and config.lr_schedule != "constant":
-        raise UsageError(f"--lr-schedule {config.lr_schedule} needs the run's length in steps, and {unknown}: "
-                         f"{give}; or use --lr-schedule constant")
-    if not builtin and interval == "step" and takes_total_steps(scheduler):
-        raise UsageError(f"your scheduler takes total_steps, and {unknown}: {give}")
-
-
 class StreamShard(IterableDataset):
     """What one rank reads of `dataset`: its (rank, worker) share, as (slot, sample) pairs, minus what a
     resumed run already trained on (`skip`: the saved stream state of this pass)."""
@@ -394,7 +375,7 @@ def _slot_words(slot: int, world: int) -> str:
 def _digest(batch: Any) -> Optional[str]:
     """A short fingerprint of a batch's tensors, to compare first batches once (None: it holds no tensor)."""
     digest, tensors = hashlib.sha1(), []
-    from multigpu.loop.batches import map_tensors
+    from multigpu.data.batches import map_tensors
 
     def add(tensor: torch.Tensor) -> None:
         tensors.append(tensor)

@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.loop.batches import (BatchMismatch, batch_size, check_first_batch, compute_loss, concat, default_forward,
-                              fitted_forward, predictions, split, to_device)
+from multigpu.data.batches import batch_size, concat, split, to_device
+from multigpu.loop.forward import (BatchMismatch, check_first_batch, compute_loss, default_forward, fitted_forward,
+                                   predictions)
 from train_multi_gpu import MultiGPUTrainer
 
 Pair = namedtuple("Pair", "inputs targets")

@@ -17,7 +17,7 @@ import torch
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, file_size_limit,
                       tiny_model)
 from multigpu.checkpoints import checkpoint
-from multigpu.loop import rng
+from multigpu import rng
 from multigpu.resilience import faults
 from multigpu.data import build_datasets
 from multigpu.models import build_model

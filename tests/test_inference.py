@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import tiny_model
-from multigpu.loop.batches import concat, split
+from multigpu.data.batches import concat, split
 from multigpu.loop.inference import BatchParallel, chunk_sizes
 
 CPUS = ["cpu", "cpu"]

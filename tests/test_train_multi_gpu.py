@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
                       thread_names, tiny_model)
 from multigpu.checkpoints import checkpoint
-from multigpu.loop.batches import BatchMismatch
+from multigpu.loop.forward import BatchMismatch
 from multigpu.loop.callbacks import EMA
 from train_multi_gpu import MultiGPUTrainer
 

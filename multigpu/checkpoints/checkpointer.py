@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -22,7 +22,6 @@ from multigpu.checkpoints.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.monitoring.reporting import Reporter
 
 # The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
 PROGRESS = "progress"
@@ -52,10 +51,16 @@ def with_run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig,
     return dataclasses.replace(config, save_dir=path), line
 
 
+class Says(Protocol):
+    """Where the checkpointer's lines go: the run's rank-0 reporter (multigpu/monitoring/reporting.py)."""
+
+    def line(self, text: str) -> None: ...
+
+
 class Checkpointer:
     """Where a run's checkpoints come from and go to."""
 
-    def __init__(self, config: TrainConfig, runtime: Runtime, report: Reporter):
+    def __init__(self, config: TrainConfig, runtime: Runtime, report: Says):
         self.config, self.runtime, self.report = config, runtime, report
         self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by with_run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)

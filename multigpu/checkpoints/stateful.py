@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.loop import rng
+from multigpu import rng
 from multigpu.parallel import sharding
 from multigpu.parallel.distributed import Runtime, gather_objects
 
@@ -50,19 +50,13 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         if self.plain:
             return self.model.state_dict()
-        return _api().get_model_state_dict(self.model, options=_options(self.full))
+        return sharding.module_state_dict(self.model, self.full)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.plain:
             self.model.load_state_dict(state)
-            return
-        # set_model_state_dict fills a missing key with the live value when given a full state: a checkpoint of
-        # another model must be refused, as nn.Module.load_state_dict refuses it.
-        missing = [name for name in _api().get_model_state_dict(self.model) if name not in state]
-        if missing:
-            raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "
-                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        _api().set_model_state_dict(self.model, state, options=_api().StateDictOptions(full_state_dict=self.full))
+        else:
+            sharding.load_module_state_dict(self.model, state, self.full)
 
 
 class OptimizerState:

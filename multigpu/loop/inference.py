@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch.nn.parallel import gather, parallel_apply, replicate
 
-from multigpu.loop.batches import batch_size, concat, repeat_batch, split, to_device
+from multigpu.data.batches import batch_size, concat, repeat_batch, split, to_device
 
 DeviceSpec = Union[int, str, torch.device]
 AUTO_LARGEST = 4096  # the largest batch "auto" times: a crossover above it counts as "never"

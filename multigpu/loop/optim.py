@@ -189,3 +189,20 @@ def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str
         group.update({key: ours[key] for key in kept if key in ours and key in group})
     if builtin_schedule:
         move_schedule_to(scheduler, step, [ours["initial_lr"] for ours in built])
+
+
+def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, interval: str) -> None:
+    """A stream without __len__ trains by passes, of steps unknown until each ends: UsageError for a schedule
+    that needs the run's length in steps (cosine or step decay, a warm-up in epochs, a scheduler function taking
+    total_steps), naming the flags that give it. A constant LR, or a scheduler of your own that needs no total,
+    trains as it is."""
+    unknown = "this training stream has no __len__, so an epoch is one pass of steps unknown until it ends"
+    give = "give --steps-per-epoch N or --max-steps N (steps_per_epoch=N, max_steps=N), or the dataset a __len__"
+    if builtin and config.warmup_epochs:
+        raise UsageError(f"--warmup-epochs {config.warmup_epochs:g} counts steps in epochs, and {unknown}: {give}; "
+                         f"or drop the warm-up")
+    if builtin and config.lr_schedule != "constant":
+        raise UsageError(f"--lr-schedule {config.lr_schedule} needs the run's length in steps, and {unknown}: "
+                         f"{give}; or use --lr-schedule constant")
+    if not builtin and interval == "step" and takes_total_steps(scheduler):
+        raise UsageError(f"your scheduler takes total_steps, and {unknown}: {give}")

@@ -11,8 +11,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from multigpu.loop import rng
-from multigpu.loop.batches import map_tensors
+from multigpu import rng
+from multigpu.data.batches import map_tensors
 
 
 def _cpu_copy(state: object) -> object:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from multigpu.loop.batches import map_tensors, own_loss, predictions
+from multigpu.data.batches import map_tensors
+from multigpu.loop.forward import own_loss, predictions
 
 # Dense peak TFLOP/s by precision. fp32 is the plain FP32 pipeline; tf32, bf16 and fp16 are tensor cores.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {

@@ -24,7 +24,6 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from multigpu.loop.batches import sample_batch
 from multigpu.config import AUTO, TrainConfig
 from multigpu.errors import UsageError
 
@@ -151,13 +150,6 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     return context
 
 
-def stand_in_forward(forward: Callable[[nn.Module, Any], Any], model: nn.Module, dataset: Any,
-                     collate_fn: Optional[Callable], move: Callable[[Any], Any]) -> None:
-    """A forward of the data set's first sample whose result is dropped: a rank with no batch of its own in an
-    evaluation or prediction round runs it, since every forward of a sharded model is a collective."""
-    forward(model, move(sample_batch(dataset, 1, collate_fn)))
-
-
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's shard on this rank (a plain tensor is itself): what per-element updates run on."""
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -211,11 +203,11 @@ class AveragedShards(nn.Module):
         with self.swapped_in() as model:
             # Copies: with one shard on the CPU the gathered tensors are the parameters themselves, which get
             # the trained weights back when the swap ends.
-            return {name: tensor.clone() for name, tensor in _whole(model).state_dict().items()}
+            return {name: tensor.clone() for name, tensor in module_state_dict(model).items()}
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         with self.swapped_in() as model:
-            _whole(model).load_state_dict(state)
+            load_module_state_dict(model, state)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -225,7 +217,24 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()  # type: ignore[operator]
 
 
-def _whole(model: nn.Module) -> Any:
-    """The model's whole state as a checkpoint holds it (multigpu/checkpoints/stateful.py, which imports this module)."""
-    from multigpu.checkpoints.stateful import ModelState
-    return ModelState(model)
+def _state_dict_api() -> Any:
+    import torch.distributed.checkpoint.state_dict as api  # see the imports' note: loaded only where used
+    return api
+
+
+def module_state_dict(model: nn.Module, full: bool = True) -> dict[str, Any]:
+    """A sharded model's state keyed by parameter name: whole on rank 0's CPU (`full`, what a one-file checkpoint
+    holds) or this rank's shards (what a sharded checkpoint holds)."""
+    api = _state_dict_api()
+    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def load_module_state_dict(model: nn.Module, state: dict[str, Any], full: bool = True) -> None:
+    """Load `state` (whole, or this rank's shards) into a sharded model, refusing one that lacks keys as
+    nn.Module.load_state_dict does: set_model_state_dict would fill a missing key with the live value."""
+    api = _state_dict_api()
+    missing = [name for name in api.get_model_state_dict(model) if name not in state]
+    if missing:
+        raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "
+                           f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    api.set_model_state_dict(model, state, options=api.StateDictOptions(full_state_dict=full))

@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from multigpu.loop.amp import Amp
-from multigpu.loop.batches import ForwardFn, compute_loss, repeat_batch, sample_batch
+from multigpu.data.batches import repeat_batch, sample_batch
+from multigpu.loop.forward import ForwardFn, compute_loss
 from multigpu.config import FIELDS
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
 from multigpu.errors import TrainingStopped
