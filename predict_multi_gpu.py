@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from main_multi_gpu import main_guarded
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint, savedir, sharded
+from multigpu.checkpoints import checkpoint, sharded
+from multigpu.checkpoints import run_folders
 from multigpu.loop.amp import Amp, resolve_dtype
 from multigpu.loop.forward import fitted_forward
 from multigpu.loop.callbacks import ema_weights
@@ -125,7 +126,7 @@ def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
         raise UsageError(f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
                          f"choose another file")
     name = os.path.basename(output)
-    names = [pattern for pattern in savedir.CHECKPOINT_FILES if pattern.endswith(".pt")]  # --output: .pt or .csv
+    names = [pattern for pattern in run_folders.CHECKPOINT_FILES if pattern.endswith(".pt")]  # --output: .pt or .csv
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
         raise UsageError(f"--output {output}: {name} is a save-dir's checkpoint name "
                          f"({', '.join(names)}), refused even with --overwrite; "

@@ -49,7 +49,7 @@ MOVED: dict[str, Union[str, tuple[str, ...]]] = {
     "multigpu.reporting": "multigpu.monitoring.reporting",
     "multigpu.run_settings": "multigpu.checkpoints.run_settings",
     "multigpu.runner": "multigpu.launch.runner",
-    "multigpu.savedir": "multigpu.checkpoints.savedir",
+    "multigpu.savedir": ("multigpu.checkpoints.savedir", "multigpu.checkpoints.run_folders"),
     "multigpu.sharded": "multigpu.checkpoints.sharded",
     "multigpu.sharding": "multigpu.parallel.sharding",
     "multigpu.snapshot": "multigpu.loop.snapshot",

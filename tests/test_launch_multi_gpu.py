@@ -40,7 +40,7 @@ RUN_TIMEOUT = 240
 
 sys.path.insert(0, str(REPO))
 from conftest import needs_shellcheck, shellcheck_path  # noqa: E402
-from multigpu.checkpoints import savedir  # noqa: E402
+from multigpu.checkpoints import run_folders  # noqa: E402
 from multigpu.config import TrainConfig, parse_config  # noqa: E402  (after the path tweak)
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.lr_scaling import scaled_lr  # noqa: E402
@@ -88,7 +88,7 @@ def shown(path: str) -> str:
 
 def dry_run_save_dir() -> str:
     """The save-dir a dry run in the checkout names by default."""
-    return shown(savedir.next_run_dir(str(REPO / "checkpoints")))
+    return shown(run_folders.next_run_dir(str(REPO / "checkpoints")))
 
 
 def ddp_head(nproc: int, port: int, ids: Optional[str] = None, log: Optional[str] = None) -> str:

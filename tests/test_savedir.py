@@ -16,6 +16,7 @@ import torch
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, SAVE_DIR_HOLDER, TINY, cli_command, cli_env, contents, hold_save_dir,
                       run_cli)
 from multigpu.checkpoints import checkpoint, savedir
+from multigpu.checkpoints import run_folders
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 from multigpu.checkpoints.savedir import SaveDirLock
@@ -154,14 +155,14 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- run folders
 def test_run_folders_are_numbered_and_the_newest_is_found(tmp_path):
     root = tmp_path / "checkpoints"
-    assert savedir.newest_run_dir(str(root)) is None
-    first, second = savedir.new_run_dir(str(root)), savedir.new_run_dir(str(root))
+    assert run_folders.newest_run_dir(str(root)) is None
+    first, second = run_folders.new_run_dir(str(root)), run_folders.new_run_dir(str(root))
     assert (first, second) == (str(root / "run-1"), str(root / "run-2"))
     (root / "run-10").mkdir()
     (root / "run-x").mkdir()
     (root / "run-11").write_text("a file, not a run folder")
-    assert savedir.newest_run_dir(str(root)) == str(root / "run-10")
-    assert savedir.new_run_dir(str(root)) == str(root / "run-12")  # run-11 is taken, by a file
+    assert run_folders.newest_run_dir(str(root)) == str(root / "run-10")
+    assert run_folders.new_run_dir(str(root)) == str(root / "run-12")  # run-11 is taken, by a file
 
 
 def trained_with(folder: Path, **settings) -> TrainConfig:
@@ -176,24 +177,24 @@ def test_choose_run_dir_starts_a_new_folder_and_resume_auto_continues_the_newest
         tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     root = tmp_path / "checkpoints"
-    path, line = savedir.choose_run_dir(str(root), TrainConfig(resume="auto"))  # nothing to continue: a new one
+    path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto"))  # nothing to continue: a new one
     assert path == str(root / "run-1") and line.startswith(f"--save-dir not given: this run writes to {path}")
     trained_with(root / "run-1", lr=0.01)
     trained_with(root / "run-2", lr=0.1, epochs=5)
     (root / "run-3").mkdir()  # a run that saved nothing: nothing to continue there
-    path, line = savedir.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.1))  # epochs may differ
+    path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.1))  # epochs may differ
     assert path == str(root / "run-2") and line == (f"--save-dir not given: continuing {path}, the newest run with "
                                                     f"these settings")
-    path, line = savedir.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.01, num_workers=2))
+    path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.01, num_workers=2))
     assert path == str(root / "run-1") and line.endswith(f"({root / 'run-2'} has other settings)")
     with pytest.raises(UsageError) as refused:
-        savedir.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.05, seed=3))
+        run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.05, seed=3))
     assert str(refused.value) == (f"--resume auto without --save-dir: no run under {root} has this command's "
                                   f"settings; the newest, {root / 'run-2'}, differs in lr: 0.1 -> 0.05; seed: 0 -> 3: "
                                   f"continue it with these settings by naming it (--save-dir {root / 'run-2'} "
                                   f"--resume auto), or drop --resume auto to start a new run")
     assert sorted(os.listdir(root)) == ["run-1", "run-2", "run-3"]  # the refusal created nothing
-    path, _ = savedir.choose_run_dir(str(root), TrainConfig(lr=0.1))  # no --resume: always a new folder
+    path, _ = run_folders.choose_run_dir(str(root), TrainConfig(lr=0.1))  # no --resume: always a new folder
     assert path == str(root / "run-4")
 
 
@@ -204,7 +205,7 @@ def test_a_restart_continues_its_own_jobs_run_folder(tmp_path, monkeypatch):
         write_record(root / f"run-{number}", age_seconds=1, job=job, released=True)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    path, line = savedir.choose_run_dir(str(root), TrainConfig())
+    path, line = run_folders.choose_run_dir(str(root), TrainConfig())
     assert path == str(root / "run-1") and line.startswith("torchrun restart 1")
 
 
@@ -221,34 +222,34 @@ def old_run(save_dir: Path) -> dict[str, bytes]:
 
 def test_set_aside_keeps_the_old_checkpoints_until_dropped(tmp_path):
     old_run(tmp_path)
-    folder = savedir.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
+    folder = run_folders.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
     assert folder is not None and os.path.basename(folder).startswith(".replaced-")
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(folder), "launch_command.sh"])
     assert (Path(folder) / "best.pt").read_bytes() == b"best.pt" * 100
-    assert savedir.checkpoint_files(str(tmp_path)) == []
-    assert savedir.set_aside_folders(str(tmp_path)) == [folder]
-    savedir.drop_set_aside(folder)
+    assert run_folders.checkpoint_files(str(tmp_path)) == []
+    assert run_folders.set_aside_folders(str(tmp_path)) == [folder]
+    run_folders.drop_set_aside(folder)
     assert sorted(os.listdir(tmp_path)) == ["launch_command.sh"]
-    assert savedir.set_aside(str(tmp_path)) is None
+    assert run_folders.set_aside(str(tmp_path)) is None
 
 
 def test_put_back_returns_every_file_over_what_the_ending_run_wrote(tmp_path):
     before = old_run(tmp_path)
     times = (tmp_path / "last.pt").stat().st_mtime_ns
-    folder = savedir.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
+    folder = run_folders.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
     (tmp_path / "tb").mkdir()  # the ending run's own logs, and a checkpoint it was writing
     (tmp_path / "tb" / "events.out.tfevents.2").write_bytes(b"new events")
     (tmp_path / "last.pt").write_bytes(b"half a checkpoint")
-    savedir.put_back(folder)
+    run_folders.put_back(folder)
     assert contents(tmp_path) == before and not os.path.exists(folder)
     assert (tmp_path / "last.pt").stat().st_mtime_ns == times  # the same file, renamed back
 
 
 def test_a_killed_overwrite_runs_set_aside_files_go_back_at_the_next_start(tmp_path):
     before = old_run(tmp_path)
-    folder = savedir.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
+    folder = run_folders.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
     (tmp_path / "tb").mkdir()  # the killed run's logs
-    adopted, lines = savedir.leftovers(str(tmp_path), adopt=False)
+    adopted, lines = run_folders.leftovers(str(tmp_path), adopt=False)
     assert adopted is None and contents(tmp_path) == before
     assert lines == [f"--save-dir {tmp_path}: put the previous run's files back from {folder}, where an --overwrite "
                      f"run that ended before its first checkpoint had left them"]
@@ -256,24 +257,24 @@ def test_a_killed_overwrite_runs_set_aside_files_go_back_at_the_next_start(tmp_p
 
 def test_a_set_aside_folder_beside_newer_checkpoints_is_named_with_the_command_that_puts_it_back(tmp_path):
     before = old_run(tmp_path)
-    folder = savedir.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
+    folder = run_folders.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
     (tmp_path / "tb").mkdir()  # a newer run saved, then died before it dropped the set-aside copy
     (tmp_path / "last.pt").write_bytes(b"a newer run's checkpoint")
-    adopted, (line,) = savedir.leftovers(str(tmp_path), adopt=False)
+    adopted, (line,) = run_folders.leftovers(str(tmp_path), adopt=False)
     assert adopted is None and (tmp_path / "last.pt").read_bytes() == b"a newer run's checkpoint"
     prefix = (f"--save-dir {tmp_path} still holds {folder}, checkpoints an --overwrite run set aside before newer "
               f"ones were written (left as they are); to go back to them: ")
     assert line.startswith(prefix)
     subprocess.run(["bash", "-c", line.removeprefix(prefix)], check=True)  # the command, as a user runs it
-    assert contents(tmp_path) == before and savedir.set_aside_folders(str(tmp_path)) == []
+    assert contents(tmp_path) == before and run_folders.set_aside_folders(str(tmp_path)) == []
 
 
 def test_a_torchrun_restart_of_an_overwrite_run_keeps_its_own_set_aside_copy(tmp_path, monkeypatch):
     old_run(tmp_path)
-    folder = savedir.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
+    folder = run_folders.set_aside(str(tmp_path), extra=(str(tmp_path / "tb"),))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    adopted, lines = savedir.leftovers(str(tmp_path), adopt=True)
-    assert adopted == folder and savedir.checkpoint_files(str(tmp_path)) == []
+    adopted, lines = run_folders.leftovers(str(tmp_path), adopt=True)
+    assert adopted == folder and run_folders.checkpoint_files(str(tmp_path)) == []
     assert lines == [f"torchrun restart 1: the previous run's files stay in {folder} until this run's first "
                      f"checkpoint is written"]
 

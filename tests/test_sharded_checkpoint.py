@@ -19,7 +19,8 @@ import main_multi_gpu
 import predict_multi_gpu
 from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, StepRecorder, assert_ok, blobs, config_for, contents, global_steps,
                       run_cli, run_cli_ranks, run_ranks, tiny_model, tiny_text)
-from multigpu.checkpoints import checkpoint, export, savedir, sharded
+from multigpu.checkpoints import checkpoint, export, sharded
+from multigpu.checkpoints import run_folders
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
 from multigpu.resilience.faults import FAULT_ENV
@@ -156,9 +157,9 @@ def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume
 def test_resume_auto_without_a_save_dir_finds_a_run_of_sharded_folders(sharded_run, tmp_path):
     shutil.copytree(sharded_run, tmp_path / "run-1")
     args = [*TINY, "--epochs", "2", "--mode", "flatten", "--checkpoint-format", "sharded"]
-    assert savedir.run_to_continue(str(tmp_path), parse_config(args))[0] == str(tmp_path / "run-1")
+    assert run_folders.run_to_continue(str(tmp_path), parse_config(args))[0] == str(tmp_path / "run-1")
     with pytest.raises(UsageError, match="differs in mode: flatten -> image"):
-        savedir.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
+        run_folders.run_to_continue(str(tmp_path), parse_config([*args[:-4], "--checkpoint-format", "sharded"]))
 
 
 def test_what_dcp_writes_of_every_dtype_and_plain_value_reads_back_through_the_checks(tmp_path):

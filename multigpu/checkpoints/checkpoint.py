@@ -23,9 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from multigpu import safe_files
-from multigpu.checkpoints import savedir, tensor_files
+from multigpu.checkpoints import tensor_files
+from multigpu.checkpoints import run_folders
 from multigpu.errors import UsageError
-from multigpu.checkpoints.savedir import newest_first, resumable_files
+from multigpu.checkpoints.run_folders import newest_first, resumable_files
 
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2
@@ -33,8 +34,8 @@ TMP_SUFFIX = safe_files.TMP_SUFFIX  # unfinished saves: never loaded, removed at
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
 # A sharded checkpoint folder (multigpu/checkpoints/sharded.py): DCP's shards and its metadata, written last, and rank 0's
 # file of the rest (every key above but the model's and optimizer's).
-MARKER = savedir.SHARDED_MARKER
-STATE_FILE = savedir.SHARDED_STATE_FILE
+MARKER = run_folders.SHARDED_MARKER
+STATE_FILE = run_folders.SHARDED_STATE_FILE
 
 
 class CheckpointError(UsageError):
@@ -364,7 +365,7 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints, files or folders (called only after a new one is in
     place)."""
-    for path in newest_first(savedir.matching(save_dir, tuple(f"step-*{suffix}" for suffix in savedir.FILE_SUFFIXES),
+    for path in newest_first(run_folders.matching(save_dir, tuple(f"step-*{suffix}" for suffix in run_folders.FILE_SUFFIXES),
                                                   ("step-[0-9]*[0-9]",)))[keep:]:
         safe_files.remove(path)
 
@@ -378,9 +379,9 @@ def remove_unfinished(save_dir: str) -> list[str]:
     for old in glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)):
         if not os.path.lexists(old[:-len(safe_files.OLD_SUFFIX)]):
             os.rename(old, old[:-len(safe_files.OLD_SUFFIX)])
-    unfinished = savedir.matching(save_dir, (*(f"*{suffix}.*{TMP_SUFFIX}" for suffix in savedir.FILE_SUFFIXES),
+    unfinished = run_folders.matching(save_dir, (*(f"*{suffix}.*{TMP_SUFFIX}" for suffix in run_folders.FILE_SUFFIXES),
                                              "*" + safe_files.OLD_SUFFIX),
-                                  tuple(folder + TMP_SUFFIX for folder in savedir.CHECKPOINT_FOLDERS))
+                                  tuple(folder + TMP_SUFFIX for folder in run_folders.CHECKPOINT_FOLDERS))
     for path in unfinished:
         safe_files.remove(path)
     return [os.path.basename(path) for path in unfinished]

@@ -17,6 +17,7 @@ import torch
 
 from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, run_settings, savedir, sharded
+from multigpu.checkpoints import run_folders
 from multigpu.resilience import faults, preemption
 from multigpu.checkpoints.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
@@ -42,7 +43,7 @@ def with_run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig,
     choice = None
     if runtime.is_main:
         try:
-            choice = (*savedir.choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
+            choice = (*run_folders.choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
         except UsageError as error:  # runs are there, none with these settings: every rank stops
             choice = ("", "", str(error))
     path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
@@ -117,7 +118,7 @@ class Checkpointer:
         config = self.config
         steps = min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
         files = 2 + steps + 1
-        there = sum(checkpoint.size_of(path) for path in savedir.checkpoint_files(self.save_dir))
+        there = sum(checkpoint.size_of(path) for path in run_folders.checkpoint_files(self.save_dir))
         need = max(files * checkpoint_bytes - there, (2 if config.overwrite else 1) * checkpoint_bytes)
         what = (f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
                 f"about {checkpoint.megabytes(checkpoint_bytes)} each"
@@ -138,7 +139,7 @@ class Checkpointer:
             try:
                 self.lock.acquire(lines.append)
                 restarted_overwrite = preemption.restart_count() > 0 and self.config.overwrite
-                self.set_aside, repaired = savedir.leftovers(self.save_dir, adopt=restarted_overwrite)
+                self.set_aside, repaired = run_folders.leftovers(self.save_dir, adopt=restarted_overwrite)
                 lines += repaired
                 refusal = self._refuse_fresh_start_over_checkpoints()
             except UsageError as error:
@@ -155,7 +156,7 @@ class Checkpointer:
         """Rank 0: the refusal of a run that would replace the checkpoints in the save-dir, or None (after
         --overwrite's set-aside)."""
         config = self.config
-        existing = savedir.resumable_files(self.save_dir) + savedir.checkpoint_files(self.save_dir)
+        existing = run_folders.resumable_files(self.save_dir) + run_folders.checkpoint_files(self.save_dir)
         if preemption.restart_count() > 0 or not existing or self.claimed:
             return None
         if config.resume is not None and not config.overwrite:
@@ -167,7 +168,7 @@ class Checkpointer:
             return (f"--save-dir {self.save_dir} holds another run's checkpoints "
                     f"({os.path.basename(existing[0])}): continue it with --resume auto, choose another --save-dir, "
                     f"or start afresh with --overwrite (the old files are kept aside until this run saves)")
-        self.set_aside = savedir.set_aside(self.save_dir, extra=(os.path.join(self.save_dir, "tb"),))
+        self.set_aside = run_folders.set_aside(self.save_dir, extra=(os.path.join(self.save_dir, "tb"),))
         self.report.line(f"--overwrite: the previous run's files are kept in {self.set_aside} until this run's "
                          f"first checkpoint is written, and put back if it ends before")
         return None
@@ -194,7 +195,7 @@ class Checkpointer:
                 self.report.line(f"--overwrite: the previous run's files stay in {folder} while torchrun may restart "
                                  f"this run; a run started later in --save-dir {self.save_dir} puts them back")
             else:
-                savedir.put_back(folder)
+                run_folders.put_back(folder)
                 self.report.line(f"--overwrite: this run ended before its first checkpoint, so the previous run's "
                                  f"files are back in --save-dir {self.save_dir} (this run's own logs there removed)")
         if self.lock.held:
@@ -360,7 +361,7 @@ class Checkpointer:
         self.last_saved, self.saved_step = path, step
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
-            savedir.drop_set_aside(folder)  # our first checkpoint is safely written
+            run_folders.drop_set_aside(folder)  # our first checkpoint is safely written
 
     def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: Optional[str], step: int) -> str:
         """Every rank writes its shards into `<name>.tmp/`, rank 0 the rest; renamed to `name` (and linked as

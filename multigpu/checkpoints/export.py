@@ -19,7 +19,9 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from multigpu.checkpoints import checkpoint, savedir, sharded, tensor_files, weights
+from multigpu.checkpoints import checkpoint, sharded, tensor_files, weights
+
+from multigpu.checkpoints import run_folders
 from multigpu.config import OneLineParser
 from multigpu.errors import TrainingStopped, UsageError
 
@@ -105,8 +107,8 @@ class ExportOnEnd:
         if not trainer.runtime.is_main:
             return
         save_dir = trainer.checkpointer.save_dir
-        source = next((path for name in ("best", "last") for path in savedir.matching(
-            save_dir, tuple(name + suffix for suffix in savedir.FILE_SUFFIXES), (name,))), None)
+        source = next((path for name in ("best", "last") for path in run_folders.matching(
+            save_dir, tuple(name + suffix for suffix in run_folders.FILE_SUFFIXES), (name,))), None)
         if source is None:
             raise TrainingStopped(f"--export-on-end: no best or last checkpoint in {save_dir} to export")
         try:

@@ -1,7 +1,7 @@
 """The settings a run was trained with, read from its checkpoint, and how a command's settings differ from them.
 
 `--resume auto` without --save-dir continues the newest run folder whose
-settings match the command (`savedir.choose_run_dir`), and the launcher makes
+settings match the command (`run_folders.choose_run_dir`), and the launcher makes
 the same choice before it runs anything. The launcher imports no torch, and a
 choice must not read gigabytes of weights, so `saved_settings` reads only the
 pickled part of a checkpoint (torch.save's zip archive keeps each tensor's bytes

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
-from multigpu.checkpoints import savedir
+from multigpu.checkpoints import run_folders
 from multigpu.config import AUTO, DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import HANG_EXIT_STATUS, UsageError
 from multigpu.lr_scaling import effective_batch, scaled_lr
@@ -504,14 +504,14 @@ def settle_save_dir(s: Settings, config: TrainConfig) -> Iterator[tuple[str, str
     ("save-dir-holds") with a fresh folder beside it, for the launcher to ask.
     """
     if s.save_dir is None:
-        continued = savedir.run_to_continue(DEFAULT_SAVE_ROOT, config) if config.resume == "auto" else None
-        s.save_dir = continued[0] if continued else savedir.next_run_dir(DEFAULT_SAVE_ROOT)
+        continued = run_folders.run_to_continue(DEFAULT_SAVE_ROOT, config) if config.resume == "auto" else None
+        s.save_dir = continued[0] if continued else run_folders.next_run_dir(DEFAULT_SAVE_ROOT)
         yield "set:save-dir", s.save_dir
     elif config.resume is None and not config.overwrite and os.path.isdir(s.save_dir):
-        held = savedir.checkpoint_files(s.save_dir)
+        held = run_folders.checkpoint_files(s.save_dir)
         if held:
             yield "save-dir-holds", ", ".join(os.path.basename(path) for path in held)
-            yield "new-save-dir", savedir.sibling_dir(s.save_dir)
+            yield "new-save-dir", run_folders.sibling_dir(s.save_dir)
 
 
 def check_save_dir(save_dir: str) -> None:

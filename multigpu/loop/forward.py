@@ -263,7 +263,7 @@ def check_first_batch(outputs: Any, targets: Any, loss_fn: Any) -> None:
                             f"{tuple(logits.shape)} from the data set)")
 
 
-def stand_in_forward(forward: Callable[[nn.Module, Any], Any], model: nn.Module, dataset: Any,
+def stand_in_forward(forward: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, dataset: Any,
                      collate_fn: Optional[Callable], move: Callable[[Any], Any]) -> None:
     """A forward of the data set's first sample whose result is dropped: a rank with no batch of its own in an
     evaluation or prediction round runs it, since every forward of a sharded model is a collective."""

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from multigpu.config import DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
-from multigpu.checkpoints.savedir import folder_numbers
+from multigpu.checkpoints.run_folders import folder_numbers
 from multigpu.sweep.options import SweepOptions
 
 DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --sweep-dir: checkpoints/sweep-N
