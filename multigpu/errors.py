@@ -11,6 +11,10 @@ class UsageError(Exception):
     agreed = True  # every rank reaches the same verdict, so rank 0 alone says it (False: the rank that met it)
 
 
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be used: one line naming the file and why."""
+
+
 class TrainingStopped(Exception):
     """Training cannot go on (non-finite loss, failed save, dead peer): one line, exit 1."""
 

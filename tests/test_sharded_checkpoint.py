@@ -292,3 +292,16 @@ def test_a_folder_of_another_model_width_is_refused_in_one_line_naming_the_param
         f"error: checkpoint {save_dir / 'last'} does not fit this model/optimizer: model.token_embedding.weight is "
         f"[{vocabulary}, 32] in it, [{vocabulary}, 16] here (")
     assert ranks[1].stderr == "" and contents(save_dir) == before
+
+
+def test_init_from_a_folder_that_would_run_code_is_refused_in_one_line_and_nothing_runs(fsdp_run, tmp_path, capsys):
+    """--init-from reads a sharded folder through the same restricted unpickler as a resume."""
+    save_dir, _ = _copy(fsdp_run, tmp_path)
+    ran = tmp_path / "metadata-ran"
+    (save_dir / "last" / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    started = main_multi_gpu.main([*fsdp_run[1], "--save-dir", str(tmp_path / "fresh"),
+                                   "--init-from", str(save_dir / "last")])
+    assert not ran.exists() and started == 2
+    assert _one_error_line(capsys.readouterr().err).endswith(
+        "its .metadata names posix.system, which DCP's metadata never holds and loading would call; nothing in it "
+        "was run\n")

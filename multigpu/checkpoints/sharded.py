@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from multigpu import safe_files
 from multigpu.resilience import faults
-from multigpu.checkpoints.checkpoint import CheckpointError, check_complete, is_sharded, load, load_failure
+from multigpu.checkpoints.checkpoint import is_sharded, load, load_failure
+from multigpu.checkpoints.dcp_metadata import check_complete
+from multigpu.errors import CheckpointError
 from multigpu.parallel.distributed import gather_objects
 
 # DCP warns at every save and load of one process without a process group (also in its background thread):
@@ -103,6 +105,15 @@ def load_shards(stateful: dict[str, Any], path: str) -> None:
                                     planner=_data_only_planner(path), no_dist=not dist.is_initialized()))
     for name, thing in shards.items():  # what dcp.load does for a stateful thing, with the states checked above
         thing.load_state_dict(states[name])
+
+
+def load_entries(states: dict[str, Any], path: str) -> None:
+    """DCP's load of the entries of `states` (any part of what the folder `path` holds: --init-from reads the
+    model's) from the complete folder `path`, each rank reading what it holds, through the same safe reading
+    and checks as a resume."""
+    metadata = check_complete(path)
+    _read(path, lambda: _dcp().load(states, storage_reader=_verified_reader(path, metadata),
+                                    planner=_data_only_planner(path), no_dist=not dist.is_initialized()))
 
 
 def _misfit(states: dict[str, Any], metadata: Any) -> Optional[str]:

@@ -255,8 +255,8 @@ def _dict_source(path: str, tensors: dict[str, torch.Tensor], tied: dict[str, st
 
 
 def _dcp_source(path: str) -> Source:
-    from torch.distributed.checkpoint import FileSystemReader
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    from multigpu.checkpoints.dcp_metadata import check_complete
+    metadata = check_complete(path).state_dict_metadata  # read without running code, its shard files checked
     shapes = {key.removeprefix("model."): tuple(entry.size) for key, entry in metadata.items()
               if key.startswith("model.") and hasattr(entry, "size")}
     source = Source(path, shapes, lambda name, index=None: torch.empty(0), "a sharded checkpoint")
@@ -336,10 +336,8 @@ def _copy_into(target: torch.Tensor, source: Source, name: str) -> None:
 
 def _load_through_dcp(folder: str, targets: dict[str, torch.Tensor], found: dict[str, str]) -> None:
     """A sharded checkpoint's model tensors into `targets` with DCP: each rank reads the shards it holds."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    wanted = {"model": {found[name]: tensor for name, tensor in targets.items()}}
-    dcp.load(wanted, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    from multigpu.checkpoints.sharded import load_entries
+    load_entries({"model": {found[name]: tensor for name, tensor in targets.items()}}, folder)
 
 
 class InitFrom:
