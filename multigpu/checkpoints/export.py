@@ -15,13 +15,18 @@ folder alike; one process reads the whole model (MULTI_GPU_GUIDE.md, "Weights in
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import re
 import sys
 from typing import Any, Optional, Sequence
 
-from multigpu.checkpoints import checkpoint, sharded, tensor_files, weights
+import torch
 
-from multigpu.checkpoints import run_folders
+from multigpu import safe_files
+from multigpu.checkpoints import checkpoint, run_folders, sharded, tensor_files, weights
+from multigpu.checkpoints.weights import INDEX_SUFFIX
 from multigpu.config import OneLineParser
 from multigpu.errors import TrainingStopped, UsageError
 
@@ -47,24 +52,24 @@ def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: st
            dtype: Optional[str] = None) -> str:
     """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so."""
     kind = format_of(out, kind)
-    max_bytes = weights.parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size)
     if kind == "pt":
         return _export_pt(source, out, dtype)
     state = sharded.load_whole(source, keys=("model",))
     tensors, which = weights.weights_of(state)
-    tensors = weights.in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
+    tensors = in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
     info = state.get("model_info", {})
     checkpoint.check_writable(os.path.dirname(os.path.abspath(out.rstrip("/"))), flag="OUT")
     if kind == "hf":
         if not info.get("hf"):
             raise UsageError(f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
                              f"another model (or was saved before it recorded its class): use --format safetensors")
-        written = weights.write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None)
+        written = write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None)
     else:
         if not out.endswith(tensor_files.SUFFIX):
             raise UsageError(f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, "
                              f"got {out}")
-        written = weights.write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+        written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
     size = sum(os.path.getsize(path) for path in written if os.path.isfile(path))
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
     return (f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
@@ -87,6 +92,107 @@ def _export_pt(source: str, out: str, dtype: Optional[str]) -> str:
 
 
 END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --export-on-end's, in the save-dir
+
+
+# ---------------------------------------------------------------- writing weights
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A size as Hugging Face writes max_shard_size: "5GB" (powers of 1000), "500MiB" (of 1024), or bytes."""
+    match = _SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def in_dtype(weights: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in `dtype` (integer buffers, such as BatchNorm's counts, as they are)."""
+    if dtype is None:
+        return weights
+    converted: dict[int, torch.Tensor] = {}  # tied names keep one tensor
+    return {name: converted.setdefault(id(t), t.to(dtype)) if t.is_floating_point() else t
+            for name, t in weights.items()}
+
+
+def shard_names(out: str, count: int) -> list[str]:
+    """Hugging Face's names of `count` shards of `out` (model.safetensors: model-00001-of-00003.safetensors)."""
+    stem = out.removesuffix(tensor_files.SUFFIX)
+    return [f"{stem}-{index:05d}-of-{count:05d}{tensor_files.SUFFIX}" for index in range(1, count + 1)]
+
+
+def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """The tensors in order, in groups of at most `max_bytes` (a larger tensor alone), as Hugging Face splits."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    return groups
+
+
+def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]) -> list[str]:
+    """`weights` as the safetensors file `out`, or above `max_bytes` as shards beside it and their index
+    (`<out>.index.json`, Hugging Face's layout, written last); the files written."""
+    kept, aliases = tensor_files.stored_once(weights, tied)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in kept.values())
+    header = {tensor_files.TIED_KEY: json.dumps(aliases)} if aliases else {}
+    groups = _shards(kept, max_bytes)
+    if len(groups) == 1:
+        tensor_files.save(kept, out, metadata=header)
+        return [out]
+    names = shard_names(out, len(groups))
+    for name, group in zip(names, groups):
+        tensor_files.save(group, name, metadata=header)
+    index = {"metadata": {"total_size": total, **header},
+             "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group}}
+    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
+    safe_files.write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [*names, index_path]
+
+
+def transformers_module(what: str) -> Any:
+    """transformers, or UsageError naming the extra that brings it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise UsageError(f"{what} needs the transformers library, which is not installed: pip install '.[hf]'") \
+            from None
+
+
+def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The transformers model a checkpoint's ModelInfo describes, holding `weights`."""
+    transformers_module("--format hf")
+    try:
+        model_class = getattr(importlib.import_module(info["module"]), info["class"])
+    except (ImportError, AttributeError):
+        raise UsageError(f"--format hf: the model class {info['module']}.{info['class']} cannot be imported "
+                         f"here") from None
+    model = model_class(model_class.config_class.from_dict(info["config"]))
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def write_hf(info: dict[str, Any], weights: dict[str, torch.Tensor], out: str, max_bytes: int,
+             dtype: Optional[torch.dtype]) -> list[str]:
+    """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, written into
+    `<out>.tmp` and renamed into place whole."""
+    model = rebuild_hf(info, weights)
+    transformers_module("--format hf").utils.logging.disable_progress_bar()  # a bar for one file says nothing
+    if dtype is not None:
+        model.to(dtype)
+    tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
+    if os.path.lexists(tmp):
+        safe_files.remove(tmp)
+    model.save_pretrained(tmp, max_shard_size=max_bytes)
+    safe_files.replace_folder(tmp, out.rstrip("/"))
+    return sorted(os.path.join(out, name) for name in os.listdir(out))
 
 
 class ExportOnEnd:

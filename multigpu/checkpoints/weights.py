@@ -1,5 +1,5 @@
-"""Model weights in the formats users keep: reading any of them into a model (--init-from), and a checkpoint's
-weights written as safetensors (one file, or shards and an index) or as a Hugging Face folder.
+"""Model weights in the formats users keep, read into a model (--init-from): a safetensors file or index, a
+Hugging Face folder, a .pt weights file or a checkpoint (writing them: multigpu/checkpoints/export.py).
 
 Weights here are the plain module's `state_dict` names: no `module.` (DDP),
 `_orig_mod.` (torch.compile) or FSDP wrapper prefixes. Tied weights (one tensor
@@ -12,18 +12,15 @@ Nothing here unpickles code: .pt files load with `weights_only=True`.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import pickle
-import re
 import sys
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, tensor_files
 from multigpu.loop.callbacks import ema_weights
 from multigpu.errors import UsageError
@@ -363,104 +360,3 @@ class InitFrom:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to load: a resumed run is told apart by the checkpoint it resumed from."""
-
-
-# ---------------------------------------------------------------- writing
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """A size as Hugging Face writes max_shard_size: "5GB" (powers of 1000), "500MiB" (of 1024), or bytes."""
-    match = _SIZE.match(text)
-    if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
-
-
-def in_dtype(weights: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
-    """Floating-point tensors in `dtype` (integer buffers, such as BatchNorm's counts, as they are)."""
-    if dtype is None:
-        return weights
-    converted: dict[int, torch.Tensor] = {}  # tied names keep one tensor
-    return {name: converted.setdefault(id(t), t.to(dtype)) if t.is_floating_point() else t
-            for name, t in weights.items()}
-
-
-def shard_names(out: str, count: int) -> list[str]:
-    """Hugging Face's names of `count` shards of `out` (model.safetensors: model-00001-of-00003.safetensors)."""
-    stem = out.removesuffix(tensor_files.SUFFIX)
-    return [f"{stem}-{index:05d}-of-{count:05d}{tensor_files.SUFFIX}" for index in range(1, count + 1)]
-
-
-def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """The tensors in order, in groups of at most `max_bytes` (a larger tensor alone), as Hugging Face splits."""
-    groups: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][name] = tensor
-        size += nbytes
-    return groups
-
-
-def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]) -> list[str]:
-    """`weights` as the safetensors file `out`, or above `max_bytes` as shards beside it and their index
-    (`<out>.index.json`, Hugging Face's layout, written last); the files written."""
-    kept, aliases = tensor_files.stored_once(weights, tied)
-    total = sum(tensor.numel() * tensor.element_size() for tensor in kept.values())
-    header = {tensor_files.TIED_KEY: json.dumps(aliases)} if aliases else {}
-    groups = _shards(kept, max_bytes)
-    if len(groups) == 1:
-        tensor_files.save(kept, out, metadata=header)
-        return [out]
-    names = shard_names(out, len(groups))
-    for name, group in zip(names, groups):
-        tensor_files.save(group, name, metadata=header)
-    index = {"metadata": {"total_size": total, **header},
-             "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group}}
-    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
-    safe_files.write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return [*names, index_path]
-
-
-def transformers_module(what: str) -> Any:
-    """transformers, or UsageError naming the extra that brings it."""
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        raise UsageError(f"{what} needs the transformers library, which is not installed: pip install '.[hf]'") \
-            from None
-
-
-def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The transformers model a checkpoint's ModelInfo describes, holding `weights`."""
-    transformers_module("--format hf")
-    try:
-        model_class = getattr(importlib.import_module(info["module"]), info["class"])
-    except (ImportError, AttributeError):
-        raise UsageError(f"--format hf: the model class {info['module']}.{info['class']} cannot be imported "
-                         f"here") from None
-    model = model_class(model_class.config_class.from_dict(info["config"]))
-    model.load_state_dict(weights, strict=True)
-    return model
-
-
-def write_hf(info: dict[str, Any], weights: dict[str, torch.Tensor], out: str, max_bytes: int,
-             dtype: Optional[torch.dtype]) -> list[str]:
-    """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, written into
-    `<out>.tmp` and renamed into place whole."""
-    model = rebuild_hf(info, weights)
-    transformers_module("--format hf").utils.logging.disable_progress_bar()  # a bar for one file says nothing
-    if dtype is not None:
-        model.to(dtype)
-    tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
-    if os.path.lexists(tmp):
-        safe_files.remove(tmp)
-    model.save_pretrained(tmp, max_shard_size=max_bytes)
-    safe_files.replace_folder(tmp, out.rstrip("/"))
-    return sorted(os.path.join(out, name) for name in os.listdir(out))
