@@ -11,6 +11,7 @@ import pytest
 import main_multi_gpu
 from conftest import REPO
 from multigpu.launch import launch_rules
+from multigpu.launch.answers import TRAINING, Settings
 from multigpu.config import TrainConfig, parse_config
 from multigpu.config_checks import RunFacts, given, ignored_flags
 
@@ -132,9 +133,9 @@ def test_the_launchers_command_with_every_default_answer_gets_no_warning(tmp_pat
     monkeypatch.chdir(tmp_path)
     # What `launch_multi_gpu.sh --yes` does: every question answered with its default, then the plan.
     defaults = {key.removeprefix("default-").replace("-", "_"): value
-                for key, value in launch_rules.check(launch_rules.Settings()) if key.startswith("default-")}
-    answers = {name: value for name, value in defaults.items() if name in launch_rules.TRAINING and value != "None"}
-    records = dict(launch_rules.plan(launch_rules.Settings(**answers)))
+                for key, value in launch_rules.check(Settings()) if key.startswith("default-")}
+    answers = {name: value for name, value in defaults.items() if name in TRAINING and value != "None"}
+    records = dict(launch_rules.plan(Settings(**answers)))
     argv = shlex.split(records["command"])
     trainer_args = argv[argv.index(str(REPO / "main_multi_gpu.py")) + 1:]
     assert "--lr-scaling" in trainer_args  # the launcher gives its answers explicitly, defaults included
