@@ -1,0 +1,152 @@
+"""What a MultiGPUTrainer's checkpoint holds beyond its parts' own state, and the words of a resume.
+
+The checkpointer (multigpu/checkpoints/checkpointer.py) saves and loads a dict of
+stateful things and knows no trainer; the trainer hands it that dict. Here are the
+things of that dict that are the run's rather than a part's (where training stands,
+what it trained with), the save rank 0 makes alone from its replica when a peer is
+lost, and the lines a resume prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from multigpu.checkpoints import checkpoint
+from multigpu.checkpoints.checkpointer import Checkpointer
+from multigpu.checkpoints.stateful import RngState, Saved
+from multigpu.loop.metrics import Monitor
+from multigpu.loop.progress import Progress
+from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
+
+
+class Run(Protocol):
+    """What the run's own checkpoint state reads of the trainer (MultiGPUTrainer has it)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scheduler_interval: str
+    progress: Progress
+    steps_per_epoch: int
+    sampler: Any
+    monitor: Monitor
+    metrics: dict[str, float]
+
+
+class ProgressState:
+    """Where training stands and what it trained with, as a checkpoint's top-level keys (the checkpointer's
+    PROGRESS): loading it moves the run's progress, monitor, metrics and data order to the checkpoint's."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict[str, Any]:
+        run = self.run
+        return {"optimizer_class": type(run.optimizer).__name__,
+                "scheduler_class": type(run.scheduler).__name__, "scheduler_interval": run.scheduler_interval,
+                **dataclasses.asdict(run.progress),  # epoch, global_step, samples_in_epoch, best_value, evaluated
+                "steps_per_epoch": run.steps_per_epoch, "sampler_seed": run.sampler.seed,
+                "train_size": run.sampler.dataset_size, "monitor": run.monitor.name, "metrics": dict(run.metrics)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run = self.run
+        same_monitor = state["monitor"] is None or run.monitor.name in (None, state["monitor"])
+        run.monitor.name = run.monitor.name or state["monitor"]
+        run.progress = Progress(state["epoch"], state["global_step"], state["samples_in_epoch"],
+                                state["best_value"] if same_monitor else None, state.get("evaluated", True))
+        run.metrics = dict(state.get("metrics", {}))
+        run.sampler.seed = state.get("sampler_seed", run.sampler.seed)  # the epoch's order must not change
+
+
+def identity(config: Any, sampler: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """What a resumed run must share with its checkpoint (the checkpointer's MUST_MATCH_ON_RESUME): another
+    value means another model, data or optimizer."""
+    return {**{name: getattr(config, name) for name in ("mode", "dataset", "image_shape", "num_classes")},
+            "model": config.model_name, "train_size": sampler.dataset_size,
+            "optimizer_class": type(optimizer).__name__, "scheduler_class": type(scheduler).__name__}
+
+
+def already_complete(path: str, progress: Progress, monitor: Optional[str], has_validation: bool) -> str:
+    """The one line of a resume whose checkpoint has trained and evaluated every epoch (a checkpoint at
+    --max-steps is refused before: multigpu/checkpoints/checkpointer.py): what it reached, and how to train
+    further."""
+    result = (f"best {monitor} {progress.best_value:.4f}" if monitor and progress.best_value is not None
+              else "no validation set" if not has_validation else "no finite validation metric")
+    return (f"run in {os.path.dirname(os.path.normpath(path)) or '.'} is already complete: {progress.epoch} "
+            f"epochs, {result}; nothing to train (raise --epochs to train further)")
+
+
+def other_world_size(saved: int, now: int, builtin_schedule: bool, scheduler_interval: str) -> str:
+    """The line of a resume at another world size: the data position is kept in global samples; the built-in
+    schedule was moved to the same point of training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on
+    another world size")."""
+    if builtin_schedule:
+        schedule = "the LR schedule continues at the same point in samples"
+    elif scheduler_interval == "step":
+        schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
+    else:
+        schedule = "your per-epoch scheduler continues"
+    return (f"resuming {saved} ranks' checkpoint with {now}: model and optimizer continue, the data position is "
+            f"kept by global sample count and {schedule}, but results are not bit-identical to an uninterrupted run")
+
+
+def buffer_versions(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each buffer of `model` and how often it was written (its version counter): a forward that updates its
+    buffers (BatchNorm's running statistics) changes them."""
+    return [(id(buffer), buffer._version) for buffer in model.buffers()]
+
+
+@dataclasses.dataclass
+class Replica:
+    """What rank 0 knows, alone, of the run it may save from its own replica."""
+
+    checkpointer: Checkpointer
+    sharded: bool  # fsdp: rank 0 holds a shard only
+    streaming: bool  # a stream's position is every rank's count
+    step: int  # the last completed optimizer step
+    rng_state: RngState
+    model: torch.nn.Module
+    buffers_at_start: list[tuple[int, int]]  # buffer_versions when training started
+
+
+def save_from_replica(replica: Replica, stuck: dict[int, Any], stateful: Callable[[Saved], dict[str, Any]]) -> str:
+    """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective
+    (a lost peer, a hang); the line that says where it is, or why none was written.
+
+    Written only where it is exactly what every rank would have saved at that step (MULTI_GPU_GUIDE.md, "When
+    a run hangs"): not when that step is saved already, not when random numbers were drawn since every rank's
+    generators were last gathered (then the other ranks' are unknown, and rank 0's own may be the next step's),
+    and not when the next step's forward has already updated the model's buffers (BatchNorm's statistics)."""
+    checkpointer, step = replica.checkpointer, replica.step
+    newest = checkpointer.newest()
+    if replica.sharded:
+        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+    if replica.streaming:
+        return f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"
+    if 0 in stuck:
+        return f"no checkpoint written: rank 0 itself is stuck; the newest checkpoint is {newest}"
+    if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated
+        return f"no checkpoint written: rank 0 was inside an optimizer step; the newest checkpoint is {newest}"
+    if step == 0:
+        return "no checkpoint written: no optimizer step was completed yet"
+    if step == checkpointer.saved_step:
+        return f"no checkpoint written: step {step} is saved already: {newest}"
+    known_rng = replica.rng_state.still_gathered()
+    if known_rng is None:
+        return (f"no checkpoint written: random numbers were drawn (dropout, random augmentation) since every rank's "
+                f"generators were last gathered, and rank 0 knows only its own; the newest checkpoint is {newest}")
+    # In backward the next step's forward has run; a forward that writes buffers writes them each time. (A peer
+    # lost at the forward's start, in DDP's broadcast of the buffers, has left them as the last step did.)
+    if BEAT.phase == BACKWARD and buffer_versions(replica.model) != replica.buffers_at_start:
+        return (f"no checkpoint written: step {step + 1}'s forward had already updated the model's buffers (BatchNorm "
+                f"statistics) on rank 0; the newest checkpoint is {newest}")
+    path = checkpoint.step_checkpoint_path(checkpointer.save_dir, step, checkpointer.suffix)
+    try:
+        checkpoint.atomic_save(checkpointer.state_of(stateful(known_rng)), path)
+    except Exception as error:  # a failed save must not keep the report from being written
+        return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
+    return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "
+            f"the same command plus --resume auto")

@@ -1,0 +1,17 @@
+"""Where training stands: the epoch, the optimizer step, the position in the epoch and the best value so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint (multigpu/engine/state.py)."""
+
+    epoch: int = 0  # epochs whose training is done (== epochs at the end)
+    global_step: int = 0  # optimizer steps taken
+    samples_in_epoch: int = 0  # global samples of the current epoch already trained on, in the sampler's order
+    best_value: Optional[float] = None  # of the monitored validation metric
+    evaluated: bool = True  # False between an epoch's last step and the end of its evaluation
