@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from multigpu import batch_size as batch_size_search
 from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, hang_report, heartbeat, plan, rng,
                       sharding, streaming, watchdog)
+from multigpu.device_data import DeviceData
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -144,6 +145,9 @@ class MultiGPUTrainer:
         self.channels_last = config.channels_last  # --autotune may switch it (_use_setting)
         self.move = batch_mover(self.device, config.channels_last)  # a batch from the loader to the device
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        # --data-on-device: the set moved there before --batch-size auto measures what memory is left
+        self.data = DeviceData(train_dataset, config, self.device, rt.world_size, collate_fn,
+                               streaming.is_stream(train_dataset))
         if config.batch_size == AUTO:  # measured before anything that depends on the batch is built
             self.config = config = dataclasses.replace(config, batch_size=self._auto_batch_size(optimizer, collate_fn))
 
@@ -160,8 +164,10 @@ class MultiGPUTrainer:
         else:
             self.stream = None
             self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
-            self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
-                                             sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
+            self.train_loader = (self.data.batches(self.sampler, self.loader_batch, config.seed) if self.data.on else
+                                 build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
+                                              sampler=self.sampler, batch_size=self.loader_batch,
+                                              collate_fn=collate_fn))
         self.steps_per_epoch = math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps))
 
         # --- telemetry (MULTI_GPU_GUIDE.md, "Speed"): FLOPs counted on the plain module, before the wrap ---
@@ -673,7 +679,7 @@ class MultiGPUTrainer:
             self.config, self.runtime, self.given, self.optimizer, self.scheduler, self.scheduler_interval,
             self.builtin_optimizer, self.builtin_schedule, self.lr, self.effective_batch, self.loader_batch,
             self.steps_per_epoch, self.sampler.usable, any(p.dim() == 4 for p in self.model.parameters()),
-            self.amp.name, self.progress, self.steps_done_in_epoch())
+            self.amp.name, self.progress, self.steps_done_in_epoch(), self.data.line)
 
     def _report_done(self, summary: dict[str, Any]) -> None:
         warning = plan.learning_warning(self.report, self.evaluator.classes, self.optimizer, self.lr,

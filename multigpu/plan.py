@@ -43,6 +43,7 @@ class PlanFacts:
     amp: str  # the precision's name
     progress: Any  # epoch and global_step to start from
     steps_done_in_epoch: int
+    data: str = ""  # where the training batches come from (multigpu/device_data.py)
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -67,7 +68,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
             f"accumulation = {run.effective_batch} effective ({batch_rule})",
             f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {run.steps_per_epoch} steps/epoch, "
             f"{last_step} steps{f' ({steps_left} left)' if progress.global_step else ''}; amp {run.amp}",
-            *_warnings(run, warmup_steps)]
+            *([run.data] if run.data else []), *_warnings(run, warmup_steps)]
 
 
 def _why_schedule(run: PlanFacts) -> str:
