@@ -50,8 +50,8 @@ class DeviceData:
                                  f"with the loader")
             self.line = f"data: read by the loader: {why_not}"
             return
-        source = "already in this process's memory, used as it is" if _new_bytes(dataset, device) == 0 \
-            else f"moved to {device} once"
+        source = ("already in this process's memory, used as it is" if _new_bytes(dataset, device) == 0
+                  else "read once into this process's memory" if device.type == "cpu" else f"moved to {device} once")
         ranks = "; each rank holds all of it (its share changes every epoch)" if world_size > 1 else ""
         augmented = ", each batch cropped and flipped there" if _inner(dataset) is not dataset else ""
         self.line = (f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
