@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from multigpu import batch_size as batch_size_search
-from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, hang_report, heartbeat, plan, rng,
-                      sharding, streaming, watchdog)
+from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, float8, hang_report, heartbeat, plan,
+                      rng, sharding, streaming, watchdog)
 from multigpu.device_data import DeviceData
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
@@ -139,6 +139,8 @@ class MultiGPUTrainer:
                        sharded=rt.mode == "fsdp")
         if rt.mode == "fsdp":
             sharding.refuse_unsupported(config)
+        if config.float8:  # before --compile compiles the module (multigpu/float8.py)
+            float8.for_run(model, config.float8, self.device, rt.mode == "fsdp", self.report.line)
         self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from multigpu import console
+from multigpu import console, float8
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.distributed import Runtime, gather_objects, setup, teardown
@@ -28,6 +28,8 @@ def run(config: TrainConfig) -> dict:
     """Set up devices, data and model, train, and return the final metrics."""
     runtime = setup(config)
     try:
+        if config.float8:  # refused before any data is read where the device has no float8 (multigpu/float8.py)
+            float8.check(config.float8, runtime.device)
         return _train(config, runtime)
     finally:
         # After _train returned, so the trainer and its DDP wrapper (which hold the process group)
