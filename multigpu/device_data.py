@@ -88,8 +88,9 @@ def _why_not(dataset: Dataset, config: TrainConfig, device: torch.device, world_
                 f"(fixed_samples = True)")
     needed, budget = _new_bytes(dataset, device), _budget(device)
     if needed > budget:
+        shared = ", shared by the local processes" if device.type == "cpu" else ""
         return (f"its {_megabytes(needed)} are more than the {_megabytes(budget)} data may take on {device} "
-                f"({DEVICE_SHARE:.0%} of its memory{', shared by the local processes' if device.type == 'cpu' else ''})")
+                f"({DEVICE_SHARE:.0%} of its memory{shared})")
     if config.data_on_device == AUTO and not isinstance(inner, TensorDataset) and config.max_steps \
             and isinstance(config.batch_size, int):
         planned = config.max_steps * config.batch_size * config.grad_accum_steps  # this rank's, at most
@@ -118,8 +119,8 @@ def _set_bytes(dataset: Dataset) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in inner.tensors)
     fields = inner[0]
     fields = fields if isinstance(fields, (tuple, list)) else (fields,)
-    return len(inner) * sum(field.numel() * field.element_size() if isinstance(field, torch.Tensor) else 8  # type: ignore
-                            for field in fields)
+    return len(inner) * sum(field.numel() * field.element_size() if isinstance(field, torch.Tensor)  # type: ignore
+                            else 8 for field in fields)
 
 
 def _new_bytes(dataset: Dataset, device: torch.device) -> int:

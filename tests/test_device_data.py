@@ -164,8 +164,8 @@ def test_auto_keeps_the_loader_with_one_line_saying_why(tmp_path: Path, monkeypa
 def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_gathered(tmp_path: Path) -> None:
     result = run_cli([*TINY, "--epochs", "1", "--save-dir", str(tmp_path / "run")])
     assert_ok(result)
-    assert ("data: the training set on the device (512 samples, 1.6 MB, read once into this process's memory), batches gathered "
-            "there; no loader") in result.stdout.splitlines()
+    assert ("data: the training set on the device (512 samples, 1.6 MB, read once into this process's memory), "
+            "batches gathered there; no loader") in result.stdout.splitlines()
     folder = image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
     refused = run_cli(["--dataset", "imagefolder", "--data-dir", str(folder), "--image-shape", "3,8,8",
                        "--data-on-device", "on", "--epochs", "1", "--save-dir", str(tmp_path / "refused")])
