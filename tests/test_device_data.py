@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from conftest import TINY, assert_ok, blobs, config_for, image_folder, run_cli, run_ranks, tiny_model
+from conftest import (TINY, assert_ok, blobs, config_for, image_folder, run_benchmark, run_cli, run_ranks,
+                      tiny_model)
 from multigpu import device_data
 from multigpu.data import RandomCropFlip, SyntheticImages
 from multigpu.data.augment import crop_flip
@@ -173,3 +174,18 @@ def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_ga
         "error: --data-on-device on: a ImageFolder is neither a TensorDataset nor a set whose samples never change "
         "(fixed_samples = True); use --data-on-device auto (or off) to read it with the loader"]
     assert not (tmp_path / "refused" / "last.pt").exists()
+
+
+def test_the_benchmark_prints_both_ways_in_one_run_with_identical_weights_unless_augmented(tmp_path: Path) -> None:
+    """benchmarks/data_on_device.py at toy sizes: the synthetic set (read once) and the CIFAR-sized tensors, plain
+    and cropped and flipped; the speeds are the benchmark's figures, not this test's."""
+    output = tmp_path / "table.md"
+    result, raw = run_benchmark("data_on_device.py", tmp_path, "--rounds", "1", "--steps", "4", "--batch", "8",
+                                "--log-every", "2", "--cifar-size", "64", "--only", "1,3,4", "--output", str(output))
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in output.read_text().splitlines()
+            if line.startswith("| ") and "samples/s" not in line}
+    assert list(rows) == ["synthetic 1x28x28, cnn", "CIFAR-sized tensors, cnn",
+                          "CIFAR-sized tensors + crop and flip, cnn"]
+    assert [cells[-1] for cells in rows.values()] == ["identical |", "identical |", "differ |"]
+    assert all(run["samples_per_sec"] > 0 for runs in raw.values() for run in runs) and len(raw) == 6
+    assert "--data-on-device against the loader" in result.stdout
