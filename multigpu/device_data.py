@@ -39,7 +39,7 @@ class DeviceData:
 
     def __init__(self, dataset: Dataset, config: TrainConfig, device: torch.device, world_size: int,
                  collate_fn: Optional[Callable], stream: bool):
-        self.on, self.columns, self.augment = False, [], None
+        self.on, self.columns, self.augment, self.bare = False, [], None, False
         if config.data_on_device == "off":
             self.line = "data: read by the loader (--data-on-device off)"
             return
@@ -58,7 +58,7 @@ class DeviceData:
                      f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
                      f"no loader")
         try:
-            self.columns = columns(dataset, device, config.num_workers)
+            self.columns, self.bare = columns(dataset, device, config.num_workers)
         except UsageError as error:  # a field that is not a tensor, or changes shape: seen only while reading
             if config.data_on_device == "on":
                 raise
@@ -144,15 +144,16 @@ def _megabytes(count: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the set on the device
-def columns(dataset: Dataset, device: torch.device, num_workers: int) -> list[torch.Tensor]:
-    """The training set as one tensor per field of its samples, on `device`: row i of each is sample i's."""
+def columns(dataset: Dataset, device: torch.device, num_workers: int) -> tuple[list[torch.Tensor], bool]:
+    """The training set as one tensor per field of its samples, on `device` (row i of each is sample i's), and
+    whether a sample is one bare tensor rather than a tuple of fields (its batches are then one tensor too)."""
     inner = _inner(dataset)
     if isinstance(inner, TensorDataset):
-        return [tensor.to(device) for tensor in inner.tensors]
+        return [tensor.to(device) for tensor in inner.tensors], False
     return _read_once(inner, device, num_workers)
 
 
-def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> list[torch.Tensor]:
+def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> tuple[list[torch.Tensor], bool]:
     """Every sample read once, in order, through a loader (its workers, its collate: the dtypes the training
     loader's batches have), into preallocated tensors on `device`; UsageError where a field is not a tensor or
     number, or changes shape."""
@@ -161,9 +162,10 @@ def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> list
     size = len(dataset)  # type: ignore[arg-type]
     loader = build_loader(dataset, device, num_workers, batch_size=READ_BATCH, persistent_workers=False)
     stored: list[torch.Tensor] = []
-    start = 0
+    start, bare = 0, False
     for batch in loader:
-        fields = batch if isinstance(batch, (tuple, list)) else [batch]
+        bare = isinstance(batch, torch.Tensor)
+        fields = [batch] if bare else batch if isinstance(batch, (tuple, list)) else [batch]
         if not stored:
             for field in fields:
                 if not isinstance(field, torch.Tensor):
@@ -178,7 +180,7 @@ def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> list
                                  f"off")
             column[start:start + len(field)].copy_(field, non_blocking=True)
         start += len(fields[0])
-    return stored
+    return stored, bare
 
 
 class DeviceBatches:
@@ -188,22 +190,22 @@ class DeviceBatches:
     num_workers = 0
 
     def __init__(self, data: DeviceData, sampler: Any, batch_size: int, seed: int):
-        self.columns, self.augment, self.device = data.columns, data.augment, data.device
+        self.columns, self.augment, self.device, self.bare = data.columns, data.augment, data.device, data.bare
         self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
         self.generator = torch.Generator(device=self.device) if self.augment is not None else None
 
-    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         sampler, size = self.sampler, self.batch_size
-        order = sampler.indices().to(self.device)
+        epoch, consumed, order = sampler.epoch, sampler.consumed, sampler.indices().to(self.device)
         for first in range(0, len(order), size):
             index = order[first:first + size]
             batch = [column.index_select(0, index) for column in self.columns]
             if self.augment is not None:
                 # Seeded by where the batch is in the epoch: a rerun and a resume draw the same crops and flips.
-                place = sampler.consumed + first * sampler.world_size
-                self.generator.manual_seed(_key(self.seed, sampler.rank, sampler.epoch, place))  # type: ignore
+                place = consumed + first * sampler.world_size
+                self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]
                 batch[0] = self.augment(batch[0], self.generator)
-            yield batch
+            yield batch[0] if self.bare else batch
 
 
 def _key(*parts: int) -> int:

@@ -128,6 +128,35 @@ def test_augmentation_on_the_device_repeats_on_a_rerun_and_across_a_resume_mid_e
     assert not all(torch.equal(a, b) for a, b in zip(weights(whole).values(), weights(plain).values()))
 
 
+class Vectors(Dataset):
+    """A set whose samples are one bare tensor each (no targets), and never change."""
+
+    fixed_samples = True
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.arange(4.0) + index
+
+
+def test_the_batches_are_the_loaders_batches_in_structure_and_order() -> None:
+    from multigpu.config import TrainConfig
+    from multigpu.data import ResumableDistributedSampler, build_loader
+
+    for data in (Vectors(), blobs(30, 0)):
+        sampler = ResumableDistributedSampler(len(data), rank=1, world_size=2, seed=4)
+        sampler.start_at(1, 8)  # mid-epoch, as after a resume
+        on = device_data.DeviceData(data, TrainConfig(data_on_device="on"), torch.device("cpu"), 2, None, False)
+        gathered = list(on.batches(sampler, 4, seed=0))
+        loaded = list(build_loader(data, torch.device("cpu"), 0, sampler=sampler, batch_size=4))
+        assert len(gathered) == len(loaded) == 3  # (30 - 8) // 2 = 11 samples: 4 + 4 + 3
+        for mine, theirs in zip(gathered, loaded):
+            assert type(mine) is type(theirs)
+            for a, b in zip(*((mine, theirs) if isinstance(mine, list) else ([mine], [theirs]))):
+                assert torch.equal(a, b) and a.dtype == b.dtype
+
+
 class Unmarked(Dataset):
     """A user's map-style set that promises nothing about its samples."""
 
