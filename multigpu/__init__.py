@@ -12,6 +12,8 @@
 - metrics:      evaluation metrics reduced exactly across ranks (sums and counts)
 - evaluation:   exact distributed evaluation: every sample once, any world size
 - streaming:    IterableDataset input: split over ranks and workers, uneven ends agreed, the stream's position
+- device_data:  --data-on-device: a training set of tensors kept on the device, each batch gathered there
+- float8:       --float8: torchao's float8 Linear layers where the GPU has float8 (refused in one line elsewhere)
 - prediction:   the outputs of every sample in dataset order, any world size, in memory or streamed to a file
 - inference:    BatchParallel: a batch split over several devices in one process, for prediction
 - meters:       per-interval loss/throughput, the one host sync of a logging interval
