@@ -31,7 +31,6 @@ from torch.utils.data import Dataset
 from multigpu import batch_size as batch_size_search
 from multigpu import (autotune, checkpoint, config_checks, cpu_memory, faults, float8, hang_report, heartbeat, plan,
                       rng, sharding, streaming, watchdog)
-from multigpu.device_data import DeviceData
 from multigpu.amp import Amp, resolve_dtype
 from multigpu.batches import (ForwardFn, batch_mover, batch_size, check_first_batch, compute_loss, fitted_forward,
                               sample_batch)
@@ -40,6 +39,7 @@ from multigpu.checkpointer import PROGRESS, Checkpointer, with_run_folder
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
+from multigpu.device_data import DeviceData
 from multigpu.distributed import Runtime, gather_objects, is_distributed, prepare_model, setup, teardown, wrap_model
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.evaluation import Evaluator
