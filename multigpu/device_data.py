@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator, Optional
 
+import numpy
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -193,19 +194,40 @@ class DeviceBatches:
         self.columns, self.augment, self.device, self.bare = data.columns, data.augment, data.device, data.bare
         self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
         self.generator = torch.Generator(device=self.device) if self.augment is not None else None
+        # On the CPU, numpy's take copies whole rows on one thread: index_select of images there parallelises a
+        # 64-row copy over the intra-op threads, 3-8x slower than the loader's stack when the cores are busy
+        # (MULTI_GPU_GUIDE.md, "Data on the device").
+        self.arrays = [_as_array(column) for column in self.columns] if self.device.type == "cpu" else []
 
     def __iter__(self) -> Iterator[Any]:
         sampler, size = self.sampler, self.batch_size
         epoch, consumed, order = sampler.epoch, sampler.consumed, sampler.indices().to(self.device)
         for first in range(0, len(order), size):
             index = order[first:first + size]
-            batch = [column.index_select(0, index) for column in self.columns]
+            batch = self._gather(index)
             if self.augment is not None:
                 # Seeded by where the batch is in the epoch: a rerun and a resume draw the same crops and flips.
                 place = consumed + first * sampler.world_size
                 self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]
                 batch[0] = self.augment(batch[0], self.generator)
             yield batch[0] if self.bare else batch
+
+    def _gather(self, index: torch.Tensor) -> list[torch.Tensor]:
+        if not self.arrays:
+            return [column.index_select(0, index) for column in self.columns]
+        rows = index.numpy()
+        return [column.index_select(0, index) if array is None else torch.from_numpy(numpy.take(array, rows, axis=0))
+                for column, array in zip(self.columns, self.arrays)]
+
+
+def _as_array(column: torch.Tensor) -> Optional[Any]:
+    """A numpy view of a CPU column whose rows are worth numpy's copy (a label's are not), else None."""
+    if column[0].numel() < 64:
+        return None
+    try:
+        return column.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or a tensor that needs grad
+        return None
 
 
 def _key(*parts: int) -> int:
