@@ -48,6 +48,8 @@ from multigpu.data import build_loader
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.parallel.distributed import (Runtime, gather_objects, is_distributed, prepare_model, setup, teardown,
                                   teardown_at_exit, wrap_model)
+from multigpu.loop import float8
+from multigpu.data.device_data import DeviceData
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.loop.evaluation import Evaluator
 from multigpu.tuning.gc_pauses import long_lived_objects_frozen
@@ -164,12 +166,17 @@ class MultiGPUTrainer:
                        sharded=rt.mode == "fsdp")
         if rt.mode == "fsdp":
             sharding.refuse_unsupported(config)
+        if config.float8:  # before --compile compiles the module (multigpu/loop/float8.py)
+            float8.for_run(model, config.float8, self.device, rt.mode == "fsdp", self.report.line)
         self.model = prepare_model(model, config, rt, self.report.line)  # the plain module, on this device
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once
         self.channels_last = config.channels_last  # --autotune may switch it (_use_setting)
         self.move = batch_mover(self.device, config.channels_last)  # a batch from the loader to the device
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        # --data-on-device: the set moved there before --batch-size auto measures what memory is left
+        self.data = DeviceData(train_dataset, config, self.device, rt.world_size, collate_fn,
+                               streaming.is_stream(train_dataset))
         if config.batch_size == AUTO:  # measured before anything that depends on the batch is built
             self.config = config = dataclasses.replace(config, batch_size=self._auto_batch_size(optimizer, collate_fn))
 
@@ -186,8 +193,10 @@ class MultiGPUTrainer:
         else:
             self.stream = None
             self.sampler = ResumableDistributedSampler(len(train_dataset), rt.rank, rt.world_size, config.seed)
-            self.train_loader = build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
-                                             sampler=self.sampler, batch_size=self.loader_batch, collate_fn=collate_fn)
+            self.train_loader = (self.data.batches(self.sampler, self.loader_batch, config.seed) if self.data.on else
+                                 build_loader(train_dataset, self.device, config.num_workers, config.seed + rt.rank,
+                                              sampler=self.sampler, batch_size=self.loader_batch,
+                                              collate_fn=collate_fn))
         # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
         self.steps_per_epoch = ((self.stream.steps_per_epoch or 0) if self.stream is not None else
                                 math.ceil(len(self.sampler) / (self.loader_batch * config.grad_accum_steps)))
@@ -729,7 +738,7 @@ class MultiGPUTrainer:
             self.config, self.runtime, self.given, self.optimizer, self.scheduler, self.scheduler_interval,
             self.builtin_optimizer, self.builtin_schedule, self.lr, self.effective_batch, self.loader_batch,
             self.steps_per_epoch, self.sampler.usable, any(p.dim() == 4 for p in self.model.parameters()),
-            self.amp.name, self.progress, self.steps_done_in_epoch())
+            self.amp.name, self.progress, self.steps_done_in_epoch(), self.data.line)
 
     def _report_done(self, summary: dict[str, Any]) -> None:
         """The end-of-run lines and hparams; `summary` gets `did_not_learn` (why) where the run shows it did not

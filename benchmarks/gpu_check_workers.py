@@ -256,7 +256,8 @@ def data_path(params: dict[str, Any]) -> dict[str, Any]:
     """Whether the trainer's training loader pins memory on this device, and pinned vs pageable copy rates."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu="none", epochs=1, batch_size=8, progress=False, save_dir=params["save_dir"])
+    config = TrainConfig(multi_gpu="none", epochs=1, batch_size=8, progress=False, save_dir=params["save_dir"],
+                         data_on_device="off")  # the loader's path is what this row proves
     trainer = MultiGPUTrainer(small_net(3, 10), class_blobs(64, (3, 16, 16)), None, config)
     result: dict[str, Any] = {"device": device_of(trainer.model), "loader_pin_memory": trainer.train_loader.pin_memory,
                               "loader_workers": trainer.train_loader.num_workers}

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .augment import RandomCropFlip
 from .files import image_folders, torchvision_problem
 from .sampler import ResumableDistributedSampler, ShardedBatchSampler
 from .synthetic import SyntheticImages
@@ -16,8 +17,8 @@ from .text import CharWindows, text_datasets
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
-__all__ = ["DataSpec", "build_datasets", "build_loader", "CharWindows", "ResumableDistributedSampler",
-           "ShardedBatchSampler", "SyntheticImages"]
+__all__ = ["DataSpec", "build_datasets", "build_loader", "CharWindows", "RandomCropFlip",
+           "ResumableDistributedSampler", "ShardedBatchSampler", "SyntheticImages"]
 
 TORCHVISION_SETS = {
     # name: (torchvision class, image shape, classes, mean, std)
@@ -44,6 +45,7 @@ class Flattened(Dataset):
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
+        self.fixed_samples = getattr(dataset, "fixed_samples", False)  # flattening changes nothing of that
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -78,6 +80,7 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
         to_tensor = torchvision.transforms.ToTensor()
         train = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
         val = torchvision.datasets.FakeData(config.val_size, shape, classes, to_tensor, random_offset=10**6)
+        train.fixed_samples = True  # each image drawn from a generator seeded by its index (device_data.py)
     elif name == "imagefolder":
         train, val, shape, classes = _image_folder(config)
     else:
@@ -138,15 +141,16 @@ def _torchvision_set(config: TrainConfig, download_allowed: bool):
 
     class_name, shape, classes, mean, std = TORCHVISION_SETS[config.dataset]
     dataset_class = getattr(torchvision.datasets, class_name)
-    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
-    augment = [transforms.RandomCrop(shape[1], padding=4), transforms.RandomHorizontalFlip()] if shape[0] == 3 else []
+    normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
     download = config.download and download_allowed
     try:
-        train = dataset_class(config.data_dir, train=True, download=download,
-                              transform=transforms.Compose(augment + normalize))
-        val = dataset_class(config.data_dir, train=False, download=download, transform=transforms.Compose(normalize))
+        train = dataset_class(config.data_dir, train=True, download=download, transform=normalize)
+        val = dataset_class(config.data_dir, train=False, download=download, transform=normalize)
     except (RuntimeError, OSError, ValueError, TypeError, AssertionError) as error:  # what torchvision raises
         raise UsageError(torchvision_problem(config.dataset, dataset_class, config.data_dir, download, error)) from None
+    train.fixed_samples = True  # normalised, not augmented: --data-on-device may read it once (device_data.py)
+    if shape[0] == 3:  # CIFAR's training augmentation; the padding is black, -mean/std once normalised
+        train = RandomCropFlip(train, padding=4, fill=[-m / s for m, s in zip(mean, std)])
     return train, val, shape, classes
 
 

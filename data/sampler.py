@@ -60,8 +60,13 @@ class ResumableDistributedSampler(DistributedSampler):
         self.epoch, self.consumed = epoch, min(consumed, self.dataset_size)
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def indices(self) -> torch.Tensor:
+        """This rank's sample indices for the rest of the epoch, in order, as one tensor (what __iter__ yields):
+        data kept on the device gathers its batches with them (data/device_data.py)."""
         order = epoch_order(self.dataset_size, self.seed, self.epoch, self.shuffle)
-        return iter(order[self.consumed : self._end()][self.rank :: self.world_size].tolist())
+        return order[self.consumed : self._end()][self.rank :: self.world_size]
 
     def __len__(self) -> int:
         return (self._end() - self.consumed) // self.world_size

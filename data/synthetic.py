@@ -17,6 +17,7 @@ class SyntheticImages(Dataset):
     """
 
     NOISE = 3.0
+    fixed_samples = True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
 
     def __init__(self, size: int, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10,
                  seed: int = 0, split: str = "train"):

@@ -20,6 +20,8 @@ BINARY_SIGNS = "\x00"  # a NUL character: no text file has one, every binary for
 class CharWindows(Dataset):
     """Windows of `block_size` character ids and the same windows shifted by one (the targets)."""
 
+    fixed_samples = True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
+
     def __init__(self, ids: torch.Tensor, block_size: int):
         self.ids, self.block_size = ids, block_size
 

@@ -107,6 +107,11 @@ class TrainConfig:
                                 "has no class names)", group="data")
     num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
                                       group="data")
+    data_on_device: str = _opt("auto", "keep the training set on the device and gather each batch there (no loader, "
+                               "no host copy per step; CIFAR's crop and flip run there on whole batches): on, off, or "
+                               "auto: on when it is tensors (a TensorDataset, or a set whose samples never change: "
+                               "synthetic, fake, the MNIST family, CIFAR, text) that fit in a quarter of the device's "
+                               "memory", ["auto", "on", "off"], group="data")
     steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset), "
                                 "passes following one another; 0: an epoch is one pass (without __len__ its steps "
                                 "are unknown, and a schedule that needs them is refused)", group="data")
@@ -125,6 +130,10 @@ class TrainConfig:
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model")
     compile: bool = _opt(False, "torch.compile the model (before the DDP wrap; the first steps take longer while it "
                          "compiles; checkpoints stay loadable without it)", group="model")
+    float8: Optional[str] = _opt(None, "train the Linear layers large enough to gain in float8 (torchao's "
+                                 "convert_to_float8_training; pip install '.[float8]'), with float8 all-gather under "
+                                 "fsdp: tensorwise or rowwise scaling; GPUs of compute capability 8.9 or above only",
+                                 ["tensorwise", "rowwise"], group="model")
     channels_last: bool = _opt(False, "keep conv weights and image batches channels-last (NHWC): faster convolutions "
                                "on tensor-core GPUs, above all with --amp", group="model")
     init_from: Optional[str] = _opt(None, "start training from these weights (a .safetensors file or its index, a "
@@ -240,7 +249,8 @@ class TrainConfig:
                              f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
-                     "monitor_mode", "checkpoint_format", "fsdp_accumulate", "export_on_end"]:
+                     "monitor_mode", "checkpoint_format", "fsdp_accumulate", "export_on_end", "data_on_device",
+                     "float8"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:

@@ -64,6 +64,10 @@ def test_autotune_tries_the_settings_on_training_steps_and_prints_saves_and_reus
     assert len(tuner.medians) == len(tuner.trials) and tuner.chosen in tuner.trials
     assert re.match(rf"--autotune: {re.escape(tuner.chosen.words())}, x\d+\.\d\d the settings as given \(median "
                     rf"step [\d.]+ ms vs [\d.]+ ms; steps 1-{5 * len(tuner.trials)} measured", line), line
+    # whether compile was tried and why: steps of milliseconds could never repay a compile
+    assert re.search(rf"\); compile not tried: (the {STEPS - 5 * len(tuner.trials)} steps left at [\d.]+ ms would "
+                     rf"save [\d,]+ s if compiled steps were 10% faster, less than the 60 s a compile is expected "
+                     rf"to take|no C\+\+ compiler \(g\+\+\) here)$", line), line
     assert tuned.model[0].weight.is_contiguous(memory_format=torch.channels_last) == tuner.chosen.channels_last
     assert torch.get_num_threads() == tuner.chosen.threads
     assert tuned.amp.dtype is None and all(p.dtype == torch.float32 for p in tuned.model.parameters())  # fp32 stays
@@ -117,13 +121,31 @@ def test_on_a_run_long_enough_compile_is_tried_last_and_kept_only_if_it_repays_i
     """With the bar for a long enough run lowered to 0 s, the compiled form of the fastest eager setting is the
     last trial; whether kept or not, the module is compiled exactly when the choice says so, and the run ends
     where one given the chosen settings directly ends."""
-    monkeypatch.setattr(autotune, "COMPILE_WORTH_SECONDS", 0.0)
+    monkeypatch.setitem(autotune.EXPECTED_COMPILE_SECONDS, "cpu", 0.0)
     tuned = train(tmp_path, "tuned", autotune=True, channels_last=False)  # given: only threads and compile tried
     tuner = tuned.autotune
     assert tuner.trials[-1].compiled and not any(setting.compiled for setting in tuner.trials[:-1])
     assert len(tuner.medians) == len(tuner.trials)
     assert (tuned.model._compiled_call_impl is not None) == tuner.chosen.compiled
-    assert "compiled " in capsys.readouterr().out  # the compiled trial's time is in the line
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("--autotune:"))
+    assert "compiled " in line  # the compiled trial's time is in the line, and why it was tried and kept or not
+    kept = "kept" if tuner.chosen.compiled else "not kept"
+    left = STEPS - 5 * (len(tuner.trials) - 1)  # at the decision; the compiled trial then takes 7 steps
+    assert re.search(rf"; compile tried: the {left} steps left at [\d.]+ ms would save [\d,]+ s if compiled steps "
+                     rf"were 10% faster, at least the 0 s a compile is expected to take; {kept}: it (saves|would "
+                     rf"save) [\d,]+ s over the {left - 7} steps left, its compile took [\d,]+ s$", line), line
     torch.set_num_threads(tuner.chosen.threads)
     direct = train(tmp_path, "direct", channels_last=False, compile=tuner.chosen.compiled)
     assert_close(weights(tuned), weights(direct))
+
+
+def test_compile_is_tried_only_where_the_planned_steps_left_could_repay_it():
+    """resnet18 at 32 px on 2 CPU cores, about 0.8 s a step: 60 steps cannot repay a compile, 2,000 can."""
+    cpu = torch.device("cpu")
+    assert autotune.compile_worth_trying(50, 0.8, cpu) == (
+        False, "compile not tried: the 50 steps left at 800.0 ms would save 4 s if compiled steps were 10% faster, "
+               "less than the 60 s a compile is expected to take")
+    assert autotune.compile_worth_trying(1990, 0.8, cpu) == (
+        True, "compile tried: the 1,990 steps left at 800.0 ms would save 159 s if compiled steps were 10% faster, "
+              "at least the 60 s a compile is expected to take")
+    assert not autotune.compile_worth_trying(100_000, 0.005, cpu)[0]  # the cnn's steps: never worth a compile

@@ -19,12 +19,13 @@ from train_multi_gpu import MultiGPUTrainer
 def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_path: Path):
     config = config_for(tmp_path, 1, grad_accum_steps=2, epochs=3, warmup_epochs=1.0)
     with MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config) as trainer:  # 64 / (8 x 2): 4 steps per epoch
-        layout, batch, optimizer = plan_lines(trainer.plan_facts())
+        layout, batch, optimizer, data = plan_lines(trainer.plan_facts())
     assert layout == "mode none: one device, cpu"
     assert batch == "batch 8 per device x 1 devices x 2 accumulation = 16 effective (one device)"
     assert optimizer.startswith("optimizer AdamW, lr 0.01")
     assert optimizer.endswith("; schedule cosine, warm-up 4 steps (first step lr 0.0025, peak 0.01), 4 steps/epoch, "
                               "12 steps; amp off")
+    assert data.startswith("data: the training set on the device (64 samples")  # data/device_data.py
 
 
 def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):

@@ -26,7 +26,7 @@ RUN_GROUPS = ("data", "model", "optimisation")
 # Those that may still differ in a command that continues the run: --epochs is the total, so continuing a run
 # to more epochs is the point; the others change where data is read from, or how fast, not what is learned.
 MAY_DIFFER = ("epochs", "data_dir", "download", "num_workers", "eval_batch_size", "compile", "channels_last",
-              "autotune")
+              "autotune", "data_on_device")
 # How one start of a run goes, never a setting of the run: a resume does not report them as changed.
 START_ONLY = ("resume", "overwrite", "allow_low_disk")
 

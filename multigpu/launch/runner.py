@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from multigpu.launch import console
+from multigpu.loop import float8
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
@@ -28,6 +29,8 @@ def run(config: TrainConfig) -> dict:
     """Set up devices, data and model, train, and return the final metrics."""
     runtime = setup(config)
     try:
+        if config.float8:  # refused before any data is read where the device has no float8 (multigpu/loop/float8.py)
+            float8.check(config.float8, runtime.device)
         return _train(config, runtime)
     finally:
         # After _train returned, so the trainer and its DDP wrapper (which hold the process group)

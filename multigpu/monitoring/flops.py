@@ -71,6 +71,29 @@ def peak_flops(device_name: str, precision: str) -> Optional[float]:
     return None if tflops is None else tflops * 1e12
 
 
+def transformer_flops_per_token(params: int, layers: int, width: int, context: int) -> int:
+    """Training FLOPs per token of a decoder-only transformer by the usual estimate (PaLM's appendix, nanoGPT's
+    estimate_mfu): 6 per parameter (forward 2, backward 4; `params` without the position embedding) plus
+    attention's 12 x layers x width x context. The cross-check of what FlopCounterMode counts."""
+    return 6 * params + 12 * layers * width * context
+
+
+def _count_cpu_attention() -> None:
+    """Give the CPU's scaled_dot_product_attention kernel the FLOP formulas torch has for the GPU's kernels (the
+    same two matmuls forward, five backward): without them FlopCounterMode counts no attention on the CPU, and a
+    transformer's FLOPs fall short of 6N + attention."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    for op, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
+                        (aten._scaled_dot_product_flash_attention_for_cpu_backward, flop_counter.sdpa_backward_flop)):
+        if op.default not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op, get_raw=True)(formula)  # `formula` takes the shapes itself
+
+
+_count_cpu_attention()
+
+
 def count_flops(forward: Callable[[], Any]) -> Optional[int]:
     """FLOPs of `forward()` and of the backward pass from its outputs; None when nothing in them has a gradient.
 

@@ -8,10 +8,11 @@ run given the chosen settings directly ends with, within floating-point rounding
   --no-channels-last was given;
 - intra-op threads per process, on the CPU: the current count and, when it differs, this machine's cores
   shared out over the local processes;
-- torch.compile of the fastest of those, only when the rest of the run at that speed lasts at least
-  COMPILE_WORTH_SECONDS (compiling takes tens of seconds; a short run never gets it back), a compiler is there,
-  and --compile/--no-compile was not given. It is kept only if the steps it saves over the rest of the run
-  pay back the compile time it measured.
+- torch.compile of the fastest of those, only when the planned steps left could repay a compile: at that
+  speed, compiled steps EXPECTED_GAIN faster would save at least the EXPECTED_COMPILE_SECONDS a compile takes
+  (compile_worth_trying); and only where a compiler is there and --compile/--no-compile was not given. It is
+  kept only if the steps it saves over the rest of the run pay back the compile time it measured.
+The line that ends the trials says whether compile was tried and why, and whether it was kept.
 
 Never tried: anything that changes the numbers (precision, the batch, the data order), so fp32 stays fp32.
 The choice is saved in the checkpoint ("autotune") and a resumed --autotune run reuses it without measuring.
@@ -34,7 +35,11 @@ from multigpu.parallel.distributed import Runtime, gather_objects
 
 STEPS_EACH = 5  # steps per setting: the first pays for the switch, the median of the other 4 is its step time
 COMPILE_WARMUP = 3  # compiled steps not timed: the first compiles, the next may recompile (a new shape)
-COMPILE_WORTH_SECONDS = 600.0  # compile is tried only when the rest of the run lasts this long at eager speed
+# What a compile is expected to cost before it is tried, and to gain: a round guess, not a measurement (resnet18
+# at 32 px on 2 busy CPU cores compiled in 218 s cold and about 10 s with inductor's cache warm, while its eager
+# steps took 15-40 s instead of 0.8; compiled, it was x1.21 eager: MULTI_GPU_GUIDE.md "--autotune").
+EXPECTED_COMPILE_SECONDS = {"cpu": 60.0, "cuda": 60.0}
+EXPECTED_GAIN = 0.10  # compiled steps this much faster: the saving a compile is weighed against before it is tried
 BETTER_BY = 0.03  # a setting replaces the one as given only when it is this much faster (not on noise)
 
 
@@ -59,6 +64,30 @@ def can_compile(device: torch.device) -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
 
+def compile_worth_trying(steps_left: int, step_seconds: float, device: torch.device) -> tuple[bool, str]:
+    """Whether the planned steps left, at `step_seconds` each, could repay a compile, and why, in words: the
+    time compiled steps EXPECTED_GAIN faster would save against EXPECTED_COMPILE_SECONDS."""
+    saving, cost = steps_left * step_seconds * EXPECTED_GAIN, EXPECTED_COMPILE_SECONDS[device.type]
+    enough = saving >= cost
+    return enough, (f"compile {'tried' if enough else 'not tried'}: the {steps_left:,} steps left at "
+                    f"{step_seconds * 1000:.1f} ms would save {saving:,.0f} s if compiled steps were "
+                    f"{EXPECTED_GAIN:.0%} faster, {'at least' if enough else 'less than'} the {cost:.0f} s a "
+                    f"compile is expected to take")
+
+
+def why_not_compile(trainer: Any) -> Optional[str]:
+    """Why --autotune may not try compile on this run (None: it may, if the run is long enough)."""
+    runtime = trainer.runtime
+    if "compile" in trainer.given:
+        return "compile not tried: --compile or --no-compile was given"
+    if runtime.mode not in ("none", "ddp"):
+        return f"compile not tried: not under {runtime.mode}"
+    if not can_compile(runtime.device):
+        return (f"compile not tried: no {'Triton' if runtime.device.type == 'cuda' else 'C++ compiler (g++)'} "
+                f"here")
+    return None
+
+
 def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: torch.device) -> list[Setting]:
     """The eager settings to try, the one as given first."""
     layouts = [given.channels_last] + ([not given.channels_last] if convolutions and tune_layout else [])
@@ -77,11 +106,9 @@ def for_trainer(trainer: Any) -> Autotuner:
     given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
     convolutions = any(parameter.dim() == 4 for parameter in trainer.model.parameters())
     tune_layout = "channels_last" not in trainer.given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
-    compile_allowed = ("compile" not in trainer.given and runtime.mode in ("none", "ddp")
-                       and can_compile(runtime.device))
-    trials, compile_allowed = gather_objects((candidates(given, convolutions, tune_layout, runtime.device),
-                                              compile_allowed))[0]  # type: ignore[misc]
-    return Autotuner(trials, trainer._use_setting, runtime, trainer.report.line, compile_allowed)
+    trials, no_compile = gather_objects((candidates(given, convolutions, tune_layout, runtime.device),
+                                         why_not_compile(trainer)))[0]  # type: ignore[misc]
+    return Autotuner(trials, trainer._use_setting, runtime, trainer.report.line, no_compile)
 
 
 class Autotuner:
@@ -89,9 +116,10 @@ class Autotuner:
     which knows how to switch its model, loader and wrapper). `state_dict` is the checkpoint's "autotune"."""
 
     def __init__(self, trials: list[Setting], apply: Callable[[Setting], None], runtime: Runtime,
-                 say: Callable[[str], None], compile_allowed: bool):
+                 say: Callable[[str], None], no_compile: Optional[str] = None):
         self.trials, self.apply, self.runtime, self.say = trials, apply, runtime, say
-        self.compile_allowed = compile_allowed
+        self.compile_allowed = no_compile is None
+        self.compile_note = no_compile or ""  # whether compile was tried and why, for the line
         self.chosen: Optional[Setting] = None
         self.summary: dict[str, Any] = {}  # what the line said, for the checkpoint
         self.medians: list[float] = []  # of the trials done, in order
@@ -122,11 +150,13 @@ class Autotuner:
         needed = STEPS_EACH * len(self.trials)
         if len(self.trials) == 1 and not self.compile_allowed:
             self.chosen = self.trials[0]
-            self.say(f"--autotune: nothing to try for this model and device; training with {self.chosen.words()}")
+            self.say(f"--autotune: nothing to try for this model and device; training with {self.chosen.words()} "
+                     f"({self.compile_note})")
             return False
         if steps_left < 2 * needed:
             self.say(f"--autotune: {steps_left} steps are too few to measure {len(self.trials)} settings of "
-                     f"{STEPS_EACH} steps each and still gain; training with the settings as given")
+                     f"{STEPS_EACH} steps each and still gain; training with the settings as given (compile not "
+                     f"tried)")
             self.chosen = self.trials[0]
             return False
         self._begin(self.trials[0])
@@ -160,10 +190,12 @@ class Autotuner:
         steps_left = trainer.total_steps - trainer.progress.global_step
         times = self._slowest_rank()  # one gather per decision: every rank calls it at the same step
         fastest = self._fastest(times)
-        if not self.trials[-1].compiled and self.compile_allowed and steps_left * fastest[1] >= COMPILE_WORTH_SECONDS:
-            self.trials.append(dataclasses.replace(fastest[0], compiled=True))
-            self._begin(self.trials[-1])
-            return
+        if not self.trials[-1].compiled and self.compile_allowed:
+            worth, self.compile_note = compile_worth_trying(steps_left, fastest[1], self.runtime.device)
+            if worth:
+                self.trials.append(dataclasses.replace(fastest[0], compiled=True))
+                self._begin(self.trials[-1])
+                return
         self._choose(trainer, times, fastest, steps_left)
 
     def _slowest_rank(self) -> list[float]:
@@ -182,16 +214,20 @@ class Autotuner:
         chosen, chosen_time = fastest
         if self.trials[-1].compiled:
             compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
-            if times[-1] < chosen_time and (chosen_time - times[-1]) * steps_left > compile_seconds:
+            saved = (chosen_time - times[-1]) * steps_left
+            if saved > compile_seconds:
                 chosen, chosen_time = self.trials[-1], times[-1]
+            self.compile_note += (f"; {'kept' if saved > compile_seconds else 'not kept'}: it "
+                                  f"{'saves' if saved > 0 else 'would save'} {max(saved, 0.0):,.0f} s over the "
+                                  f"{steps_left:,} steps left, its compile took {compile_seconds:,.0f} s")
         self.chosen = chosen
         if chosen != self.trials[-1]:
             self.apply(chosen)
         self.finished()
         step = trainer.progress.global_step
         tried = "; ".join(f"{setting.words()} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times))
-        self.summary = {"at_step": step, "gain": times[0] / chosen_time,
+        self.summary = {"at_step": step, "gain": times[0] / chosen_time, "compile": self.compile_note,
                         "tried": {setting.words(): time_ for setting, time_ in zip(self.trials, times)}}
         self.say(f"--autotune: {chosen.words()}, x{times[0] / chosen_time:.2f} the settings as given (median step "
                  f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
-                 f"measured, ms per step: {tried})")
+                 f"measured, ms per step: {tried}); {self.compile_note}")

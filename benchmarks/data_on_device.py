@@ -1,0 +1,150 @@
+"""Benchmark: --data-on-device against the loader, for the built-in data and a CIFAR-sized tensor set.
+
+    python benchmarks/data_on_device.py [--rounds 3] [--steps 200] [--only 1,3] [--output PATH.md]
+
+Each workload trains twice per round in fresh processes, through the loader (--data-on-device off) and with the
+training set on the device (on), the order alternating each round: the built-in synthetic set (read once) with
+the cnn, --dataset text (read once) with a small gpt, a TensorDataset of 50,000 CIFAR-sized images (3x32x32)
+with the cnn, and the same set with CIFAR's crop and flip (data.augment.RandomCropFlip). Shows the steady
+samples/s (every logging interval but the first) of both, their ratio, and whether the two runs ended with
+identical weights (not expected with augmentation: the loader and the device draw their crops from different
+generators). MULTI_GPU_GUIDE.md, "Data on the device".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(HERE)]
+from bench_common import benchmark_parser, logged_rates, machine_line, steady, write_markdown  # noqa: E402
+
+WORKLOADS = ("synthetic 1x28x28, cnn", "text, gpt", "CIFAR-sized tensors, cnn",
+             "CIFAR-sized tensors + crop and flip, cnn")
+RESULT = "RESULT "
+
+
+def data_and_model(workload: str, args: Any, save_dir: str) -> tuple[Any, Any, dict[str, Any]]:
+    """The training set, the model and the config fields of `workload` (built alike in both runs)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from multigpu.config import TrainConfig
+    from multigpu.data import RandomCropFlip, build_datasets
+    from multigpu.models import build_model
+
+    samples = args.steps * args.batch
+    if workload.startswith("synthetic"):
+        spec = build_datasets(TrainConfig(train_size=samples, image_shape="1,28,28"))
+        return spec.train, build_model("cnn", spec.input_shape, spec.num_classes), {}
+    if workload.startswith("text"):
+        text = Path(save_dir) / "text.txt"
+        words = "the quick brown fox jumps over a lazy dog while seven small cats sleep".split()
+        text.write_text(" ".join(words[(i * 7) % len(words)] for i in range(samples * 64 // 4)))
+        config = TrainConfig(dataset="text", data_file=str(text), model="gpt", block_size=64)
+        spec = build_datasets(config)
+        return spec.train, build_model("gpt", spec.input_shape, spec.num_classes, config), {}
+    generator = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(args.cifar_size, 3, 32, 32, generator=generator),
+                           torch.randint(0, 10, (args.cifar_size,), generator=generator))
+    data = RandomCropFlip(images, padding=4) if "crop" in workload else images
+    return data, build_model("cnn", (3, 32, 32), 10), {"max_steps": args.steps}
+
+
+def worker(workload: str, mode: str, args: Any) -> None:
+    """One run in this process; prints its steady samples/s and a digest of its final weights."""
+    import torch
+
+    from train_multi_gpu import MultiGPUTrainer, TrainConfig
+
+    with tempfile.TemporaryDirectory() as save_dir:
+        torch.manual_seed(0)
+        data, model, extra = data_and_model(workload, args, save_dir)
+        config = TrainConfig(epochs=1, batch_size=args.batch, log_every=args.log_every, progress=False,
+                             save_dir=save_dir, data_on_device=mode, lr_schedule="constant", **extra)
+        with MultiGPUTrainer(model, data, None, config) as trainer:
+            trainer.fit()
+            digest = hashlib.sha256()
+            for name, tensor in sorted(trainer.model.state_dict().items()):
+                digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        rate = steady(logged_rates(os.path.join(save_dir, "tb")))
+    print(RESULT + json.dumps({"samples_per_sec": rate, "weights": digest.hexdigest()}), flush=True)
+
+
+def run(workload: str, mode: str, args: Any) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--worker", workload, "--mode", mode, "--steps", str(args.steps),
+               "--batch", str(args.batch), "--log-every", str(args.log_every),
+               "--cifar-size", str(args.cifar_size)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        raise SystemExit(f"{workload}, --data-on-device {mode} failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = benchmark_parser(__doc__, rounds=3, steps=200, batch=64, log_every=20,
+                              output_help="the Markdown table (default: "
+                                          "benchmarks/results/data_on_device_<cpu|gpu>.md)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    parser.add_argument("--only", help="comma-separated workload numbers (1-4) to run")
+    parser.add_argument("--cifar-size", type=int, default=50_000, help="images in the CIFAR-sized tensor set")
+    parser.add_argument("--json", help="also write the raw figures here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.mode, args)
+        return 0
+    import torch
+
+    workloads = [WORKLOADS[int(n) - 1] for n in args.only.split(",")] if args.only else list(WORKLOADS)
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    load_before = os.getloadavg()[0]
+    for round_index in range(args.rounds):
+        for workload in workloads:
+            for mode in (("off", "on") if round_index % 2 == 0 else ("on", "off")):
+                figures = run(workload, mode, args)
+                results.setdefault((workload, mode), []).append(figures)
+                print(f"round {round_index + 1}: {workload}, --data-on-device {mode}: "
+                      f"{figures['samples_per_sec']:.0f} samples/s", flush=True)
+    load_after = os.getloadavg()[0]
+    rows = []
+    for workload in workloads:
+        loader = [run_["samples_per_sec"] for run_ in results[(workload, "off")]]
+        device = [run_["samples_per_sec"] for run_ in results[(workload, "on")]]
+        ratios = [on / off for on, off in zip(device, loader)]
+        same = all(a["weights"] == b["weights"] for a, b in zip(results[(workload, "off")], results[(workload, "on")]))
+        rows.append([workload, f"{statistics.median(loader):.0f}", f"{statistics.median(device):.0f}",
+                     f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                     "identical" if same else "differ"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{workload} | {mode}": runs for (workload, mode), runs in
+                                               results.items()}, indent=1) + "\n")
+    gpu = torch.cuda.is_available()
+    output = Path(args.output or HERE / "results" / f"data_on_device_{'gpu' if gpu else 'cpu'}.md")
+    notes = [machine_line(), f"CIFAR-sized: {args.cifar_size:,} random 3x32x32 images in a TensorDataset; one "
+             f"device, fp32, batch {args.batch}, {args.steps} steps per run (one epoch of the "
+             f"built-in sets), AdamW, constant LR; samples/s over every --log-every {args.log_every} interval but the "
+             f"first, medians of {args.rounds} rounds (ratio: per round, median and range); load average "
+             f"{load_before:.2f} before, {load_after:.2f} after"]
+    write_markdown(output, "--data-on-device against the loader", ["workload", "loader samples/s",
+                                                                   "on the device samples/s", "on the device / loader",
+                                                                   "final weights"], rows, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
