@@ -61,7 +61,7 @@ def build_trainer(mode: str, size: str, save_dir: str, async_checkpoint: bool = 
                          async_checkpoint=async_checkpoint, hang_timeout=0, allow_low_disk=True)
     trainer = MultiGPUTrainer(model, TensorDataset(tokens[:, :-1], tokens[:, 1:]), None, config)
     inputs = tokens[:1, :-1].to(trainer.runtime.device)
-    loss = trainer.wrapped(inputs, tokens[:1, 1:].to(trainer.runtime.device))[1]
+    loss = trainer.step.wrapped(inputs, tokens[:1, 1:].to(trainer.runtime.device))[1]
     loss.backward()
     trainer.optimizer.step()
     return trainer

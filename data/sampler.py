@@ -8,7 +8,7 @@ which makes validation numbers wrong (PITFALLS 1).
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -98,3 +98,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.batch_indices)
+
+
+def windows(batches: Iterator[Any], samples: int, micro_batch: int, micro_batches: int
+            ) -> Iterator[tuple[Iterator[Any], int, list[int], bool]]:
+    """This rank's optimizer steps over its `samples` left in the epoch, read from `batches` (the loader over
+    the sampler): (the batches, the window's samples, each micro-batch's size, whether it is the epoch's last).
+    The sampler gives every rank the same number of samples: full windows of `micro_batches` micro-batches of
+    `micro_batch`, then what is left, so every rank takes the same number of steps."""
+    full_window = micro_batches * micro_batch
+    full_sizes = [micro_batch] * micro_batches  # built once: most steps are full windows
+    while samples > 0:
+        window = min(full_window, samples)
+        samples -= window
+        sizes = full_sizes if window == full_window else \
+            [micro_batch] * ((window - 1) // micro_batch) + [window - (window - 1) // micro_batch * micro_batch]
+        yield batches, window, sizes, samples == 0

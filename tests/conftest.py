@@ -462,8 +462,8 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.d
     """
     from multigpu.loop.amp import Amp
 
-    trainer.amp = Amp(torch.float16, "cpu", init_scale=init_scale)
-    trainer.evaluator.amp = trainer.amp
+    trainer.amp = trainer.step.amp = trainer.sync.amp = trainer.evaluator.amp = Amp(torch.float16, "cpu",
+                                                                                   init_scale=init_scale)
     dtypes: list[torch.dtype] = []
     trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
     return dtypes

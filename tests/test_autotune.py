@@ -99,7 +99,7 @@ def _ddp_tuned_then_direct(rank: int, world_size: int, tmp_path: Path) -> dict:
     torch.set_num_threads(chosen.threads)  # then the chosen settings, given directly
     direct = train(tmp_path, "direct", world_size, channels_last=chosen.channels_last)
     return {"tuned": weights(tuned), "direct": weights(direct), "trials": tuned.autotune.trials, "chosen": chosen,
-            "measured": len(tuned.autotune.medians), "wrapped": type(tuned.wrapped).__name__}
+            "measured": len(tuned.autotune.medians), "wrapped": type(tuned.step.wrapped).__name__}
 
 
 def test_under_ddp_the_layout_switch_rewraps_the_model_and_both_ranks_train_as_a_direct_run(tmp_path):

@@ -69,9 +69,9 @@ def train(tmp_path: Path, world_size: int, size: int, runtime: Runtime | None = 
     trainer = MultiGPUTrainer(tiny_model(), blobs(size, 0), None, config, runtime=runtime)
     count = AllReduceCount()
     if world_size > 1:
-        trainer.wrapped.register_comm_hook(count, counting_allreduce_hook)
+        trainer.step.wrapped.register_comm_hook(count, counting_allreduce_hook)
     forwards = []
-    trainer.wrapped.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    trainer.step.wrapped.register_forward_pre_hook(lambda module, args: forwards.append(1))
     trainer.fit()
     weights = {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}
     return Outcome(weights, trainer.progress.global_step, trainer.lr, trainer.effective_batch, len(forwards),

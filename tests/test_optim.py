@@ -176,7 +176,7 @@ def test_a_scheduler_factory_with_total_steps_gets_the_runs_steps_after_world_si
     assert got == [trainer.total_steps] == [12]
     trainer.fit()  # OneCycleLR raises when stepped past total_steps
     assert trainer.progress.global_step == 12
-    assert trainer.applied_lr < 1e-5  # the last step annealed to max_lr / 25 / 1e4: the cycle fits the run
+    assert trainer.step.applied_lr < 1e-5  # the last step annealed to max_lr / 25 / 1e4: the cycle fits the run
 
 
 # ---------------------------------------------------------------- settings changed on resume

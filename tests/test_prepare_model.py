@@ -52,8 +52,8 @@ def test_a_compiled_run_resumes_uncompiled_and_compiled_again_and_matches_a_plai
 def _compiled_ddp(rank: int, world_size: int, tmp_path: Path) -> dict[str, torch.Tensor]:
     config = config_for(tmp_path, world_size, epochs=2, batch_size=8, lr_schedule="constant", compile=True)
     trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config)
-    assert isinstance(trainer.wrapped, torch.nn.parallel.DistributedDataParallel)
-    assert trainer.wrapped.module is trainer.model and trainer.model._compiled_call_impl is not None  # then wrapped
+    assert isinstance(trainer.step.wrapped, torch.nn.parallel.DistributedDataParallel)
+    assert trainer.step.wrapped.module is trainer.model and trainer.model._compiled_call_impl is not None  # then wrapped
     trainer.fit()
     return {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
 

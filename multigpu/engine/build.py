@@ -11,25 +11,27 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from multigpu.checkpoints.checkpointer import with_run_folder
+from multigpu.checkpoints import checkpoint
+from multigpu.checkpoints.checkpointer import Checkpointer, with_run_folder
 from multigpu.checkpoints.export import ExportOnEnd
 from multigpu.checkpoints.weights import InitFrom
 from multigpu.config import TrainConfig
-from multigpu.data import build_loader, streaming
-from multigpu.data.batches import batch_size, sample_batch
-from multigpu.data.sampler import ResumableDistributedSampler
+from multigpu.data.batches import batch_mover, batch_size, sample_batch
+from multigpu.data.feed import TrainingData
 from multigpu.errors import UsageError
+from multigpu.loop import float8
 from multigpu.loop.amp import Amp, resolve_dtype
 from multigpu.loop.callbacks import EMA, Callbacks, EarlyStopping
 from multigpu.loop.forward import ForwardFn
 from multigpu.loop.gradient_nodes import hold_gradient_nodes
 from multigpu.loop.optim import (INTERVALS, OptimizerArg, SchedulerArg, build_optimizer, build_scheduler,
                                  refuse_schedules_without_length, schedule_config, users_optimizer, users_scheduler)
+from multigpu.loop.step import TrainStep
 from multigpu.lr_scaling import effective_batch, scaled_lr
 from multigpu.monitoring.reporting import Reporter
 from multigpu.monitoring.telemetry import Telemetry
@@ -37,6 +39,7 @@ from multigpu.parallel import sharding
 from multigpu.parallel.distributed import Runtime, is_distributed, prepare_model, setup, wrap_model
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import Watchdog
+from multigpu.tuning import autotune
 from multigpu.tuning import batch_size as batch_size_search
 
 
@@ -79,10 +82,13 @@ def precision(config: TrainConfig, runtime: Runtime, say: Callable[[str], None])
 
 
 def model_on_device(model: nn.Module, config: TrainConfig, runtime: Runtime, say: Callable[[str], None]) -> nn.Module:
-    """The plain module in the form it trains in, on this process's device: --sync-bn, --channels-last and
-    --compile applied (multigpu/parallel/distributed.py); what fsdp cannot do is refused first."""
+    """The plain module in the form it trains in, on this process's device: --float8, --sync-bn,
+    --channels-last and --compile applied (multigpu/parallel/distributed.py); what fsdp cannot do is refused
+    first."""
     if runtime.mode == "fsdp":
         sharding.refuse_unsupported(config)
+    if config.float8:  # before --compile compiles the module (multigpu/loop/float8.py)
+        float8.for_run(model, config.float8, runtime.device, runtime.mode == "fsdp", say)
     return prepare_model(model, config, runtime, say)
 
 
@@ -99,31 +105,6 @@ def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
     per_step = max(1, len(runtime.dp_device_ids))
     return BatchSizes(config.batch_size * per_step, (config.eval_batch_size or config.batch_size) * per_step,
                       effective_batch(config, runtime.devices_per_step))
-
-
-@dataclass
-class TrainingData:
-    """Where each step's samples come from."""
-
-    sampler: Any  # this rank's share of every epoch, resumable mid-epoch (a stream keeps its own position)
-    stream: Optional[streaming.TrainStream]  # an IterableDataset's split, ends and position; None for map-style
-    loader: Any
-    steps_per_epoch: int  # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
-
-
-def training_data(dataset: Any, config: TrainConfig, runtime: Runtime, loader_batch: int,
-                  collate_fn: Optional[Callable]) -> TrainingData:
-    """A map-style set's sampler and loader (DataLoader workers, pinned memory on CUDA), or a stream's split
-    over ranks and workers (data/streaming.py)."""
-    if streaming.is_stream(dataset):
-        stream = streaming.TrainStream(dataset, runtime, loader_batch, config.grad_accum_steps,
-                                       config.steps_per_epoch, config.num_workers, config.seed, collate_fn,
-                                       build_loader, config.max_steps)
-        return TrainingData(stream, stream, stream.loader, stream.steps_per_epoch or 0)
-    sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
-    loader = build_loader(dataset, runtime.device, config.num_workers, config.seed + runtime.rank, sampler=sampler,
-                          batch_size=loader_batch, collate_fn=collate_fn)
-    return TrainingData(sampler, None, loader, math.ceil(len(sampler) / (loader_batch * config.grad_accum_steps)))
 
 
 def wrapped_model(model: nn.Module, config: TrainConfig, runtime: Runtime, amp_dtype: Optional[torch.dtype],
@@ -164,6 +145,7 @@ def optimization(model: nn.Module, config: TrainConfig, given: frozenset, optimi
     else:
         built = users_optimizer(optimizer, model, scaled_lr(1.0, config.lr_scaling, effective_batch,
                                                             config.lr_base_batch))
+    lr = built.param_groups[0]["lr"]  # the schedule's base: a warm-up's schedule starts below it
     total_steps = config.planned_steps(data.steps_per_epoch) if data.steps_per_epoch else math.inf
     config = schedule_config(config, given, optimizer is not None, scheduler is not None)
     interval = "step" if scheduler is None else scheduler_interval
@@ -172,8 +154,7 @@ def optimization(model: nn.Module, config: TrainConfig, given: frozenset, optimi
     schedule = (build_scheduler(built, config, data.steps_per_epoch) if scheduler is None
                 else users_scheduler(scheduler, built, config.lr_scaling,
                                      total_steps if scheduler_interval == "step" else config.epochs))
-    return Optimization(built, schedule, interval, optimizer is None, scheduler is None,
-                        built.param_groups[0]["lr"], total_steps, config)
+    return Optimization(built, schedule, interval, optimizer is None, scheduler is None, lr, total_steps, config)
 
 
 def callbacks(config: TrainConfig, users: Sequence[Any], has_validation: bool) -> Callbacks:
@@ -209,21 +190,28 @@ def auto_batch_size(config: TrainConfig, model: nn.Module, optimizer: OptimizerA
 
 def telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: nn.Module, forward: ForwardFn,
               move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]) -> Telemetry:
-    """Where the step's time goes, and FLOPs per training sample for MFU, counted on a small batch of the
-    training set on the plain module, before the wrap (MULTI_GPU_GUIDE.md, "Speed")."""
+    """Where the step's time goes, and FLOPs per training sample for MFU (MULTI_GPU_GUIDE.md, "Speed")."""
     measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
     if loader.num_workers == 0:
         report.import_writer_in_background()
+    measured.flops_per_sample = flops_per_sample(measured, amp, model, forward, move, dataset, batch, collate_fn)
+    return measured
+
+
+def flops_per_sample(telemetry: Telemetry, amp: Amp, model: nn.Module, forward: ForwardFn,
+                     move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]
+                     ) -> Optional[float]:
+    """FLOPs per training sample, counted on a small batch of the training set on the plain module, before the
+    wrap (no collective); None for a data set that only reads inside the loader's workers."""
     try:
         sample = sample_batch(dataset, min(batch, 8), collate_fn)
-    except Exception:  # a data set that only reads inside the loader's workers: no FLOP count, no perf/
-        return measured
+    except Exception:  # no FLOP count, no perf/
+        return None
 
     def forward_only(moved: Any) -> Any:
         with amp.autocast():
             return forward(model, moved)[0]
-    measured.flops_per_sample = measured.count_flops(model, forward_only, move(sample), batch_size(sample))
-    return measured
+    return telemetry.count_flops(model, forward_only, move(sample), batch_size(sample))
 
 
 def hang_watchdog(config: TrainConfig, runtime: Runtime, global_step: int, save_dir: str,
@@ -238,3 +226,49 @@ def hang_watchdog(config: TrainConfig, runtime: Runtime, global_step: int, save_
     mesh = runtime.mesh_shape if runtime.mode == "fsdp" and runtime.mesh_shape[0] > 1 else None
     return Watchdog(runtime.rank, runtime.world_size, seconds, save_dir, runtime.backend, save_last_step,
                     mesh=mesh).start()
+
+
+class Tunable(Protocol):
+    """What --autotune switches between two steps (MultiGPUTrainer has it)."""
+
+    config: TrainConfig
+    runtime: Runtime
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    amp: Amp
+    evaluator: Any
+    step: TrainStep
+    channels_last: bool
+
+
+def use_setting(run: Tunable, setting: autotune.Setting) -> None:
+    """Switch the run to an --autotune setting between two steps: the threads, the memory format (weights,
+    optimizer state, batches) and compiled or not; nothing a step computes changes beyond rounding."""
+    torch.set_num_threads(setting.threads)
+    if setting.channels_last != run.channels_last:
+        layout = torch.channels_last if setting.channels_last else torch.contiguous_format
+        run.model.to(memory_format=layout)  # 4-D weights only, in place: the optimizer keeps its parameters
+        for state in run.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 4:
+                    state[key] = value.contiguous(memory_format=layout)
+        run.channels_last = setting.channels_last
+        run.step.move = run.evaluator.move = batch_mover(run.runtime.device, setting.channels_last)
+        if run.runtime.mode == "ddp":  # DDP's gradient buckets take the weights' layout when it is built
+            run.step.wrapped._remove_autograd_hooks()
+            run.step.wrapped = wrap_model(run.model, run.config, run.runtime, lambda line: None, run.amp.dtype)
+            run.step.no_sync = run.step.wrapped.no_sync
+    if setting.compiled and run.model._compiled_call_impl is None:
+        run.model.compile()  # in place, inside DDP's wrapper: as --compile, plain state_dict keys
+    elif not setting.compiled:
+        run.model._compiled_call_impl = None  # what nn.Module.compile set: the plain forward again
+
+
+def checkpointer(config: TrainConfig, runtime: Runtime, report: Reporter, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, total_steps: float) -> Checkpointer:
+    """Where the run's checkpoints come from and go to; the save-dir (and --log-dir) checked at start, before
+    anything is trained: writable, with room for what this run keeps (multigpu/checkpoints/checkpointer.py)."""
+    made = Checkpointer(config, runtime, report)
+    made.check_folders(checkpoint.estimate_size(model, optimizer, model_copies=2 if config.ema_decay else 1),
+                       total_steps)
+    return made

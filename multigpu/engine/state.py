@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from multigpu.checkpoints import checkpoint
-from multigpu.checkpoints.checkpointer import Checkpointer
-from multigpu.checkpoints.stateful import RngState, Saved
+from multigpu.checkpoints.checkpointer import PROGRESS, Checkpointer
+from multigpu.checkpoints.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
+from multigpu.checkpoints.weights import ModelInfo
+from multigpu.errors import UsageError
 from multigpu.loop.metrics import Monitor
+from multigpu.loop.optim import group_settings, keep_run_settings
 from multigpu.loop.progress import Progress
 from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
 
@@ -61,6 +65,32 @@ class ProgressState:
         run.sampler.seed = state.get("sampler_seed", run.sampler.seed)  # the epoch's order must not change
 
 
+def refuse_another_fit(config: Any) -> UsageError:
+    """The refusal of a fit() of a trainer that already trained its run to the end."""
+    return UsageError(f"fit() already trained this run to its {config.epochs} epochs (epochs is the total, not "
+                      f"epochs per call): nothing to train; to train further, build a trainer with more epochs and "
+                      f"resume='auto' (it continues from {config.save_dir})")
+
+
+def refuse_replaced_optimizer() -> UsageError:
+    """The refusal of a resume after trainer.optimizer was replaced: the scheduler drives the old one."""
+    return UsageError("trainer.optimizer was replaced after construction, but the LR scheduler still drives the "
+                      "old one: pass optimizer=... (and scheduler=...) to MultiGPUTrainer instead")
+
+
+def contents(run: Any, known_rng: Optional[Saved]) -> dict[str, Any]:
+    """What a checkpoint of `run` (the trainer) holds, each thing with state_dict()/load_state_dict(), in the
+    order the checkpointer saves and loads them. `known_rng`: every rank's RNG states known without a
+    collective (rank 0's save alone); else gathered."""
+    return {"model": ModelState(run.model), "model_info": ModelInfo(run.model),  # ties, a transformers config
+            "optimizer": OptimizerState(run.model, run.optimizer), "scheduler": run.scheduler,
+            "scaler": ScalerState(run.scaler, run.report.line), PROGRESS: ProgressState(run),
+            "callbacks": run.callbacks, "rng": known_rng or run.rng_state,
+            "trackers": run.report.trackers,  # their runs' ids
+            **({"stream_state": run.stream} if run.stream is not None else {}),  # data/streaming.py
+            **({"autotune": run.autotune} if run.autotune is not None else {})}  # its choice, reused on resume
+
+
 def identity(config: Any, sampler: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
     """What a resumed run must share with its checkpoint (the checkpointer's MUST_MATCH_ON_RESUME): another
     value means another model, data or optimizer."""
@@ -99,6 +129,13 @@ def buffer_versions(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(id(buffer), buffer._version) for buffer in model.buffers()]
 
 
+def training_starts(rng_state: RngState, model: torch.nn.Module) -> list[tuple[int, int]]:
+    """As training starts: every rank's random state gathered, and the model's buffers' versions, what rank 0's
+    replica needs to save alone when it loses a peer (`save_from_replica`)."""
+    rng_state.state_dict()
+    return buffer_versions(model)
+
+
 @dataclasses.dataclass
 class Replica:
     """What rank 0 knows, alone, of the run it may save from its own replica."""
@@ -110,6 +147,41 @@ class Replica:
     rng_state: RngState
     model: torch.nn.Module
     buffers_at_start: list[tuple[int, int]]  # buffer_versions when training started
+
+
+class ReplicaRun(Protocol):
+    """What rank 0's save from its own replica reads of the trainer (MultiGPUTrainer has it)."""
+
+    checkpointer: Checkpointer
+    config: Any
+    runtime: Any
+    stream: Any
+    progress: Progress
+    rng_state: RngState
+    model: torch.nn.Module
+    buffers_at_start: list[tuple[int, int]]
+
+    def stateful(self, known_rng: Optional[Saved] = None) -> dict[str, Any]: ...
+
+
+class ReplicaSave:
+    """Rank 0's save of the last completed step from its own replica, without a collective: what the hang
+    watchdog calls when it decides, and what a lost peer triggers (`after_losing_a_peer`)."""
+
+    def __init__(self, run: ReplicaRun):
+        self.run = run
+
+    def __call__(self, verdict: dict[str, Any]) -> str:
+        run = self.run
+        replica = Replica(run.checkpointer, run.config.multi_gpu == "fsdp", run.stream is not None,
+                          run.progress.global_step, run.rng_state, run.model, run.buffers_at_start)
+        return save_from_replica(replica, verdict["stuck"], run.stateful)
+
+    def after_losing_a_peer(self) -> None:
+        """A peer died or hung mid-run: rank 0 says where the last completed step is kept; the hang watchdog,
+        when it is ending the run, saves and says it itself."""
+        if self.run.runtime.rank == 0 and not BEAT.hang_declared:
+            print(f"rank 0: {self({'stuck': {}})}", file=sys.stderr, flush=True)
 
 
 def save_from_replica(replica: Replica, stuck: dict[int, Any], stateful: Callable[[Saved], dict[str, Any]]) -> str:
@@ -150,3 +222,70 @@ def save_from_replica(replica: Replica, stuck: dict[int, Any], stateful: Callabl
         return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
     return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "
             f"the same command plus --resume auto")
+
+
+class Resumable(Protocol):
+    """What a resume reads and sets of the trainer (MultiGPUTrainer has it)."""
+
+    config: Any
+    runtime: Any
+    checkpointer: Checkpointer
+    sampler: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scheduler_interval: str
+    builtin_optimizer: bool
+    builtin_schedule: bool
+    steps_per_epoch: int
+    progress: Progress
+    monitor: Monitor
+    val_dataset: Any
+    report: Any
+
+    def stateful(self, known_rng: Optional[Saved] = None) -> dict[str, Any]: ...
+
+    def steps_done_in_epoch(self) -> int: ...
+
+
+def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
+    """A checkpoint (a file's state, or a sharded folder's at `path`) into the live run; this run's LR and
+    weight decay hold from the next step, the schedule continuing at the same point of training in this run's
+    steps (MULTI_GPU_GUIDE.md, "Resume")."""
+    built = group_settings(run.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
+    run.checkpointer.load_into(run.stateful(), saved, path)
+    keep_run_settings(run.optimizer, run.scheduler, built,
+                      run.progress.epoch * run.steps_per_epoch + run.steps_done_in_epoch(),
+                      run.builtin_schedule, run.builtin_optimizer)
+    if saved["world_size"] != run.runtime.world_size:
+        run.report.line(other_world_size(saved["world_size"], run.runtime.world_size, run.builtin_schedule,
+                                         run.scheduler_interval))
+
+
+def resume(run: Resumable) -> bool:
+    """--resume PATH, --resume auto's newest good checkpoint, or after a torchrun restart the newest one,
+    checked against this run and loaded into it; True if one was loaded. A finished run's says so in one line."""
+    found = run.checkpointer.find()
+    if found is None:
+        return False
+    path, saved = found
+    run.checkpointer.check(path, saved, identity(run.config, run.sampler, run.optimizer, run.scheduler))
+    load(run, saved, path)
+    progress = run.progress
+    if progress.finished(run.config.epochs, run.config.max_steps):
+        run.report.line(already_complete(path, progress, run.monitor.name, run.val_dataset is not None))
+        return True
+    run.report.line(f"resumed from {path}: epoch {progress.epoch + 1}, step {progress.global_step}, "
+                    f"{progress.samples_in_epoch} samples into the epoch")
+    run.report.purge_step = progress.global_step + 1
+    return True
+
+
+def stop_for_signal(run: Any) -> None:
+    """A SIGTERM or Ctrl-C ended the run (the trainer): every rank saves last, unless --overwrite's previous run
+    is still set aside (then that comes back instead), and rank 0 says how to continue."""
+    stopped = f"stopped by {run.stop.signal_name or 'a signal on another rank'} at step {run.progress.global_step}"
+    if run.checkpointer.keeps_previous_run:
+        run.report.line(f"{stopped}, before this run's first checkpoint: nothing of it is saved")
+    else:
+        run.report.line(f"{stopped}; checkpoint {run.save_checkpoint('last.pt')} written. Continue with the same "
+                        f"command plus --resume auto")

@@ -3,6 +3,7 @@ done line and TensorBoard's hparams."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -38,3 +39,25 @@ def report_done(report: Reporter, result: dict[str, Any], config: TrainConfig, c
                                telemetry.summary_text(result)))
     report.hparams(config, {key: value for key, value in result.items() if isinstance(value, float)
                             and (key.startswith("val_") or key.startswith("best_"))})
+
+
+def plan_facts(run: Any) -> plan.PlanFacts:
+    """What the plan lines describe (multigpu/monitoring/plan.py), read from the live run (the trainer)."""
+    return plan.PlanFacts(
+        run.config, run.runtime, run.given, run.optimizer, run.scheduler, run.scheduler_interval,
+        run.builtin_optimizer, run.builtin_schedule, run.lr, run.effective_batch, run.loader_batch,
+        run.steps_per_epoch, run.sampler.usable, any(p.dim() == 4 for p in run.model.parameters()),
+        run.amp.name, run.progress, run.steps_done_in_epoch(), run.on_device.line)
+
+
+def finish(run: Any, started: float) -> dict[str, Any]:
+    """The end of a run that trained to its end (or stopped early on a callback's word): the lines that say so,
+    TensorBoard's hparams, and what fit returns."""
+    if run.stop_reason:
+        run.report.line(run.stop_reason)
+    result = summary(run.metrics, run.monitor.name, run.progress, run.sync.samples, run.sync.seconds,
+                     run.telemetry, wall_time=time.perf_counter() - started,
+                     **({"stopped_early": run.stop_reason} if run.stop_reason else {}))
+    report_done(run.report, result, run.config, run.evaluator.classes, run.optimizer, run.lr,
+                run.val_dataset is not None, run.runtime.devices_per_step, run.telemetry)
+    return result

@@ -23,16 +23,28 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from multigpu.loop.metrics import Monitor
+from multigpu.loop.progress import Progress
 from multigpu.parallel import sharding
 
-if TYPE_CHECKING:
-    from train_multi_gpu import MultiGPUTrainer
-
 HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_validation_end", "on_save", "on_fit_end")
+
+
+class Trainer(Protocol):
+    """What a callback is given: the trainer (train_multi_gpu.MultiGPUTrainer), of which the built-in callbacks
+    use these; yours may use any of its attributes (MULTI_GPU_GUIDE.md, "Callbacks")."""
+
+    model: torch.nn.Module
+    progress: Progress
+    metrics: dict[str, float]
+    monitor: Monitor
+    eval_model: Optional[torch.nn.Module]
+
+    def stop_training(self, reason: str) -> None: ...
 
 
 class Callbacks:
@@ -45,7 +57,7 @@ class Callbacks:
             hook: [getattr(callback, hook) for callback in self.callbacks if callable(getattr(callback, hook, None))]
             for hook in HOOKS}
 
-    def call(self, hook: str, trainer: "MultiGPUTrainer") -> None:
+    def call(self, hook: str, trainer: Trainer) -> None:
         """Call every callback's `hook` with the trainer, in the order the callbacks were given."""
         for method in self.hooks[hook]:
             method(trainer)
@@ -83,11 +95,11 @@ class EarlyStopping:
         self.best_epoch = 0
         self.epochs_without_improvement = 0
 
-    def on_fit_start(self, trainer: "MultiGPUTrainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if self.epochs_without_improvement >= self.patience:  # resumed after it stopped: nothing more to train
             trainer.stop_training(self._why(trainer))
 
-    def on_validation_end(self, trainer: "MultiGPUTrainer") -> None:
+    def on_validation_end(self, trainer: Trainer) -> None:
         if not trainer.metrics:
             return
         name = trainer.monitor.choose(trainer.metrics)
@@ -99,7 +111,7 @@ class EarlyStopping:
         if self.epochs_without_improvement >= self.patience:
             trainer.stop_training(self._why(trainer))
 
-    def _improves(self, trainer: "MultiGPUTrainer", value: float) -> bool:
+    def _improves(self, trainer: Trainer, value: float) -> bool:
         """Better than the best so far by more than min_delta, in the monitor's direction."""
         if not math.isfinite(value):
             return False
@@ -108,7 +120,7 @@ class EarlyStopping:
         lower = trainer.monitor.lower_is_better()
         return value < self.best - self.min_delta if lower else value > self.best + self.min_delta
 
-    def _why(self, trainer: "MultiGPUTrainer") -> str:
+    def _why(self, trainer: Trainer) -> str:
         delta = f" by more than {self.min_delta:g}" if self.min_delta else ""
         best = "no finite value yet" if self.best is None else f"best {self.best:.4g} after epoch {self.best_epoch}"
         return (f"early stopping: {trainer.monitor.name} has not improved{delta} for "
@@ -136,7 +148,7 @@ class EMA:
         self.model: Optional[torch.nn.Module] = None  # the average, a copy of the trained module
         self.loaded: Optional[dict[str, torch.Tensor]] = None  # from a checkpoint, until fit starts
 
-    def on_fit_start(self, trainer: "MultiGPUTrainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         trained = _plain(trainer.model)
         if sharding.is_sharded(trained):  # fsdp: the average stays sharded like the weights
             self._start_sharded(trainer, trained)
@@ -154,7 +166,7 @@ class EMA:
         self._buffers = tuple(map(list, zip(*zip(self.model.buffers(), trained.buffers()))))
         trainer.eval_model = self.model
 
-    def _start_sharded(self, trainer: "MultiGPUTrainer", trained: torch.nn.Module) -> None:
+    def _start_sharded(self, trainer: Trainer, trained: torch.nn.Module) -> None:
         if self.model is None:
             self.model = sharding.AveragedShards(trained)
         if self.loaded is not None:
@@ -163,7 +175,7 @@ class EMA:
         self._averaged, self._buffers = self.model.shards, ()  # buffers: the trained model's own, used as they are
         trainer.eval_model = self.model
 
-    def on_step_end(self, trainer: "MultiGPUTrainer") -> None:
+    def on_step_end(self, trainer: Trainer) -> None:
         trained = self.model.trained_shards() if isinstance(self.model, sharding.AveragedShards) else self._trained
         torch._foreach_lerp_(self._averaged, trained, 1.0 - self.decay)
         if self._buffers:  # kept equal at every step, so a resume from any checkpoint evaluates alike
@@ -185,19 +197,3 @@ def ema_weights(state: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
 def _plain(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose weights train: torch.compile's wrapper holds it as _orig_mod."""
     return getattr(model, "_orig_mod", model)
-
-
-def builtin_callbacks(config: Any) -> list[Any]:
-    """The callbacks the config's flags ask for (a TrainConfig), before the user's own."""
-    found: list[Any] = []
-    if config.init_from:  # first: the weights every other callback starts from (EMA's copy)
-        from multigpu.checkpoints.weights import InitFrom
-        found.append(InitFrom(config.init_from, config.init_strict))
-    if config.export_on_end:
-        from multigpu.checkpoints.export import ExportOnEnd
-        found.append(ExportOnEnd(config.export_on_end))
-    if config.early_stop_patience > 0:
-        found.append(EarlyStopping(config.early_stop_patience, config.early_stop_min_delta))
-    if config.ema_decay > 0:
-        found.append(EMA(config.ema_decay))
-    return found

@@ -140,6 +140,14 @@ class Monitor:
         """The direction of the monitored metric: --monitor-mode, or from its name."""
         return self.mode == "min" or (self.mode == "auto" and lower_is_better(self.name or ""))
 
+    def new_best(self, metrics: Mapping[str, float], best: Optional[float]) -> Optional[float]:
+        """The monitored value of `metrics` when it beats `best` (the best so far; None: nothing yet), else None
+        (also without metrics: a run without a validation set)."""
+        if not metrics:
+            return None
+        value = metrics[self.choose(metrics)]
+        return value if self.improves(value, best) else None
+
     def improves(self, value: float, best: Optional[float]) -> bool:
         """Whether `value` beats `best` (None: nothing yet); a NaN never does."""
         lower = self.lower_is_better()

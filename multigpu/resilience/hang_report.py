@@ -1,7 +1,9 @@
-"""What the hang watchdog says and saves: the diagnosis of every rank's heartbeat, the summary lines,
-<save-dir>/hang_report.txt, the checkpoint of the last completed step, and NCCL's flight recorder.
+"""What the hang watchdog says: the diagnosis of every rank's heartbeat, the summary lines,
+<save-dir>/hang_report.txt, and NCCL's flight recorder.
 
 multigpu/resilience/watchdog.py decides when; this module decides what (MULTI_GPU_GUIDE.md, "When a run hangs").
+The checkpoint of the last completed step is the trainer's to write (multigpu/engine/state.py, save_from_replica):
+the watchdog is handed a function that writes it.
 """
 
 from __future__ import annotations
@@ -9,22 +11,16 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint
-from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES, FORWARD, LIBRARIES
-
-if TYPE_CHECKING:
-    import torch
-
-    from train_multi_gpu import MultiGPUTrainer
+from multigpu.resilience.heartbeat import BACKWARD, BEAT, FORWARD, LIBRARIES
 
 FILE_NAME = "hang_report.txt"
 NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + rank: where NCCL's flight recorder dumps, in the save-dir
 NO_SAVE_OFF_RANK_0 = "no checkpoint written: rank 0, which writes checkpoints, does not respond"
 SILENT = "does not respond (stopped, frozen or dead)"
-TRAINER_STEP = "train_multi_gpu.py"  # where the trainer runs forward and backward: FSDP's collectives come from here
+TRAINER_STEP = os.path.join("multigpu", "loop", "step.py")  # where forward and backward run: FSDP's collectives come from here
 
 
 def where_waiting(beat: dict[str, Any], ddp: bool = True) -> Optional[str]:
@@ -144,52 +140,6 @@ def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks:
         parts += ["", f"## NCCL flight recorder: {os.path.join(save_dir, NCCL_TRACE_PREFIX)}<rank> (analyse with "
                       f"python -m torch.distributed.flight_recorder.fr_trace {save_dir} -p {NCCL_TRACE_PREFIX})"]
     safe_files.write_atomically(path, "\n".join(parts) + "\n")
-
-
-def buffer_versions(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """Each buffer of `model` and how often it was written (its version counter): a forward that updates its
-    buffers (BatchNorm's running statistics) changes them."""
-    return [(id(buffer), buffer._version) for buffer in model.buffers()]
-
-
-def save_last_step(trainer: "MultiGPUTrainer", verdict: dict[str, Any]) -> str:
-    """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective;
-    the line that says where it is, or why none was written.
-
-    Written only where it is exactly what every rank would have saved at that step (MULTI_GPU_GUIDE.md, "When
-    a run hangs"): not when that step is saved already, not when random numbers were drawn since every rank's
-    generators were last gathered (then the other ranks' are unknown, and rank 0's own may be the next step's),
-    and not when the next step's forward has already updated the model's buffers (BatchNorm's statistics)."""
-    newest = trainer.checkpointer.newest()
-    if trainer.config.multi_gpu == "fsdp":
-        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
-    if trainer.stream is not None:  # its position is every rank's count, which only a collective can gather
-        return f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"
-    if 0 in verdict["stuck"]:
-        return f"no checkpoint written: rank 0 itself is stuck; the newest checkpoint is {newest}"
-    if BEAT.phase not in CONSISTENT_PHASES:  # inside optimizer.step: the weights may be half updated
-        return f"no checkpoint written: rank 0 was inside an optimizer step; the newest checkpoint is {newest}"
-    step = trainer.progress.global_step
-    if step == 0:
-        return "no checkpoint written: no optimizer step was completed yet"
-    if step == trainer.checkpointer.saved_step:
-        return f"no checkpoint written: step {step} is saved already: {newest}"
-    known_rng = trainer.rng_state.still_gathered()
-    if known_rng is None:
-        return (f"no checkpoint written: random numbers were drawn (dropout, random augmentation) since every rank's "
-                f"generators were last gathered, and rank 0 knows only its own; the newest checkpoint is {newest}")
-    # In backward the next step's forward has run; a forward that writes buffers writes them each time. (A peer
-    # lost at the forward's start, in DDP's broadcast of the buffers, has left them as the last step did.)
-    if BEAT.phase == BACKWARD and buffer_versions(trainer.model) != trainer.buffers_at_start:
-        return (f"no checkpoint written: step {step + 1}'s forward had already updated the model's buffers (BatchNorm "
-                f"statistics) on rank 0; the newest checkpoint is {newest}")
-    path = checkpoint.step_checkpoint_path(trainer.checkpointer.save_dir, step, trainer.checkpointer.suffix)
-    try:
-        checkpoint.atomic_save(trainer.checkpointer.state_of(trainer.stateful(known_rng)), path)
-    except Exception as error:  # a failed save must not keep the report from being written
-        return f"no checkpoint written: saving step {step} failed ({error}); the newest checkpoint is {newest}"
-    return (f"checkpoint of the last completed step ({step}) written from rank 0's replica: {path}; continue with "
-            f"the same command plus --resume auto")
 
 
 def nccl_flight_recorder_env(save_dir: str) -> None:

@@ -213,16 +213,3 @@ def _parent_of(pid: int) -> Optional[int]:
             return int(stat.read().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then ppid
     except (OSError, ValueError, IndexError):
         return None
-
-
-def for_trainer(trainer: Any) -> Optional[Watchdog]:
-    """The trainer's watchdog, started; None with --hang-timeout 0. Rank 0's saves the trainer's last
-    completed step when it decides."""
-    seconds, rt = trainer.config.watchdog_seconds, trainer.runtime
-    if not seconds:
-        return None
-    BEAT.restart()
-    BEAT.step = trainer.progress.global_step
-    return Watchdog(rt.rank, rt.world_size, seconds, trainer.checkpointer.save_dir, rt.backend,
-                    lambda verdict: hang_report.save_last_step(trainer, verdict),
-                    mesh=rt.mesh_shape if rt.mode == "fsdp" and rt.mesh_shape[0] > 1 else None).start()

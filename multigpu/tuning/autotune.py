@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from multigpu.config import TrainConfig
 from multigpu.parallel.distributed import Runtime, gather_objects
 
 STEPS_EACH = 5  # steps per setting: the first pays for the switch, the median of the other 4 is its step time
@@ -75,10 +76,10 @@ def compile_worth_trying(steps_left: int, step_seconds: float, device: torch.dev
                     f"compile is expected to take")
 
 
-def why_not_compile(trainer: Any) -> Optional[str]:
-    """Why --autotune may not try compile on this run (None: it may, if the run is long enough)."""
-    runtime = trainer.runtime
-    if "compile" in trainer.given:
+def why_not_compile(runtime: Runtime, given: frozenset) -> Optional[str]:
+    """Why --autotune may not try compile on this run (`given`: the flags the user set; None: it may, if the
+    run is long enough)."""
+    if "compile" in given:
         return "compile not tried: --compile or --no-compile was given"
     if runtime.mode not in ("none", "ddp"):
         return f"compile not tried: not under {runtime.mode}"
@@ -99,16 +100,17 @@ def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: to
     return [Setting(layout, count) for count in threads for layout in layouts]
 
 
-def for_trainer(trainer: Any) -> Autotuner:
-    """The trainer's autotuner: its settings as given first, then what may be tried for its model and mode.
-    Rank 0's list is every rank's, so all ranks switch at the same steps."""
-    config, runtime = trainer.config, trainer.runtime
-    given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
-    convolutions = any(parameter.dim() == 4 for parameter in trainer.model.parameters())
-    tune_layout = "channels_last" not in trainer.given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
-    trials, no_compile = gather_objects((candidates(given, convolutions, tune_layout, runtime.device),
-                                         why_not_compile(trainer)))[0]  # type: ignore[misc]
-    return Autotuner(trials, trainer._use_setting, runtime, trainer.report.line, no_compile)
+def for_run(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
+            apply: Callable[[Setting], None], say: Callable[[str], None]) -> Autotuner:
+    """The run's autotuner: its settings as given first, then what may be tried for its model and mode
+    (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a
+    setting. Rank 0's list is every rank's, so all ranks switch at the same steps."""
+    as_given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
+    convolutions = any(parameter.dim() == 4 for parameter in model.parameters())
+    tune_layout = "channels_last" not in given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
+    trials, no_compile = gather_objects((candidates(as_given, convolutions, tune_layout, runtime.device),
+                                         why_not_compile(runtime, given)))[0]  # type: ignore[misc]
+    return Autotuner(trials, apply, runtime, say, no_compile)
 
 
 class Autotuner:
@@ -127,7 +129,7 @@ class Autotuner:
         self._last = 0.0
         self._compile_seconds = 0.0
         self._first_step = 1
-        self.finished: Callable[[], None] = lambda: None  # the trainer's: stop calling on_step_end
+        self.finished: Callable[[], None] = lambda: None  # set by start: stop calling on_step_end
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -138,9 +140,19 @@ class Autotuner:
             self.chosen, self.summary = Setting(**state["setting"]), {k: v for k, v in state.items() if k != "setting"}
 
     # ------------------------------------------------------------------ the trials
-    def start(self, done_steps: int, total_steps: int) -> bool:
-        """Before the first step of this start: True when trials follow (call `on_step_end` after each step
-        until `finished` is called)."""
+    def start(self, done_steps: int, total_steps: int, step_hooks: list[Callable[[Any], None]]) -> bool:
+        """Before the first step of this start: True when trials follow. Then `on_step_end` runs first among
+        the run's `step_hooks` (its on_step_end list) until the choice is made, and leaves it then: no per-step
+        cost after."""
+        if self.on_step_end in step_hooks:  # a fit() that ended mid-trial: this one starts afresh
+            step_hooks.remove(self.on_step_end)
+        if self._start(done_steps, total_steps):
+            step_hooks.insert(0, self.on_step_end)
+            self.finished = lambda: step_hooks.remove(self.on_step_end)
+            return True
+        return False
+
+    def _start(self, done_steps: int, total_steps: int) -> bool:
         steps_left, self._first_step = total_steps - done_steps, done_steps + 1
         if self.chosen is not None:
             self.apply(self.chosen)

@@ -1,0 +1,59 @@
+"""Where each training step's samples come from: a map-style set's sampler and its batches (gathered on the
+device, or read by a loader), or a stream's split over ranks and workers; the epoch as windows of micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+from multigpu.config import TrainConfig
+from multigpu.data import build_loader, streaming
+from multigpu.data.device_data import DeviceData
+from multigpu.data.sampler import ResumableDistributedSampler, windows
+from multigpu.parallel.distributed import Runtime
+
+
+@dataclass
+class TrainingData:
+    """Where each step's samples come from."""
+
+    sampler: Any  # this rank's share of every epoch, resumable mid-epoch (a stream keeps its own position)
+    stream: Optional[streaming.TrainStream]  # an IterableDataset's split, ends and position; None for map-style
+    loader: Any
+    steps_per_epoch: int  # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
+    loader_batch: int  # samples per micro-batch of this process
+    grad_accum_steps: int  # micro-batches per optimizer step
+
+    def windows(self, say: Callable[[str], None]) -> Iterator[streaming.Window]:
+        """The rest of the epoch's steps: (micro-batches, samples, their sizes, last step of the epoch), the
+        same number on every rank."""
+        if self.stream is not None:
+            return self.stream.windows(say)
+        return windows(iter(self.loader), len(self.sampler), self.loader_batch, self.grad_accum_steps)
+
+    def steps_done(self, epoch: int, samples_in_epoch: int) -> int:
+        """Optimizer steps of the epoch already taken, `samples_in_epoch` into it; also points the sampler at the
+        rest."""
+        if self.stream is not None:
+            return self.stream.steps_in_epoch
+        self.sampler.start_at(epoch, samples_in_epoch)
+        return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.grad_accum_steps))
+
+
+def training_data(dataset: Any, config: TrainConfig, runtime: Runtime, loader_batch: int,
+                  collate_fn: Optional[Callable], on_device: DeviceData) -> TrainingData:
+    """A map-style set's sampler and its batches, gathered on the device (--data-on-device) or read by a
+    loader (workers, pinned memory on CUDA); or a stream's split over ranks and workers (data/streaming.py)."""
+    accumulate = config.grad_accum_steps
+    if streaming.is_stream(dataset):
+        stream = streaming.TrainStream(dataset, runtime, loader_batch, accumulate, config.steps_per_epoch,
+                                       config.num_workers, config.seed, collate_fn, build_loader, config.max_steps)
+        return TrainingData(stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate)
+    sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
+    loader = (on_device.batches(sampler, loader_batch, config.seed) if on_device.on else
+              build_loader(dataset, runtime.device, config.num_workers, config.seed + runtime.rank, sampler=sampler,
+                           batch_size=loader_batch, collate_fn=collate_fn))
+    return TrainingData(sampler, None, loader, math.ceil(len(sampler) / (loader_batch * accumulate)), loader_batch,
+                        accumulate)
