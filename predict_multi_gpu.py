@@ -27,19 +27,18 @@ import torch.nn as nn
 
 from main_multi_gpu import main_guarded
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint, sharded
-from multigpu.checkpoints import run_folders
-from multigpu.loop.amp import Amp, resolve_dtype
-from multigpu.loop.forward import fitted_forward
-from multigpu.loop.callbacks import ema_weights
+from multigpu.checkpoints import checkpoint, run_folders, sharded
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
-from multigpu.parallel.distributed import Runtime, barrier, setup, teardown
 from multigpu.errors import UsageError
+from multigpu.loop.amp import Amp, resolve_dtype
+from multigpu.loop.callbacks import ema_weights
 from multigpu.loop.evaluation import Evaluator
-from multigpu.models import TEXT_MODELS, build_model
+from multigpu.loop.forward import fitted_forward
 from multigpu.loop.prediction import Predictor, written_whole
+from multigpu.models import TEXT_MODELS, build_model
+from multigpu.parallel.distributed import Runtime, barrier, setup, teardown
 
 OUTPUT_KINDS = (".csv", ".pt")
 # Flags that describe the data and model: by default the checkpoint's own values.

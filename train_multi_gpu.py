@@ -24,8 +24,8 @@ from multigpu.checkpoints import stateful
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import streaming
 from multigpu.data.batches import batch_mover
-from multigpu.data.feed import training_data
 from multigpu.data.device_data import DeviceData
+from multigpu.data.feed import training_data
 from multigpu.engine import build, state, summary
 from multigpu.loop.evaluation import Evaluator
 from multigpu.loop.forward import ForwardFn, fitted_forward

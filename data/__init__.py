@@ -9,13 +9,14 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
 from .augment import RandomCropFlip
 from .files import image_folders, torchvision_problem
 from .sampler import ResumableDistributedSampler, ShardedBatchSampler
 from .synthetic import SyntheticImages
 from .text import CharWindows, text_datasets
-from multigpu.config import TrainConfig
-from multigpu.errors import UsageError
 
 __all__ = ["DataSpec", "build_datasets", "build_loader", "CharWindows", "RandomCropFlip",
            "ResumableDistributedSampler", "ShardedBatchSampler", "SyntheticImages"]

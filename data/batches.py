@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import default_collate
 
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """`batch` with `fn` applied to every tensor in it, its structure (dicts, lists, tuples, namedtuples) kept."""
     if isinstance(batch, torch.Tensor):

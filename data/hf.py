@@ -30,9 +30,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .files import UnreadableFile
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
+
+from .files import UnreadableFile
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 INPUT_COLUMNS = ("image", "pixels", "x", "features", "input")  # tried in order without --input-column

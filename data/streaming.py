@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
-from multigpu.errors import UsageError
 from multigpu.data.stream_split import Split, find_split, play_worker
+from multigpu.errors import UsageError
+from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
 
 Window = tuple[Iterator[Any], int, list[int], bool]  # (micro-batches, samples, their sizes, last of the epoch)
 

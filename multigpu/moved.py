@@ -27,7 +27,7 @@ MOVED: dict[str, Union[str, tuple[str, ...]]] = {
     "multigpu.collective_check": "multigpu.parallel.collective_check",
     "multigpu.console": "multigpu.launch.console",
     "multigpu.cpu_memory": "multigpu.tuning.cpu_memory",
-    "multigpu.distributed": "multigpu.parallel.distributed",
+    "multigpu.distributed": ("multigpu.parallel.distributed", "multigpu.parallel.wrapping"),
     "multigpu.evaluation": "multigpu.loop.evaluation",
     "multigpu.event_file": "multigpu.monitoring.event_file",
     "multigpu.export": "multigpu.checkpoints.export",

@@ -28,12 +28,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from slurm_cluster import SlurmCluster, why_not_available
 from torch.utils.data import TensorDataset
 
+from multigpu.checkpoints.savedir import LOCK_NAME
 from multigpu.config import TrainConfig
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
-from multigpu.checkpoints.savedir import LOCK_NAME
-from slurm_cluster import SlurmCluster, why_not_available
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -136,7 +136,7 @@ def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
             *trainer_args]
 
 
-# A hang the watchdog must catch quickly (tests/test_watchdog.py): it stops the run 3 s after no rank advanced.
+# A hang the watchdog must catch quickly (tests/resilience/test_watchdog.py): it stops the run 3 s after no rank advanced.
 HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
 HANG_RUN_LIMIT = 90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
 

@@ -1,4 +1,4 @@
-"""Test-only training script whose user code misbehaves on one rank, for tests/test_watchdog.py.
+"""Test-only training script whose user code misbehaves on one rank, for tests/resilience/test_watchdog.py.
 
     torchrun --nproc_per_node=2 tests/hang_scenarios.py SCENARIO [main_multi_gpu.py flags]
 

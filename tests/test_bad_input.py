@@ -38,12 +38,12 @@ import predict_multi_gpu
 from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_one_line, assert_untouched, blobs, cli_command, cli_env,
                       config_for, contents, file_size_limit, hold_save_dir, image_folder, permissions_apply,
                       run_cli_ranks, run_on_small_file_system, tiny_model, tiny_text)
-from multigpu.data.sampler import ResumableDistributedSampler
-from multigpu.models import build_model
-from multigpu.launch import launch_rules
-from multigpu.sweep import cli as sweep_cli
 from multigpu.config import TrainConfig
+from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.errors import UsageError
+from multigpu.launch import launch_rules
+from multigpu.models import build_model
+from multigpu.sweep import cli as sweep_cli
 from train_multi_gpu import MultiGPUTrainer
 
 # Small enough that a case which wrongly trains still ends in about a second.

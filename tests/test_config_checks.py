@@ -10,10 +10,10 @@ import pytest
 
 import main_multi_gpu
 from conftest import REPO
-from multigpu.launch import launch_rules
-from multigpu.launch.answers import TRAINING, Settings
 from multigpu.config import TrainConfig, parse_config
 from multigpu.config_checks import RunFacts, given, ignored_flags
+from multigpu.launch import launch_rules
+from multigpu.launch.answers import TRAINING, Settings
 
 NO_CONVOLUTIONS = RunFacts(convolutions=False)
 

@@ -24,10 +24,10 @@ import torch
 
 from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port, run_cli,
                       run_cli_ranks, run_ranks, tiny_model)
-from multigpu.data import build_datasets
-from multigpu.models import build_model
 from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
+from multigpu.data import build_datasets
+from multigpu.models import build_model
 from multigpu.resilience.faults import FAULT_ENV
 from multigpu.resilience.preemption import StopRequest
 from train_multi_gpu import MultiGPUTrainer
@@ -234,7 +234,7 @@ def test_resume_allows_and_logs_changed_epochs_lr_and_log_dir(reference, tmp_pat
 def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(tmp_path):
     """Two ranks started by hand (no torchrun to clean up): rank 1 freezes, rank 0 must not wait forever."""
     env = cli_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
-    # --hang-timeout 0: without the watchdog (tests/test_watchdog.py), the collective's timeout is what tells.
+    # --hang-timeout 0: without the watchdog (tests/resilience/test_watchdog.py), the collective's timeout is what tells.
     command = cli_command([*ARGS, "--save-dir", str(tmp_path), "--dist-timeout", "3", "--hang-timeout", "0"])
     ranks = [subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -18,12 +18,11 @@ import main_multi_gpu
 from conftest import PYTHON, REPO, TINY_SWEEP_RUN
 from multigpu import safe_files
 from multigpu.checkpoints import checkpoint
-from multigpu.launch import torchrun
-from multigpu.errors import UsageError
-from multigpu.loop.prediction import written_whole
 from multigpu.checkpoints.savedir import SaveDirLock
-from multigpu.sweep import cli as sweep_cli
-from multigpu.sweep import records
+from multigpu.errors import UsageError
+from multigpu.launch import torchrun
+from multigpu.loop.prediction import written_whole
+from multigpu.sweep import cli as sweep_cli, records
 from multigpu.sweep.plan import Experiment
 from multigpu.sweep.worker import Task, run_task
 

@@ -16,10 +16,9 @@ from torch.utils.data import TensorDataset
 from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
                       thread_names, tiny_model)
 from multigpu.checkpoints import checkpoint
-from multigpu.loop.forward import BatchMismatch
 from multigpu.loop.callbacks import EMA
+from multigpu.loop.forward import BatchMismatch
 from train_multi_gpu import MultiGPUTrainer
-
 
 VAL_SIZES = (4, 5, 7, 101)  # not multiples of 2 or 3, one smaller than 2 batches
 

@@ -24,8 +24,8 @@ import torch
 from multigpu import safe_files
 from multigpu.checkpoints import run_folders, tensor_files
 from multigpu.checkpoints.dcp_metadata import check_complete
-from multigpu.errors import CheckpointError, UsageError
 from multigpu.checkpoints.run_folders import newest_first, resumable_files
+from multigpu.errors import CheckpointError, UsageError
 
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2

@@ -16,13 +16,12 @@ from typing import Any, Optional, Protocol
 import torch
 
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint, run_settings, savedir, sharded
-from multigpu.checkpoints import run_folders
-from multigpu.resilience import faults, preemption
+from multigpu.checkpoints import checkpoint, run_folders, run_settings, savedir, sharded
 from multigpu.checkpoints.checkpoint import CheckpointError
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
-from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
+from multigpu.resilience import faults, preemption
 
 # The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
 PROGRESS = "progress"

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from multigpu import safe_files
-from multigpu.resilience import faults
 from multigpu.checkpoints.checkpoint import is_sharded, load, load_failure
 from multigpu.checkpoints.dcp_metadata import check_complete
 from multigpu.errors import CheckpointError
 from multigpu.parallel.distributed import gather_objects
+from multigpu.resilience import faults
 
 # DCP warns at every save and load of one process without a process group (also in its background thread):
 # that is how this project runs on one device, so the warning says nothing.

@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from multigpu.checkpoints import checkpoint, tensor_files
-from multigpu.loop.callbacks import ema_weights
 from multigpu.errors import UsageError
+from multigpu.loop.callbacks import ema_weights
 
 INDEX_SUFFIX = ".safetensors.index.json"  # Hugging Face's name for the index of a sharded safetensors file
 HF_WEIGHTS = ("model.safetensors", "model" + INDEX_SUFFIX, "pytorch_model.bin")  # a Hugging Face folder's

@@ -36,11 +36,11 @@ from multigpu.lr_scaling import effective_batch, scaled_lr
 from multigpu.monitoring.reporting import Reporter
 from multigpu.monitoring.telemetry import Telemetry
 from multigpu.parallel import sharding
-from multigpu.parallel.distributed import Runtime, is_distributed, prepare_model, setup, wrap_model
+from multigpu.parallel.distributed import Runtime, is_distributed, setup
+from multigpu.parallel.wrapping import prepare_model, wrap_model
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import Watchdog
-from multigpu.tuning import autotune
-from multigpu.tuning import batch_size as batch_size_search
+from multigpu.tuning import autotune, batch_size as batch_size_search
 
 
 def check_arguments(model: Any, scheduler_interval: str) -> None:

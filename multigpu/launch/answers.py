@@ -3,6 +3,7 @@ rendezvous port and the CPU threads, each checked through the trainer's own Trai
 """
 
 from __future__ import annotations
+
 import errno
 import os
 import re
@@ -10,9 +11,9 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
 from multigpu.config import TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
-
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

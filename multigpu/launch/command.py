@@ -3,14 +3,16 @@ shows beside it: the device phrase, the effective batch and the LR the trainer w
 """
 
 from __future__ import annotations
+
 import os
 import shlex
 from dataclasses import replace
 from typing import Optional, Sequence
+
 from multigpu.config import AUTO, FIELDS, TrainConfig
-from multigpu.lr_scaling import effective_batch, scaled_lr
-from multigpu.launch.answers import (Devices, Nodes, PROCESS_PER_DEVICE, Settings, TORCHRUN, TRAINER, cores_here,
+from multigpu.launch.answers import (PROCESS_PER_DEVICE, TORCHRUN, TRAINER, Devices, Nodes, Settings, cores_here,
                                      omp_threads, plural, trainer_flags)
+from multigpu.lr_scaling import effective_batch, scaled_lr
 
 
 def shown(path: str) -> str:

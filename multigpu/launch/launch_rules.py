@@ -18,15 +18,17 @@ The answer is NUL-terminated KEY=VALUE records, the last `ok=1`, or
 """
 
 from __future__ import annotations
+
 import argparse
 import dataclasses
 import os
 import sys
 from typing import Iterator, Optional, Sequence
+
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
-from multigpu.launch.answers import (PROCESS_PER_DEVICE, Settings, TRAINING, apply_gpu_choice, check_save_dir,
+from multigpu.launch.answers import (PROCESS_PER_DEVICE, TRAINING, Settings, apply_gpu_choice, check_save_dir,
                                      cores_here, default_cpu_processes, devices_of, mesh_phrase, mode_of, nodes_of,
                                      plural, rendezvous_port, settle_mesh, settle_training, training_config)
 from multigpu.launch.command import command, device_phrase, effective_batch_text, lr_text, quoted, torchrun_log

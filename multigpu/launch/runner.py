@@ -13,15 +13,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from multigpu.launch import console
-from multigpu.loop import float8
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
-from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
+from multigpu.launch import console
+from multigpu.loop import float8
 from multigpu.models import build_model
+from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
 from multigpu.resilience.preemption import PeerLost, error_detail, is_peer_failure
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 from train_multi_gpu import MultiGPUTrainer
 
 

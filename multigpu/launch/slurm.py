@@ -3,18 +3,19 @@ runs the launcher's torchrun command on every node through srun (torch-free).
 """
 
 from __future__ import annotations
+
 import os
 import re
 import shlex
 import time
 from typing import Iterator
+
 from multigpu.config import TrainConfig
 from multigpu.errors import HANG_EXIT_STATUS, UsageError
-from multigpu.launch.answers import (CPU_PROCESSES, Devices, Nodes, PROCESS_PER_DEVICE, Settings, TORCHRUN, TRAINER,
+from multigpu.launch.answers import (CPU_PROCESSES, PROCESS_PER_DEVICE, TORCHRUN, TRAINER, Devices, Nodes, Settings,
                                      check_save_dir, given_trainer_options, mesh_phrase, mode_of, nodes_of, plural,
                                      settle_mesh, settle_training, trainer_flags, training_config, whole)
 from multigpu.launch.command import effective_batch_text, lr_text, quoted
-
 
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 

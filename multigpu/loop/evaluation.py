@@ -18,17 +18,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import Dataset
 
-from multigpu.loop import metrics as metric_lib
-from multigpu.loop import snapshot
-from multigpu.loop.amp import Amp
-from multigpu.data.batches import batch_size, sample_batch, to_device
-from multigpu.loop.forward import (ForwardFn, check_first_batch, compute_loss, own_loss, predictions,
-                                   stand_in_forward)
 from multigpu.data import build_loader
+from multigpu.data.batches import batch_size, sample_batch, to_device
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.data.streaming import StreamShard, is_stream
-from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.errors import UsageError
+from multigpu.loop import metrics as metric_lib, snapshot
+from multigpu.loop.amp import Amp
+from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss, own_loss, predictions, stand_in_forward
+from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.resilience.preemption import StopRequest
 
 CHECK_SAMPLES = 8  # validation samples that check_names runs through the model at start

@@ -25,11 +25,11 @@ import torch
 from torch.utils.data import Dataset
 
 from multigpu import safe_files
-from multigpu.loop.amp import Amp
-from multigpu.data.batches import concat, to_device
-from multigpu.loop.forward import ForwardFn, ModelForward, default_forward, stand_in_forward, without_loss
 from multigpu.data import build_loader
+from multigpu.data.batches import concat, to_device
 from multigpu.data.sampler import ShardedBatchSampler
+from multigpu.loop.amp import Amp
+from multigpu.loop.forward import ForwardFn, ModelForward, default_forward, stand_in_forward, without_loss
 from multigpu.parallel.distributed import Runtime, gather_objects, gather_objects_to_main
 
 CHUNK_SAMPLES = 8192  # about how many samples one exchange moves: what streaming holds in memory at once

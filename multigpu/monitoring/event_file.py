@@ -18,7 +18,7 @@ The records are framed here (`frame`) rather than by TensorBoard's RecordWriter:
 importing that one class loads TensorBoard's summary package, 34 ms of a 52 ms
 import that rank 0 pays at the start of every run, and its checksum loops over
 each byte in Python. TensorBoard's own reader checks every record's checksum
-(tests/test_event_file.py).
+(tests/monitoring/test_event_file.py).
 """
 
 from __future__ import annotations

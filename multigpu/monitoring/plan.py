@@ -15,10 +15,10 @@ import torch
 
 from multigpu import config_checks
 from multigpu.config import TrainConfig
-from multigpu.parallel.distributed import Runtime
-from multigpu.lr_scaling import describe_lr, scaled_lr
 from multigpu.loop.optim import lr_factor, peak_lr
+from multigpu.lr_scaling import describe_lr, scaled_lr
 from multigpu.monitoring.reporting import Reporter
+from multigpu.parallel.distributed import Runtime
 
 
 @dataclass

@@ -26,10 +26,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from multigpu.monitoring import flops as flop_lib
-from multigpu.parallel.distributed import Runtime, all_reduce_sum
-from multigpu.monitoring.meters import Interval
 from multigpu.loop.snapshot import kept
+from multigpu.monitoring import flops as flop_lib
+from multigpu.monitoring.meters import Interval
+from multigpu.parallel.distributed import Runtime, all_reduce_sum
 
 GIB = 2 ** 30
 DATA_WAIT_HINT = 0.10  # a larger share of the time spent waiting for data gets a one-line hint

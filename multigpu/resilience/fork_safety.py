@@ -11,7 +11,7 @@ when one frees the last reference to a tensor that a Python object owns (the
 outputs of an all_gather that Python has already let go of), it makes itself
 a Python thread state (`pybind11::gil_scoped_acquire`, seen in gdb on a
 `pt_gloo_runloop` thread). Descheduled inside, on a busy machine, it holds the
-lock for a time slice. `tests/test_data_sampler.py`'s ranks, which fork loader
+lock for a time slice. `tests/data/test_sampler.py`'s ranks, which fork loader
 workers right after the trainer's collectives, hung that way in CI and in one
 of 27 reruns on the 2-core machine: the worker stopped in
 `PyOS_AfterFork_Child` -> `_PyThreadState_DeleteExcept`.

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from multigpu.resilience import hang_report
 from multigpu.errors import TrainingStopped
+from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT
 
 

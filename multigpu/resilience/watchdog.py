@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from multigpu.resilience import hang_report
 from multigpu.errors import HANG_EXIT_STATUS, TrainingStopped
+from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT, main_thread_stack
 
 PREFIX = "multigpu/hang/"  # in the attempt's own store (multigpu/resilience/preemption.py restart_safe_store)

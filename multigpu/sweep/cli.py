@@ -12,12 +12,12 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from multigpu.launch.console import best_effort
 from multigpu.errors import UsageError
-from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
+from multigpu.launch.console import best_effort
 from multigpu.sweep import records, slurm, summary
 from multigpu.sweep.options import SweepOptions, parse, split_separated
 from multigpu.sweep.plan import Experiment, Plan, build_plan
+from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from urllib.parse import quote
 
+from multigpu.checkpoints.run_folders import folder_numbers
 from multigpu.config import DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
-from multigpu.checkpoints.run_folders import folder_numbers
 from multigpu.sweep.options import SweepOptions
 
 DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --sweep-dir: checkpoints/sweep-N

@@ -23,7 +23,6 @@ from multigpu.errors import UsageError
 from multigpu.sweep.plan import SWEEP_FILE, fingerprint_difference
 
 
-
 def _suffix(shard: tuple[int, int]) -> str:
     index, count = shard
     return "" if count == 1 else f".shard-{index}-of-{count}"

@@ -21,7 +21,7 @@ from multigpu.sweep.plan import Plan
 from multigpu.sweep.records import write_text_atomic
 
 # t(0.975, df) for df = 1..30, to 4 decimals (any statistics table); above 30 the Cornish-Fisher
-# expansion below is within 1e-4 of it (tests/test_sweep_summary.py integrates the density to check).
+# expansion below is within 1e-4 of it (tests/sweep/test_sweep_summary.py integrates the density to check).
 T_975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
          2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
          2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)

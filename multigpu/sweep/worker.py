@@ -81,10 +81,10 @@ def _import_run_dependencies() -> None:
     """Import the trainer, TensorBoard and torch._dynamo (which a torch optimizer imports when first built,
     about 3 s) before the first run, so a run's wall time is the run's own."""
     import torch._dynamo  # noqa: F401
-
-    import multigpu.monitoring.event_file  # noqa: F401  (the run's TensorBoard file)
-    import multigpu.launch.runner  # noqa: F401
     from torch.utils.tensorboard.summary import hparams  # noqa: F401  (its end-of-run hparams)
+
+    import multigpu.launch.runner  # noqa: F401
+    import multigpu.monitoring.event_file  # noqa: F401  (the run's TensorBoard file)
 
 
 def run_task(task: Task) -> dict[str, Any]:

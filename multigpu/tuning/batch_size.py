@@ -17,13 +17,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.loop.amp import Amp
-from multigpu.data.batches import repeat_batch, sample_batch
-from multigpu.loop.forward import ForwardFn, compute_loss
 from multigpu.config import FIELDS
-from multigpu.parallel.distributed import Runtime, all_reduce_sum
+from multigpu.data.batches import repeat_batch, sample_batch
 from multigpu.errors import TrainingStopped
+from multigpu.loop.amp import Amp
+from multigpu.loop.forward import ForwardFn, compute_loss
 from multigpu.loop.snapshot import kept
+from multigpu.parallel.distributed import Runtime, all_reduce_sum
 
 MARGIN = 0.10  # taken off the largest batch that fitted
 FIRST_TRY = 16

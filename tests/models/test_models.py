@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import main_multi_gpu
 from conftest import DIST_TIMEOUT, TINY_GPT, run_cli, tiny_text
 from multigpu.config import TrainConfig
-from multigpu.models import GPT, MODELS, TEXT_MODELS, TransformerBlock, build_model
 from multigpu.errors import UsageError
+from multigpu.models import GPT, MODELS, TEXT_MODELS, TransformerBlock, build_model
 
 IMAGE_MODELS = sorted(set(MODELS) - set(TEXT_MODELS))
 

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, read_scalars, run_ranks, tiny_model, use_fp16_on_cpu
-from multigpu.data.sampler import epoch_order
 from multigpu.checkpoints import checkpoint
+from multigpu.data.sampler import epoch_order
 from multigpu.errors import TrainingStopped
 from train_multi_gpu import MultiGPUTrainer
 

@@ -19,12 +19,11 @@ import main_multi_gpu
 import predict_multi_gpu
 from conftest import (DIST_TIMEOUT, TINY, TINY_GPT, StepRecorder, assert_ok, blobs, config_for, contents, global_steps,
                       run_cli, run_cli_ranks, run_ranks, tiny_model, tiny_text)
-from multigpu.checkpoints import checkpoint, export, sharded
-from multigpu.checkpoints import run_folders
+from multigpu.checkpoints import checkpoint, export, run_folders, sharded
+from multigpu.checkpoints.stateful import ModelState
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
 from multigpu.resilience.faults import FAULT_ENV
-from multigpu.checkpoints.stateful import ModelState
 from train_multi_gpu import MultiGPUTrainer
 
 EFFECTIVE_BATCH = 24  # 1, 2 and 3 processes each take an equal share of every step's samples

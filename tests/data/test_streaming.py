@@ -86,8 +86,8 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     import multiprocessing
 
     from multigpu.data import build_loader
-    from multigpu.parallel.distributed import Runtime
     from multigpu.data.streaming import TrainStream
+    from multigpu.parallel.distributed import Runtime
 
     # Loader workers fork, as they do under torchrun (a rank started by spawn would spawn them too: 50 times
     # importing torch and datasets afresh).

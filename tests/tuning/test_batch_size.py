@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import blobs, config_for, run_ranks, tiny_model
-from multigpu.tuning import batch_size
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import default_forward
 from multigpu.parallel.distributed import Runtime
+from multigpu.tuning import batch_size
 from train_multi_gpu import MultiGPUTrainer
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA, tiny_text
-from multigpu.data import SyntheticImages, build_datasets
 from multigpu.config import TrainConfig
+from multigpu.data import SyntheticImages, build_datasets
 from multigpu.errors import UsageError
 
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from conftest import REPO, blobs, cli_env, config_for, tiny_model
-from multigpu.tuning.gc_pauses import long_lived_objects_frozen
 from multigpu.loop.forward import default_forward
+from multigpu.tuning.gc_pauses import long_lived_objects_frozen
 from train_multi_gpu import MultiGPUTrainer
 
 

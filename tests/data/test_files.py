@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from conftest import SHARED_DATA, image_folder
+from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
 from multigpu.data.files import check_image_headers, idx_problem
-from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
 

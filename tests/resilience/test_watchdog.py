@@ -15,6 +15,7 @@ from conftest import (HANG, HANG_RUN_LIMIT as LIMIT, TINY, busy_cpus, cli_env, r
 from multigpu.errors import HANG_EXIT_STATUS
 from multigpu.resilience.faults import FAULT_ENV
 
+
 def report(save_dir: Path) -> str:
     return (save_dir / "hang_report.txt").read_text()
 

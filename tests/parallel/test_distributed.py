@@ -11,8 +11,8 @@ import torch
 
 from conftest import PYTHON, REPO, RUN_TIMEOUT, TINY, cli_env, free_port
 from multigpu.config import TrainConfig
-from multigpu.parallel.distributed import nodes_in_job, parse_gpu_ids, resolve_mode, setup, torchrun_hint
 from multigpu.errors import UsageError
+from multigpu.parallel.distributed import nodes_in_job, parse_gpu_ids, resolve_mode, setup, torchrun_hint
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallbacks")
 

@@ -15,10 +15,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from conftest import (TINY, assert_ok, blobs, config_for, image_folder, run_benchmark, run_cli, run_ranks,
-                      tiny_model)
-from multigpu.data import device_data
-from multigpu.data import RandomCropFlip, SyntheticImages
+from conftest import TINY, assert_ok, blobs, config_for, image_folder, run_benchmark, run_cli, run_ranks, tiny_model
+from multigpu.data import RandomCropFlip, SyntheticImages, device_data
 from multigpu.data.augment import crop_flip
 from multigpu.errors import UsageError
 from train_multi_gpu import MultiGPUTrainer

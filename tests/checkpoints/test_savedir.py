@@ -15,11 +15,11 @@ import torch
 
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, SAVE_DIR_HOLDER, TINY, cli_command, cli_env, contents, hold_save_dir,
                       run_cli)
-from multigpu.checkpoints import checkpoint, savedir
-from multigpu.checkpoints import run_folders
+from multigpu.checkpoints import checkpoint, run_folders, savedir
+from multigpu.checkpoints.savedir import SaveDirLock
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
-from multigpu.checkpoints.savedir import SaveDirLock
+
 
 def acquire_in_process(save_dir: Path) -> tuple[SaveDirLock, list[str]]:
     lines: list[str] = []

@@ -16,12 +16,12 @@ import torch
 
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, file_size_limit,
                       tiny_model)
-from multigpu.checkpoints import checkpoint
 from multigpu import rng
-from multigpu.resilience import faults
+from multigpu.checkpoints import checkpoint
 from multigpu.data import build_datasets
-from multigpu.models import build_model
 from multigpu.errors import UsageError
+from multigpu.models import build_model
+from multigpu.resilience import faults
 from train_multi_gpu import MultiGPUTrainer
 
 

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
 from multigpu.loop.optim import lr_factor
+from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
 from multigpu.monitoring.reporting import Reporter
 from train_multi_gpu import MultiGPUTrainer
 

@@ -20,8 +20,8 @@ import torch
 from conftest import blobs, config_for, read_scalars, tiny_model, use_fp16_on_cpu
 from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped, UsageError
-from multigpu.lr_scaling import scaled_lr
 from multigpu.loop.optim import lr_factor
+from multigpu.lr_scaling import scaled_lr
 from train_multi_gpu import MultiGPUTrainer
 
 BASE_LR = 0.1

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from multigpu.errors import HANG_EXIT_STATUS
-from multigpu.resilience.faults import FAULT_ENV
-from multigpu.launch.torchrun import verdict, worker_status
 from conftest import PYTHON, REPO, RUN_TIMEOUT, cli_env, torchrun_command
+from multigpu.errors import HANG_EXIT_STATUS
+from multigpu.launch.torchrun import verdict, worker_status
+from multigpu.resilience.faults import FAULT_ENV
 
 
 def failure(exitcode: int, timestamp: int) -> ProcessFailure:

@@ -11,11 +11,11 @@ import main_multi_gpu
 import predict_multi_gpu
 from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, run_ranks, tiny_model
 from multigpu.checkpoints import checkpoint
-from multigpu.loop.callbacks import ema_weights
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
-from multigpu.resilience.faults import FAULT_ENV
+from multigpu.loop.callbacks import ema_weights
 from multigpu.models import build_model
+from multigpu.resilience.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
 

@@ -24,6 +24,7 @@ CASES = [("jsonl", 0), ("jsonl", 1), ("jsonl", 2), ("parquet", 1)]  # (format, w
 def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
     """On each rank: for each of CASES, one epoch of a streaming run; the ids it trained on."""
     from data.hf import hf_datasets
+
     from train_multi_gpu import MultiGPUTrainer
 
     results = {}
@@ -81,6 +82,7 @@ def test_map_style_files_train_and_a_streamed_run_learns_under_torchrun(tmp_path
 ])
 def test_bad_columns_are_one_line_naming_what_to_change(tmp_path, flags, message):
     from data.hf import hf_datasets
+
     from multigpu.config import parse_config
 
     rows = [{"id": i, "x": [float(i)] * 16, "label": i % 2, "name": "a"} for i in range(4)]
@@ -145,6 +147,7 @@ def test_bad_rows_are_one_line_naming_file_and_row_and_the_checkpoints_are_kept(
 def test_validation_files_are_read_in_their_own_format(tmp_path):
     """--data-files Parquet with --val-files JSON Lines, streamed: each flag's files in their own format."""
     from data.hf import hf_datasets
+
     from multigpu.config import TrainConfig
 
     train_files = write_id_files(tmp_path / "p", "parquet", (12, 11))

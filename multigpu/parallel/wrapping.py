@@ -1,0 +1,77 @@
+"""The model in the form it trains in, and what wraps it: --sync-bn, --channels-last and --compile applied to the
+plain module on its device, then DDP, DataParallel or FSDP2's sharding around it (multigpu/parallel/sharding.py).
+"""
+
+from __future__ import annotations
+from typing import Callable, Optional
+import torch
+from multigpu.parallel import collective_check, sharding
+from multigpu.config import TrainConfig
+from multigpu.resilience.heartbeat import BEAT
+from multigpu.parallel.distributed import Runtime
+
+
+def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+                  say: Callable[[str], None]) -> torch.nn.Module:
+    """The plain module on this process's device, in the form it trains in; `wrap_model` then wraps it.
+
+    --sync-bn converts BatchNorm (a CUDA feature: it raises in training mode on
+    the CPU; MULTI_GPU_GUIDE.md, "BatchNorm"). --channels-last converts the
+    weights here, before the DDP wrap, so DDP's buckets match their layout.
+    --compile compiles the module in place (`module.compile()`, the order
+    torch's documentation gives for DDP: compile the module, then wrap it), so
+    its state_dict keeps plain keys and checkpoints load compiled or not.
+    """
+    nn = torch.nn
+    if _syncs_batchnorm(config, runtime):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
+    elif config.sync_bn:
+        say("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
+    model = model.to(runtime.device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # 4-D weights (convolutions); others stay as they are
+    if config.compile and runtime.mode == "dp":
+        say("--compile does not work with nn.DataParallel (it copies the model to each GPU every step): training "
+            "uncompiled; use --multi-gpu ddp to compile")
+    elif config.compile:
+        model.compile()
+    return model
+
+
+def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+               say: Callable[[str], None], amp_dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """What training calls: DDP or DataParallel around the prepared module, the module itself sharded in
+    place (fsdp, in `amp_dtype`: multigpu/parallel/sharding.py), or the module itself.
+
+    Small per-device batches with BatchNorm get a warning, since their statistics
+    then depend on the device count (MULTI_GPU_GUIDE.md, "BatchNorm").
+    """
+    nn = torch.nn
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and not _syncs_batchnorm(config, runtime) and runtime.devices_per_step > 1 \
+            and config.batch_size < 16:
+        say(f"warning: BatchNorm statistics come from {config.batch_size} samples per device; "
+            f"results will depend on the device count (consider --sync-bn or a larger batch)")
+    BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
+    if runtime.mode == "fsdp":
+        model, blocks = sharding.shard(model, runtime.device, runtime.world_size, blocks=config.fsdp_blocks,
+                                       reshard_after_forward=config.fsdp_reshard_after_forward, amp_dtype=amp_dtype,
+                                       replicate=runtime.mesh_shape[0])
+        say(f"fsdp: {blocks} block(s) sharded as units of their own, then the root"
+            f"{'' if config.fsdp_reshard_after_forward else ' (parameters kept gathered from forward to backward)'}")
+        return model
+    if runtime.mode == "ddp":
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if config.debug_collectives:
+            collective_check.install(ddp, runtime.rank, runtime.world_size, config.dist_timeout)
+        return ddp
+    if runtime.mode == "dp":
+        say("warning: nn.DataParallel drives all GPUs from one process (GPU 0 holds more memory, other replicas' "
+            "BatchNorm statistics are lost); DDP via torchrun is faster")
+        return nn.DataParallel(model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0])
+    return model
+
+
+def _syncs_batchnorm(config: TrainConfig, runtime: Runtime) -> bool:
+    return config.sync_bn and runtime.mode == "ddp" and runtime.device.type == "cuda"
