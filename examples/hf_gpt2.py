@@ -6,7 +6,7 @@
 Each sample is what a tokenized data set gives a causal language model:
 {"input_ids", "labels"}. GPT2LMHeadModel's forward takes both and returns its
 own loss, which the trainer trains on. The checkpoint keeps the model's config,
-so `--export-on-end hf` (or `python -m multigpu.checkpoints.export CKPT FOLDER --format hf`)
+so `--export-on-end hf` (or `python -m multigpu.export CKPT FOLDER --format hf`)
 writes the model's own save_pretrained folder, which
 `AutoModelForCausalLM.from_pretrained(FOLDER)` loads (MULTI_GPU_GUIDE.md, "Your own task").
 Needs the [hf] extra: pip install '.[hf]'.

@@ -19,7 +19,7 @@ From the bottom up (a subpackage's own docstring says what it owns and may impor
 - launch/:      starting runs: the runner and its exit status, torchrun, the launcher's rules
 - sweep/:       experiment sweeps over device slots
 
-Old import paths (`multigpu.parallel.distributed`, `python -m multigpu.checkpoints.export`, ...) still work: multigpu/moved.py.
+Old import paths (`multigpu.parallel.distributed`, `python -m multigpu.export`, ...) still work: multigpu/moved.py.
 """
 
 import os as _os

@@ -1,4 +1,4 @@
-"""`python -m multigpu.checkpoints.export CKPT OUT [--format pt|safetensors|hf]`: a checkpoint's weights where users load them.
+"""`python -m multigpu.export CKPT OUT [--format pt|safetensors|hf]`: a checkpoint's weights where users load them.
 
 - `pt` (OUT.pt): a sharded checkpoint folder (or a safetensors checkpoint) as the one
   `.pt` file rank 0's writer would have written: the whole model, the optimizer's state
@@ -225,7 +225,7 @@ class ExportOnEnd:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Bad input is one line on stderr and exit 2."""
-    parser = OneLineParser(prog="python -m multigpu.checkpoints.export", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m multigpu.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ...")
     parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf)")
     parser.add_argument("--format", choices=FORMATS, help="default: from OUT's name")

@@ -9,7 +9,7 @@ safe_files, and renamed into place only once DCP's `.metadata` (written last,
 after every rank's shards) and STATE_FILE are there: a folder under its real
 name is complete. A folder saved at N processes loads at any M: DCP reshards.
 
-    python -m multigpu.checkpoints.export CKPT_DIR OUT.pt
+    python -m multigpu.export CKPT_DIR OUT.pt
 
 turns one into a one-file checkpoint (multigpu/checkpoints/export.py).
 """

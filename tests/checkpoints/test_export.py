@@ -1,4 +1,4 @@
-"""python -m multigpu.checkpoints.export and --init-from (multigpu/checkpoints/export.py, multigpu/checkpoints/weights.py): a checkpoint's weights as
+"""python -m multigpu.export and --init-from (multigpu/checkpoints/export.py, multigpu/checkpoints/weights.py): a checkpoint's weights as
 safetensors (one file, or shards and an index; bf16), read back by safetensors alone with the tied weight
 restored; a 2-process fsdp run's sharded folder exported, then loaded with --init-from's code into a model
 sharded over 2 processes (each reading its part only) and into one process: the source model's logits exactly.
