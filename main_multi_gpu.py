@@ -22,7 +22,7 @@ __all__ = ["cli", "main", "main_guarded", "run"]
 def main(argv: Optional[Sequence[str]] = None, on_summary: Optional[Callable[[dict], None]] = None) -> int:
     """Entry point: bad input is one line and exit 2, a failed run one line and exit 1.
 
-    A sweep flag (--num-seeds, --max-gpus, --grid, ...) makes it a sweep (MULTI_GPU_GUIDE.md, "Sweeps").
+    A sweep flag (--num-seeds, --max-gpus, --grid, ...) makes it a sweep (docs/sweeps.md, "Sweeps").
     `on_summary` receives the final metrics of a finished run.
     """
     argv = sys.argv[1:] if argv is None else list(argv)

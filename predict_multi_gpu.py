@@ -7,7 +7,7 @@
 The model, data set and shapes come from the checkpoint's config (flags
 override them); the batches and autocast are the evaluation's, so on a
 labelled set the printed loss and metrics are those training reported for
-that checkpoint. See MULTI_GPU_GUIDE.md, "Prediction".
+that checkpoint. See docs/prediction.md, "Prediction".
 Exit status: 0 done, 1 failed, 2 bad input.
 """
 

@@ -51,7 +51,7 @@ class MultiGPUTrainer:
     """Trains `model` on `train_dataset` with the devices and settings in `config`; every rank constructs it and
     calls `fit`, only rank 0 prints, logs and writes files.
 
-    Your own task (MULTI_GPU_GUIDE.md, "Your own task"): `loss_fn(outputs, targets) -> scalar` (default
+    Your own task (docs/data.md, "Your own task"): `loss_fn(outputs, targets) -> scalar` (default
     cross-entropy); `optimizer` an Optimizer or `params -> Optimizer`; `scheduler` `optimizer -> scheduler` (or
     `(optimizer, total_steps)`) or a built one, stepped per step or per epoch (`scheduler_interval`); `metrics`
     (multigpu/loop/metrics.py); `forward_fn(model, batch) -> (outputs, targets)` where the default does not fit;
@@ -137,7 +137,7 @@ class MultiGPUTrainer:
         the final metrics. The save-dir lock, progress bar and TensorBoard writer are released however it ends."""
         rt, started, replica = self.runtime, time.perf_counter(), state.ReplicaSave(self)
         hang_watchdog = build.hang_watchdog(self.config, rt, self.progress.global_step, self.checkpointer.save_dir,
-                                            replica)  # (MULTI_GPU_GUIDE.md, "When a run hangs")
+                                            replica)  # (docs/hangs.md, "When a run hangs")
         try:
             with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0),
                                on_peer_lost=replica.after_losing_a_peer):
@@ -153,7 +153,7 @@ class MultiGPUTrainer:
                 # What rank 0's replica needs to save alone when it loses a peer (state.save_from_replica).
                 self.buffers_at_start = state.training_starts(self.rng_state, self.model)
                 # Short collector pauses (ranks do not wait on one another's), and on the CPU no page faults for
-                # memory a step frees and the next takes again (MULTI_GPU_GUIDE.md, "Speed").
+                # memory a step frees and the next takes again (docs/speed.md, "Speed").
                 with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
                         self.device.type == "cpu" and self.config.cache_cpu_memory):
                     while not self._trained() and not self._stopping_early():
@@ -232,7 +232,7 @@ class MultiGPUTrainer:
                 output_path: Optional[str] = None, to: Any = "cpu") -> Any:
         """The model's outputs for every sample of `dataset` (default: the validation set) in dataset order, on
         every rank, as one process gets them; `batch_size` per device (default: the evaluation's). With
-        `output_path`, rank 0 streams them to that file instead (MULTI_GPU_GUIDE.md, "Prediction")."""
+        `output_path`, rank 0 streams them to that file instead (docs/prediction.md, "Prediction")."""
         batch = self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
         predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers,
                               self.evaluator.collate_fn)

@@ -8,7 +8,7 @@ the cnn, --dataset text (read once) with a small gpt, a TensorDataset of 50,000 
 with the cnn, and the same set with CIFAR's crop and flip (data.augment.RandomCropFlip). Shows the steady
 samples/s (every logging interval but the first) of both, their ratio, and whether the two runs ended with
 identical weights (not expected with augmentation: the loader and the device draw their crops from different
-generators). MULTI_GPU_GUIDE.md, "Data on the device".
+generators). docs/speed.md, "Data on the device".
 """
 
 from __future__ import annotations

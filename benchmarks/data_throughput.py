@@ -11,7 +11,7 @@ DataLoader for one epoch; "training" is one epoch of MultiGPUTrainer (one
 process, a small MLP) and its samples/s. When training is much slower than the
 loader, data is not the bottleneck and more --num-workers buy nothing; when the
 two are close, the data waits (the run's "data wait" share) and a worker or two
-more help, up to the cores the machine has per process (MULTI_GPU_GUIDE.md,
+more help, up to the cores the machine has per process (docs/data.md,
 "Your own data").
 """
 

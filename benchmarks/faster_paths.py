@@ -7,7 +7,7 @@ on GPUs) through main_multi_gpu.py on one device, plain and with each flag and
 both, in fresh processes, the order alternating each round. Shows the steady
 samples/s (every logging interval but the first, which holds the compilation),
 the speed-up over plain, and the whole run's wall time, compilation included
-(MULTI_GPU_GUIDE.md, "Speed").
+(docs/speed.md, "Speed").
 """
 
 from __future__ import annotations

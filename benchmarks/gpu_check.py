@@ -671,7 +671,7 @@ def row_predict(ctx: Context) -> Verdict:
     return judge(ctx, figure, raw, problems)
 
 
-# ---------------------------------------------------------------------------- 9. speed (MULTI_GPU_GUIDE.md, "Speed")
+# ---------------------------------------------------------------------------- 9. speed (docs/speed.md, "Speed")
 SHARES_TOLERANCE = 1e-3  # the time/ fractions of an interval sum to 1 within this
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command that proves the GPU path (MULTI_GPU_GUIDE.md, "Measured on GPUs"):
+# The one command that proves the GPU path (docs/measured.md, "Measured on GPUs"):
 #   bash benchmarks/gpu_check.sh [--cpu-dry-run [--jobs N]] [--output PATH] [--only ROW,...]
 # Installs nothing from the network. It uses the torch it finds; the project's other requirements, when
 # missing, come from the wheels carried in .whl/ beside the checkout, installed into a temporary folder

@@ -20,7 +20,7 @@ crossover is where a split set starts to beat its one device: the smallest
 measured batch at which it is faster there and at the next measured batch (the
 rule of BatchParallel's min_per_device="auto"). Writes a Markdown table and a
 PNG plot (samples/s against batch size, one line per device set), the machine,
-torch version and date in their captions (MULTI_GPU_GUIDE.md, "Prediction").
+torch version and date in their captions (docs/prediction.md, "Prediction").
 """
 
 from __future__ import annotations

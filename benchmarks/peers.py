@@ -1,5 +1,5 @@
 """Benchmark: this project's trainer against a hand-written loop and, when installed, Accelerate and Lightning,
-on one workload, interleaved round by round (MULTI_GPU_GUIDE.md, "Speed").
+on one workload, interleaved round by round (docs/speed.md, "Speed").
 
     python benchmarks/peers.py                            # 1 process and DDP over 2; 64 and 256 steps; 7 rounds
     python benchmarks/peers.py --nproc 2 --lengths 64 --rounds 11

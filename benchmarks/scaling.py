@@ -15,7 +15,7 @@ Columns: samples/s (steady: every logging interval but the first), speed-up
 over one device, scaling efficiency = samples/s / (devices x samples/s of one
 device), trainer/raw, and the time from launching the processes to the end of
 the first optimizer step. Writes Markdown, CSV and a PNG plot, each with the
-machine, torch version and date (MULTI_GPU_GUIDE.md, "Speed").
+machine, torch version and date (docs/speed.md, "Speed").
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from bench_common import (benchmark_parser, logged_rates, machine_line, make_cnn
 
 RESULT = "SCALING_RESULT "
 LOOPS = ("trainer", "raw")
-# What the issue asks of the trainer (MULTI_GPU_GUIDE.md, "Speed").
+# What the issue asks of the trainer (docs/speed.md, "Speed").
 GOAL_RATIO, GOAL_STARTUP_S, GOAL_EFFICIENCY_SHARE = 0.97, 1.0, 0.95
 
 

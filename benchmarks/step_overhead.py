@@ -14,7 +14,7 @@ trainer's checkpoint) cancel out and every per-step cost counts, the trainer's
 logging at --log-every steps included. Wall time and CPU time (which other
 processes on a shared machine do not inflate) are both shown, as medians over
 the rounds. Goal: the trainer's main thread at most 3% more instructions per
-step than the plain loop's, under --instructions (MULTI_GPU_GUIDE.md, "Speed").
+step than the plain loop's, under --instructions (docs/speed.md, "Speed").
 """
 
 from __future__ import annotations

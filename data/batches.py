@@ -46,7 +46,7 @@ def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> 
 
 def batch_mover(device: torch.device, channels_last: bool = False) -> Callable[[Any], Any]:
     """What the training loop calls on each batch: `to_device`, or nothing on the CPU without channels-last,
-    where the loader's batches already are (a per-step saving, MULTI_GPU_GUIDE.md "Speed")."""
+    where the loader's batches already are (a per-step saving, docs/speed.md "Speed")."""
     if device.type == "cpu" and not channels_last:
         return _as_it_is
     return functools.partial(to_device, device=device, channels_last=channels_last)

@@ -1,5 +1,5 @@
 """--data-on-device: the training set moved to the device once, each step's batch gathered there
-(MULTI_GPU_GUIDE.md, "Data on the device").
+(docs/speed.md, "Data on the device").
 
 A step then costs an index_select per column: no loader workers, no pinned copies, no host work per sample.
 The batches hold the samples the loader would give in the same order (the sampler's indices, gathered on the
@@ -196,7 +196,7 @@ class DeviceBatches:
         self.generator = torch.Generator(device=self.device) if self.augment is not None else None
         # On the CPU, numpy's take copies whole rows on one thread: index_select of images there parallelises a
         # 64-row copy over the intra-op threads, 3-8x slower than the loader's stack when the cores are busy
-        # (MULTI_GPU_GUIDE.md, "Data on the device").
+        # (docs/speed.md, "Data on the device").
         self.arrays = [_as_array(column) for column in self.columns] if self.device.type == "cpu" else []
 
     def __iter__(self) -> Iterator[Any]:

@@ -1,5 +1,5 @@
 """What a stream already splits over ranks and DataLoader workers, so that the trainer splits only the rest
-(MULTI_GPU_GUIDE.md, "Your own data").
+(docs/data.md, "Your own data").
 
 Every (rank, worker) iterates the same IterableDataset. Some split themselves: the pattern of PyTorch's
 IterableDataset documentation reads `torch.utils.data.get_worker_info()` in `__iter__` and gives each worker

@@ -1,5 +1,5 @@
 """Streaming training data: a `torch.utils.data.IterableDataset`, split over ranks and DataLoader workers,
-ended together by every rank, and resumed at the exact sample (MULTI_GPU_GUIDE.md, "Your own data").
+ended together by every rank, and resumed at the exact sample (docs/data.md, "Your own data").
 
 Sharding. data/stream_split.py finds what the stream splits by itself
 (over workers: it reads get_worker_info(); over ranks: it reads its rank; a
@@ -296,7 +296,7 @@ class TrainStream:
                    if 0 < ratio <= 2 / 3 else "its __len__ is off, or samples are read twice or never")
             return (f"warning: the first pass of the training stream gave {total} samples over {world} rank(s) x "
                     f"{self.workers} worker(s), and its __len__ is {self.length}: {how}; {took}. Read the rank and "
-                    f"worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")")
+                    f"worker in __iter__, or set shards_itself (docs/data.md, \"Your own data\")")
         firsts: dict[str, int] = {}
         for _, _, digests in facts:
             for slot, digest in digests.items():
@@ -306,7 +306,7 @@ class TrainStream:
                     return (f"warning: in the first pass of the training stream {_slot_words(firsts[digest], world)} "
                             f"and {_slot_words(slot, world)} read the same first batch: samples are read more than "
                             f"once; {took}. Read the rank and worker in __iter__, or set shards_itself "
-                            f"(MULTI_GPU_GUIDE.md, \"Your own data\")")
+                            f"(docs/data.md, \"Your own data\")")
                 firsts[digest] = slot
         return None
 
@@ -318,7 +318,7 @@ class TrainStream:
             self.warned = True
             report(f"warning: every rank read the same first batch: the dataset {self.shard.split.words()} "
                    f"({self.shard.split.found}) but does not split by rank; read the RANK and WORLD_SIZE variables "
-                   f"in its __iter__, or drop shards_itself and let the trainer split it (MULTI_GPU_GUIDE.md, "
+                   f"in its __iter__, or drop shards_itself and let the trainer split it (docs/data.md, "
                    f"\"Your own data\")")
 
     # --- checkpoints ---
@@ -365,7 +365,7 @@ def _agree_on(split: Split) -> None:
     if len(set(splits)) > 1:  # type: ignore[arg-type]
         raise UsageError("the ranks see the training stream split differently (" +
                          ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits)) +
-                         "): give it a shards_itself attribute, True or False (MULTI_GPU_GUIDE.md, \"Your own data\")")
+                         "): give it a shards_itself attribute, True or False (docs/data.md, \"Your own data\")")
 
 
 def _slot_words(slot: int, world: int) -> str:

@@ -6,7 +6,7 @@
 The model was written for `for features, y in loader: loss = F.cross_entropy(model(features), y)`:
 its `forward(self, features)` takes the whole dict of table columns. The
 trainer does what that loop does, `model(inputs)`; it would spread the dict
-as keywords only if its keys were forward's parameters (MULTI_GPU_GUIDE.md,
+as keywords only if its keys were forward's parameters (docs/data.md,
 "Your own task").
 """
 

@@ -8,7 +8,7 @@ Each sample is what a tokenized Hugging Face data set gives:
 input_ids alone, so the trainer reads its signature once and passes only the
 keys it accepts, as Hugging Face's Trainer does; the targets come from the
 "label" entry, the loss is the trainer's cross-entropy on the logits, and
-accuracy is reported (MULTI_GPU_GUIDE.md, "Your own task").
+accuracy is reported (docs/data.md, "Your own task").
 """
 
 from __future__ import annotations

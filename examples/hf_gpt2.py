@@ -8,7 +8,7 @@ Each sample is what a tokenized data set gives a causal language model:
 own loss, which the trainer trains on. The checkpoint keeps the model's config,
 so `--export-on-end hf` (or `python -m multigpu.export CKPT FOLDER --format hf`)
 writes the model's own save_pretrained folder, which
-`AutoModelForCausalLM.from_pretrained(FOLDER)` loads (MULTI_GPU_GUIDE.md, "Your own task").
+`AutoModelForCausalLM.from_pretrained(FOLDER)` loads (docs/data.md, "Your own task").
 Needs the [hf] extra: pip install '.[hf]'.
 """
 

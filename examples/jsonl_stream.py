@@ -7,7 +7,7 @@ The first argument is the folder of shards (`*.jsonl`, one {"x": [...16 floats],
 rest are main_multi_gpu.py's flags. The shards are written there first if the folder does not exist: three of
 unequal length. The trainer splits the stream over ranks x DataLoader workers (the dataset does not shard
 itself), ends each pass at the same step on every rank and resumes at the exact sample with --resume auto
-(MULTI_GPU_GUIDE.md, "Your own data").
+(docs/data.md, "Your own data").
 """
 
 from __future__ import annotations

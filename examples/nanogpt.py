@@ -9,7 +9,7 @@ groups (weight decay on matrices, none on biases and norms); gradients are
 clipped at 1.0 (--clip-grad-norm, nanoGPT's grad_clip). The trainer sees the
 `targets` parameter in forward's signature, passes each batch's targets to it
 and trains on the loss the model returns; no loss_fn is applied
-(MULTI_GPU_GUIDE.md, "Your own task").
+(docs/data.md, "Your own task").
 """
 
 from __future__ import annotations

@@ -300,7 +300,7 @@ class TrainConfig:
     def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
         """fsdp's device mesh (replicate, shard) for `world_size` processes on `nodes` nodes: --dp-replicate and
         --dp-shard, the one given deciding the other; neither: shard within each node and replicate across the
-        nodes (one node: shard over all). A shape the processes cannot fill is a UsageError (MULTI_GPU_GUIDE.md,
+        nodes (one node: shard over all). A shape the processes cannot fill is a UsageError (docs/sharding.md,
         "Hybrid sharding")."""
         replicate, shard = self.dp_replicate, None if self.dp_shard == -1 else self.dp_shard
         if replicate is None and shard is None:

@@ -23,6 +23,6 @@ class TrainingStopped(Exception):
 
 
 # A distributed run that hung: the watchdog wrote <save-dir>/hang_report.txt (and, when it could, a checkpoint of
-# the last completed step) and ended every rank it could reach with this status (MULTI_GPU_GUIDE.md, "When a run
+# the last completed step) and ended every rank it could reach with this status (docs/hangs.md, "When a run
 # hangs"). Distinct from 1 (failed) and 2 (bad input), so launchers tell a hang apart and do not requeue blindly.
 HANG_EXIT_STATUS = 3

@@ -147,13 +147,22 @@ def run_hang_scenario(name: str, save_dir: Path, *extra: str) -> list[subprocess
                          script=REPO / "tests" / "hang_scenarios.py", timeout=HANG_RUN_LIMIT)
 
 
+# The guide: its tour and its pages (docs/), in the order a reader meets them.
+GUIDE_PAGES = (REPO / "MULTI_GPU_GUIDE.md", *sorted((REPO / "docs").glob("*.md")))
+
+
+def guide_text() -> str:
+    """Every page of the guide, one after the other."""
+    return "\n".join(page.read_text() for page in GUIDE_PAGES)
+
+
 def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
-    """The commands of MULTI_GPU_GUIDE.md's ```bash blocks that run `script` (lines starting with torchrun or
-    python), each as (torchrun's --nproc_per_node, or None without torchrun; the script's arguments)."""
+    """The commands of the guide's ```bash blocks (every page) that run `script` (lines starting with torchrun
+    or python), each as (torchrun's --nproc_per_node, or None without torchrun; the script's arguments)."""
     import re
     import shlex
 
-    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "MULTI_GPU_GUIDE.md").read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", guide_text(), re.S)
     commands = []
     for line in (line.strip() for block in blocks for line in block.splitlines()):
         if re.match(rf"(torchrun|python) .*{re.escape(script)}", line):

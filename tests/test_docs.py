@@ -1,4 +1,5 @@
-"""Every shell command in README.md, QUICK_REFERENCE.md and MULTI_GPU_GUIDE.md, run: documentation that cannot rot.
+"""Every shell command in README.md, QUICK_REFERENCE.md and the guide (MULTI_GPU_GUIDE.md and its pages under
+docs/), run: documentation that cannot rot.
 
 - README.md then QUICK_REFERENCE.md run as a new user reads them: every block
   of both, in order, in one fresh clone, so that a command that collides with
@@ -42,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from conftest import REPO
+import pytest
 
-DOCS = ("README.md", "QUICK_REFERENCE.md", "MULTI_GPU_GUIDE.md")
+from conftest import GUIDE_PAGES, REPO
+
+DOCS = ("README.md", "QUICK_REFERENCE.md", *(str(page.relative_to(REPO)) for page in GUIDE_PAGES))
 READER = ("README.md", "QUICK_REFERENCE.md")  # read in this order by a new user, in one clone
 MAX_ILLUSTRATIVE = 6  # a handful: the test suite, multi-GPU examples, benchmarks of minutes
 # 2048 samples: the least with which the documented commands learn in one epoch (1024 left some near chance).
@@ -331,3 +334,16 @@ def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -
     sweep_output = f"sweep done: 2 of 2 experiments ok; summary {tmp_path}/summary.md (and summary.csv)\n"
     assert accuracies(sweep_output) == [0.9, 0.12]
     assert "0.1200" in learning_failure(readme, "python sweep_multi_gpu.py --num-seeds 2", sweep_output)
+
+
+def test_the_guides_site_builds_with_no_broken_link_page_or_anchor(tmp_path: Path) -> None:
+    """mkdocs.yml's site of the guide's pages and the API reference, built with --strict: a link to a page or an
+    anchor that is not there, a page missing from the navigation, or a docstring the reference cannot read fails."""
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed: bash scripts/ensure_env.sh docs")
+    built = subprocess.run([str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+                           cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+                           timeout=COMMAND_TIMEOUT)
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "trainer").is_dir()

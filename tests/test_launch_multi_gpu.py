@@ -422,8 +422,8 @@ def test_more_cpu_processes_than_cores_are_refused_unless_oversubscribe_is_given
 
 
 def test_the_guides_transcript_of_the_commands_is_what_the_launcher_prints(tmp_path: Path) -> None:
-    """MULTI_GPU_GUIDE.md shows the commands of a first run: its save dir is checkpoints/run-1, not checkpoints."""
-    guide = (REPO / "MULTI_GPU_GUIDE.md").read_text()
+    """The guide's launcher page shows the commands of a first run: its save dir is checkpoints/run-1."""
+    guide = (REPO / "docs" / "launcher.md").read_text()
     for mode in ("dp", "none"):
         documented = re.search(rf"^{mode}:\s+(.*)$", guide, re.M)
         result = launch(["--multi-gpu", mode, "--dry-run"], launcher_env(4), cwd=tmp_path)

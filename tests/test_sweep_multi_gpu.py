@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_SWEEP_RUN, assert_ok, read_results, run_sweep
+from conftest import TINY_SWEEP_RUN, assert_ok, guide_text, read_results, run_sweep
 
 GRID = ["--grid", "lr=1e-3,3e-3"]
 RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
@@ -53,7 +53,7 @@ def test_two_workers_run_every_experiment_once(two_workers):
     assert {record["slot"] for record in results.values()} == {"cpu0", "cpu1"}  # both workers took runs
     for name in EXPERIMENTS:  # each run wrote what main_multi_gpu.py writes into its own save dir
         assert (sweep_dir / name / "last.pt").exists() and list((sweep_dir / name / "tb").iterdir())
-        # a tiny run may end at chance: it is done, and marked as one that did not learn (MULTI_GPU_GUIDE.md, Sweeps)
+        # a tiny run may end at chance: it is done, and marked as one that did not learn (docs/sweeps.md, "The summary")
         assert len(re.findall(rf"^ok(      |, did not learn  ){re.escape(name)}:", result.stdout, re.M)) == 1
     progress = json.loads((sweep_dir / "progress.json").read_text())
     assert progress["finished_now"] == 6 and progress["to_run"] == 0 and progress["running"] == []
@@ -165,8 +165,8 @@ def test_a_changed_base_config_is_refused_on_resume(two_workers):
 
 
 def guide_sweep_commands() -> list[list[str]]:
-    """The sweep commands of MULTI_GPU_GUIDE.md's bash blocks, as argv lists after the script name."""
-    text = (Path(__file__).resolve().parent.parent / "MULTI_GPU_GUIDE.md").read_text()
+    """The sweep commands of the guide's bash blocks (every page), as argv lists after the script name."""
+    text = guide_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     return [shlex.split(line)[2:] for block in blocks for line in block.splitlines()
             if line.startswith("python sweep_multi_gpu.py")]

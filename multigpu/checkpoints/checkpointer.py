@@ -3,7 +3,7 @@ checking that it fits, loading it into the live objects, and saving from rank 0.
 
 Every rank calls every method here; only rank 0 writes files, and every
 decision is taken on rank 0 and shared, so ranks never disagree
-(MULTI_GPU_GUIDE.md, "Checkpoints, resume and preemption").
+(docs/checkpoints.md, "Checkpoints, resume and preemption").
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class Checkpointer:
 
     def _find_here(self) -> Optional[tuple[str, dict[str, Any]]]:
         """After a torchrun restart the newest checkpoint in --save-dir wins, even over --resume PATH:
-        it holds the work done since PATH was loaded (MULTI_GPU_GUIDE.md, "Elastic restarts under torchrun")."""
+        it holds the work done since PATH was loaded (docs/checkpoints.md, "Elastic restarts under torchrun")."""
         config = self.config
         restarted = preemption.restart_count() > 0
         if config.resume is None and not restarted:

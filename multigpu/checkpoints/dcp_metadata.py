@@ -3,7 +3,7 @@
 DCP's `.metadata` is a pickle: unpickled as it is, a crafted one runs whatever its `__reduce__` names. Here it
 is built by an unpickler that admits only what DCP's metadata is made of, then checked (every entry well
 formed, every shard file there and as long as the entries say) before DCP is handed it (multigpu/checkpoints/
-sharded.py), so a damaged or hostile folder is one line naming what is wrong (MULTI_GPU_GUIDE.md, "Sharded
+sharded.py), so a damaged or hostile folder is one line naming what is wrong (docs/checkpoints.md, "Sharded
 checkpoints: every rank writes its own shards").
 """
 
@@ -39,7 +39,7 @@ def check_complete(path: str) -> Any:
 # What DCP's `.metadata` (a pickle) is made of, as torch 2.14 writes it: the dataclasses of
 # torch.distributed.checkpoint.metadata, the file system writer's entry, torch.Size, dtypes and layouts, the
 # checkpoint's path, plain containers. Nothing else is built: a `.metadata` that names anything else (os.system
-# in a __reduce__) is refused before DCP reads it (MULTI_GPU_GUIDE.md, "Sharded checkpoints: every rank writes
+# in a __reduce__) is refused before DCP reads it (docs/checkpoints.md, "Sharded checkpoints: every rank writes
 # its own shards").
 _DCP = "torch.distributed.checkpoint."
 METADATA_GLOBALS = frozenset(

@@ -10,7 +10,7 @@
   `AutoModel...from_pretrained(OUT)`.
 
 The format follows OUT's name unless `--format` says it. From a file or a sharded
-folder alike; one process reads the whole model (MULTI_GPU_GUIDE.md, "Weights in and out").
+folder alike; one process reads the whole model (docs/checkpoints.md, "Weights in and out").
 """
 
 from __future__ import annotations

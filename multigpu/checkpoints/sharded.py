@@ -87,7 +87,7 @@ def _dying_writer(folder: str) -> Any:
 def load_shards(stateful: dict[str, Any], path: str) -> None:
     """Load the SHARDED things of `stateful` from the complete folder `path`, each rank reading what it holds
     (at any world size). A folder that is damaged, holds anything but data, or does not fit this model or
-    optimizer is a CheckpointError on every rank, before DCP reads a byte of it (MULTI_GPU_GUIDE.md, "Sharded
+    optimizer is a CheckpointError on every rank, before DCP reads a byte of it (docs/checkpoints.md, "Sharded
     checkpoints: every rank writes its own shards")."""
     shards = {name: stateful[name].as_shards() for name in SHARDED}
     states, refusal = {name: thing.state_dict() for name, thing in shards.items()}, None

@@ -6,7 +6,7 @@ stored once, so tied weights (two names, one storage) keep one name and record
 the other in the header (`TIED_KEY`); and a checkpoint's nested state (progress,
 schedule, RNG, the optimizer's per-parameter slots) is split into its tensors,
 stored by path, and the rest as JSON in the header (`STATE_KEY`), so the whole
-checkpoint is one file, replaced by one rename (MULTI_GPU_GUIDE.md, "Checkpoints
+checkpoint is one file, replaced by one rename (docs/checkpoints.md, "Checkpoints
 without pickle").
 """
 

@@ -5,7 +5,7 @@ Weights here are the plain module's `state_dict` names: no `module.` (DDP),
 `_orig_mod.` (torch.compile) or FSDP wrapper prefixes. Tied weights (one tensor
 under two names, a GPT's embedding and output layer) are written once and their
 other name recorded, and a model's own ties are honoured when loading: a file
-that holds either name loads both (MULTI_GPU_GUIDE.md, "Weights in and out").
+that holds either name loads both (docs/checkpoints.md, "Weights in and out").
 Nothing here unpickles code: .pt files load with `weights_only=True`.
 """
 

@@ -190,7 +190,7 @@ def auto_batch_size(config: TrainConfig, model: nn.Module, optimizer: OptimizerA
 
 def telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: nn.Module, forward: ForwardFn,
               move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]) -> Telemetry:
-    """Where the step's time goes, and FLOPs per training sample for MFU (MULTI_GPU_GUIDE.md, "Speed")."""
+    """Where the step's time goes, and FLOPs per training sample for MFU (docs/speed.md, "Speed")."""
     measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
     if loader.num_workers == 0:
         report.import_writer_in_background()
@@ -217,7 +217,7 @@ def flops_per_sample(telemetry: Telemetry, amp: Amp, model: nn.Module, forward: 
 def hang_watchdog(config: TrainConfig, runtime: Runtime, global_step: int, save_dir: str,
                   save_last_step: Callable[[dict[str, Any]], str]) -> Optional[Watchdog]:
     """--hang-timeout's watchdog, started (None with 0): rank 0's saves the last completed step through
-    `save_last_step` when it decides (MULTI_GPU_GUIDE.md, "When a run hangs")."""
+    `save_last_step` when it decides (docs/hangs.md, "When a run hangs")."""
     seconds = config.watchdog_seconds
     if not seconds:
         return None

@@ -111,7 +111,7 @@ def already_complete(path: str, progress: Progress, monitor: Optional[str], has_
 
 def other_world_size(saved: int, now: int, builtin_schedule: bool, scheduler_interval: str) -> str:
     """The line of a resume at another world size: the data position is kept in global samples; the built-in
-    schedule was moved to the same point of training in this run's steps (MULTI_GPU_GUIDE.md, "Resume on
+    schedule was moved to the same point of training in this run's steps (docs/checkpoints.md, "Resume on
     another world size")."""
     if builtin_schedule:
         schedule = "the LR schedule continues at the same point in samples"
@@ -188,7 +188,7 @@ def save_from_replica(replica: Replica, stuck: dict[int, Any], stateful: Callabl
     """Rank 0: a checkpoint of the last completed optimizer step from its own replica, without a collective
     (a lost peer, a hang); the line that says where it is, or why none was written.
 
-    Written only where it is exactly what every rank would have saved at that step (MULTI_GPU_GUIDE.md, "When
+    Written only where it is exactly what every rank would have saved at that step (docs/hangs.md, "When
     a run hangs"): not when that step is saved already, not when random numbers were drawn since every rank's
     generators were last gathered (then the other ranks' are unknown, and rank 0's own may be the next step's),
     and not when the next step's forward has already updated the model's buffers (BatchNorm's statistics)."""
@@ -250,7 +250,7 @@ class Resumable(Protocol):
 def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
     """A checkpoint (a file's state, or a sharded folder's at `path`) into the live run; this run's LR and
     weight decay hold from the next step, the schedule continuing at the same point of training in this run's
-    steps (MULTI_GPU_GUIDE.md, "Resume")."""
+    steps (docs/sweeps.md, "Resume")."""
     built = group_settings(run.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
     run.checkpointer.load_into(run.stateful(), saved, path)
     keep_run_settings(run.optimizer, run.scheduler, built,

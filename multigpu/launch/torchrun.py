@@ -5,7 +5,7 @@
 Plain torchrun turns every worker exit other than 0 into its own status 1 and
 a `ChildFailedError` report, and a clean stop on SIGTERM/Ctrl-C (the workers
 checkpoint and exit 0) into status 1 and a `SignalException` traceback (see
-MULTI_GPU_GUIDE.md, "What plain torchrun users see"). This runs torchrun's own
+docs/launcher.md, "How a run ends"). This runs torchrun's own
 code in this process, unchanged (same flags, rendezvous, restarts, signal
 forwarding and grace period), with two differences:
 

@@ -60,7 +60,7 @@ class Amp:
         self.device_type = device_type
         self._nothing = contextlib.nullcontext()
         # A plain flag: the training step tests it rather than entering a no-op context on every step
-        # (MULTI_GPU_GUIDE.md, "Per-step overhead"); `scaling` likewise, kept by the scaler's setter.
+        # (docs/measured.md, "Per-step overhead"); `scaling` likewise, kept by the scaler's setter.
         self.autocasts = dtype is not None and not sharded
 
     @property

@@ -16,7 +16,7 @@ agree at the epoch's end, so they all stop together after the same epoch.
 A callback that sets `trainer.eval_model` to a module of its own has evaluation (and so best.pt) and
 `trainer.predict` use it instead of the trained model (EMA does).
 The built-in features (early stopping, EMA) are callbacks themselves: read them as examples
-(MULTI_GPU_GUIDE.md, "Your own task").
+(docs/data.md, "Your own task").
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ HOOKS = ("on_fit_start", "on_step_end", "on_epoch_end", "on_validation_end", "on
 
 class Trainer(Protocol):
     """What a callback is given: the trainer (train_multi_gpu.MultiGPUTrainer), of which the built-in callbacks
-    use these; yours may use any of its attributes (MULTI_GPU_GUIDE.md, "Callbacks")."""
+    use these; yours may use any of its attributes (docs/data.md, "Callbacks")."""
 
     model: torch.nn.Module
     progress: Progress

@@ -2,7 +2,7 @@
 
 The set is cut into the same fixed batches whatever the world size, and rank r
 evaluates batches r, r+W, ... with no padding (DistributedSampler would repeat
-samples, MULTI_GPU_GUIDE.md "Exact evaluation"). Each batch's sums and counts go
+samples, docs/data.md "Exact evaluation"). Each batch's sums and counts go
 into one row of a table; the table is all-reduced (each row comes from one rank,
 the others add zeros) and summed in batch order, so 1, 2 or 3 ranks give
 bit-identical numbers. No collective runs per batch, so ranks with one batch

@@ -1,4 +1,4 @@
-"""--float8 tensorwise|rowwise: Linear layers trained in float8 through torchao (MULTI_GPU_GUIDE.md, "float8").
+"""--float8 tensorwise|rowwise: Linear layers trained in float8 through torchao (docs/speed.md, "float8").
 
 torchao's `convert_to_float8_training` swaps each chosen nn.Linear for its Float8Linear, whose matmuls cast
 inputs, weights and gradients to float8 with dynamic scales (one per tensor, or one per row) and run on the

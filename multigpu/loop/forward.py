@@ -18,7 +18,7 @@ The loss is the model's own when its outputs carry one (`outputs.loss`,
 `(logits, loss)`), and then `loss_fn` is not applied; else
 `loss_fn(outputs, targets)`. Anything else is one ValueError at the first batch
 naming the `forward_fn=lambda model, batch: (outputs, targets)` that would fit
-(MULTI_GPU_GUIDE.md, "Your own task").
+(docs/data.md, "Your own task").
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ModelForward:
         """One line: what is wrong, the batch's structure, the signature, and the forward_fn that would fit."""
         fitted = f" to fit the model's forward{_plain_signature(self.signature)}" if self.signature is not None else ""
         return (f"{problem}, got {describe(batch)}; pass forward_fn=lambda model, batch: {fits}{fitted} "
-                f"(MULTI_GPU_GUIDE.md, \"Your own task\")")
+                f"(docs/data.md, \"Your own task\")")
 
 
 def _signature(model: Any) -> Optional[inspect.Signature]:

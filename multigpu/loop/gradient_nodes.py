@@ -8,7 +8,7 @@ parameter, which Python also holds, so torch takes Python's lock to count that
 reference (twice per parameter per step). DDP's reducer holds the nodes itself;
 a hand-written loop holds them without knowing it, in its `loss` variable,
 until the next step's forward has used them. Holding them here gives the
-single-process and DataParallel paths the same (MULTI_GPU_GUIDE.md, "Per-step
+single-process and DataParallel paths the same (docs/measured.md, "Per-step
 overhead"). Nothing computed changes: these are the very nodes autograd uses.
 """
 

@@ -9,7 +9,7 @@ the first device. Below `min_per_device x devices` samples the batch runs on
 the first device alone: splitting a small batch costs more (copies, one
 kernel launch per device, the join) than it saves. `min_per_device="auto"`
 measures where splitting starts to win, once per model, input shape and device
-list (MULTI_GPU_GUIDE.md, "Prediction").
+list (docs/prediction.md, "Prediction").
 
 On GPUs it is torch's own DataParallel machinery (replicate, parallel_apply,
 gather) with one difference: torch's scatter cuts with `chunk`, whose chunks

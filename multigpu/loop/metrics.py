@@ -3,7 +3,7 @@
 A metric is a function `(outputs, targets) -> per-sample values` (a tensor with
 one value per sample) or `-> (sum, count)`. Evaluation adds up sums and counts
 over every batch and rank and divides once at the end, never a mean of means,
-so any world size gives the single-process numbers (MULTI_GPU_GUIDE.md,
+so any world size gives the single-process numbers (docs/data.md,
 "Exact evaluation").
 
 Built-ins: `acc` (top-1 accuracy; also spelt `accuracy`), `acc_top5` (any k:

@@ -147,7 +147,7 @@ def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float]) -> N
     A resume does it, so the rest of the run follows this run's settings: a new
     --lr or --epochs, or another number of processes, whose steps per epoch
     differ (the schedule continues from the same point of training counted in
-    samples; MULTI_GPU_GUIDE.md, "Resume on another world size"). With the
+    samples; docs/checkpoints.md, "Resume on another world size"). With the
     settings unchanged it sets exactly what the schedule's own step would.
     """
     scheduler.base_lrs = list(base_lrs)
@@ -168,7 +168,7 @@ def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str
                       builtin_schedule: bool, builtin_optimizer: bool) -> None:
     """After a resume has loaded the checkpoint's optimizer and scheduler: this run's LR and weight decay (`built`,
     from `group_settings` before the load) hold from the next step, as the changed-settings line says; the
-    optimizer's state (its moments, step counts) and the schedule's position continue (MULTI_GPU_GUIDE.md,
+    optimizer's state (its moments, step counts) and the schedule's position continue (docs/sweeps.md,
     "Resume").
 
     Weight decay is this run's in every group (no scheduler changes it). The built-in schedule moves to `step`

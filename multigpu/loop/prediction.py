@@ -1,12 +1,12 @@
 """Predictions over a data set: every sample exactly once, in dataset order, for any world size.
 
 The set is cut into the same fixed batches as evaluation, and rank r runs
-batches r, r+W, ... with no padding (MULTI_GPU_GUIDE.md, "Exact evaluation"),
+batches r, r+W, ... with no padding (docs/data.md, "Exact evaluation"),
 so each batch holds the same samples as in one process and its outputs are
 bit-identical to one process's. The ranks then exchange their outputs (as CPU
 tensors) a chunk of batches at a time and put them back in batch order: on
 every rank for an in-memory result, or on rank 0 alone, which streams them to
-a file, when the set may not fit in memory (MULTI_GPU_GUIDE.md, "Prediction").
+a file, when the set may not fit in memory (docs/prediction.md, "Prediction").
 Every rank joins the same number of exchanges, so ranks with a batch more or
 less cannot hang.
 """

@@ -36,7 +36,7 @@ class TrainStep:
     def __call__(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples (`sizes`:
         each micro-batch's). DDP all-reduces (fsdp reduce-scatters) only in the last micro-batch's backward: the
-        others run in no_sync (MULTI_GPU_GUIDE.md, "The effective-batch rule")."""
+        others run in no_sync (docs/scaling.md, "The effective-batch rule")."""
         BEAT.phase = heartbeat.DATA  # and again after each backward: the next fetch
         for size in sizes[:-1]:
             with self.no_sync():

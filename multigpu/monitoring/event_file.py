@@ -4,7 +4,7 @@ torch's SummaryWriter hands each event to a background thread that competes
 with the training loop for Python's interpreter lock: on
 benchmarks/step_overhead.py's tiny model (about 300 us a step) the events cost
 the loop 19 us per step that way, in one in-process comparison
-(MULTI_GPU_GUIDE.md, "Speed"). Here the loop writes them itself, at sync points
+(docs/speed.md, "Speed"). Here the loop writes them itself, at sync points
 (every --log-every steps), where the host has waited for the device anyway.
 Events are held for at most `max_delay` seconds (1 s) and then written and
 flushed together: a run whose logging intervals take longer than that writes

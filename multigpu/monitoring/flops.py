@@ -5,7 +5,7 @@ device's peak. The count is exact for what the model runs (torch's
 FlopCounterMode over one forward and backward, the optimizer left out, as
 usual for MFU); the peak comes from the table below, dense (no sparsity)
 figures from NVIDIA's data sheets. A GPU that is not in the table gets no MFU:
-it is never guessed (MULTI_GPU_GUIDE.md, "Speed").
+it is never guessed (docs/speed.md, "Speed").
 """
 
 from __future__ import annotations

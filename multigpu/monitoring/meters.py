@@ -3,7 +3,7 @@
 Each step adds its loss to a device tensor (no host sync); at a sync point
 (`--log-every` steps, save steps, epoch ends) one all-reduce carries the
 interval's per-step losses, its sample count and every rank's stop vote, so
-all ranks decide alike (MULTI_GPU_GUIDE.md, "When the loss becomes NaN or inf").
+all ranks decide alike (docs/scaling.md, "When the loss becomes NaN or inf").
 """
 
 from __future__ import annotations

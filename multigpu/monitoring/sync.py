@@ -1,4 +1,4 @@
-"""Sync points: the log steps, epoch ends and save steps where the ranks compare notes (MULTI_GPU_GUIDE.md,
+"""Sync points: the log steps, epoch ends and save steps where the ranks compare notes (docs/scaling.md,
 "When the loss becomes NaN or inf").
 
 Between them a step costs no host sync; at one, a single all-reduce carries the

@@ -1,7 +1,7 @@
 """Where the training time goes, how much memory it takes, and how close it runs to the device's peak.
 
 Measured between sync points and read only at them (--log-every steps), so it
-adds no host sync to a step (MULTI_GPU_GUIDE.md, "Speed"):
+adds no host sync to a step (docs/speed.md, "Speed"):
 
 - time/: the shares of the time spent waiting for data, copying batches to the
   device and computing (forward, backward, optimizer, and under DDP the wait for

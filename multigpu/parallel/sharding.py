@@ -5,7 +5,7 @@ Each repeated block (a child of an nn.ModuleList/nn.Sequential that holds a fair
 share of the parameters, or the classes --fsdp-blocks names) becomes its own FSDP
 unit, then the root, as torchtitan shards each transformer block: a block's
 parameters are gathered just before its forward and freed after it, so a rank holds
-1/N of the model plus one block at a time (MULTI_GPU_GUIDE.md, "Sharded training").
+1/N of the model plus one block at a time (docs/sharding.md, "Sharded training").
 
 Mixed precision is FSDP2's own MixedPrecisionPolicy: the sharded master weights stay
 fp32, forward and backward compute in the --amp dtype, gradients are reduced in fp32.
@@ -92,7 +92,7 @@ def root_policy(amp_dtype: Optional[torch.dtype]) -> Any:
 
 
 # The dimensions of a hybrid mesh, as torchtitan names them: parameters are Replicate() over the first and
-# Shard(0) over the second (MULTI_GPU_GUIDE.md, "Hybrid sharding").
+# Shard(0) over the second (docs/sharding.md, "Hybrid sharding").
 MESH_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -137,7 +137,7 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     replica groups of a hybrid mesh before the last micro-step, whose all-reduce is the step's only one across
     them. Meanwhile each rank sums the whole gradients with no collective at all, or with `keep_sharded`
     (--fsdp-accumulate sharded) each micro-step reduce-scatters within its shard group and the rank sums 1/S of
-    them (MULTI_GPU_GUIDE.md, "Hybrid sharding")."""
+    them (docs/sharding.md, "Hybrid sharding")."""
     setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync  # type: ignore
 
     @contextlib.contextmanager

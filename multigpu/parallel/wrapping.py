@@ -16,7 +16,7 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
     """The plain module on this process's device, in the form it trains in; `wrap_model` then wraps it.
 
     --sync-bn converts BatchNorm (a CUDA feature: it raises in training mode on
-    the CPU; MULTI_GPU_GUIDE.md, "BatchNorm"). --channels-last converts the
+    the CPU; docs/scaling.md, "BatchNorm"). --channels-last converts the
     weights here, before the DDP wrap, so DDP's buckets match their layout.
     --compile compiles the module in place (`module.compile()`, the order
     torch's documentation gives for DDP: compile the module, then wrap it), so
@@ -44,7 +44,7 @@ def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
     place (fsdp, in `amp_dtype`: multigpu/parallel/sharding.py), or the module itself.
 
     Small per-device batches with BatchNorm get a warning, since their statistics
-    then depend on the device count (MULTI_GPU_GUIDE.md, "BatchNorm").
+    then depend on the device count (docs/scaling.md, "BatchNorm").
     """
     nn = torch.nn
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

@@ -1,7 +1,7 @@
 """What the hang watchdog says: the diagnosis of every rank's heartbeat, the summary lines,
 <save-dir>/hang_report.txt, and NCCL's flight recorder.
 
-multigpu/resilience/watchdog.py decides when; this module decides what (MULTI_GPU_GUIDE.md, "When a run hangs").
+multigpu/resilience/watchdog.py decides when; this module decides what (docs/hangs.md, "When a run hangs").
 The checkpoint of the last completed step is the trainer's to write (multigpu/engine/state.py, save_from_replica):
 the watchdog is handed a function that writes it.
 """
@@ -126,7 +126,7 @@ def summary(verdict: dict[str, Any], saved: str, path: str, exit_status: int) ->
 def write(path: str, lines: list[str], beats: dict[int, dict[str, Any]], stacks: dict[int, str],
           backend: Optional[str], save_dir: str, world_size: int) -> None:
     """<save-dir>/hang_report.txt: the summary, each rank's heartbeat, each rank's main-thread stack."""
-    parts = [f"# hang report written {time.strftime('%Y-%m-%d %H:%M:%S')} (MULTI_GPU_GUIDE.md, \"When a run hangs\")",
+    parts = [f"# hang report written {time.strftime('%Y-%m-%d %H:%M:%S')} (docs/hangs.md, \"When a run hangs\")",
              *lines, "", "## heartbeats (the last each rank published)"]
     for rank, beat in sorted(beats.items()):
         parts.append(f"rank {rank} (host {beat['host']}, pid {beat['pid']}): step {beat['step']}, phase {beat['phase']}, "

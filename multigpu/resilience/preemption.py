@@ -30,7 +30,7 @@ class StopRequest:
     A SIGTERM within `repeat_window` seconds of the first is the same request
     delivered twice, not a second one: SLURM signals every process of a job step
     (torchrun and its workers), and torchrun forwards the signal to the workers
-    as well (MULTI_GPU_GUIDE.md, "SLURM").
+    as well (docs/launcher.md, "SLURM").
     """
 
     def __init__(self, repeat_window: float = 2.0) -> None:

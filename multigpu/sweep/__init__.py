@@ -3,7 +3,7 @@
     python sweep_multi_gpu.py --num-seeds 3 --grid lr=1e-3,3e-3 -- --epochs 5
     python main_multi_gpu.py --num-seeds 3 --max-gpus 4 --epochs 5     # the same sweep
 
-One concern per module (MULTI_GPU_GUIDE.md, "Sweeps"):
+One concern per module (docs/sweeps.md, "Sweeps"):
 
 - options:    the sweep's own flags, and telling them apart from the training flags
 - plan:       the grid, the experiment list, its shards, and the fingerprint that a resume must match

@@ -2,7 +2,7 @@
 
 Two spellings of one sweep: `sweep_multi_gpu.py [sweep flags] -- [training flags]`, and the design
 notes' `main_multi_gpu.py --num-seeds N --max-gpus G [training flags]`, where the two kinds are mixed.
-Every sweep flag is also accepted with underscores (`--num_seeds`). See MULTI_GPU_GUIDE.md, "Sweeps".
+Every sweep flag is also accepted with underscores (`--num_seeds`). See docs/sweeps.md, "Sweeps".
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sweep_multi_gpu.py", allow_abbrev=False,
         usage="%(prog)s [sweep flags] -- [training flags of main_multi_gpu.py]",
         description="Run many independent training runs (seeds x a grid) over the devices, "
-                    "one run per device slot; resumable. See MULTI_GPU_GUIDE.md, Sweeps.")
+                    "one run per device slot; resumable. See docs/sweeps.md.")
     for flag, kwargs in FLAGS.items():
         parser.add_argument(*_spellings(flag), **kwargs)
     return parser

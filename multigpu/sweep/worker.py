@@ -163,7 +163,7 @@ def _fault_env() -> str:
 
 @contextlib.contextmanager
 def _fault_injected(spec: Optional[str]) -> Iterator[None]:
-    """Test-only: arm the trainer's fault injector (MULTI_GPU_GUIDE.md, the fault injector) for this attempt."""
+    """Test-only: arm the trainer's fault injector (docs/checkpoints.md, "Testing it yourself") for this attempt."""
     name = _fault_env()
     previous = os.environ.pop(name, None)
     if spec:

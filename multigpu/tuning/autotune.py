@@ -1,5 +1,5 @@
 """--autotune: the run's first optimizer steps measure the settings that change how fast a step runs but not
-what it computes, and the rest of the run keeps the fastest (MULTI_GPU_GUIDE.md, "--autotune").
+what it computes, and the rest of the run keeps the fastest (docs/speed.md, "--autotune").
 
 Every trial step is a real training step: nothing is lost or repeated, and the run ends with the weights a
 run given the chosen settings directly ends with, within floating-point rounding. What is tried:
@@ -38,7 +38,7 @@ STEPS_EACH = 5  # steps per setting: the first pays for the switch, the median o
 COMPILE_WARMUP = 3  # compiled steps not timed: the first compiles, the next may recompile (a new shape)
 # What a compile is expected to cost before it is tried, and to gain: a round guess, not a measurement (resnet18
 # at 32 px on 2 busy CPU cores compiled in 218 s cold and about 10 s with inductor's cache warm, while its eager
-# steps took 15-40 s instead of 0.8; compiled, it was x1.21 eager: MULTI_GPU_GUIDE.md "--autotune").
+# steps took 15-40 s instead of 0.8; compiled, it was x1.21 eager: docs/speed.md "--autotune").
 EXPECTED_COMPILE_SECONDS = {"cpu": 60.0, "cuda": 60.0}
 EXPECTED_GAIN = 0.10  # compiled steps this much faster: the saving a compile is weighed against before it is tried
 BETTER_BY = 0.03  # a setting replaces the one as given only when it is this much faster (not on noise)

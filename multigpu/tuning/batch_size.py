@@ -7,7 +7,7 @@ them, so they never disagree. The batch doubles until a step runs out of
 memory, then bisection narrows the gap, and 10% is taken off the largest that
 fitted, for memory that varies from step to step. Afterwards the model, the
 optimizer and the RNG are restored exactly; the data order is untouched, since
-the loader is not used (MULTI_GPU_GUIDE.md, "Speed").
+the loader is not used (docs/speed.md, "Speed").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Freed CPU memory kept for the next step, when training on the CPU (MULTI_GPU_GUIDE.md, "Speed").
+"""Freed CPU memory kept for the next step, when training on the CPU (docs/speed.md, "Speed").
 
 On the CPU a step's activations and gradients are allocated and freed by the C library's malloc, every step.
 glibc's malloc serves a block above its mmap threshold (128 KiB at first, raised to the largest block freed,

@@ -8,7 +8,7 @@ the optimizer, the libraries) lives for the whole run anyway, so it is frozen
 (`gc.freeze()`): collections during training look only at the objects training
 makes. On benchmarks/step_overhead.py's tiny model this took the trainer's cost
 over a plain loop from 61 to 38 us per step, in one in-process comparison
-(MULTI_GPU_GUIDE.md, "Speed").
+(docs/speed.md, "Speed").
 
 The same walk ends every process: the interpreter's last full collection,
 after the atexit handlers, takes over a second once torch and torch._dynamo
@@ -45,7 +45,7 @@ _skipping_at_exit = False
 
 def skip_the_collection_at_exit() -> None:
     """Freeze every object at exit, so the interpreter's final collection has nothing to walk: on a 2-core
-    CPU a training run's end, after its last atexit handler, went from 1.5 s to 0.27 s (MULTI_GPU_GUIDE.md,
+    CPU a training run's end, after its last atexit handler, went from 1.5 s to 0.27 s (docs/speed.md,
     "Speed").
 
     Safe at that point: objects still die by reference counting as the interpreter clears its modules, and

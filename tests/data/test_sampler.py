@@ -68,7 +68,7 @@ def train_recording(tmp_path: Path, world_size: int, seed: int) -> dict[str, Any
     model, data = dropout_model(seed), Augmented(SIZE)
     config = config_for(tmp_path, world_size, seed=seed, epochs=EPOCHS, batch_size=BATCH, num_workers=0)
     trainer = MultiGPUTrainer(model, data, None, config)
-    data.log.clear()  # the samples the trainer read at start to count FLOPs per sample (MULTI_GPU_GUIDE.md, "MFU")
+    data.log.clear()  # the samples the trainer read at start to count FLOPs per sample (docs/speed.md, "MFU")
     masks: list[torch.Tensor] = []
     model[2].register_forward_hook(lambda module, args, output: masks.append((output == 0) & (args[0] != 0)))
     trainer.fit()

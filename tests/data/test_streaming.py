@@ -135,19 +135,19 @@ def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_worker
         f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
         f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
         f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
-        f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, "
+        f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
         f"\"Your own data\")"])
     if world == 1:  # 2 workers that both read everything: twice the length, or the same first batch
         assert said["shards_itself but reads all"] == [
             "warning: the first pass of the training stream gave 60 samples over 1 rank(s) x 2 worker(s), and its "
             "__len__ is 30: each sample read about 2 times, by several (rank, worker)s; the trainer took it as a "
             "stream that splits over ranks and workers by itself (its shards_itself attribute). Read the rank and "
-            "worker in __iter__, or set shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")"]
+            "worker in __iter__, or set shards_itself (docs/data.md, \"Your own data\")"]
         assert said["no __len__, shards_itself but reads all"] == [
             "warning: in the first pass of the training stream rank 0 worker 0 and rank 0 worker 1 read the same "
             "first batch: samples are read more than once; the trainer took it as a stream that splits over ranks "
             "and workers by itself (its shards_itself attribute). Read the rank and worker in __iter__, or set "
-            "shards_itself (MULTI_GPU_GUIDE.md, \"Your own data\")"]
+            "shards_itself (docs/data.md, \"Your own data\")"]
 
 
 @pytest.mark.parametrize("kind", ["splits workers", "hf"])
