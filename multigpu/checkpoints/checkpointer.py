@@ -8,7 +8,6 @@ decision is taken on rank 0 and shared, so ranks never disagree
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Optional, Protocol
@@ -18,7 +17,7 @@ import torch
 from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, run_folders, run_settings, savedir, sharded
 from multigpu.checkpoints.checkpoint import CheckpointError
-from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
+from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.resilience import faults, preemption
@@ -28,27 +27,6 @@ PROGRESS = "progress"
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
 MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "train_size", "optimizer_class",
                         "scheduler_class")
-
-
-def with_run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Optional[str]]:
-    """`config` with its save-dir chosen when --save-dir was not given, and the line that says so.
-
-    Each run then gets a folder of its own under checkpoints/ (run-1, run-2, ...),
-    so running one command twice keeps both runs; --resume auto continues the
-    newest. Rank 0 chooses, every rank learns its choice.
-    """
-    if config.save_dir is not None:
-        return config, None
-    choice = None
-    if runtime.is_main:
-        try:
-            choice = (*run_folders.choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
-        except UsageError as error:  # runs are there, none with these settings: every rank stops
-            choice = ("", "", str(error))
-    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
-    if refusal:
-        raise UsageError(refusal)
-    return dataclasses.replace(config, save_dir=path), line
 
 
 class Says(Protocol):
@@ -62,7 +40,7 @@ class Checkpointer:
 
     def __init__(self, config: TrainConfig, runtime: Runtime, report: Says):
         self.config, self.runtime, self.report = config, runtime, report
-        self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by with_run_folder
+        self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by engine/build.py's run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)
         self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
         self.saved_step: Optional[int] = None  # its optimizer step

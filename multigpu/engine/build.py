@@ -16,11 +16,11 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from multigpu.checkpoints import checkpoint
-from multigpu.checkpoints.checkpointer import Checkpointer, with_run_folder
+from multigpu.checkpoints import checkpoint, run_folders
+from multigpu.checkpoints.checkpointer import Checkpointer
 from multigpu.checkpoints.export import ExportOnEnd
 from multigpu.checkpoints.weights import InitFrom
-from multigpu.config import TrainConfig
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.data.batches import batch_mover, batch_size, sample_batch
 from multigpu.data.feed import TrainingData
 from multigpu.errors import UsageError
@@ -36,7 +36,7 @@ from multigpu.lr_scaling import effective_batch, scaled_lr
 from multigpu.monitoring.reporting import Reporter
 from multigpu.monitoring.telemetry import Telemetry
 from multigpu.parallel import sharding
-from multigpu.parallel.distributed import Runtime, is_distributed, setup
+from multigpu.parallel.distributed import Runtime, gather_objects, is_distributed, setup
 from multigpu.parallel.wrapping import prepare_model, wrap_model
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import Watchdog
@@ -65,13 +65,34 @@ def process_group(config: TrainConfig, runtime: Optional[Runtime]) -> tuple[Runt
     return made, runtime is None and is_distributed() and not group_before
 
 
+def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Optional[str]]:
+    """`config` with its save-dir chosen when --save-dir was not given, and the line that says so.
+
+    Each run then gets a folder of its own under checkpoints/ (run-1, run-2, ...),
+    so running one command twice keeps both runs; --resume auto continues the
+    newest. Rank 0 chooses, every rank learns its choice.
+    """
+    if config.save_dir is not None:
+        return config, None
+    choice = None
+    if runtime.is_main:
+        try:
+            choice = (*run_folders.choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
+        except UsageError as error:  # runs are there, none with these settings: every rank stops
+            choice = ("", "", str(error))
+    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
+    if refusal:
+        raise UsageError(refusal)
+    return dataclasses.replace(config, save_dir=path), line
+
+
 def run_folder_and_report(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Reporter]:
     """The config with its save-dir chosen (a new run-N folder when --save-dir was not given), and rank 0's
     console, progress bar and TensorBoard, which says the folder first."""
-    config, run_folder = with_run_folder(config, runtime)
+    config, chosen = run_folder(config, runtime)
     report = Reporter(config, runtime.is_main)
-    if run_folder:
-        report.line(run_folder)
+    if chosen:
+        report.line(chosen)
     return config, report
 
 
