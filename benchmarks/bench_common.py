@@ -8,7 +8,7 @@ import datetime
 import os
 import platform
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def benchmark_parser(description: Optional[str], *, rounds: int, steps: int, batch: int, log_every: int,
@@ -54,6 +54,23 @@ def machine_line() -> str:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"{devices}, {os.cpu_count()} CPU cores; torch {torch.__version__}, Python {platform.python_version()}; "
             f"{date}")
+
+
+def alternating_rounds(rounds: int, workloads: Sequence[str], variants: Sequence[str],
+                       run: Callable[[str, str], Any], describe: Callable[[Any], str]
+                       ) -> tuple[dict[tuple[str, str], list[Any]], tuple[float, float]]:
+    """Every workload under every variant, `rounds` times, the variants' order reversed every other round so
+    neither always runs first on a warmer machine; each figure printed as it comes. The figures by (workload,
+    variant), and the load average before and after (the machine is shared: the table says how busy it was)."""
+    results: dict[tuple[str, str], list[Any]] = {}
+    load_before = os.getloadavg()[0]
+    for round_index in range(rounds):
+        for workload in workloads:
+            for variant in (variants if round_index % 2 == 0 else list(reversed(variants))):
+                figures = run(workload, variant)
+                results.setdefault((workload, variant), []).append(figures)
+                print(f"round {round_index + 1}: {workload}, {variant}: {describe(figures)}", flush=True)
+    return results, (load_before, os.getloadavg()[0])
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -27,7 +27,8 @@ from typing import Any, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import benchmark_parser, logged_rates, machine_line, steady, write_markdown  # noqa: E402
+from bench_common import (alternating_rounds, benchmark_parser, logged_rates, machine_line,  # noqa: E402
+                          steady, write_markdown)
 
 WORKLOADS = ("synthetic 1x28x28, cnn", "text, gpt", "CIFAR-sized tensors, cnn",
              "CIFAR-sized tensors + crop and flip, cnn")
@@ -111,16 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     workloads = [WORKLOADS[int(n) - 1] for n in args.only.split(",")] if args.only else list(WORKLOADS)
-    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    load_before = os.getloadavg()[0]
-    for round_index in range(args.rounds):
-        for workload in workloads:
-            for mode in (("off", "on") if round_index % 2 == 0 else ("on", "off")):
-                figures = run(workload, mode, args)
-                results.setdefault((workload, mode), []).append(figures)
-                print(f"round {round_index + 1}: {workload}, --data-on-device {mode}: "
-                      f"{figures['samples_per_sec']:.0f} samples/s", flush=True)
-    load_after = os.getloadavg()[0]
+    results, (load_before, load_after) = alternating_rounds(
+        args.rounds, workloads, ["--data-on-device off", "--data-on-device on"],
+        lambda workload, variant: run(workload, variant.split()[-1], args),
+        lambda figures: f"{figures['samples_per_sec']:.0f} samples/s")
+    results = {(workload, variant.split()[-1]): runs for (workload, variant), runs in results.items()}
     rows = []
     for workload in workloads:
         loader = [run_["samples_per_sec"] for run_ in results[(workload, "off")]]

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import benchmark_parser, logged_rates, machine_line, steady, write_markdown  # noqa: E402  (after the path set-up)
+from bench_common import (alternating_rounds, benchmark_parser, logged_rates, machine_line,  # noqa: E402
+                          steady, write_markdown)
 
 WORKLOADS = {"cnn 1x28x28": ["--model", "cnn", "--image-shape", "1,28,28"],
              "resnet18 3x32x32": ["--model", "resnet18", "--image-shape", "3,32,32"]}
@@ -58,17 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     gpu = torch.cuda.is_available()
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    load_before = os.getloadavg()[0]
-    for round_index in range(args.rounds):
-        order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
-        for workload, workload_args in WORKLOADS.items():
-            for variant in order:
-                figures = run(args, workload_args, VARIANTS[variant], gpu)
-                results.setdefault((workload, variant), []).append(figures)
-                print(f"round {round_index + 1}: {workload}, {variant}: {figures[0]:.0f} samples/s, run "
-                      f"{figures[1]:.1f} s", flush=True)
-    load_after = os.getloadavg()[0]
+    results, (load_before, load_after) = alternating_rounds(
+        args.rounds, list(WORKLOADS), list(VARIANTS),
+        lambda workload, variant: run(args, WORKLOADS[workload], VARIANTS[variant], gpu),
+        lambda figures: f"{figures[0]:.0f} samples/s, run {figures[1]:.1f} s")
     rows = []
     for workload in WORKLOADS:
         plain = statistics.median(rate for rate, _ in results[(workload, "plain")])
