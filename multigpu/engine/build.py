@@ -104,7 +104,7 @@ def precision(config: TrainConfig, runtime: Runtime, say: Callable[[str], None])
 
 def model_on_device(model: nn.Module, config: TrainConfig, runtime: Runtime, say: Callable[[str], None]) -> nn.Module:
     """The plain module in the form it trains in, on this process's device: --float8, --sync-bn,
-    --channels-last and --compile applied (multigpu/parallel/distributed.py); what fsdp cannot do is refused
+    --channels-last and --compile applied (multigpu/parallel/wrapping.py); what fsdp cannot do is refused
     first."""
     if runtime.mode == "fsdp":
         sharding.refuse_unsupported(config)

@@ -1,4 +1,4 @@
-"""--compile and --channels-last (multigpu/parallel/distributed.py prepare_model): each trains to what the plain model
+"""--compile and --channels-last (multigpu/parallel/wrapping.py prepare_model): each trains to what the plain model
 trains to, compiled checkpoints keep plain keys, and a run resumes compiled or not whichever way it was saved."""
 
 from __future__ import annotations
