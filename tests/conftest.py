@@ -156,13 +156,15 @@ def guide_text() -> str:
     return "\n".join(page.read_text() for page in GUIDE_PAGES)
 
 
-def guide_commands(script: str) -> list[tuple[Optional[int], list[str]]]:
-    """The commands of the guide's ```bash blocks (every page) that run `script` (lines starting with torchrun
-    or python), each as (torchrun's --nproc_per_node, or None without torchrun; the script's arguments)."""
+def guide_commands(script: str, page: Optional[str] = None) -> list[tuple[Optional[int], list[str]]]:
+    """The commands of the guide's ```bash blocks (every page, or the one `page` relative to the repository) that
+    run `script` (lines starting with torchrun or python), each as (torchrun's --nproc_per_node, or None without
+    torchrun; the script's arguments)."""
     import re
     import shlex
 
-    blocks = re.findall(r"```bash\n(.*?)```", guide_text(), re.S)
+    text = (REPO / page).read_text() if page else guide_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     commands = []
     for line in (line.strip() for block in blocks for line in block.splitlines()):
         if re.match(rf"(torchrun|python) .*{re.escape(script)}", line):

@@ -41,11 +41,11 @@ def validation_labels(state: dict) -> list[int]:
 
 
 def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training_recorded(trained, tmp_path):
-    """The guide's commands as written (2-process DDP to .csv and .pt, then a folder of unlabeled images)."""
+    """The prediction page's commands as written (2-process DDP to .csv and .pt, then a folder of unlabeled images)."""
     (tmp_path / "runs" / "demo").mkdir(parents=True)
     shutil.copy(trained, tmp_path / "runs" / "demo" / "best.pt")
     image_folder(tmp_path / "photos", {"batch1": ["cat", "dog"], "batch0": ["x"]}, per_class=2)
-    commands = guide_commands("predict_multi_gpu.py")
+    commands = guide_commands("predict_multi_gpu.py", page="docs/prediction.md")
     assert [(nproc, args[args.index("--output") + 1]) for nproc, args in commands] == [
         (2, "predictions.csv"), (2, "outputs.pt"), (None, "photos.csv")]
     results = [run_cli(args, nproc=nproc, cwd=tmp_path, script=SCRIPT) for nproc, args in commands]
