@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import PYTHON, REPO, RUN_TIMEOUT, assert_ok
 
 USER_SCRIPT = '''
@@ -76,3 +78,13 @@ def test_the_package_never_imports_an_entry_script():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             found += [f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0] in entries]
     assert found == []
+
+
+def test_pyproject_installs_every_subpackage_of_the_checkout() -> None:
+    """A subpackage missing from pyproject's list is left out of `pip install .`, and the installed trainer
+    fails at its first import of it (what the whole-install test above finds after a minute; this in a moment)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "multigpu").rglob("__init__.py")}
+    on_disk |= {"multigpu.data", "multigpu.models"}  # data/ and models/, installed inside multigpu
+    assert listed == on_disk
