@@ -434,6 +434,7 @@ def test_a_full_disk_at_start_is_refused_before_training(save_dir):
     assert_untouched(save_dir, before)
 
 
+@pytest.mark.slow
 def test_a_save_dir_too_small_for_the_checkpoints_is_refused_at_start_unless_allowed(tmp_path):
     # A real 3 MB file system; the run's checkpoints (the mlp's, 1.1 MB each) need 3.3 MB at the most.
     save_dir, command = tmp_path / "small" / "ckpt", cli_command([*BASE, "--mode", "flatten", "--model", "mlp",

@@ -283,6 +283,7 @@ def checkout_state() -> set[str]:
     return {line for line in status.splitlines() if "__pycache__" not in line and ".pytest_cache" not in line}
 
 
+@pytest.mark.slow
 def test_every_documented_command_runs(tmp_path: Path) -> None:
     runnable = [block for block in all_blocks() if not block.illustrative and not block.pending]
     reader = [block for doc in READER for block in runnable if block.doc == doc]  # all of them, repeats too

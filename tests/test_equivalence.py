@@ -125,6 +125,7 @@ def assert_training_moved(outcome: Outcome) -> None:
     assert max_difference(outcome.weights, tiny_model().state_dict()) > 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_ddp_equals_one_process_with_the_whole_batch(ddp, tmp_path, optimizer):
     single = train(tmp_path, 1, **WHOLE_BATCH, **OPTIMIZERS[optimizer])

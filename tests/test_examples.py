@@ -30,6 +30,7 @@ def run_example(name: str, save_dir: Path, *extra: str, nproc: int | None = None
                    env={FAULT_ENV: fault} if fault else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_under_torchrun(name, tmp_path):
     _, monitor = EXAMPLES[name]
@@ -65,6 +66,7 @@ TINY = ["--train-size", "256", "--val-size", "64", "--batch-size", "16", "--epoc
         "--dist-timeout", "60", "--log-every", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PORTED)
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_ported_clients_train_without_a_forward_fn_and_their_loss_falls(name, nproc, tmp_path):

@@ -495,6 +495,7 @@ def test_piped_answers_that_run_out_stop_the_launcher_and_run_nothing(tmp_path: 
     assert result.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_busy(tmp_path: Path) -> None:
     # mode, processes (0 is impossible, then 2), epochs, batch, lr (Enter: default), scaling, confirmation; the
     # last answer has no final newline, and counts all the same.
@@ -526,6 +527,7 @@ def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_bu
     assert f"cd {tmp_path}" in saved
 
 
+@pytest.mark.slow
 def test_a_silent_stdin_pipe_times_out_to_the_defaults_instead_of_hanging(tmp_path: Path) -> None:
     # three answers, then the pipe stays open and says nothing until the launcher is done
     result = run_launcher(TINY, launcher_env(LAUNCH_INPUT_TIMEOUT="1"), tmp_path, "single\n1\n32\n",
@@ -540,6 +542,7 @@ def test_a_silent_stdin_pipe_times_out_to_the_defaults_instead_of_hanging(tmp_pa
 
 # --- nodes ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path) -> None:
     port = free_port()
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--gpus", "1",
@@ -568,6 +571,7 @@ def test_two_launchers_on_one_machine_train_together_as_two_nodes(tmp_path: Path
 
 # --- the workers' verdict: their line and their exit status, torchrun's reports in a log ------------
 
+@pytest.mark.slow
 def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(tmp_path: Path) -> None:
     args = ["--yes", "--epochs", "1", "--batch-size", "16", "--", "--train-size", "30000", "--val-size", "64",
             "--mode", "flatten", "--no-progress", "--dist-timeout", "60", "--log-every", "1", "--save-every-steps", "3"]
@@ -587,6 +591,7 @@ def test_a_sigterm_mid_run_stops_cleanly_with_exit_0_and_no_torchrun_traceback(t
     assert (save_dir / "last.pt").is_file()
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_the_output_piped_into_a_reader_that_died_still_checkpoints_and_exits_0(tmp_path: Path) -> None:
     """`bash launch_multi_gpu.sh --yes | tee run.log`, then Ctrl-C: the SIGINT reaches tee too, which dies first.
     The console is best-effort (multigpu/launch/console.py): the checkpoint is written all the same, exit 0.

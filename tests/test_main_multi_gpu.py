@@ -24,6 +24,7 @@ def ddp_run(tmp_path_factory):
     return save_dir, result
 
 
+@pytest.mark.slow
 def test_ddp_run_learns_the_default_data(ddp_run):
     save_dir, result = ddp_run
     scalars = read_scalars(save_dir / "tb")
@@ -58,6 +59,7 @@ def test_ddp_run_writes_one_event_file_and_rank0_checkpoints(ddp_run):
         assert tag in scalars, tag
 
 
+@pytest.mark.slow
 def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
     save_dir, _ = ddp_run
     result = run_cli(["--epochs", "4", "--train-size", "2048", "--val-size", "500", "--batch-size", "32",
@@ -68,6 +70,7 @@ def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 4
 
 
+@pytest.mark.slow
 def test_single_device_and_dp_fallback_train(tmp_path):
     single = run_cli(["--multi-gpu", "none", "--mode", "flatten", "--epochs", "2", *TINY,
                       "--save-dir", str(tmp_path / "single")])
@@ -81,6 +84,7 @@ def test_single_device_and_dp_fallback_train(tmp_path):
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
     runs = {"a": "0", "b": "0", "c": "1"}
     for name, seed in runs.items():

@@ -27,8 +27,13 @@ print("user data:", data.__file__.endswith("user/data.py"), "val_acc:", summary[
 def install(tmp_path: Path) -> Path:
     """`pip install .` of a copy of the checkout (pip builds in the source tree) into a folder of its own."""
     source = tmp_path / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "tests", "__pycache__", "*.pt",
-                                                                "checkpoints", "datasets"))
+    everywhere = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pt")
+
+    def ignore(folder: str, names: list[str]) -> set[str]:  # a run's checkpoints/ at the top, not the subpackage
+        at_top = {"tests", "checkpoints", "datasets", "runs", "site"} if Path(folder) == REPO else set()
+        return set(everywhere(folder, names)) | (at_top & set(names))
+
+    shutil.copytree(REPO, source, ignore=ignore)
     target = tmp_path / "site"
     subprocess.run([PYTHON, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "--target", str(target), str(source)],

@@ -40,6 +40,7 @@ def validation_labels(state: dict) -> list[int]:
     return [int(val[index][1]) for index in range(len(val))]
 
 
+@pytest.mark.slow
 def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training_recorded(trained, tmp_path):
     """The prediction page's commands as written (2-process DDP to .csv and .pt, then a folder of unlabeled images)."""
     (tmp_path / "runs" / "demo").mkdir(parents=True)

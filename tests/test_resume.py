@@ -86,6 +86,7 @@ def reference(tmp_path_factory) -> Path:
     return save_dir
 
 
+@pytest.mark.slow
 def test_reference_checkpoint_is_complete_and_loads_weights_only(reference):
     state = checkpoint.load(str(reference / "last.pt"))  # weights_only=True, the only way the project loads
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])  # unwrapped (PITFALLS 8)
@@ -131,6 +132,7 @@ def sigterm_rank_at(save_dir: Path, rank: int, line_start: str, *extra: str) -> 
         return subprocess.CompletedProcess(process.args, process.wait(), "".join(lines), "")
 
 
+@pytest.mark.slow
 def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_path):
     """One job interrupted four times, each leg continuing the last with --resume auto."""
     save_dir = tmp_path / "run"
@@ -181,6 +183,7 @@ def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_pa
     assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_by_itself_to_identical_weights(reference, tmp_path):
     save_dir = tmp_path / "run"
     result = run(save_dir, fault="1:7", torchrun_args=("--max-restarts", "1"))
@@ -231,6 +234,7 @@ def test_resume_allows_and_logs_changed_epochs_lr_and_log_dir(reference, tmp_pat
     assert "epochs: 3 -> 4" in changed and "lr: 0.001 -> 0.002" in changed and "log_dir: None ->" in changed
 
 
+@pytest.mark.slow
 def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(tmp_path):
     """Two ranks started by hand (no torchrun to clean up): rank 1 freezes, rank 0 must not wait forever."""
     env = cli_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
@@ -335,6 +339,7 @@ def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[i
             "global_step": trainer.progress.global_step}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
 def test_resume_on_another_world_size_continues_the_lr_schedule_at_the_same_sample(tmp_path, before, after):
     reference = run_ranks(_lr_trace, after, tmp_path / "reference", tmp_path / "reference", None, False)[0]
@@ -420,6 +425,7 @@ def assert_same_weights(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         assert torch.equal(ours["model"][name], tensor), name
 
 
+@pytest.mark.slow
 def test_rank_0_writes_no_replica_save_after_random_numbers_were_drawn_and_the_resume_is_exact(tmp_path):
     """Rank 1 is SIGKILLed after step 13; rank 0 meets its loss in step 14's backward, its dropout masks drawn:
     the other rank's random state is unknown and its own is step 14's, so it writes nothing, and --resume auto
@@ -434,6 +440,7 @@ def test_rank_0_writes_no_replica_save_after_random_numbers_were_drawn_and_the_r
     assert_same_weights(final, checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt")))
 
 
+@pytest.mark.slow
 def test_rank_0_writes_a_replica_save_only_before_the_next_forward_updated_its_batchnorm_statistics(tmp_path):
     """Rank 1 dies after step 13: rank 0 meets it in DDP's broadcast of the buffers, at step 14's start, with
     step 13's statistics, and keeps step 13. Rank 1 dies inside step 14's forward: rank 0 meets it in backward,

@@ -45,6 +45,7 @@ def two_workers(tmp_path_factory):
     return sweep_dir, result
 
 
+@pytest.mark.slow
 def test_two_workers_run_every_experiment_once(two_workers):
     sweep_dir, result = two_workers
     results = read_results(sweep_dir)
@@ -83,6 +84,7 @@ def test_summary_matches_a_direct_computation(two_workers):
     assert table in result.stdout and "| lr=0.003 | 3/3 | 0 |" in table
 
 
+@pytest.mark.slow
 def test_one_worker_gives_identical_results_through_main_multi_gpu(two_workers, tmp_path):
     """The design notes' form (main_multi_gpu.py, underscore spellings) runs the same sweep."""
     reference, _ = two_workers
@@ -95,6 +97,7 @@ def test_one_worker_gives_identical_results_through_main_multi_gpu(two_workers, 
         assert_same_weights(tmp_path, reference, name)
 
 
+@pytest.mark.slow
 def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_path):
     """cnn cannot take --mode flatten's vectors (fails at run time); mlp/seed-1's worker is SIGKILLed at step 3."""
     reference, _ = two_workers
@@ -126,6 +129,7 @@ def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_
     assert "model=mlp/seed" not in retried.stdout
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_where_it_stopped(two_workers, tmp_path):
     """The whole sweep is SIGKILLed right after lr=0.003/seed-0 saved its step-2 checkpoint; the same command
     then skips the finished runs, continues the interrupted ones from their checkpoints and ends where an

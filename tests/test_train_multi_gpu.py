@@ -28,6 +28,7 @@ def _evaluate(rank: int, world_size: int, tmp_path: Path) -> list[dict]:
     return [trainer.evaluate(blobs(size, 1)) for size in VAL_SIZES]
 
 
+@pytest.mark.slow
 def test_evaluate_counts_every_sample_once_for_any_world_size(tmp_path):
     single = _evaluate(0, 1, tmp_path)
     assert [result["count"] for result in single] == list(VAL_SIZES)
@@ -161,6 +162,7 @@ def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str
         name.startswith(("gloo", "pt_gloo")) for name in thread_names())}
 
 
+@pytest.mark.slow
 def test_a_trainer_destroys_only_the_process_group_it_set_up(tmp_path):
     """Destroyed means gone: its gloo threads are joined, though DDP's first construction imports a module whose
     default arguments would hold the group for good (multigpu/parallel/distributed.py _import_before_the_group)."""
@@ -198,20 +200,22 @@ else:  # a trainer built only to predict, kept to the end of the script
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_fits_or_predicts_and_simply_ends_exits_0_under_load(tmp_path):
     """Gloo's threads met interpreter finalization ("terminate called without an active exception", SIGABRT) in
     3 of 5 such runs on a busy machine: the trainer that set up the group destroys it, and its threads end, at exit.
-    20 fit scripts and 2 predict-only ones under torchrun (2 processes each, two runs at a time) beside 2 busy
-    loops: every one exits 0 with only its main thread left when the interpreter finalizes."""
+    20 fit scripts and 2 predict-only ones under torchrun (2 processes each, four runs at a time: twelve Python
+    processes and the two busy loops on the machine's two cores) beside 2 busy loops: every one exits 0 with only
+    its main thread left when the interpreter finalizes."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT_THAT_ENDS)
     runs = [(f"fit-{index}", "fit") for index in range(20)] + [(f"predict-{index}", "predict") for index in range(2)]
     results = {}
     with busy_cpus(2):
-        for pair in (runs[i:i + 2] for i in range(0, len(runs), 2)):
+        for group in (runs[i:i + 4] for i in range(0, len(runs), 4)):
             started = {name: subprocess.Popen(cli_command([str(tmp_path / name), kind], nproc=2, script=script),
                                               cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True) for name, kind in pair}
+                                              stderr=subprocess.STDOUT, text=True) for name, kind in group}
             for name, process in started.items():
                 output = process.communicate(timeout=RUN_TIMEOUT)[0]
                 results[name] = process.returncode, output

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import run_benchmark
 
 ROWS = ["raw torch.save", "one file", "sharded, sync", "sharded, async"]
 
 
+@pytest.mark.slow
 def test_every_row_saves_loads_and_is_printed(tmp_path: Path):
     result, measured = run_benchmark("checkpoint_timing.py", tmp_path, "--tiny")
     assert measured["parameters"] > 0

@@ -20,6 +20,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+import pytest
+
 from conftest import REPO, cli_env, needs_shellcheck, shellcheck_path
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -40,6 +42,7 @@ def table_rows(markdown: str) -> dict[str, str]:
     return {row[0][2:]: row[1] for row in cells[1:]}  # the first is the header
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_lists_every_row_and_none_fails(tmp_path: Path) -> None:
     output = tmp_path / "out" / "gpu_check.md"
     # Two rows at a time: a dry-run row is mostly one process on one core, and this machine has two.

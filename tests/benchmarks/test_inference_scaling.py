@@ -6,11 +6,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import PYTHON, REPO, RUN_TIMEOUT, assert_ok, cli_env
 
 BATCHES = (1, 3, 16)
 
 
+@pytest.mark.slow
 def test_the_benchmark_measures_every_cpu_device_set_and_writes_its_table_and_plot(tmp_path: Path):
     from PIL import Image
 

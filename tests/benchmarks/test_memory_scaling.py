@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import run_benchmark
 
 
+@pytest.mark.slow
 def test_fsdp_holds_about_one_nth_of_ddps_parameters_gradients_and_optimizer_state(tmp_path: Path):
     result, measured = run_benchmark("memory_scaling.py", tmp_path, "--small")
     assert sorted(measured) == ["1", "2", "3"]
@@ -26,6 +29,7 @@ def test_fsdp_holds_about_one_nth_of_ddps_parameters_gradients_and_optimizer_sta
     assert [row.split(" | ")[1] for row in rows] == ["1", "2", "3"]
 
 
+@pytest.mark.slow
 def test_mesh_memory_is_one_shard_group_and_only_the_replicas_all_reduce_crosses_them(tmp_path: Path):
     """--mesh at 4 processes: per-rank bytes 1/S of ddp's at replicate x shard; per optimizer step, the traffic
     across replicas is the same with or without accumulation, and none at 1x4."""

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, run_benchmark
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -16,6 +18,7 @@ from bench_common import make_images  # noqa: E402  (after the path set-up)
 CONTENDERS = ["trainer", "autotune", "loop", "accelerate", "lightning"]
 
 
+@pytest.mark.slow
 def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_path: Path):
     output = tmp_path / "peers.md"
     result, measured = run_benchmark("peers.py", tmp_path, "--tiny", "--contenders",

@@ -28,6 +28,7 @@ from train_multi_gpu import MultiGPUTrainer
 QUICK = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1"]
 
 
+@pytest.mark.slow
 def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues_the_newest_with_its_settings(
         tmp_path):
     # README's first command, then one with another LR.
@@ -49,6 +50,7 @@ def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues
     assert contents(runs / "run-2") == other  # the other run is untouched
 
 
+@pytest.mark.slow
 def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_next_start(tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
     assert_ok(run_cli([*QUICK, "--save-dir", str(save_dir)]))
@@ -220,6 +222,7 @@ sys.exit(main_guarded(train, sys.argv[2:]))
 '''
 
 
+@pytest.mark.slow
 def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(STOPPED_IN_EVALUATION)
@@ -274,6 +277,7 @@ def test_a_second_fit_of_the_same_trainer_is_its_own_run_and_says_what_to_do_for
     assert more.fit()["epochs"] == 3  # what the line says works
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_nothing(tmp_path):
     """The same command again, --resume auto added (a requeued job that had finished): one line, exit 0, and the
     checkpoints and TensorBoard event files stay byte for byte as they were."""

@@ -93,6 +93,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return tmp_path, rank0
 
 
+@pytest.mark.slow
 def test_a_sharded_fsdp_folder_exports_to_safetensors_that_safetensors_alone_reads(fsdp_run):
     tmp_path, _ = fsdp_run
     whole = sharded.load_whole(str(tmp_path / "ckpt" / "last"))

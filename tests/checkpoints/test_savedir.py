@@ -280,6 +280,7 @@ def test_a_torchrun_restart_of_an_overwrite_run_keeps_its_own_set_aside_copy(tmp
 
 
 # ---------------------------------------------------------------- through the command line
+@pytest.mark.slow
 def test_a_second_cli_run_is_refused_while_the_first_trains_on_untouched(tmp_path):
     save_dir = tmp_path / "ckpt"
     first = subprocess.Popen(cli_command([*TINY, "--epochs", "1000", "--log-every", "1", "--seed", "1", "--save-dir",

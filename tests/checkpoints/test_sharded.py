@@ -41,6 +41,7 @@ def _train(rank: int, world_size: int, save_dir: Path, resume: Optional[str], ch
     return {"steps": recorder.steps, "started": recorder.started, "final": final}
 
 
+@pytest.mark.slow
 def test_a_folder_saved_at_2_processes_resumes_at_1_and_at_3_as_if_uninterrupted(tmp_path):
     reference = run_ranks(_train, 2, tmp_path, tmp_path / "reference", None, "sharded")
     saved = tmp_path / "reference" / "ckpt" / "step-000000004"
@@ -137,6 +138,7 @@ def test_export_gives_a_weights_only_file_that_predicts_as_the_folder_does(shard
                                             "with --checkpoint-format sharded): name one\n")
 
 
+@pytest.mark.slow
 def test_an_async_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
     save_dir = tmp_path / "run"
     args = [*TINY, "--epochs", "1", "--checkpoint-format", "sharded", "--async-checkpoint", "--save-every-steps",
@@ -252,6 +254,7 @@ def test_a_folder_that_would_run_code_is_refused_by_resume_predict_and_export_an
     assert contents(save_dir) == before and not (tmp_path / "p.pt").exists() and not (tmp_path / "e.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_folder_is_refused_in_one_line_naming_its_file_by_resume_predict_and_export(fsdp_run, tmp_path,
                                                                                                capsys):
     save_dir, resume = _copy(fsdp_run, tmp_path)

@@ -28,6 +28,7 @@ def run(save_dir: Path, *extra: str, fault: str = ""):
     return run_cli([*ARGS, "--save-dir", str(save_dir), *extra], env={FAULT_ENV: fault} if fault else None)
 
 
+@pytest.mark.slow
 def test_killed_after_a_step_and_inside_a_save_it_resumes_bit_identically_and_predicts(tmp_path):
     assert_ok(run(tmp_path / "reference"))
     save_dir = tmp_path / "run"

@@ -189,6 +189,7 @@ def test_auto_keeps_the_loader_with_one_line_saying_why(tmp_path: Path, monkeypa
         MultiGPUTrainer(tiny_model(), synthetic, None, config_for(tmp_path, 1, data_on_device="on"))
 
 
+@pytest.mark.slow
 def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_gathered(tmp_path: Path) -> None:
     result = run_cli([*TINY, "--epochs", "1", "--save-dir", str(tmp_path / "run")])
     assert_ok(result)
@@ -203,6 +204,7 @@ def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_ga
     assert not (tmp_path / "refused" / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_the_benchmark_prints_both_ways_in_one_run_with_identical_weights_unless_augmented(tmp_path: Path) -> None:
     """benchmarks/data_on_device.py at toy sizes: the CIFAR-sized tensors, plain and cropped and flipped (the read-once
     sets' identity is the tests' above); the speeds are the benchmark's figures, not this test's."""

@@ -43,6 +43,7 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_streamed_files_give_every_sample_once_over_ranks_and_workers(tmp_path, world):
     for kind in ("jsonl", "parquet"):
@@ -61,6 +62,7 @@ def test_streamed_files_give_every_sample_once_over_ranks_and_workers(tmp_path, 
             assert sorted(trained) == list(range(EPOCH)) and not unused
 
 
+@pytest.mark.slow
 def test_map_style_files_train_and_a_streamed_run_learns_under_torchrun(tmp_path):
     folder = write_id_files(tmp_path / "jsonl", "jsonl")
     args = ["--dataset", "hf", "--data-files", str(folder / "part-[01].jsonl"), "--val-files",
@@ -159,6 +161,7 @@ def test_validation_files_are_read_in_their_own_format(tmp_path):
     assert [sample["id"] for sample in val] == list(range(7))
 
 
+@pytest.mark.slow
 def test_fewer_samples_than_ranks_is_refused_in_one_line(tmp_path):
     """One file of one row, streamed at 2 ranks: rank 1 gets no sample, so no step can have a batch on every
     rank; the run says so in one line (rank 0's), exit 2, on both ranks, and writes no checkpoint."""
@@ -176,6 +179,7 @@ def test_fewer_samples_than_ranks_is_refused_in_one_line(tmp_path):
     assert not list((tmp_path / "ckpt").glob("*.pt"))
 
 
+@pytest.mark.slow
 def test_a_streamed_run_with_loader_workers_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
     """--dataset hf --streaming, 2 ranks x 2 loader workers under torchrun: rank 1 SIGKILLed after step 5, torchrun
     restarts both with --resume auto from step 3's checkpoint (3 batches in: worker 1's turn next, on files worker
@@ -194,6 +198,7 @@ def test_a_streamed_run_with_loader_workers_killed_mid_epoch_resumes_to_the_unin
     assert max((resumed[key] - whole[key]).abs().max().item() for key in whole) == 0
 
 
+@pytest.mark.slow
 def test_a_bad_row_that_one_rank_meets_is_that_ranks_one_line(tmp_path):
     """Two files at 2 ranks: split_dataset_by_node gives each rank one; rank 1's has broken JSON at row 7, met in
     its loader worker mid-epoch. Rank 1 says so in one line naming the file and row, exit 2; rank 0, left

@@ -136,6 +136,7 @@ def test_shards_are_equal_disjoint_and_w_ranks_see_what_one_process_sees(size, w
 
 
 # ------------------------------------------------------------------ real DDP training
+@pytest.mark.slow
 def test_trained_order_comes_from_seed_and_epoch_and_is_shared_by_the_ranks(runs):
     for seed in (0, 1):
         ranks = [result[seed] for result in runs["A"]]

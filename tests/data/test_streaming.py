@@ -118,6 +118,7 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     return {"ids": ids, "said": said}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_workers(tmp_path, world):
     """A naive stream, one that splits over workers (PyTorch's documented pattern), one that splits over ranks
@@ -189,6 +190,7 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 CASES = [(2, 2, True, [36, 0]), (3, 0, True, [52, 53, 0]), (1, 1, False, None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, workers, by_shard, unused", CASES)
 def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(tmp_path, world, workers, by_shard,
                                                                              unused):
@@ -244,6 +246,7 @@ def run_stream_torchrun(out: Path, stream: str, fault: str = "") -> subprocess.C
 KILL_STEP = 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", ["IdStream()", "SplitIds(sum(SHARDS), workers=True)"],
                          ids=["split by the trainer", "splits over workers itself"])
 def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path, stream):
@@ -295,6 +298,7 @@ def train_map(rank: int, world: int, tmp: Path, phase: str, stop_step: int) -> l
     return read_ids([tmp / f"{phase}{rank}"])
 
 
+@pytest.mark.slow
 def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order(tmp_path):
     before = [i for ids in run_ranks(train_map, 2, tmp_path, tmp_path, "before", 2) for i in ids]
     after = [i for ids in run_ranks(train_map, 3, tmp_path, tmp_path, "after", 0) for i in ids]
@@ -418,6 +422,7 @@ def evaluate_stream(rank: int, world: int, tmp: Path, workers: int, by_shard: bo
         return trainer.evaluate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, workers, by_shard", [(1, 2, True), (2, 2, False)])
 def test_evaluation_over_a_stream_counts_every_sample_once_over_ranks_and_workers(tmp_path, world, workers, by_shard):
     """The ids the model evaluated, over all ranks and loader workers, are each sample of the pass once, and

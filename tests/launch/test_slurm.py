@@ -14,6 +14,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from slurm_cluster import SlurmCluster
 from test_launch_multi_gpu import REPO, dry_run_save_dir, launch, launcher_env
 
@@ -92,6 +93,7 @@ def wait_for_output(path: Path, pattern: str, timeout: float, after: str = "") -
         time.sleep(0.3)  # polling the job's output file
 
 
+@pytest.mark.slow
 def test_a_real_slurm_job_trains_requeues_stops_with_a_checkpoint_and_resumes(tmp_path: Path,
                                                                               slurm_cluster: SlurmCluster) -> None:
     env = launcher_env(SLURM_CONF=slurm_cluster.env["SLURM_CONF"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import main_multi_gpu
@@ -189,6 +190,7 @@ EMA_ARGS = [*TINY, "--model", "mlp", "--mode", "flatten", "--image-shape", "1,4,
             "--save-every-steps", "5", "--ema-decay", "0.9"]
 
 
+@pytest.mark.slow
 def test_ema_survives_a_sigkill_and_resume_bit_exactly(tmp_path):
     assert_ok(run_cli([*EMA_ARGS, "--save-dir", str(tmp_path / "whole")]))
     killed = run_cli([*EMA_ARGS, "--save-dir", str(tmp_path / "killed")], env={FAULT_ENV: "0:7"})

@@ -45,6 +45,7 @@ def _evaluate(rank: int, world_size: int, tmp_path: Path) -> list[dict]:
     return [classifier.evaluate(blobs(PRIME, 1)), regression.evaluate(regression_set(PRIME, 1))]
 
 
+@pytest.mark.slow
 def test_every_metric_equals_the_single_process_value_exactly_on_1_2_and_3_ranks(tmp_path):
     single = _evaluate(0, 1, tmp_path)
     assert set(single[0]) == {"loss", "acc", "acc_top2", "confidence", "errors", "count"}

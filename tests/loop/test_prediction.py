@@ -77,6 +77,7 @@ def assert_same(actual: Any, expected: Any) -> None:
             assert_same(left, right)
 
 
+@pytest.mark.slow
 def test_predict_on_1_2_and_3_processes_equals_one_process_exactly_in_memory_and_streamed(tmp_path):
     single = _predict_everything(0, 1, tmp_path / "single")
     for name, model in _models().items():

@@ -84,6 +84,7 @@ def test_gpt_trains_on_a_text_file_in_process_and_lowers_the_val_loss(tmp_path):
     assert summaries[0]["monitor"] == "val_loss"
 
 
+@pytest.mark.slow
 def test_gpt_trains_under_ddp_on_two_processes(tmp_path):
     text = tiny_text(tmp_path / "tiny.txt")
     result = run_cli([*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "8", "--lr", "1e-2",

@@ -10,6 +10,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, assert_ok, cli_command, cli_env, event_files, file_size_limit,
                       read_scalars, run_cli)
 
@@ -124,6 +126,7 @@ print("imported by:", importers)
 """
 
 
+@pytest.mark.slow
 def test_tensorboard_is_imported_beside_the_first_steps_only_without_loader_workers():
     for workers, before, importer in ((0, True, "import TensorBoard"), (1, False, "MainThread")):
         done = subprocess.run([PYTHON, "-c", BACKGROUND_IMPORT.format(repo=str(REPO), workers=workers)],

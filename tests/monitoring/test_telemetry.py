@@ -69,6 +69,7 @@ def test_waiting_for_data_shows_in_the_split_and_gets_one_hint(tmp_path: Path, c
     assert hints[0].endswith("of the time went to waiting for data: raise --num-workers (TrainConfig.num_workers from Python; now 0)")
 
 
+@pytest.mark.slow
 def test_under_fsdp_every_ranks_memory_is_logged_and_the_largest_named_at_the_end(tmp_path: Path):
     """2 real gloo processes under fsdp: one memory/rank<R>_peak_gb series per rank (the CPU's peak resident
     memory), gathered at each sync point, and the end-of-run line's range over the ranks."""

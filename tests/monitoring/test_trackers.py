@@ -99,6 +99,7 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_dir
 
 
+@pytest.mark.slow
 def test_every_tracker_holds_tensorboards_scalars_in_one_run_across_a_resume(tracked, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own yes to reading a file store
     tensorboard = read_scalars(tracked / "tb")

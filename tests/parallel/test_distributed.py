@@ -79,6 +79,7 @@ def test_the_nodes_are_torchruns_agents_when_each_runs_as_many_processes(monkeyp
     assert nodes_in_job(8) == nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_train_fsdp_sharded_within_each_and_replicated_across(tmp_path):
     """Two torchrun commands as the guide's multi-node section runs them (c10d rendezvous on 127.0.0.1, node 0
     hosting it), 2 gloo processes each: without --dp-* flags the mesh is replicate 2 (nodes) x shard 2."""

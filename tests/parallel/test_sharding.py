@@ -142,6 +142,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[key] - b[key]).abs().max().item() for key in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_fsdp_equals_ddp_and_one_process_with_the_whole_batch(two_ranks, tmp_path, name):
     results, _ = two_ranks
@@ -326,6 +327,7 @@ def four_ranks(two_ranks, tmp_path_factory: pytest.TempPathFactory) -> tuple[lis
     return ranks, tmp_path
 
 
+@pytest.mark.slow
 def test_hsdp_places_parameters_replicated_over_replicas_and_sharded_within_each(four_ranks):
     ranks, _ = four_ranks
     for rank, results in enumerate(ranks):

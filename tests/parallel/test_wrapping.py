@@ -58,6 +58,7 @@ def _compiled_ddp(rank: int, world_size: int, tmp_path: Path) -> dict[str, torch
     return {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_compiled_under_ddp_two_ranks_train_as_one_process_with_their_whole_batch(tmp_path):
     ranks = run_ranks(_compiled_ddp, 2, tmp_path / "ddp", tmp_path / "ddp")

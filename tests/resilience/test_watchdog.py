@@ -20,6 +20,7 @@ def report(save_dir: Path) -> str:
     return (save_dir / "hang_report.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
     """Through multigpu/launch/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
     save_dir, log, started = tmp_path / "ckpt", tmp_path / "torchrun.log", time.monotonic()
@@ -42,6 +43,7 @@ def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
     assert "resumed from " + str(save_dir / "step-000000003.pt") in resumed.stdout
 
 
+@pytest.mark.slow
 def test_a_data_set_stuck_on_rank_1_is_named_with_the_line_of_its_getitem(tmp_path):
     ranks = scenario("getitem", tmp_path)
     assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
@@ -52,6 +54,7 @@ def test_a_data_set_stuck_on_rank_1_is_named_with_the_line_of_its_getitem(tmp_pa
     assert list(tmp_path.glob("step-*.pt"))
 
 
+@pytest.mark.slow
 def test_on_a_hybrid_mesh_the_report_names_the_stuck_ranks_replica_and_shard(tmp_path):
     """fsdp at replicate 2 x shard 1: rank 1, alone in the second replica, blocks in its data set."""
     ranks = scenario("getitem", tmp_path, "--multi-gpu", "fsdp", "--dp-replicate", "2")
@@ -85,6 +88,7 @@ def test_a_rank_that_dies_of_a_desync_is_named_by_its_peer_which_saves_the_last_
     assert "Traceback" not in ranks[0].stderr
 
 
+@pytest.mark.slow
 def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes_the_report(tmp_path):
     ranks = scenario("callback", tmp_path)
     assert [rank.returncode for rank in ranks] == [HANG_EXIT_STATUS] * 2, ranks[0].stderr
@@ -96,6 +100,7 @@ def test_a_callback_deadlocked_on_rank_0_is_shown_in_user_code_and_rank_0_writes
     assert not list(tmp_path.glob("step-*.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [1, 2])
 def test_slow_is_not_stuck_a_run_under_cpu_load_with_a_short_timeout_finishes(tmp_path, run):
     with busy_cpus(os.cpu_count() or 2):

@@ -50,6 +50,7 @@ def test_gpu_array_script_keeps_within_max_gpus(tmp_path):
     assert_ok(subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True))
 
 
+@pytest.mark.slow
 def test_array_tasks_share_one_sweep_dir_and_merge_their_results(tmp_path):
     """Both tasks of a 2-task array at once, started the way SLURM starts them: the script, with the task id."""
     assert_ok(write_script(tmp_path, "--shards", "2", "--workers", "1"))
@@ -134,6 +135,7 @@ def test_submit_without_sbatch_is_one_line(tmp_path):
     assert (tmp_path / "sweep.sbatch").exists()  # written, to be submitted where SLURM runs
 
 
+@pytest.mark.slow
 def test_a_real_slurm_job_array_runs_the_shards_into_one_merged_summary(tmp_path, slurm_cluster):
     """The generated array script submitted to a real single-node SLURM (tests/slurm_cluster.py): 4 experiments
     in 2 array tasks, both writing into one sweep dir, whose summary merges them."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import TINY_SWEEP_RUN, assert_ok, read_results, run_sweep
 from multigpu.sweep.worker import _error_from_log
 
 
+@pytest.mark.slow
 def test_multi_process_runs_go_through_torchrun(tmp_path):
     result = run_sweep(["--sweep-dir", str(tmp_path), "--gpus-per-run", "2", "--workers", "1", "--",
                         *TINY_SWEEP_RUN, "--epochs", "1", "--dist-timeout", "60"])

@@ -115,6 +115,7 @@ def test_under_ddp_the_layout_switch_rewraps_the_model_and_both_ranks_train_as_a
     assert_close(ranks[0]["tuned"], ranks[0]["direct"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not autotune.can_compile(torch.device("cpu")), reason="torch.compile on the CPU needs g++")
 def test_on_a_run_long_enough_compile_is_tried_last_and_kept_only_if_it_repays_itself(tmp_path, monkeypatch,
                                                                                        capsys, threads_kept):

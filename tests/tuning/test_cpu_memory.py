@@ -124,12 +124,14 @@ def test_the_block_holds_freed_memory_and_gives_it_back_after():
     assert given_back >= 15 * MIB  # the process's resident memory fell by the block once the block was left
 
 
+@pytest.mark.slow
 def test_the_block_keeps_what_a_step_frees_for_the_next():
     given_back, kept = run_script(CONV_STEPS, "off"), run_script(CONV_STEPS, "on")
     skip_unless_steps_fault(given_back)  # type: ignore[arg-type]  (the activations come back as fresh pages)
     assert kept * 4 < given_back, (kept, given_back)  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_fit_on_the_cpu_keeps_freed_memory_unless_told_not_to():
     skip_without_mallinfo2()
     (kept, mapped_on), (given_back, mapped_off) = run_script(TRAINER_STEPS, "on"), run_script(TRAINER_STEPS, "off")
