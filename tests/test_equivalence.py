@@ -134,6 +134,7 @@ def test_ddp_equals_one_process_with_the_whole_batch(ddp, tmp_path, optimizer):
     assert_same_training(ddp[f"{optimizer}/split"], single)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_accumulation_equals_one_big_batch_in_one_process_and_under_ddp(ddp, tmp_path, optimizer):
     big = train(tmp_path / "big", 1, **ACCUMULATION, **OPTIMIZERS[optimizer])
@@ -145,6 +146,7 @@ def test_accumulation_equals_one_big_batch_in_one_process_and_under_ddp(ddp, tmp
     assert_same_training(ddp[f"{optimizer}/split+accum"], big)
 
 
+@pytest.mark.slow
 def test_ddp_accumulation_all_reduces_once_per_optimizer_step(ddp):
     """no_sync around forward and backward of the first K-1 micro-batches: one all-reduce per step."""
     run = ddp["sgd/split+accum"]

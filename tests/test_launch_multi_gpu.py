@@ -681,6 +681,7 @@ def terminal(prefix: str) -> Iterator[tuple[Tmux, Path]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed; the real-terminal test needs it")
 def test_a_terminal_session_shows_the_prompts_reasks_wrong_answers_and_launches() -> None:
     with terminal("launch-tty-") as (term, directory):

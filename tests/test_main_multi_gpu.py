@@ -95,6 +95,7 @@ def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
     assert not all(torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
 
 
+@pytest.mark.slow
 def test_ddp_with_accumulation_and_lr_scaling_reports_the_effective_batch(tmp_path):
     result = run_cli(["--multi-gpu", "ddp", "--mode", "flatten", "--epochs", "1", *TINY, "--grad-accum-steps", "2",
                       "--lr", "0.001", "--lr-scaling", "sqrt", "--save-dir", str(tmp_path)], nproc=2)
@@ -128,6 +129,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
     assert not (tmp_path / "ckpt" / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_mnist_reaches_97_percent_in_one_epoch_under_ddp(mnist_root, tmp_path):
     result = run_cli(["--multi-gpu", "ddp", "--dataset", "mnist", "--data-dir", str(mnist_root), "--download",
                       "--model", "cnn", "--epochs", "1", "--batch-size", "32", "--lr", "2e-3", "--no-progress",

@@ -457,6 +457,7 @@ def test_rank_0_writes_a_replica_save_only_before_the_next_forward_updated_its_b
     assert_same_weights(in_forward, whole)
 
 
+@pytest.mark.slow
 def test_a_replica_save_does_not_replace_the_checkpoint_of_its_own_step(tmp_path):
     """Killed right after step 15's checkpoint, which every rank's state went into: rank 0 keeps it as it is
     (before, its replica overwrote it, with its own random state for every rank, already moved by step 16)."""

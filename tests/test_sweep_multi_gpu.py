@@ -61,6 +61,7 @@ def test_two_workers_run_every_experiment_once(two_workers):
     assert "sweep done: 6 of 6 experiments ok" in result.stdout
 
 
+@pytest.mark.slow
 def test_summary_matches_a_direct_computation(two_workers):
     sweep_dir, result = two_workers
     results = read_results(sweep_dir)
@@ -157,6 +158,7 @@ def test_a_killed_sweep_resumes_where_it_stopped(two_workers, tmp_path):
         assert_same_weights(tmp_path, reference, name)
 
 
+@pytest.mark.slow
 def test_a_changed_base_config_is_refused_on_resume(two_workers):
     sweep_dir, _ = two_workers
     before = (sweep_dir / "results.jsonl").read_bytes()

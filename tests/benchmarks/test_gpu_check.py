@@ -69,6 +69,7 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None
     assert not output.exists()
 
 
+@pytest.mark.slow
 def test_rows_side_by_side_are_for_the_dry_run_only() -> None:
     for args in (["--jobs", "2"], ["--jobs", "0", "--cpu-dry-run"]):
         result = run_script(*args, timeout=120)
@@ -122,6 +123,7 @@ def test_a_row_that_raises_fails_in_one_line_and_the_next_row_still_runs(tmp_pat
     assert gpu_check.exit_status(rows) == 1 and gpu_check.exit_status(rows[1:]) == 0
 
 
+@pytest.mark.slow
 def test_a_run_past_its_time_limit_fails_and_its_whole_process_tree_is_killed(tmp_path: Path) -> None:
     # Like torchrun's workers, the grandchild has a session of its own, out of reach of a process-group kill.
     pid_file = tmp_path / "grandchild.pid"
@@ -152,6 +154,7 @@ def fake_wheel(folder: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_missing_requirements_come_from_carried_wheels_but_never_torch(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"
     (checkout / "benchmarks").mkdir(parents=True)

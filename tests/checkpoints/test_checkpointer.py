@@ -159,6 +159,7 @@ def _interrupted_overwrite(rank: int, world_size: int, save_dir: Path) -> dict:
     return {"stopped": summary["stopped"], "step": summary["global_step"], "out": printed.getvalue()}
 
 
+@pytest.mark.slow
 def test_every_rank_skips_the_stop_checkpoint_of_an_overwrite_run_and_rank_0_puts_the_old_files_back(previous):
     before = contents(previous)
     ranks = run_ranks(_interrupted_overwrite, 2, previous.parent / "ranks", previous)

@@ -109,6 +109,7 @@ def test_a_sharded_fsdp_folder_exports_to_safetensors_that_safetensors_alone_rea
     assert restored["lm_head.weight"] is restored["token_embedding.weight"]
 
 
+@pytest.mark.slow
 def test_init_from_under_2_process_fsdp_reads_only_each_ranks_shards_and_gives_the_source_logits(fsdp_run):
     tmp_path, rank0 = fsdp_run
     source = gpt(2)
@@ -124,6 +125,7 @@ def test_init_from_under_2_process_fsdp_reads_only_each_ranks_shards_and_gives_t
         assert shape == ((full[name][0] + 1) // 2, *full[name][1:]), name
 
 
+@pytest.mark.slow
 def test_init_from_in_one_process_loads_the_export_strictly_with_the_tied_weight(fsdp_run, capsys):
     tmp_path, _ = fsdp_run
     source = gpt(2)
@@ -137,6 +139,7 @@ def test_init_from_in_one_process_loads_the_export_strictly_with_the_tied_weight
                      f"from safetensors (weights only: the optimizer, schedule and progress start afresh)"]
 
 
+@pytest.mark.slow
 def test_shards_and_their_index_above_max_shard_size_and_bf16(fsdp_run, tmp_path, capsys):
     folder, _ = fsdp_run
     out = tmp_path / "small" / "model.safetensors"

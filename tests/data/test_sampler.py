@@ -147,6 +147,7 @@ def test_trained_order_comes_from_seed_and_epoch_and_is_shared_by_the_ranks(runs
     assert runs["A"][0][0]["order"][0] != runs["A"][0][0]["order"][1]  # set_epoch reached the sampler
 
 
+@pytest.mark.slow
 def test_augmentation_and_dropout_differ_per_rank_and_repeat_on_a_rerun(runs):
     first, rerun = runs["A"], runs["B"]
     for stream in ("noise", "dropout"):
@@ -156,6 +157,7 @@ def test_augmentation_and_dropout_differ_per_rank_and_repeat_on_a_rerun(runs):
             assert _equal(first[rank][0][stream], rerun[rank][0][stream]), f"{stream}: rank {rank} did not repeat"
 
 
+@pytest.mark.slow
 def test_loader_workers_draw_streams_of_their_own_per_rank_that_repeat(runs):
     first, rerun = runs["A"], runs["B"]
     for rank in range(WORLD):
@@ -166,6 +168,7 @@ def test_loader_workers_draw_streams_of_their_own_per_rank_that_repeat(runs):
     assert first[0][0]["workers"] != first[1][0]["workers"]  # and ranks differ
 
 
+@pytest.mark.slow
 def test_same_seed_gives_bit_identical_weights_and_another_seed_other_weights(runs):
     seed0, again, seed1 = runs["A"][0][0]["weights"], runs["B"][0][0]["weights"], runs["A"][0][1]["weights"]
     assert all(torch.equal(seed0[name], again[name]) for name in seed0)

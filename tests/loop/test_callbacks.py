@@ -135,6 +135,7 @@ def _log_scalars(rank: int, world_size: int, tmp_path: Path) -> None:
     MultiGPUTrainer(tiny_model(), blobs(32 * world_size, 0), blobs(16, 1), config, callbacks=[LogsItsRank()]).fit()
 
 
+@pytest.mark.slow
 def test_own_scalars_reach_tensorboard_as_the_mean_over_calls_and_ranks(tmp_path):
     run_ranks(_log_scalars, 2, tmp_path, tmp_path)
     scalars = read_scalars(tmp_path / "ckpt" / "tb")
@@ -174,6 +175,7 @@ def hand_ema(start: list[torch.Tensor], steps: list[list[torch.Tensor]], decay: 
     return average
 
 
+@pytest.mark.slow
 def test_ema_weights_are_the_hand_computed_average_in_one_and_two_processes(tmp_path):
     for world_size, ranks in ((1, [_ema_run(0, 1, tmp_path / "one")]),
                               (2, run_ranks(_ema_run, 2, tmp_path / "two", tmp_path / "two"))):

@@ -45,6 +45,7 @@ def wait_for_tags(base: str, server: subprocess.Popen, deadline_s: float = 90) -
     raise AssertionError(f"tensorboard never served the tags ({last_error})")
 
 
+@pytest.mark.slow
 def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
     log_dir = tmp_path / "tb"
     assert_ok(run_cli(["--mode", "flatten", "--epochs", "2", "--log-every", "4", *TINY,
@@ -91,6 +92,7 @@ def test_a_tensorboard_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path:
     assert read_scalars(log_dir)["train/loss"][0][0] == 1  # what was written before the failure stays readable
 
 
+@pytest.mark.slow
 def test_a_redirected_log_gets_plain_lines_at_the_log_interval_not_the_bar(tmp_path: Path):
     """The progress bar is on by default; with stdout in a file it would leave \\r fragments and blank lines."""
     args = [arg for arg in TINY if arg != "--no-progress"]

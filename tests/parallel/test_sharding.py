@@ -339,6 +339,7 @@ def test_hsdp_places_parameters_replicated_over_replicas_and_sharded_within_each
         assert len(results["hsdp 2x2/plain"]["summary"]["peak_memory_per_rank_gb"]) == FOUR  # telemetry: each rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS_AT_FOUR)
 def test_hsdp_equals_fsdp_ddp_and_one_process_with_the_whole_batch(four_ranks, tmp_path, name):
     results = four_ranks[0][0]
@@ -366,6 +367,7 @@ def per_group(step: dict) -> dict[str, dict[str, tuple[int, int]]]:
     return groups
 
 
+@pytest.mark.slow
 def test_accumulation_talks_across_replicas_once_per_optimizer_step(four_ranks):
     """Per optimizer step on every rank, at 2x2 with two FSDP units (tiny_model's two Linear layers): the replica
     group carries one all-reduce of each unit's gradient shard, with or without --grad-accum-steps 2; the inner
@@ -387,6 +389,7 @@ def test_accumulation_talks_across_replicas_once_per_optimizer_step(four_ranks):
         assert per_group(whole[1])["dp_shard"]["all_reduce"][0] == 1  # clipping's norm: within the shard group
 
 
+@pytest.mark.slow
 def test_on_the_mesh_a_sigterm_saves_and_resume_auto_continues_and_bf16_computes_through_fsdps_policy(four_ranks):
     ranks = four_ranks[0]
     assert [rank["stopped"]["summary"]["global_step"] for rank in ranks] == [4] * FOUR
@@ -413,12 +416,14 @@ def assert_continues(resumed: list[dict[str, Any]], reference: list[dict[str, An
     assert max_difference(resumed[0]["final"], reference[0]["final"]) <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moved", RESUMED)
 def test_a_checkpoint_moves_between_mesh_shapes_ddp_and_one_device(four_ranks, moved):
     ranks = four_ranks[0]
     assert_continues([rank[moved] for rank in ranks], [rank["2x2"] for rank in ranks], RESUMED[moved])
 
 
+@pytest.mark.slow
 def test_a_2x2_checkpoint_resumes_at_1x2_and_in_one_process(four_ranks, tmp_path):
     ranks, saved = four_ranks
     reference = [rank["2x2"] for rank in ranks]

@@ -33,6 +33,7 @@ def fit(tmp_path: Path, name: str, epochs: int, **overrides) -> MultiGPUTrainer:
     return trainer
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_compiled_run_resumes_uncompiled_and_compiled_again_and_matches_a_plain_run(tmp_path, capsys):
     compiled = fit(tmp_path, "mixed", 1, compile=True)

@@ -73,6 +73,7 @@ def test_a_collective_on_rank_0_only_is_named_a_desync(tmp_path):
     assert "rank 1 in DDP's gradient all-reduce (backward)" in headline
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_of_a_desync_is_named_by_its_peer_which_saves_the_last_step(tmp_path):
     """On gloo an extra all_reduce of another size aborts the peer that receives it at once (no hang): the
     survivor names the lost rank, the collective it was in as not the trainer's, a desync, and keeps its step."""

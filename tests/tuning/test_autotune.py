@@ -102,6 +102,7 @@ def _ddp_tuned_then_direct(rank: int, world_size: int, tmp_path: Path) -> dict:
             "measured": len(tuned.autotune.medians), "wrapped": type(tuned.step.wrapped).__name__}
 
 
+@pytest.mark.slow
 def test_under_ddp_the_layout_switch_rewraps_the_model_and_both_ranks_train_as_a_direct_run(tmp_path):
     """Two gloo ranks: the trials switch to channels-last and back (DDP is wrapped anew each time, its gradient
     buckets in the new layout), the ranks end equal, and equal within rounding to a run given the chosen

@@ -6,6 +6,8 @@ import gc
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, blobs, cli_env, config_for, tiny_model
 from multigpu.loop.forward import default_forward
 from multigpu.tuning.gc_pauses import long_lived_objects_frozen
@@ -76,6 +78,7 @@ print("handlers added:", atexit._ncallbacks() - before)""")
     assert run_and_report("pass").splitlines() == ["frozen before exit: False", "frozen at exit: False"]
 
 
+@pytest.mark.slow
 def test_every_command_skips_it():
     for module in ("main_multi_gpu", "predict_multi_gpu", "sweep_multi_gpu"):
         output = run_and_report(f"""
