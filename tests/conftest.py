@@ -116,6 +116,12 @@ def thread_names() -> list[str]:
     return sorted(Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task"))
 
 
+# torch.compile's CPU code generator (inductor) compiles C++ with $CXX, else g++.
+COMPILER = os.environ.get("CXX", "g++")
+needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"torch.compile on the CPU needs a C++ "
+                                    f"compiler and {COMPILER} is not installed (apt-get install g++)")
+
+
 @contextlib.contextmanager
 def busy_cpus(count: int) -> Iterator[None]:
     """`count` busy-loop processes for the duration of the block: the test's processes compete for the cores as

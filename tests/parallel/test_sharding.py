@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import main_multi_gpu
-from conftest import REPO, StepRecorder, blobs, config_for, global_steps, run_ranks, tiny_model
+from conftest import REPO, StepRecorder, blobs, config_for, global_steps, needs_compiler, run_ranks, tiny_model
 from multigpu.checkpoints import sharded
 from multigpu.parallel import sharding
 from multigpu.config import parse_config
@@ -430,3 +430,28 @@ def test_a_2x2_checkpoint_resumes_at_1x2_and_in_one_process(four_ranks, tmp_path
     step_4 = step_checkpoint(saved / "2x2", 4)
     assert_continues(run_ranks(resumable, 2, tmp_path, tmp_path / "1x2", "1x2", step_4), reference, 4)
     assert_continues([resumable(0, 1, tmp_path / "one", "one", step_4)], reference, 4)
+
+
+def _compiled_on_a_mesh(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    runs = {}
+    for compiled in (False, True):
+        config = config_for(tmp_path / str(compiled), world_size, multi_gpu="fsdp", dp_replicate=2, optimizer="adamw",
+                            lr=3e-3, epochs=1, lr_schedule="constant", compile=compiled, **RUNS["accum+clip+ema"])
+        with MultiGPUTrainer(tiny_model(), blobs(SIZE, 0), blobs(VAL_SIZE, 1), config) as trainer:
+            trainer.fit()
+            runs[compiled] = {"weights": _full_weights(trainer), "eval": trainer.evaluate(),
+                              "compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
+                              "mesh": trainer.runtime.mesh_position}
+    return runs
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compile_on_a_hybrid_mesh_trains_as_the_uncompiled_mesh(tmp_path):
+    """--compile on a 2 x 1 mesh (2 gloo processes, the 2-D mesh's code path): the module compiled in place before
+    sharding, 5 AdamW steps with accumulation, clipping and an EMA land within 1e-5 of the uncompiled mesh's."""
+    ranks = run_ranks(_compiled_on_a_mesh, 2, tmp_path, tmp_path)
+    for rank in ranks:
+        assert rank[True]["compiled"] and not rank[False]["compiled"]
+    assert max_difference(ranks[0][True]["weights"], ranks[0][False]["weights"]) <= TOLERANCE
+    assert ranks[0][True]["eval"]["loss"] == pytest.approx(ranks[0][False]["eval"]["loss"], abs=TOLERANCE)

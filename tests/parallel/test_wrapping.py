@@ -3,23 +3,15 @@ trains to, compiled checkpoints keep plain keys, and a run resumes compiled or n
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import blobs, config_for, run_ranks, tiny_model
+from conftest import blobs, config_for, needs_compiler, run_ranks, tiny_model
 from multigpu.data import SyntheticImages
 from multigpu.models import build_model
 from train_multi_gpu import MultiGPUTrainer
-
-# torch.compile's CPU code generator (inductor) compiles C++ with $CXX, else g++.
-COMPILER = os.environ.get("CXX", "g++")
-needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"torch.compile on the CPU needs a C++ "
-                                    f"compiler and {COMPILER} is not installed (apt-get install g++)")
-
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["model"]
