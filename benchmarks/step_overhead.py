@@ -59,7 +59,8 @@ def make_model() -> torch.nn.Module:
 
 def config(args: argparse.Namespace, save_dir: str) -> TrainConfig:
     return TrainConfig(multi_gpu="none", epochs=1, batch_size=args.batch, lr=1e-3, log_every=args.log_every,
-                       num_workers=0, progress=False, save_dir=save_dir, hang_timeout=args.hang_timeout)
+                       num_workers=0, progress=False, save_dir=save_dir, hang_timeout=args.hang_timeout,
+                       data_on_device=args.data_on_device)
 
 
 def run_trainer(args: argparse.Namespace, data: torch.utils.data.Dataset) -> None:
@@ -156,6 +157,7 @@ def counted(args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
                                 f"--callgrind-out-file={out}", sys.executable,
                                 str(Path(__file__).resolve()), "--one-run", name, "--steps", str(steps),
                                 "--batch", str(args.batch), "--log-every", str(args.log_every),
+                                "--data-on-device", args.data_on_device,
                                 *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else [])],
                                check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
                 totals.append(thread_instructions(folder))
@@ -194,6 +196,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="count instructions per step with valgrind instead of timing (minutes; load-proof)")
     parser.add_argument("--hang-timeout", type=float, default=None,
                         help="the trainer's --hang-timeout (default: its own, the watchdog on; 0: off)")
+    parser.add_argument("--data-on-device", choices=("auto", "on", "off"), default="auto",
+                        help="the trainer's --data-on-device (default: its own, auto; off: through a DataLoader as "
+                             "the plain loop)")
     parser.add_argument("--one-run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_run:
@@ -203,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table, notes = counted(args) if args.instructions else timed(args)
     watchdog = "hang watchdog off" if args.hang_timeout == 0 else "hang watchdog on"
     setting = (f"tiny MLP {INPUTS}-{HIDDEN}-{CLASSES}, batch {args.batch}, 1 thread, --log-every {args.log_every}, "
-               f"{watchdog}; "
+               f"{watchdog}, trainer's --data-on-device {args.data_on_device}; "
                f"per-step cost = (run of {args.steps} steps - run of {args.steps // 10}) / "
                f"{args.steps - args.steps // 10}")
     output = Path(args.output or REPO / "benchmarks" / "results" /
