@@ -9,12 +9,8 @@ cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
 # --float8's emulation ([float8]) and the guide's site ([docs]).
 bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs
-# Two worker processes, each taking whole test files (pytest-xdist's loadfile: a file's fixtures are made once):
-# the suite's one-process tests leave one of the two cores idle, which the other worker uses. TEST_WORKERS=0 runs
-# every test in pytest's own process, one after the other.
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 if [ "${1:-}" = "--quick" ]; then
     shift
-    exec .venv/bin/python -m pytest -q "${workers[@]}" -m "not slow" --durations=10 "$@"
+    exec .venv/bin/python -m pytest -q -m "not slow" --durations=10 "$@"
 fi
-exec .venv/bin/python -m pytest -q "${workers[@]}" --durations=15 "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
