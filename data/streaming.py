@@ -71,6 +71,21 @@ class StreamShard(IterableDataset):
         self.pass_number, self.skip = 0, None  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
 
     @property
+    def pass_number(self) -> int:
+        """The pass over the stream (an epoch of a stream): set here, in the rank's process, before the pass's
+        loader workers start, so each worker starts with the stream's epoch already set."""
+        return self._pass_number
+
+    @pass_number.setter
+    def pass_number(self, value: int) -> None:
+        self._pass_number = value
+        # Not in each worker: a Hugging Face stream keeps its epoch in a tensor shared with the workers and
+        # set_epoch adds the difference in place, so two workers setting it at once could leave it at 2 for pass 1,
+        # and the epoch picks the shard order: a worker read another rank's shard.
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(value)
+
+    @property
     def split_by_trainer(self) -> bool:
         """Whether the trainer alone splits the stream (then a resume may change the layout)."""
         return not (self.split.ranks or self.split.workers)
@@ -82,8 +97,6 @@ class StreamShard(IterableDataset):
         if role != worker:
             play_worker(role)
         slot, slots = role * self.world_size + self.rank, workers * self.world_size
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self.pass_number)
         if self.split_by_trainer:
             samples = self._split(slot, slots)
         else:  # keep every `every`-th of what the stream gives this (rank, worker): the dimension it does not split

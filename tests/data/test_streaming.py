@@ -445,3 +445,38 @@ def test_a_self_sharding_streams_position_is_refused_at_another_layout_in_one_li
             trainer.stream.load_state_dict(state)
         with pytest.raises(UsageError, match=r"^the checkpoint holds no stream position"):
             trainer.stream.load_state_dict({})  # what a map-style run's checkpoint gives it
+
+
+class EpochCalls(torch.utils.data.IterableDataset):
+    """A stream of 8 ids that notes, in a file, the process that sets each epoch."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+
+    def set_epoch(self, epoch: int) -> None:
+        with open(self.log, "a") as file:
+            file.write(f"{os.getpid()} {epoch}\n")
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter({"id": i} for i in range(worker, 8, workers))
+
+
+def test_each_pass_sets_the_streams_epoch_in_the_ranks_process_before_its_workers_start(tmp_path):
+    """A Hugging Face stream keeps its epoch in a tensor shared with the loader workers, and its set_epoch adds
+    the difference in place: two workers that both set it could leave it at 2 for pass 1, and the epoch orders
+    the shards (one run in two of the stream matrix read another rank's shard). The epoch is set once per pass,
+    by the rank, never by a worker."""
+    from multigpu.data import build_loader
+    from multigpu.data.streaming import TrainStream
+    from multigpu.parallel.distributed import Runtime
+
+    log = tmp_path / "epochs"
+    runtime = Runtime("none", torch.device("cpu"), 0, 0, 1)
+    stream = TrainStream(EpochCalls(log), runtime, 4, 1, 0, 2, 0, None, build_loader)
+    for pass_number in (0, 1):
+        stream.shard.pass_number = pass_number
+        assert sorted(i for _, _, batch in stream.loader for i in batch["id"].tolist()) == list(range(8))
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert {pid for pid, _ in calls} == {str(os.getpid())} and [epoch for _, epoch in calls][-1] == "1"
