@@ -43,6 +43,7 @@ class RandomCropFlip(Dataset):
     def __init__(self, dataset: Dataset, padding: int = 4, fill: Union[float, Sequence[float]] = 0.0):
         self.dataset, self.padding = dataset, padding
         self.fill = torch.as_tensor(fill, dtype=torch.float32).reshape(-1)
+        self._device_fill = self.fill  # the fill where the batches are, made once: no host-to-device copy per batch
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -53,4 +54,6 @@ class RandomCropFlip(Dataset):
 
     def augment(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A batch of this set's images, augmented on their device (the columns gathered from `dataset`)."""
-        return crop_flip(images, self.padding, self.fill, generator)
+        if (self._device_fill.device, self._device_fill.dtype) != (images.device, images.dtype):
+            self._device_fill = self.fill.to(device=images.device, dtype=images.dtype)
+        return crop_flip(images, self.padding, self._device_fill, generator)
