@@ -283,8 +283,46 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+# What every rank imports anyway, loaded once into the server that forks the ranks: a spawned rank paid about
+# 3 CPU-seconds for them (torch, and torch._dynamo, which torch imports at a model's first convolution) before
+# its first line of test code, on a 2-core machine whose suite starts a few hundred ranks. The framework's own
+# modules are not preloaded: each rank imports them fresh, after it has taken the test's environment.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _rank_context() -> Any:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)  # takes effect when the server starts, at the first rank
+    return context
+
+
+class _InheritedFd:
+    """A file descriptor of the test's process that a rank receives a copy of, as the rank starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return _received_fd, (DupFd(self.fd),)  # pickled inside Process.start: the server passes the copy on
+
+
+def _received_fd(passed: Any) -> int:
+    return passed.detach()
+
+
 def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue: Any, args: tuple,
-                join_group: bool) -> None:
+                join_group: bool, parent: dict[str, Any]) -> None:
+    # A forked rank starts from the server's state, not the test's: take the test's environment, folder, import
+    # path and output (pytest's capture of this test) as a spawned rank would have.
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    os.chdir(parent["cwd"])
+    sys.path[:] = parent["path"]
+    for fd, received in ((1, parent["stdout"]), (2, parent["stderr"])):
+        os.dup2(received, fd)
+        os.close(received)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     skip_the_collection_at_exit()  # as the trainer's commands do: a second less per rank at exit
     try:
@@ -308,19 +346,23 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     MASTER_ADDR/PORT of a free port) but no group: the code under test sets it up itself.
 
     Returns the ranks' results in rank order. `fn` must be a module-level function
-    (processes are spawned); its result must be picklable. A file store avoids
-    port races between tests.
+    (the ranks are fresh processes, forked from a server that has torch loaded); its result must be
+    picklable. A file store avoids port races between tests.
     """
     import queue as queue_module
 
-    context = mp.get_context("spawn")
+    context = _rank_context()
     queue = context.Queue()
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"
     if not join_group:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # inherited by the spawned ranks
-    processes = [context.Process(target=_rank_entry, args=(rank, fn, world_size, str(store), queue, args, join_group))
+    parent = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
+              "stdout": _InheritedFd(1), "stderr": _InheritedFd(2)}
+    processes = [context.Process(target=_rank_entry,
+                                 args=(rank, fn, world_size, str(store), queue, args, join_group, parent))
                  for rank in range(world_size)]
+    sys.stdout.flush(), sys.stderr.flush()
     for process in processes:
         process.start()
     results: dict[int, Any] = {}
