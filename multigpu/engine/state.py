@@ -173,7 +173,7 @@ class ReplicaSave:
 
     def __call__(self, verdict: dict[str, Any]) -> str:
         run = self.run
-        replica = Replica(run.checkpointer, run.config.multi_gpu == "fsdp", run.stream is not None,
+        replica = Replica(run.checkpointer, run.runtime.mode == "fsdp", run.stream is not None,
                           run.progress.global_step, run.rng_state, run.model, run.buffers_at_start)
         return save_from_replica(replica, verdict["stuck"], run.stateful)
 

@@ -63,6 +63,10 @@ def test_on_a_hybrid_mesh_the_report_names_the_stuck_ranks_replica_and_shard(tmp
     assert "rank 1 (mesh replicate 1, shard 0) stuck in data loading" in lines[1]
     # Its peer waits in FSDP's gradient all-reduce across the replicas.
     assert "rank 0 (mesh replicate 0, shard 0) waits in FSDP's torch.distributed.all_reduce (backward)" in lines[3]
+    # Rank 0 holds a shard only: no checkpoint from its replica, the last sharded one stays the resume point.
+    assert "no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point" \
+        in ranks[0].stderr, ranks[0].stderr
+    assert not list(tmp_path.glob("step-*"))
 
 
 def test_a_collective_on_rank_0_only_is_named_a_desync(tmp_path):
