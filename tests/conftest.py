@@ -284,7 +284,7 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 # What every rank imports anyway, loaded once into the server that forks the ranks: a spawned rank paid about
-# 3 CPU-seconds for them (torch, and torch._dynamo, which torch imports at a model's first convolution) before
+# 3 CPU-seconds for them (torch, and torch._dynamo, which torch 2.14 imports as any optimizer is built) before
 # its first line of test code, on a 2-core machine whose suite starts a few hundred ranks. The framework's own
 # modules are not preloaded: each rank imports them fresh, after it has taken the test's environment.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
@@ -356,7 +356,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"
     if not join_group:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # inherited by the spawned ranks
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # in the environment each rank takes
     parent = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
               "stdout": _InheritedFd(1), "stderr": _InheritedFd(2)}
     processes = [context.Process(target=_rank_entry,
