@@ -125,25 +125,36 @@ def parse_gpu_ids(text: Optional[str]) -> list[int]:
 
 
 def setup(config: TrainConfig) -> Runtime:
-    """Resolve the mode and, under DDP, join torchrun's process group.
+    """Resolve the mode and, under DDP or FSDP, join torchrun's process group (fsdp without torchrun: a group of
+    one process, which FSDP's device mesh needs).
 
     The process-group timeout is --dist-timeout: a rank that died makes the others
     fail after that long instead of hanging forever.
     """
     mode = resolve_mode(config)
-    if mode == "ddp" or (mode == "fsdp" and launched_by_torchrun()):
-        return _setup_ddp(config, mode)
-    if mode == "fsdp":
-        return _setup_one_shard(config)
+    if mode in ("dp", "none"):
+        return _one_process(mode, config.gpu_ids)
+    torchrun = launched_by_torchrun()
+    if mode == "ddp" and not torchrun:
+        raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
+    if config.gpu_ids is not None:
+        raise UsageError("--gpu-ids is for --multi-gpu dp; " + ("under torchrun choose GPUs with CUDA_VISIBLE_DEVICES"
+                                                               if torchrun else "for fsdp choose GPUs with "
+                                                               "CUDA_VISIBLE_DEVICES"))
+    return _process_group(config, mode, torchrun)
+
+
+def _one_process(mode: str, gpu_ids: Optional[str]) -> Runtime:
+    """--multi-gpu dp (nn.DataParallel over this process's GPUs) or none (one device): no process group."""
     processes = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     if processes > 1:  # each process would train its own copy into the same files
         raise UsageError(f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
                          f"use --multi-gpu ddp under torchrun, or run without torchrun")
-    if config.gpu_ids is not None and mode != "dp":
+    if gpu_ids is not None and mode != "dp":
         raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
                          "set CUDA_VISIBLE_DEVICES instead")
     if mode == "dp":
-        ids = parse_gpu_ids(config.gpu_ids)
+        ids = parse_gpu_ids(gpu_ids)
         if len(ids) >= 2:
             return Runtime("dp", torch.device(f"cuda:{ids[0]}"), dp_device_ids=ids)
         where = f"cuda:{ids[0]}" if ids else "cpu"
@@ -153,35 +164,44 @@ def setup(config: TrainConfig) -> Runtime:
     return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
 
 
-def _setup_ddp(config: TrainConfig, mode: str = "ddp") -> Runtime:
-    if not launched_by_torchrun():
-        raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
-    if config.gpu_ids is not None:
-        raise UsageError("--gpu-ids is for --multi-gpu dp; under torchrun choose GPUs with CUDA_VISIBLE_DEVICES")
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
-                             f"are visible; use --nproc_per_node={torch.cuda.device_count()}")
-        device, backend = torch.device(f"cuda:{local_rank}"), "nccl"
-        torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if backend == "nccl" and config.watchdog_seconds:
-        nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
-    if backend == "nccl" and config.debug_collectives:
+def _process_group(config: TrainConfig, mode: str, torchrun: bool) -> Runtime:
+    """ddp or fsdp: this process's device, and the group joined (torchrun's ranks), or made for the one process
+    of fsdp without torchrun."""
+    rank, local_rank, world_size = ((int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                                     int(os.environ["WORLD_SIZE"])) if torchrun else (0, 0, 1))
+    device = _device(rank, local_rank) if torchrun else torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    nodes = nodes_in_job(world_size)
+    if torchrun and backend == "nccl" and config.debug_collectives:
         # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP
         # built on its checking group crashes with torch 2.14, so there only multigpu/parallel/collective_check.py runs).
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    nodes = nodes_in_job(world_size)
-    mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None  # refused before any group forms
+    if torchrun and backend == "nccl" and config.watchdog_seconds:
+        nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
+    # Refused before any group forms: a hybrid mesh this run's processes cannot fill (one process: none).
+    mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
         _import_before_the_group()
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **restart_safe_store(timeout))
-    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
+        if torchrun:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **restart_safe_store(timeout))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh if torchrun else None,
+                   nodes=nodes)
+
+
+def _device(rank: int, local_rank: int) -> torch.device:
+    """A torchrun rank's device: its GPU (LOCAL_RANK), set as the current one, or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+                         f"are visible; use --nproc_per_node={torch.cuda.device_count()}")
+    device = torch.device(f"cuda:{local_rank}")
+    torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
+    return device
 
 
 def nodes_in_job(world_size: int) -> int:
@@ -201,21 +221,6 @@ def _import_before_the_group() -> None:
     finalization (see `teardown`). Imported first, the defaults hold None.
     """
     import torch.distributed.nn  # noqa: F401
-
-
-def _setup_one_shard(config: TrainConfig) -> Runtime:
-    """--multi-gpu fsdp without torchrun: one process holding the one shard, in a process group of its own
-    (FSDP's device mesh needs one)."""
-    if config.gpu_ids is not None:
-        raise UsageError("--gpu-ids is for --multi-gpu dp; for fsdp choose GPUs with CUDA_VISIBLE_DEVICES")
-    config.mesh_shape(1)  # a hybrid mesh needs more than this one process: refused in one line
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        _import_before_the_group()
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=config.dist_timeout))
-    return Runtime("fsdp", device, 0, 0, 1, backend)
 
 
 def teardown() -> None:
