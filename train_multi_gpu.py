@@ -1,8 +1,9 @@
 """MultiGPUTrainer: one training loop for DDP, FSDP and hybrid sharding, DataParallel, one GPU and the CPU.
 
 Read `fit` first: it is the whole story (own the save-dir, resume, plan, epochs, evaluate and save); every other
-method is one step of it. `__init__` composes parts made in multigpu/engine/build.py (multigpu/__init__.py maps
-the package). The only host syncs are at `--log-every` steps, where the ranks also agree on stopping.
+method is one step of it. `__init__` composes the parts, each made by a factory beside it from the settings it
+needs (multigpu/__init__.py maps the package). The only host syncs are at `--log-every` steps, where the ranks
+also agree on stopping.
 
     metrics = MultiGPUTrainer(model, train_set, val_set, TrainConfig(epochs=3)).fit()  # or under torchrun: DDP
 """
@@ -12,36 +13,38 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
-from multigpu import config_checks, rng
-from multigpu.checkpoints import stateful
+from multigpu import rng
+from multigpu.checkpoints import run_folders, stateful
+from multigpu.checkpoints.checkpointer import Checkpointer
 from multigpu.config import AUTO, TrainConfig
 from multigpu.data import streaming
 from multigpu.data.batches import batch_mover
 from multigpu.data.device_data import DeviceData
-from multigpu.data.feed import training_data
+from multigpu.data.feed import batch_sizes, training_data
 from multigpu.engine import build, state, summary
+from multigpu.loop.amp import Amp
 from multigpu.loop.evaluation import Evaluator
 from multigpu.loop.forward import ForwardFn, fitted_forward
 from multigpu.loop.metrics import MetricsSpec, Monitor
-from multigpu.loop.optim import OptimizerArg, SchedulerArg
+from multigpu.loop.optim import OptimizerArg, SchedulerArg, optimization
 from multigpu.loop.prediction import Predictor
 from multigpu.loop.progress import Progress
 from multigpu.loop.step import TrainStep
-from multigpu.monitoring import plan
+from multigpu.monitoring import plan, reporting, telemetry
 from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
 from multigpu.monitoring.sync import SyncPoints
-from multigpu.parallel.distributed import Runtime, gather_objects, teardown, teardown_at_exit
+from multigpu.parallel.distributed import Runtime, gather_objects, runtime_for, teardown, teardown_at_exit
+from multigpu.parallel.wrapping import prepare_model, wrapped_for_training
 from multigpu.resilience import faults, heartbeat
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.preemption import StopRequest, stops_handled
-from multigpu.tuning import autotune, cpu_memory
+from multigpu.tuning import autotune, batch_size as batch_size_search, cpu_memory
 from multigpu.tuning.gc_pauses import long_lived_objects_frozen
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
@@ -66,62 +69,63 @@ class MultiGPUTrainer:
                  callbacks: Sequence[Any] = ()):
         build.check_arguments(model, scheduler_interval)  # before the process group is set up: nothing to undo
         config = config or TrainConfig()
-        self.given = config_checks.given(config)  # the flags the user set (before copies of the config forget them)
-        self.runtime, self.owns_process_group = build.process_group(config, runtime)
-        rt = self.runtime
+        self.callbacks = build.callbacks(config, callbacks, val_dataset is not None)  # refused before the group too
+        self.runtime, self.owns_process_group = runtime_for(config, runtime)
+        self.given, rt = config.fields_given, self.runtime  # the flags the user set (copies of the config forget them)
         # A script that calls fit() or predict() and simply ends: the group is destroyed at exit, as close() does.
         self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
-        (self.config, self.report), self.device = build.run_folder_and_report(config, rt), rt.device
-        config, say = self.config, self.report.line
-        self.amp = build.precision(config, rt, say)
-        self.model = build.model_on_device(model, config, rt, say)
+        config, chosen = run_folders.run_folder(config, rt)  # a new run-N folder when --save-dir was not given
+        self.config, self.report, self.device = config, reporting.Reporter(config, rt.is_main, chosen), rt.device
+        say = self.report.line  # rank 0's console, progress bar and TensorBoard (the others' say nothing)
+        self.amp = Amp.resolved(config.amp, rt.device, rt.mode == "fsdp", say)
+        self.forward = forward_fn or fitted_forward(model)  # its forward signature read once
+        self.model = prepare_model(model, config, rt, say)  # --float8, --sync-bn, --channels-last, --compile
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-        self.forward = forward_fn or fitted_forward(self.model)  # its forward signature read once
         self.channels_last, move = config.channels_last, batch_mover(self.device, config.channels_last)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         # --data-on-device: the set moved there before --batch-size auto measures what memory is left
         self.on_device = DeviceData(train_dataset, config, self.device, rt.world_size, collate_fn,
                                     streaming.is_stream(train_dataset))
         if config.batch_size == AUTO:
-            self.config = config = build.auto_batch_size(config, self.model, optimizer, self.forward, self.loss_fn,
-                                                         self.amp, move, train_dataset, collate_fn, rt, say)
-        sizes = build.batch_sizes(config, rt)
+            self.config = config = batch_size_search.auto_batch_size(config, self.model, optimizer, self.forward,
+                                                                     self.loss_fn, self.amp, move, train_dataset,
+                                                                     collate_fn, rt, say)
+        sizes = batch_sizes(config, rt)
         self.loader_batch, self.eval_batch, self.effective_batch = sizes.loader, sizes.evaluation, sizes.effective
         self.data = data = training_data(train_dataset, config, rt, self.loader_batch, collate_fn, self.on_device)
         self.sampler, self.stream, self.train_loader, self.steps_per_epoch = (data.sampler, data.stream, data.loader,
                                                                               data.steps_per_epoch)
-        self.telemetry = build.telemetry(rt, self.amp, self.train_loader, self.report, self.model, self.forward,
-                                         move, train_dataset, config.batch_size, collate_fn)
-        wrapped, no_sync, self.gradient_nodes = build.wrapped_model(self.model, config, rt, self.amp.dtype, say)
-        made = build.optimization(self.model, config, self.given, optimizer, scheduler, scheduler_interval,
-                                  self.effective_batch, data)
+        self.telemetry = telemetry.run_telemetry(rt, self.amp, self.train_loader, self.report, self.model,
+                                                 self.forward, move, train_dataset, config.batch_size, collate_fn)
+        self.meter = IntervalMeter(self.device, self.loader_batch)  # a step's loss and samples, read at sync points
+        wrapped, no_sync, self.gradient_nodes = wrapped_for_training(self.model, config, rt, self.amp.dtype, say)
+        made = optimization(self.model, config, self.given, optimizer, scheduler, scheduler_interval,
+                            self.effective_batch, data.steps_per_epoch, data.stream is not None)
         self.optimizer, self.scheduler, self.scheduler_interval = made.optimizer, made.scheduler, made.scheduler_interval
         self.builtin_optimizer, self.builtin_schedule, self.lr = made.builtin_optimizer, made.builtin_schedule, made.lr
-        self.total_steps, self.config = made.total_steps, made.config
-        config, self.meter = self.config, IntervalMeter(self.device, self.loader_batch)
+        self.total_steps, self.config, config = made.total_steps, made.config, made.config
         self.step = TrainStep(self.model, wrapped, no_sync, self.forward, self.loss_fn, self.amp, self.optimizer,
                               self.scheduler, self.scheduler_interval, config.clip_grad_norm, self.meter,
                               self.telemetry.clock.fetch, move)
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
                                    move)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
-        self.callbacks = build.callbacks(config, callbacks, val_dataset is not None)
         self._on_step_end = self.callbacks.hooks["on_step_end"]
         self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
         self.eval_model: Optional[nn.Module] = None  # a callback's module to evaluate and predict with (EMA's)
-        # Every name evaluation looks up (metrics, --monitor, the batch's targets) tried on a few validation
-        # samples now: a typo costs seconds, not an epoch of training.
+        # Every name evaluation looks up (metrics, --monitor, targets) tried on a few samples: seconds, not an epoch
         self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
         self.progress, self.metrics, self._resumed = Progress(), {}, False
-        rng.seed_all(config.seed + rt.rank)  # dropout and augmentation differ per rank, repeat on a rerun
         self.rng_state, self.buffers_at_start = stateful.RngState(rt), []  # fit() notes the buffers' versions
         self.stop, self.die_at_step = StopRequest(), faults.fault_step(rt.rank)
         self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
-        self.autotune = (autotune.for_run(config, rt, self.model, self.given, partial(build.use_setting, self), say)
+        self.autotune = (autotune.make_autotuner(config, rt, self.model, self.given,
+                                                 lambda setting: build.use_setting(self, setting), say)
                          if config.autotune else None)  # tried in fit's first steps
-        self.checkpointer = build.checkpointer(config, rt, self.report, self.model, self.optimizer, self.total_steps)
+        self.checkpointer = Checkpointer.at_start(config, rt, self.report, self.model, self.optimizer, self.total_steps)
         self.sync = SyncPoints(config, rt, self.meter, self.logged, self.report, self.telemetry, self.amp, self.stop,
                                self.checkpointer.newest)
+        rng.seed_all(config.seed + rt.rank)  # dropout and augmentation differ per rank, repeat on a rerun
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -152,8 +156,7 @@ class MultiGPUTrainer:
                 self.telemetry.start()
                 # What rank 0's replica needs to save alone when it loses a peer (state.save_from_replica).
                 self.buffers_at_start = state.training_starts(self.rng_state, self.model)
-                # Short collector pauses (ranks do not wait on one another's), and on the CPU no page faults for
-                # memory a step frees and the next takes again (docs/speed.md, "Speed").
+                # Short GC pauses (no rank waits on another's); on the CPU, freed memory kept for the next step
                 with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
                         self.device.type == "cpu" and self.config.cache_cpu_memory):
                     while not self._trained() and not self._stopping_early():
@@ -174,8 +177,7 @@ class MultiGPUTrainer:
 
     def _run_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a stop signal ended it early."""
-        progress, config = self.progress, self.config
-        done_steps = self.steps_done_in_epoch()
+        progress, config, done_steps = self.progress, self.config, self.steps_done_in_epoch()
         steps = self.steps_per_epoch or None  # None: one pass of a stream without __len__, its steps unknown
         if steps and config.max_steps:  # it ends mid-epoch
             steps = min(steps, done_steps + config.max_steps - progress.global_step)
@@ -234,8 +236,7 @@ class MultiGPUTrainer:
         every rank, as one process gets them; `batch_size` per device (default: the evaluation's). With
         `output_path`, rank 0 streams them to that file instead (docs/prediction.md, "Prediction")."""
         batch = self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
-        predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers,
-                              self.evaluator.collate_fn)
+        predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers, self.evaluator.collate_fn)
         return predictor.run(self._eval_model(), dataset if dataset is not None else self.val_dataset, batch,
                              output_path, to)
 

@@ -12,7 +12,23 @@ from multigpu.config import TrainConfig
 from multigpu.data import build_loader, streaming
 from multigpu.data.device_data import DeviceData
 from multigpu.data.sampler import ResumableDistributedSampler, windows
+from multigpu.lr_scaling import effective_batch
 from multigpu.parallel.distributed import Runtime
+
+
+@dataclass
+class BatchSizes:
+    """--batch-size is per device; DataParallel splits its process's bigger batch over its GPUs."""
+
+    loader: int  # samples per micro-batch of one process
+    evaluation: int  # per process, for evaluation and prediction
+    effective: int  # samples per optimizer step, all devices and micro-steps together
+
+
+def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
+    per_step = max(1, len(runtime.dp_device_ids))
+    return BatchSizes(config.batch_size * per_step, (config.eval_batch_size or config.batch_size) * per_step,
+                      effective_batch(config, runtime.devices_per_step))
 
 
 @dataclass

@@ -287,6 +287,14 @@ class TrainConfig:
 
     # --- derived values: computed, never stored, so they cannot go stale ---
     @property
+    def fields_given(self) -> FrozenSet[str]:
+        """The fields the user set: the flags the command line named, else (Python) those not at their default.
+        Read it before copying the config: a copy from dataclasses.replace forgets `given`."""
+        if self.given is not None:
+            return self.given
+        return frozenset(name for name, f in FIELDS.items() if getattr(self, name) != f.default)
+
+    @property
     def watchdog_seconds(self) -> float:
         """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
         return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, Iterator
 
-from multigpu.config import FIELDS, TrainConfig, flag
+from multigpu.config import TrainConfig, flag
 
 GENERATED = ("synthetic", "fake")  # data sets made up in memory: nothing is read or downloaded
 SIZES_OF_GENERATED = ("train_size", "val_size", "num_classes")
@@ -27,13 +27,6 @@ class RunFacts:
     builtin_schedule: bool = True
     convolutions: bool = True
     steps_per_epoch: int = 0
-
-
-def given(config: TrainConfig) -> FrozenSet[str]:
-    """The fields the user set: the flags the command line named, else (Python) those not at their default."""
-    if config.given is not None:
-        return config.given
-    return frozenset(name for name, f in FIELDS.items() if getattr(config, name) != f.default)
 
 
 def ignored_flags(config: TrainConfig, given_fields: FrozenSet[str], facts: RunFacts) -> list[str]:

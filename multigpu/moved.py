@@ -1,4 +1,5 @@
-"""Where the modules of the flat package of version 0.2 went: each old import path is one line below.
+"""Where the modules of the flat package of version 0.2 went, and the two that moved after: each old import
+path is one line below.
 
 `import multigpu.distributed`, `from multigpu.checkpoint import load` and `python -m multigpu.export` keep
 working: the old name is the very module object at its new place (a module split in two is looked up in
@@ -35,7 +36,7 @@ MOVED: dict[str, Union[str, tuple[str, ...]]] = {
     "multigpu.flops": "multigpu.monitoring.flops",
     "multigpu.fork_safety": "multigpu.resilience.fork_safety",
     "multigpu.gc_pauses": "multigpu.tuning.gc_pauses",
-    "multigpu.gradient_nodes": "multigpu.loop.gradient_nodes",
+    "multigpu.gradient_nodes": "multigpu.parallel.gradient_nodes",
     "multigpu.hang_report": "multigpu.resilience.hang_report",
     "multigpu.heartbeat": "multigpu.resilience.heartbeat",
     "multigpu.inference": "multigpu.loop.inference",
@@ -59,6 +60,9 @@ MOVED: dict[str, Union[str, tuple[str, ...]]] = {
     "multigpu.telemetry": "multigpu.monitoring.telemetry",
     "multigpu.torchrun": "multigpu.launch.torchrun",
     "multigpu.watchdog": "multigpu.resilience.watchdog",
+    # since: part of the module's form on its devices (multigpu/parallel/wrapping.py)
+    "multigpu.loop.float8": "multigpu.parallel.float8",
+    "multigpu.loop.gradient_nodes": "multigpu.parallel.gradient_nodes",
 }
 
 

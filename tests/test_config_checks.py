@@ -11,7 +11,7 @@ import pytest
 import main_multi_gpu
 from conftest import REPO
 from multigpu.config import TrainConfig, parse_config
-from multigpu.config_checks import RunFacts, given, ignored_flags
+from multigpu.config_checks import RunFacts, ignored_flags
 from multigpu.launch import launch_rules
 from multigpu.launch.answers import TRAINING, Settings
 
@@ -108,18 +108,18 @@ def test_a_flag_given_its_default_value_is_still_a_given_flag():
 
 def test_defaults_and_flags_asking_for_nothing_never_warn():
     for config in (parse_config([]), TrainConfig(), parse_config(["--no-download", "--no-channels-last"])):
-        assert ignored_flags(config, given(config), NO_CONVOLUTIONS) == []
+        assert ignored_flags(config, config.fields_given, NO_CONVOLUTIONS) == []
 
 
 def test_in_python_a_field_counts_as_given_when_it_differs_from_its_default():
     config = TrainConfig(momentum=0.5, keep_last=3)  # keep_last's default: not given
-    assert given(config) == {"momentum"}
-    assert [line.split(":")[1] for line in ignored_flags(config, given(config), RunFacts())] == [" --momentum 0.5 has no effect"]
+    assert config.fields_given == {"momentum"}
+    assert [line.split(":")[1] for line in ignored_flags(config, config.fields_given, RunFacts())] == [" --momentum 0.5 has no effect"]
 
 
 def test_a_users_optimizer_or_schedule_owns_momentum_and_the_decay():
     config = TrainConfig(momentum=0.5, lr_gamma=0.5)
-    assert ignored_flags(config, given(config), RunFacts(builtin_optimizer=False, builtin_schedule=False)) == []
+    assert ignored_flags(config, config.fields_given, RunFacts(builtin_optimizer=False, builtin_schedule=False)) == []
 
 
 def test_the_test_harness_flags_are_not_the_users(monkeypatch):

@@ -31,6 +31,9 @@ def test_the_old_names_the_guide_and_scripts_used_still_import():
     from multigpu.savedir import SaveDirLock, choose_run_dir  # noqa: F401
     from multigpu.loop.inference import BatchParallel as moved
     assert BatchParallel is moved
+    from multigpu.loop import float8, gradient_nodes  # part of the module's form on its devices since
+    from multigpu.parallel import float8 as float8_now, gradient_nodes as gradient_nodes_now
+    assert float8 is float8_now and gradient_nodes is gradient_nodes_now
 
 
 def test_python_m_old_path_runs_the_moved_module_and_the_old_torchrun_path_runs_as_a_script():

@@ -40,7 +40,7 @@ class Checkpointer:
 
     def __init__(self, config: TrainConfig, runtime: Runtime, report: Says):
         self.config, self.runtime, self.report = config, runtime, report
-        self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by engine/build.py's run_folder
+        self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by run_folders.run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)
         self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
         self.saved_step: Optional[int] = None  # its optimizer step
@@ -53,6 +53,16 @@ class Checkpointer:
         self.sharded = config.sharded_checkpoints()  # the writer: one file from rank 0, or every rank's shards
         self.suffix = ".safetensors" if config.checkpoint_format == "safetensors" else ".pt"  # one file's kind
         self.background = sharded.AsyncSaves()  # --async-checkpoint's save in flight
+
+    @classmethod
+    def at_start(cls, config: TrainConfig, runtime: Runtime, report: Says, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, total_steps: float) -> "Checkpointer":
+        """The run's checkpointer, its save-dir (and --log-dir) checked at start, before anything is trained:
+        writable, with room for what this run keeps."""
+        made = cls(config, runtime, report)
+        made.check_folders(checkpoint.estimate_size(model, optimizer, model_copies=2 if config.ema_decay else 1),
+                           total_steps)  # type: ignore[arg-type]
+        return made
 
     @property
     def keeps_previous_run(self) -> bool:

@@ -22,6 +22,7 @@ the folder behind: the next run to take the save-dir puts it back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import os
 import re
@@ -34,8 +35,9 @@ from typing import Iterator, Optional
 
 from multigpu.checkpoints import run_settings
 from multigpu.checkpoints.savedir import read_owner, restart_count
-from multigpu.config import TrainConfig
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.parallel.distributed import Runtime, gather_objects
 
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
@@ -95,6 +97,27 @@ def new_run_dir(root: str) -> str:
             return path
         except FileExistsError:
             number += 1
+
+
+def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Optional[str]]:
+    """`config` with its save-dir chosen when --save-dir was not given, and the line that says so.
+
+    Each run then gets a folder of its own under checkpoints/ (run-1, run-2, ...),
+    so running one command twice keeps both runs; --resume auto continues the
+    newest. Rank 0 chooses, every rank learns its choice.
+    """
+    if config.save_dir is not None:
+        return config, None
+    choice = None
+    if runtime.is_main:
+        try:
+            choice = (*choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
+        except UsageError as error:  # runs are there, none with these settings: every rank stops
+            choice = ("", "", str(error))
+    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
+    if refusal:
+        raise UsageError(refusal)
+    return dataclasses.replace(config, save_dir=path), line
 
 
 def choose_run_dir(root: str, config: TrainConfig) -> tuple[str, str]:

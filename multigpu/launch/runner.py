@@ -17,7 +17,6 @@ from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import console
-from multigpu.loop import float8
 from multigpu.models import build_model
 from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
 from multigpu.resilience.preemption import PeerLost, error_detail, is_peer_failure
@@ -27,10 +26,8 @@ from train_multi_gpu import MultiGPUTrainer
 
 def run(config: TrainConfig) -> dict:
     """Set up devices, data and model, train, and return the final metrics."""
-    runtime = setup(config)
+    runtime = setup(config)  # --float8 is refused there, before any data is read, where the device has none
     try:
-        if config.float8:  # refused before any data is read where the device has no float8 (multigpu/loop/float8.py)
-            float8.check(config.float8, runtime.device)
         return _train(config, runtime)
     finally:
         # After _train returned, so the trainer and its DDP wrapper (which hold the process group)

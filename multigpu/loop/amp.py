@@ -63,6 +63,12 @@ class Amp:
         # (docs/measured.md, "Per-step overhead"); `scaling` likewise, kept by the scaler's setter.
         self.autocasts = dtype is not None and not sharded
 
+    @classmethod
+    def resolved(cls, flag: str, device: torch.device, sharded: bool, say: Callable[[str], None]) -> "Amp":
+        """--amp resolved for `device` (auto: bf16 where the GPU computes in it); `sharded` (fsdp) casts the
+        parameters itself (FSDP2's MixedPrecisionPolicy) rather than autocasting."""
+        return cls(resolve_dtype(flag, device, say), device.type, sharded=sharded)
+
     @property
     def scaler(self) -> torch.amp.GradScaler:
         """fp16's GradScaler (disabled in other precisions); `scaling` says whether it is enabled."""

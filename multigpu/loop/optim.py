@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
+from multigpu.lr_scaling import scaled_lr
 
 OptimizerArg = Union[None, Optimizer, Callable[[Iterable[torch.nn.Parameter]], Optimizer]]
 SchedulerArg = Union[None, LRScheduler, Callable[[Optimizer], Any]]
@@ -206,3 +207,38 @@ def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, 
                          f"{give}; or use --lr-schedule constant")
     if not builtin and interval == "step" and takes_total_steps(scheduler):
         raise UsageError(f"your scheduler takes total_steps, and {unknown}: {give}")
+
+
+@dataclasses.dataclass
+class Optimization:
+    """The optimizer and LR schedule, built-in or the user's, with the LR scaling rule applied to either."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scheduler_interval: str  # "step" or "epoch"
+    builtin_optimizer: bool
+    builtin_schedule: bool
+    lr: float  # the first param group's LR after scaling: the schedule's base
+    total_steps: float  # optimizer steps of the whole run; inf for a stream without __len__
+    config: TrainConfig  # with the schedule a user's optimizer gets (schedule_config)
+
+
+def optimization(model: torch.nn.Module, config: TrainConfig, given: Collection[str], optimizer: OptimizerArg,
+                 scheduler: SchedulerArg, scheduler_interval: str, effective_batch: int, steps_per_epoch: int,
+                 stream: bool) -> Optimization:
+    """The run's optimizer and schedule. A stream without __len__ (`steps_per_epoch` 0) knows no total: it is
+    taken as unbounded where a length is only weighed (room for checkpoints, --autotune's payback), and a
+    schedule that needs it exactly is refused in one line."""
+    factor = scaled_lr(1.0, config.lr_scaling, effective_batch, config.lr_base_batch)  # the rule, for either
+    total_steps = config.planned_steps(steps_per_epoch) if steps_per_epoch else math.inf
+    built = (build_optimizer(model, config, config.lr * factor) if optimizer is None
+             else users_optimizer(optimizer, model, factor))
+    lr = built.param_groups[0]["lr"]  # the schedule's base: a warm-up's schedule starts below it
+    config = schedule_config(config, given, optimizer is not None, scheduler is not None)
+    interval = "step" if scheduler is None else scheduler_interval
+    if stream and not steps_per_epoch:
+        refuse_schedules_without_length(config, scheduler is None, scheduler, interval)
+    schedule = (build_scheduler(built, config, steps_per_epoch) if scheduler is None
+                else users_scheduler(scheduler, built, config.lr_scaling,
+                                     total_steps if scheduler_interval == "step" else config.epochs))
+    return Optimization(built, schedule, interval, optimizer is None, scheduler is None, lr, total_steps, config)

@@ -21,7 +21,7 @@ from multigpu.resilience.heartbeat import BEAT
 class TrainStep:
     """The run's training step. `wrapped` is what trains (DDP, DataParallel, the sharded module or the module
     itself), `no_sync` the context of the micro-steps whose gradients are not synced yet, `move` how a batch
-    reaches the device; --autotune may switch all three between steps (multigpu/engine/build.py)."""
+    reaches the device; --autotune may switch all three between steps (multigpu/engine/build.py, use_setting)."""
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, no_sync: Callable[[], ContextManager],
                  forward: ForwardFn, loss_fn: Any, amp: Amp, optimizer: torch.optim.Optimizer, scheduler: Any,

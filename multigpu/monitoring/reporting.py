@@ -22,7 +22,7 @@ from multigpu.monitoring.trackers import Trackers
 class Reporter:
     """Rank 0's console log, tqdm bar and TensorBoard writer."""
 
-    def __init__(self, config: TrainConfig, enabled: bool):
+    def __init__(self, config: TrainConfig, enabled: bool, first_line: Optional[str] = None):
         self.enabled = enabled
         self.log_dir, self.log_root = config.tensorboard_dir, config.tensorboard_root
         # The bar redraws itself with \r: in a log file (stdout redirected, CI, nohup) that leaves fragments and
@@ -44,6 +44,8 @@ class Reporter:
         self.loss_intervals = 0  # logged intervals: with one, the training loss has nothing to be compared with
         self.first_val: Optional[dict[str, float]] = None
         self.last_val: Optional[dict[str, float]] = None
+        if first_line:  # where the run saves, said first (checkpoints/run_folders.py's run_folder)
+            self.line(first_line)
 
     def import_writer_in_background(self) -> None:
         """Load TensorBoard's modules (40-60 ms) beside the first steps, whose kernels release the interpreter lock,

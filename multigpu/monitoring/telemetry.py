@@ -26,9 +26,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from multigpu.data.batches import batch_size, sample_batch
+from multigpu.loop.amp import Amp
+from multigpu.loop.forward import ForwardFn
 from multigpu.loop.snapshot import kept
 from multigpu.monitoring import flops as flop_lib
 from multigpu.monitoring.meters import Interval
+from multigpu.monitoring.reporting import Reporter
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
 
 GIB = 2 ** 30
@@ -260,3 +264,29 @@ class Telemetry:
         if row is None:
             return f"{self.gpu_name} is not in multigpu/monitoring/flops.py's table of peaks"
         return f"no {self.precision} peak for {row}" if self.peak is None else "the FLOPs were not counted"
+
+
+def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: torch.nn.Module, forward: ForwardFn,
+            move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]) -> Telemetry:
+    """The run's telemetry, with FLOPs per training sample for MFU (docs/speed.md, "Speed")."""
+    measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
+    if loader.num_workers == 0:
+        report.import_writer_in_background()
+    measured.flops_per_sample = flops_per_sample(measured, amp, model, forward, move, dataset, batch, collate_fn)
+    return measured
+
+
+def flops_per_sample(telemetry: Telemetry, amp: Amp, model: torch.nn.Module, forward: ForwardFn,
+                     move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]
+                     ) -> Optional[float]:
+    """FLOPs per training sample, counted on a small batch of the training set on the plain module, before the
+    wrap (no collective); None for a data set that only reads inside the loader's workers."""
+    try:
+        sample = sample_batch(dataset, min(batch, 8), collate_fn)
+    except Exception:  # no FLOP count, no perf/
+        return None
+
+    def forward_only(moved: Any) -> Any:
+        with amp.autocast():
+            return forward(model, moved)[0]
+    return telemetry.count_flops(model, forward_only, move(sample), batch_size(sample))

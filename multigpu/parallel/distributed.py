@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.parallel import float8
 from multigpu.resilience.hang_report import nccl_flight_recorder_env
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.preemption import restart_safe_store
@@ -133,7 +134,10 @@ def setup(config: TrainConfig) -> Runtime:
     """
     mode = resolve_mode(config)
     if mode in ("dp", "none"):
-        return _one_process(mode, config.gpu_ids)
+        runtime = _one_process(mode, config.gpu_ids)
+        if config.float8:  # refused before any data is read where the device has no float8 (parallel/float8.py)
+            float8.check(config.float8, runtime.device)
+        return runtime
     torchrun = launched_by_torchrun()
     if mode == "ddp" and not torchrun:
         raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
@@ -142,6 +146,14 @@ def setup(config: TrainConfig) -> Runtime:
                                                                if torchrun else "for fsdp choose GPUs with "
                                                                "CUDA_VISIBLE_DEVICES"))
     return _process_group(config, mode, torchrun)
+
+
+def runtime_for(config: TrainConfig, runtime: Optional[Runtime]) -> tuple[Runtime, bool]:
+    """The run's mode, devices and ranks (`runtime` when given, else `setup`), and whether this call made the
+    process group: its maker owns the group's end (the trainer's close(), or at exit)."""
+    group_before = is_distributed()
+    made = runtime or setup(config)
+    return made, runtime is None and is_distributed() and not group_before
 
 
 def _one_process(mode: str, gpu_ids: Optional[str]) -> Runtime:
@@ -173,13 +185,15 @@ def _process_group(config: TrainConfig, mode: str, torchrun: bool) -> Runtime:
     backend = "nccl" if device.type == "cuda" else "gloo"
     nodes = nodes_in_job(world_size)
     if torchrun and backend == "nccl" and config.debug_collectives:
-        # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP
-        # built on its checking group crashes with torch 2.14, so there only multigpu/parallel/collective_check.py runs).
+        # torch's own check of every collective, the user's included, where it works: on NCCL (on gloo, DDP built
+        # on its checking group crashes with torch 2.14, so there only multigpu/parallel/collective_check.py runs).
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     if torchrun and backend == "nccl" and config.watchdog_seconds:
         nccl_flight_recorder_env(config.save_dir or DEFAULT_SAVE_ROOT)
     # Refused before any group forms: a hybrid mesh this run's processes cannot fill (one process: none).
     mesh = config.mesh_shape(world_size, nodes) if mode == "fsdp" else None
+    if config.float8:
+        float8.check(config.float8, device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=config.dist_timeout)
         _import_before_the_group()

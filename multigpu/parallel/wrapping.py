@@ -3,9 +3,11 @@ plain module on its device, then DDP, DataParallel or FSDP2's sharding around it
 """
 
 from __future__ import annotations
-from typing import Callable, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 import torch
-from multigpu.parallel import collective_check, sharding
+from multigpu.parallel import collective_check, float8, sharding
+from multigpu.parallel.gradient_nodes import hold_gradient_nodes
 from multigpu.config import TrainConfig
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.parallel.distributed import Runtime
@@ -21,8 +23,13 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
     --compile compiles the module in place (`module.compile()`, the order
     torch's documentation gives for DDP: compile the module, then wrap it), so
     its state_dict keeps plain keys and checkpoints load compiled or not.
+    What fsdp cannot do is refused first; --float8 converts before --compile compiles.
     """
     nn = torch.nn
+    if runtime.mode == "fsdp":
+        sharding.refuse_unsupported(config)
+    if config.float8:
+        float8.convert_for_training(model, config.float8, runtime.device, runtime.mode == "fsdp", say)
     if _syncs_batchnorm(config, runtime):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
     elif config.sync_bn:
@@ -36,6 +43,20 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
     elif config.compile:
         model.compile()
     return model
+
+
+def wrapped_for_training(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
+                         amp_dtype: Optional[torch.dtype], say: Callable[[str], None]
+                         ) -> tuple[torch.nn.Module, Callable[[], ContextManager], list[Any]]:
+    """What trains (DDP, DataParallel, the module sharded in place by fsdp, or the module), the context of the
+    inner micro-steps of an accumulation window (no gradient sync), and the gradient nodes held for the run:
+    without DDP's reducer to hold them autograd would rebuild every parameter's AccumulateGrad node each step
+    (multigpu/parallel/gradient_nodes.py); fsdp's parameters are its own to manage."""
+    nodes = hold_gradient_nodes(model) if runtime.mode in ("none", "dp") else []
+    wrapped = wrap_model(model, config, runtime, say, amp_dtype)
+    no_sync = (wrapped.no_sync if runtime.mode == "ddp" else contextlib.nullcontext if runtime.mode != "fsdp"
+               else sharding.no_gradient_sync(wrapped, config.fsdp_accumulate == "sharded"))
+    return wrapped, no_sync, nodes
 
 
 def wrap_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,

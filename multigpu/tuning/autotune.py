@@ -100,7 +100,7 @@ def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: to
     return [Setting(layout, count) for count in threads for layout in layouts]
 
 
-def for_run(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
+def make_autotuner(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
             apply: Callable[[Setting], None], say: Callable[[str], None]) -> Autotuner:
     """The run's autotuner: its settings as given first, then what may be tried for its model and mode
     (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a

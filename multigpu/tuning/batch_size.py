@@ -12,16 +12,18 @@ the loader is not used (docs/speed.md, "Speed").
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.config import FIELDS
+from multigpu.config import FIELDS, TrainConfig
 from multigpu.data.batches import repeat_batch, sample_batch
 from multigpu.errors import TrainingStopped
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, compute_loss
+from multigpu.loop.optim import OptimizerArg, build_optimizer, users_optimizer
 from multigpu.loop.snapshot import kept
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
 
@@ -143,3 +145,18 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: F
     why = "all of a device's training data" if largest >= limit else f"{largest} fit, less {MARGIN:.0%}"
     say(f"--batch-size auto: {chosen} per device ({why})")
     return chosen
+
+
+def auto_batch_size(config: TrainConfig, model: torch.nn.Module, optimizer: OptimizerArg, forward: ForwardFn,
+                    loss_fn: Any, amp: Amp, move: Callable[[Any], Any], dataset: Any, collate_fn: Optional[Callable],
+                    runtime: Runtime, say: Callable[[str], None]) -> TrainConfig:
+    """--batch-size auto: the config with the largest batch whose step fits in GPU memory, measured on a probe
+    optimizer of the same kind (a given one is restored after), or the default batch without CUDA. Measured
+    before anything that depends on the batch is built."""
+    def probe_optimizer() -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        return (build_optimizer(model, config, config.lr) if optimizer is None
+                else users_optimizer(optimizer, model, 1.0))
+    chosen = choose(model, probe_optimizer, forward, loss_fn, amp, move, dataset, collate_fn, runtime, say)
+    return dataclasses.replace(config, batch_size=chosen)

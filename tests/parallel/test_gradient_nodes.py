@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import blobs, config_for, tiny_model
-from multigpu.loop.gradient_nodes import hold_gradient_nodes
+from multigpu.parallel.gradient_nodes import hold_gradient_nodes
 from train_multi_gpu import MultiGPUTrainer
 
 

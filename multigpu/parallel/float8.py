@@ -66,7 +66,8 @@ def convert(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool 
     return converted
 
 
-def for_run(model: nn.Module, recipe: str, device: torch.device, fsdp: bool, say: Callable[[str], None]) -> None:
+def convert_for_training(model: nn.Module, recipe: str, device: torch.device, fsdp: bool,
+                         say: Callable[[str], None]) -> None:
     """--float8 for the trainer: checked, then `model`'s gaining Linear layers converted, in one line."""
     check(recipe, device)
     linears = sum(isinstance(module, nn.Linear) for module in model.modules())

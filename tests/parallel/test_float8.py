@@ -1,4 +1,4 @@
-"""--float8 (multigpu/loop/float8.py): refused in one line without a GPU of compute capability 8.9; on the CPU the
+"""--float8 (multigpu/parallel/float8.py): refused in one line without a GPU of compute capability 8.9; on the CPU the
 conversion, checkpoints and training are checked under torchao's emulation (float8 numbers without float8
 tensor cores): which layers are converted, the checkpoint's keys (a float8 run resumes without --float8 and
 the reverse), and the loss over 50 steps within LOSS_TOLERANCE of bf16's."""
@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import TINY, config_for, read_scalars, run_cli
-from multigpu.loop import float8
+from multigpu.parallel import float8
 from train_multi_gpu import MultiGPUTrainer
 
 # The relative difference allowed between the float8 run's logged losses and bf16's (each a mean over 5 steps).
