@@ -31,13 +31,15 @@ import shutil
 import signal
 import threading
 import time
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from multigpu.checkpoints import run_settings
 from multigpu.checkpoints.savedir import read_owner, restart_count
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig
 from multigpu.errors import UsageError
-from multigpu.parallel.distributed import Runtime, gather_objects
+
+if TYPE_CHECKING:
+    from multigpu.parallel.distributed import Runtime
 
 RUN_PREFIX = "run-"
 SET_ASIDE_PREFIX = ".replaced-"
@@ -106,6 +108,9 @@ def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Opti
     so running one command twice keeps both runs; --resume auto continues the
     newest. Rank 0 chooses, every rank learns its choice.
     """
+    # Imported here: the rest of this module serves the launcher's rule set, which imports no torch.
+    from multigpu.parallel.distributed import gather_objects
+
     if config.save_dir is not None:
         return config, None
     choice = None
