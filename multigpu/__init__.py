@@ -5,7 +5,8 @@ From the bottom up (a subpackage's own docstring says what it owns and may impor
 - the root:     the vocabulary every layer shares: TrainConfig (config) and its warnings (config_checks), the
                 LR rule (lr_scaling), one-line errors (errors), files never written through a link (safe_files)
 - resilience/:  when things go wrong: heartbeats, signals and lost ranks, the hang doctor, the fault injector
-- parallel/:    the process group and the run's devices, DDP/DataParallel wrapping, FSDP2 and HSDP sharding
+- parallel/:    the process group and the run's devices, the module's form on them (--compile, --float8 ...),
+                DDP/DataParallel wrapping, FSDP2 and HSDP sharding
 - data/:        the data sets (the checkout's top-level data/), samplers, streams split over ranks and workers
 - models/:      the model registry (the checkout's top-level models/)
 - loop/:        what a step, an evaluation and a prediction compute: precision, batches, optimizers, metrics,
