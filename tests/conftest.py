@@ -45,6 +45,23 @@ RUN_TIMEOUT = 300  # seconds: no single CLI run in the suite should come near th
 TINY = ["--train-size", "512", "--val-size", "100", "--batch-size", "32", "--no-progress",
         "--dist-timeout", str(DIST_TIMEOUT)]
 
+# The files that take minutes (their tests' seconds together, measured with --durations=0 on the 2-core
+# machine), started first: under pytest-xdist's --dist loadfile a worker that takes one of them last would run
+# on alone at the end while the other waits. Only the order changes; a stale figure costs time, never a result.
+HEAVIEST_FILES = {"test_docs.py": 490, "test_train_multi_gpu.py": 250, "benchmarks/test_gpu_check.py": 170,
+                  "test_examples.py": 150, "test_main_multi_gpu.py": 140, "test_resume.py": 120,
+                  "launch/test_slurm.py": 105, "data/test_hf.py": 105, "data/test_streaming.py": 95}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The heaviest files first (HEAVIEST_FILES), each file's tests kept together and in their order."""
+    tests = Path(__file__).resolve().parent
+
+    def seconds(item: pytest.Item) -> int:
+        path = Path(str(item.fspath)).resolve()
+        return HEAVIEST_FILES.get(path.relative_to(tests).as_posix(), 0) if path.is_relative_to(tests) else 0
+    items.sort(key=lambda item: -seconds(item))  # a stable sort: the others keep the collection's order
+
 
 def cli_command(args: Sequence[str], nproc: Optional[int] = None, torchrun_args: Sequence[str] = (),
                 script: Path = REPO / "main_multi_gpu.py") -> list[str]:
