@@ -76,7 +76,7 @@ class MultiGPUTrainer:
         self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
         config, chosen = run_folders.run_folder(config, rt)  # a new run-N folder when --save-dir was not given
         self.config, self.report, self.device = config, reporting.Reporter(config, rt.is_main, chosen), rt.device
-        say = self.report.line  # rank 0's console, progress bar and TensorBoard (the others' say nothing)
+        say = self.report.line  # rank 0's console, progress bar and TensorBoard; the other ranks stay quiet
         self.amp = Amp.resolved(config.amp, rt.device, rt.mode == "fsdp", say)
         self.forward = forward_fn or fitted_forward(model)  # its forward signature read once
         self.model = prepare_model(model, config, rt, say)  # --float8, --sync-bn, --channels-last, --compile
