@@ -266,8 +266,9 @@ class Telemetry:
         return f"no {self.precision} peak for {row}" if self.peak is None else "the FLOPs were not counted"
 
 
-def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: torch.nn.Module, forward: ForwardFn,
-            move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]) -> Telemetry:
+def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: torch.nn.Module,
+                  forward: ForwardFn, move: Callable[[Any], Any], dataset: Any, batch: int,
+                  collate_fn: Optional[Callable]) -> Telemetry:
     """The run's telemetry, with FLOPs per training sample for MFU (docs/speed.md, "Speed")."""
     measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
     if loader.num_workers == 0:

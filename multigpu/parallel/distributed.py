@@ -202,8 +202,7 @@ def _process_group(config: TrainConfig, mode: str, torchrun: bool) -> Runtime:
                                     **restart_safe_store(timeout))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh if torchrun else None,
-                   nodes=nodes)
+    return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
 
 
 def _device(rank: int, local_rank: int) -> torch.device:

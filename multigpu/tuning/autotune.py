@@ -101,7 +101,7 @@ def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: to
 
 
 def make_autotuner(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
-            apply: Callable[[Setting], None], say: Callable[[str], None]) -> Autotuner:
+                   apply: Callable[[Setting], None], say: Callable[[str], None]) -> Autotuner:
     """The run's autotuner: its settings as given first, then what may be tried for its model and mode
     (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a
     setting. Rank 0's list is every rank's, so all ranks switch at the same steps."""
