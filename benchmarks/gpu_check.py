@@ -94,10 +94,12 @@ SIZES: dict[str, dict[str, Any]] = {
         # issue 43's rows: data on the device, ResNet-50 past NVIDIA's reference, GPT-2 small's MFU, float8
         "data_on_device": ["--model", "resnet18", "--image-shape", "3,32,32", "--train-size", "25600", "--val-size",
                            "512", "--batch-size", "256", "--epochs", "1", "--log-every", "20", "--amp", "bf16"],
+        # 100 steps: an H100's batch (1,555) made 8,192 samples x 3 epochs 18 steps, too few for the trials
         "resnet50": ["--model", "resnet50", "--image-shape", "3,224,224", "--num-classes", "1000", "--train-size",
-                     "8192", "--val-size", "64", "--epochs", "3", "--log-every", "10", "--batch-size", "auto"],
+                     "16384", "--val-size", "64", "--epochs", "12", "--max-steps", "100", "--log-every", "10",
+                     "--batch-size", "auto"],
         "gpt": {"characters": 4_000_000, "args": ["--n-layer", "12", "--n-head", "12", "--n-embd", "768",
-                                                 "--block-size", "1024", "--batch-size", "16", "--max-steps", "60",
+                                                 "--block-size", "1024", "--batch-size", "48", "--max-steps", "60",
                                                  "--log-every", "10", "--compile"]},
     },
     "dry": {

@@ -27,6 +27,7 @@ from multigpu.loop import metrics as metric_lib, snapshot
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss, own_loss, predictions, stand_in_forward
 from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
+from multigpu.parallel.wrapping import uncompiled
 from multigpu.resilience.preemption import StopRequest
 
 CHECK_SAMPLES = 8  # validation samples that check_names runs through the model at start
@@ -59,7 +60,7 @@ class Evaluator:
         """
         if dataset is None or is_stream(dataset) or len(dataset) == 0:  # type: ignore[arg-type]
             return  # a stream is checked at its first evaluation: reading it here would use up a pass
-        with snapshot.kept(model, self.runtime.device), torch.no_grad():
+        with snapshot.kept(model, self.runtime.device), torch.no_grad(), uncompiled():
             try:
                 batch = sample_batch(dataset, CHECK_SAMPLES, self.collate_fn)
             except UsageError:

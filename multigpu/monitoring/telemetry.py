@@ -34,6 +34,7 @@ from multigpu.monitoring import flops as flop_lib
 from multigpu.monitoring.meters import Interval
 from multigpu.monitoring.reporting import Reporter
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
+from multigpu.parallel.wrapping import uncompiled
 
 GIB = 2 ** 30
 DATA_WAIT_HINT = 0.10  # a larger share of the time spent waiting for data gets a one-line hint
@@ -290,4 +291,5 @@ def flops_per_sample(telemetry: Telemetry, amp: Amp, model: torch.nn.Module, for
     def forward_only(moved: Any) -> Any:
         with amp.autocast():
             return forward(model, moved)[0]
-    return telemetry.count_flops(model, forward_only, move(sample), batch_size(sample))
+    with uncompiled():
+        return telemetry.count_flops(model, forward_only, move(sample), batch_size(sample))

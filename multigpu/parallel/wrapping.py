@@ -41,8 +41,17 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,
         say("--compile does not work with nn.DataParallel (it copies the model to each GPU every step): training "
             "uncompiled; use --multi-gpu ddp to compile")
     elif config.compile:
-        model.compile()
+        # float8's kernels do not build for a symbolic batch dimension (torchao with inductor: "expected [s0] to
+        # have been codegen-ed"), so a float8 model is compiled once per batch shape instead.
+        model.compile(dynamic=False if config.float8 else None)
     return model
+
+
+def uncompiled() -> ContextManager:
+    """A --compile'd module runs eagerly meanwhile. The probes of a few samples at start (the FLOP count, the
+    names check, --batch-size auto's trials) must not compile it at their batch sizes: training's first step
+    would then recompile it with a symbolic batch dimension, whose kernels are slower (and float8's fail)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def wrapped_for_training(model: torch.nn.Module, config: TrainConfig, runtime: Runtime,

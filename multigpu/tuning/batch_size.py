@@ -26,6 +26,7 @@ from multigpu.loop.forward import ForwardFn, compute_loss
 from multigpu.loop.optim import OptimizerArg, build_optimizer, users_optimizer
 from multigpu.loop.snapshot import kept
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
+from multigpu.parallel.wrapping import uncompiled
 
 MARGIN = 0.10  # taken off the largest batch that fitted
 FIRST_TRY = 16
@@ -138,7 +139,8 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: F
     probe = StepProbe(model, optimizer, forward, loss_fn, amp, lambda size: move(repeat_batch(sample, size)),
                       runtime.device, ddp_buckets)
     limit = max(1, len(dataset) // runtime.devices_per_step)  # DataParallel: each GPU gets its share too
-    largest, chosen = find_batch_size(probe, limit)
+    with uncompiled():  # eager memory is the larger: a batch that fits eagerly fits compiled
+        largest, chosen = find_batch_size(probe, limit)
     if largest == 0:
         raise TrainingStopped(f"--batch-size auto: not even a batch of 1 fits in the memory of {runtime.device}: "
                               f"try --amp bf16, a smaller model, or free the GPU of other processes")

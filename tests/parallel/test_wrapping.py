@@ -11,6 +11,7 @@ import torch
 from conftest import blobs, config_for, needs_compiler, run_ranks, tiny_model
 from multigpu.data import SyntheticImages
 from multigpu.models import build_model
+from multigpu.parallel.wrapping import uncompiled
 from train_multi_gpu import MultiGPUTrainer
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -85,3 +86,17 @@ def test_channels_last_trains_to_the_same_weights_as_channels_first(tmp_path):
     assert layouts == [False] * 5 + [True] * 5  # 4 training batches and 1 evaluation batch, in the layout asked for
     for key in results[False]:
         assert torch.allclose(results[True][key], results[False][key], atol=1e-5), key
+
+
+def test_uncompiled_runs_a_compiled_module_eagerly_so_the_start_probes_compile_nothing():
+    import torch._dynamo
+
+    model = torch.nn.Linear(4, 2)
+    model.compile(backend="eager")  # dynamo's capture without a C++ build: the counter still sees each compile
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with uncompiled():
+        model(torch.randn(8, 4))  # a probe's batch of 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    model(torch.randn(16, 4))  # training's batch: the first compile, at its own shape
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
