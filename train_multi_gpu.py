@@ -31,11 +31,12 @@ from multigpu.engine import build, state, summary
 from multigpu.loop.amp import Amp
 from multigpu.loop.evaluation import Evaluator
 from multigpu.loop.forward import ForwardFn, fitted_forward
-from multigpu.loop.metrics import MetricsSpec, Monitor
+from multigpu.loop.metrics import COUNTS, MetricsSpec, Monitor
 from multigpu.loop.optim import OptimizerArg, SchedulerArg, optimization
 from multigpu.loop.prediction import Predictor
 from multigpu.loop.progress import Progress
 from multigpu.loop.step import TrainStep
+from multigpu.loop.tokens import default_loss, token_loss_for, weighting_for
 from multigpu.monitoring import plan, reporting, telemetry
 from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
 from multigpu.monitoring.sync import SyncPoints
@@ -80,7 +81,9 @@ class MultiGPUTrainer:
         self.amp = Amp.resolved(config.amp, rt.device, rt.mode == "fsdp", say)
         self.forward = forward_fn or fitted_forward(model)  # its forward signature read once
         self.model = prepare_model(model, config, rt, say)  # --float8, --sync-bn, --channels-last, --compile
-        self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        self.loss_fn = loss_fn if loss_fn is not None else default_loss()  # cross-entropy, token ids too
+        # Means over samples or over tokens (--loss-weighting; multigpu/loop/tokens.py), read off the first samples
+        self.weighting = weighting_for(config.loss_weighting, self.model, train_dataset, collate_fn)
         self.channels_last, move = config.channels_last, batch_mover(self.device, config.channels_last)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         # --data-on-device: the set moved there before --batch-size auto measures what memory is left
@@ -96,7 +99,8 @@ class MultiGPUTrainer:
         self.sampler, self.stream, self.train_loader, self.steps_per_epoch = (data.sampler, data.stream, data.loader,
                                                                               data.steps_per_epoch)
         self.telemetry = telemetry.run_telemetry(rt, self.amp, self.train_loader, self.report, self.model,
-                                                 self.forward, move, train_dataset, config.batch_size, collate_fn)
+                                                 self.forward, move, train_dataset, config.batch_size, collate_fn,
+                                                 self.weighting)
         self.meter = IntervalMeter(self.device, self.loader_batch)  # a step's loss and samples, read at sync points
         wrapped, no_sync, self.gradient_nodes = wrapped_for_training(self.model, config, rt, self.amp.dtype, say)
         made = optimization(self.model, config, self.given, optimizer, scheduler, scheduler_interval,
@@ -104,11 +108,12 @@ class MultiGPUTrainer:
         self.optimizer, self.scheduler, self.scheduler_interval = made.optimizer, made.scheduler, made.scheduler_interval
         self.builtin_optimizer, self.builtin_schedule, self.lr = made.builtin_optimizer, made.builtin_schedule, made.lr
         self.total_steps, self.config, config = made.total_steps, made.config, made.config
+        token_loss = token_loss_for(self.forward, self.loss_fn, self.model, rt.mode, rt.world_size)
         self.step = TrainStep(self.model, wrapped, no_sync, self.forward, self.loss_fn, self.amp, self.optimizer,
                               self.scheduler, self.scheduler_interval, config.clip_grad_norm, self.meter,
-                              self.telemetry.clock.fetch, move)
+                              self.telemetry.clock.fetch, move, self.weighting, token_loss)
         self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
-                                   move)
+                                   move, self.weighting)
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
         self._on_step_end = self.callbacks.hooks["on_step_end"]
         self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
@@ -224,7 +229,8 @@ class MultiGPUTrainer:
     # ------------------------------------------------------------------ evaluation and prediction
     def evaluate(self, dataset: Optional[Dataset] = None) -> dict[str, float]:
         """Loss and metrics over every sample of `dataset` (default: the validation set) exactly once:
-        `{"loss": ..., <each metric>: ..., "count": ...}`, the same numbers for any world size."""
+        `{"loss": ..., <each metric>: ..., "count": ...}`, the same numbers for any world size (a loss over
+        tokens: the mean over every counted token, `perplexity`, and `tokens` counted)."""
         dataset = dataset if dataset is not None else self.val_dataset
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
@@ -255,7 +261,7 @@ class MultiGPUTrainer:
             result = self.evaluator.run(self._eval_model(), self.val_dataset, self.eval_batch, stop=self.stop)
             if result is None:
                 return False
-            self.metrics = {f"val_{name}": value for name, value in result.items() if name != "count"}
+            self.metrics = {f"val_{name}": value for name, value in result.items() if name not in COUNTS}
             self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step,
                                       mid_epoch=progress.samples_in_epoch > 0)  # --max-steps ended it there
         progress.evaluated, best = True, self.monitor.new_best(self.metrics, progress.best_value)

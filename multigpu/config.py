@@ -168,6 +168,12 @@ class TrainConfig:
     lr_gamma: float = _opt(0.1, "--lr-schedule step: factor applied at each decay", group="optimisation")
     weight_decay: float = _opt(0.01, "weight decay", group="optimisation")
     momentum: float = _opt(0.9, "SGD momentum", group="optimisation")
+    loss_weighting: str = _opt("auto", "how a step's loss averages: samples (each sample's loss weighs alike, "
+                               "right for images), tokens (the mean over every counted target token of the step, "
+                               "all micro-batches and ranks: -100 targets ignored, as language models need), or "
+                               "auto: tokens for token-id targets (integer targets with a sequence dimension, or "
+                               "holding -100), samples otherwise; evaluation averages the same way",
+                               ["auto", "samples", "tokens"], group="optimisation")
     clip_grad_norm: float = _opt(0.0, "clip the global gradient norm to this value after unscaling (0: off)",
                                  group="optimisation")
     amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast; auto: bf16 on GPUs that have "
@@ -250,7 +256,7 @@ class TrainConfig:
         self.image_dims()  # validates --image-shape
         for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
                      "monitor_mode", "checkpoint_format", "fsdp_accumulate", "export_on_end", "data_on_device",
-                     "float8"]:
+                     "float8", "loss_weighting"]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:

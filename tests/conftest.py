@@ -489,6 +489,14 @@ def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig
     return TrainConfig(**values)
 
 
+def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
+    """The trainer's model weights, whole on rank 0 (sharded or not), copied to the CPU."""
+    from multigpu.checkpoints.stateful import ModelState
+
+    state = ModelState(trainer.model).state_dict()
+    return {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+
+
 class StepRecorder:
     """A loss function that records each micro-batch's loss and LR, and a callback that records the state a
     run starts from (after its resume), whole, on rank 0 (`started`; skipped with `record_start=False`).

@@ -47,7 +47,15 @@ def plan_facts(run: Any) -> plan.PlanFacts:
         run.config, run.runtime, run.given, run.optimizer, run.scheduler, run.scheduler_interval,
         run.builtin_optimizer, run.builtin_schedule, run.lr, run.effective_batch, run.loader_batch,
         run.steps_per_epoch, run.sampler.usable, any(p.dim() == 4 for p in run.model.parameters()),
-        run.amp.name, run.progress, run.steps_done_in_epoch(), run.on_device.line)
+        run.amp.name, run.progress, run.steps_done_in_epoch(), run.on_device.line, loss_line(run.weighting))
+
+
+def loss_line(weighting: Any) -> str:
+    """The plan's line on how the loss averages: said for a loss over tokens, or where --loss-weighting was
+    given; a run of images under auto has nothing new to say."""
+    if weighting.setting == "auto" and weighting.mode == "samples":
+        return ""
+    return weighting.describe()
 
 
 def finish(run: Any, started: float) -> dict[str, Any]:

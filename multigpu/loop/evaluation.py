@@ -6,13 +6,15 @@ samples, docs/data.md "Exact evaluation"). Each batch's sums and counts go
 into one row of a table; the table is all-reduced (each row comes from one rank,
 the others add zeros) and summed in batch order, so 1, 2 or 3 ranks give
 bit-identical numbers. No collective runs per batch, so ranks with one batch
-more or less cannot hang.
+more or less cannot hang. A loss over tokens (--loss-weighting) adds up token-loss sums and counted
+tokens the same way: the mean over every token, for any world size and evaluation batch.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,6 +28,7 @@ from multigpu.errors import UsageError
 from multigpu.loop import metrics as metric_lib, snapshot
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss, own_loss, predictions, stand_in_forward
+from multigpu.loop.tokens import LossWeighting, targets_in, token_accuracy, token_loss_sum
 from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.parallel.wrapping import uncompiled
 from multigpu.resilience.preemption import StopRequest
@@ -34,11 +37,14 @@ CHECK_SAMPLES = 8  # validation samples that check_names runs through the model 
 
 
 class Evaluator:
-    """Evaluates a model on a data set: {"loss", each metric, "count"}, exact over ranks."""
+    """Evaluates a model on a data set: {"loss", each metric, "count"}, exact over ranks. With a loss over
+    tokens (`weighting`, multigpu/loop/tokens.py) the loss is the mean over every counted target token, with
+    its `perplexity`, the default metric is the accuracy over those tokens, and "tokens" counts them."""
 
     def __init__(self, runtime: Runtime, amp: Amp, forward: ForwardFn, loss_fn: Any,
                  metrics: metric_lib.MetricsSpec = None, num_workers: Optional[int] = None,
-                 collate_fn: Optional[Callable] = None, move: Optional[Callable[[Any], Any]] = None):
+                 collate_fn: Optional[Callable] = None, move: Optional[Callable[[Any], Any]] = None,
+                 weighting: Optional[LossWeighting] = None):
         self.runtime, self.amp, self.forward, self.loss_fn = runtime, amp, forward, loss_fn
         self.spec, self.num_workers, self.collate_fn = metrics, num_workers, collate_fn
         # How a batch reaches the device: the trainer's (channels-last batches for a channels-last model).
@@ -48,6 +54,7 @@ class Evaluator:
         self._first_batch_checked = False
         self.classes: Optional[int] = None  # the width of (N, C) class scores: what accuracy at chance means
         self.per_sample_loss = _per_sample(loss_fn)
+        self.weighting = weighting
 
     def check_names(self, model: torch.nn.Module, dataset: Optional[Dataset], monitor: metric_lib.Monitor) -> None:
         """Run the loss and every metric on the first few samples of `dataset`, and look the monitored name up in
@@ -69,7 +76,8 @@ class Evaluator:
                 return
             model.eval()
             self._batch_sums(model, self.move(batch))
-        monitor.check([f"val_{name}" for name in ("loss", *self._metrics)])
+        perplexity = ("perplexity",) if self.by_tokens else ()
+        monitor.check([f"val_{name}" for name in ("loss", *perplexity, *self._metrics)])
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int,
@@ -121,22 +129,45 @@ class Evaluator:
         sums = [torch.stack(column).sum().reshape(1) for column in zip(*rows.values())]
         return self._reduce({0: [value[0] for value in sums]} if sums else {}, 1)
 
+    @property
+    def by_tokens(self) -> bool:
+        return self.weighting is not None and self.weighting.tokens
+
     def _batch_sums(self, model: torch.nn.Module, batch: Any) -> list[torch.Tensor]:
-        """[loss sum, samples, then sum and count of each metric] of one batch."""
+        """[loss sum, samples, counted tokens, then sum and count of each metric] of one batch."""
+        if self.weighting is not None and self.weighting.mode is None:  # auto, before any training batch
+            self.weighting.decide(batch)
         with self.amp.autocast():
             outputs, targets = self.forward(model, batch)
         samples = batch_size(batch)
         scores = _float(predictions(outputs))
         if not self._first_batch_checked:  # the first batch this rank sees: checked, and the metrics resolved from it
             check_first_batch(outputs, targets, self.loss_fn)
-            self._metrics = metric_lib.resolve(self.spec, scores, targets)
+            self._metrics = self._resolve_metrics(scores, targets)
             self.classes = scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() == 2 else None
             self._first_batch_checked = True
-        sums = [self._loss_sum(outputs, targets, samples), torch.tensor(samples, dtype=torch.float64)]
+        sums = [*self._loss_and_counts(outputs, targets, batch, samples)]
         for name in self.names or self._metrics:
             total, count = metric_lib.sum_and_count(self._metrics[name], scores, targets)
             sums += [total.to(torch.float64), torch.as_tensor(count, dtype=torch.float64)]
         return sums
+
+    def _resolve_metrics(self, scores: Any, targets: Any) -> dict[str, metric_lib.Metric]:
+        """The metrics asked for, or the defaults: over tokens, the accuracy of the counted tokens."""
+        if self.spec is None and self.by_tokens and isinstance(scores, torch.Tensor) and scores.dim() >= 3:
+            return {"acc": token_accuracy(self.weighting.shift)}  # type: ignore[union-attr]
+        return metric_lib.resolve(self.spec, scores, targets)
+
+    def _loss_and_counts(self, outputs: Any, targets: Any, batch: Any, samples: int) -> list[torch.Tensor]:
+        """[loss sum, samples, counted tokens] of one batch: the loss summed over its samples, or over its
+        counted tokens when the loss is over tokens (0 tokens otherwise)."""
+        count = torch.tensor(samples, dtype=torch.float64)
+        if not self.by_tokens:
+            return [self._loss_sum(outputs, targets, samples), count, torch.zeros((), dtype=torch.float64)]
+        weighting = self.weighting
+        counted = weighting.counted(targets_in(batch))  # type: ignore[union-attr, arg-type]
+        loss_sum = token_loss_sum(_float(outputs), targets, self.loss_fn, counted, weighting.shift)  # type: ignore[union-attr]
+        return [loss_sum, count, counted.double()]
 
     def _loss_sum(self, outputs: Any, targets: Any, samples: int) -> torch.Tensor:
         if own_loss(outputs) is None and self.per_sample_loss is not None:
@@ -151,16 +182,21 @@ class Evaluator:
             local = list(self._metrics) if rows else None
             self.names = next((names for names in gather_objects(local) if names is not None), [])
         device = self.runtime.device
-        table = torch.zeros(num_batches, 2 + 2 * len(self.names), dtype=torch.float64, device=device)
+        table = torch.zeros(num_batches, 3 + 2 * len(self.names), dtype=torch.float64, device=device)
         for row, sums in rows.items():
             table[row] = torch.stack([value.to(device) for value in sums])
         totals = all_reduce_sum(table).sum(0).tolist()
-        loss_sum, count = totals[0], totals[1]
-        result = {"loss": loss_sum / count if count else float("nan")}
+        loss_sum, count, tokens = totals[0], totals[1], totals[2]
+        divisor = tokens if self.by_tokens else count
+        result = {"loss": loss_sum / divisor if divisor else float("nan")}
+        if self.by_tokens:
+            result["perplexity"] = _perplexity(result["loss"])
         for index, name in enumerate(self.names):
-            total, n = totals[2 + 2 * index], totals[3 + 2 * index]
+            total, n = totals[3 + 2 * index], totals[4 + 2 * index]
             result[name] = total / n if n else float("nan")
         result["count"] = int(count)
+        if self.by_tokens:
+            result["tokens"] = int(tokens)
         return result
 
 
@@ -169,6 +205,11 @@ def _agreed(requested: bool, runtime: Runtime) -> bool:
     if runtime.world_size == 1:
         return requested
     return all_reduce_sum(torch.tensor([float(requested)], device=runtime.device)).item() > 0
+
+
+def _perplexity(loss: float) -> float:
+    """exp(the mean loss over tokens); inf where that overflows (an untrained model's loss can be large)."""
+    return math.exp(loss) if loss < 700 else float("inf")
 
 
 def _per_sample(loss_fn: Any) -> Optional[Callable]:

@@ -120,17 +120,22 @@ class ModelForward:
                 f"(docs/data.md, \"Your own task\")")
 
 
-def _signature(model: Any) -> Optional[inspect.Signature]:
-    """The signature of the plain module's `forward` (under DDP, DataParallel or torch.compile), None if unknown."""
-    if model is None:
-        return None
+def plain_module(model: Any) -> Any:
+    """The module inside DDP, DataParallel and torch.compile's wrapper."""
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
         if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             inner = model.module
         if inner is None:
-            break
+            return model
         model = inner
+
+
+def _signature(model: Any) -> Optional[inspect.Signature]:
+    """The signature of the plain module's `forward` (under DDP, DataParallel or torch.compile), None if unknown."""
+    if model is None:
+        return None
+    model = plain_module(model)
     try:
         return inspect.signature(getattr(model, "forward", model))
     except (TypeError, ValueError):  # a builtin without one: the plain pair/dict handling

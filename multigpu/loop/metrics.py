@@ -23,6 +23,7 @@ import torch
 Metric = Callable[[Any, Any], Union[torch.Tensor, tuple[Any, Any]]]
 MetricsSpec = Union[None, Sequence[Union[str, Metric]], Mapping[str, Union[str, Metric]]]
 LOWER_IS_BETTER = ("loss", "mse", "mae", "error", "perplexity")
+COUNTS = ("count", "tokens")  # what an evaluation counted, beside its metrics: never logged as val_count
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,14 @@ interval meter until the next sync point), no context entered that does nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss
+from multigpu.loop.tokens import LossWeighting, TokenLoss, WindowTokens
 from multigpu.resilience import heartbeat
 from multigpu.resilience.heartbeat import BEAT
 
@@ -21,22 +22,30 @@ from multigpu.resilience.heartbeat import BEAT
 class TrainStep:
     """The run's training step. `wrapped` is what trains (DDP, DataParallel, the sharded module or the module
     itself), `no_sync` the context of the micro-steps whose gradients are not synced yet, `move` how a batch
-    reaches the device; --autotune may switch all three between steps (multigpu/engine/build.py, use_setting)."""
+    reaches the device; --autotune may switch all three between steps (multigpu/engine/build.py, use_setting).
+    With `token_loss`, a loss over tokens (multigpu/loop/tokens.py): `weighting` says whether this run's is one,
+    or decides it at the first window (a stream under --loss-weighting auto)."""
 
     def __init__(self, model: nn.Module, wrapped: nn.Module, no_sync: Callable[[], ContextManager],
                  forward: ForwardFn, loss_fn: Any, amp: Amp, optimizer: torch.optim.Optimizer, scheduler: Any,
                  scheduler_interval: str, clip_grad_norm: float, meter: Any, fetch: Callable[[Iterator, Any], Any],
-                 move: Callable[[Any], Any]):
+                 move: Callable[[Any], Any], weighting: Optional[LossWeighting] = None,
+                 token_loss: Optional[TokenLoss] = None):
         self.model, self.wrapped, self.no_sync, self.forward, self.loss_fn = model, wrapped, no_sync, forward, loss_fn
         self.amp, self.optimizer, self.scheduler, self.scheduler_interval = amp, optimizer, scheduler, scheduler_interval
         self.clip_grad_norm, self.meter, self.fetch, self.move = clip_grad_norm, meter, fetch, move
         self.applied_lr = optimizer.param_groups[0]["lr"]  # the LR the last step used, as TensorBoard shows it
         self.batch_checked = False
+        self.weighting = weighting
+        self.token_loss = None if weighting is None or weighting.mode == "samples" else token_loss
 
     def __call__(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples (`sizes`:
         each micro-batch's). DDP all-reduces (fsdp reduce-scatters) only in the last micro-batch's backward: the
         others run in no_sync (docs/scaling.md, "The effective-batch rule")."""
+        if self.token_loss is not None:
+            self._token_step(batches, window_samples, sizes)
+            return
         BEAT.phase = heartbeat.DATA  # and again after each backward: the next fetch
         for size in sizes[:-1]:
             with self.no_sync():
@@ -60,6 +69,44 @@ class TrainStep:
         (self.amp.scaler.scale(share) if self.amp.scaling else share).backward()
         BEAT.phase = heartbeat.DATA
         self.meter.add(loss, samples)  # kept on the device: read only at the next sync point
+
+    def _token_step(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
+        """One optimizer step whose loss is the mean over its counted tokens: the window's micro-batches are
+        fetched first, so that their tokens are counted (and summed over the ranks) before the first backward."""
+        BEAT.phase = heartbeat.DATA
+        window = [self.fetch(batches, self.move) for _ in sizes]
+        if self.weighting.mode is None and self.weighting.decide(window[0]) == "samples":  # type: ignore[union-attr]
+            self.token_loss = None  # a stream's first window, decided now: this and every later step by samples
+            self._samples_window(window, window_samples, sizes)
+            return
+        tokens = WindowTokens(self.weighting, window)  # type: ignore[arg-type]
+        for index, batch in enumerate(window[:-1]):
+            with self.no_sync():
+                self._token_forward_backward(batch, tokens, index)
+        self._token_forward_backward(window[-1], tokens, len(window) - 1)
+        self.meter.end_token_step(window_samples, tokens.local, tokens.positions)
+        self._optimizer_step()
+
+    def _token_forward_backward(self, batch: Any, tokens: WindowTokens, index: int) -> None:
+        BEAT.phase = heartbeat.FORWARD
+        if self.amp.autocasts:
+            with self.amp.autocast():
+                share = self.token_loss(self.wrapped, batch, tokens, index)  # type: ignore[misc]
+        else:
+            share = self.token_loss(self.wrapped, batch, tokens, index)  # type: ignore[misc]
+        BEAT.phase = heartbeat.BACKWARD
+        (self.amp.scaler.scale(share) if self.amp.scaling else share).backward()
+        BEAT.phase = heartbeat.DATA
+        self.meter.add_sum(share.detach() * (tokens.step_total() / self.token_loss.ranks))  # type: ignore[union-attr]
+
+    def _samples_window(self, window: list[Any], window_samples: int, sizes: list[int]) -> None:
+        """A window already fetched, its loss weighted by samples."""
+        for batch, size in zip(window[:-1], sizes):
+            with self.no_sync():
+                self._forward_backward(batch, size, window_samples)
+        self._forward_backward(window[-1], sizes[-1], window_samples)
+        self.meter.end_step(window_samples)
+        self._optimizer_step()
 
     def _loss(self, batch: Any) -> torch.Tensor:
         """The micro-batch's forward and loss. The outputs are dropped on return, before the backward: the

@@ -14,22 +14,26 @@ from typing import Any, Mapping, Union
 
 import torch
 
-from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
+from multigpu.parallel.distributed import all_reduce_sum, gather_objects
 
 
 @dataclass
 class Interval:
     """One logging interval, summed over ranks."""
 
-    step_losses: list[float]  # per optimizer step: the loss summed over its samples
+    step_losses: list[float]  # per optimizer step: the loss summed over its samples (its tokens, by_tokens)
     samples: float
     stop_votes: float  # ranks that got SIGTERM/SIGINT
     seconds: float
     log_votes: float = 0.0  # ranks with scalars from trainer.log waiting
+    by_tokens: bool = False  # the losses are over tokens (--loss-weighting): the mean divides by `tokens`
+    tokens: float = 0.0  # counted target tokens (-100 left out)
+    positions: float = 0.0  # target positions, padding included: what the model computed on
 
     @property
     def mean_loss(self) -> float:
-        return sum(self.step_losses) / self.samples if self.samples else float("nan")
+        count = self.tokens if self.by_tokens else self.samples
+        return sum(self.step_losses) / count if count else float("nan")
 
 
 class IntervalMeter:
@@ -49,30 +53,42 @@ class IntervalMeter:
         self.micro: list[torch.Tensor] = []  # the current step's micro-batches so far
         self.samples = 0
         self.skipped_steps: Any = 0  # fp16 steps the scaler skipped: becomes a device tensor at the first add
+        self.tokens: list[torch.Tensor] = []  # per step of a loss over tokens: this rank's counted tokens
+        self.positions = 0  # and their positions, padding included
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """A micro-batch's mean loss over `samples` samples (stays on the device)."""
         self.micro.append(loss.detach() if samples == self.full_batch else loss.detach() * (samples / self.full_batch))
 
+    def add_sum(self, loss_sum: torch.Tensor) -> None:
+        """A micro-batch's loss summed over its counted tokens (stays on the device)."""
+        self.micro.append(loss_sum.detach())
+
     def end_step(self, samples: int) -> None:
         micro, self.micro = self.micro, []
         self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
         self.samples += samples
 
+    def end_token_step(self, samples: int, tokens: torch.Tensor, positions: int) -> None:
+        """The end of a step whose losses were added as sums over `tokens` counted tokens (a device tensor)."""
+        self.end_step(samples)
+        self.tokens.append(tokens)
+        self.positions += positions
+
     def reduce(self, stop_requested: bool, logged: bool = False) -> Interval:
         """Sum the interval over ranks: the one host sync of the interval (`logged`: this rank has scalars of
         trainer.log waiting, so every rank learns whether to reduce them)."""
-        steps = len(self.step_losses)
-        per_step = (torch.stack(self.step_losses).float() * float(self.full_batch) if steps  # stack promotes dtypes
+        steps, by_tokens = len(self.step_losses), bool(self.tokens)
+        scale = 1.0 if by_tokens else float(self.full_batch)  # token steps added sums, not means / full batch
+        per_step = (torch.stack(self.step_losses).float() * scale if steps  # stack promotes dtypes
                     else torch.zeros(0, device=self.device))
-        if not is_distributed():  # nothing to add up: the counts are this process's own
-            return Interval(per_step.tolist(), float(self.samples), float(stop_requested),
-                            time.perf_counter() - self.started, float(logged))
-        flags = torch.tensor([self.samples, float(stop_requested), float(logged)], device=self.device)
-        values = all_reduce_sum(torch.cat([per_step, flags])).tolist()
+        flags = torch.tensor([self.samples, float(stop_requested), float(logged), self.positions],
+                             device=self.device)
+        tokens = torch.stack(self.tokens).sum().float().reshape(1) if by_tokens else torch.zeros(1, device=self.device)
+        values = all_reduce_sum(torch.cat([per_step, flags, tokens.to(self.device)])).tolist()
         return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started,
-                        values[steps + 2])
+                        values[steps + 2], by_tokens, values[steps + 4], values[steps + 3])
 
 
 class LoggedScalars:

@@ -44,6 +44,7 @@ class PlanFacts:
     progress: Any  # epoch and global_step to start from
     steps_done_in_epoch: int
     data: str = ""  # where the training batches come from (data/device_data.py)
+    loss: str = ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -71,7 +72,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
             f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
             f"accumulation = {run.effective_batch} effective ({batch_rule})",
             f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
-            *([run.data] if run.data else []), *_warnings(run, warmup_steps)]
+            *([run.data] if run.data else []), *([run.loss] if run.loss else []), *_warnings(run, warmup_steps)]
 
 
 def _why_schedule(run: PlanFacts) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped
+from multigpu.loop.metrics import COUNTS
 from multigpu.monitoring.meters import Interval
 from multigpu.monitoring.trackers import Trackers
 
@@ -125,20 +126,25 @@ class Reporter:
             if skipped:
                 self.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped} step(s) with inf/NaN "
                           f"gradients (weights unchanged there); loss scale now {loss_scale:g}")
-        self.advance(len(interval.step_losses), {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{per_sec:.0f}"})
+        shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{per_sec:.0f}"}
+        tokens = f", {interval.tokens / max(interval.seconds, 1e-9):,.0f} tokens/s" if interval.by_tokens else ""
+        if interval.by_tokens:
+            shown["tokens/s"] = tokens.split()[1]
+        self.advance(len(interval.step_losses), shown)
         if not self.show_progress:
-            self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s")
+            self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s{tokens}")
 
     def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int,
                       mid_epoch: bool = False) -> None:
         """An epoch's validation results: `val/<name>` scalars and one line (`mid_epoch`: --max-steps ended
         training inside epoch `epoch` + 1, at `step`)."""
-        values = {name: value for name, value in result.items() if name != "count"}
+        values = {name: value for name, value in result.items() if name not in COUNTS}
         self.first_val, self.last_val = self.first_val or values, values
         self.scalars({f"val/{name}": value for name, value in values.items()}, step)
         shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
         where = f"epoch {epoch + 1}/{epochs} to step {step} (--max-steps)" if mid_epoch else f"epoch {epoch}/{epochs}"
-        self.line(f"{where}: {shown} ({result['count']} samples)")
+        tokens = f", {result['tokens']:,} tokens" if "tokens" in result else ""
+        self.line(f"{where}: {shown} ({result['count']} samples{tokens})")
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:

@@ -15,7 +15,8 @@ adds no host sync to a step (docs/speed.md, "Speed"):
   peak allocated, on the CPU the process's peak resident memory), one small all-reduce at the
   sync point: under fsdp each rank holds its own shard, and the largest is what must fit.
 - perf/: TFLOP/s per device from FLOPs counted once at start (multigpu/monitoring/flops.py), and MFU
-  on the GPUs in its table.
+  on the GPUs in its table. With a loss over tokens also tokens/s, the counted ones and all positions
+  with padding beside them, and the FLOPs counted per position (padded lengths vary from batch to batch).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from multigpu.data.batches import batch_size, sample_batch
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn
 from multigpu.loop.snapshot import kept
+from multigpu.loop.tokens import LossWeighting, targets_in
 from multigpu.monitoring import flops as flop_lib
 from multigpu.monitoring.meters import Interval
 from multigpu.monitoring.reporting import Reporter
@@ -133,6 +135,8 @@ class Telemetry:
         self.precision = flop_lib.precision_of(amp_dtype)
         self.peak = flop_lib.peak_flops(self.gpu_name, self.precision) if self.gpu_name else None
         self.flops_per_sample: Optional[float] = None  # set at start by count_flops
+        self.flops_per_position: Optional[float] = None  # a loss over tokens: per target position, padding included
+        self.tokens, self.positions = 0.0, 0.0  # over the run, a loss over tokens
         self.seconds = {"data": 0.0, "copy": 0.0, "compute": 0.0}  # over the run
         self.samples, self.train_seconds = 0.0, 0.0
         self.max_allocated: Optional[float] = None
@@ -171,14 +175,21 @@ class Telemetry:
         for kind, seconds in split.items():
             self.seconds[kind] += seconds
         self.samples += interval.samples
+        self.tokens += interval.tokens
+        self.positions += interval.positions
         self.train_seconds += interval.seconds
         scalars = self._time_scalars(split, interval, step - first_step + 1)
+        if interval.by_tokens:
+            seconds = max(interval.seconds, 1e-9)
+            scalars.update({"perf/tokens_per_sec": interval.tokens / seconds,
+                            "perf/padded_tokens_per_sec": interval.positions / seconds})
         if self.cuda:
             scalars.update(self._memory_scalars(first_step, step))
         if self.world_size > 1:
             scalars.update(self._rank_memory_scalars())
-        if self.flops_per_sample:
-            per_device = self.flops_per_sample * interval.samples / max(interval.seconds, 1e-9) / self.devices
+        flops = self._flops_in(interval.samples, interval.positions)
+        if flops:
+            per_device = flops / max(interval.seconds, 1e-9) / self.devices
             scalars["perf/tflops_per_device"] = per_device / 1e12
             if self.peak:
                 scalars["perf/mfu"] = per_device / self.peak
@@ -238,13 +249,27 @@ class Telemetry:
             result["peak_memory_per_rank_gb"] = self.rank_peaks
         if self.cuda:
             result["max_memory_allocated_gb"] = self.max_allocated
-            result["mfu"] = (self.flops_per_sample * self.samples / self.train_seconds / self.devices / self.peak
-                             if self.flops_per_sample and self.peak and self.train_seconds else None)
+            flops = self._flops_in(self.samples, self.positions)
+            result["mfu"] = (flops / self.train_seconds / self.devices / self.peak
+                             if flops and self.peak and self.train_seconds else None)
+        if self.positions and self.train_seconds:
+            result["tokens_per_sec"] = self.tokens / self.train_seconds
+            result["padded_tokens_per_sec"] = self.positions / self.train_seconds
         return result
+
+    def _flops_in(self, samples: float, positions: float) -> Optional[float]:
+        """The FLOPs of training `samples` samples of `positions` target positions: by position for a loss
+        over tokens (padded lengths vary), else by sample; None where they were not counted."""
+        if self.flops_per_position:
+            return self.flops_per_position * positions
+        return self.flops_per_sample * samples if self.flops_per_sample else None
 
     def summary_text(self, summary: dict[str, Any]) -> str:
         """The end-of-run line's additions: "; data wait 3%, peak memory 10.20 GiB, MFU 41.0% (bf16 peak of ...)"."""
         parts = []
+        if summary.get("tokens_per_sec") is not None:
+            parts.append(f"{summary['tokens_per_sec']:,.0f} tokens/s ({summary['padded_tokens_per_sec']:,.0f} "
+                         f"with padding)")
         if summary.get("data_wait_frac") is not None:
             parts.append(f"data wait {summary['data_wait_frac']:.0%}")
         if summary.get("max_memory_allocated_gb") is not None:
@@ -269,25 +294,27 @@ class Telemetry:
 
 def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: torch.nn.Module,
                   forward: ForwardFn, move: Callable[[Any], Any], dataset: Any, batch: int,
-                  collate_fn: Optional[Callable]) -> Telemetry:
-    """The run's telemetry, with FLOPs per training sample for MFU (docs/speed.md, "Speed")."""
+                  collate_fn: Optional[Callable], weighting: Optional[LossWeighting] = None) -> Telemetry:
+    """The run's telemetry, with FLOPs per training sample (per target position, for a loss over tokens:
+    `weighting`) for MFU (docs/speed.md, "Speed")."""
     measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
     if loader.num_workers == 0:
         report.import_writer_in_background()
-    measured.flops_per_sample = flops_per_sample(measured, amp, model, forward, move, dataset, batch, collate_fn)
+    try:
+        sample = sample_batch(dataset, min(batch, 8), collate_fn)
+    except Exception:  # a data set that only reads inside the loader's workers: no FLOP count, no perf/
+        return measured
+    measured.flops_per_sample = flops_per_sample(measured, amp, model, forward, move, sample)
+    targets = targets_in(sample)
+    if measured.flops_per_sample and weighting is not None and weighting.tokens and targets is not None:
+        measured.flops_per_position = measured.flops_per_sample * batch_size(sample) / targets.numel()
     return measured
 
 
 def flops_per_sample(telemetry: Telemetry, amp: Amp, model: torch.nn.Module, forward: ForwardFn,
-                     move: Callable[[Any], Any], dataset: Any, batch: int, collate_fn: Optional[Callable]
-                     ) -> Optional[float]:
-    """FLOPs per training sample, counted on a small batch of the training set on the plain module, before the
-    wrap (no collective); None for a data set that only reads inside the loader's workers."""
-    try:
-        sample = sample_batch(dataset, min(batch, 8), collate_fn)
-    except Exception:  # no FLOP count, no perf/
-        return None
-
+                     move: Callable[[Any], Any], sample: Any) -> Optional[float]:
+    """FLOPs per training sample, counted on `sample`, a small batch of the training set, on the plain module,
+    before the wrap (no collective)."""
     def forward_only(moved: Any) -> Any:
         with amp.autocast():
             return forward(model, moved)[0]

@@ -291,6 +291,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def start_all_reduce_sum(tensor: torch.Tensor) -> Optional[dist.Work]:
+    """Start summing a tensor over ranks in place; the work to wait on before reading it (None in one process,
+    where there is nothing to add). On CUDA the wait orders the device's stream, the host goes on."""
+    if not is_distributed():
+        return None
+    with BEAT.recorded("all_reduce", tensor):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+
 def barrier() -> None:
     if is_distributed():
         with BEAT.recorded("barrier"):

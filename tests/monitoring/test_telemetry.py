@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import TINY, assert_ok, blobs, config_for, read_scalars, run_cli, tiny_model
+from multigpu.data.batches import sample_batch
 from multigpu.monitoring import telemetry
 from multigpu.monitoring.telemetry import split_timeline
 from train_multi_gpu import MultiGPUTrainer
@@ -93,8 +94,9 @@ def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp
                                 torch.nn.Linear(8, 4)).eval()
     trainer = MultiGPUTrainer(model, blobs(64, 0), None, config_for(tmp_path, 1))
     statistics, random_state = model[1].running_mean.clone(), torch.get_rng_state()
+    sample = sample_batch(blobs(64, 0), 8)
     assert telemetry.flops_per_sample(trainer.telemetry, trainer.amp, model, trainer.forward, trainer.evaluator.move,
-                                      blobs(64, 0), 8, None) > 0  # a forward and backward in training mode ...
+                                      sample) > 0  # a forward and backward in training mode ...
     assert torch.equal(model[1].running_mean, statistics)  # ... and the BatchNorm statistics put back,
     assert torch.equal(torch.get_rng_state(), random_state)  # the random state (dropout drew from it),
     assert all(p.grad is None for p in model.parameters()) and not model.training  # no gradient, eval mode

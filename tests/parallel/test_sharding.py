@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 import main_multi_gpu
-from conftest import REPO, StepRecorder, blobs, config_for, global_steps, needs_compiler, run_ranks, tiny_model
+from conftest import (REPO, StepRecorder, blobs, config_for, full_weights, global_steps, needs_compiler, run_ranks,
+                      tiny_model)
 from multigpu.checkpoints import sharded
 from multigpu.parallel import sharding
 from multigpu.config import parse_config
@@ -48,11 +49,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "clip": dict(batch_size=8, clip_grad_norm=0.05),
     "accum+clip+ema": dict(batch_size=4, grad_accum_steps=2, clip_grad_norm=0.05, ema_decay=0.5),
 }
-
-
-def _full_weights(trainer: MultiGPUTrainer) -> dict[str, torch.Tensor]:
-    state = ModelState(trainer.model).state_dict()  # whole on rank 0, sharded or not
-    return {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
 
 
 class CollectivesPerStep:
@@ -90,7 +86,7 @@ def train(tmp_path: Path, world_size: int, mode: str, epochs: int = 1, val_size:
         ema = trainer.eval_model.state_dict() if trainer.eval_model is not None else None
         meshes = {(str(p.placements), p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape),
                    tuple(p.device_mesh.get_coordinate())) for p in trainer.model.parameters() if hasattr(p, "placements")}
-        return {"weights": _full_weights(trainer), "ema": ema, "steps": summary["global_step"], "summary": summary,
+        return {"weights": full_weights(trainer), "ema": ema, "steps": summary["global_step"], "summary": summary,
                 "eval": trainer.evaluate(), "predict": trainer.predict(batch_size=predict_batch), "meshes": meshes,
                 "position": trainer.runtime.mesh_position, "collectives": counter.steps if counter else None,
                 "dtypes": dtypes}
@@ -280,7 +276,7 @@ def resumable(rank: int, world_size: int, save_dir: Path, shape: str, resume: Op
                          callbacks=[recorder, *callbacks]) as trainer:
         recorder.trainer = trainer
         summary = trainer.fit()
-        return {"steps": recorder.steps, "final": _full_weights(trainer), "summary": summary}
+        return {"steps": recorder.steps, "final": full_weights(trainer), "summary": summary}
 
 
 def step_checkpoint(run: Path, step: int, suffix: str = "") -> str:
@@ -439,7 +435,7 @@ def _compiled_on_a_mesh(rank: int, world_size: int, tmp_path: Path) -> dict[str,
                             lr=3e-3, epochs=1, lr_schedule="constant", compile=compiled, **RUNS["accum+clip+ema"])
         with MultiGPUTrainer(tiny_model(), blobs(SIZE, 0), blobs(VAL_SIZE, 1), config) as trainer:
             trainer.fit()
-            runs[compiled] = {"weights": _full_weights(trainer), "eval": trainer.evaluate(),
+            runs[compiled] = {"weights": full_weights(trainer), "eval": trainer.evaluate(),
                               "compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
                               "mesh": trainer.runtime.mesh_position}
     return runs
