@@ -291,9 +291,9 @@ def _input_column(config: TrainConfig, example: dict[str, Any]) -> str:
         raise UsageError(f"--input-column {column or '(not given)'}: the files' columns are "
                          f"{', '.join(example)}; name the column that holds each sample's input")
     if isinstance(example[column], str):
-        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: "
-                         f"tokenize the text into a column of numbers first (or, for characters of one plain "
-                         f"file, use --dataset text --data-file FILE)")
+        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: for "
+                         f"a transformers model give --text-column {column} --model-path FOLDER (or, for "
+                         f"characters of one plain file, use --dataset text --data-file FILE)")
     return column
 
 

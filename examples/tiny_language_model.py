@@ -4,8 +4,9 @@
 
 writes lm-data/model/, a transformers GPT-2 of 1 layer, width 32 and 64 positions built from GPT2Config
 (untrained) with a BPE tokenizer of about 150 tokens that the `tokenizers` library trains on the text, saved
-beside it as a PreTrainedTokenizerFast; and lm-data/train.jsonl and lm-data/val.jsonl, one {"text": ...} a
-line: sentences of a small grammar, whose next word is easy to learn. A folder that is there already is kept.
+beside it as a PreTrainedTokenizerFast; and lm-data/train.jsonl and lm-data/val.jsonl, one {"text": ...,
+"label": ...} a line: sentences of a small grammar, whose next word is easy to learn, and 1 where the text
+tells of a fox, else 0 (a class for --num-classes 2). A folder that is there already is kept.
 Then (docs/language-models.md):
 
     python main_multi_gpu.py --dataset hf --data-files lm-data/train.jsonl --val-files lm-data/val.jsonl \\
@@ -42,8 +43,9 @@ def texts(count: int, seed: int) -> list[str]:
 
 
 def write_jsonl(path: Path, rows: list[str]) -> None:
-    """One {"text": ...} per line."""
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in rows), encoding="utf-8")
+    """One {"text": ..., "label": 1 if it tells of a fox else 0} per line."""
+    path.write_text("".join(json.dumps({"text": text, "label": int(" fox " in text)}) + "\n" for text in rows),
+                    encoding="utf-8")
 
 
 def train_tokenizer(corpus: list[str]):

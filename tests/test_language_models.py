@@ -94,8 +94,8 @@ def _smaller_vocabulary(tiny_lm: Path, tmp: Path) -> list[str]:
 BAD = {
     "not a transformers model": (_not_a_model, "is not a transformers model: it holds no config.json"),
     "no such text column": (lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--text-column", "body"],
-                            "--text-column body: the files' columns are text; name the column that holds each "
-                            "sample's text"),
+                            "--text-column body: the files' columns are text, label; name the column that holds "
+                            "each sample's text"),
     "a tokenizer larger than the vocabulary": (_smaller_vocabulary, "the tokenizer has 150 tokens, more than the "
                                                                     "model's vocabulary of 100"),
     "a block size above the context": (lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--block-size",

@@ -1,6 +1,6 @@
 """--dataset hf --text-column (data/hf_text.py): JSONL text tokenized by a model folder's tokenizer through
 datasets.map, packed into run_clm's windows or padded per batch, map-style and streamed, on the tiny GPT-2 folder
-of tests/conftest.py (`tiny_lm`)."""
+of tests/conftest.py (`tiny_lm`: its JSONL rows hold "text" and "label")."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -18,11 +19,11 @@ from multigpu.errors import UsageError
 BLOCK = 32
 
 
-def _spec(tiny_lm: Path, *flags: str, files: str = "train.jsonl"):
-    """The DataSpec of the tiny model's text (--block-size 32), and the config it was built from."""
-    config = parse_config(["--dataset", "hf", "--data-files", str(tiny_lm / files) if "/" not in files else files,
-                           "--text-column", "text", "--model-path", str(tiny_lm / "model"), "--block-size",
-                           str(BLOCK), *flags])
+def _spec(tiny_lm: Path, *flags: str, files: Optional[Path] = None):
+    """The DataSpec of `files` (the tiny model's training text) at --block-size 32, and the config it was built
+    from."""
+    config = parse_config(["--dataset", "hf", "--data-files", str(files or tiny_lm / "train.jsonl"), "--text-column",
+                           "text", "--model-path", str(tiny_lm / "model"), "--block-size", str(BLOCK), *flags])
     return build_datasets(config), config
 
 
@@ -75,13 +76,12 @@ def test_padded_batches_mask_the_padding_with_the_end_of_text_token(tiny_lm):
         assert set(batch["input_ids"][row, length:].tolist()) <= {0}  # the tokenizer's end-of-text id pads
 
 
-def test_a_classifier_pads_each_text_with_its_class(tiny_lm, tmp_path):
-    rows = [{"text": text, "label": int(" fox " in text)} for text in _texts(tiny_lm / "train.jsonl")]
-    (tmp_path / "labelled.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    spec, config = _spec(tiny_lm, "--num-classes", "2", files=str(tmp_path / "labelled.jsonl"))
+def test_a_classifier_pads_each_text_with_its_class(tiny_lm):
+    spec, config = _spec(tiny_lm, "--num-classes", "2")
     assert config.text_classification and spec.num_classes == 2
     batch = spec.collate_fn([spec.train[i] for i in range(4)])
-    assert batch["labels"].tolist() == [row["label"] for row in rows[:4]]  # one class a text, 1-D
+    rows = [json.loads(line) for line in (tiny_lm / "train.jsonl").read_text().splitlines()[:4]]
+    assert batch["labels"].tolist() == [row["label"] for row in rows]  # one class a text, 1-D
     assert batch["input_ids"].shape[1] <= BLOCK
 
 
@@ -104,4 +104,4 @@ def test_a_stream_is_tokenized_and_packed_as_it_is_read(tiny_lm):
 def test_bad_text_files_are_one_line_naming_what_to_change(tiny_lm, tmp_path, rows, flags, message):
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(UsageError, match=re.escape(message)):
-        _spec(tiny_lm, *flags, files=str(tmp_path / "bad.jsonl"))
+        _spec(tiny_lm, *flags, files=tmp_path / "bad.jsonl")
