@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import main_multi_gpu
+import predict_multi_gpu
 from conftest import assert_ok, assert_one_line, run_cli
 
 EPOCHS = 3
@@ -69,6 +70,16 @@ def test_a_model_folder_fine_tunes_on_jsonl_and_its_export_generates(tiny_lm, tm
     _loads_and_generates(exported)
     # The loss the run printed is the mean over tokens: the exported (best) weights give it again here.
     assert _loss_per_token(exported, tiny_lm) == pytest.approx(min(losses), abs=2e-4)
+
+
+def test_its_checkpoint_is_loaded_as_a_transformers_model_not_predicted(tiny_lm, tmp_path, capsys):
+    assert main_multi_gpu.main(["--dataset", "hf", "--data-files", str(tiny_lm / "val.jsonl"), "--text-column", "text",
+                                "--model-path", str(tiny_lm / "model"), "--epochs", "1", "--no-progress",
+                                "--save-dir", str(tmp_path / "run")]) == 0
+    code = predict_multi_gpu.main(["--checkpoint", str(tmp_path / "run" / "last.pt"), "--output",
+                                   str(tmp_path / "p.pt")])
+    assert_one_line(code, capsys.readouterr().err, "--model hf's checkpoints are not predicted here: load the model "
+                                                   "as a transformers model")
 
 
 @pytest.mark.slow
