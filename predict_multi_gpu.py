@@ -103,9 +103,14 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def check_text_model(args: argparse.Namespace, config: TrainConfig) -> None:
     """UsageError where a text model (--model gpt) cannot give what is asked: it reads windows of characters, not
-    images, and gives scores at every position of a window, more than one CSV row per sample holds."""
+    images, and gives scores at every position of a window, more than one CSV row per sample holds. A transformers
+    model (--model hf) is loaded as one instead."""
     if config.model_name not in TEXT_MODELS:
         return
+    if config.model_name == "hf":  # its outputs are a transformers model's, its padded batches need their collate_fn
+        raise UsageError("--model hf's checkpoints are not predicted here: load the model as a transformers model "
+                         "(--export-on-end hf, or python -m multigpu.export CKPT FOLDER --format hf --tokenizer "
+                         "TOKENIZER_FOLDER, then from_pretrained; docs/language-models.md)")
     if args.imagefolder is not None:
         raise UsageError(f"--imagefolder gives images, and the checkpoint's --model {config.model_name} reads "
                          f"characters; predict its --dataset text instead (drop --imagefolder)")

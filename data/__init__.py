@@ -39,6 +39,7 @@ class DataSpec:
     input_shape: tuple[int, ...]  # of one sample as the model sees it: (T,) for a window of characters
     num_classes: int  # of a text set: its vocabulary size
     warnings: list[str] = field(default_factory=list)  # one line each, printed by rank 0 before training
+    collate_fn: Optional[Callable] = None  # how samples become a batch (None: torch's default; padded text pads)
 
 
 class Flattened(Dataset):
@@ -65,6 +66,10 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     if name == "text":  # windows of character ids: nothing to flatten
         train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
         return DataSpec(train, val, (config.block_size,), vocabulary)
+    if name == "hf" and config.text_column is not None:  # text as a transformers model's tokens (data/hf_text.py)
+        from .hf_text import hf_text_datasets
+        train, val, shape, classes, collate_fn = hf_text_datasets(config)
+        return DataSpec(train, val, shape, classes, collate_fn=collate_fn)  # type: ignore[arg-type]  (val: as below)
     if name == "hf":  # local files through Hugging Face datasets (data/hf.py)
         from .hf import hf_datasets
         train, val, shape, classes = hf_datasets(config)

@@ -37,7 +37,7 @@ from .files import UnreadableFile
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 INPUT_COLUMNS = ("image", "pixels", "x", "features", "input")  # tried in order without --input-column
-INSTALL = "pip install -e '.[hf]' from the checkout (or pip install datasets)"
+INSTALL = "pip install -e '.[hf]' from the checkout"
 
 
 def import_datasets(module: str = "datasets") -> Any:
@@ -48,13 +48,32 @@ def import_datasets(module: str = "datasets") -> Any:
         library = __import__(module)
     except ImportError:
         raise UsageError(f"--dataset hf needs the Hugging Face datasets library, which is not installed: "
-                         f"{INSTALL}") from None
+                         f"{INSTALL} (or pip install datasets)") from None
     # Its progress bars and notes ("Too many dataloader workers ...: stopping 1", when a rank's files are fewer
     # than its workers: harmless, the others read them) would print on every rank, and its error logs ("Failed
     # to load JSON from file ...") beside the one line each of its errors becomes here (Files.bad_row).
     library.disable_progress_bars()
     library.logging.set_verbosity(library.logging.CRITICAL)
     return library
+
+
+def import_transformers(what: str) -> Any:
+    """The `transformers` library, quiet and offline, or UsageError saying that `what` needs it and what to
+    install."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never a network round trip
+    # Tokenizing runs in datasets.map's processes (num_proc) and loader workers, not in the tokenizer's threads,
+    # which a fork would leave behind with a warning on every rank.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"{what} needs the Hugging Face transformers library, which is not installed: "
+                         f"{INSTALL} (or pip install transformers)") from None
+    # Its progress bars ("Loading weights") and notes (newly initialised heads, long texts that packing cuts)
+    # would print on every rank.
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
 
 
 def files_of(patterns: str, flag: str) -> tuple[str, list[str]]:
@@ -114,20 +133,22 @@ class HFSamples:
 
 
 class Files:
-    """The files of one flag (--data-files or --val-files) and their format: what a bad row's line names."""
+    """The files of one flag (--data-files or --val-files) and their format: what a bad row's line names.
+    `rows`: what each row as read must pass, where samples are made from rows changed first (tokenized text);
+    None: the samples themselves."""
 
-    def __init__(self, flag: str, kind: str, paths: list[str]):
-        self.flag, self.kind, self.paths = flag, kind, paths
+    def __init__(self, flag: str, kind: str, paths: list[str], rows: Optional[Any] = None):
+        self.flag, self.kind, self.paths, self.rows = flag, kind, paths, rows
 
     def bad_row(self, samples: Optional[HFSamples], error: BaseException) -> str:
         """One line for `error`, met reading these files: the first row of them that cannot be read or made a
         sample, by file and row (1 = the first data row; a JSON Lines file's row is its line), and how to go on.
         Found by reading the files again, one at a time: only on this error's path."""
-        where = self._first_bad_row(samples) or f"{', '.join(self.paths)}: {_last_line(error)}"
+        where = self._first_bad_row(samples) or f"{', '.join(self.paths)}: {last_line(error)}"
         return f"{self.flag}: {where}; fix or remove it (--resume auto then continues from the last checkpoint)"
 
     def _first_bad_row(self, samples: Optional[HFSamples]) -> Optional[str]:
-        datasets = import_datasets()
+        datasets, samples = import_datasets(), self.rows or samples
         for path in self.paths:
             broken = _broken_json(path) if self.kind == "json" else None
             if broken:
@@ -139,9 +160,9 @@ class Files:
                         if samples is not None:
                             samples(example)
                     except Exception as error:  # noqa: BLE001 -- whatever makes a row unusable is named
-                        return f"{path} row {row}: {_last_line(error)}"
+                        return f"{path} row {row}: {last_line(error)}"
             except Exception as error:  # noqa: BLE001 -- the file itself does not read
-                return f"{path} cannot be read: {_last_line(error)}"
+                return f"{path} cannot be read: {last_line(error)}"
         return None
 
 
@@ -164,7 +185,8 @@ def _broken_json(path: str) -> Optional[str]:
     return None
 
 
-def _last_line(error: BaseException) -> str:
+def last_line(error: BaseException) -> str:
+    """The last line of an error's message (a library's own long story ends in what went wrong), or its type."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
 
@@ -196,7 +218,7 @@ class HFStream(IterableDataset):
 
     def __len__(self) -> int:
         if self.length is None:
-            raise TypeError("a .json stream's length is not counted")  # streaming.stream_length reads None
+            raise TypeError("this stream's length is not counted")  # streaming.stream_length reads None
         return self.length
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -216,14 +238,13 @@ def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Datase
     datasets = import_datasets()
     kind, paths = files_of(config.data_files or "", "--data-files")
     files = Files("--data-files", kind, paths)
-    train = _load(datasets, files, config.streaming)
-    first = _first_row(train, files)
+    train = load_files(datasets, files, config.streaming)
+    first = first_row(train, files)
     input_column = _input_column(config, first)
-    _check_label(config, first)
+    check_label(config, first)
     shape = _shape(config, first[input_column], input_column)
     samples = HFSamples(input_column, config.label_column, shape, keep)
-    label_feature = (train.features or {}).get(config.label_column)
-    classes = len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
+    classes = class_count(config, train)
     sample_shape = tuple(samples(first)["x"].shape)
 
     def wrap(table: Any, of: Files) -> Dataset:  # each flag's files counted in their own format
@@ -234,11 +255,11 @@ def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Datase
     val = None
     if config.val_files:
         val_files = Files("--val-files", *files_of(config.val_files, "--val-files"))
-        val = wrap(_load(datasets, val_files, config.streaming), val_files)
+        val = wrap(load_files(datasets, val_files, config.streaming), val_files)
     return wrap(train, files), val, sample_shape, classes
 
 
-def _load(datasets: Any, files: Files, streaming: bool) -> Any:
+def load_files(datasets: Any, files: Files, streaming: bool) -> Any:
     """load_dataset of `files`; a set without rows, or a row that breaks the load, is one line."""
     try:
         return datasets.load_dataset(files.kind, data_files=files.paths, split="train", streaming=streaming)
@@ -250,7 +271,8 @@ def _load(datasets: Any, files: Files, streaming: bool) -> Any:
         raise (_no_rows(files) if empty else UsageError(files.bad_row(None, error))) from None
 
 
-def _first_row(table: Any, files: Files) -> dict[str, Any]:
+def first_row(table: Any, files: Files) -> dict[str, Any]:
+    """The first row of `files`, read; one line when there is none, or it does not read."""
     try:
         return next(iter(table))
     except StopIteration:
@@ -269,13 +291,14 @@ def _input_column(config: TrainConfig, example: dict[str, Any]) -> str:
         raise UsageError(f"--input-column {column or '(not given)'}: the files' columns are "
                          f"{', '.join(example)}; name the column that holds each sample's input")
     if isinstance(example[column], str):
-        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: "
-                         f"tokenize the text into a column of numbers first (or, for characters of one plain "
-                         f"file, use --dataset text --data-file FILE)")
+        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: for "
+                         f"a transformers model give --text-column {column} --model-path FOLDER (or, for "
+                         f"characters of one plain file, use --dataset text --data-file FILE)")
     return column
 
 
-def _check_label(config: TrainConfig, example: dict[str, Any]) -> None:
+def check_label(config: TrainConfig, example: dict[str, Any]) -> None:
+    """UsageError where `example` has no --label-column, or holds something else than an integer class id there."""
     label = example.get(config.label_column)
     if config.label_column not in example:
         raise UsageError(f"--label-column {config.label_column}: the files' columns are {', '.join(example)}; name "
@@ -283,6 +306,12 @@ def _check_label(config: TrainConfig, example: dict[str, Any]) -> None:
     if isinstance(label, bool) or not isinstance(label, int):
         raise UsageError(f"--label-column {config.label_column} holds {type(label).__name__} values ({label!r}); "
                          f"it must hold integer class ids 0..N-1")
+
+
+def class_count(config: TrainConfig, table: Any) -> int:
+    """The classes of --label-column: the names of its ClassLabel feature, else --num-classes."""
+    label_feature = (table.features or {}).get(config.label_column)
+    return len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
 
 
 def _shape(config: TrainConfig, value: Any, column: str) -> Optional[tuple[int, ...]]:

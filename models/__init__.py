@@ -15,7 +15,7 @@ from .resnet import resnet
 
 __all__ = ["MODELS", "TEXT_MODELS", "GPT", "TransformerBlock", "build_model"]
 
-# name -> builder(input shape, class count, the run's config: the sizes of --model gpt)
+# name -> builder(input shape, class count, the run's config: the sizes of --model gpt, --model hf's folder)
 MODELS: dict[str, Callable[[tuple[int, ...], int, TrainConfig], nn.Module]] = {
     "mlp": lambda shape, classes, config: MLP(shape, classes),
     "cnn": lambda shape, classes, config: SmallCNN(shape, classes),
@@ -23,9 +23,10 @@ MODELS: dict[str, Callable[[tuple[int, ...], int, TrainConfig], nn.Module]] = {
     "resnet50": lambda shape, classes, config: resnet("resnet50", shape, classes),
     # A text set's "classes" are its vocabulary and its sample shape (T,) the context length.
     "gpt": lambda shape, classes, config: GPT(classes, shape[0], config.n_layer, config.n_head, config.n_embd),
+    "hf": lambda shape, classes, config: _transformers_model(classes, config),
 }
 
-TEXT_MODELS = ("gpt",)  # models of token windows (--dataset text); the others take images or vectors
+TEXT_MODELS = ("gpt", "hf")  # models of tokens (--dataset text, --text-column); the others take images or vectors
 
 # Height and width below which a model's layers leave nothing (the others take any size).
 MIN_IMAGE_SIZE = {"cnn": SmallCNN.MIN_SIZE}
@@ -38,6 +39,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     if name not in TEXT_MODELS:
         _check_image_input(name, input_shape)
     return MODELS[name](input_shape, num_classes, config or TrainConfig())
+
+
+def _transformers_model(classes: int, config: TrainConfig) -> nn.Module:
+    """--model hf (models/hf.py), imported only when asked for: the other models' runs never import transformers."""
+    from .hf import hf_model
+
+    return hf_model(classes, config)
 
 
 def _check_image_input(name: str, input_shape: tuple[int, ...]) -> None:

@@ -97,14 +97,23 @@ class TrainConfig:
                            group="data")
     input_column: Optional[str] = _opt(None, "--dataset hf: the column of each sample's input, numbers or an image "
                                        "(default: the first of image, pixels, x, features, input)", group="data")
-    label_column: str = _opt("label", "--dataset hf: the column of each sample's class id", group="data")
+    label_column: str = _opt("label", "--dataset hf: the column of each sample's class id (with --text-column: "
+                             "naming it makes --model hf a sequence classifier)", group="data")
+    text_column: Optional[str] = _opt(None, "--dataset hf: the column of each sample's text (e.g. text), tokenized for "
+                                      "--model hf", group="data")
+    tokenizer: Optional[str] = _opt(None, "--text-column: the tokenizer's folder (save_pretrained's; default: "
+                                    "--model-path's own)", group="data")
+    pad_to_batch: bool = _opt(False, "--text-column with a causal language model: pad each batch to its longest "
+                              "sample (attention mask 0 and labels -100 there) instead of packing the token stream "
+                              "into --block-size windows; a classifier's samples are always padded", group="data")
     download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir", group="data")
     train_size: int = _opt(8192, "samples in the synthetic/fake training set", group="data")
     val_size: int = _opt(1000, "samples in the synthetic/fake validation set", group="data")
     image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder, and "
                                        "the shape of --dataset hf's numeric inputs)", group="data")
     num_classes: int = _opt(10, "classes of the synthetic/fake data sets (and of --dataset hf's label column when it "
-                                "has no class names)", group="data")
+                                "has no class names; with --text-column, naming it makes --model hf a sequence "
+                                "classifier)", group="data")
     num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
                                       group="data")
     data_on_device: str = _opt("auto", "keep the training set on the device and gather each batch there (no loader, "
@@ -121,8 +130,16 @@ class TrainConfig:
     mode: str = _opt("image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"],
                      group="model")
     model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten, gpt for "
-                                "--dataset text)", ["mlp", "cnn", "resnet18", "resnet50", "gpt"], group="model")
-    block_size: int = _opt(64, "--model gpt: context length, the characters in each window of --dataset text",
+                                "--dataset text, hf for --dataset hf --text-column)",
+                                ["mlp", "cnn", "resnet18", "resnet50", "gpt", "hf"], group="model")
+    model_path: Optional[str] = _opt(None, "--model hf: a local transformers model folder (save_pretrained's) to "
+                                     "fine-tune: AutoModelForCausalLM, or AutoModelForSequenceClassification with "
+                                     "--num-classes or --label-column", group="model")
+    model_config: Optional[str] = _opt(None, "--model hf: a transformers config (a folder holding config.json, or a "
+                                       ".json file) to build an untrained model from, instead of --model-path",
+                                       group="model")
+    block_size: int = _opt(64, "--model gpt: context length, the characters in each window of --dataset text; "
+                           "--model hf: the tokens in each packed window, the most a padded sample keeps",
                            group="model")
     n_layer: int = _opt(2, "--model gpt: transformer blocks", group="model")
     n_head: int = _opt(2, "--model gpt: attention heads per block (a divisor of --n-embd)", group="model")
@@ -273,7 +290,8 @@ class TrainConfig:
         if self.data_file is not None and self.dataset != "text":
             raise UsageError(f"--data-file is the text of --dataset text, and this run's data set is {self.dataset}; "
                              f"add --dataset text (or drop --data-file)")
-        hf_only = [name for name in ("data_files", "val_files", "streaming", "input_column") if getattr(self, name)]
+        hf_only = [name for name in ("data_files", "val_files", "streaming", "input_column", "text_column")
+                   if getattr(self, name)]
         if self.dataset != "hf" and hf_only:
             raise UsageError(f"--{flag(hf_only[0])} is for --dataset hf, and this run's data set is {self.dataset}; "
                              f"add --dataset hf (or drop --{flag(hf_only[0])})")
@@ -286,10 +304,38 @@ class TrainConfig:
             raise UsageError(f"--model {self.model_name} and --dataset {self.dataset} do not fit: --model gpt reads "
                              f"windows of characters, --dataset text --data-file FILE gives them and no other model "
                              f"reads them")
+        self._check_hf_model()
 
         if self.async_checkpoint and not self.sharded_checkpoints():
             raise UsageError("--async-checkpoint writes sharded checkpoints in the background, and this run writes "
                              "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint")
+
+    def _check_hf_model(self) -> None:
+        """UsageError where --model hf and what it reads are not given together: a transformers model, from
+        --model-path or --model-config (one of them), reads the tokens of --dataset hf --text-column, which its
+        tokenizer makes, and no other model reads them."""
+        hf_model_only = [name for name in ("model_path", "model_config", "tokenizer", "pad_to_batch")
+                         if getattr(self, name)]
+        if self.model_name != "hf":
+            if hf_model_only:
+                raise UsageError(f"--{flag(hf_model_only[0])} is for --model hf, and this run's model is "
+                                 f"{self.model_name}; add --model hf (or drop --{flag(hf_model_only[0])})")
+            if self.text_column is not None:
+                raise UsageError(f"--text-column gives tokens, which only --model hf reads, and this run's model is "
+                                 f"{self.model_name}: use --model hf --model-path FOLDER (or drop --text-column)")
+            return
+        if self.dataset != "hf":
+            raise UsageError(f"--model hf reads text files through --dataset hf --text-column COLUMN, and this run's "
+                             f"data set is {self.dataset}; add --dataset hf --data-files GLOB --text-column text")
+        if self.text_column is None:
+            raise UsageError("--model hf needs --text-column COLUMN: the files' column of text it trains on")
+        if (self.model_path is None) == (self.model_config is None):
+            given = "both" if self.model_path else "neither"
+            raise UsageError(f"--model hf needs one of --model-path FOLDER (a model to fine-tune) and --model-config "
+                             f"FOLDER_OR_JSON (an untrained model built from a config); {given} given")
+        if self.tokenizer_path is None:
+            raise UsageError("--model-config builds an untrained model, which has no tokenizer: add --tokenizer "
+                             "FOLDER")
 
     # --- derived values: computed, never stored, so they cannot go stale ---
     @property
@@ -360,10 +406,23 @@ class TrainConfig:
 
     @property
     def model_name(self) -> str:
-        """The model to build: --model, or the default for --dataset text or --mode."""
+        """The model to build: --model, or the default for --dataset text, --text-column or --mode."""
         if self.model is not None:
             return self.model
+        if self.dataset == "hf" and self.text_column is not None:
+            return "hf"
         return "gpt" if self.dataset == "text" else "mlp" if self.mode == "flatten" else "cnn"
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        """The folder of --model hf's tokenizer: --tokenizer, else --model-path's own (None: neither given)."""
+        return self.tokenizer or self.model_path
+
+    @property
+    def text_classification(self) -> bool:
+        """Whether --model hf classifies each text (AutoModelForSequenceClassification): --num-classes or
+        --label-column given; else it is a causal language model."""
+        return bool({"num_classes", "label_column"} & self.fields_given)
 
     @property
     def tensorboard_dir(self) -> str:

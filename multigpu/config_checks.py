@@ -69,9 +69,13 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
         yield "download", "an image folder is read as it is: there is nothing to download"
     elif config.dataset == "text":
         yield from _unused_by_text()
+    if config.model_name not in ("gpt", "hf"):  # hf: its windows of tokens
+        yield "block_size", f"it sizes --model gpt and --model hf, and this run's model is {config.model_name}"
     if config.model_name != "gpt":
-        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("n_layer", "n_head", "n_embd"):
             yield name, f"it sizes --model gpt, and this run's model is {config.model_name}"
+    if config.text_column is not None:
+        yield from _unused_by_hf_text(config)
     if config.multi_gpu != "fsdp":
         for name in ("fsdp_blocks", "fsdp_reshard_after_forward", "dp_replicate", "dp_shard", "fsdp_accumulate"):
             yield name, f"it shapes --multi-gpu fsdp, and this run is --multi-gpu {config.multi_gpu}"
@@ -85,6 +89,14 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if not facts.convolutions:
         yield "channels_last", ("the model has no convolutions (no 4-D weights), so there is nothing to store "
                                 "channels-last")
+
+
+def _unused_by_hf_text(config: TrainConfig) -> Iterator[tuple[str, str]]:
+    """What --text-column leaves unused: its samples are tokens, not numbers or images; a classifier pads."""
+    for name in ("input_column", "image_shape", "mode"):
+        yield name, "--text-column gives tokens of text (--block-size of them), not numbers or images"
+    if config.text_classification:
+        yield "pad_to_batch", "a classifier's texts are always padded per batch (each is a sample with its class)"
 
 
 def _unused_by_text() -> Iterator[tuple[str, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -66,7 +67,39 @@ def test_default_model_follows_the_mode_and_the_text_data_set():
     assert TrainConfig(mode="flatten").model_name == "mlp"
     assert TrainConfig(mode="flatten", model="mlp").model_name == "mlp"
     assert TrainConfig(dataset="text", data_file="tiny.txt").model_name == "gpt"
+    assert TrainConfig(dataset="hf", data_files="t.jsonl", text_column="text", model_path="m").model_name == "hf"
     assert TrainConfig(save_dir="out").tensorboard_dir == "out/tb"
+
+
+HF_TEXT = ["--dataset", "hf", "--data-files", "t.jsonl", "--text-column", "text"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "hf", "--model-path", "m"], "--model hf reads text files through --dataset hf --text-column COLUMN, "
+                                             "and this run's data set is synthetic"),
+    (["--dataset", "hf", "--data-files", "t.jsonl", "--model", "hf", "--model-path", "m"],
+     "--model hf needs --text-column COLUMN"),
+    ([*HF_TEXT, "--model", "mlp"], "--text-column gives tokens, which only --model hf reads, and this run's model is "
+                                   "mlp"),
+    (HF_TEXT, "--model hf needs one of --model-path FOLDER (a model to fine-tune) and --model-config FOLDER_OR_JSON "
+              "(an untrained model built from a config); neither given"),
+    ([*HF_TEXT, "--model-path", "m", "--model-config", "c.json"], "; both given"),
+    ([*HF_TEXT, "--model-config", "c.json"], "--model-config builds an untrained model, which has no tokenizer: add "
+                                             "--tokenizer FOLDER"),
+    (["--model-path", "m"], "--model-path is for --model hf, and this run's model is cnn"),
+    (["--text-column", "text"], "--text-column is for --dataset hf, and this run's data set is synthetic"),
+])
+def test_model_hf_and_the_text_it_reads_are_given_together(argv, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parse_config(argv)
+
+
+def test_a_text_column_trains_a_classifier_when_classes_or_labels_are_named_and_the_model_has_a_tokenizer():
+    causal = parse_config([*HF_TEXT, "--model-path", "m"])
+    assert not causal.text_classification and causal.tokenizer_path == "m"
+    for named in (["--num-classes", "2"], ["--label-column", "label"]):  # the default label column, named
+        assert parse_config([*HF_TEXT, "--model-path", "m", *named]).text_classification
+    assert parse_config([*HF_TEXT, "--model-config", "c.json", "--tokenizer", "t"]).tokenizer_path == "t"
 
 
 def test_every_numeric_field_has_a_range():

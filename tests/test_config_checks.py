@@ -16,6 +16,7 @@ from multigpu.launch import launch_rules
 from multigpu.launch.answers import TRAINING, Settings
 
 NO_CONVOLUTIONS = RunFacts(convolutions=False)
+HF_TEXT = ["--dataset", "hf", "--data-files", "t.jsonl", "--text-column", "text", "--model-path", "m"]
 
 # name: (flags that do nothing, the warning, the same flag where it does something)
 UNUSED = {
@@ -54,6 +55,12 @@ UNUSED = {
     "data-dir with a text": (["--data-dir", "/data", "--dataset", "text", "--data-file", "t.txt"], "--data-dir /data "
                              "has no effect: --dataset text reads --data-file as it is",
                              ["--data-dir", "/data", "--dataset", "mnist"]),
+    "block-size with an image model": (["--block-size", "32"], "--block-size 32 has no effect: it sizes --model gpt "
+                                       "and --model hf, and this run's model is cnn", [*HF_TEXT, "--block-size", "32"]),
+    "image-shape with a text column": ([*HF_TEXT, "--image-shape", "3,8,8"], "--image-shape 3,8,8 has no effect: "
+                                       "--text-column gives tokens of text", ["--image-shape", "3,8,8"]),
+    "pad-to-batch with a classifier": ([*HF_TEXT, "--pad-to-batch", "--num-classes", "2"], "--pad-to-batch has no "
+                                       "effect: a classifier's texts are always padded", [*HF_TEXT, "--pad-to-batch"]),
     "fsdp-blocks under ddp": (["--fsdp-blocks", "Block", "--multi-gpu", "ddp"], "--fsdp-blocks Block has no effect: "
                               "it shapes --multi-gpu fsdp, and this run is --multi-gpu ddp",
                               ["--fsdp-blocks", "Block", "--multi-gpu", "fsdp"]),

@@ -7,7 +7,8 @@
   tied weights once; above `--max-shard-size`, shards and `OUT.index.json` as Hugging
   Face writes them; `--dtype bf16` converts the floating-point tensors.
 - `hf` (a folder): a transformers model's own `save_pretrained` folder, loadable by
-  `AutoModel...from_pretrained(OUT)`.
+  `AutoModel...from_pretrained(OUT)`; with `--tokenizer FOLDER` that folder's tokenizer
+  too, so `AutoTokenizer.from_pretrained(OUT)` loads it (--export-on-end hf adds the run's).
 
 The format follows OUT's name unless `--format` says it. From a file or a sharded
 folder alike; one process reads the whole model (docs/checkpoints.md, "Weights in and out").
@@ -28,6 +29,7 @@ from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, run_folders, sharded, tensor_files, weights
 from multigpu.checkpoints.weights import INDEX_SUFFIX
 from multigpu.config import OneLineParser
+from multigpu.data.hf import last_line
 from multigpu.errors import TrainingStopped, UsageError
 
 FORMATS = ("pt", "safetensors", "hf")
@@ -49,10 +51,13 @@ def format_of(out: str, given: Optional[str]) -> str:
 
 
 def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-           dtype: Optional[str] = None) -> str:
-    """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so."""
+           dtype: Optional[str] = None, tokenizer: Optional[str] = None) -> str:
+    """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so.
+    `tokenizer`: hf only, a folder whose tokenizer is saved beside the weights."""
     kind = format_of(out, kind)
     max_bytes = parse_size(max_shard_size)
+    if tokenizer and kind != "hf":
+        raise UsageError(f"--tokenizer is saved beside the weights of --format hf, and this export writes {kind}")
     if kind == "pt":
         return _export_pt(source, out, dtype)
     state = sharded.load_whole(source, keys=("model",))
@@ -64,7 +69,7 @@ def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: st
         if not info.get("hf"):
             raise UsageError(f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
                              f"another model (or was saved before it recorded its class): use --format safetensors")
-        written = write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None)
+        written = write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer)
     else:
         if not out.endswith(tensor_files.SUFFIX):
             raise UsageError(f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, "
@@ -180,28 +185,42 @@ def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.
 
 
 def write_hf(info: dict[str, Any], weights: dict[str, torch.Tensor], out: str, max_bytes: int,
-             dtype: Optional[torch.dtype]) -> list[str]:
-    """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, written into
-    `<out>.tmp` and renamed into place whole."""
+             dtype: Optional[torch.dtype], tokenizer: Optional[str] = None) -> list[str]:
+    """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
+    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
     model = rebuild_hf(info, weights)
-    transformers_module("--format hf").utils.logging.disable_progress_bar()  # a bar for one file says nothing
+    transformers = transformers_module("--format hf")
+    transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
+    saved_tokenizer = _tokenizer_of(transformers, tokenizer) if tokenizer else None  # refused before any write
     if dtype is not None:
         model.to(dtype)
     tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
     if os.path.lexists(tmp):
         safe_files.remove(tmp)
     model.save_pretrained(tmp, max_shard_size=max_bytes)
+    if saved_tokenizer is not None:
+        saved_tokenizer.save_pretrained(tmp)
     safe_files.replace_folder(tmp, out.rstrip("/"))
     return sorted(os.path.join(out, name) for name in os.listdir(out))
 
 
+def _tokenizer_of(transformers: Any, folder: str) -> Any:
+    """The tokenizer saved in `folder`, or UsageError naming it."""
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 -- whatever keeps the folder from being a tokenizer
+        raise UsageError(f"--tokenizer {folder} holds no tokenizer that transformers reads "
+                         f"({last_line(error)[:200]})") from None
+
+
 class ExportOnEnd:
     """--export-on-end FORMAT as a built-in callback: once training has ended, rank 0 writes best's weights
-    (last's, for a run without validation) beside the checkpoints. A transformers model is required for hf:
-    checked at the start, not after the training."""
+    (last's, for a run without validation) beside the checkpoints, and for hf the run's `tokenizer` folder's
+    tokenizer with them (--tokenizer, else --model-path's). A transformers model is required for hf: checked at
+    the start, not after the training."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, tokenizer: Optional[str] = None):
+        self.kind, self.tokenizer = kind, tokenizer if kind == "hf" else None
 
     def on_fit_start(self, trainer: Any) -> None:
         if self.kind == "hf" and weights.hf_model(trainer.model) is None:
@@ -218,7 +237,8 @@ class ExportOnEnd:
         if source is None:
             raise TrainingStopped(f"--export-on-end: no best or last checkpoint in {save_dir} to export")
         try:
-            trainer.report.line(export(source, os.path.join(save_dir, END_NAMES[self.kind]), self.kind))
+            trainer.report.line(export(source, os.path.join(save_dir, END_NAMES[self.kind]), self.kind,
+                                       tokenizer=self.tokenizer))
         except (UsageError, OSError) as error:
             raise TrainingStopped(f"--export-on-end {self.kind} failed ({error}); the checkpoints are kept") from None
 
@@ -234,9 +254,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(weights.DTYPES), help="the floating-point weights in this "
                         "type (default: as trained)")
+    parser.add_argument("--tokenizer", metavar="FOLDER", help="hf: also save the tokenizer of this folder (a model "
+                        "folder, or a tokenizer's save_pretrained folder) into OUT")
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype))
+        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype, args.tokenizer))
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code

@@ -51,7 +51,7 @@ def callbacks(config: TrainConfig, users: Sequence[Any], has_validation: bool) -
         raise UsageError("--early-stop-patience watches a validation metric, and this run has no validation "
                          "set: give one, or leave --early-stop-patience at 0")
     builtin = [InitFrom(config.init_from, config.init_strict) if config.init_from else None,
-               ExportOnEnd(config.export_on_end) if config.export_on_end else None,
+               ExportOnEnd(config.export_on_end, config.tokenizer_path) if config.export_on_end else None,
                EarlyStopping(config.early_stop_patience, config.early_stop_min_delta)
                if config.early_stop_patience > 0 else None,
                EMA(config.ema_decay) if config.ema_decay > 0 else None]

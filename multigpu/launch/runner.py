@@ -58,7 +58,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
               f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples", flush=True)
         for line in data.warnings:
             print(line, flush=True)
-    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime).fit()
+    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn).fit()
 
 
 def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable[[dict], None]] = None) -> int:

@@ -195,6 +195,8 @@ def test_a_one_file_checkpoint_exports_its_plain_state_dict(one_file_run, tmp_pa
     (["{ckpt}/best.pt", "{tmp}/w.safetensors", "--max-shard-size", "lots"],
      "--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got 'lots'"),
     (["{tmp}/nothing.pt", "{tmp}/w.safetensors"], "checkpoint {tmp}/nothing.pt does not exist"),
+    (["{ckpt}/best.pt", "{tmp}/w.safetensors", "--tokenizer", "{tmp}"],
+     "--tokenizer is saved beside the weights of --format hf, and this export writes safetensors"),
 ])
 def test_export_refuses_bad_input_in_one_line(one_file_run, tmp_path, capsys, args, message):
     names = {"ckpt": one_file_run, "tmp": tmp_path}
