@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 from typing import Any, Iterator, Optional
@@ -64,6 +65,9 @@ def import_transformers(what: str) -> Any:
     # Tokenizing runs in datasets.map's processes (num_proc) and loader workers, not in the tokenizer's threads,
     # which a fork would leave behind with a warning on every rank.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torchao (the [float8] extra), which transformers imports where it is installed, registers enums with torch's
+    # pytree, and torch 2.14 logs a deprecation for each, on every rank: nothing the user can act on.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     try:
         import transformers
     except ImportError:

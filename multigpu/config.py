@@ -235,7 +235,8 @@ class TrainConfig:
     async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
                                   "copy is taken first; the next save waits for the previous one)", group="output")
     monitor: Optional[str] = _opt(None, "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
-                                  "(default: val_acc when accuracy is computed, else val_loss)", group="output")
+                                  "(default: val_acc when accuracy is computed, else val_loss; val_loss for a loss "
+                                  "over tokens)", group="output")
     monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
                              "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
                              group="output")

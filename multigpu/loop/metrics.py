@@ -123,8 +123,10 @@ class Monitor:
         self.name, self.mode = name, mode
 
     def choose(self, results: Mapping[str, float]) -> str:
-        """The monitored name (default val_acc when accuracy is computed, else val_loss), checked against `results`."""
-        self.name = self.name or ("val_acc" if "val_acc" in results else "val_loss")
+        """The monitored name (default val_acc when accuracy is computed, else val_loss; val_loss for a loss over
+        tokens, whose accuracy is of single tokens), checked against `results`."""
+        by_accuracy = "val_acc" in results and "val_perplexity" not in results
+        self.name = self.name or ("val_acc" if by_accuracy else "val_loss")
         self.check(list(results))
         return self.name
 
