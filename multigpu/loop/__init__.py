@@ -1,5 +1,5 @@
 """The training loop's parts: precision (amp), batches of any structure (batches), optimizers and schedules
-(optim), metrics and exact evaluation (metrics, evaluation), prediction in dataset order (prediction,
+(optim), metrics and exact evaluation (metrics, evaluation), losses over tokens (tokens), prediction in dataset order (prediction,
 inference), callbacks (callbacks), where training stands (progress), seeding (rng) and probes that leave no
 trace (snapshot).
 

@@ -225,3 +225,26 @@ def test_the_default_loss_reads_class_scores_in_the_last_dimension_of_a_sequence
     assert torch.allclose(SequenceCrossEntropy()(logits, targets), expected)
     images = torch.randn(2, 7, 5)  # (N, C, L): classes in dimension 1, as torch reads them
     assert torch.allclose(SequenceCrossEntropy()(images, targets), F.cross_entropy(images, targets))
+
+
+class TokenStream(torch.utils.data.IterableDataset):
+    """UnevenTokens as a stream: no sample can be read before training, so auto decides at the first batch."""
+
+    def __init__(self) -> None:
+        self.data = UnevenTokens(SAMPLES, 0)
+
+    def __iter__(self):
+        return (self.data[index] for index in range(len(self.data)))
+
+
+def test_a_stream_is_weighted_by_tokens_from_its_first_batch(tmp_path):
+    weights = {}
+    for batch, accumulate in ((16, 1), (8, 2)):
+        config = config_for(tmp_path / str(batch), 1, batch_size=batch, grad_accum_steps=accumulate, optimizer="sgd",
+                            lr=0.5, momentum=0.0, weight_decay=0.0, lr_schedule="constant", epochs=1)
+        with MultiGPUTrainer(model_of("own_loss"), TokenStream(), None, config) as trainer:
+            assert trainer.weighting.mode is None  # undecided until the first window
+            trainer.fit()
+            assert trainer.weighting.mode == "tokens"
+            weights[batch] = full_weights(trainer)
+    assert max_difference(weights[16], weights[8]) <= TOLERANCE
