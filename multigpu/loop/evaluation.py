@@ -164,9 +164,9 @@ class Evaluator:
         count = torch.tensor(samples, dtype=torch.float64)
         if not self.by_tokens:
             return [self._loss_sum(outputs, targets, samples), count, torch.zeros((), dtype=torch.float64)]
-        weighting = self.weighting
-        counted = weighting.counted(targets_in(batch))  # type: ignore[union-attr, arg-type]
-        loss_sum = token_loss_sum(_float(outputs), targets, self.loss_fn, counted, weighting.shift)  # type: ignore[union-attr]
+        weighting: LossWeighting = self.weighting  # type: ignore[assignment]  (by_tokens: there is one)
+        counted = weighting.counted(targets_in(batch))  # type: ignore[arg-type]
+        loss_sum = token_loss_sum(_float(outputs), targets, self.loss_fn, counted, weighting.shift)
         return [loss_sum, count, counted.double()]
 
     def _loss_sum(self, outputs: Any, targets: Any, samples: int) -> torch.Tensor:

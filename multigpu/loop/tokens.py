@@ -136,12 +136,12 @@ class LossWeighting:
         """The plan line's words."""
         if self.mode is None:
             return "loss weighting auto: decided at the first batch"
-        chosen = " (auto: the targets are token ids)" if self.setting == "auto" and self.tokens else \
-            " (auto)" if self.setting == "auto" else ""
         if not self.tokens:
-            return f"loss: the mean over samples{chosen}"
+            return f"loss: the mean over samples{' (auto)' if self.setting == 'auto' else ''}"
+        chosen = " (auto: the targets are token ids)" if self.setting == "auto" else ""
         shift = ", shifted as the causal LM shifts them" if self.shift else ""
-        return f"loss: the mean over the step's target tokens, all micro-batches and ranks{chosen}; -100 ignored{shift}"
+        return (f"loss: the mean over the step's target tokens, all micro-batches and ranks{chosen}; -100 "
+                f"ignored{shift}")
 
 
 class WindowTokens:
@@ -155,12 +155,16 @@ class WindowTokens:
         self.positions = sum(found.numel() for found in targets)  # type: ignore[union-attr]  # padding included
         self._total = self.local.clone()
         self._work = start_all_reduce_sum(self._total)
+        if self._work is None:  # one process: nothing to wait for
+            self._total.clamp_(min=1)
 
     def step_total(self) -> torch.Tensor:
-        """The step's counted tokens over every rank (a device tensor: no host sync)."""
+        """The step's counted tokens over every rank, at least 1 (a device tensor: no host sync). A step whose
+        targets are all -100 then adds a loss of 0 and no gradient, instead of 0/0."""
         if self._work is not None:
             self._work.wait()
             self._work = None
+            self._total.clamp_(min=1)
         return self._total
 
 

@@ -146,8 +146,11 @@ def test_ddp_and_fsdp_over_two_ranks_train_the_weights_of_one_process_with_their
 def test_a_model_that_takes_num_items_in_batch_gets_the_whole_steps_count(tmp_path):
     model = model_of("own_loss")
     counted: list[int] = []  # each micro-batch's own count, as the model's forward sees its labels
-    model.register_forward_hook(lambda module, args, kwargs, out: counted.append(int((kwargs["labels"] != IGNORE_INDEX).sum())),
-                                with_kwargs=True)
+
+    def count_labels(module: torch.nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+        counted.append(int((kwargs["labels"] != IGNORE_INDEX).sum()))
+
+    model.register_forward_hook(count_labels, with_kwargs=True)
     config = config_for(tmp_path, 1, batch_size=8, grad_accum_steps=2, max_steps=2, optimizer="sgd")
     with MultiGPUTrainer(model, UnevenTokens(SAMPLES, 0), None, config) as trainer:
         trainer.fit()
