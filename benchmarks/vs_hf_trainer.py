@@ -261,6 +261,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    import importlib.metadata
+
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # saving and loading the model: no bars in the driver's output
@@ -280,8 +282,9 @@ def main() -> int:
         rows += made
         missed += miss
     header = ["processes", "contender", "tokens/s", "ours/HF", "val loss", "val loss difference (ours - HF)"]
-    notes = [machine_line() + f"; transformers {transformers.__version__}; load average {load_before:.2f} before, "
-             f"{load_after:.2f} after",
+    notes = [machine_line() + f"; transformers {transformers.__version__}, Accelerate "
+             f"{importlib.metadata.version('accelerate')}; load "
+             f"average {load_before:.2f} before, {load_after:.2f} after",
              f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
              f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
              f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
