@@ -50,8 +50,9 @@ def run_worker(script: Sequence[str], nproc: int, label: str, env: Optional[dict
     command = ([sys.executable, *script] if nproc == 1 else
                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr",
                 "127.0.0.1", "--master_port", str(free_port()), *script])
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.mkdtemp(prefix="bench-"),
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="bench-") as folder:  # whatever the worker writes where it runs
+        done = subprocess.run(command, capture_output=True, text=True, cwd=folder,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         sys.exit(f"{label} at {nproc} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -166,29 +166,33 @@ class StepEnds:
         self.at.append(time.perf_counter())
 
 
-def run_ours(model, data, args, world: int, ends: StepEnds) -> Any:
-    """MultiGPUTrainer with its defaults but the workload's; returns the trained module."""
+def run_ours(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
+    """MultiGPUTrainer with its defaults but the workload's, writing under `scratch`; returns the trained
+    module."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     config = TrainConfig(multi_gpu="ddp" if world > 1 else "none", epochs=1, batch_size=args.batch,
                          lr_schedule="constant", log_every=args.log_every, progress=False, seed=SEED,
-                         save_dir=tempfile.mkdtemp(prefix="vs-hf-ours-"))
+                         save_dir=scratch)
     trainer = MultiGPUTrainer(model, data, None, config, optimizer=adamw, callbacks=[ends])
     trainer.fit()
     return trainer.model
 
 
-def run_hf(model, data, args, world: int, ends: StepEnds) -> Any:
-    """transformers.Trainer with its defaults but the workload's; returns the trained module."""
+def run_hf(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
+    """transformers.Trainer with its defaults but the workload's, writing under `scratch`; returns the trained
+    module."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Ends(TrainerCallback):
-        on_step_end = ends.on_step_end
+        on_step_end = ends.on_step_end  # the same bound method the project's run calls: one way of timing
 
-    training = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="vs-hf-hf-"), per_device_train_batch_size=args.batch,
-                                 max_steps=args.steps, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-                                 seed=SEED, data_seed=SEED, dataloader_num_workers=0, logging_steps=args.log_every,
+    # max_grad_norm 0: no clipping, as the project's default; data_seed: the project's order (the docstring)
+    training = TrainingArguments(output_dir=scratch,
+                                 per_device_train_batch_size=args.batch, max_steps=args.steps,
+                                 lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, seed=SEED,
+                                 data_seed=SEED, dataloader_num_workers=0, logging_steps=args.log_every,
                                  eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
                                  use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=model, args=training, train_dataset=data, optimizers=(adamw(model.parameters()), None),
@@ -209,7 +213,8 @@ def worker(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = GPT2LMHeadModel.from_pretrained(args.model_dir)
     ends = StepEnds()
-    trained = RUNS[args.worker](model, training_set(args, world), args, world, ends)
+    with tempfile.TemporaryDirectory(prefix="vs-hf-") as scratch:  # the project's last.pt, HF's output folder
+        trained = RUNS[args.worker](model, training_set(args, world), args, world, ends, scratch)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if len(ends.at) != args.steps:
@@ -261,48 +266,54 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    import importlib.metadata
-
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # saving and loading the model: no bars in the driver's output
     counts = [int(count) for count in args.nproc.split(",")]
-    args.model_dir = tempfile.mkdtemp(prefix="vs-hf-model-")
-    build_model(args, args.model_dir)
-    from transformers import GPT2LMHeadModel  # the untrained loss, to show how far training moved it
+    with tempfile.TemporaryDirectory(prefix="vs-hf-model-") as model_dir:
+        args.model_dir = model_dir  # the workers' --model-dir
+        build_model(args, model_dir)
+        from transformers import GPT2LMHeadModel  # the untrained loss, to show how far training moved it
 
-    untrained = validation_loss(GPT2LMHeadModel.from_pretrained(args.model_dir), validation_set(args))
-    results, (load_before, load_after) = alternating_rounds(
-        args.rounds, [str(count) for count in counts], list(CONTENDERS),
-        lambda nproc, name: launch(args, name, int(nproc), threads_for(args, int(nproc))),
-        lambda figures: f"{figures['tokens_per_sec']:.0f} tokens/s, val loss {figures['val_loss']:.6f}")
+        untrained = validation_loss(GPT2LMHeadModel.from_pretrained(model_dir), validation_set(args))
+        results, load = alternating_rounds(
+            args.rounds, [str(count) for count in counts], list(CONTENDERS),
+            lambda nproc, name: launch(args, name, int(nproc), threads_for(args, int(nproc))),
+            lambda figures: f"{figures['tokens_per_sec']:.0f} tokens/s, val loss {figures['val_loss']:.6f}")
     rows, missed = [], []
     for count in counts:
         made, miss = rows_for(count, {name: results[(str(count), name)] for name in CONTENDERS})
         rows += made
         missed += miss
     header = ["processes", "contender", "tokens/s", "ours/HF", "val loss", "val loss difference (ours - HF)"]
-    notes = [machine_line() + f"; transformers {transformers.__version__}, Accelerate "
-             f"{importlib.metadata.version('accelerate')}; load "
-             f"average {load_before:.2f} before, {load_after:.2f} after",
-             f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
-             f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
-             f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
-             f"constant LR, no clipping, fp32, " + ", ".join(f"{threads_for(args, count)} thread(s) per process at "
-                                                             f"{count}" for count in counts),
-             f"tokens/s: rank 0's, steps {args.warmup + 1}-{args.steps} (the first {args.warmup} are warm-up), "
-             f"median (range) of {args.rounds} interleaved round(s); ours/HF: the median of the rounds' ratios",
-             f"val loss: per token over {args.val_windows} held-out windows after the last step (before "
-             f"training: {untrained:.6f}); the difference: the largest over the rounds",
-             f"command: python benchmarks/vs_hf_trainer.py {' '.join(sys.argv[1:])}".rstrip()]
     write_markdown(Path(args.output) if args.output else default_output(), "This project against Hugging Face's "
-                   "Trainer (benchmarks/vs_hf_trainer.py)", header, rows, notes)
+                   "Trainer (benchmarks/vs_hf_trainer.py)", header, rows, notes(args, counts, untrained, load))
     if args.json:
         Path(args.json).write_text(json.dumps({f"{nproc} {name}": figures
                                                for (nproc, name), figures in results.items()}, indent=1))
     print("target met: ours/HF >= 1.0 and |val loss difference| <= 1e-4 at every process count" if not missed else
           "target missed: " + "; ".join(missed), flush=True)
     return 1 if missed else 0
+
+
+def notes(args, counts: list[int], untrained: float, load: tuple[float, float]) -> list[str]:
+    """What the table's figures are, and where and how they were measured."""
+    import importlib.metadata
+
+    import transformers
+
+    threads = ", ".join(f"{threads_for(args, count)} thread(s) per process at {count}" for count in counts)
+    return [machine_line() + f"; transformers {transformers.__version__}, Accelerate "
+            f"{importlib.metadata.version('accelerate')}; load average {load[0]:.2f} before, {load[1]:.2f} after",
+            f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
+            f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
+            f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
+            f"constant LR, no clipping, fp32, {threads}",
+            f"tokens/s: rank 0's, steps {args.warmup + 1}-{args.steps} (the first {args.warmup} are warm-up), "
+            f"median (range) of {args.rounds} interleaved round(s); ours/HF: the median of the rounds' ratios",
+            f"val loss: per token over {args.val_windows} held-out windows after the last step (before "
+            f"training: {untrained:.6f}); the difference: the largest over the rounds",
+            f"command: python benchmarks/vs_hf_trainer.py {' '.join(sys.argv[1:])}".rstrip()]
 
 
 def default_output() -> Path:
@@ -323,7 +334,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--block", type=int, default=128, help="tokens per window, the model's context")
     parser.add_argument("--val-windows", type=int, default=64)
-    parser.add_argument("--tiny", action="store_true", help="1 layer, 6 steps, one round, 1 process unless --nproc (CI)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="1 layer, 6 steps, one round, 1 process unless --nproc (CI)")
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
