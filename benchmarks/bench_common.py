@@ -35,6 +35,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+RESULT = "RESULT "  # the line a benchmark's worker prints its figures on, as JSON, from rank 0
+
+
+def run_worker(script: Sequence[str], nproc: int, label: str, env: Optional[dict[str, str]] = None,
+               timeout: float = 600) -> dict[str, Any]:
+    """Run `python SCRIPT...` in a fresh process (torchrun with `nproc` processes for 2 or more, on a free port)
+    and return the figures of its RESULT line; exit with the worker's error output where it failed."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    command = ([sys.executable, *script] if nproc == 1 else
+               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr",
+                "127.0.0.1", "--master_port", str(free_port()), *script])
+    with tempfile.TemporaryDirectory(prefix="bench-") as folder:  # whatever the worker writes where it runs
+        done = subprocess.run(command, capture_output=True, text=True, cwd=folder,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        sys.exit(f"{label} at {nproc} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[0][len(RESULT):])
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

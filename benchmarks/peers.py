@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,8 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_common import benchmark_parser, free_port, machine_line, make_cnn, make_images, write_markdown  # noqa: E402
+from bench_common import (RESULT, benchmark_parser, machine_line, make_cnn, make_images, run_worker,  # noqa: E402
+                          write_markdown)
 from data import default_num_workers  # noqa: E402
 from multigpu.config import FIELDS  # noqa: E402
 
@@ -216,24 +216,15 @@ def worker(args) -> None:
 
     seconds, trained, extra = RUNS[args.worker](model, data, args, world, started)
     if int(os.environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps({"samples_per_sec": args.steps * args.batch * world / seconds,
-                                      "seconds": seconds, "accuracy": accuracy(trained, args), **extra}), flush=True)
+        print(RESULT + json.dumps({"samples_per_sec": args.steps * args.batch * world / seconds,
+                                   "seconds": seconds, "accuracy": accuracy(trained, args), **extra}), flush=True)
 
 
 # ------------------------------------------------------------------ rounds and the table
 def launch(args, contender: str, nproc: int, steps: int) -> dict[str, float]:
     script = [str(Path(__file__).resolve()), "--worker", contender, "--steps", str(steps), "--batch",
               str(args.batch), "--threads", str(args.threads), "--model", args.model, "--amp", args.amp]
-    command = ([sys.executable, *script] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr",
-                "127.0.0.1", "--master_port", str(free_port()), *script])
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.mkdtemp(prefix="peers-"), env=env,
-                          timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        sys.exit(f"{contender} at {nproc} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT "):])
+    return run_worker(script, nproc, contender, {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})
 
 
 def installed(contender: str) -> bool:
