@@ -54,6 +54,8 @@ ours/HF >= 1.0 and |difference| <= 1e-4, 1 when not, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -266,6 +268,10 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # transformers' Trainer needs accelerate: without either there is no contender
+        print(f"error: {' and '.join(missing)} not installed: pip install -e '.[hf-trainer]'", file=sys.stderr)
+        return 2
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # saving and loading the model: no bars in the driver's output
@@ -298,8 +304,6 @@ def main() -> int:
 
 def notes(args, counts: list[int], untrained: float, load: tuple[float, float]) -> list[str]:
     """What the table's figures are, and where and how they were measured."""
-    import importlib.metadata
-
     import transformers
 
     threads = ", ".join(f"{threads_for(args, count)} thread(s) per process at {count}" for count in counts)

@@ -14,7 +14,7 @@ from conftest import PYTHON, REPO, cli_env
 SCRIPT = REPO / "benchmarks" / "vs_hf_trainer.py"
 
 pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers.Trainer needs it (pip install -e '.[peers]')
+pytest.importorskip("accelerate")  # transformers.Trainer needs it (pip install -e '.[hf-trainer]')
 
 
 def run_tiny(tmp_path: Path, nproc: str) -> list[list[str]]:
