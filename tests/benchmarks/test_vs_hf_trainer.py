@@ -38,6 +38,7 @@ def check_rows(rows: list[list[str]]) -> None:
     assert abs(float(ours[4]) - float(hf[4])) <= 1e-4 and abs(float(ours[5])) <= 1e-4
 
 
+@pytest.mark.slow  # 15-30 s: the full run's, not the quick tier's
 def test_one_process_trains_both_to_the_same_validation_loss(tmp_path: Path):
     check_rows(run_tiny(tmp_path, "1"))
 
