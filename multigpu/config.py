@@ -229,7 +229,7 @@ class TrainConfig:
                                         "transformers model's own folder, best-hf/)", ["safetensors", "hf"],
                                         group="output")
     logger: str = _opt("tensorboard", "where the scalars go, a comma list of tensorboard, csv (metrics.csv in the "
-                       "save-dir), mlflow (pip install '.[mlflow]'; a file store under the save-dir unless "
+                       "save-dir), mlflow (pip install '.[mlflow]'; the database <save-dir>/mlflow.db unless "
                        "MLFLOW_TRACKING_URI), wandb (pip install '.[wandb]'; WANDB_MODE=offline and the other "
                        "WANDB_ variables apply): the same scalars at the same steps, from rank 0", group="output")
     async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
