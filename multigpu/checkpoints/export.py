@@ -190,7 +190,11 @@ def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]) -> list[str]:
     """`weights` as the safetensors file `out`, or above `max_bytes` as shards beside it and their index
-    (`<out>.index.json`, Hugging Face's layout, written last); the files written."""
+    (`<out>.index.json`, Hugging Face's layout, written last); the files written.
+
+    The shards are written under temporary names first, so an earlier export of the same name stays whole while
+    they are; then its index goes, the shards are renamed into place and the new index is written: a crash
+    between leaves no index, never an index over old and new shards mixed."""
     kept, aliases = tensor_files.stored_once(weights, tied)
     total = sum(tensor.numel() * tensor.element_size() for tensor in kept.values())
     header = {tensor_files.TIED_KEY: json.dumps(aliases)} if aliases else {}
@@ -200,10 +204,14 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int
         return [out]
     names = shard_names(out, len(groups))
     for name, group in zip(names, groups):
-        tensor_files.save(group, name, metadata=header)
+        tensor_files.save(group, name + safe_files.TMP_SUFFIX, metadata=header)
+    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
+    if os.path.lexists(index_path):
+        safe_files.remove(index_path)
+    for name in names:
+        os.replace(name + safe_files.TMP_SUFFIX, name)
     index = {"metadata": {"total_size": total, **header},
              "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group}}
-    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
     safe_files.write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [*names, index_path]
 
