@@ -229,7 +229,7 @@ class TrainConfig:
                                         "transformers model's own folder, best-hf/)", ["safetensors", "hf"],
                                         group="output")
     logger: str = _opt("tensorboard", "where the scalars go, a comma list of tensorboard, csv (metrics.csv in the "
-                       "save-dir), mlflow (pip install '.[mlflow]'; a file store under the save-dir unless "
+                       "save-dir), mlflow (pip install '.[mlflow]'; the database <save-dir>/mlflow.db unless "
                        "MLFLOW_TRACKING_URI), wandb (pip install '.[wandb]'; WANDB_MODE=offline and the other "
                        "WANDB_ variables apply): the same scalars at the same steps, from rank 0", group="output")
     async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
@@ -352,11 +352,16 @@ class TrainConfig:
         """--hang-timeout, or its default: 300 s, or half of --dist-timeout when that is shorter (0: off)."""
         return self.hang_timeout if self.hang_timeout is not None else min(300.0, self.dist_timeout / 2)
 
-    def planned_steps(self, steps_per_epoch: int) -> int:
+    def planned_steps(self, steps_per_epoch: int, steps_offset: int = 0) -> int:
         """The optimizer steps of the whole run: --epochs of `steps_per_epoch`, or --max-steps when it is fewer.
-        The one rule the LR schedule, the warm-up, the plan and the end of training share."""
+        The one rule the LR schedule, the warm-up, the plan and the end of training share.
+
+        `steps_offset`: for the LR schedule of a resumed run, how far its place (the samples seen, in this run's
+        steps) is ahead of the optimizer steps taken, which differ where the run had another world size or batch
+        before: --max-steps counts optimizer steps, so the schedule then ends that far after it, where the steps
+        asked for end (a schedule already past its end would train them at LR 0)."""
         whole = self.epochs * steps_per_epoch
-        return min(whole, self.max_steps) if self.max_steps else whole
+        return min(whole, self.max_steps + steps_offset) if self.max_steps else whole
 
     def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
         """fsdp's device mesh (replicate, shard) for `world_size` processes on `nodes` nodes: --dp-replicate and

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import os
 import signal
 import subprocess
@@ -316,11 +317,14 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
 
 
 # ---------------------------------------------------------------- resume on another number of processes
-def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[int], resume: bool) -> dict:
-    """2 epochs of 160 samples, batch 8 per rank, warm-up then cosine: (global-sample position, LR) of every
-    optimizer step. `stop_after` steps it stops cleanly (the SIGTERM path, so last.pt is written)."""
-    config = config_for(tmp_path, world_size, optimizer="sgd", lr=0.1, warmup_epochs=0.5, epochs=2, log_every=1,
-                        resume="auto" if resume else None)
+def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[int], resume: bool,
+              settings: Optional[dict] = None) -> dict:
+    """2 epochs of 160 samples, batch 8 per rank, warm-up then cosine (or other `settings`): (global-sample
+    position, LR) of every optimizer step. `stop_after` steps it stops cleanly (the SIGTERM path, so last.pt is
+    written)."""
+    config = config_for(tmp_path, world_size, **{"optimizer": "sgd", "lr": 0.1, "warmup_epochs": 0.5, "epochs": 2,
+                                                 "log_every": 1, "resume": "auto" if resume else None,
+                                                 **(settings or {})})
     trainer = MultiGPUTrainer(tiny_model(), blobs(160, 0), None, config)
     trace: list[tuple[int, float]] = []
 
@@ -336,7 +340,7 @@ def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[i
         trainer.fit()
     plan = [line for line in printed.getvalue().splitlines() if " steps/epoch, " in line]
     return {"trace": trace, "final_lr": trainer.optimizer.param_groups[0]["lr"], "plan": plan,
-            "global_step": trainer.progress.global_step}
+            "global_step": trainer.progress.global_step, "printed": printed.getvalue()}
 
 
 @pytest.mark.slow
@@ -356,6 +360,22 @@ def test_resume_on_another_world_size_continues_the_lr_schedule_at_the_same_samp
     steps_left = len(reference["trace"]) - 48 // (8 * after)
     assert resumed["global_step"] == stop_after + steps_left
     assert f"{resumed['global_step']} steps ({steps_left} left)" in resumed["plan"][0]  # the plan is what ran
+
+
+def test_a_resume_at_fewer_processes_with_max_steps_trains_every_step_asked_for_at_a_real_lr(tmp_path):
+    """3 steps at 2 processes (48 samples, 6 steps of 1 process), resumed at 1 with --max-steps 6: 3 steps left,
+    where the schedule, placed by samples seen, was already past a plan of 6 steps (LR 0 for each of them). The
+    plan ends where the steps asked for do: the cosine from the 6th of 9 steps, to 0 after the last."""
+    cosine = {"warmup_epochs": 0.0}
+    first = run_ranks(_lr_trace, 2, tmp_path, tmp_path, 3, False, cosine)[0]
+    resumed = run_ranks(_lr_trace, 1, tmp_path, tmp_path, None, True, {**cosine, "max_steps": 6})[0]
+    assert first["global_step"] == 3 and resumed["global_step"] == 6
+    assert [position for position, _ in resumed["trace"]] == [48, 56, 64]
+    expected = [0.1 * 0.5 * (1 + math.cos(math.pi * step / 9)) for step in (6, 7, 8)]
+    assert [lr for _, lr in resumed["trace"]] == pytest.approx(expected, abs=1e-9) and min(expected) > 0.002
+    assert abs(resumed["final_lr"]) < 1e-9
+    assert ("the LR schedule continues at the same point in samples and ends with the 3 steps --max-steps 6 "
+            "leaves") in resumed["printed"]
 
 
 # ---------------------------------------------------------------- the save from rank 0's replica

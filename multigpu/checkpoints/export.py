@@ -12,10 +12,13 @@
 
 The format follows OUT's name unless `--format` says it. From a file or a sharded
 folder alike; one process reads the whole model (docs/checkpoints.md, "Weights in and out").
+An OUT that exists is refused unless `--overwrite`, and is then replaced only once the new
+export is complete; the checkpoint being read is never replaced.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import json
 import os
@@ -31,6 +34,7 @@ from multigpu.checkpoints.weights import INDEX_SUFFIX
 from multigpu.config import OneLineParser
 from multigpu.data.hf import last_line
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.parallel.distributed import gather_objects
 
 FORMATS = ("pt", "safetensors", "hf")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
@@ -51,15 +55,17 @@ def format_of(out: str, given: Optional[str]) -> str:
 
 
 def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-           dtype: Optional[str] = None, tokenizer: Optional[str] = None) -> str:
+           dtype: Optional[str] = None, tokenizer: Optional[str] = None, overwrite: bool = False) -> str:
     """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so.
-    `tokenizer`: hf only, a folder whose tokenizer is saved beside the weights."""
+    `tokenizer`: hf only, a folder whose tokenizer is saved beside the weights. `overwrite`: replace what is at
+    `out` (else refused), once the new export is complete."""
     kind = format_of(out, kind)
     max_bytes = parse_size(max_shard_size)
     if tokenizer and kind != "hf":
         raise UsageError(f"--tokenizer is saved beside the weights of --format hf, and this export writes {kind}")
+    earlier = check_output(source, out, kind, overwrite)
     if kind == "pt":
-        return _export_pt(source, out, dtype)
+        return _export_pt(source, out, dtype) + replaced(earlier)
     state = sharded.load_whole(source, keys=("model",))
     tensors, which = weights.weights_of(state)
     tensors = in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
@@ -75,10 +81,50 @@ def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: st
             raise UsageError(f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, "
                              f"got {out}")
         written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+        remove_stale(earlier, written)  # the other layout's files (one file, or shards) would shadow the new one
     size = sum(os.path.getsize(path) for path in written if os.path.isfile(path))
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
     return (f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
-            f"{checkpoint.megabytes(size)}")
+            f"{checkpoint.megabytes(size)}{replaced(earlier)}")
+
+
+def existing_outputs(out: str, kind: str) -> list[str]:
+    """What an export to `out` would replace: the file, a non-empty folder (hf), or for safetensors also the
+    shards and index of a sharded export of that name."""
+    if kind == "hf" and os.path.isdir(out) and not os.path.islink(out.rstrip("/")):
+        return [out] if os.listdir(out) else []
+    found = [out.rstrip("/")] if os.path.lexists(out.rstrip("/")) else []
+    if kind == "safetensors" and out.endswith(tensor_files.SUFFIX):
+        stem = out.removesuffix(tensor_files.SUFFIX)
+        found += sorted(glob.glob(glob.escape(stem) + f"-*-of-*{tensor_files.SUFFIX}"))
+        found += [stem + INDEX_SUFFIX] if os.path.lexists(stem + INDEX_SUFFIX) else []
+    return found
+
+
+def check_output(source: str, out: str, kind: str, overwrite: bool) -> list[str]:
+    """The files an export to `out` replaces; UsageError (one line) when there are any and not `overwrite`, and
+    always when `out` is the checkpoint being read (its training state would be lost)."""
+    if os.path.exists(out) and os.path.exists(source) and os.path.samefile(out, source):
+        raise UsageError(f"OUT {out} is the checkpoint being read; refused even with --overwrite: choose another "
+                         f"name")
+    earlier = existing_outputs(out, kind)
+    if earlier and not overwrite:
+        raise UsageError(f"OUT {earlier[0]} exists; add --overwrite to replace it (only once the export is "
+                         f"complete), or choose another name")
+    return earlier
+
+
+def remove_stale(earlier: list[str], written: list[str]) -> None:
+    """Delete the earlier export's files that this one did not rewrite (its shards or index, or its one file),
+    now that the new export is complete."""
+    for path in sorted(set(earlier) - set(written)):
+        if os.path.lexists(path):
+            safe_files.remove(path)
+
+
+def replaced(earlier: list[str]) -> str:
+    """The export line's note that it replaced an earlier export."""
+    return f" (replaced the earlier {earlier[0]})" if earlier else ""
 
 
 def _export_pt(source: str, out: str, dtype: Optional[str]) -> str:
@@ -144,7 +190,11 @@ def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]) -> list[str]:
     """`weights` as the safetensors file `out`, or above `max_bytes` as shards beside it and their index
-    (`<out>.index.json`, Hugging Face's layout, written last); the files written."""
+    (`<out>.index.json`, Hugging Face's layout, written last); the files written.
+
+    The shards are written under temporary names first, so an earlier export of the same name stays whole while
+    they are; then its index goes, the shards are renamed into place and the new index is written: a crash
+    between leaves no index, never an index over old and new shards mixed."""
     kept, aliases = tensor_files.stored_once(weights, tied)
     total = sum(tensor.numel() * tensor.element_size() for tensor in kept.values())
     header = {tensor_files.TIED_KEY: json.dumps(aliases)} if aliases else {}
@@ -154,10 +204,14 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int
         return [out]
     names = shard_names(out, len(groups))
     for name, group in zip(names, groups):
-        tensor_files.save(group, name, metadata=header)
+        tensor_files.save(group, name + safe_files.TMP_SUFFIX, metadata=header)
+    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
+    if os.path.lexists(index_path):
+        safe_files.remove(index_path)
+    for name in names:
+        os.replace(name + safe_files.TMP_SUFFIX, name)
     index = {"metadata": {"total_size": total, **header},
              "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group}}
-    index_path = out.removesuffix(tensor_files.SUFFIX) + INDEX_SUFFIX
     safe_files.write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [*names, index_path]
 
@@ -226,6 +280,23 @@ class ExportOnEnd:
         if self.kind == "hf" and weights.hf_model(trainer.model) is None:
             raise UsageError("--export-on-end hf writes a transformers model's own folder, and this model is not a "
                              "transformers PreTrainedModel: use --export-on-end safetensors")
+        # Rank 0 writes the export, so it looks; every rank learns its verdict and stops alike.
+        refusal = gather_objects(self._refusal(trainer) if trainer.runtime.is_main else None)[0]
+        if refusal:
+            raise UsageError(str(refusal))
+
+    def _refusal(self, trainer: Any) -> Optional[str]:
+        """The refusal of a run whose end would replace an earlier export in its save-dir; None where there is
+        none, or where this run may replace it: --overwrite, or the run continues the save-dir's own run (whose
+        best only ever gets better)."""
+        save_dir = trainer.checkpointer.save_dir
+        earlier = existing_outputs(os.path.join(save_dir, END_NAMES[self.kind]), self.kind)
+        resumed = trainer.checkpointer.last_saved
+        continued = resumed is not None and os.path.samefile(os.path.dirname(os.path.abspath(resumed)), save_dir)
+        if not earlier or trainer.config.overwrite or continued:
+            return None
+        return (f"--export-on-end {self.kind} would replace {earlier[0]}, an earlier export, when this run ends: add "
+                f"--overwrite to replace it then, move it away, or choose another --save-dir")
 
     def on_fit_end(self, trainer: Any) -> None:
         trainer.checkpointer.finish_saves()  # best/ may still be written in the background
@@ -236,9 +307,9 @@ class ExportOnEnd:
             save_dir, tuple(name + suffix for suffix in run_folders.FILE_SUFFIXES), (name,))), None)
         if source is None:
             raise TrainingStopped(f"--export-on-end: no best or last checkpoint in {save_dir} to export")
-        try:
+        try:  # an earlier export here was refused at the start, unless this run may replace it (on_fit_start)
             trainer.report.line(export(source, os.path.join(save_dir, END_NAMES[self.kind]), self.kind,
-                                       tokenizer=self.tokenizer))
+                                       tokenizer=self.tokenizer, overwrite=True))
         except (UsageError, OSError) as error:
             raise TrainingStopped(f"--export-on-end {self.kind} failed ({error}); the checkpoints are kept") from None
 
@@ -256,9 +327,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "type (default: as trained)")
     parser.add_argument("--tokenizer", metavar="FOLDER", help="hf: also save the tokenizer of this folder (a model "
                         "folder, or a tokenizer's save_pretrained folder) into OUT")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT, once the new export is "
+                        "complete (never the checkpoint being read)")
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype, args.tokenizer))
+        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype, args.tokenizer,
+                     args.overwrite))
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code

@@ -291,13 +291,19 @@ def _names(names: list[str]) -> str:
 
 def load_initial(model: torch.nn.Module, path: str, strict: bool, say: Callable[[str], None]) -> None:
     """--init-from: `path`'s weights into `model` (every rank calls this alike; a sharded model's ranks each
-    read only the part of each tensor they hold). UsageError, before anything is loaded, when the names or
-    shapes differ and `strict`; else what does not fit is said in one line each and left as initialised."""
+    read only the part of each tensor they hold). UsageError, before anything is loaded, when no tensor fits, or
+    the names or shapes differ and `strict`; else what does not fit is said in one line each and left as
+    initialised."""
     model = getattr(model, "_orig_mod", model)
     source = open_source(path)
     try:
         targets = model.state_dict()
         found, missing, unexpected, mismatched = _match(model, targets, source)
+        if targets and not found:  # strict or not: a fine-tune from nothing would be a run from scratch
+            raise _refusal(path, f"has no tensor of this model's names and shapes (its first keys: "
+                                 f"{_names(list(source.shapes))}; the model's: {_names(list(targets))}): nothing "
+                                 f"would load, and the run would train from scratch; name weights of this model, or "
+                                 f"drop --init-from to train from scratch")
         if strict and (missing or unexpected or mismatched):
             raise _refusal(path, f"does not fit this model: {len(missing)} missing key(s) ({_names(missing)}), "
                                  f"{len(unexpected)} unexpected ({_names(unexpected)}), {len(mismatched)} of another "

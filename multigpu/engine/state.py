@@ -22,7 +22,7 @@ from multigpu.checkpoints.stateful import ModelState, OptimizerState, RngState, 
 from multigpu.checkpoints.weights import ModelInfo
 from multigpu.errors import UsageError
 from multigpu.loop.metrics import Monitor
-from multigpu.loop.optim import group_settings, keep_run_settings
+from multigpu.loop.optim import group_settings, keep_run_settings, schedule_rule
 from multigpu.loop.progress import Progress
 from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
 
@@ -109,12 +109,23 @@ def already_complete(path: str, progress: Progress, monitor: Optional[str], has_
             f"epochs, {result}; nothing to train (raise --epochs to train further)")
 
 
-def other_world_size(saved: int, now: int, builtin_schedule: bool, scheduler_interval: str) -> str:
+def max_steps_end(config: Any, steps_per_epoch: int, progress: Progress, ahead: int) -> Optional[str]:
+    """How --max-steps ends the built-in schedule of a run resumed `ahead` of its optimizer steps (see load), in
+    words; None where nothing moved, or --max-steps does not end the run (not given, or --epochs ends it first)."""
+    if not ahead or config.planned_steps(steps_per_epoch, ahead) == config.epochs * steps_per_epoch:
+        return None
+    left = config.max_steps - progress.global_step
+    return f"ends with the {left} step{'s' if left != 1 else ''} --max-steps {config.max_steps} leaves"
+
+
+def other_world_size(saved: int, now: int, builtin_schedule: bool, scheduler_interval: str,
+                     max_steps_end: Optional[str] = None) -> str:
     """The line of a resume at another world size: the data position is kept in global samples; the built-in
-    schedule was moved to the same point of training in this run's steps (docs/checkpoints.md, "Resume on
-    another world size")."""
+    schedule was moved to the same point of training in this run's steps (`max_steps_end`: and where
+    --max-steps ends it; docs/checkpoints.md, "Resume on another world size")."""
     if builtin_schedule:
-        schedule = "the LR schedule continues at the same point in samples"
+        schedule = "the LR schedule continues at the same point in samples" + (
+            f" and {max_steps_end}" if max_steps_end else "")
     elif scheduler_interval == "step":
         schedule = "your per-step scheduler continues its own step count (it was built for the old steps/epoch)"
     else:
@@ -253,12 +264,14 @@ def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
     steps (docs/sweeps.md, "Resume")."""
     built = group_settings(run.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
     run.checkpointer.load_into(run.stateful(), saved, path)
-    keep_run_settings(run.optimizer, run.scheduler, built,
-                      run.progress.epoch * run.steps_per_epoch + run.steps_done_in_epoch(),
-                      run.builtin_schedule, run.builtin_optimizer)
+    place = run.progress.epoch * run.steps_per_epoch + run.steps_done_in_epoch()  # the samples seen, in our steps
+    ahead = place - run.progress.global_step  # not 0 after another world size or batch: --max-steps ends that far on
+    keep_run_settings(run.optimizer, run.scheduler, built, place, run.builtin_schedule, run.builtin_optimizer,
+                      schedule_rule(run.config, run.steps_per_epoch, ahead))
     if saved["world_size"] != run.runtime.world_size:
         run.report.line(other_world_size(saved["world_size"], run.runtime.world_size, run.builtin_schedule,
-                                         run.scheduler_interval))
+                                         run.scheduler_interval,
+                                         max_steps_end(run.config, run.steps_per_epoch, run.progress, ahead)))
 
 
 def resume(run: Resumable) -> bool:

@@ -52,12 +52,13 @@ def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_:
     return optimizer
 
 
-def lr_factor(step: int, config: TrainConfig, steps_per_epoch: int) -> float:
-    """Multiplier of the base LR at optimizer step `step` (0-based).
+def lr_factor(step: int, config: TrainConfig, steps_per_epoch: int, steps_offset: int = 0) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based) of this run's count.
 
     Linear warm-up over warmup_epochs, then cosine to 0 / step decay / constant.
     Everything is counted in optimizer steps, so gradient accumulation does not
-    stretch or squeeze the schedule.
+    stretch or squeeze the schedule. `steps_offset`: how far a resume placed the
+    schedule ahead of the optimizer steps taken (TrainConfig.planned_steps).
     """
     warmup_steps = round(config.warmup_epochs * steps_per_epoch)
     if step < warmup_steps:
@@ -67,14 +68,20 @@ def lr_factor(step: int, config: TrainConfig, steps_per_epoch: int) -> float:
     if config.lr_schedule == "step":
         decay_every = max(1, round(config.lr_step_epochs * steps_per_epoch))
         return config.lr_gamma ** ((step - warmup_steps) // decay_every)
-    total_steps = config.planned_steps(steps_per_epoch)
+    total_steps = config.planned_steps(steps_per_epoch, steps_offset)
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def schedule_rule(config: TrainConfig, steps_per_epoch: int, steps_offset: int = 0) -> Callable[[int], float]:
+    """The built-in schedule's multiplier of the base LR at each step (`lr_factor`). A function, not an object:
+    LambdaLR saves an object's attributes in the checkpoint, and a resume must follow its own run's settings."""
+    return lambda step: lr_factor(step, config, steps_per_epoch, steps_offset)
+
+
 def build_scheduler(optimizer: Optimizer, config: TrainConfig, steps_per_epoch: int) -> LambdaLR:
     """The built-in schedule: a LambdaLR stepped once per optimizer step."""
-    return LambdaLR(optimizer, lambda step: lr_factor(step, config, steps_per_epoch))
+    return LambdaLR(optimizer, schedule_rule(config, steps_per_epoch))
 
 
 def schedule_config(config: TrainConfig, given: Collection[str], users_optimizer: bool,
@@ -141,9 +148,11 @@ def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]
     return peak
 
 
-def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float]) -> None:
+def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float],
+                     rule: Optional[Callable[[int], float]] = None) -> None:
     """Put the built-in schedule at optimizer step `step` of this run, each param group starting from its
-    `base_lrs` entry: the LR of the next step is then the schedule's value there.
+    `base_lrs` entry (and following `rule`, `schedule_rule`'s, where given): the LR of the next step is then the
+    schedule's value there.
 
     A resume does it, so the rest of the run follows this run's settings: a new
     --lr or --epochs, or another number of processes, whose steps per epoch
@@ -151,6 +160,8 @@ def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float]) -> N
     samples; docs/checkpoints.md, "Resume on another world size"). With the
     settings unchanged it sets exactly what the schedule's own step would.
     """
+    if rule is not None:
+        scheduler.lr_lambdas = [rule] * len(scheduler.optimizer.param_groups)
     scheduler.base_lrs = list(base_lrs)
     scheduler.last_epoch = step
     lrs = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
@@ -166,14 +177,15 @@ def group_settings(optimizer: Optimizer) -> list[dict[str, Any]]:
 
 
 def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str, Any]], step: int,
-                      builtin_schedule: bool, builtin_optimizer: bool) -> None:
+                      builtin_schedule: bool, builtin_optimizer: bool,
+                      rule: Optional[Callable[[int], float]] = None) -> None:
     """After a resume has loaded the checkpoint's optimizer and scheduler: this run's LR and weight decay (`built`,
     from `group_settings` before the load) hold from the next step, as the changed-settings line says; the
     optimizer's state (its moments, step counts) and the schedule's position continue (docs/sweeps.md,
     "Resume").
 
     Weight decay is this run's in every group (no scheduler changes it). The built-in schedule moves to `step`
-    from this run's base LRs, and the built-in SGD takes this run's --momentum. A scheduler of the user's
+    from this run's base LRs (following `rule`, where given), and the built-in SGD takes this run's --momentum. A scheduler of the user's
     continues the checkpoint's LR, which cannot be given another base: a base LR other than the checkpoint's
     is refused in one line.
     """
@@ -189,7 +201,7 @@ def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str
     for ours, group in zip(built, optimizer.param_groups):
         group.update({key: ours[key] for key in kept if key in ours and key in group})
     if builtin_schedule:
-        move_schedule_to(scheduler, step, [ours["initial_lr"] for ours in built])
+        move_schedule_to(scheduler, step, [ours["initial_lr"] for ours in built], rule)
 
 
 def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, interval: str) -> None:

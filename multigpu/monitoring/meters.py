@@ -29,11 +29,17 @@ class Interval:
     by_tokens: bool = False  # the losses are over tokens (--loss-weighting): the mean divides by `tokens`
     tokens: float = 0.0  # counted target tokens (-100 left out)
     positions: float = 0.0  # target positions, padding included: what the model computed on
+    first_count: float = 0.0  # the interval's first step's samples (its tokens, by_tokens)
 
     @property
     def mean_loss(self) -> float:
         count = self.tokens if self.by_tokens else self.samples
         return sum(self.step_losses) / count if count else float("nan")
+
+    @property
+    def first_step_loss(self) -> float:
+        """The mean loss of the interval's first step alone (of a run's first interval: where the run started)."""
+        return self.step_losses[0] / self.first_count if self.step_losses and self.first_count else float("nan")
 
 
 class IntervalMeter:
@@ -52,6 +58,7 @@ class IntervalMeter:
         self.step_losses: list[torch.Tensor] = []  # per step: the loss summed over its samples / full_batch
         self.micro: list[torch.Tensor] = []  # the current step's micro-batches so far
         self.samples = 0
+        self.first_samples = 0  # the first step's, this rank's
         self.skipped_steps: Any = 0  # fp16 steps the scaler skipped: becomes a device tensor at the first add
         self.tokens: list[torch.Tensor] = []  # per step of a loss over tokens: this rank's counted tokens
         self.positions = 0  # and their positions, padding included
@@ -69,6 +76,7 @@ class IntervalMeter:
         micro, self.micro = self.micro, []
         self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
         self.samples += samples
+        self.first_samples = self.first_samples or samples
 
     def end_token_step(self, samples: int, tokens: torch.Tensor, positions: int) -> None:
         """The end of a step whose losses were added as sums over `tokens` counted tokens (a device tensor)."""
@@ -83,12 +91,14 @@ class IntervalMeter:
         scale = 1.0 if by_tokens else float(self.full_batch)  # token steps added sums, not means / full batch
         per_step = (torch.stack(self.step_losses).float() * scale if steps  # stack promotes dtypes
                     else torch.zeros(0, device=self.device))
-        flags = torch.tensor([self.samples, float(stop_requested), float(logged), self.positions],
+        flags = torch.tensor([self.samples, float(stop_requested), float(logged), self.positions, self.first_samples],
                              device=self.device)
-        tokens = torch.stack(self.tokens).sum().float().reshape(1) if by_tokens else torch.zeros(1, device=self.device)
+        tokens = (torch.stack([torch.stack(self.tokens).sum(), self.tokens[0]]).float() if by_tokens
+                  else torch.zeros(2, device=self.device))  # all, and the first step's
         values = all_reduce_sum(torch.cat([per_step, flags, tokens.to(self.device)])).tolist()
         return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started,
-                        values[steps + 2], by_tokens, values[steps + 4], values[steps + 3])
+                        values[steps + 2], by_tokens, values[steps + 5], values[steps + 3],
+                        values[steps + 6] if by_tokens else values[steps + 4])
 
 
 class LoggedScalars:

@@ -122,6 +122,9 @@ def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
 USUAL_LR = {"sgd": (0.01, 0.1), "adam": (1e-4, 3e-3)}
 # A loss that ended above this share of where it started did not fall (a run that learns slowly gets below it).
 NOT_FALLEN = 0.999
+# A loss that ended this many times above this run's first step's diverged: the model got far worse than it started
+# (AdamW at lr 5 ended 20 to 50 times above an untrained model's 2.3; a run that overfits stays well below).
+DIVERGED = 10
 
 
 def chance_accuracy(classes: Optional[int]) -> Optional[float]:
@@ -140,23 +143,41 @@ def at_chance(report: Reporter, classes: Optional[int]) -> Optional[str]:
     return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"  # type: ignore[operator]
 
 
+def no_better_than_chance(report: Reporter, classes: Optional[int]) -> bool:
+    """Whether the last validation accuracy is at most chance (1/classes): nothing learned that guessing lacks."""
+    acc = (report.last_val or {}).get("acc")
+    return acc is not None and chance_accuracy(classes) is not None and acc <= 1 / classes  # type: ignore[operator]
+
+
+def divergence_signs(report: Reporter) -> list[str]:
+    """Evidence that this run diverged: its training loss, or its last validation loss, ended `DIVERGED` times
+    above its first step's training loss (the same loss on the same kind of samples; a positive one only)."""
+    start, last, signs = report.start_loss, report.last_val or {}, []
+    if start is None or not start > 0:
+        return signs
+    if report.last_loss > DIVERGED * start:  # NaN never gets here
+        signs.append(f"training loss grew from {start:.4g} to {report.last_loss:.4g}")
+    if last.get("loss", 0) > DIVERGED * start:
+        signs.append(f"val loss {last['loss']:.4g}, {last['loss'] / start:.3g}x the first step's loss {start:.4g}")
+    return signs
+
+
 def no_learning_signs(report: Reporter, classes: Optional[int]) -> list[str]:
-    """Evidence, as `report` saw it, that this run did not learn: its training loss grew tenfold (diverged); or
-    its validation loss did not fall (by 0.1%, over two or more evaluations) while its accuracy stayed at chance
-    or its training loss did not fall either; or, without two evaluations, its training loss did not fall (over
-    two or more logged intervals). An accuracy at chance alone is no evidence: a run that learns slowly is there
-    too; nor is a validation loss that rose while the training loss fell (overfitting)."""
-    first, last, signs = report.first_val or {}, report.last_val or {}, []
+    """Evidence, as `report` saw it, that this run did not learn: it diverged (`divergence_signs`); or its final
+    validation accuracy is no better than chance (`no_better_than_chance`); or its validation loss did not fall (by
+    0.1%, over two or more evaluations) while its accuracy stayed near chance or its training loss did not fall
+    either; or, without two evaluations, its training loss did not fall (over two or more logged intervals). An
+    accuracy near chance but above it is no evidence alone: a run that learns slowly is there too; nor is a
+    validation loss that rose while the training loss fell (overfitting)."""
+    first, last, signs = report.first_val or {}, report.last_val or {}, divergence_signs(report)
     chance = at_chance(report, classes)
     training_flat = report.loss_intervals > 1 and not report.last_loss < NOT_FALLEN * report.first_loss
-    if report.first_loss is not None and report.last_loss > 10 * report.first_loss:  # NaN never gets here
-        signs.append(f"training loss grew from {report.first_loss:.4g} to {report.last_loss:.4g}")
     if last is not first and "loss" in last:  # two evaluations, of the same samples: no noise between them
         if not last["loss"] < NOT_FALLEN * first["loss"] and (chance or training_flat):
             signs.append(f"val loss {first['loss']:.4g} -> {last['loss']:.4g} since the first epoch")
     elif training_flat and not signs:
         signs.append(f"training loss {report.first_loss:.4g} -> {report.last_loss:.4g} since the first log")
-    return signs + [chance] if signs and chance else signs
+    return signs + [chance] if chance and (signs or no_better_than_chance(report, classes)) else signs
 
 
 def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.optim.Optimizer, lr: float,
@@ -176,7 +197,8 @@ def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.
                   f"targets first (do the targets follow the inputs?), then the LR")
     else:
         advice = f"check the LR first, lr {lr:g}{scaled}; {name} usually trains at {usual[0]:g} to {usual[1]:g}"
-    return f"warning: the run ended where it started ({'; '.join(signs)}): {advice}"
+    what = "diverged" if divergence_signs(report) else "ended where it started"
+    return f"warning: the run {what} ({'; '.join(signs)}): {advice}"
 
 
 def done_line(summary: dict[str, Any], monitor: Optional[str], has_val: bool, devices_per_step: int,

@@ -40,6 +40,7 @@ class Reporter:
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
         self.purge_step: Optional[int] = None
         # This run's first and latest training loss and validation results: did it learn (plan.learning_warning)?
+        self.start_loss: Optional[float] = None  # its first step's: where it started (the untrained model's)
         self.first_loss: Optional[float] = None
         self.last_loss: Optional[float] = None
         self.loss_intervals = 0  # logged intervals: with one, the training loss has nothing to be compared with
@@ -114,6 +115,7 @@ class Reporter:
         fp16 skips. Other ranks format nothing: their lines would go nowhere; every rank keeps the (reduced)
         loss, so every rank's fit() says alike whether the run learned."""
         loss = interval.mean_loss
+        self.start_loss = interval.first_step_loss if self.start_loss is None else self.start_loss
         self.first_loss, self.last_loss = loss if self.first_loss is None else self.first_loss, loss
         self.loss_intervals += 1
         if not self.enabled:

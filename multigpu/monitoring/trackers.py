@@ -2,24 +2,32 @@
 the scalars it writes to TensorBoard, at the same steps, at the same sync points (no host sync of their own).
 
 - csv: `metrics.csv` in the save-dir, one `step,name,value` row per scalar; no dependency.
-- mlflow (pip install '.[mlflow]'): a local file store, `<save-dir>/mlruns`, unless
-  MLFLOW_TRACKING_URI names another; MLFLOW_EXPERIMENT_NAME picks the experiment.
+- mlflow (pip install '.[mlflow]'): MLflow's database store, `sqlite:///<save-dir>/mlflow.db` (which
+  MLflow's own client and `mlflow ui` open as they are), unless MLFLOW_TRACKING_URI names another;
+  MLFLOW_EXPERIMENT_NAME picks the experiment.
 - wandb (pip install '.[wandb]'): a run under `<save-dir>/wandb` unless WANDB_DIR; WANDB_MODE=offline,
   WANDB_PROJECT and the other WANDB_ variables apply as wandb reads them.
 
 The config goes to each once, as its parameters, when its run is created. Each
 run's id is kept in the checkpoint ("trackers"), so `--resume auto` continues
-the same run. A tracker that fails mid-run (network, disk) is said in one line
-and left off; training goes on (MULTI_GPU_GUIDE.md, "Experiment trackers").
+the same run. A resumed run logs no step twice: TensorBoard and metrics.csv drop
+the steps past the checkpoint that a killed run logged, and MLflow and W&B, which
+cannot drop a point, get only the steps after the last one their run holds (noted
+in `<save-dir>/.trackers-logged.json` before the scalars that make it held are
+logged). A tracker that fails mid-run (network, disk) is said in one line and left
+off; training goes on (MULTI_GPU_GUIDE.md, "Experiment trackers").
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import io
+import json
+import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from multigpu import safe_files
 from multigpu.config import TrainConfig
@@ -27,9 +35,13 @@ from multigpu.errors import UsageError
 
 CSV_FILE = "metrics.csv"
 CSV_HEADER = ["step", "name", "value"]
+MLFLOW_DB = "mlflow.db"  # MLflow's database store in the save-dir, unless MLFLOW_TRACKING_URI names another
+LOGGED_FILE = ".trackers-logged.json"  # {tracker: {"run": id, "step": the last step its run holds}}
 # --logger name -> (the module it imports, the pyproject extra that installs it)
 LIBRARIES = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+DATABASE_LIBRARIES = ("sqlalchemy", "alembic")  # what MLflow's database store needs beyond mlflow-skinny
 DEFAULT_PROJECT = "multigpu-trainer"  # W&B's project (and MLflow's run tag) when the environment names none
+WANDB_FLUSH_SECONDS = 1.0  # how often W&B writes its run's file (x_transaction_log_flush_interval)
 
 
 def check_installed(config: TrainConfig) -> None:
@@ -37,9 +49,17 @@ def check_installed(config: TrainConfig) -> None:
     import), so every rank reaches the same verdict at start."""
     for name in config.loggers:
         module, extra = LIBRARIES.get(name, (None, None))
-        if module is not None and not _importable(module):
-            raise UsageError(f"--logger {name} needs the {module} library, which is not installed: "
+        wanted = [module, *(DATABASE_LIBRARIES if name == "mlflow" and _database_store() else ())]
+        missing = [library for library in wanted if library is not None and not _importable(library)]
+        if missing:
+            raise UsageError(f"--logger {name} needs the {' and '.join(missing)} librar"
+                             f"{'ies, which are' if len(missing) > 1 else 'y, which is'} not installed: "
                              f"pip install '.[{extra}]' (or leave {name} out of --logger)")
+
+
+def _database_store() -> bool:
+    """Whether MLflow's runs go to a database (its default here), not to a tracking server."""
+    return os.environ.get("MLFLOW_TRACKING_URI", "sqlite:").split(":", 1)[0] not in ("http", "https", "databricks")
 
 
 def _importable(module: str) -> bool:
@@ -54,6 +74,7 @@ class CsvTracker:
     it will log again, as TensorBoard's purge_step does."""
 
     name = "csv"
+    keeps_every_point = False  # it drops a killed run's steps past the checkpoint itself
 
     def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
         self.path = os.path.join(config.save_dir or ".", CSV_FILE)
@@ -88,26 +109,31 @@ class MlflowTracker:
     """An MLflow run: the config as its parameters, the scalars as metrics at their steps."""
 
     name = "mlflow"
+    keeps_every_point = True  # a metric's points cannot be dropped: a resumed run must not log a step again
 
     def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:  # the file store under the save-dir; MLflow asks for an explicit yes to it since 3.7
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = "file:" + os.path.abspath(os.path.join(config.save_dir or ".", "mlruns"))
-        self.client = MlflowClient(tracking_uri=uri)
+        # MLflow's database store, which its client and `mlflow ui` read as they are (its file store they open
+        # only when MLFLOW_ALLOW_FILE_STORE says yes, since MLflow 3.7).
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
+            os.path.join(config.save_dir or ".", MLFLOW_DB))
+        with _quiet("mlflow.store.db.utils"):  # its lines on creating the database's tables say nothing to the user
+            self.client = MlflowClient(tracking_uri=uri)
+            self.run_id = run_id if run_id is not None else self._new_run(config)
         if run_id is not None:
-            self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-            return
-        run = self.client.create_run(self._experiment(), run_name=_run_name(config),
-                                     tags={"mlflow.source.name": DEFAULT_PROJECT})
-        self.run_id = run.info.run_id
+
+    def _new_run(self, config: TrainConfig) -> str:
+        """A run named after the save-dir, the config as its parameters; its id."""
+        from mlflow.entities import Param
+
+        run_id = self.client.create_run(self._experiment(), run_name=_run_name(config),
+                                        tags={"mlflow.source.name": DEFAULT_PROJECT}).info.run_id
         params = [Param(key, "" if value is None else str(value)) for key, value in config.to_dict().items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
+            self.client.log_batch(run_id, params=params[start:start + 100])
+        return run_id
 
     def _experiment(self) -> str:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -115,6 +141,10 @@ class MlflowTracker:
             return os.environ.get("MLFLOW_EXPERIMENT_ID", "0")  # MLflow's Default experiment
         found = self.client.get_experiment_by_name(name)
         return found.experiment_id if found is not None else self.client.create_experiment(name)
+
+    def held_after(self, step: int) -> int:
+        """The last step the run holds once `step` is logged: `step` itself (each call is written at once)."""
+        return step
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         import time
@@ -135,12 +165,18 @@ class WandbTracker:
     """A Weights & Biases run: the config once, the scalars at their steps, the final metrics as its summary."""
 
     name = "wandb"
+    keeps_every_point = True  # an offline run resumed writes a file of its own: its steps must be new ones
 
     def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
         import wandb
 
         settings = {key: value for key, value in (("console", "off"), ("silent", True))
                     if f"WANDB_{key.upper()}" not in os.environ}  # ours: the trainer's console is its own
+        # W&B writes its run's file every 15 s by default: a run killed outright lost that much of it, and a
+        # resumed run logs only the steps after those it held (Trackers.held). Every second where W&B has it.
+        if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}) \
+                and "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL" not in os.environ:
+            settings["x_transaction_log_flush_interval"] = WANDB_FLUSH_SECONDS
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
                               name=os.environ.get("WANDB_NAME") or _run_name(config),
                               dir=os.environ.get("WANDB_DIR") or config.save_dir,
@@ -148,8 +184,14 @@ class WandbTracker:
                               resume="allow" if run_id else None,
                               config=None if run_id else config.to_dict(), settings=wandb.Settings(**settings))
         self.run_id = self.run.id
+        self.committed, self.pending = 0, 0  # W&B writes a step's row once a later step is logged
+
+    def held_after(self, step: int) -> int:
+        """The last step the run holds once `step` is logged: the one logged before it, committed by it."""
+        return self.pending if step > self.pending else self.committed
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        self.committed, self.pending = self.held_after(step), max(step, self.pending)
         self.run.log(dict(values), step=step)
 
     def summary(self, metrics: dict[str, float]) -> None:
@@ -167,6 +209,28 @@ def _run_name(config: TrainConfig) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(config.save_dir or ".")))
 
 
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """`logger`'s INFO lines left out while the block runs (its warnings still shown)."""
+    quieted = logging.getLogger(logger)
+    level = quieted.level
+    quieted.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        quieted.setLevel(level)
+
+
+def _read_logged(path: str) -> dict[str, Any]:
+    """LOGGED_FILE's record, or an empty one where there is none (or it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            record = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 class Trackers:
     """Rank 0's trackers (none elsewhere), opened at their first scalars so a resume has set their run ids;
     their ids are checkpoint state (DCP's Stateful protocol: state_dict/load_state_dict)."""
@@ -177,6 +241,9 @@ class Trackers:
         self.names = [name for name in config.loggers if name in TRACKERS] if enabled else []
         self.open: Optional[dict[str, Any]] = None
         self.ids: dict[str, str] = {}  # each tracker's run, from the checkpoint a resume loaded
+        self.logged_path = os.path.join(config.save_dir or ".", LOGGED_FILE)
+        self.logged: dict[str, Any] = {}  # LOGGED_FILE's record: the last step each run that keeps every point holds
+        self.held: dict[str, int] = {}  # of a resumed run: the last step it held before this run, not logged again
 
     def state_dict(self) -> dict[str, str]:
         return dict(self.ids)
@@ -189,9 +256,13 @@ class Trackers:
         if self.open is not None:
             return
         self.open = {}
+        self.logged = _read_logged(self.logged_path) if self.names else {}
         for name in self.names:
             resumed = self.ids.get(name) if purge_step is not None else None
             self._guarded(name, lambda: self._open(name, resumed, purge_step), opening=True)
+            noted = self.logged.get(name, {})
+            if resumed is not None and noted.get("run") == resumed:  # the steps a killed run logged past its checkpoint
+                self.held[name] = int(noted.get("step", 0))
 
     def _open(self, name: str, resumed: Optional[str], purge_step: Optional[int]) -> None:
         tracker = TRACKERS[name](self.config, resumed, purge_step)
@@ -199,8 +270,26 @@ class Trackers:
         self.ids[name] = tracker.run_id  # kept even if it fails later: a resume continues its run
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        """`values` at `step` to every open tracker; to one that keeps every point, only past the last step its
+        resumed run already holds."""
         for name, tracker in list((self.open or {}).items()):
-            self._guarded(name, lambda: tracker.scalars(values, step))
+            if step > self.held.get(name, 0):
+                self._guarded(name, lambda: self._log(name, tracker, values, step))
+
+    def _log(self, name: str, tracker: Any, values: dict[str, float], step: int) -> None:
+        """One tracker's scalars; for one that keeps every point, what its run holds once they are logged is noted
+        first (a kill in between leaves a step out of it, never one twice)."""
+        if tracker.keeps_every_point:
+            self._note_held(name, tracker.held_after(step))
+        tracker.scalars(values, step)
+
+    def _note_held(self, name: str, step: int) -> None:
+        """LOGGED_FILE says that tracker `name`'s run holds `step` (rewritten only where that is news)."""
+        noted = self.logged.get(name, {})
+        if noted.get("run") == self.ids[name] and step <= noted.get("step", 0):
+            return
+        self.logged[name] = {"run": self.ids[name], "step": step}
+        safe_files.write_atomically(self.logged_path, json.dumps(self.logged, sort_keys=True) + "\n")
 
     def summary(self, metrics: dict[str, float]) -> None:
         for name, tracker in list((self.open or {}).items()):

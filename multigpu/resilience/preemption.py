@@ -22,6 +22,7 @@ import torch.distributed as dist
 from multigpu.errors import TrainingStopped
 from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT
+from multigpu.resilience.watchdog import published
 
 
 class StopRequest:
@@ -108,14 +109,19 @@ def is_peer_failure(error: BaseException) -> bool:
 
 
 def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list[int]]:
-    """The ranks that did not report in after a failed collective, or None if that cannot be told.
+    """The ranks that are gone after a failed collective: [] when every rank reported in (the collective failed
+    for another reason), None if that cannot be told.
 
     A failed collective names no rank (gloo says "Connection closed by peer
     [address]"), so every survivor writes its rank into the rendezvous store and
-    looks for the others: the ones missing are the dead or hung ones. It waits
-    until all but one rank are in, or `wait_seconds`. The store is torchrun's
-    agent's, so it outlives the workers; without torchrun it lives in rank 0,
-    and losing it means rank 0 is gone.
+    looks for the others. A rank missing from that roll call may be alive all the
+    same, still waiting in a collective with survivors that have left it (under
+    hybrid sharding, a rank that shared no group with the dead one): where its hang
+    watchdog's thread still beats in the store, it is alive and not named. It waits
+    until one rank is left that is neither in nor beating, or `wait_seconds`. The
+    store is torchrun's agent's, so it outlives the workers; without torchrun it
+    lives in rank 0, and losing it means rank 0 is gone. Without the watchdog
+    (--hang-timeout 0) a rank that is slow to report in cannot be told from a dead one.
     """
     if not dist.is_initialized():
         return None
@@ -123,14 +129,22 @@ def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list
         store = dist.distributed_c10d._get_default_store()
         prefix = "multigpu/lost/"  # the store is this attempt's own (restart_safe_store)
         store.set(prefix + str(rank), "1")
+        first_beats = _beats(store, world_size)
         deadline = time.monotonic() + wait_seconds
         while True:
             missing = [r for r in range(world_size) if not store.check([prefix + str(r)])]
-            if len(missing) <= 1 or time.monotonic() >= deadline:
-                return missing
+            beats = _beats(store, world_size)
+            gone = [r for r in missing if r not in beats or beats[r] == first_beats.get(r)]
+            if not missing or len(gone) == 1 or time.monotonic() >= deadline:
+                return gone if gone or not missing else None  # none gone: the silent ones are alive, cause unknown
             time.sleep(0.1)  # polling the store: a few cheap requests per second while waiting
     except Exception:  # the store is gone too: it lived in rank 0
         return [0] if rank != 0 else None
+
+
+def _beats(store: Any, world_size: int) -> dict[int, int]:
+    """Each rank's hang-watchdog beat count in the store, where it has a watchdog (multigpu/resilience/watchdog.py)."""
+    return {r: beat["beat"] for r, beat in published(store, world_size).items()}
 
 
 def lost_contact_line(rank: int, missing: Optional[list[int]], error: BaseException) -> str:

@@ -40,6 +40,15 @@ _LOOKING = threading.Lock()
 os.register_at_fork(before=_LOOKING.acquire, after_in_parent=_LOOKING.release, after_in_child=_LOOKING.release)
 
 
+def published(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
+    """Each rank's heartbeat as its watchdog thread last published it to `store` (ranks without one left out).
+    Its "beat" counts the thread's looks: one that moves is a live process, whatever its main thread does."""
+    keys = [f"{PREFIX}hb/{r}" for r in range(world_size)]
+    present = [key for key in keys if store.check([key])]
+    return {int(key.rsplit("/", 1)[1]): json.loads(raw)
+            for key, raw in zip(present, store.multi_get(present) if present else [])}
+
+
 def group_sequence_number() -> Optional[int]:
     """How many collectives the default process group has issued (DDP's and the user's included), or None."""
     try:
@@ -115,13 +124,9 @@ class Watchdog:
             self._decide(now)
 
     def _read_heartbeats(self, now: float) -> None:
-        keys = [f"{PREFIX}hb/{r}" for r in range(self.world_size)]
-        present = [key for key in keys if self.store.check([key])]
         for rank in range(self.world_size):  # not published yet: its clock runs from the first look
             self.seen.setdefault(rank, (None, now, None, now))
-        for key, raw in zip(present, self.store.multi_get(present) if present else []):
-            beat = json.loads(raw)
-            rank = int(key.rsplit("/", 1)[1])
+        for rank, beat in published(self.store, self.world_size).items():
             position = (beat["step"], beat["phase"], beat["seq"], beat["in_collective"], beat["group_seq"],
                         beat["where"], beat["frame"])
             old = self.seen.get(rank)

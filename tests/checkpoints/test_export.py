@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import main_multi_gpu
-from conftest import config_for, run_ranks
+from conftest import assert_untouched, config_for, contents, run_ranks
 from multigpu.checkpoints import checkpoint, export, sharded, weights
 from multigpu.models import GPT
 from train_multi_gpu import MultiGPUTrainer
@@ -238,3 +238,59 @@ def test_export_on_end_hf_of_another_model_is_refused_before_training(tmp_path, 
     assert "step 1" not in captured.out and captured.err == (
         "error: --export-on-end hf writes a transformers model's own folder, and this model is not a transformers "
         "PreTrainedModel: use --export-on-end safetensors\n")
+
+
+@pytest.mark.parametrize("out, kind", [("w.safetensors", "safetensors"), ("w.pt", "pt"), ("folder", "hf")])
+def test_an_existing_out_is_refused_in_one_line_without_overwrite_and_kept(one_file_run, tmp_path, capsys, out, kind):
+    path = tmp_path / out
+    if kind == "hf":
+        path.mkdir()
+        (path / "config.json").write_text("someone's model\n")
+    else:
+        path.write_text("other data\n")
+    before = contents(tmp_path)
+    assert export.main([str(one_file_run / "best.pt"), str(path), "--format", kind]) == 2
+    assert capsys.readouterr().err == (f"error: OUT {path} exists; add --overwrite to replace it (only once the "
+                                       f"export is complete), or choose another name\n")
+    assert_untouched(tmp_path, before)
+
+
+def test_overwrite_replaces_an_export_whole_and_never_the_checkpoint_being_read(one_file_run, tmp_path, capsys):
+    out = tmp_path / "w.safetensors"
+    out.write_text("other data\n")
+    stale = [tmp_path / "w-00001-of-00002.safetensors", tmp_path / "w.safetensors.index.json"]  # a sharded one
+    for path in stale:
+        path.write_text("an earlier sharded export\n")
+    assert export.main([str(one_file_run / "best.pt"), str(out), "--overwrite"]) == 0
+    assert capsys.readouterr().out.endswith(f" (replaced the earlier {out})\n")
+    assert set(safetensors.load_file(str(out))) == set(checkpoint.load(str(one_file_run / "best.pt"))["model"]) - {
+        "lm_head.weight"}
+    assert not any(path.exists() for path in stale)  # they would shadow the new file for a loader of the index
+    assert [path.name for path in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary file left
+    best = one_file_run / "best.pt"
+    before = best.read_bytes()
+    assert export.main([str(best), str(best), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: OUT {best} is the checkpoint being read; refused even with "
+                                       f"--overwrite: choose another name\n")
+    assert best.read_bytes() == before
+
+
+def test_export_on_end_over_an_earlier_export_is_refused_unless_overwrite_or_the_run_continues(tmp_path, capfd):
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    earlier = save_dir / "best-weights.safetensors"
+    earlier.write_text("an earlier run's export\n")
+    args = ["--train-size", "16", "--val-size", "8", "--mode", "flatten", "--model", "mlp", "--image-shape", "1,4,4",
+            "--batch-size", "8", "--no-progress", "--save-dir", str(save_dir), "--export-on-end", "safetensors"]
+    assert main_multi_gpu.main([*args, "--max-steps", "1"]) == 2
+    err = capfd.readouterr().err
+    assert err == (f"error: --export-on-end safetensors would replace {earlier}, an earlier export, when this run ends: "
+                   f"add --overwrite to replace it then, move it away, or choose another --save-dir\n")
+    assert earlier.read_text() == "an earlier run's export\n" and not (save_dir / "last.pt").exists()
+    assert main_multi_gpu.main([*args, "--max-steps", "1", "--overwrite"]) == 0
+    assert f"to {earlier}: " in capfd.readouterr().out
+    first = safetensors.load_file(str(earlier))
+    # The run continued: its own export follows its best, replaced without a word of refusal.
+    assert main_multi_gpu.main([*args, "--max-steps", "2", "--resume", "auto"]) == 0
+    assert f"(replaced the earlier {earlier})" in capfd.readouterr().out
+    assert set(safetensors.load_file(str(earlier))) == set(first)

@@ -116,3 +116,20 @@ def test_a_safetensors_checkpoint_gives_its_model_weights(tmp_path):
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in trained.state_dict().items())
     assert lines[0].endswith("4 tensors loaded from a checkpoint (the trained weights) (weights only: the "
                              "optimizer, schedule and progress start afresh)")
+
+
+@pytest.mark.parametrize("strict", ["true", "false"])
+def test_weights_of_another_model_that_load_nothing_are_refused_naming_the_first_keys_of_each(source, tmp_path,
+                                                                                             capsys, strict):
+    """Another model's weights under --init-strict false loaded 0 tensors and trained from scratch, exit 0."""
+    weights_file = source / "best-weights.safetensors"
+    args = [*TINY, "--train-size", "64", "--val-size", "32", "--model", "cnn", "--image-shape", "1,8,8", "--epochs",
+            "1", "--save-dir", str(tmp_path / "run"), "--init-from", str(weights_file), "--init-strict", strict]
+    capsys.readouterr()
+    assert main_multi_gpu.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: --init-from {weights_file} has no tensor of this model's names and shapes (its first keys: "
+        f"net.1.bias, net.1.weight, net.3.bias, ...; the model's: features.0.weight, features.0.bias, "
+        f"features.1.weight, ...): nothing would load, and the run would train from scratch; name weights of this "
+        f"model, or drop --init-from to train from scratch\n")
+    assert not (tmp_path / "run" / "last.pt").exists()

@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+import main_multi_gpu
 from conftest import blobs, config_for, tiny_model
 from multigpu.loop.optim import lr_factor
+from multigpu.monitoring.meters import Interval
 from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
 from multigpu.monitoring.reporting import Reporter
 from train_multi_gpu import MultiGPUTrainer
@@ -76,7 +78,7 @@ def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path
 
 
 def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path: Path, capsys: pytest.CaptureFixture):
-    # SGD at 5 diverges: its loss grows, and the last val loss is above the first epoch's; at 1e-6 it stays put.
+    # SGD at 5 diverges: its losses end far above its first step's; at 1e-6 it stays put.
     summaries = []
     for lr in (0.01, 5.0, 1e-6):
         config = config_for(tmp_path / str(lr), 1, optimizer="sgd", lr=lr, epochs=3, log_every=2)
@@ -84,9 +86,10 @@ def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path
             summaries.append(trainer.fit())
     learned, diverged, stayed = capsys.readouterr().out.split("mode none: one device, cpu")[1:]
     assert "warning: the run ended where it started" not in learned and "did_not_learn" not in summaries[0]
-    warning = next(line for line in diverged.splitlines() if line.startswith("warning: the run ended"))
-    assert re.fullmatch(r"warning: the run ended where it started \(training loss grew from \S+ to \S+; val loss \S+ -> "
-                        r"\S+ since the first epoch(; val acc \S+, chance for 4 classes is 0\.2500)?\): check the LR first, "
+    warning = next(line for line in diverged.splitlines() if line.startswith("warning: the run diverged"))
+    assert re.fullmatch(r"warning: the run diverged \(training loss grew from \S+ to \S+; val loss \S+, \S+x the first "
+                        r"step's loss \S+; val loss \S+ -> \S+ since the first epoch(; val acc \S+, chance for 4 classes "
+                        r"is 0\.2500)?\): check the LR first, "
                         r"lr 5; SGD usually trains at 0\.01 to 0\.1", warning), warning
     warning = next(line for line in stayed.splitlines() if line.startswith("warning: the run ended"))
     assert re.fullmatch(r"warning: the run ended where it started \(val loss (\S+) -> (\S+) since the first epoch; "
@@ -130,3 +133,36 @@ def test_a_run_that_did_not_learn_at_a_usual_lr_is_told_to_check_its_data_first(
         "first (do the targets follow the inputs?), then the LR")
     assert chance_accuracy(10) == pytest.approx(0.15) and chance_accuracy(2) == pytest.approx(0.6)
     assert chance_accuracy(1) is None and chance_accuracy(None) is None
+
+
+def test_a_run_that_diverged_or_ended_no_better_than_chance_is_warned_about(tmp_path: Path):
+    """Issue 49's AdamW at lr 5: its first step's loss 2.3, the untrained model's; the first logged interval's mean
+    already in the hundreds, so its training loss fell from there; val loss 118 then 52 and val acc 0.094 then
+    0.078 (chance 0.1). And a run whose loss fell while its accuracy stayed no better than chance."""
+    adamw = torch.optim.AdamW(tiny_model().parameters(), lr=5.0)
+    report = Reporter(config_for(tmp_path, 1), enabled=False)  # records what it is told, prints nothing
+    for step, losses in ((8, [2.3] + [400.0] * 7), (16, [20.0] * 8)):  # per step, 32 samples each
+        report.interval(step, step - 7, Interval([loss * 32 for loss in losses], 256, 0, 1.0, first_count=32), 5.0,
+                        1, None, None)
+    for loss, acc in ((118.0, 0.094), (52.0, 0.078)):
+        report.epoch_metrics(0, 2, {"loss": loss, "acc": acc, "count": 100}, step=8)
+    assert learning_warning(report, 10, adamw, 5.0, "none") == (
+        "warning: the run diverged (val loss 52, 22.6x the first step's loss 2.3; val acc 0.0780, chance for 10 "
+        "classes is 0.1000): check the LR first, lr 5; AdamW usually trains at 0.0001 to 0.003")
+    slow = Reporter(config_for(tmp_path, 1), enabled=False)
+    slow.interval(8, 1, Interval([2.3 * 32] * 8, 256, 0, 1.0, first_count=32), 1e-3, 1, None, None)
+    for loss in (2.25, 2.2):  # falling, but the accuracy is no better than guessing
+        slow.epoch_metrics(0, 2, {"loss": loss, "acc": 0.09, "count": 100}, step=8)
+    assert learning_warning(slow, 10, adamw, 1e-3, "none") == (
+        "warning: the run ended where it started (val acc 0.0900, chance for 10 classes is 0.1000): lr 0.001 is in "
+        "AdamW's usual range (0.0001 to 0.003): check the data and targets first (do the targets follow the "
+        "inputs?), then the LR")
+
+
+def test_adamw_at_lr_5_on_the_built_in_data_ends_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture):
+    args = ["--train-size", "256", "--val-size", "100", "--batch-size", "32", "--no-progress", "--optimizer", "adamw",
+            "--lr", "5", "--epochs", "1", "--save-dir", str(tmp_path / "run")]
+    assert main_multi_gpu.main(args) == 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: the run")]
+    assert len(warning) == 1 and warning[0].startswith("warning: the run diverged ("), warning
+    assert warning[0].endswith("): check the LR first, lr 5; AdamW usually trains at 0.0001 to 0.003")

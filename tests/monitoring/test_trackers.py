@@ -1,7 +1,8 @@
-"""--logger csv,mlflow,wandb (multigpu/monitoring/trackers.py): under 2-process ddp, across a --resume auto, MLflow's file
-store and W&B's offline run, read back with their own tools, and metrics.csv hold exactly TensorBoard's scalars
-(trainer.log's too) at the same steps, from rank 0 alone, in one run each; a library that is missing is one line
-naming the extra; a tracker that fails mid-run is one warning and the run goes on."""
+"""--logger csv,mlflow,wandb (multigpu/monitoring/trackers.py): under 2-process ddp, across a SIGKILL past the
+last checkpoint and a --resume auto, MLflow's database store and W&B's offline run, read back with their own
+clients, and metrics.csv hold exactly TensorBoard's scalars (trainer.log's too), one point per step, from rank 0
+alone, in one run each; a library that is missing is one line naming the extra; a tracker that fails mid-run is
+one warning and the run goes on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import csv
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,24 +18,39 @@ from pathlib import Path
 import pytest
 
 import main_multi_gpu
-from conftest import TINY, blobs, config_for, read_scalars, run_ranks, tiny_model
+from conftest import REPO, TINY, blobs, config_for, read_scalars, run_cli_ranks, tiny_model
+from multigpu.resilience.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
 Scalars = dict[str, list[tuple[int, float]]]
 
+# 2 ranks of ddp, 64 samples (4 steps an epoch), every tracker, trainer.log's scalars (each rank's number: their
+# mean over 2 ranks is 0.5), logged every 2 steps; a checkpoint at each epoch's end. Where a fault is injected,
+# rank 0 waits at step 7 long enough for W&B to have written step 6 (it writes its file every second).
+TRACKED_RUN = """
+import os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+from pathlib import Path
+from conftest import blobs, config_for, tiny_model
+from multigpu.launch.runner import main_guarded
+from multigpu.monitoring.trackers import WANDB_FLUSH_SECONDS
+from multigpu.resilience.faults import FAULT_ENV
+from train_multi_gpu import MultiGPUTrainer
 
 class LogRank:
-    """trainer.log's scalars: this rank's number each step (their mean over 2 ranks is 0.5)."""
+    def on_step_end(self, trainer):
+        trainer.log({{"custom/rank": float(trainer.runtime.rank)}})
+        if trainer.progress.global_step == 7 and os.environ.get(FAULT_ENV):
+            time.sleep(2.5 * WANDB_FLUSH_SECONDS)
 
-    def on_step_end(self, trainer: MultiGPUTrainer) -> None:
-        trainer.log({"custom/rank": float(trainer.runtime.rank)})
-
-
-def _train(rank: int, world_size: int, save_dir: Path, epochs: int) -> None:
-    config = config_for(save_dir, world_size, save_dir=str(save_dir), logger="tensorboard,csv,mlflow,wandb",
-                        epochs=epochs, log_every=2, resume="auto" if epochs > 1 else None)
+def train(argv):
+    save_dir = Path(argv[0])
+    config = config_for(save_dir, 2, save_dir=str(save_dir), logger="tensorboard,csv,mlflow,wandb", epochs=2,
+                        log_every=2, resume="auto")
     with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config, callbacks=[LogRank()]) as trainer:
         trainer.fit()
+sys.exit(main_guarded(train, sys.argv[1:]))
+"""
 
 
 def csv_scalars(path: Path) -> Scalars:
@@ -45,8 +62,9 @@ def csv_scalars(path: Path) -> Scalars:
 
 
 def mlflow_scalars(store: Path) -> tuple[list[str], Scalars]:
+    """Every run's metric histories, read by MLflow's own client from the database as it is."""
     from mlflow.tracking import MlflowClient
-    client = MlflowClient(tracking_uri=f"file:{store}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     runs = client.search_runs(["0"])
     found: Scalars = {}
     for run in runs:
@@ -73,45 +91,68 @@ def wandb_scalars(folder: Path) -> tuple[list[str], Scalars]:
     return ids, found
 
 
-def assert_same(ours: Scalars, tensorboard: Scalars) -> None:
+def assert_same(ours: Scalars, tensorboard: Scalars, killed_runs_steps: tuple[int, ...] = ()) -> None:
+    """The same names, each with one point per step, at TensorBoard's steps and values; at `killed_runs_steps` the
+    value the killed run logged stands (its samples/s differ from the resumed run's, which TensorBoard shows)."""
     assert sorted(ours) == sorted(tensorboard)
     for name, points in tensorboard.items():  # TensorBoard keeps float32
-        assert len(ours[name]) == len(points), name
+        assert len(ours[name]) == len({step for step, _ in ours[name]}) == len(points), (name, sorted(ours[name]))
         for (step, value), (their_step, their_value) in zip(sorted(ours[name]), sorted(points)):
-            assert step == their_step and math.isclose(value, their_value, rel_tol=1e-6, abs_tol=1e-6), name
+            assert step == their_step, name
+            assert step in killed_runs_steps or math.isclose(value, their_value, rel_tol=1e-6, abs_tol=1e-6), name
+
+
+def tensorboard_scalars(log_dir: Path) -> Scalars:
+    """The folder's scalars as TensorBoard shows them: its event files read in order, a resume's purge applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
-    pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
+    """The save-dir of TRACKED_RUN: rank 0 SIGKILLed after step 7, step 6's scalars logged, past the checkpoint of
+    step 4; then --resume auto to the end, training steps 5 to 8 again."""
+    for library in ("mlflow", "sqlalchemy", "alembic", "wandb"):
+        pytest.importorskip(library, reason="the [mlflow] and [wandb] extras are not installed")
     wandb_command = shutil.which("wandb", path=str(Path(sys.executable).parent))
     if wandb_command is None or subprocess.run([wandb_command, "leet", "inspect", "--help"], capture_output=True,
                                                timeout=60).returncode != 0:
         pytest.skip("no `wandb leet inspect` beside this Python (wandb 0.31 reads its offline runs with it)")
-    save_dir = tmp_path_factory.mktemp("tracked") / "run"
-    with pytest.MonkeyPatch.context() as env:  # the spawned ranks inherit it
+    folder = tmp_path_factory.mktemp("tracked")
+    script = folder / "run.py"
+    script.write_text(TRACKED_RUN.format(repo=str(REPO), tests=str(REPO / "tests")))
+    save_dir = folder / "run"
+    with pytest.MonkeyPatch.context() as env:  # the ranks inherit it
         env.setenv("WANDB_MODE", "offline")
-        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_PROJECT"):
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE", "WANDB_DIR",
+                     "WANDB_RUN_ID", "WANDB_PROJECT"):
             env.delenv(name, raising=False)
-        for epochs in (1, 2):  # one epoch, then --resume auto to the second
-            run_ranks(_train, 2, save_dir.parent, save_dir, epochs)
+        killed = run_cli_ranks([str(save_dir)], 2, env={FAULT_ENV: "0:7"}, script=script)
+        resumed = run_cli_ranks([str(save_dir)], 2, script=script)
+    assert killed[0].returncode == -signal.SIGKILL, killed[0].stderr
+    assert [rank.returncode for rank in resumed] == [0, 0], resumed[0].stderr
+    assert "resumed from " in resumed[0].stdout and "step 4" in resumed[0].stdout
     return save_dir
 
 
 @pytest.mark.slow
-def test_every_tracker_holds_tensorboards_scalars_in_one_run_across_a_resume(tracked, monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own yes to reading a file store
-    tensorboard = read_scalars(tracked / "tb")
+def test_every_tracker_holds_tensorboards_scalars_once_per_step_in_one_run_across_a_kill_and_resume(tracked):
+    tensorboard = tensorboard_scalars(tracked / "tb")
+    assert [step for step, _ in tensorboard["train/loss"]] == [2, 4, 6, 8]  # step 6 logged by both runs
     assert [value for _, value in tensorboard["custom/rank"]] == [0.5] * 4  # trainer.log, averaged over the ranks
     assert {step for step, _ in tensorboard["val/loss"]} == {4, 8}  # both legs
     assert_same(csv_scalars(tracked / "metrics.csv"), tensorboard)
-    run_ids, mlflow = mlflow_scalars(tracked / "mlruns")
+    run_ids, mlflow = mlflow_scalars(tracked / "mlflow.db")  # no MLFLOW_ALLOW_FILE_STORE needed
     assert len(run_ids) == 1  # rank 0's, continued by the resume
-    assert_same(mlflow, tensorboard)
+    assert_same(mlflow, tensorboard, killed_runs_steps=(6,))  # MLflow and W&B cannot drop a point: theirs stands
     run_ids, wandb = wandb_scalars(tracked / "wandb")
     assert len(run_ids) == 2 and len(set(run_ids)) == 1  # one offline file per leg, of one run
-    assert_same(wandb, {name: points for name, points in tensorboard.items() if not name.startswith("hparam/")})
+    assert_same(wandb, {name: points for name, points in tensorboard.items() if not name.startswith("hparam/")},
+                killed_runs_steps=(6,))
+    assert dict(mlflow["train/loss"])[6] == pytest.approx(dict(tensorboard["train/loss"])[6], rel=1e-6)  # the same step
 
 
 def test_a_missing_library_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
@@ -120,6 +161,16 @@ def test_a_missing_library_is_one_line_naming_the_extra(tmp_path, capsys, monkey
     assert main_multi_gpu.main([*args, "--logger", "tensorboard,wandb"]) == 2
     assert capsys.readouterr().err == ("error: --logger wandb needs the wandb library, which is not installed: pip "
                                        "install '.[wandb]' (or leave wandb out of --logger)\n")
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # MLflow's database store needs it beyond mlflow-skinny
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main_multi_gpu.main([*args, "--logger", "mlflow"]) == 2
+    assert capsys.readouterr().err.startswith("error: --logger mlflow needs the ")
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "alembic", None)
+    assert main_multi_gpu.main([*args, "--logger", "mlflow"]) == 2
+    assert capsys.readouterr().err == ("error: --logger mlflow needs the mlflow and sqlalchemy and alembic libraries, "
+                                       "which are not installed: pip install '.[mlflow]' (or leave mlflow out of "
+                                       "--logger)\n")
     assert main_multi_gpu.main([*args, "--logger", "tensorboard,comet"]) == 2
     assert capsys.readouterr().err == ("error: --logger takes a comma list of tensorboard, csv, mlflow, wandb; got "
                                        "'comet' in 'tensorboard,comet'\n")

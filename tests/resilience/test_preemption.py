@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from conftest import run_ranks
 from multigpu.resilience.preemption import PeerLost, StopRequest, stops_handled
+from multigpu.resilience.watchdog import Watchdog
 
 
 def _survive_torchruns_sigterm_while_saving(rank: int, world_size: int, marker: str) -> object:
@@ -37,3 +39,35 @@ def test_a_survivors_save_after_losing_a_peer_is_not_cut_off_by_sigterm(tmp_path
     assert (lost, signal_name, saved) == ([1], "SIGTERM", "saved")  # the signal only set the flag
     assert handler_after == signal.SIG_DFL  # and the handlers are put back afterwards
 
+
+
+def _lose_a_rank_while_another_waits_elsewhere(rank: int, world_size: int, save_dir: str) -> object:
+    """Hybrid sharding's case in 3 ranks: rank 0 shares a group with rank 1, which dies, and another with rank 2,
+    which waits in that group's collective (alive, its main thread stuck there) while rank 0 calls the roll."""
+    with_1, with_2 = dist.new_group([0, 1]), dist.new_group([0, 2])
+    watchdog = Watchdog(rank, world_size, 300.0, save_dir, "gloo", lambda verdict: "").start()
+    if rank == 1:
+        watchdog.stop()  # its last heartbeat stays in the store, as a killed rank's does
+        return None  # this rank leaves: its connections close under rank 0's collective
+    try:
+        if rank == 2:
+            dist.all_reduce(torch.ones(1), group=with_2)  # until rank 0 joins it, after its roll call
+            return None
+        started = time.monotonic()
+        try:
+            with stops_handled(StopRequest(), rank, world_size, wait_seconds=10.0):
+                dist.all_reduce(torch.ones(1), group=with_1)
+        except PeerLost as error:
+            lost, seconds = error.lost, time.monotonic() - started
+        dist.all_reduce(torch.ones(1), group=with_2)
+        return lost, seconds
+    finally:
+        watchdog.stop()
+
+
+def test_a_rank_waiting_in_another_collective_is_alive_and_not_named_lost(tmp_path, capfd):
+    """Under hybrid sharding ranks 0 and 3 said `lost contact with ranks 1, 2` while rank 2 was alive: a rank
+    whose hang watchdog still beats is not gone, and the roll call ends as soon as it knows."""
+    lost, seconds = run_ranks(_lose_a_rank_while_another_waits_elsewhere, 3, tmp_path, str(tmp_path))[0]
+    assert lost == [1] and seconds < 8  # not the whole wait for a rank that will not answer in time
+    assert "rank 0: lost contact with rank 1, which died or hung" in capfd.readouterr().err
