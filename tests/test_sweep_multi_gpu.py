@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_SWEEP_RUN, assert_ok, guide_text, read_results, run_sweep
+from conftest import TINY_SWEEP_RUN, assert_ok, guide_text, read_results, reference_sweep, run_sweep
 
 GRID = ["--grid", "lr=1e-3,3e-3"]
 RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
@@ -39,10 +39,7 @@ def assert_same_weights(dir_a: Path, dir_b: Path, experiment: str) -> None:
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """An uninterrupted 2-worker sweep of 2 grid points x 3 seeds, the reference for the tests below."""
-    sweep_dir = tmp_path_factory.mktemp("sweep") / "two-workers"
-    result = run_sweep(sweep_args(sweep_dir, "--workers", "2"))
-    assert_ok(result)
-    return sweep_dir, result
+    return reference_sweep(tmp_path_factory, lambda sweep_dir: sweep_args(sweep_dir, "--workers", "2"))
 
 
 @pytest.mark.slow
