@@ -1,6 +1,6 @@
 """The torchrun entry of an experiment that is a K-process DDP run (--gpus-per-run K > 1).
 
-    torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child SUMMARY.json [training flags]
+    torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child -- SUMMARY.json [training flags]
 
 It trains as main_multi_gpu.py does (multigpu.launch.runner: same flags, same messages, same exit status), except
 that rank 0 also writes the run's final metrics to SUMMARY.json for the worker that started it.
@@ -19,7 +19,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Train on the training flags; rank 0 writes the summary file."""
     from multigpu.launch.runner import train_from_argv
 
-    summary_path, *train_argv = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    summary_path, *train_argv = args[1:] if args[:1] == ["--"] else args  # torchrun passes its "--" on, or not
 
     def record(summary: dict[str, Any]) -> None:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -130,8 +130,10 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     summary_path = os.path.join(experiment.save_dir, SUMMARY_FILE)
     if os.path.exists(summary_path):
         os.unlink(summary_path)
+    # After "--" torchrun's parser reads no flag of the run's: before it, it takes an abbreviation of its own flags
+    # for one (--monitor as its --monitor-interval), and refuses the run.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={task.gpus_per_run}",
-               "-m", "multigpu.sweep.child", summary_path, *experiment.argv]
+               "-m", "multigpu.sweep.child", "--", summary_path, *experiment.argv]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     env.pop(_fault_env(), None)
     if task.fault:
