@@ -18,6 +18,7 @@ from multigpu.checkpoints.run_folders import folder_numbers
 from multigpu.config import DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.sweep.options import SweepOptions
+from multigpu.sweep.study import TrialLink
 
 DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --sweep-dir: checkpoints/sweep-N
 SWEEP_FILE = "sweep.json"  # the fingerprint a rerun must match
@@ -45,6 +46,7 @@ class Experiment:
     seed: int
     save_dir: str
     argv: tuple[str, ...]  # main_multi_gpu.py's flags for this run
+    report_to: Optional[TrialLink] = None  # a search's run: the trial it reports its epochs to (--search)
 
     @property
     def name(self) -> str:
@@ -110,7 +112,8 @@ def fingerprint_of(base: TrainConfig, options: SweepOptions, grid: dict[str, lis
             "grid": grid, "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run, **more}
 
 
-def experiments_of(sweep_dir: str, point: str, point_argv: Sequence[str], seeds: Sequence[int]) -> list[Experiment]:
+def experiments_of(sweep_dir: str, point: str, point_argv: Sequence[str], seeds: Sequence[int],
+                   report_to: Optional[TrialLink] = None) -> list[Experiment]:
     """A point's runs, one per seed, each in its own DIR/<point>/seed-<k>/ (DIR/seed-<k>/ without a point) and
     continuing from its own newest checkpoint; `point_argv`: the training flags of the point."""
     experiments = []
@@ -118,7 +121,7 @@ def experiments_of(sweep_dir: str, point: str, point_argv: Sequence[str], seeds:
         save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir, f"seed-{seed}")
         argv = [*point_argv, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
                 "--no-progress"]  # the sweep's one bar replaces each run's own
-        experiments.append(Experiment(point, seed, save_dir, tuple(argv)))
+        experiments.append(Experiment(point, seed, save_dir, tuple(argv), report_to))
     return experiments
 
 
@@ -215,6 +218,8 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Op
         there, here = saved.get("base", {}).get(name), current["base"].get(name)
         if there != here:
             return f"--{flag(name)} {_shown(there)} (the sweep's) vs {_shown(here)} (this command's)"
+    if saved.get("search") != current.get("search"):
+        return _search_difference(saved.get("search"), current.get("search"))
     if saved.get("grid") != current["grid"]:
         return f"--grid {_grid_text(saved.get('grid', {}))} (the sweep's) vs {_grid_text(current['grid'])} " \
                f"(this command's)"
@@ -224,7 +229,18 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Op
     return None
 
 
+def _search_difference(there: Optional[dict[str, Any]], here: Optional[dict[str, Any]]) -> str:
+    """The first --search setting (--space, --sampler, ...) in which a sweep and a command differ."""
+    if there is None or here is None:
+        kinds = ["a grid" if side is None else "--search optuna" for side in (there, here)]
+        return f"{kinds[0]} (the sweep's) vs {kinds[1]} (this command's)"
+    name = next(name for name in sorted({*there, *here}) if there.get(name) != here.get(name))
+    return f"--{flag(name)} {_shown(there.get(name))} (the sweep's) vs {_shown(here.get(name))} (this command's)"
+
+
 def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value))
     return "unset" if value is None else str(value)
 
 

@@ -208,7 +208,7 @@ class Scheduler:
 
     def _settle(self, task: Task, result: dict[str, Any], slot: Slot) -> None:
         """Record a final outcome, or put the experiment back in the queue for another attempt."""
-        if result["status"] == "ok":
+        if result["status"] in ("ok", "pruned"):
             self._record(result, slot)
             return
         if self.signals:  # stopped by the sweep's signal: not finished, a rerun continues it
@@ -321,6 +321,9 @@ class Scheduler:
 def describe_result(record: dict[str, Any]) -> str:
     """The one line printed when an experiment has finished."""
     name, seconds = record["experiment"], record["wall_time"]
+    if record["status"] == "pruned":
+        return f"pruned  {name}: {record['metrics']['pruned']}, {record['metrics'].get('epochs', '?')} epochs, " \
+               f"{seconds:.1f}s"
     if record["status"] != "ok":
         return f"FAILED  {name}: {record['error']} (exit {record['exit_status']}; log {record['log']})"
     metrics = record["metrics"]
