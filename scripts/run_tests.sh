@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
-# --float8's emulation ([float8]), the guide's site ([docs]) and the side-by-side with transformers' Trainer
-# ([hf-trainer]).
-bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer
+# --float8's emulation ([float8]), the guide's site ([docs]), the side-by-side with transformers' Trainer
+# ([hf-trainer]) and the sweep's --search with its plots ([search], [plots]).
+bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec .venv/bin/python -m pytest -q -m "not slow" --durations=10 "$@"

@@ -300,6 +300,26 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+
+def read_hparams(log_dir: Path) -> dict[str, dict[str, Any]]:
+    """The HParams sessions under `log_dir`, read with TensorBoard's own event reader and its hparams plugin's
+    metadata: {run folder relative to log_dir: {setting: value}}."""
+    from google.protobuf.json_format import MessageToDict
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    sessions = {}
+    for path in event_files(log_dir):
+        accumulator = EventAccumulator(str(path))
+        accumulator.Reload()
+        contents = accumulator.PluginTagToContent(metadata.PLUGIN_NAME)
+        if metadata.SESSION_START_INFO_TAG in contents:
+            start = metadata.parse_session_start_info_plugin_data(contents[metadata.SESSION_START_INFO_TAG])
+            sessions[path.parent.relative_to(log_dir).as_posix()] = {
+                name: MessageToDict(value) for name, value in start.hparams.items()}
+    return sessions
+
+
 # What every rank imports anyway, loaded once into the server that forks the ranks: a spawned rank paid about
 # 3 CPU-seconds for them (torch, and torch._dynamo, which torch 2.14 imports as any optimizer is built) before
 # its first line of test code, on a 2-core machine whose suite starts a few hundred ranks. The framework's own
@@ -565,6 +585,16 @@ def run_sweep(args: Sequence[str], env: Optional[dict[str, str]] = None, timeout
     env = cli_env({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
     return subprocess.run([PYTHON, str(REPO / entry), *args], cwd=cwd, env=env, timeout=timeout,
                           capture_output=True, text=True)
+
+
+def reference_sweep(tmp_path_factory: pytest.TempPathFactory, args: Callable[[Path], list[str]]
+                    ) -> tuple[Path, subprocess.CompletedProcess]:
+    """A sweep run to its end (exit 0 asserted) in a new folder, with the flags `args(its folder)`: the reference
+    that a module's tests compare with."""
+    sweep_dir = tmp_path_factory.mktemp("sweep") / "reference"
+    result = run_sweep(args(sweep_dir))
+    assert_ok(result)
+    return sweep_dir, result
 
 
 def read_results(sweep_dir: Path) -> dict[str, dict[str, Any]]:

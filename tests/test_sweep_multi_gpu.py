@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_SWEEP_RUN, assert_ok, guide_text, read_results, run_sweep
+from conftest import TINY_SWEEP_RUN, assert_ok, guide_text, read_results, reference_sweep, run_sweep
 
 GRID = ["--grid", "lr=1e-3,3e-3"]
 RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
@@ -39,10 +39,7 @@ def assert_same_weights(dir_a: Path, dir_b: Path, experiment: str) -> None:
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """An uninterrupted 2-worker sweep of 2 grid points x 3 seeds, the reference for the tests below."""
-    sweep_dir = tmp_path_factory.mktemp("sweep") / "two-workers"
-    result = run_sweep(sweep_args(sweep_dir, "--workers", "2"))
-    assert_ok(result)
-    return sweep_dir, result
+    return reference_sweep(tmp_path_factory, lambda sweep_dir: sweep_args(sweep_dir, "--workers", "2"))
 
 
 @pytest.mark.slow
@@ -171,10 +168,11 @@ def test_a_changed_base_config_is_refused_on_resume(two_workers):
 
 
 def guide_sweep_commands() -> list[list[str]]:
-    """The sweep commands of the guide's bash blocks (every page), as argv lists after the script name."""
+    """The sweep commands of the guide's bash blocks (every page; not those marked illustrative, a benchmark of
+    minutes), as argv lists after the script name."""
     text = guide_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    return [shlex.split(line)[2:] for block in blocks for line in block.splitlines()
+    blocks = re.findall(r"(<!-- illustrative[^\n]*-->\n)?```bash\n(.*?)```", text, re.S)
+    return [shlex.split(line)[2:] for mark, block in blocks if not mark for line in block.splitlines()
             if line.startswith("python sweep_multi_gpu.py")]
 
 
@@ -187,5 +185,6 @@ def test_guide_sweep_commands_run_as_written(tmp_path):
         result = run_sweep([*argv[:cut], "--num-seeds", "1", "--workers", "1", "--", *argv[cut + 1:],
                             "--train-size", "256", "--val-size", "64", "--epochs", "1", "--no-progress"], cwd=tmp_path)
         assert_ok(result)
-        expected = "sweep.sbatch: 2 experiments in 2 array tasks" if "--slurm" in argv else "sweep done: 2 of 2"
+        expected = "sweep.sbatch: 2 experiments in 2 array tasks" if "--slurm" in argv else \
+            "search done: 4 trials ended" if "--search" in argv else "sweep done: 2 of 2"
         assert expected in result.stdout

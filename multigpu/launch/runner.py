@@ -24,18 +24,19 @@ from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 from train_multi_gpu import MultiGPUTrainer
 
 
-def run(config: TrainConfig) -> dict:
-    """Set up devices, data and model, train, and return the final metrics."""
+def run(config: TrainConfig, callbacks: Sequence[Any] = ()) -> dict:
+    """Set up devices, data and model, train with `callbacks` (multigpu/loop/callbacks.py) beside the flags' own,
+    and return the final metrics."""
     runtime = setup(config)  # --float8 is refused there, before any data is read, where the device has none
     try:
-        return _train(config, runtime)
+        return _train(config, runtime, callbacks)
     finally:
         # After _train returned, so the trainer and its DDP wrapper (which hold the process group)
         # are gone first: a group still referenced at interpreter exit can abort the process.
         teardown()
 
 
-def _train(config: TrainConfig, runtime: Runtime) -> dict:
+def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> dict:
     # Rank 0 downloads (if asked) while the others wait, then they read its files. Its refusal (no files
     # there, say) reaches them through that wait, so they stop with it quietly instead of losing rank 0.
     refusal = None
@@ -58,16 +59,18 @@ def _train(config: TrainConfig, runtime: Runtime) -> dict:
               f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples", flush=True)
         for line in data.warnings:
             print(line, flush=True)
-    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn).fit()
+    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn,
+                           callbacks=callbacks).fit()
 
 
-def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable[[dict], None]] = None) -> int:
+def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable[[dict], None]] = None,
+                    callbacks: Sequence[Any] = ()) -> int:
     """Train on main_multi_gpu.py's training flags and return the exit status (see `main_guarded`).
 
-    `on_summary` receives the final metrics of a finished run.
+    `on_summary` receives the final metrics of a finished run; `callbacks` are the trainer's (run).
     """
     def train(args: Optional[Sequence[str]]) -> None:
-        summary = run(parse_config(args))
+        summary = run(parse_config(args), callbacks)
         if on_summary is not None:
             on_summary(summary)
 

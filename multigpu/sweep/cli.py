@@ -10,7 +10,7 @@ import dataclasses
 import glob
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from multigpu.errors import UsageError
 from multigpu.launch.console import best_effort
@@ -18,6 +18,10 @@ from multigpu.sweep import records, slurm, summary
 from multigpu.sweep.options import SweepOptions, parse, split_separated
 from multigpu.sweep.plan import Experiment, Plan, build_plan
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
+
+if TYPE_CHECKING:  # imported where a search runs: a grid sweep loads neither
+    from multigpu.sweep.search import Search, SearchPlan
+    from multigpu.sweep.search_summary import TrialRow
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -55,6 +59,8 @@ def _one_line_errors(action: Callable[[], int]) -> int:
 
 def run(options: SweepOptions, train_argv: list[str]) -> int:
     """Run the sweep (or, with --slurm, write its job array); return the exit status."""
+    if options.search:
+        return _run_search(options, train_argv)
     plan = build_plan(options, train_argv)
     options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
     records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
@@ -85,27 +91,38 @@ def _plan_line(plan: Plan, options: SweepOptions, in_shard: int) -> str:
 
 def _run_experiments(plan: Plan, options: SweepOptions, mine: list[Experiment], to_run: list[Experiment],
                      earlier: dict[str, dict[str, Any]]) -> Optional[str]:
-    from multigpu.sweep.scheduler import Scheduler, find_slots
-
-    slots, slot_line = find_slots(options, _visible_gpus())
     done = sum(earlier.get(e.name, {}).get("status") == "ok" for e in mine)
     failed = sum(earlier.get(e.name, {}).get("status") == "failed" for e in mine) - \
         sum(e.name in earlier for e in to_run)
-    resuming = sum(bool(glob.glob(os.path.join(glob.escape(e.save_dir), "*.pt"))) for e in to_run)
     parts = [f"{done} done"] if done else []
     if failed:
         parts.append(f"{failed} failed before (not run again; --retry-failed runs them)")
-    parts.append(f"{len(to_run)} to run" + (f" ({resuming} continue from their checkpoints)" if resuming else ""))
-    print(f"{', '.join(parts)}; {slot_line}", flush=True)
-    progress_file = records.progress_path(plan.sweep_dir, options.shard)
-    static = {"sweep_dir": plan.sweep_dir, "shard": f"{options.shard[0]}/{options.shard[1]}",
-              "experiments": len(mine), "done_before": done}
+    parts.append(f"{len(to_run)} to run" + _continuing(to_run))
+    return _schedule(plan.sweep_dir, options, to_run, ", ".join(parts), plan.base.progress,
+                     {"experiments": len(mine), "done_before": done})
+
+
+def _continuing(to_run: list[Experiment]) -> str:
+    resuming = sum(bool(glob.glob(os.path.join(glob.escape(e.save_dir), "*.pt"))) for e in to_run)
+    return f" ({resuming} continue from their checkpoints)" if resuming else ""
+
+
+def _schedule(sweep_dir: str, options: SweepOptions, to_run: list[Experiment], said: str, show_bar: bool,
+              shown: dict[str, Any], **more: Any) -> Optional[str]:
+    """Run `to_run` (and what the scheduler's `more` gives) on this machine's slots, after a line that says
+    `said` and names the slots; `shown`: what progress.json holds beside the scheduler's own state."""
+    from multigpu.sweep.scheduler import Scheduler, find_slots
+
+    slots, slot_line = find_slots(options, _visible_gpus())
+    print(f"{said}; {slot_line}", flush=True)
+    progress_file = records.progress_path(sweep_dir, options.shard)
+    static = {"sweep_dir": sweep_dir, "shard": f"{options.shard[0]}/{options.shard[1]}", **shown}
 
     def write_progress(state: dict[str, Any]) -> None:
         records.write_json_atomic(progress_file, {**static, **state})
 
-    scheduler = Scheduler(slots, to_run, options, records.results_path(plan.sweep_dir, options.shard),
-                          write_progress, show_bar=plan.base.progress)
+    scheduler = Scheduler(slots, to_run, options, records.results_path(sweep_dir, options.shard), write_progress,
+                          show_bar=show_bar, **more)
     return scheduler.run()
 
 
@@ -128,11 +145,9 @@ def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: 
     print(table, end="", flush=True)
     ok = [e for e in mine if results.get(e.name, {}).get("status") == "ok"]
     failed = [results[e.name] for e in mine if results.get(e.name, {}).get("status") == "failed"]
-    whose = f"shard {options.shard[0]}/{options.shard[1]}: " if options.sharded else ""
+    whose = _whose(options)
     if stopped:
-        print(f"stopped by {stopped}: {whose}{len(ok)} of {len(mine)} experiments done; rerun the same command "
-              f"to continue", file=sys.stderr, flush=True)
-        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(stopped, 15)
+        return _stopped_status(stopped, f"{whose}{len(ok)} of {len(mine)} experiments done")
     merged = sum(e.name in results for e in plan.experiments)
     if options.sharded and merged < len(plan.experiments):
         print(f"the summary covers {merged} of {len(plan.experiments)} experiments so far (other shards have not "
@@ -150,6 +165,98 @@ def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: 
     print(f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok{learning}; summary {where} (and summary.csv); "
           f"compare the runs with: tensorboard --logdir {plan.sweep_dir}", flush=True)
     return 0
+
+
+def _whose(options: SweepOptions) -> str:
+    return f"shard {options.shard[0]}/{options.shard[1]}: " if options.sharded else ""
+
+
+def _stopped_status(stopped: str, done: str) -> int:
+    """The line and exit status (128 + N) of a sweep stopped by signal `stopped`, `done` saying how far it got."""
+    print(f"stopped by {stopped}: {done}; rerun the same command to continue", file=sys.stderr, flush=True)
+    return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(stopped, 15)
+
+
+def _run_search(options: SweepOptions, train_argv: list[str]) -> int:
+    """--search optuna: trials drawn by the study, run on the slots, told as they end (multigpu/sweep/search.py)."""
+    from multigpu.sweep.search import Search, build_search_plan
+    from multigpu.sweep.study import require_optuna
+
+    require_optuna()
+    plan = build_search_plan(options, train_argv)
+    options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
+    records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
+    with records.exclusive(plan.sweep_dir, options.shard):
+        search = Search(plan, options, records.read_results(plan.sweep_dir))
+        resumed = search.resume()
+        print(_search_line(plan, options), flush=True)
+        trials = search.study.get_trials(deepcopy=False)
+        new = max(0, options.trials - len(trials))
+        ended = sum(trial.state.name != "RUNNING" for trial in trials)
+        said = f"{ended} trial(s) ended before, {len(resumed)} run(s) to resume{_continuing(resumed)}, " \
+               f"{new} trial(s) to draw"
+        stopped = _schedule(plan.sweep_dir, options, resumed, said, plan.base.progress,
+                            {"trials": options.trials, "ended_before": ended}, more=search.more,
+                            recorded=search.recorded, total=len(resumed) + new * len(plan.seeds))
+        return _finish_search(plan, options, search, stopped)
+
+
+def _search_line(plan: SearchPlan, options: SweepOptions) -> str:
+    space = " ".join(dimension.text for dimension in plan.space)
+    way = "lower" if plan.lower_is_better else "higher"
+    return (f"search {plan.sweep_dir}: {options.trials} trials of {space} x {len(plan.seeds)} seed(s); sampler "
+            f"{options.sampler}, pruner {options.prune}; objective {plan.objective} ({way} is better)")
+
+
+def _finish_search(plan: SearchPlan, options: SweepOptions, search: Search, stopped: Optional[str]) -> int:
+    """The trial table, the best trial and its command, TensorBoard's HParams and the plots; the exit status."""
+    from multigpu.sweep import search_summary, study_views
+
+    with records.summary_lock(plan.sweep_dir):  # drivers ending together: the last one sees every trial
+        rows = search_summary.trial_rows(search.study.get_trials(deepcopy=False),
+                                         records.read_results(plan.sweep_dir), plan.seeds)
+        table = search_summary.write(plan.sweep_dir, rows, plan.objective, plan.space)
+        hparams = study_views.write_hparams(plan.sweep_dir, plan.space, plan.objective, rows)
+        plots = study_views.write_plots(plan.sweep_dir, search.study)
+    print(table, end="", flush=True)
+    print(_best_line(plan, rows), flush=True)
+    trained = sum(row.epochs or 0 for row in rows)
+    print(f"epochs trained: {trained} of the {len(rows) * len(plan.seeds) * plan.max_epochs} that {len(rows)} "
+          f"trial(s) x {len(plan.seeds)} seed(s) x {plan.max_epochs} epochs would train unpruned", flush=True)
+    print(plots, flush=True)
+    mine = {trial.number for trial in search.mine()}
+    return _search_status(options, [row for row in rows if row.number in mine and row.state != "running"], stopped,
+                          os.path.join(plan.sweep_dir, "summary.md"), hparams)
+
+
+def _search_status(options: SweepOptions, ended: list[TrialRow], stopped: Optional[str], where: str,
+                   hparams: str) -> int:
+    """The closing line and exit status of this driver's trials that `ended`."""
+    whose = _whose(options)
+    if stopped:
+        return _stopped_status(stopped, f"{whose}{len(ended)} of {options.trials} trials ended")
+    failed = [row for row in ended if row.state == "failed"]
+    if failed:
+        print(f"error: {whose}{len(failed)} of {len(ended)} trials failed (summary: {where}):", file=sys.stderr,
+              flush=True)
+        for row in failed:
+            print(f"  trial {row.number}: {row.error}", file=sys.stderr, flush=True)
+        return 1
+    pruned = sum(row.state == "pruned" for row in ended)
+    print(f"search done: {whose}{len(ended)} trials ended ({pruned} pruned); summary {where} (and summary.csv); "
+          f"compare the trials with: tensorboard --logdir {hparams}", flush=True)
+    return 0
+
+
+def _best_line(plan: SearchPlan, rows: list[TrialRow]) -> str:
+    from multigpu.sweep import search_summary
+
+    best = search_summary.best(rows, plan.lower_is_better)
+    if best is None:
+        return "best: no trial has completed yet"
+    over = f" (mean over {len(plan.seeds)} seeds)" if len(plan.seeds) > 1 else ""
+    command = search_summary.command(plan.train_argv, plan.flags(best.params), plan.seeds)
+    return f"best: trial {best.number}, {plan.objective} {best.value:.4f}{over}; train it with: {command}"
 
 
 def _write_slurm_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> int:

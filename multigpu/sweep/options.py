@@ -17,6 +17,7 @@ from multigpu.config import OneLineParser
 from multigpu.errors import UsageError
 
 DEFAULT_CPU_WORKERS = 2
+SAMPLERS, PRUNERS = ("tpe", "random"), ("none", "median", "asha", "hyperband")  # --sampler's, --prune's (study.py)
 MAX_ARRAY_TASKS = 1000  # SLURM's default MaxArraySize is 1001
 
 
@@ -39,6 +40,12 @@ class SweepOptions:
     submit: bool = False
     shards: Optional[int] = None  # array tasks of --slurm; None: one per experiment
     sbatch_args: list[str] = field(default_factory=list)
+    search: Optional[str] = None  # "optuna": sample the points (multigpu/sweep/search.py); None: the grid
+    trials: int = 0  # --search: the study's trials, every shard's together
+    space: list[str] = field(default_factory=list)  # --search: KEY=DIST tokens as given
+    sampler: str = SAMPLERS[0]
+    prune: str = PRUNERS[0]
+    search_seed: int = 0
 
     @property
     def sharded(self) -> bool:
@@ -82,6 +89,19 @@ FLAGS: dict[str, dict] = {
     "--shards": dict(type=int, metavar="N", help="with --slurm: array tasks (default: one per experiment)"),
     "--sbatch-arg": dict(action="append", default=[], dest="sbatch_args", metavar="ARG",
                          help="with --slurm: an extra #SBATCH line, e.g. --sbatch-arg=--time=04:00:00"),
+    "--search": dict(choices=["optuna"], help="sample the settings instead of running a grid: an Optuna study "
+                                              "kept in DIR/study.journal (pip install '.[search]')"),
+    "--trials": dict(type=int, metavar="N", help="with --search: trials of the study, every shard's together; "
+                                                 "a rerun with a larger N adds trials"),
+    "--space": dict(nargs="+", action="extend", default=[], metavar="KEY=DIST",
+                    help="with --search: a training setting and how to sample it: log(LO,HI), uniform(LO,HI), "
+                         "int(LO,HI) or choice(A,B,...), e.g. --space lr=log(1e-4,1e-1) batch_size=choice(32,64)"),
+    "--sampler": dict(choices=SAMPLERS, help=f"with --search: Optuna's sampler (default {SAMPLERS[0]})"),
+    "--prune": dict(choices=PRUNERS, help=f"with --search: stop trials early by Optuna's median, successive "
+                                          f"halving (asha) or hyperband pruner, asked at every epoch end "
+                                          f"(default {PRUNERS[0]})"),
+    "--search-seed": dict(type=int, metavar="S", help="with --search: the sampler's seed (default 0); trial n "
+                                                      "is drawn from S and n, so a rerun draws the same"),
 }
 SPELLINGS = {spelling for flag in FLAGS for spelling in _spellings(flag)}
 
@@ -143,6 +163,7 @@ def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
         raise UsageError("--submit, --shards and --sbatch-arg belong to --slurm; add --slurm")
     if args.slurm and args.shard is not None:
         raise UsageError("--shard runs one shard; --slurm writes the script that runs them all: give one of them")
+    _check_search(args)
     if args.sweep_dir is not None:
         check_sweep_dir(args.sweep_dir)
     if args.slurm:
@@ -159,7 +180,38 @@ def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
         max_gpus=args.max_gpus, workers=args.workers, gpus_per_run=args.gpus_per_run,
         threads_per_run=args.threads_per_run, checkpoint_interval=args.checkpoint_interval, retries=args.retries,
         retry_failed=args.retry_failed, shard=_shard(args.shard, environ) if not args.slurm else (0, 1),
-        slurm=args.slurm, submit=args.submit, shards=args.shards, sbatch_args=list(args.sbatch_args))
+        slurm=args.slurm, submit=args.submit, shards=args.shards, sbatch_args=list(args.sbatch_args),
+        search=args.search, trials=args.trials or 0, space=list(args.space), sampler=args.sampler or SAMPLERS[0],
+        prune=args.prune or PRUNERS[0], search_seed=args.search_seed or 0)
+
+
+def _check_search(args: argparse.Namespace) -> None:
+    """--search's flags go together, and a search is not a grid."""
+    own = {"--trials": args.trials, "--space": args.space or None, "--sampler": args.sampler,
+           "--prune": args.prune, "--search-seed": args.search_seed}
+    if args.search is None:
+        given = [flag for flag, value in own.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} {'belongs' if len(given) == 1 else 'belong'} to --search; add "
+                             f"--search optuna")
+        return
+    if args.grid:
+        raise UsageError("give --grid (every point of a grid) or --search optuna (points sampled from --space), "
+                         "not both")
+    if args.trials is None:
+        raise UsageError("--search needs --trials N: how many trials the study runs")
+    if args.trials < 1:
+        raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    if not args.space:
+        raise UsageError("--search needs --space KEY=DIST, e.g. --space lr=log(1e-4,1e-1)")
+    if args.search_seed is not None and args.search_seed < 0:
+        raise UsageError(f"--search-seed must not be negative, got {args.search_seed}")
+    if args.retry_failed:
+        raise UsageError("--retry-failed with --search: a failed trial is final in the study; give a larger "
+                         "--trials to sample more, or --retries R to retry a failed run before its trial ends")
+    if args.slurm:
+        raise UsageError("--slurm with --search: no job script is written for a search; run its drivers as array "
+                         "tasks of your own (each takes SLURM_ARRAY_TASK_ID as its --shard and shares the study)")
 
 
 def check_sweep_dir(path: str) -> None:
@@ -214,6 +266,9 @@ def to_argv(options: SweepOptions, *, for_task: bool) -> list[str]:
              "--checkpoint-interval", f"{options.checkpoint_interval:g}", "--retries", str(options.retries)]
     if options.retry_failed:
         argv.append("--retry-failed")
+    if options.search:
+        argv += ["--search", options.search, "--trials", str(options.trials), "--space", *options.space,
+                 "--sampler", options.sampler, "--prune", options.prune, "--search-seed", str(options.search_seed)]
     if options.workers is not None:
         argv += ["--workers", str(options.workers)]
     if options.max_gpus is not None and not for_task:

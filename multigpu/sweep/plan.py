@@ -18,6 +18,7 @@ from multigpu.checkpoints.run_folders import folder_numbers
 from multigpu.config import DEFAULT_SAVE_ROOT, FIELDS, TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
 from multigpu.sweep.options import SweepOptions
+from multigpu.sweep.study import TrialLink
 
 DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --sweep-dir: checkpoints/sweep-N
 SWEEP_FILE = "sweep.json"  # the fingerprint a rerun must match
@@ -45,6 +46,7 @@ class Experiment:
     seed: int
     save_dir: str
     argv: tuple[str, ...]  # main_multi_gpu.py's flags for this run
+    report_to: Optional[TrialLink] = None  # a search's run: the trial it reports its epochs to (--search)
 
     @property
     def name(self) -> str:
@@ -80,7 +82,7 @@ class Plan:
 def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
     """Check the training flags and the grid, and list the experiments."""
     train_argv = list(train_argv)
-    _refuse_per_experiment_flags(train_argv)
+    refuse_per_experiment_flags(train_argv)
     base = parse_config(train_argv)
     axes = [_axis(token, train_argv) for token in options.grid]
     repeated = {axis.field for axis in axes if [a.field for a in axes].count(axis.field) > 1}
@@ -94,20 +96,33 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
         point_flags = [text for axis, i in zip(axes, combination) for text in axis.flags[i]]
         parse_config(train_argv + point_flags)  # each value was checked alone; check them together too
         points.append((point, values, point_flags))
-    fingerprint = {"base": {name: value for name, value in base.to_dict().items()
-                            if name not in PER_EXPERIMENT and name != "progress"},
-                   "grid": {axis.field: list(axis.values) for axis in axes},
-                   "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run}
+    fingerprint = fingerprint_of(base, options, {axis.field: list(axis.values) for axis in axes})
     sweep_dir = os.path.abspath(options.sweep_dir or default_sweep_dir(fingerprint))
-    experiments = []
-    for point, _, point_flags in points:
-        for seed in options.seeds:
-            save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir,
-                                                                                                 f"seed-{seed}")
-            argv = [*train_argv, *point_flags, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
-                    "--no-progress"]  # the sweep's one bar replaces each run's own
-            experiments.append(Experiment(point, seed, save_dir, tuple(argv)))
+    experiments = [experiment for point, _, point_flags in points
+                   for experiment in experiments_of(sweep_dir, point, [*train_argv, *point_flags], options.seeds)]
     return Plan(sweep_dir, base, axes, [(point, values) for point, values, _ in points], experiments, fingerprint)
+
+
+def fingerprint_of(base: TrainConfig, options: SweepOptions, grid: dict[str, list[Any]],
+                   **more: Any) -> dict[str, Any]:
+    """What a rerun must match to continue a sweep (sweep.json): the runs' settings but those set for each run,
+    the grid, the slots' shape, and `more` (a search's settings)."""
+    return {"base": {name: value for name, value in base.to_dict().items()
+                     if name not in PER_EXPERIMENT and name != "progress"},
+            "grid": grid, "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run, **more}
+
+
+def experiments_of(sweep_dir: str, point: str, point_argv: Sequence[str], seeds: Sequence[int],
+                   report_to: Optional[TrialLink] = None) -> list[Experiment]:
+    """A point's runs, one per seed, each in its own DIR/<point>/seed-<k>/ (DIR/seed-<k>/ without a point) and
+    continuing from its own newest checkpoint; `point_argv`: the training flags of the point."""
+    experiments = []
+    for seed in seeds:
+        save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir, f"seed-{seed}")
+        argv = [*point_argv, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
+                "--no-progress"]  # the sweep's one bar replaces each run's own
+        experiments.append(Experiment(point, seed, save_dir, tuple(argv), report_to))
+    return experiments
 
 
 def default_sweep_dir(fingerprint: dict[str, Any]) -> str:
@@ -128,7 +143,8 @@ def default_sweep_dir(fingerprint: dict[str, Any]) -> str:
     return os.path.join(DEFAULT_SWEEP_ROOT, f"{SWEEP_PREFIX}{(numbers or [0])[-1] + 1}")
 
 
-def _refuse_per_experiment_flags(train_argv: list[str]) -> None:
+def refuse_per_experiment_flags(train_argv: list[str]) -> None:
+    """--seed, --save-dir, --resume and --log-dir are the sweep's to set for each run: refused as training flags."""
     given = given_fields(train_argv)  # given, even when given the default
     for name, setter in PER_EXPERIMENT.items():
         if name in given:
@@ -137,35 +153,55 @@ def _refuse_per_experiment_flags(train_argv: list[str]) -> None:
 
 def _axis(token: str, train_argv: list[str]) -> Axis:
     key, sep, text = token.partition("=")
-    name = key.strip().lstrip("-").replace("-", "_")
+    where = f"--grid {token}"
     if not sep or not key.strip():
-        raise UsageError(f"--grid {token}: expected KEY=V1,V2, e.g. lr=1e-3,3e-3")
+        raise UsageError(f"{where}: expected KEY=V1,V2, e.g. lr=1e-3,3e-3")
+    name = setting_name(key, where)
+    texts = [part.strip() for part in text.split(";" if ";" in text else ",")]
+    if not all(texts):
+        raise UsageError(f"{where}: empty value; give KEY=V1,V2")
+    return Axis(name, *setting_values(name, texts, where, train_argv))
+
+
+def setting_name(key: str, where: str) -> str:
+    """The TrainConfig field that a --grid or --space KEY names (lr, batch_size or batch-size); `where` is the
+    entry as given, for the error."""
+    name = key.strip().lstrip("-").replace("-", "_")
     if name not in FIELDS:
         close = difflib.get_close_matches(name, FIELDS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise UsageError(f"--grid {token}: {key} is not a training setting{hint}; the keys are the flags of "
+        raise UsageError(f"{where}: {key} is not a training setting{hint}; the keys are the flags of "
                          f"main_multi_gpu.py --help, e.g. lr or batch_size")
     if name in PER_EXPERIMENT:
-        raise UsageError(f"--grid {token}: --{flag(name)} is set for each run by {PER_EXPERIMENT[name]}")
-    texts = [part.strip() for part in text.split(";" if ";" in text else ",")]
-    if not all(texts):
-        raise UsageError(f"--grid {token}: empty value; give KEY=V1,V2")
+        raise UsageError(f"{where}: --{flag(name)} is set for each run by {PER_EXPERIMENT[name]}")
+    return name
+
+
+def setting_value(name: str, text: str, where: str, train_argv: Sequence[str]) -> tuple[Any, list[str]]:
+    """Field `name` set to `text` by the training flags' own rules (a value main_multi_gpu.py would refuse is
+    refused in the same words), as (the value as TrainConfig holds it, the training flags that set it)."""
+    value_flags = _value_flags(name, text, where)
+    try:
+        return getattr(parse_config([*train_argv, *value_flags]), name), value_flags
+    except UsageError as error:
+        hint = " (values holding commas: separate them with ';')" if name == "image_shape" else ""
+        raise UsageError(f"{where}: {error}{hint}") from None
+
+
+def setting_values(name: str, texts: Sequence[str], where: str,
+                   train_argv: Sequence[str]) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], ...]]:
+    """Several values of field `name` (setting_value), none given twice: (the values, the flags of each)."""
     values, flags = [], []
-    for value_text in texts:
-        value_flags = _value_flags(name, value_text, token)
-        try:
-            value = getattr(parse_config(train_argv + value_flags), name)
-        except UsageError as error:
-            hint = " (values holding commas: separate them with ';')" if name == "image_shape" else ""
-            raise UsageError(f"--grid {token}: {error}{hint}") from None
+    for text in texts:
+        value, value_flags = setting_value(name, text, where, train_argv)
         if value in values:
-            raise UsageError(f"--grid {token}: the value {value} is given twice")
+            raise UsageError(f"{where}: the value {value} is given twice")
         values.append(value)
         flags.append(tuple(value_flags))
-    return Axis(name, tuple(values), tuple(flags))
+    return tuple(values), tuple(flags)
 
 
-def _value_flags(name: str, text: str, token: str) -> list[str]:
+def _value_flags(name: str, text: str, where: str) -> list[str]:
     """The training flags that set field `name` to `text` (a bool field is --x or --no-x)."""
     if FIELDS[name].type not in ("bool", bool):
         return [f"--{flag(name)}", text]
@@ -173,7 +209,7 @@ def _value_flags(name: str, text: str, token: str) -> list[str]:
         return [f"--{flag(name)}"]
     if text.lower() in FALSE_WORDS:
         return [f"--no-{flag(name)}"]
-    raise UsageError(f"--grid {token}: --{flag(name)} is on or off; give true or false, not {text!r}")
+    raise UsageError(f"{where}: --{flag(name)} is on or off; give true or false, not {text!r}")
 
 
 def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
@@ -182,6 +218,8 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Op
         there, here = saved.get("base", {}).get(name), current["base"].get(name)
         if there != here:
             return f"--{flag(name)} {_shown(there)} (the sweep's) vs {_shown(here)} (this command's)"
+    if saved.get("search") != current.get("search"):
+        return _search_difference(saved.get("search"), current.get("search"))
     if saved.get("grid") != current["grid"]:
         return f"--grid {_grid_text(saved.get('grid', {}))} (the sweep's) vs {_grid_text(current['grid'])} " \
                f"(this command's)"
@@ -191,7 +229,18 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Op
     return None
 
 
+def _search_difference(there: Optional[dict[str, Any]], here: Optional[dict[str, Any]]) -> str:
+    """The first --search setting (--space, --sampler, ...) in which a sweep and a command differ."""
+    if there is None or here is None:
+        kinds = ["a grid" if side is None else "--search optuna" for side in (there, here)]
+        return f"{kinds[0]} (the sweep's) vs {kinds[1]} (this command's)"
+    name = next(name for name in sorted({*there, *here}) if there.get(name) != here.get(name))
+    return f"--{flag(name)} {_shown(there.get(name))} (the sweep's) vs {_shown(here.get(name))} (this command's)"
+
+
 def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value))
     return "unset" if value is None else str(value)
 
 

@@ -123,7 +123,14 @@ def exclusive(sweep_dir: str, shard: tuple[int, int]) -> Iterator[None]:
 @contextlib.contextmanager
 def summary_lock(sweep_dir: str) -> Iterator[None]:
     """Shards that finish together write the merged summary one after another, the last one seeing all results."""
-    handle = safe_files.open_fd(os.path.join(sweep_dir, ".summary.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    with shared_lock(sweep_dir, ".summary.lock"):
+        yield
+
+
+@contextlib.contextmanager
+def shared_lock(sweep_dir: str, name: str) -> Iterator[None]:
+    """Hold DIR/`name` (an flock: it dies with its process) while every shard's driver waits for it."""
+    handle = safe_files.open_fd(os.path.join(sweep_dir, name), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield

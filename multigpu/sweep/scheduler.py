@@ -83,18 +83,23 @@ class _Worker:
 
 
 class Scheduler:
-    """Runs `experiments` on `slots`; `finished(record)` is called for each final outcome."""
+    """Runs `experiments` on `slots`, then those `more()` gives while it gives any (a search's next trial, asked
+    when a slot is free); `recorded(record)` hears each final outcome and may answer a line to print."""
 
     def __init__(self, slots: list[Slot], experiments: list[Experiment], options: SweepOptions,
-                 results_path: str, progress: Callable[[dict[str, Any]], None], show_bar: bool):
+                 results_path: str, progress: Callable[[dict[str, Any]], None], show_bar: bool,
+                 more: Callable[[], list[Experiment]] = list,
+                 recorded: Callable[[dict[str, Any]], Optional[str]] = lambda record: None,
+                 total: Optional[int] = None):
         self.slots, self.options = slots, options
         self.results_path, self.write_progress = results_path, progress
+        self.more, self.recorded = more, recorded
         fault = os.environ.get(SWEEP_FAULT_ENV, "")
         self.fault_target, _, rest = fault.partition("@")
         self.fault_spec, _, kill_sweep = rest.partition("@")
         self.fault_kills_sweep = kill_sweep == "sweep"
         self.queue = collections.deque(self._task(e, 1) for e in experiments)
-        self.total = len(self.queue)
+        self.total = len(self.queue) if total is None else total
         self.workers: dict[int, _Worker] = {}
         self.context = multiprocessing.get_context("spawn")  # CUDA and fork do not mix
         self.finished: list[dict[str, Any]] = []
@@ -109,7 +114,7 @@ class Scheduler:
         """Run until every experiment has a final outcome, or a signal stops the sweep (its name is returned)."""
         with self._signals_caught():
             try:
-                while self._busy() or (self.queue and not self.signals):
+                while self._busy() or (self._refilled() and not self.signals):
                     if not self.signals:
                         self._hand_out()
                     self._wait()
@@ -125,6 +130,12 @@ class Scheduler:
         fault = self.fault_spec if experiment.name == self.fault_target and attempt == 1 else None
         return Task(experiment, attempt, self.options.gpus_per_run, fault or None)
 
+    def _refilled(self) -> bool:
+        """Whether experiments are waiting: the queue's, else the next ones `more` gives (while no signal came)."""
+        if not self.queue and not self.signals and len(self._busy()) < len(self.slots):
+            self.queue.extend(self._task(e, 1) for e in self.more())
+        return bool(self.queue)
+
     def _busy(self) -> list[_Worker]:
         return [worker for worker in self.workers.values() if worker.task is not None]
 
@@ -133,7 +144,7 @@ class Scheduler:
         handed = False
         for slot in self.slots:
             worker = self.workers.get(slot.index)
-            if not self.queue or (worker is not None and worker.task is not None):
+            if not self._refilled() or (worker is not None and worker.task is not None):
                 continue
             if worker is None or not worker.process.is_alive():
                 worker = self.workers[slot.index] = self._start(slot)
@@ -197,7 +208,7 @@ class Scheduler:
 
     def _settle(self, task: Task, result: dict[str, Any], slot: Slot) -> None:
         """Record a final outcome, or put the experiment back in the queue for another attempt."""
-        if result["status"] == "ok":
+        if result["status"] in ("ok", "pruned"):
             self._record(result, slot)
             return
         if self.signals:  # stopped by the sweep's signal: not finished, a rerun continues it
@@ -215,6 +226,9 @@ class Scheduler:
         records.append_result(self.results_path, record)
         self.finished.append(record)
         self._line(describe_result(record))
+        said = self.recorded(record)
+        if said:
+            self._line(said)
         if self.bar is not None:
             self.bar.update(1)
         self._write_progress(force=True)
@@ -307,6 +321,9 @@ class Scheduler:
 def describe_result(record: dict[str, Any]) -> str:
     """The one line printed when an experiment has finished."""
     name, seconds = record["experiment"], record["wall_time"]
+    if record["status"] == "pruned":
+        return f"pruned  {name}: {record['metrics']['pruned']}, {record['metrics'].get('epochs', '?')} epochs, " \
+               f"{seconds:.1f}s"
     if record["status"] != "ok":
         return f"FAILED  {name}: {record['error']} (exit {record['exit_status']}; log {record['log']})"
     metrics = record["metrics"]

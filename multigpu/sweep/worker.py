@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
+from multigpu.sweep.child import REPORT_TO
 from multigpu.sweep.plan import Experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +42,8 @@ class Task:
 
 def outcome(task: Task, status: str, exit_status: int, error: Optional[str], metrics: dict[str, Any],
             wall_time: float) -> dict[str, Any]:
-    """What a worker reports for an attempt; status is ok, failed or stopped (by a signal: not finished)."""
+    """What a worker reports for an attempt; status is ok, pruned (a search's trial stopped it early), failed or
+    stopped (by a signal: not finished)."""
     return {"experiment": task.experiment.name, "status": status, "exit_status": exit_status, "error": error,
             "metrics": metrics, "wall_time": wall_time, "attempt": task.attempt, "log": task.experiment.log_path}
 
@@ -106,10 +108,11 @@ def _run_in_process(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]
     from multigpu.errors import TrainingStopped, UsageError
     from multigpu.launch.runner import run
 
+    reporter = _reporter(task.experiment)
     with _output_to(task.experiment.log_path), _fault_injected(task.fault):
         print(f"--- sweep: {task.experiment.name}, attempt {task.attempt}", flush=True)
         try:
-            summary = run(parse_config(list(task.experiment.argv)))
+            summary = run(parse_config(list(task.experiment.argv)), [reporter] if reporter else [])
         except KeyboardInterrupt:
             return "stopped", 130, "interrupted before or after training", {}
         except (UsageError, TrainingStopped) as error:
@@ -120,9 +123,23 @@ def _run_in_process(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]
             return "failed", 1, _one_line(error), {}
         finally:
             _release_memory()
+    return _finished(summary if reporter is None else {**summary, **reporter.outcome()})
+
+
+def _reporter(experiment: Experiment) -> Any:
+    """A search's run reports its epochs to its trial (multigpu/sweep/pruning.py); None for a grid's run."""
+    if experiment.report_to is None:
+        return None
+    from multigpu.sweep.pruning import TrialReporter
+
+    return TrialReporter(experiment.report_to)
+
+
+def _finished(summary: dict[str, Any]) -> tuple[str, int, Optional[str], dict[str, Any]]:
+    """How a run that returned its summary ended: stopped by a signal (not finished), pruned, or ok."""
     if summary.get("stopped"):
         return "stopped", 0, "stopped by a signal; its checkpoint continues it", {}
-    return "ok", 0, None, summary
+    return "pruned" if summary.get("pruned") else "ok", 0, None, summary
 
 
 def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
@@ -130,8 +147,11 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     summary_path = os.path.join(experiment.save_dir, SUMMARY_FILE)
     if os.path.exists(summary_path):
         os.unlink(summary_path)
+    link = [REPORT_TO, experiment.report_to.to_json()] if experiment.report_to else []
+    # After "--" torchrun's parser reads no flag of the run's: before it, it takes an abbreviation of its own flags
+    # for one (--monitor as its --monitor-interval), and refuses the run.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={task.gpus_per_run}",
-               "-m", "multigpu.sweep.child", summary_path, *experiment.argv]
+               "-m", "multigpu.sweep.child", "--", summary_path, *link, *experiment.argv]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     env.pop(_fault_env(), None)
     if task.fault:
@@ -150,9 +170,7 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     if summary is None:
         return "failed", code if code else 1, _error_from_log(experiment.log_path, code), {}
     os.unlink(summary_path)
-    if summary.get("stopped"):
-        return "stopped", 0, "stopped by a signal; its checkpoint continues it", {}
-    return "ok", 0, None, summary
+    return _finished(summary)
 
 
 def _fault_env() -> str:

@@ -10,8 +10,9 @@ from multigpu.sweep.worker import _error_from_log
 
 @pytest.mark.slow
 def test_multi_process_runs_go_through_torchrun(tmp_path):
+    # --monitor: torchrun's parser would take it for its own --monitor-interval unless the run's flags follow "--"
     result = run_sweep(["--sweep-dir", str(tmp_path), "--gpus-per-run", "2", "--workers", "1", "--",
-                        *TINY_SWEEP_RUN, "--epochs", "1", "--dist-timeout", "60"])
+                        *TINY_SWEEP_RUN, "--epochs", "1", "--dist-timeout", "60", "--monitor", "val_loss"])
     assert_ok(result)
     record = read_results(tmp_path)["seed-0"]
     # 64 samples / 2 ranks / 16 a batch = 2 optimizer steps; rank 0's summary came back through its file.

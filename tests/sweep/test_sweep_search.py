@@ -1,0 +1,178 @@
+"""--search optuna end to end: real Optuna studies in real journal files, real runs, a SIGKILLed sweep resumed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, RUN_TIMEOUT, TINY_SWEEP_RUN, assert_ok, assert_one_line, cli_command, cli_env, contents, \
+    read_hparams, read_results, read_scalars, reference_sweep, run_sweep
+
+optuna = pytest.importorskip("optuna", reason="the [search] extra (optuna) is not installed")
+
+# 3 trials of 2 seeds on one slot, so that every draw and every pruning decision repeats: a trial's value at an
+# epoch is reported once both its runs reached it (seed 1's run, seed 0's having ended), and ASHA's first rung is
+# epoch 1.
+SEARCH = ["--search", "optuna", "--trials", "3", "--space", "lr=log(1e-3,1)", "--prune", "asha", "--num-seeds", "2",
+          "--workers", "1"]
+RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
+
+
+def search_args(sweep_dir: Path) -> list[str]:
+    return ["--sweep-dir", str(sweep_dir), *SEARCH, "--", *RUN]
+
+
+def load_study(sweep_dir: Path):
+    """The study as Optuna itself reads it from the sweep's journal."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.load_study(study_name=None, storage=JournalStorage(JournalFileBackend(str(sweep_dir / "study.journal"))))
+
+
+def decisions(sweep_dir: Path) -> list[tuple]:
+    """Every trial's settings, state, value and values at each epoch end: what a repeated search must repeat."""
+    return [(trial.number, trial.state.name, trial.params, trial.value, trial.intermediate_values)
+            for trial in load_study(sweep_dir).trials]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """An uninterrupted search, the reference for the tests below."""
+    return reference_sweep(tmp_path_factory, search_args)
+
+
+@pytest.mark.slow
+def test_a_search_prunes_trials_and_shows_them(searched):
+    sweep_dir, result = searched
+    study = load_study(sweep_dir)
+    states = [trial.state.name for trial in study.trials]
+    assert len(states) == 3 and "PRUNED" in states and "COMPLETE" in states, states
+    results = read_results(sweep_dir)
+    assert sorted(results) == [f"trial-{n}/seed-{s}" for n in range(3) for s in range(2)]
+    for trial in study.trials:
+        runs = [results[f"trial-{trial.number}/seed-{seed}"] for seed in range(2)]
+        assert all(run["status"] in ("ok", "pruned") for run in runs)  # pruned is never failed
+        if trial.state.name == "COMPLETE":  # the mean over the seeds of each run's best val_loss
+            assert trial.value == pytest.approx(sum(run["metrics"]["best"] for run in runs) / 2, abs=1e-12)
+            assert list(trial.intermediate_values) == [1, 2]
+        else:  # seed 1's run, reporting the trial's first mean, heard the pruner and stopped after epoch 1
+            assert runs[1]["status"] == "pruned" and runs[1]["metrics"]["epochs"] == 1
+            assert "pruned by the search (asha) after epoch 1" in runs[1]["metrics"]["pruned"]
+            last = torch.load(sweep_dir / f"trial-{trial.number}/seed-1/last.pt", weights_only=True)
+            assert (last["epoch"], last["evaluated"]) == (1, True)  # it stopped after that epoch's checkpoint
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(row["trial"], row["state"]) for row in rows] == [(str(t.number), STATE[t.state.name]) for t in study.trials]
+    best = study.best_trial
+    assert f"best: trial {best.number}, val_loss {best.value:.4f} (mean over 2 seeds); train it with: python " \
+           f"main_multi_gpu.py " in result.stdout and f"--lr {best.params['lr']!r}" in result.stdout
+    assert "search done: 3 trials ended" in result.stdout
+    # TensorBoard's HParams: one session per trial with its settings, its value as a scalar
+    sessions = read_hparams(sweep_dir / "hparams")
+    assert sessions == {f"trial-{t.number}": {"lr": t.params["lr"], "state": STATE[t.state.name]}
+                        for t in study.trials}
+    scalars = read_scalars(sweep_dir / "hparams")
+    assert sorted(value for _, value in scalars["val_loss"]) == pytest.approx(sorted(t.value for t in study.trials),
+                                                                               rel=1e-6)  # TensorBoard's float32
+    plots = [sweep_dir / f"{name}.png" for name in ("optimization_history", "param_importances",
+                                                    "intermediate_values")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plots: matplotlib is not installed" in result.stdout and not any(p.exists() for p in plots)
+    else:
+        assert all(p.read_bytes().startswith(b"\x89PNG") for p in plots), result.stdout
+
+
+STATE = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}
+
+
+@pytest.mark.slow
+def test_a_killed_search_resumes_its_trial_and_repeats_the_study(searched, tmp_path):
+    """The whole sweep is SIGKILLed once trial 1's first run has saved its step-2 checkpoint; the same command then
+    runs no trial twice, resumes trial 1 under its number, and ends with the reference's study: the same draws,
+    values and pruning decisions (so a seeded search repeats exactly)."""
+    reference, _ = searched
+    args = search_args(tmp_path)
+    first = run_sweep(args, env={"MULTIGPU_SWEEP_FAULT_INJECT": "trial-1/seed-0@0:2@sweep"})
+    assert first.returncode == -9, first.stderr
+    killed = load_study(tmp_path)  # Optuna reads the journal of a killed sweep
+    assert [trial.state.name for trial in killed.trials][1:] == ["RUNNING"]
+    finished = read_results(tmp_path)
+    assert sorted(finished) == ["trial-0/seed-0", "trial-0/seed-1"]
+    mtimes = {name: (tmp_path / name / "last.pt").stat().st_mtime_ns for name in finished}
+
+    second = run_sweep(args)
+    assert_ok(second)
+    assert "1 trial(s) ended before, 2 run(s) to resume (1 continue from their checkpoints)" in second.stdout
+    read_results(tmp_path)  # asserts one line per run: none ran twice
+    assert {name: (tmp_path / name / "last.pt").stat().st_mtime_ns for name in finished} == mtimes
+    log = (tmp_path / "trial-1/seed-0/train.log").read_text()
+    assert "resumed from" in log.split("attempt 1")[-1] and "step-000000002.pt" in log
+    assert decisions(tmp_path) == decisions(reference)
+
+
+def test_bad_search_input_is_one_line_and_changes_nothing(tmp_path, capsys, monkeypatch):
+    from multigpu.sweep.cli import main
+
+    (tmp_path / "results.jsonl").write_text("kept\n")  # a sweep dir with something in it
+    before = contents(tmp_path)
+    search = ["--sweep-dir", str(tmp_path), "--search", "optuna", "--trials", "2"]
+    cases = {
+        "lr=log(1e-4)": "log() takes two numbers, LO and HI",
+        "lr=exp(1,2)": "exp is not a way to sample; give log, uniform, int or choice",
+        "lr=log(1e-4,1e-1": "expected KEY=log(LO,HI), uniform(LO,HI), int(LO,HI) or choice(A,B,...)",
+        "weight_decy=uniform(0,0.1)": "weight_decy is not a training setting (did you mean weight_decay?)",
+        "lr=uniform(0.1,0.1)": "the range is empty; LO must be below HI",
+        "batch_size=int(0,4)": "--batch-size must be at least 1, got 0",  # the training flag's own rule
+        "epochs=uniform(1,3)": "--epochs takes whole numbers; give int(LO,HI) or log(LO,HI)",
+    }
+    for space, expected in cases.items():
+        assert main([*search, "--space", space, "--", *RUN]) == 2
+        assert_one_line(2, capsys.readouterr().err, f"--space {space}: {expected}")
+    for argv, expected in [(["--trials", "0"], "--trials must be at least 1, got 0"),
+                           (["--grid", "lr=0.1,0.2"], "give --grid (every point of a grid) or --search optuna")]:
+        assert main([*search[:-2], *argv, "--space", "lr=log(1e-4,1e-1)", "--", *RUN]) == 2
+        assert_one_line(2, capsys.readouterr().err, expected)
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as where Optuna is not installed
+    assert main([*search, "--space", "lr=log(1e-4,1e-1)", "--", *RUN]) == 2
+    assert_one_line(2, capsys.readouterr().err, "pip install '.[search]'")
+    assert contents(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_trial_of_several_processes_reports_from_its_rank_0(tmp_path):
+    """--gpus-per-run 2: each run of the trial is a DDP job under torchrun (gloo on the CPU), whose rank 0 reports."""
+    result = run_sweep(["--sweep-dir", str(tmp_path), "--search", "optuna", "--trials", "1", "--space",
+                        "lr=log(1e-3,1e-1)", "--prune", "median", "--gpus-per-run", "2", "--workers", "1", "--",
+                        *RUN, "--dist-timeout", "60"])
+    assert_ok(result)
+    (trial,) = load_study(tmp_path).trials
+    assert trial.state.name == "COMPLETE" and list(trial.intermediate_values) == [1, 2]
+    assert trial.value == read_results(tmp_path)["trial-0/seed-0"]["metrics"]["best"]
+    assert "mode ddp: 2 processes, backend gloo" in (tmp_path / "trial-0/seed-0/train.log").read_text()
+
+
+@pytest.mark.slow
+def test_two_drivers_share_one_study(tmp_path):
+    """Two shards' drivers started together (as two SLURM array tasks would be) draw the study's trials between
+    them, each trial once."""
+    args = ["--sweep-dir", str(tmp_path), "--search", "optuna", "--trials", "3", "--space", "lr=log(1e-3,1)",
+            "--prune", "asha", "--workers", "1"]
+    drivers = [subprocess.Popen(cli_command([*args, "--shard", f"{index}/2", "--", *TINY_SWEEP_RUN, "--epochs", "1"],
+                                            script=REPO / "sweep_multi_gpu.py"),
+                                cwd=REPO, env=cli_env({"CUDA_VISIBLE_DEVICES": ""}), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for index in range(2)]
+    outputs = [driver.communicate(timeout=RUN_TIMEOUT)[0] for driver in drivers]
+    assert [driver.returncode for driver in drivers] == [0, 0], outputs
+    study = load_study(tmp_path)
+    assert [trial.number for trial in study.trials] == [0, 1, 2]
+    assert all(trial.state.name in ("COMPLETE", "PRUNED") for trial in study.trials)
+    lines = [line for path in tmp_path.glob("results.shard-*-of-2.jsonl") for line in path.read_text().splitlines()]
+    assert sorted(json.loads(line)["experiment"] for line in lines) == [f"trial-{n}/seed-0" for n in range(3)]
