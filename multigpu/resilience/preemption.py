@@ -70,23 +70,30 @@ def restarts_left() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
 
 
+def agent_store(timeout: timedelta) -> Optional[dist.Store]:
+    """torchrun's own store, joined as a client: torchrun lends it to the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and it lives as long as torchrun does, so it outlives every worker and every attempt. None without it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=timeout)
+
+
 def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
     """init_process_group arguments that keep a torchrun restart away from the previous attempt's keys.
 
-    torchrun lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    torchrun lends its own store to the workers (`agent_store`) and
     keeps it across restarts, while every attempt's process group writes the same
     keys: a restarted rank can read a dead peer's address and hang in
     init_process_group (with gloo here, about one restart in two; for NCCL see
     pytorch/pytorch#135712). A prefix per attempt keeps the attempts apart. Empty
     (torch's own env:// set-up) when torchrun does not lend its store.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    store = agent_store(timeout)
+    if store is None:
         return {}
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": rank,
-            "world_size": world_size}
+    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 # ---------------------------------------------------------------- a lost rank
