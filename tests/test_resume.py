@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -313,6 +314,86 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
     _, status = os.waitpid(child, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGINT
     assert capfd.readouterr().err == "second SIGINT: exiting now without a checkpoint\n"
+
+
+def test_only_the_processs_own_sigterm_and_sigint_count_as_stop_requests(capfd):
+    """Every signal with a Python handler reaches the watcher's pipe (a loader's SIGCHLD when its workers end,
+    which ended a run as a 'second SIGCHLD'), and a forked loader worker, which the terminal's Ctrl-C reaches
+    too, inherits the pipe."""
+    child = os.fork()
+    if child == 0:
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # as torch's DataLoader does
+        stop = StopRequest()
+        stop.install()
+        worker = os.fork()
+        if worker == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # the loader worker's own Ctrl-C
+            os._exit(0)
+        os.waitpid(worker, 0)  # and its SIGCHLD, with one more of those
+        os.kill(os.getpid(), signal.SIGCHLD)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(0 if stop.signal_name == "SIGINT" else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert capfd.readouterr().err == ""
+
+
+class OneLongCall(torch.nn.Module):
+    """tiny_model whose forward, once `slow` is set, spends its step in one call of C++ code, where Python runs no
+    signal handler: a wait (30 s) for a store key nobody sets, a large convolution's seconds without the CPU."""
+
+    def __init__(self, ready: int) -> None:
+        super().__init__()
+        self.inner, self.ready, self.slow = tiny_model(), ready, False
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.slow:
+            os.write(self.ready, b"in the long call")
+            with contextlib.suppress(RuntimeError):
+                torch.distributed.HashStore().wait(["never set"], timedelta(seconds=30))
+        return self.inner(inputs)
+
+
+class SlowAfterStep1:
+    def on_step_end(self, trainer: Any) -> None:
+        trainer.model.slow = True
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits to be delivered to process `pid` (Linux /proc: two signals of one kind that are
+    both pending at once are one)."""
+    fields = dict(line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines() if "\t" in line)
+    return any(int(fields[mask], 16) >> (signum - 1) & 1 for mask in ("SigPnd", "ShdPnd"))
+
+
+def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping_the_last_checkpoint(
+        tmp_path, capfd):
+    """Two SIGTERMs did not stop a run whose steps took 25 s each: both came while the step was in C++ code,
+    and Python made them one handler call there."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the run: step 1 saved, step 2 in its long call when the signals come
+        os.close(read)
+        with contextlib.suppress(BaseException):
+            config = config_for(tmp_path, 1, save_every_steps=1, epochs=1)
+            trainer = MultiGPUTrainer(OneLongCall(write), blobs(64, 0), None, config, callbacks=[SlowAfterStep1()])
+            trainer.stop.repeat_window = 0.0  # the second SIGTERM comes at once, not seconds later
+            trainer.fit()
+        os._exit(4)  # not reached: the second SIGTERM exits
+    os.close(write)
+    assert os.read(read, 64) == b"in the long call"
+    started = time.monotonic()
+    os.kill(child, signal.SIGTERM)
+    while signal_pending(child, signal.SIGTERM):  # two at once would be one: the kernel keeps one of a kind
+        time.sleep(0.001)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10  # not after the 30 s call
+    assert capfd.readouterr().err.endswith("second SIGTERM: exiting now without a checkpoint\n")
+    saved = sorted(path.name for path in Path(tmp_path / "ckpt").iterdir() if path.suffix == ".pt")
+    assert saved == ["step-000000001.pt"]
+    assert checkpoint.load(str(tmp_path / "ckpt" / saved[0]))["global_step"] == 1
 
 
 # ---------------------------------------------------------------- resume on another number of processes

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from types import FrameType
 from typing import Any, Callable, Iterator, Optional
@@ -24,6 +26,9 @@ from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class StopRequest:
     """Remembers that SIGTERM or SIGINT arrived; a second one exits at once.
 
@@ -31,24 +36,85 @@ class StopRequest:
     delivered twice, not a second one: SLURM signals every process of a job step
     (torchrun and its workers), and torchrun forwards the signal to the workers
     as well (docs/launcher.md, "SLURM").
+
+    Python runs a signal's handler only between two of its own instructions: while a step is inside one long
+    call of C++ code (a large convolution, a collective), no handler runs, and two signals meanwhile become one
+    call. So each signal is also written, as it arrives, into a pipe (Python's wakeup fd) that a thread of
+    this object watches: the second one ends the process even then.
     """
 
     def __init__(self, repeat_window: float = 2.0) -> None:
         self.signal_name: Optional[str] = None
         self.repeat_window = repeat_window
         self._first_at = 0.0
+        self._lock = threading.RLock()  # the handler and the watcher; a handler may interrupt itself
+        self._read: Optional[int] = None  # the wakeup pipe's end the watcher reads, while installed
+        self._write: Optional[int] = None
+        self._previous_fd = -1
 
     def install(self) -> None:
-        """Make SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        """Make SIGTERM and SIGINT set the flag, and start watching for a second one (main thread only, as
+        Python requires)."""
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        _WATCHING.add(self)
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
+        threading.Thread(target=self._watch, args=(self._read,), name="multigpu-stop-request", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """Stop watching (call it after the handlers are put back): the wakeup fd as it was, the watcher ended."""
+        if self._write is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        _WATCHING.discard(self)
+        with self._lock:
+            os.close(self._write)  # the watcher reads the end of the pipe and closes its own end
+            self._write = None
+
+    def _disown(self) -> None:
+        """In a forked child: the pipe is the parent's, and no watcher runs here."""
+        self._lock = threading.RLock()  # the parent's watcher may have held it at the fork
+        current = signal.set_wakeup_fd(-1)  # allowed: a fork's one thread is its main thread
+        if current != self._write:
+            signal.set_wakeup_fd(current)
+        for end in (self._read, self._write):
+            if end is not None:
+                os.close(end)
+        self._read = self._write = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        # Python's handler, in the main thread: the signal's byte is in the pipe, taken here or by the watcher.
+        self._take_signals()
+
+    def _watch(self, read: int) -> None:
+        while self._take_signals():
+            select.select([read], [], [])
+        os.close(read)  # here only: the handler never reads it once the watcher has seen the pipe's end
+
+    def _take_signals(self) -> bool:
+        """Act on every signal waiting in the pipe, once each; False once its writing end is closed."""
+        with self._lock:
+            while self._read is not None:
+                try:
+                    arrived = os.read(self._read, 64)
+                except BlockingIOError:
+                    return True
+                if not arrived:
+                    self._read = None
+                for signum in arrived:
+                    if signum in STOP_SIGNALS:  # every signal with a Python handler comes here (a loader's SIGCHLD)
+                        self._arrived(signum)
+            return False
+
+    def _arrived(self, signum: int) -> None:
         now = time.monotonic()
         if self.signal_name is not None:
             if signum == signal.SIGTERM and self.signal_name == "SIGTERM" and now - self._first_at < self.repeat_window:
                 return
-            # os.write, not print: the handler may interrupt a print to the same stream.
+            # os.write, not print: the main thread may be inside a print to the same stream.
             os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
@@ -58,6 +124,20 @@ class StopRequest:
     def requested(self) -> bool:
         """True once SIGTERM or SIGINT reached this process."""
         return self.signal_name is not None
+
+
+_WATCHING: "weakref.WeakSet[StopRequest]" = weakref.WeakSet()  # the StopRequests installed in this process
+
+
+def _not_in_a_child() -> None:
+    """A forked child (a loader worker) inherits the installed StopRequests' pipes and handlers: it must neither
+    write its own signals into its parent's pipe (a Ctrl-C, which the terminal sends to the loader workers too,
+    would count twice there and end the run without a checkpoint) nor read the parent's signals from it."""
+    for stop in list(_WATCHING):
+        stop._disown()
+
+
+os.register_at_fork(after_in_child=_not_in_a_child)
 
 
 def restart_count() -> int:
@@ -165,7 +245,7 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
     step) must not be cut off by it."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         stop.install()
     try:
         yield
@@ -184,3 +264,4 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        stop.uninstall()
