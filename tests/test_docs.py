@@ -123,28 +123,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fresh_clone() -> Path:
-    """The checkout's files as a fresh clone has them (tracked, and new ones git does not ignore; no outputs),
-    copied into a temporary folder, so that commands write there and never into the checkout.
+def fresh_clone(checkout: Path = REPO) -> Path:
+    """The checkout's files as a fresh clone has them (those git tracks, as the working tree has them; a new file
+    counts once `git add`ed), copied into a temporary folder, so that commands write there and never into the
+    checkout. Untracked files stay behind: what a documented command left in the checkout (QUICK_REFERENCE's
+    predictions.csv) made a later page's command, which writes the same file, fail.
 
     Its .venv is the environment running the tests, stamped as built from this
     requirements.txt and pyproject.toml, as scripts/ensure_env.sh leaves it: the README's set-up
     command then finds it ready, as it does after the first time.
     """
     folder = Path(tempfile.mkdtemp(prefix="docs-"))
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=checkout, capture_output=True, text=True,
+                            check=True).stdout
     for name in filter(None, listed.split("\0")):
-        if (REPO / name).exists():  # not a file deleted in the working tree
+        if (checkout / name).exists():  # not a file deleted in the working tree
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, folder / name, follow_symlinks=False)
+            shutil.copy2(checkout / name, folder / name, follow_symlinks=False)
     venv = folder / ".venv"
     venv.mkdir()
     for entry in Path(sys.prefix).iterdir():
         if not entry.name.startswith("."):
             (venv / entry.name).symlink_to(entry)
     # The stamp scripts/ensure_env.sh writes: the hash of requirements.txt and pyproject.toml together.
-    built_from = (REPO / "requirements.txt").read_bytes() + (REPO / "pyproject.toml").read_bytes()
+    built_from = (checkout / "requirements.txt").read_bytes() + (checkout / "pyproject.toml").read_bytes()
     (venv / ".requirements.sha256").write_text(hashlib.sha256(built_from).hexdigest() + "\n")
     return folder
 
@@ -352,6 +354,23 @@ def test_links_open_what_they_name_on_github_as_on_the_site() -> None:
                 mislabelled.append(where)
     assert not broken, broken
     assert not mislabelled, mislabelled
+
+
+def test_a_fresh_clone_holds_the_tracked_files_only(tmp_path: Path) -> None:
+    """Not an output a documented command left in the checkout (predictions.csv): a later page's command that
+    writes it again without --overwrite failed on the copy."""
+    checkout = tmp_path / "checkout"
+    (checkout / "docs").mkdir(parents=True)
+    for name in ("requirements.txt", "pyproject.toml", "docs/page.md", "predictions.csv"):
+        (checkout / name).write_text(name)
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run(["git", "add", "requirements.txt", "pyproject.toml", "docs/page.md"], cwd=checkout, check=True)
+    clone = fresh_clone(checkout)
+    try:
+        assert sorted(path.relative_to(clone).as_posix() for path in clone.rglob("*") if path.is_file()
+                      and ".venv" not in path.parts) == ["docs/page.md", "pyproject.toml", "requirements.txt"]
+    finally:
+        shutil.rmtree(clone)
 
 
 def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -> None:
