@@ -493,7 +493,8 @@ RANGES = {
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
                                    "steps_per_epoch", "max_steps", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
                                    "hang_timeout")},
-    **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
+    **{name: Range(0, low_allowed=False) for name in ("lr_gamma", "lr_step_epochs")},
+    "lr": Range(0),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
     "dp_replicate": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),

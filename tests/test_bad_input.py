@@ -183,7 +183,7 @@ CLI = {
     "lr inf": finite("--lr", "inf"),
     "lr nan": finite("--lr", "nan"),
     "lr overflowing to inf": finite("--lr", "1e999"),
-    "lr zero": Case(["--lr", "0"], "--lr must be positive, got 0.0"),
+    "lr negative": Case(["--lr", "-0.1"], "--lr must not be negative, got -0.1"),
     "momentum nan": finite("--momentum", "nan"),
     "momentum above 1": Case(["--momentum", "1.5"], "--momentum must be between 0 and 1, got 1.5"),
     "lr-gamma negative": Case(["--lr-gamma", "-1"], "--lr-gamma must be positive, got -1.0"),

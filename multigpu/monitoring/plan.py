@@ -72,7 +72,16 @@ def plan_lines(run: PlanFacts) -> list[str]:
             f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
             f"accumulation = {run.effective_batch} effective ({batch_rule})",
             f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
-            *([run.data] if run.data else []), *([run.loss] if run.loss else []), *_warnings(run, warmup_steps)]
+            *_frozen(run), *([run.data] if run.data else []), *([run.loss] if run.loss else []),
+            *_warnings(run, warmup_steps)]
+
+
+def _frozen(run: PlanFacts) -> list[str]:
+    """The note of a run at --lr 0 (the built-in optimizer's): what it is good for, and that it trains nothing."""
+    if not run.builtin_optimizer or run.config.lr != 0:
+        return []
+    return ["--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or "
+            "to evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"]
 
 
 def _why_schedule(run: PlanFacts) -> str:

@@ -28,6 +28,17 @@ def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_pat
     assert data.startswith("data: the training set on the device (64 samples")  # data/device_data.py
 
 
+def test_lr_0_is_a_frozen_run_whose_plan_says_the_weights_will_not_change(tmp_path: Path, capsys):
+    """--lr 0 was refused, though torch takes it: a run to measure throughput, or to evaluate."""
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, lr=0.0, epochs=1))
+    before = {key: value.clone() for key, value in trainer.model.state_dict().items()}
+    trainer.fit()
+    assert ("--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or to "
+            "evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"
+            ) in capsys.readouterr().out.splitlines()
+    assert all(torch.equal(before[key], value) for key, value in trainer.model.state_dict().items())
+
+
 def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):
     """The optimizer's LR is only OneCycleLR's peak: the first step applies max_lr / 25."""
     one_cycle = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2),
