@@ -118,9 +118,10 @@ class TrainConfig:
                                       group="data")
     data_on_device: str = _opt("auto", "keep the training set on the device and gather each batch there (no loader, "
                                "no host copy per step; CIFAR's crop and flip run there on whole batches): on, off, or "
-                               "auto: on when it is tensors (a TensorDataset, or a set whose samples never change: "
+                               "auto: where it is tensors (a TensorDataset, or a set whose samples never change: "
                                "synthetic, fake, the MNIST family, CIFAR, text) that fit in a quarter of the device's "
-                               "memory", ["auto", "on", "off"], group="data")
+                               "memory, the first steps measure it against the loader and the faster way stays",
+                               ["auto", "on", "off"], group="data")
     steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset), "
                                 "passes following one another; 0: an epoch is one pass (without __len__ its steps "
                                 "are unknown, and a schedule that needs them is refused)", group="data")

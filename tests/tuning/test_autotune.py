@@ -30,8 +30,9 @@ def images(size: int = STEPS * 8) -> torch.utils.data.TensorDataset:
 
 
 def train(tmp_path: Path, name: str, world_size: int = 1, **overrides) -> MultiGPUTrainer:
+    # The data on the device as given: --data-on-device auto's own trial is data/test_device_data.py's
     config = config_for(tmp_path / name, world_size, **{"epochs": 1, "batch_size": 8 // world_size, "log_every": 7,
-                                                        "optimizer": "sgd", **overrides})
+                                                        "optimizer": "sgd", "data_on_device": "on", **overrides})
     trainer = MultiGPUTrainer(conv_net(), images(), None, config)
     trainer.fit()
     return trainer
