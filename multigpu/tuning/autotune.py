@@ -167,13 +167,14 @@ class Autotuner:
 
     # ------------------------------------------------------------------ the trials
     def start(self, done_steps: int, total_steps: int, step_hooks: list[Callable[[Any], None]]) -> bool:
-        """Before the first step of this start: True when trials follow. Then `on_step_end` runs first among
+        """Before the first step of this start: True when trials follow. Then `on_step_end` runs last among
         the run's `step_hooks` (its on_step_end list) until the choice is made, and leaves it then: no per-step
-        cost after."""
+        cost after. Last, because it leaves the list while the trainer goes through it: a hook after it would be
+        skipped at that step (an EMA update missed)."""
         if self.on_step_end in step_hooks:  # a fit() that ended mid-trial: this one starts afresh
             step_hooks.remove(self.on_step_end)
         if self._start(done_steps, total_steps):
-            step_hooks.insert(0, self.on_step_end)
+            step_hooks.append(self.on_step_end)
             self.finished = lambda: step_hooks.remove(self.on_step_end)
             return True
         return False
