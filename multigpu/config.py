@@ -610,6 +610,28 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
+def reference_table() -> str:
+    """Every field as the API reference lists it (docs/reference/config.md, through scripts/mkdocs_hooks.py): per
+    group of --help, each field's flag, type, default and help, from the same table as the command line."""
+    lines = []
+    for group in GROUPS:
+        lines += [f"**{group}**", "", "| flag (field) | type | default | what it does |", "|---|---|---|---|"]
+        for f in dataclasses.fields(TrainConfig):
+            if f.metadata["group"] == group:
+                cells = (cell.replace("|", "\\|").replace("<", "&lt;") for cell in _reference_row(f))  # not markup
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _reference_row(f: dataclasses.Field) -> list[str]:
+    flags = f"`--{flag(f.name)}`" + (f", `--no-{flag(f.name)}`" if f.type in ("bool", bool) else "")
+    kind = " or ".join([field_kind(f), *(repr(word) for word in f.metadata["words"])])
+    kind += f": one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
+    kind += " or None" if str(f.type).startswith("Optional[") else ""
+    return [f"{flags} (`{f.name}`)", kind, f"`{f.default!r}`", f.metadata["help"]]
+
+
 # Test-only: flags read before the command line's own, which win over them. The docs test
 # (tests/test_docs.py) runs the documented commands as written, with smaller data and fewer epochs.
 TEST_ARGS_ENV = "MULTIGPU_TEST_ARGS"

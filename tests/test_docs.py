@@ -25,7 +25,9 @@ docs/), run: documentation that cannot rot.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -41,11 +43,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
 from conftest import GUIDE_PAGES, REPO
+from multigpu.config import TrainConfig, field_kind, flag
 
 DOCS = ("README.md", "QUICK_REFERENCE.md", *(str(page.relative_to(REPO)) for page in GUIDE_PAGES))
 READER = ("README.md", "QUICK_REFERENCE.md")  # read in this order by a new user, in one clone
@@ -373,6 +376,29 @@ def test_a_fresh_clone_holds_the_tracked_files_only(tmp_path: Path) -> None:
         shutil.rmtree(clone)
 
 
+def mkdocs_hooks() -> Any:
+    """scripts/mkdocs_hooks.py, as mkdocs loads it (it needs mkdocs: `bash scripts/ensure_env.sh docs`)."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: bash scripts/ensure_env.sh docs")
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", REPO / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)  # type: ignore[union-attr]
+    return hooks
+
+
+def test_the_reference_lists_every_trainconfig_field_with_its_flag_type_default_and_help() -> None:
+    """The API reference's TrainConfig page listed no field, only properties such as `loggers`: mkdocstrings shows
+    what has a docstring, and a field's help is its metadata. The page gets TrainConfig's own table."""
+    page = mkdocs_hooks().with_fields((REPO / "docs" / "reference" / "config.md").read_text(), str(REPO))
+    rows = {line.split("`", 2)[1]: line for line in page.splitlines() if line.startswith("| `--")}
+    for field in dataclasses.fields(TrainConfig):
+        row = rows.pop(f"--{flag(field.name)}")
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert cells[0].endswith(f"(`{field.name}`)") and cells[2] == f"`{field.default!r}`", row
+        assert cells[1].startswith(field_kind(field)), row
+        assert cells[3].replace("\\|", "|").replace("&lt;", "<") == field.metadata["help"], row
+    assert not rows, rows
+
+
 def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -> None:
     readme, guide = Block("README.md:1", "bash", []), Block("MULTI_GPU_GUIDE.md:1", "bash", [])
     at_chance = "step 16: loss 2.3026\ndone: best val acc 0.1000, 1 epochs, wall time 3.1s, 660 samples/s\n"
@@ -398,3 +424,5 @@ def test_the_guides_site_builds_with_no_broken_link_page_or_anchor(tmp_path: Pat
                            timeout=COMMAND_TIMEOUT)
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "trainer").is_dir()
+    reference = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    assert all(f"--{flag(field.name)}</code>" in reference for field in dataclasses.fields(TrainConfig))
