@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import blobs, config_for, tiny_model
 from multigpu.loop.optim import lr_factor
-from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
+from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines, trained
 from multigpu.monitoring.reporting import Reporter
 from train_multi_gpu import MultiGPUTrainer
 
@@ -84,6 +84,15 @@ def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path
         line = done_line(summary, trainer.monitor.name, True, 1, trainer.telemetry.summary_text(summary))
     assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
     assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
+
+
+def test_a_run_that_ends_inside_an_epoch_says_its_steps_not_0_epochs(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """`--max-steps 60` ended with `done: ... 0 epochs`."""
+    config = config_for(tmp_path, 1, max_steps=3, epochs=2)  # 8 steps an epoch
+    with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config) as trainer:
+        trainer.fit()
+    assert re.search(r"^done: best val acc [\d.]+, 3 steps \(0\.38 epochs\), wall time ", capsys.readouterr().out, re.M)
+    assert trained(1, 11, 0.0) == "1 epochs" and trained(0, 7, None) == "7 steps"  # a stream's epoch: no length
 
 
 def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path: Path, capsys: pytest.CaptureFixture):
