@@ -49,6 +49,7 @@ import pytest
 
 from conftest import GUIDE_PAGES, REPO
 from multigpu.config import TrainConfig, field_kind, flag
+from multigpu.tuning import autotune
 
 DOCS = ("README.md", "QUICK_REFERENCE.md", *(str(page.relative_to(REPO)) for page in GUIDE_PAGES))
 READER = ("README.md", "QUICK_REFERENCE.md")  # read in this order by a new user, in one clone
@@ -397,6 +398,18 @@ def test_the_reference_lists_every_trainconfig_field_with_its_flag_type_default_
         assert cells[1].startswith(field_kind(field)), row
         assert cells[3].replace("\\|", "|").replace("&lt;", "<") == field.metadata["help"], row
     assert not rows, rows
+
+
+def test_what_an_autotune_command_says_of_its_trials_holds_on_any_machine() -> None:
+    """QUICK_REFERENCE said `the first 10 pick the faster memory format` where the run said `steps 1-20 measured`:
+    how many settings --autotune tries depends on the machine (its threads), 5 steps each."""
+    said = [(doc, line) for doc in DOCS for line in (REPO / doc).read_text().splitlines()
+            if re.match(r"(python|torchrun|bash) .*--autotune.*  # ", line)]  # a command, and what it says
+    assert said, "no documented --autotune command"
+    for where, line in said:
+        comment = line.split("  # ", 1)[1]
+        assert not re.search(r"\bfirst \d+\b", comment), (where, comment)
+        assert f"{autotune.STEPS_EACH} per setting" in comment, (where, comment)
 
 
 def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -> None:
