@@ -7,6 +7,7 @@ here, so the package never imports an entry script.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -143,19 +144,30 @@ def say_once(error: str, rank: int) -> None:
     store (one process, or ranks started by hand, which nothing ends early) rank 0 says it.
     """
     store = _torchruns_store()
-    if store is None:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return
-    key = f"multigpu/said-once/attempt-{restart_count()}"  # a torchrun restart's verdict is said again
-    if store.add(key, 1) == 1:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        store.set(key + "/said", "1")
-        return
     try:
-        store.wait([key + "/said"], timedelta(seconds=SAID_WAIT_SECONDS))
-    except RuntimeError:  # the rank that claimed it died before saying it (DistStoreError is a RuntimeError)
+        if store is not None and not _claimed(store):
+            return  # the rank that claimed the line has printed it
+    except RuntimeError:  # the store went away (torchrun with it), or the claimer died before printing
         print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
+        return
+    if store is not None or rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if store is not None:
+        with contextlib.suppress(RuntimeError):  # a store gone now: the others, ended by torchrun, wait no more
+            store.set(_said_key() + "/said", "1")
+
+
+def _claimed(store: Any) -> bool:
+    """Whether this rank is the first to claim the line in `store`; the others return once it is printed."""
+    key = _said_key()
+    if store.add(key, 1) == 1:
+        return True
+    store.wait([key + "/said"], timedelta(seconds=SAID_WAIT_SECONDS))
+    return False
+
+
+def _said_key() -> str:
+    return f"multigpu/said-once/attempt-{restart_count()}"  # a torchrun restart's verdict is said again
 
 
 def _torchruns_store() -> Optional[Any]:
