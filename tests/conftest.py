@@ -158,7 +158,9 @@ def run_as_torchrun_workers(args: Sequence[str], nproc: int, port: int, attempt:
     """`main_multi_gpu.py ARGS` as `nproc` workers of torchrun's attempt `attempt`, with torchrun's environment
     and store (`torchruns_store`'s `port`), ended as torchrun ends them: once one exits with an error, every other
     one gets SIGTERM, at once (torchrun looks every 0.1 s). The workers are forks of this process, which has
-    the framework imported: milliseconds a run where a torchrun costs seconds. `held`: that rank is stopped from
+    the framework imported: milliseconds a run where a torchrun costs seconds; so they must end before they
+    compute with torch (refusals before any training), whose OpenMP threads a fork of pytest's process may find
+    broken (`preloaded_context` starts processes that train). `held`: that rank is stopped from
     its start until then, a rank slower than all the others. Returns their exit statuses in rank order (-N:
     killed by signal N) and their output, together."""
     import main_multi_gpu
@@ -394,7 +396,10 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
-def _rank_context() -> Any:
+def preloaded_context() -> Any:
+    """The multiprocessing context whose processes are forked from a server with RANK_PRELOAD loaded (run_ranks'
+    ranks): a process that computes with torch must not be a fork of pytest's own, whose OpenMP threads a
+    forked child that computes hangs or dies in."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)  # takes effect when the server starts, at the first rank
     return context
@@ -455,7 +460,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     """
     import queue as queue_module
 
-    context = _rank_context()
+    context = preloaded_context()
     queue = context.Queue()
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"

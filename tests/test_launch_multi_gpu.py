@@ -362,7 +362,7 @@ def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str)
     (["--epochs", "-1"], ["--epochs", "-1"]),
     (["--epochs", "many"], ["--epochs", "many"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),
-    (["--lr", "0.0"], ["--lr", "0.0"]),
+    (["--lr", "-0.1"], ["--lr", "-0.1"]),
     (["--lr", "fast"], ["--lr", "fast"]),
     (["--scale-lr", "cubic"], ["--lr-scaling", "cubic"]),
     (["--", "--grad-accum-steps", "0"], ["--grad-accum-steps", "0"]),
