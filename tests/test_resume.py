@@ -338,6 +338,23 @@ def test_only_the_processs_own_sigterm_and_sigint_count_as_stop_requests(capfd):
     assert capfd.readouterr().err == ""
 
 
+def test_each_fit_watches_for_signals_with_a_thread_that_ends_with_it():
+    """A trainer's second fit() installs the StopRequest again, before the first watcher may have seen its pipe
+    end: each watcher keeps to its own pipe, and ends."""
+    child = os.fork()
+    if child == 0:
+        stop = StopRequest()
+        for _ in range(3):  # one fit after another
+            stop.install()
+            stop.uninstall()
+        watchers = [thread for thread in threading.enumerate() if thread.name == "multigpu-stop-request"]
+        for watcher in watchers:
+            watcher.join(5)
+        os._exit(0 if watchers and not any(watcher.is_alive() for watcher in watchers) else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 class OneLongCall(torch.nn.Module):
     """tiny_model whose forward, once `slow` is set, spends its step in one call of C++ code, where Python runs no
     signal handler: a wait (30 s) for a store key nobody sets, a large convolution's seconds without the CPU.

@@ -48,62 +48,61 @@ class StopRequest:
         self.repeat_window = repeat_window
         self._first_at = 0.0
         self._lock = threading.RLock()  # the handler and the watcher; a handler may interrupt itself
-        self._read: Optional[int] = None  # the wakeup pipe's end the watcher reads, while installed
-        self._write: Optional[int] = None
+        self._pipe: Optional[_WakeupPipe] = None  # while installed
         self._previous_fd = -1
 
     def install(self) -> None:
         """Make SIGTERM and SIGINT set the flag, and start watching for a second one (main thread only, as
         Python requires)."""
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._pipe = _WakeupPipe()
+        self._previous_fd = signal.set_wakeup_fd(self._pipe.write, warn_on_full_buffer=False)
         _WATCHING.add(self)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
-        threading.Thread(target=self._watch, args=(self._read,), name="multigpu-stop-request", daemon=True).start()
+        threading.Thread(target=self._watch, args=(self._pipe,), name="multigpu-stop-request", daemon=True).start()
 
     def uninstall(self) -> None:
         """Stop watching (call it after the handlers are put back): the wakeup fd as it was, the watcher ended."""
-        if self._write is None:
+        if self._pipe is None:
             return
         signal.set_wakeup_fd(self._previous_fd)
         _WATCHING.discard(self)
         with self._lock:
-            os.close(self._write)  # the watcher reads the end of the pipe and closes its own end
-            self._write = None
+            os.close(self._pipe.write)  # the watcher reads the pipe's end and closes the reading end
+            self._pipe = None
 
     def _disown(self) -> None:
         """In a forked child: the pipe is the parent's, and no watcher runs here."""
         self._lock = threading.RLock()  # the parent's watcher may have held it at the fork
+        if self._pipe is None:
+            return
         current = signal.set_wakeup_fd(-1)  # allowed: a fork's one thread is its main thread
-        if current != self._write:
+        if current != self._pipe.write:
             signal.set_wakeup_fd(current)
-        for end in (self._read, self._write):
-            if end is not None:
-                os.close(end)
-        self._read = self._write = None
+        os.close(self._pipe.read)
+        os.close(self._pipe.write)
+        self._pipe = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         # Python's handler, in the main thread: the signal's byte is in the pipe, taken here or by the watcher.
-        self._take_signals()
+        pipe = self._pipe
+        if pipe is not None:
+            self._take_signals(pipe)
 
-    def _watch(self, read: int) -> None:
-        while self._take_signals():
-            select.select([read], [], [])
-        os.close(read)  # here only: the handler never reads it once the watcher has seen the pipe's end
+    def _watch(self, pipe: _WakeupPipe) -> None:
+        while self._take_signals(pipe):
+            select.select([pipe.read], [], [])
+        os.close(pipe.read)  # here only, once the pipe's end was seen: nobody reads it any more
 
-    def _take_signals(self) -> bool:
-        """Act on every signal waiting in the pipe, once each; False once its writing end is closed."""
+    def _take_signals(self, pipe: _WakeupPipe) -> bool:
+        """Act on every signal waiting in `pipe`, once each; False once its writing end is closed."""
         with self._lock:
-            while self._read is not None:
+            while not pipe.ended:
                 try:
-                    arrived = os.read(self._read, 64)
+                    arrived = os.read(pipe.read, 64)
                 except BlockingIOError:
                     return True
-                if not arrived:
-                    self._read = None
+                pipe.ended = not arrived
                 for signum in arrived:
                     if signum in STOP_SIGNALS:  # every signal with a Python handler comes here (a loader's SIGCHLD)
                         self._arrived(signum)
@@ -124,6 +123,16 @@ class StopRequest:
     def requested(self) -> bool:
         """True once SIGTERM or SIGINT reached this process."""
         return self.signal_name is not None
+
+
+class _WakeupPipe:
+    """One install's pipe: Python writes the number of each signal into it as the signal arrives (its wakeup fd)."""
+
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.read, False)
+        os.set_blocking(self.write, False)
+        self.ended = False  # its writing end was closed, and the end seen: its reading end is closed next
 
 
 _WATCHING: "weakref.WeakSet[StopRequest]" = weakref.WeakSet()  # the StopRequests installed in this process
