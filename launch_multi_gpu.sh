@@ -345,13 +345,23 @@ ask() {
         printf '%s [%s]: ' "$prompt" "$default" >&2
         read_line || true
         answer=${LINE:-$default}
-        if [[ $answer =~ ^[0-9]+$ ]] && ((${#MENU[@]} && answer >= 1 && answer <= ${#MENU[@]})); then
+        if [[ $answer =~ ^[0-9]+$ ]] && ((${#MENU[@]})); then
+            if ((answer < 1 || answer > ${#MENU[@]})); then  # a number off the menu is no mode's name either
+                say "  $answer is not on the menu: answer 1-${#MENU[@]}, or one of $(menu_names)"
+                continue
+            fi
             answer=${MENU[answer - 1]}
         fi
         rules check "--$key" "$answer" && return 0
         say "  ${RULES[error]}"
         ((INPUT_DONE)) && [[ -z $LINE ]] && die "bug: the default '$default' for '$prompt' is refused"
     done
+}
+
+# menu_names: the names of the menu on screen, "ddp, none, fsdp".
+menu_names() {
+    local names="${MENU[*]}"
+    printf '%s' "${names// /, }"
 }
 
 ask_mode() {

@@ -96,8 +96,7 @@ class MultiGPUTrainer:
         sizes = batch_sizes(config, rt)
         self.loader_batch, self.eval_batch, self.effective_batch = sizes.loader, sizes.evaluation, sizes.effective
         self.data = data = training_data(train_dataset, config, rt, self.loader_batch, collate_fn, self.on_device)
-        self.sampler, self.stream, self.train_loader, self.steps_per_epoch = (data.sampler, data.stream, data.loader,
-                                                                              data.steps_per_epoch)
+        self.sampler, self.stream, self.steps_per_epoch = data.sampler, data.stream, data.steps_per_epoch
         self.telemetry = telemetry.run_telemetry(rt, self.amp, self.train_loader, self.report, self.model,
                                                  self.forward, move, train_dataset, config.batch_size, collate_fn,
                                                  self.weighting)
@@ -125,12 +124,18 @@ class MultiGPUTrainer:
         self.stop, self.die_at_step = StopRequest(), faults.fault_step(rt.rank)
         self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
         self.autotune = (autotune.make_autotuner(config, rt, self.model, self.given,
-                                                 lambda setting: build.use_setting(self, setting), say)
-                         if config.autotune else None)  # tried in fit's first steps
+                                                 lambda setting: build.use_setting(self, setting), say,
+                                                 data=self.on_device.measured)
+                         if config.autotune or self.on_device.measured else None)  # tried in fit's first steps
         self.checkpointer = Checkpointer.at_start(config, rt, self.report, self.model, self.optimizer, self.total_steps)
         self.sync = SyncPoints(config, rt, self.meter, self.logged, self.report, self.telemetry, self.amp, self.stop,
                                self.checkpointer.newest)
         rng.seed_all(config.seed + rt.rank)  # dropout and augmentation differ per rank, repeat on a rerun
+
+    @property
+    def train_loader(self) -> Any:
+        """The training batches in use: a DataLoader, or the device's (--data-on-device)."""
+        return self.data.loader
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:

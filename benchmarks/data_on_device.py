@@ -1,6 +1,6 @@
 """Benchmark: --data-on-device against the loader, for the built-in data and a CIFAR-sized tensor set.
 
-    python benchmarks/data_on_device.py [--rounds 3] [--steps 200] [--only 1,3] [--output PATH.md]
+    python benchmarks/data_on_device.py [--rounds 3] [--steps 200] [--only 1,3] [--auto] [--nproc 2] [--output PATH.md]
 
 Each workload trains twice per round in fresh processes, through the loader (--data-on-device off) and with the
 training set on the device (on), the order alternating each round: the built-in synthetic set (read once) with
@@ -8,7 +8,9 @@ the cnn, --dataset text (read once) with a small gpt, a TensorDataset of 50,000 
 with the cnn, and the same set with CIFAR's crop and flip (data.augment.RandomCropFlip). Shows the steady
 samples/s (every logging interval but the first) of both, their ratio, and whether the two runs ended with
 identical weights (not expected with augmentation: the loader and the device draw their crops from different
-generators). docs/speed.md, "Data on the device".
+generators). With --auto a third run per round, --data-on-device auto, which measures both ways in its first
+steps and keeps the faster: its steady samples/s against the faster of the other two, and the way it kept.
+With --nproc N every run is N DDP processes under torchrun. docs/speed.md, "Data on the device".
 """
 
 from __future__ import annotations
@@ -63,31 +65,38 @@ def data_and_model(workload: str, args: Any, save_dir: str) -> tuple[Any, Any, d
 
 
 def worker(workload: str, mode: str, args: Any) -> None:
-    """One run in this process; prints its steady samples/s and a digest of its final weights."""
+    """One run in this process (one rank of it under torchrun) in the folder args.run_dir; rank 0 prints its steady
+    samples/s, a digest of its final weights and the way --data-on-device auto kept."""
     import torch
 
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    with tempfile.TemporaryDirectory() as save_dir:
-        torch.manual_seed(0)
-        data, model, extra = data_and_model(workload, args, save_dir)
-        config = TrainConfig(epochs=1, batch_size=args.batch, log_every=args.log_every, progress=False,
-                             save_dir=save_dir, data_on_device=mode, lr_schedule="constant", **extra)
-        with MultiGPUTrainer(model, data, None, config) as trainer:
-            trainer.fit()
-            digest = hashlib.sha256()
-            for name, tensor in sorted(trainer.model.state_dict().items()):
-                digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
-        rate = steady(logged_rates(os.path.join(save_dir, "tb")))
-    print(RESULT + json.dumps({"samples_per_sec": rate, "weights": digest.hexdigest()}), flush=True)
+    torch.manual_seed(0)
+    data, model, extra = data_and_model(workload, args, args.run_dir)
+    config = TrainConfig(epochs=1, batch_size=args.batch, log_every=args.log_every, progress=False,
+                         save_dir=os.path.join(args.run_dir, "run"), data_on_device=mode, lr_schedule="constant",
+                         **extra)
+    with MultiGPUTrainer(model, data, None, config) as trainer:
+        trainer.fit()
+        digest = hashlib.sha256()
+        for name, tensor in sorted(trainer.model.state_dict().items()):
+            digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        kept = trainer.autotune.chosen.words(only_data=True) if trainer.autotune and trainer.autotune.chosen else ""
+        if not trainer.runtime.is_main:
+            return
+    rate = steady(logged_rates(os.path.join(args.run_dir, "run", "tb")))
+    print(RESULT + json.dumps({"samples_per_sec": rate, "weights": digest.hexdigest(), "kept": kept}), flush=True)
 
 
 def run(workload: str, mode: str, args: Any) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--worker", workload, "--mode", mode, "--steps", str(args.steps),
-               "--batch", str(args.batch), "--log-every", str(args.log_every),
-               "--cifar-size", str(args.cifar_size)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    with tempfile.TemporaryDirectory() as run_dir:
+        launch = ([sys.executable] if args.nproc == 1 else
+                  [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"])
+        command = [*launch, __file__, "--worker", workload, "--mode", mode, "--steps", str(args.steps),
+                   "--batch", str(args.batch), "--log-every", str(args.log_every),
+                   "--cifar-size", str(args.cifar_size), "--run-dir", run_dir]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         raise SystemExit(f"{workload}, --data-on-device {mode} failed (exit {done.returncode}):\n"
@@ -102,9 +111,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--only", help="comma-separated workload numbers (1-4) to run")
     parser.add_argument("--cifar-size", type=int, default=50_000, help="images in the CIFAR-sized tensor set")
+    parser.add_argument("--auto", action="store_true", help="also a run under --data-on-device auto each round")
+    parser.add_argument("--nproc", type=int, default=1, help="DDP processes per run, under torchrun (default 1: "
+                                                             "one process, no torchrun)")
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.mode, args)
@@ -112,34 +125,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     workloads = [WORKLOADS[int(n) - 1] for n in args.only.split(",")] if args.only else list(WORKLOADS)
+    modes = ["off", "on", *(["auto"] if args.auto else [])]
     results, (load_before, load_after) = alternating_rounds(
-        args.rounds, workloads, ["--data-on-device off", "--data-on-device on"],
+        args.rounds, workloads, [f"--data-on-device {mode}" for mode in modes],
         lambda workload, variant: run(workload, variant.split()[-1], args),
-        lambda figures: f"{figures['samples_per_sec']:.0f} samples/s")
+        lambda figures: f"{figures['samples_per_sec']:.0f} samples/s" + (f", kept {figures['kept']}"
+                                                                        if figures["kept"] else ""))
     results = {(workload, variant.split()[-1]): runs for (workload, variant), runs in results.items()}
-    rows = []
-    for workload in workloads:
-        loader = [run_["samples_per_sec"] for run_ in results[(workload, "off")]]
-        device = [run_["samples_per_sec"] for run_ in results[(workload, "on")]]
-        ratios = [on / off for on, off in zip(device, loader)]
-        same = all(a["weights"] == b["weights"] for a, b in zip(results[(workload, "off")], results[(workload, "on")]))
-        rows.append([workload, f"{statistics.median(loader):.0f}", f"{statistics.median(device):.0f}",
-                     f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
-                     "identical" if same else "differ"])
     if args.json:
         Path(args.json).write_text(json.dumps({f"{workload} | {mode}": runs for (workload, mode), runs in
                                                results.items()}, indent=1) + "\n")
     gpu = torch.cuda.is_available()
     output = Path(args.output or HERE / "results" / f"data_on_device_{'gpu' if gpu else 'cpu'}.md")
-    notes = [machine_line(), f"CIFAR-sized: {args.cifar_size:,} random 3x32x32 images in a TensorDataset; one "
-             f"device, fp32, batch {args.batch}, {args.steps} steps per run (one epoch of the "
+    processes = "one process" if args.nproc == 1 else f"{args.nproc} DDP processes under torchrun"
+    notes = [machine_line(), f"CIFAR-sized: {args.cifar_size:,} random 3x32x32 images in a TensorDataset; "
+             f"{processes}, fp32, batch {args.batch} per process, {args.steps} steps per run (one epoch of the "
              f"built-in sets), AdamW, constant LR; samples/s over every --log-every {args.log_every} interval but the "
              f"first, medians of {args.rounds} rounds (ratio: per round, median and range); load average "
              f"{load_before:.2f} before, {load_after:.2f} after"]
-    write_markdown(output, "--data-on-device against the loader", ["workload", "loader samples/s",
-                                                                   "on the device samples/s", "on the device / loader",
-                                                                   "final weights"], rows, notes)
+    header = ["workload", "loader samples/s", "on the device samples/s", "on the device / loader", "final weights"]
+    if args.auto:
+        header += ["auto samples/s", "auto / the faster of the two", "auto kept"]
+    write_markdown(output, "--data-on-device against the loader", header,
+                   [_row(workload, results, args.auto) for workload in workloads], notes)
     return 0
+
+
+def _row(workload: str, results: dict[tuple[str, str], list[dict[str, Any]]], auto: bool) -> list[str]:
+    """A workload's row: both ways' medians and ratio, whether their weights match; auto's, against the faster."""
+    loader, device = ([run_["samples_per_sec"] for run_ in results[(workload, mode)]] for mode in ("off", "on"))
+    ratios = [on / off for on, off in zip(device, loader)]
+    compared = ["on", "auto"] if auto else ["on"]
+    same = all(a["weights"] == b["weights"] for mode in compared
+               for a, b in zip(results[(workload, "off")], results[(workload, mode)]))
+    row = [workload, f"{statistics.median(loader):.0f}", f"{statistics.median(device):.0f}", _ratios(ratios),
+           "identical" if same else "differ"]
+    if not auto:
+        return row
+    rates = [run_["samples_per_sec"] for run_ in results[(workload, "auto")]]
+    kept = sorted({run_["kept"] for run_ in results[(workload, "auto")]})
+    return row + [f"{statistics.median(rates):.0f}", _ratios([rate / max(on, off) for rate, on, off
+                                                               in zip(rates, device, loader)]), ", ".join(kept)]
+
+
+def _ratios(ratios: list[float]) -> str:
+    return f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class DeviceData:
     def __init__(self, dataset: Dataset, config: TrainConfig, device: torch.device, world_size: int,
                  collate_fn: Optional[Callable], stream: bool):
         self.on, self.columns, self.augment, self.bare = False, [], None, False
+        self.measured = False  # auto: the first steps measure it against the loader, and the faster way stays
         if config.data_on_device == "off":
             self.line = "data: read by the loader (--data-on-device off)"
             return
@@ -55,9 +56,11 @@ class DeviceData:
                   else "read once into this process's memory" if device.type == "cpu" else f"moved to {device} once")
         ranks = "; each rank holds all of it (its share changes every epoch)" if world_size > 1 else ""
         augmented = ", each batch cropped and flipped there" if _inner(dataset) is not dataset else ""
+        loader = ("the loader's instead if the first steps measure it faster (--data-on-device auto)"
+                  if config.data_on_device == AUTO else "no loader")
         self.line = (f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
                      f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
-                     f"no loader")
+                     f"{loader}")
         try:
             self.columns, self.bare = columns(dataset, device, config.num_workers)
         except UsageError as error:  # a field that is not a tensor, or changes shape: seen only while reading
@@ -65,7 +68,7 @@ class DeviceData:
                 raise
             self.line = f"data: read by the loader: {str(error).split(': ', 1)[1].split('; give')[0]}"
             return
-        self.on = True
+        self.on, self.measured = True, config.data_on_device == AUTO
         self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]
         self.device = device
 

@@ -5,7 +5,7 @@ device, or read by a loader), or a stream's split over ranks and workers; the ep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from multigpu.config import TrainConfig
@@ -37,17 +37,31 @@ class TrainingData:
 
     sampler: Any  # this rank's share of every epoch, resumable mid-epoch (a stream keeps its own position)
     stream: Optional[streaming.TrainStream]  # an IterableDataset's split, ends and position; None for map-style
-    loader: Any
+    loader: Any  # the batches in use: a DataLoader, or the device's (data/device_data.py)
     steps_per_epoch: int  # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
     loader_batch: int  # samples per micro-batch of this process
     grad_accum_steps: int  # micro-batches per optimizer step
+    ways: dict[bool, Any] = field(default_factory=dict)  # --data-on-device auto's two: on the device (True), loader
+    _epoch: Optional[_Batches] = None  # the batches the epoch's windows read
 
     def windows(self, say: Callable[[str], None]) -> Iterator[streaming.Window]:
         """The rest of the epoch's steps: (micro-batches, samples, their sizes, last step of the epoch), the
         same number on every rank."""
         if self.stream is not None:
             return self.stream.windows(say)
-        return windows(iter(self.loader), len(self.sampler), self.loader_batch, self.grad_accum_steps)
+        self._epoch = _Batches(iter(self.loader))
+        return windows(self._epoch, len(self.sampler), self.loader_batch, self.grad_accum_steps)
+
+    def use_device(self, on: bool, epoch: int, samples_in_epoch: int) -> None:
+        """--data-on-device auto's trials, between two steps: the rest of the epoch's batches gathered on the
+        device (`on`) or read by the loader, from where the epoch is (`samples_in_epoch`, all ranks together):
+        the same batches either way."""
+        if self.loader is self.ways[on]:
+            return
+        self.loader = self.ways[on]
+        if self._epoch is not None:
+            self.sampler.start_at(epoch, samples_in_epoch)
+            self._epoch.iterator = iter(self.loader)
 
     def steps_done(self, epoch: int, samples_in_epoch: int) -> int:
         """Optimizer steps of the epoch already taken, `samples_in_epoch` into it; also points the sampler at the
@@ -56,6 +70,19 @@ class TrainingData:
             return self.stream.steps_in_epoch
         self.sampler.start_at(epoch, samples_in_epoch)
         return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.grad_accum_steps))
+
+
+class _Batches:
+    """An epoch's batches, from whichever way `iterator` reads them now."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> "_Batches":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.iterator)
 
 
 def training_data(dataset: Any, config: TrainConfig, runtime: Runtime, loader_batch: int,
@@ -68,8 +95,11 @@ def training_data(dataset: Any, config: TrainConfig, runtime: Runtime, loader_ba
                                        config.num_workers, config.seed, collate_fn, build_loader, config.max_steps)
         return TrainingData(stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate)
     sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
-    loader = (on_device.batches(sampler, loader_batch, config.seed) if on_device.on else
-              build_loader(dataset, runtime.device, config.num_workers, config.seed + runtime.rank, sampler=sampler,
-                           batch_size=loader_batch, collate_fn=collate_fn))
-    return TrainingData(sampler, None, loader, math.ceil(len(sampler) / (loader_batch * accumulate)), loader_batch,
-                        accumulate)
+    ways = {}
+    if on_device.on:
+        ways[True] = on_device.batches(sampler, loader_batch, config.seed)
+    if not on_device.on or on_device.measured:  # a DataLoader starts no worker before it is iterated
+        ways[False] = build_loader(dataset, runtime.device, config.num_workers, config.seed + runtime.rank,
+                                   sampler=sampler, batch_size=loader_batch, collate_fn=collate_fn)
+    return TrainingData(sampler, None, ways[on_device.on], math.ceil(len(sampler) / (loader_batch * accumulate)),
+                        loader_batch, accumulate, ways)

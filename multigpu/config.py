@@ -118,9 +118,10 @@ class TrainConfig:
                                       group="data")
     data_on_device: str = _opt("auto", "keep the training set on the device and gather each batch there (no loader, "
                                "no host copy per step; CIFAR's crop and flip run there on whole batches): on, off, or "
-                               "auto: on when it is tensors (a TensorDataset, or a set whose samples never change: "
+                               "auto: where it is tensors (a TensorDataset, or a set whose samples never change: "
                                "synthetic, fake, the MNIST family, CIFAR, text) that fit in a quarter of the device's "
-                               "memory", ["auto", "on", "off"], group="data")
+                               "memory, the first steps measure it against the loader and the faster way stays",
+                               ["auto", "on", "off"], group="data")
     steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset), "
                                 "passes following one another; 0: an epoch is one pass (without __len__ its steps "
                                 "are unknown, and a schedule that needs them is refused)", group="data")
@@ -498,7 +499,8 @@ RANGES = {
     **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
                                    "steps_per_epoch", "max_steps", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
                                    "hang_timeout")},
-    **{name: Range(0, low_allowed=False) for name in ("lr", "lr_gamma", "lr_step_epochs")},
+    **{name: Range(0, low_allowed=False) for name in ("lr_gamma", "lr_step_epochs")},
+    "lr": Range(0),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
     "dp_replicate": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
@@ -611,6 +613,28 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     # Old launchers (torch.distributed.launch) pass --local-rank/--local_rank; ranks come from the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def reference_table() -> str:
+    """Every field as the API reference lists it (docs/reference/config.md, through scripts/mkdocs_hooks.py): per
+    group of --help, each field's flag, type, default and help, from the same table as the command line."""
+    lines = []
+    for group in GROUPS:
+        lines += [f"**{group}**", "", "| flag (field) | type | default | what it does |", "|---|---|---|---|"]
+        for f in dataclasses.fields(TrainConfig):
+            if f.metadata["group"] == group:
+                cells = (cell.replace("|", "\\|").replace("<", "&lt;") for cell in _reference_row(f))  # not markup
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _reference_row(f: dataclasses.Field) -> list[str]:
+    flags = f"`--{flag(f.name)}`" + (f", `--no-{flag(f.name)}`" if f.type in ("bool", bool) else "")
+    kind = " or ".join([field_kind(f), *(repr(word) for word in f.metadata["words"])])
+    kind += f": one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
+    kind += " or None" if str(f.type).startswith("Optional[") else ""
+    return [f"{flags} (`{f.name}`)", kind, f"`{f.default!r}`", f.metadata["help"]]
 
 
 # Test-only: flags read before the command line's own, which win over them. The docs test

@@ -2,17 +2,20 @@
 (MULTI_GPU_GUIDE.md, QUICK_REFERENCE.md); the site takes them from there. Their links, and the pages' links to
 files of the checkout that are no page (code, result tables), are written for the checkout; the site keeps the
 ones to pages, shows the others as the file's path, and leaves a link to a file that does not exist for mkdocs
-to report."""
+to report. The API reference's TrainConfig page gets every field (mkdocstrings lists only what has a docstring,
+and a field's help is its metadata): TrainConfig's own table, at FIELDS_MARK."""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
 TOP_PAGES = ("MULTI_GPU_GUIDE.md", "QUICK_REFERENCE.md")
+FIELDS_MARK = "<!-- every TrainConfig field, from multigpu/config.py (scripts/mkdocs_hooks.py) -->"
 LINK = re.compile(r"\[([^\]]*)\]\((?!https?:|mailto:|#)([^)#\s]*)(#[^)\s]*)?\)")
 
 
@@ -24,8 +27,20 @@ def on_files(files: Files, config: Any) -> Files:
     return files
 
 
+def with_fields(markdown: str, top: str) -> str:
+    """`markdown` with FIELDS_MARK replaced by TrainConfig's fields (`reference_table`) of the checkout at `top`."""
+    if FIELDS_MARK not in markdown:
+        return markdown
+    if top not in sys.path:
+        sys.path.insert(0, top)
+    from multigpu.config import reference_table
+
+    return markdown.replace(FIELDS_MARK, reference_table())
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     at_top, top = page.file.src_uri in TOP_PAGES, os.path.dirname(config["config_file_path"])
+    markdown = with_fields(markdown, top)
     pages = {file.src_uri for file in files.documentation_pages()}
 
     def link(match: re.Match) -> str:

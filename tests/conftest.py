@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -126,6 +127,94 @@ def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]]
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
+
+
+@contextlib.contextmanager
+def torchruns_store() -> Iterator[int]:
+    """A store like the one torchrun lends its workers (TORCHELASTIC_USE_AGENT_STORE), held by a process of its
+    own that outlives them as torchrun does; yields its port."""
+    port_read, port_write = os.pipe()
+    done_read, done_write = os.pipe()
+    holder = os.fork()
+    if holder == 0:
+        os.close(port_read)
+        os.close(done_write)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        os.write(port_write, str(store.port).encode())
+        os.read(done_read, 1)  # returns when the test closes its end
+        os._exit(0)
+    os.close(port_write)
+    os.close(done_read)
+    try:
+        yield int(os.read(port_read, 16))
+    finally:
+        os.close(done_write)
+        os.close(port_read)
+        os.waitpid(holder, 0)
+
+
+def run_as_torchrun_workers(args: Sequence[str], nproc: int, port: int, attempt: int,
+                            held: Optional[int] = None) -> tuple[list[int], str]:
+    """`main_multi_gpu.py ARGS` as `nproc` workers of torchrun's attempt `attempt`, with torchrun's environment
+    and store (`torchruns_store`'s `port`), ended as torchrun ends them: once one exits with an error, every other
+    one gets SIGTERM, at once (torchrun looks every 0.1 s). The workers are forks of this process, which has
+    the framework imported: milliseconds a run where a torchrun costs seconds; so they must end before they
+    compute with torch (refusals before any training), whose OpenMP threads a fork of pytest's process may find
+    broken (`preloaded_context` starts processes that train). `held`: that rank is stopped from
+    its start until then, a rank slower than all the others. Returns their exit statuses in rank order (-N:
+    killed by signal N) and their output, together."""
+    import main_multi_gpu
+
+    read, write = os.pipe()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _torchrun_worker(main_multi_gpu.main, args, rank, nproc, port, attempt, write, rank == held)
+        pids.append(pid)
+    os.close(write)
+    statuses = _ended_as_torchrun_ends_workers(pids)
+    with os.fdopen(read) as output:
+        return statuses, output.read()
+
+
+def _torchrun_worker(main: Callable[[list[str]], int], args: Sequence[str], rank: int, nproc: int, port: int,
+                     attempt: int, output: int, held: bool) -> None:
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    sys.stdout = sys.stderr = open(output, "w", buffering=1, closefd=False)  # not pytest's capture
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS="1")
+    status = 1
+    try:
+        if held:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        status = main(list(args))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _ended_as_torchrun_ends_workers(pids: list[int]) -> list[int]:
+    """Wait for the workers `pids`; at the first that exits with an error, SIGTERM the others (a stopped one too).
+    Their exit statuses, in order."""
+    pidfds = {os.pidfd_open(pid): pid for pid in pids}
+    statuses: dict[int, int] = {}
+    while pidfds:
+        ended, _, _ = select.select(list(pidfds), [], [], RUN_TIMEOUT)
+        assert ended, f"workers {list(pidfds.values())} still running after {RUN_TIMEOUT} s"
+        for pidfd in ended:
+            pid = pidfds.pop(pidfd)
+            os.close(pidfd)
+            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            if statuses[pid] != 0:
+                for other in pidfds.values():
+                    os.kill(other, signal.SIGTERM)
+                    os.kill(other, signal.SIGCONT)  # a stopped worker takes its SIGTERM now
+    return [statuses[pid] for pid in pids]
 
 
 def thread_names() -> list[str]:
@@ -327,7 +416,10 @@ def read_hparams(log_dir: Path) -> dict[str, dict[str, Any]]:
 RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
-def _rank_context() -> Any:
+def preloaded_context() -> Any:
+    """The multiprocessing context whose processes are forked from a server with RANK_PRELOAD loaded (run_ranks'
+    ranks): a process that computes with torch must not be a fork of pytest's own, whose OpenMP threads a
+    forked child that computes hangs or dies in."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)  # takes effect when the server starts, at the first rank
     return context
@@ -388,7 +480,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     """
     import queue as queue_module
 
-    context = _rank_context()
+    context = preloaded_context()
     queue = context.Queue()
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"

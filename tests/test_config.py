@@ -39,7 +39,7 @@ def test_old_launchers_local_rank_flag_is_tolerated():
 
 @pytest.mark.parametrize("values, message", [
     ({"batch_size": 0}, "--batch-size must be at least 1"),
-    ({"lr": -1.0}, "--lr must be positive"),
+    ({"lr": -1.0}, "--lr must not be negative"),
     ({"warmup_epochs": -0.5}, "--warmup-epochs must not be negative"),
     ({"image_shape": "3x32x32"}, "--image-shape must be C,H,W"),
     ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, step, constant"),

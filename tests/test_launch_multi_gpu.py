@@ -362,7 +362,7 @@ def test_bad_flag_values_give_one_line_and_exit_2(args: list[str], message: str)
     (["--epochs", "-1"], ["--epochs", "-1"]),
     (["--epochs", "many"], ["--epochs", "many"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),
-    (["--lr", "0.0"], ["--lr", "0.0"]),
+    (["--lr", "-0.1"], ["--lr", "-0.1"]),
     (["--lr", "fast"], ["--lr", "fast"]),
     (["--scale-lr", "cubic"], ["--lr-scaling", "cubic"]),
     (["--", "--grad-accum-steps", "0"], ["--grad-accum-steps", "0"]),
@@ -419,6 +419,14 @@ def test_more_cpu_processes_than_cores_are_refused_unless_oversubscribe_is_given
     assert asked.returncode == 0, asked.stderr
     assert f"  --gpus {cores + 1}: more processes than this machine's" in asked.stderr
     assert asked.stderr.count("CPU processes [") == 2 and "Not done" in asked.stderr
+
+
+def test_a_number_off_the_menu_is_asked_again_naming_the_menu() -> None:
+    """The CPU menu offers 1-3, and `7` was answered with a flag error about --multi-gpu."""
+    asked = launch([], launcher_env(), input="7\n3\n")  # then the answers run out: nothing runs
+    assert asked.returncode == 130, asked.stderr
+    assert "Mode [ddp]: 7\n  7 is not on the menu: answer 1-3, or one of ddp, none, fsdp\nMode [ddp]: 3\n" in asked.stderr
+    assert "--multi-gpu" not in asked.stderr and "CPU processes [" in asked.stderr  # 3 (fsdp) taken
 
 
 def test_the_guides_transcript_of_the_commands_is_what_the_launcher_prints(tmp_path: Path) -> None:

@@ -17,14 +17,15 @@ import signal
 import subprocess
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 
-from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port, run_cli,
-                      run_cli_ranks, run_ranks, tiny_model)
+from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port,
+                      preloaded_context, run_cli, run_cli_ranks, run_ranks, tiny_model)
 from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
@@ -316,6 +317,112 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(capfd):
     assert capfd.readouterr().err == "second SIGINT: exiting now without a checkpoint\n"
 
 
+def test_only_the_processs_own_sigterm_and_sigint_count_as_stop_requests(capfd):
+    """Every signal with a Python handler reaches the watcher's pipe (a loader's SIGCHLD when its workers end,
+    which ended a run as a 'second SIGCHLD'), and a forked loader worker, which the terminal's Ctrl-C reaches
+    too, inherits the pipe."""
+    child = os.fork()
+    if child == 0:
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # as torch's DataLoader does
+        stop = StopRequest()
+        stop.install()
+        worker = os.fork()
+        if worker == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # the loader worker's own Ctrl-C
+            os._exit(0)
+        os.waitpid(worker, 0)  # and its SIGCHLD, with one more of those
+        os.kill(os.getpid(), signal.SIGCHLD)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(0 if stop.signal_name == "SIGINT" else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert capfd.readouterr().err == ""
+
+
+def test_each_fit_watches_for_signals_with_a_thread_that_ends_with_it():
+    """A trainer's second fit() installs the StopRequest again, before the first watcher may have seen its pipe
+    end: each watcher keeps to its own pipe, and ends."""
+    child = os.fork()
+    if child == 0:
+        stop = StopRequest()
+        for _ in range(3):  # one fit after another
+            stop.install()
+            stop.uninstall()
+        watchers = [thread for thread in threading.enumerate() if thread.name == "multigpu-stop-request"]
+        for watcher in watchers:
+            watcher.join(5)
+        os._exit(0 if watchers and not any(watcher.is_alive() for watcher in watchers) else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+class OneLongCall(torch.nn.Module):
+    """tiny_model whose forward, once `slow` is set, spends its step in one call of C++ code, where Python runs no
+    signal handler: a wait (30 s) for a store key nobody sets, a large convolution's seconds without the CPU.
+    `ready` is set as it starts."""
+
+    def __init__(self, ready: Any) -> None:
+        super().__init__()
+        self.inner, self.ready, self.slow = tiny_model(), ready, False
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.slow:
+            self.ready.set()
+            with contextlib.suppress(RuntimeError):
+                torch.distributed.HashStore().wait(["never set"], timedelta(seconds=30))
+        return self.inner(inputs)
+
+
+class SlowAfterStep1:
+    def on_step_end(self, trainer: Any) -> None:
+        trainer.model.slow = True
+
+
+def _a_run_of_long_steps(tmp_path: Path, ready: Any) -> None:
+    """Step 1 saved (--save-every-steps 1), step 2 in its long call when the signals come; the output in
+    tmp_path/output."""
+    output = os.open(tmp_path / "output", os.O_WRONLY | os.O_CREAT)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    config = config_for(tmp_path, 1, save_every_steps=1, epochs=1)
+    trainer = MultiGPUTrainer(OneLongCall(ready), blobs(64, 0), None, config, callbacks=[SlowAfterStep1()])
+    trainer.stop.repeat_window = 0.0  # the second SIGTERM comes at once, not seconds later
+    trainer.fit()
+    os._exit(4)  # not reached: the second SIGTERM exits
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits to be delivered to process `pid` (Linux /proc: two signals of one kind that are
+    both pending at once are one)."""
+    fields = dict(line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines() if "\t" in line)
+    return any(int(fields[mask], 16) >> (signum - 1) & 1 for mask in ("SigPnd", "ShdPnd"))
+
+
+def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping_the_last_checkpoint(tmp_path):
+    """Two SIGTERMs did not stop a run whose steps took 25 s each: both came while the step was in C++ code,
+    and Python made them one handler call there."""
+    context = preloaded_context()
+    ready = context.Event()
+    run = context.Process(target=_a_run_of_long_steps, args=(tmp_path, ready))
+    run.start()
+    try:
+        assert ready.wait(RUN_TIMEOUT)
+        started = time.monotonic()
+        os.kill(run.pid, signal.SIGTERM)
+        while signal_pending(run.pid, signal.SIGTERM):  # two at once would be one: the kernel keeps one of a kind
+            time.sleep(0.001)
+        os.kill(run.pid, signal.SIGTERM)
+        run.join(RUN_TIMEOUT)
+    finally:
+        run.kill()
+    assert run.exitcode == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10  # not after the 30 s call
+    assert (tmp_path / "output").read_text().endswith("second SIGTERM: exiting now without a checkpoint\n")
+    saved = sorted(path.name for path in Path(tmp_path / "ckpt").iterdir() if path.suffix == ".pt")
+    assert saved == ["step-000000001.pt"]
+    assert checkpoint.load(str(tmp_path / "ckpt" / saved[0]))["global_step"] == 1
+
+
 # ---------------------------------------------------------------- resume on another number of processes
 def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[int], resume: bool,
               settings: Optional[dict] = None) -> dict:
@@ -332,7 +439,7 @@ def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[i
         trace.append((trainer.progress.epoch * 160 + trainer.progress.samples_in_epoch,
                       optimizer.param_groups[0]["lr"]))
         if len(trace) == stop_after:
-            trainer.stop._handle(signal.SIGTERM, None)  # as if SIGTERM arrived here
+            os.kill(os.getpid(), signal.SIGTERM)  # a rank of its own (run_ranks): only this rank stops
 
     trainer.optimizer.register_step_pre_hook(record)
     printed = io.StringIO()

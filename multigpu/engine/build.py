@@ -83,12 +83,17 @@ class Tunable(Protocol):
     evaluator: Any
     step: TrainStep
     channels_last: bool
+    data: Any  # TrainingData (data/feed.py)
+    progress: Any  # where the epoch is
 
 
 def use_setting(run: Tunable, setting: autotune.Setting) -> None:
     """Switch the run to an --autotune setting between two steps: the threads, the memory format (weights,
-    optimizer state, batches) and compiled or not; nothing a step computes changes beyond rounding."""
+    optimizer state, batches), compiled or not, and where the batches come from (--data-on-device auto); nothing
+    a step computes changes beyond rounding."""
     torch.set_num_threads(setting.threads)
+    if setting.data_on_device is not None:  # the same batches, from the same place in the epoch
+        run.data.use_device(setting.data_on_device, run.progress.epoch, run.progress.samples_in_epoch)
     if setting.channels_last != run.channels_last:
         layout = torch.channels_last if setting.channels_last else torch.contiguous_format
         run.model.to(memory_format=layout)  # 4-D weights only, in place: the optimizer keeps its parameters

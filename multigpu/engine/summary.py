@@ -26,9 +26,10 @@ def summary(metrics: dict[str, float], monitor: Optional[str], progress: Progres
 
 def report_done(report: Reporter, result: dict[str, Any], config: TrainConfig, classes: Optional[int],
                 optimizer: torch.optim.Optimizer, lr: float, has_validation: bool, devices_per_step: int,
-                telemetry: Telemetry) -> None:
+                telemetry: Telemetry, epoch_share: Optional[float] = 0.0) -> None:
     """The end-of-run lines and hparams; `result` gets `did_not_learn` (why) where the run shows it did not
-    learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py)."""
+    learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py). `epoch_share`: of the epoch it
+    ended in (plan.trained)."""
     warning = plan.learning_warning(report, classes, optimizer, lr, config.lr_scaling)
     if warning:
         report.line(warning)
@@ -36,7 +37,7 @@ def report_done(report: Reporter, result: dict[str, Any], config: TrainConfig, c
     if why:
         result["did_not_learn"] = why
     report.line(plan.done_line(result, result["monitor"], has_validation, devices_per_step,
-                               telemetry.summary_text(result)))
+                               telemetry.summary_text(result), epoch_share))
     report.hparams(config, {key: value for key, value in result.items() if isinstance(value, float)
                             and (key.startswith("val_") or key.startswith("best_"))})
 
@@ -66,6 +67,9 @@ def finish(run: Any, started: float) -> dict[str, Any]:
     result = summary(run.metrics, run.monitor.name, run.progress, run.sync.samples, run.sync.seconds,
                      run.telemetry, wall_time=time.perf_counter() - started,
                      **({"stopped_early": run.stop_reason} if run.stop_reason else {}))
+    samples_per_epoch = getattr(run.sampler, "usable", None)  # a stream's epoch has no known length
+    epoch_share = run.progress.samples_in_epoch / samples_per_epoch if samples_per_epoch else None
     report_done(run.report, result, run.config, run.evaluator.classes, run.optimizer, run.lr,
-                run.val_dataset is not None, run.runtime.devices_per_step, run.telemetry)
+                run.val_dataset is not None, run.runtime.devices_per_step, run.telemetry,
+                epoch_share if run.progress.samples_in_epoch else 0.0)
     return result

@@ -7,8 +7,10 @@ here, so the package never imports an entry script.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -19,7 +21,7 @@ from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import console
 from multigpu.models import build_model
 from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
-from multigpu.resilience.preemption import PeerLost, error_detail, is_peer_failure
+from multigpu.resilience.preemption import PeerLost, agent_store, error_detail, is_peer_failure, restart_count
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 from train_multi_gpu import MultiGPUTrainer
 
@@ -103,9 +105,11 @@ def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
     except PeerLost as error:
         return error.exit_code  # every survivor has already said which rank it lost
     except (UsageError, TrainingStopped) as error:
-        # Every rank reaches the same verdict (the decisions are all-reduced): rank 0 says it once. An error that
-        # one rank met alone (a data file its loader read mid-epoch) is said by that rank.
-        if rank == 0 or not error.agreed:
+        # An error that one rank met alone (a data file its loader read mid-epoch) is said by that rank; one that
+        # every rank reaches (the decisions are all-reduced, or every rank checks the same flags) is said once.
+        if error.agreed:
+            say_once(str(error), rank)
+        else:
             print(f"error: {'' if rank == 0 else f'rank {rank}: '}{error}", file=sys.stderr, flush=True)
         return error.exit_code
     except PermissionError as error:
@@ -129,3 +133,52 @@ def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
             print(f"rank {rank} failed:", file=sys.stderr, flush=True)
         raise
     return 0
+
+
+SAID_WAIT_SECONDS = 30.0  # for the rank that says the line to print it: milliseconds, unless it died meanwhile
+
+
+def say_once(error: str, rank: int) -> None:
+    """Print a verdict that every rank reaches, `error: <error>` on stderr, once for the whole run.
+
+    torchrun ends every worker as soon as one exits with an error, so rank 0, left to say it, was often ended
+    before it had: no line at all. Under torchrun the first rank here claims the line in torchrun's store and
+    prints it; the others wait until it has, so the ones that exit first never cut it off. Without torchrun's
+    store (one process, or ranks started by hand, which nothing ends early) rank 0 says it.
+    """
+    store = _torchruns_store()
+    try:
+        if store is not None and not _claimed(store):
+            return  # the rank that claimed the line has printed it
+    except RuntimeError:  # the store went away (torchrun with it), or the claimer died before printing
+        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
+        return
+    if store is not None or rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if store is not None:
+        with contextlib.suppress(RuntimeError):  # a store gone now: the others, ended by torchrun, wait no more
+            store.set(_said_key() + "/said", "1")
+
+
+def _claimed(store: Any) -> bool:
+    """Whether this rank is the first to claim the line in `store`; the others return once it is printed."""
+    key = _said_key()
+    if store.add(key, 1) == 1:
+        return True
+    store.wait([key + "/said"], timedelta(seconds=SAID_WAIT_SECONDS))
+    return False
+
+
+def _said_key() -> str:
+    return f"multigpu/said-once/attempt-{restart_count()}"  # a torchrun restart's verdict is said again
+
+
+def _torchruns_store() -> Optional[Any]:
+    """torchrun's store, where several of its workers may end the run; None in one process, without torchrun's
+    store, or when it cannot be reached (torchrun is going away too)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    try:
+        return agent_store(timedelta(seconds=SAID_WAIT_SECONDS))
+    except RuntimeError:
+        return None

@@ -72,7 +72,16 @@ def plan_lines(run: PlanFacts) -> list[str]:
             f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
             f"accumulation = {run.effective_batch} effective ({batch_rule})",
             f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
-            *([run.data] if run.data else []), *([run.loss] if run.loss else []), *_warnings(run, warmup_steps)]
+            *_frozen(run), *([run.data] if run.data else []), *([run.loss] if run.loss else []),
+            *_warnings(run, warmup_steps)]
+
+
+def _frozen(run: PlanFacts) -> list[str]:
+    """The note of a run at --lr 0 (the built-in optimizer's): what it is good for, and that it trains nothing."""
+    if not run.builtin_optimizer or run.config.lr != 0:
+        return []
+    return ["--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or "
+            "to evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"]
 
 
 def _why_schedule(run: PlanFacts) -> str:
@@ -202,11 +211,22 @@ def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.
 
 
 def done_line(summary: dict[str, Any], monitor: Optional[str], has_val: bool, devices_per_step: int,
-              telemetry_text: str) -> str:
-    """The end-of-run line: the best monitored value (`monitor` names it), epochs, wall time, throughput
-    (also per device, of `devices_per_step`) and the telemetry totals (`telemetry_text`)."""
+              telemetry_text: str, epoch_share: Optional[float] = 0.0) -> str:
+    """The end-of-run line: the best monitored value (`monitor` names it), how long it trained (`trained`, of
+    `epoch_share`), wall time, throughput (also per device, of `devices_per_step`) and the telemetry totals
+    (`telemetry_text`)."""
     best = (f"best {monitor.replace('_', ' ', 1)} {summary['best']:.4f}" if monitor and summary["best"] is not None
             else "no finite validation metric" if has_val else "no validation set")
-    return (f"done: {best}, {summary['epochs']} epochs, wall time {summary['wall_time']:.1f}s, "
+    return (f"done: {best}, {trained(summary['epochs'], summary['global_step'], epoch_share)}, wall time "
+            f"{summary['wall_time']:.1f}s, "
             f"{summary['samples_per_sec']:.0f} samples/s "
             f"({summary['samples_per_sec'] / devices_per_step:.0f} per device){telemetry_text}")
+
+
+def trained(epochs: int, steps: int, epoch_share: Optional[float]) -> str:
+    """How long a run trained: its whole epochs, or, where it ended inside one (--max-steps), its steps and the
+    epochs they make (`epoch_share`: the share of the last epoch trained, 0 at an epoch's end; None where an
+    epoch's length is unknown, a stream's)."""
+    if epoch_share == 0:
+        return f"{epochs} epochs"
+    return f"{steps} steps" + ("" if epoch_share is None else f" ({epochs + epoch_share:.2f} epochs)")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from types import FrameType
 from typing import Any, Callable, Iterator, Optional
@@ -25,6 +27,9 @@ from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import published
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class StopRequest:
     """Remembers that SIGTERM or SIGINT arrived; a second one exits at once.
 
@@ -32,24 +37,84 @@ class StopRequest:
     delivered twice, not a second one: SLURM signals every process of a job step
     (torchrun and its workers), and torchrun forwards the signal to the workers
     as well (docs/launcher.md, "SLURM").
+
+    Python runs a signal's handler only between two of its own instructions: while a step is inside one long
+    call of C++ code (a large convolution, a collective), no handler runs, and two signals meanwhile become one
+    call. So each signal is also written, as it arrives, into a pipe (Python's wakeup fd) that a thread of
+    this object watches: the second one ends the process even then.
     """
 
     def __init__(self, repeat_window: float = 2.0) -> None:
         self.signal_name: Optional[str] = None
         self.repeat_window = repeat_window
         self._first_at = 0.0
+        self._lock = threading.RLock()  # the handler and the watcher; a handler may interrupt itself
+        self._pipe: Optional[_WakeupPipe] = None  # while installed
+        self._previous_fd = -1
 
     def install(self) -> None:
-        """Make SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        """Make SIGTERM and SIGINT set the flag, and start watching for a second one (main thread only, as
+        Python requires)."""
+        self._pipe = _WakeupPipe()
+        self._previous_fd = signal.set_wakeup_fd(self._pipe.write, warn_on_full_buffer=False)
+        _WATCHING.add(self)
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
+        threading.Thread(target=self._watch, args=(self._pipe,), name="multigpu-stop-request", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """Stop watching (call it after the handlers are put back): the wakeup fd as it was, the watcher ended."""
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        _WATCHING.discard(self)
+        with self._lock:
+            os.close(self._pipe.write)  # the watcher reads the pipe's end and closes the reading end
+            self._pipe = None
+
+    def _disown(self) -> None:
+        """In a forked child: the pipe is the parent's, and no watcher runs here."""
+        self._lock = threading.RLock()  # the parent's watcher may have held it at the fork
+        if self._pipe is None:
+            return
+        current = signal.set_wakeup_fd(-1)  # allowed: a fork's one thread is its main thread
+        if current != self._pipe.write:
+            signal.set_wakeup_fd(current)
+        os.close(self._pipe.read)
+        os.close(self._pipe.write)
+        self._pipe = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        # Python's handler, in the main thread: the signal's byte is in the pipe, taken here or by the watcher.
+        pipe = self._pipe
+        if pipe is not None:
+            self._take_signals(pipe)
+
+    def _watch(self, pipe: _WakeupPipe) -> None:
+        while self._take_signals(pipe):
+            select.select([pipe.read], [], [])
+        os.close(pipe.read)  # here only, once the pipe's end was seen: nobody reads it any more
+
+    def _take_signals(self, pipe: _WakeupPipe) -> bool:
+        """Act on every signal waiting in `pipe`, once each; False once its writing end is closed."""
+        with self._lock:
+            while not pipe.ended:
+                try:
+                    arrived = os.read(pipe.read, 64)
+                except BlockingIOError:
+                    return True
+                pipe.ended = not arrived
+                for signum in arrived:
+                    if signum in STOP_SIGNALS:  # every signal with a Python handler comes here (a loader's SIGCHLD)
+                        self._arrived(signum)
+            return False
+
+    def _arrived(self, signum: int) -> None:
         now = time.monotonic()
         if self.signal_name is not None:
             if signum == signal.SIGTERM and self.signal_name == "SIGTERM" and now - self._first_at < self.repeat_window:
                 return
-            # os.write, not print: the handler may interrupt a print to the same stream.
+            # os.write, not print: the main thread may be inside a print to the same stream.
             os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
@@ -59,6 +124,30 @@ class StopRequest:
     def requested(self) -> bool:
         """True once SIGTERM or SIGINT reached this process."""
         return self.signal_name is not None
+
+
+class _WakeupPipe:
+    """One install's pipe: Python writes the number of each signal into it as the signal arrives (its wakeup fd)."""
+
+    def __init__(self) -> None:
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.read, False)
+        os.set_blocking(self.write, False)
+        self.ended = False  # its writing end was closed, and the end seen: its reading end is closed next
+
+
+_WATCHING: "weakref.WeakSet[StopRequest]" = weakref.WeakSet()  # the StopRequests installed in this process
+
+
+def _not_in_a_child() -> None:
+    """A forked child (a loader worker) inherits the installed StopRequests' pipes and handlers: it must neither
+    write its own signals into its parent's pipe (a Ctrl-C, which the terminal sends to the loader workers too,
+    would count twice there and end the run without a checkpoint) nor read the parent's signals from it."""
+    for stop in list(_WATCHING):
+        stop._disown()
+
+
+os.register_at_fork(after_in_child=_not_in_a_child)
 
 
 def restart_count() -> int:
@@ -71,23 +160,30 @@ def restarts_left() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
 
 
+def agent_store(timeout: timedelta) -> Optional[dist.Store]:
+    """torchrun's own store, joined as a client: torchrun lends it to the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and it lives as long as torchrun does, so it outlives every worker and every attempt. None without it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=timeout)
+
+
 def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
     """init_process_group arguments that keep a torchrun restart away from the previous attempt's keys.
 
-    torchrun lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    torchrun lends its own store to the workers (`agent_store`) and
     keeps it across restarts, while every attempt's process group writes the same
     keys: a restarted rank can read a dead peer's address and hang in
     init_process_group (with gloo here, about one restart in two; for NCCL see
     pytorch/pytorch#135712). A prefix per attempt keeps the attempts apart. Empty
     (torch's own env:// set-up) when torchrun does not lend its store.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    store = agent_store(timeout)
+    if store is None:
         return {}
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": rank,
-            "world_size": world_size}
+    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 # ---------------------------------------------------------------- a lost rank
@@ -172,7 +268,7 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
     step) must not be cut off by it."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         stop.install()
     try:
         yield
@@ -191,3 +287,4 @@ def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: f
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        stop.uninstall()

@@ -123,13 +123,19 @@ def requested(argv: Sequence[str]) -> bool:
     return any(arg.split("=", 1)[0] in SPELLINGS for arg in argv)
 
 
+# The training flag the sweep's own progress bar follows (cli.py: the runs show none of their own): welcome on
+# either side of `--`, as docs/sweeps.md presents it with the sweep's bar.
+BOTH_SIDES = ("--progress", "--no-progress")
+
+
 def split_separated(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """`[sweep flags] -- [training flags]` -> (sweep flags, training flags)."""
+    """`[sweep flags] -- [training flags]` -> (sweep flags, training flags); --progress/--no-progress given
+    before `--` are training flags too."""
     argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    before, after = argv[:cut], argv[cut + 1:]
+    shared = [arg for arg in before if arg.split("=", 1)[0] in BOTH_SIDES]
+    return [arg for arg in before if arg not in shared], shared + after
 
 
 def parse(sweep_argv: Sequence[str], mixed: bool = False,

@@ -8,6 +8,9 @@ run given the chosen settings directly ends with, within floating-point rounding
   --no-channels-last was given;
 - intra-op threads per process, on the CPU: the current count and, when it differs, this machine's cores
   shared out over the local processes;
+- under --data-on-device auto, where the training set can be on the device: the batches gathered there (each
+  setting above) against the loader's (the fastest of them again, with the loader), the same batches either
+  way. Without --autotune this is the only trial (docs/speed.md, "Data on the device");
 - torch.compile of the fastest of those, only when the planned steps left could repay a compile: at that
   speed, compiled steps EXPECTED_GAIN faster would save at least the EXPECTED_COMPILE_SECONDS a compile takes
   (compile_worth_trying); and only where a compiler is there and --compile/--no-compile was not given. It is
@@ -51,11 +54,16 @@ class Setting:
     channels_last: bool
     threads: int
     compiled: bool = False
+    data_on_device: Optional[bool] = None  # --data-on-device auto: gathered on the device, or the loader's; None: as is
 
-    def words(self) -> str:
+    def words(self, only_data: bool = False) -> str:
+        data = ([] if self.data_on_device is None else
+                ["data on the device" if self.data_on_device else "data through the loader"])
+        if only_data:
+            return ", ".join(data)
         return ", ".join(["channels-last" if self.channels_last else "channels-first",
                           f"{self.threads} thread{'' if self.threads == 1 else 's'}",
-                          *(["compiled"] if self.compiled else [])])
+                          *(["compiled"] if self.compiled else []), *data])
 
 
 def can_compile(device: torch.device) -> bool:
@@ -89,26 +97,31 @@ def why_not_compile(runtime: Runtime, given: frozenset) -> Optional[str]:
     return None
 
 
-def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: torch.device) -> list[Setting]:
-    """The eager settings to try, the one as given first."""
+def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: torch.device,
+               data: bool = False) -> list[Setting]:
+    """The eager settings to try, the one as given first; `data`: each with the data on the device (the
+    loader's way is tried after them, on the fastest)."""
     layouts = [given.channels_last] + ([not given.channels_last] if convolutions and tune_layout else [])
     threads = [given.threads]
     if device.type == "cpu":  # oversubscribed cores (processes x threads > cores) slow every step several-fold
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         cores = len(os.sched_getaffinity(0)) // max(1, local_processes)
         threads += [max(1, cores)] if max(1, cores) != given.threads else []
-    return [Setting(layout, count) for count in threads for layout in layouts]
+    return [Setting(layout, count, data_on_device=True if data else None) for count in threads for layout in layouts]
 
 
 def make_autotuner(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
-                   apply: Callable[[Setting], None], say: Callable[[str], None]) -> Autotuner:
+                   apply: Callable[[Setting], None], say: Callable[[str], None], data: bool = False) -> Autotuner:
     """The run's autotuner: its settings as given first, then what may be tried for its model and mode
     (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a
-    setting. Rank 0's list is every rank's, so all ranks switch at the same steps."""
+    setting. `data`: --data-on-device auto measures the data on the device against the loader, alone without
+    --autotune. Rank 0's list is every rank's, so all ranks switch at the same steps."""
     as_given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
+    if not config.autotune:
+        return Autotuner([dataclasses.replace(as_given, data_on_device=True)], apply, runtime, say, only_data=True)
     convolutions = any(parameter.dim() == 4 for parameter in model.parameters())
     tune_layout = "channels_last" not in given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
-    trials, no_compile = gather_objects((candidates(as_given, convolutions, tune_layout, runtime.device),
+    trials, no_compile = gather_objects((candidates(as_given, convolutions, tune_layout, runtime.device, data),
                                          why_not_compile(runtime, given)))[0]  # type: ignore[misc]
     return Autotuner(trials, apply, runtime, say, no_compile)
 
@@ -118,9 +131,12 @@ class Autotuner:
     which knows how to switch its model, loader and wrapper). `state_dict` is the checkpoint's "autotune"."""
 
     def __init__(self, trials: list[Setting], apply: Callable[[Setting], None], runtime: Runtime,
-                 say: Callable[[str], None], no_compile: Optional[str] = None):
+                 say: Callable[[str], None], no_compile: Optional[str] = None, only_data: bool = False):
         self.trials, self.apply, self.runtime, self.say = trials, apply, runtime, say
-        self.compile_allowed = no_compile is None
+        self.only_data = only_data  # --data-on-device auto without --autotune: the data's two ways alone
+        self.tries_data = trials[0].data_on_device is not None  # the loader's way, after the settings above
+        self.flag = "--data-on-device auto" if only_data else "--autotune"
+        self.compile_allowed = no_compile is None and not only_data
         self.compile_note = no_compile or ""  # whether compile was tried and why, for the line
         self.chosen: Optional[Setting] = None
         self.summary: dict[str, Any] = {}  # what the line said, for the checkpoint
@@ -136,18 +152,29 @@ class Autotuner:
         return {} if self.chosen is None else {"setting": dataclasses.asdict(self.chosen), **self.summary}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("setting"):
-            self.chosen, self.summary = Setting(**state["setting"]), {k: v for k, v in state.items() if k != "setting"}
+        """The choice saved: of what this run tries (the data's way only where it is tried, only that without
+        --autotune), the rest as given."""
+        if not state.get("setting"):
+            return
+        saved, as_given = Setting(**state["setting"]), self.trials[0]
+        data = saved.data_on_device if as_given.data_on_device is not None else None
+        self.chosen = dataclasses.replace(as_given if self.only_data else saved, data_on_device=data)
+        self.summary = {key: value for key, value in state.items() if key != "setting"}
+
+    def words(self, setting: Setting) -> str:
+        """A setting in words: what this autotuner tries."""
+        return setting.words(only_data=self.only_data)
 
     # ------------------------------------------------------------------ the trials
     def start(self, done_steps: int, total_steps: int, step_hooks: list[Callable[[Any], None]]) -> bool:
-        """Before the first step of this start: True when trials follow. Then `on_step_end` runs first among
+        """Before the first step of this start: True when trials follow. Then `on_step_end` runs last among
         the run's `step_hooks` (its on_step_end list) until the choice is made, and leaves it then: no per-step
-        cost after."""
+        cost after. Last, because it leaves the list while the trainer goes through it: a hook after it would be
+        skipped at that step (an EMA update missed)."""
         if self.on_step_end in step_hooks:  # a fit() that ended mid-trial: this one starts afresh
             step_hooks.remove(self.on_step_end)
         if self._start(done_steps, total_steps):
-            step_hooks.insert(0, self.on_step_end)
+            step_hooks.append(self.on_step_end)
             self.finished = lambda: step_hooks.remove(self.on_step_end)
             return True
         return False
@@ -156,19 +183,20 @@ class Autotuner:
         steps_left, self._first_step = total_steps - done_steps, done_steps + 1
         if self.chosen is not None:
             self.apply(self.chosen)
-            self.say(f"--autotune: {self.chosen.words()}, as chosen at step {self.summary.get('at_step', '?')} "
+            self.say(f"{self.flag}: {self.words(self.chosen)}, as chosen at step {self.summary.get('at_step', '?')} "
                      f"and saved in the checkpoint (not measured again)")
             return False
-        needed = STEPS_EACH * len(self.trials)
-        if len(self.trials) == 1 and not self.compile_allowed:
+        needed = STEPS_EACH * (len(self.trials) + self.tries_data)
+        if len(self.trials) == 1 and not self.compile_allowed and not self.tries_data:
             self.chosen = self.trials[0]
             self.say(f"--autotune: nothing to try for this model and device; training with {self.chosen.words()} "
                      f"({self.compile_note})")
             return False
         if steps_left < 2 * needed:
-            self.say(f"--autotune: {steps_left} steps are too few to measure {len(self.trials)} settings of "
-                     f"{STEPS_EACH} steps each and still gain; training with the settings as given (compile not "
-                     f"tried)")
+            if not self.only_data:  # the data alone stays on the device, as the plan said, without a word
+                self.say(f"--autotune: {steps_left} steps are too few to measure {needed // STEPS_EACH} settings of "
+                         f"{STEPS_EACH} steps each and still gain; training with the settings as given (compile not "
+                         f"tried)")
             self.chosen = self.trials[0]
             return False
         self._begin(self.trials[0])
@@ -202,6 +230,10 @@ class Autotuner:
         steps_left = trainer.total_steps - trainer.progress.global_step
         times = self._slowest_rank()  # one gather per decision: every rank calls it at the same step
         fastest = self._fastest(times)
+        if self.tries_data and all(setting.data_on_device for setting in self.trials):
+            self.trials.append(dataclasses.replace(fastest[0], data_on_device=False))  # the loader's way
+            self._begin(self.trials[-1])
+            return
         if not self.trials[-1].compiled and self.compile_allowed:
             worth, self.compile_note = compile_worth_trying(steps_left, fastest[1], self.runtime.device)
             if worth:
@@ -237,9 +269,10 @@ class Autotuner:
             self.apply(chosen)
         self.finished()
         step = trainer.progress.global_step
-        tried = "; ".join(f"{setting.words()} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times))
+        tried = "; ".join(f"{self.words(setting)} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times))
         self.summary = {"at_step": step, "gain": times[0] / chosen_time, "compile": self.compile_note,
-                        "tried": {setting.words(): time_ for setting, time_ in zip(self.trials, times)}}
-        self.say(f"--autotune: {chosen.words()}, x{times[0] / chosen_time:.2f} the settings as given (median step "
+                        "tried": {self.words(setting): time_ for setting, time_ in zip(self.trials, times)}}
+        as_given = "the data on the device" if self.only_data else "the settings as given"
+        self.say(f"{self.flag}: {self.words(chosen)}, x{times[0] / chosen_time:.2f} {as_given} (median step "
                  f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
-                 f"measured, ms per step: {tried}); {self.compile_note}")
+                 f"measured, ms per step: {tried}){'; ' + self.compile_note if self.compile_note else ''}")

@@ -13,7 +13,7 @@ import main_multi_gpu
 from conftest import blobs, config_for, tiny_model
 from multigpu.loop.optim import lr_factor
 from multigpu.monitoring.meters import Interval
-from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines
+from multigpu.monitoring.plan import chance_accuracy, done_line, learning_warning, plan_lines, trained
 from multigpu.monitoring.reporting import Reporter
 from train_multi_gpu import MultiGPUTrainer
 
@@ -28,6 +28,17 @@ def test_the_plan_gives_the_layout_the_batch_arithmetic_and_the_schedule(tmp_pat
     assert optimizer.endswith("; schedule cosine, warm-up 4 steps (first step lr 0.0025, peak 0.01), 4 steps/epoch, "
                               "12 steps; amp off")
     assert data.startswith("data: the training set on the device (64 samples")  # data/device_data.py
+
+
+def test_lr_0_is_a_frozen_run_whose_plan_says_the_weights_will_not_change(tmp_path: Path, capsys):
+    """--lr 0 was refused, though torch takes it: a run to measure throughput, or to evaluate."""
+    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, lr=0.0, epochs=1))
+    before = {key: value.clone() for key, value in trainer.model.state_dict().items()}
+    trainer.fit()
+    assert ("--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or to "
+            "evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"
+            ) in capsys.readouterr().out.splitlines()
+    assert all(torch.equal(before[key], value) for key, value in trainer.model.state_dict().items())
 
 
 def test_the_plan_gives_a_users_schedulers_first_and_peak_lr(tmp_path: Path):
@@ -75,6 +86,15 @@ def test_the_done_line_gives_the_best_value_and_what_fit_returned(tmp_path: Path
         line = done_line(summary, trainer.monitor.name, True, 1, trainer.telemetry.summary_text(summary))
     assert line.startswith(f"done: best val acc {summary['best']:.4f}, 2 epochs, wall time ")
     assert f"{summary['samples_per_sec']:.0f} samples/s" in line and line in capsys.readouterr().out.splitlines()
+
+
+def test_a_run_that_ends_inside_an_epoch_says_its_steps_not_0_epochs(tmp_path: Path, capsys: pytest.CaptureFixture):
+    """`--max-steps 60` ended with `done: ... 0 epochs`."""
+    config = config_for(tmp_path, 1, max_steps=3, epochs=2)  # 8 steps an epoch
+    with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config) as trainer:
+        trainer.fit()
+    assert re.search(r"^done: best val acc [\d.]+, 3 steps \(0\.38 epochs\), wall time ", capsys.readouterr().out, re.M)
+    assert trained(1, 11, 0.0) == "1 epochs" and trained(0, 7, None) == "7 steps"  # a stream's epoch: no length
 
 
 def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(tmp_path: Path, capsys: pytest.CaptureFixture):

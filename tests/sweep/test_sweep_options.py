@@ -6,6 +6,7 @@ import pytest
 
 from multigpu.errors import UsageError
 from multigpu.sweep.options import parse, requested, split_separated, to_argv
+from multigpu.sweep.plan import build_plan
 
 
 def test_sweep_flags_are_told_from_training_flags():
@@ -25,6 +26,18 @@ def test_training_flags_before_the_separator_are_refused():
     with pytest.raises(UsageError, match=r"unrecognized sweep flags: --epochs 2 \(training flags go after --"):
         parse(["--num-seeds", "2", "--epochs", "2"], environ={})
     assert split_separated(["--seeds", "1,2", "--", "--epochs", "2"]) == (["--seeds", "1,2"], ["--epochs", "2"])
+
+
+@pytest.mark.parametrize("argv", [["--num-seeds", "2", "--no-progress", "--", "--epochs", "1"],
+                                  ["--num-seeds", "2", "--", "--epochs", "1", "--no-progress"],
+                                  ["--progress=false", "--num-seeds", "2"]], ids=["before --", "after --", "no --"])
+def test_no_progress_turns_the_sweeps_bar_off_on_either_side_of_the_separator(argv, tmp_path):
+    """docs/sweeps.md presents --no-progress with the sweep's bar, and before `--` it was refused as a training
+    flag; the sweep's bar follows the training flag (the runs show none of their own)."""
+    sweep_argv, train_argv = split_separated([*argv, "--sweep-dir", str(tmp_path)] if "--" not in argv else
+                                             ["--sweep-dir", str(tmp_path), *argv])
+    options, rest = parse(sweep_argv, environ={})
+    assert build_plan(options, rest + train_argv).base.progress is False
 
 
 def test_the_shard_comes_from_the_slurm_array_task():

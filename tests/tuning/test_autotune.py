@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import config_for, run_ranks
+from conftest import blobs, config_for, run_ranks, tiny_model
 from multigpu.tuning import autotune
 from train_multi_gpu import MultiGPUTrainer
 
@@ -30,8 +30,9 @@ def images(size: int = STEPS * 8) -> torch.utils.data.TensorDataset:
 
 
 def train(tmp_path: Path, name: str, world_size: int = 1, **overrides) -> MultiGPUTrainer:
+    # The data on the device as given: --data-on-device auto's own trial is data/test_device_data.py's
     config = config_for(tmp_path / name, world_size, **{"epochs": 1, "batch_size": 8 // world_size, "log_every": 7,
-                                                        "optimizer": "sgd", **overrides})
+                                                        "optimizer": "sgd", "data_on_device": "on", **overrides})
     trainer = MultiGPUTrainer(conv_net(), images(), None, config)
     trainer.fit()
     return trainer
@@ -91,6 +92,26 @@ def test_a_run_too_short_to_tune_trains_with_the_settings_as_given(tmp_path, cap
     assert trainer.autotune.chosen == trainer.autotune.trials[0] and trainer.autotune.medians == []
     assert "--autotune: 12 steps are too few to measure" in capsys.readouterr().out
     assert not trainer.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+class Steps:
+    """Counts the on_step_end calls it gets."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_step_end(self, trainer: MultiGPUTrainer) -> None:
+        self.calls += 1
+
+
+def test_every_callback_runs_at_every_step_the_step_of_the_choice_too(tmp_path, threads_kept):
+    """The autotuner leaves the trainer's step hooks as it chooses, while the trainer goes through them: a hook
+    after it missed that step (an --ema-decay average one update short, and not bit-exact across a resume)."""
+    steps = Steps()
+    config = config_for(tmp_path, 1, epochs=1, batch_size=8, data_on_device="auto")  # the data's trial alone
+    trainer = MultiGPUTrainer(tiny_model(), blobs(160, 0), None, config, callbacks=[steps])
+    trainer.fit()
+    assert trainer.autotune.chosen is not None and steps.calls == trainer.progress.global_step == 20
 
 
 def _ddp_tuned_then_direct(rank: int, world_size: int, tmp_path: Path) -> dict:
