@@ -33,7 +33,6 @@ from multigpu.loop.forward import LABEL_KEYS, ModelForward, check_first_batch, o
 from multigpu.parallel.distributed import start_all_reduce_sum
 
 IGNORE_INDEX = -100  # the target that counts nowhere: PyTorch's cross-entropy default, Hugging Face's padding
-WEIGHTINGS = ("auto", "samples", "tokens")
 
 
 class SequenceCrossEntropy(torch.nn.CrossEntropyLoss):
@@ -106,9 +105,7 @@ class LossWeighting:
     targets under `auto`, and how a batch's tokens are counted. The step and the evaluation share it."""
 
     def __init__(self, setting: str, model: torch.nn.Module):
-        if setting not in WEIGHTINGS:
-            raise UsageError(f"--loss-weighting must be one of {', '.join(WEIGHTINGS)}; got {setting!r}")
-        self.setting = setting
+        self.setting = setting  # auto, samples or tokens: TrainConfig checked it
         self.mode: Optional[str] = None if setting == "auto" else setting  # None: auto, not decided yet
         self.shift = shifts_labels(model)
 
