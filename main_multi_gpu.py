@@ -11,7 +11,8 @@ The training itself is multigpu/launch/runner.py's (the sweep's workers train th
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 from multigpu import sweep
 from multigpu.launch.runner import main_guarded, run, train_from_argv
@@ -19,7 +20,7 @@ from multigpu.launch.runner import main_guarded, run, train_from_argv
 __all__ = ["cli", "main", "main_guarded", "run"]
 
 
-def main(argv: Optional[Sequence[str]] = None, on_summary: Optional[Callable[[dict], None]] = None) -> int:
+def main(argv: Sequence[str] | None = None, on_summary: Callable[[dict], None] | None = None) -> int:
     """Entry point: bad input is one line and exit 2, a failed run one line and exit 1.
 
     A sweep flag (--num-seeds, --max-gpus, --grid, ...) makes it a sweep (docs/sweeps.md, "Sweeps").

@@ -20,7 +20,8 @@ import fnmatch
 import os
 import re
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,7 @@ import torch.nn as nn
 from main_multi_gpu import main_guarded
 from multigpu import safe_files
 from multigpu.checkpoints import checkpoint, run_folders, sharded
-from multigpu.config import FIELDS, OneLineParser, TrainConfig, flag
+from multigpu.config import FIELDS, OneLineParser, TrainConfig, field_kind, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
 from multigpu.errors import UsageError
@@ -47,24 +48,47 @@ FROM_CHECKPOINT = ("dataset", "data_dir", "data_file", "image_shape", "num_class
 FROM_MACHINE = ("multi_gpu", "gpu_ids", "num_workers", "dist_timeout", "download")
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True,
-                        help="last.pt, best.pt or a step checkpoint of a training run, or a sharded checkpoint folder "
-                             "(last/)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="last.pt, best.pt or a step checkpoint of a training run, or a sharded checkpoint folder "
+        "(last/)",
+    )
     parser.add_argument("--split", choices=["val", "train"], default="val", help="which split of --dataset")
-    parser.add_argument("--imagefolder", metavar="DIR",
-                        help="predict every image under DIR (no labels) instead of a split of --dataset")
-    parser.add_argument("--output", metavar="FILE", help=".csv: index, [file, label,] predicted class and its "
-                        "probability, top-k with --topk; .pt: the raw outputs tensor, in dataset order")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never the "
-                        "checkpoint, a folder, nor a file named like a checkpoint: last.pt, best.pt, step-*.pt)")
-    parser.add_argument("--topk", type=int, default=0, help="add the K most probable classes and their "
-                        "probabilities to the CSV")
-    parser.add_argument("--batch-size", type=int, help="samples per device per batch (default: the checkpoint's "
-                        "evaluation batch, so the metrics match training's bit for bit)")
+    parser.add_argument(
+        "--imagefolder",
+        metavar="DIR",
+        help="predict every image under DIR (no labels) instead of a split of --dataset",
+    )
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        help=".csv: index, [file, label,] predicted class and its "
+        "probability, top-k with --topk; .pt: the raw outputs tensor, in dataset order",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output file (never the "
+        "checkpoint, a folder, nor a file named like a checkpoint: last.pt, best.pt, step-*.pt)",
+    )
+    parser.add_argument(
+        "--topk",
+        type=int,
+        default=0,
+        help="add the K most probable classes and their probabilities to the CSV",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="samples per device per batch (default: the checkpoint's "
+        "evaluation batch, so the metrics match training's bit for bit)",
+    )
     for name in FROM_CHECKPOINT + FROM_MACHINE:
-        field, kind = FIELDS[name], str(FIELDS[name].type).replace("Optional[", "").rstrip("]")
+        field = FIELDS[name]
+        kind = field_kind(field)
         help = field.metadata["help"]
         if name in FROM_CHECKPOINT:
             help = re.sub(r" \(default: [^)]*\)", "", help) + " (default: the checkpoint's)"
@@ -73,18 +97,30 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         if kind == "bool":
             parser.add_argument(f"--{flag(name)}", action="store_true", default=None, help=help)
         else:
-            parser.add_argument(f"--{flag(name)}", type={"int": int, "float": float}.get(kind, str),
-                                choices=field.metadata["choices"], help=help)
+            parser.add_argument(
+                f"--{flag(name)}",
+                type={"int": int, "float": float}.get(kind, str),
+                choices=field.metadata["choices"],
+                help=help,
+            )
     return parser.parse_args(argv)
 
 
 def prediction_config(args: argparse.Namespace, state: dict[str, Any]) -> TrainConfig:
     """The checkpoint's config with this command's flags applied (validated as any TrainConfig)."""
     saved = TrainConfig.from_dict(state["config"])
-    changes: dict[str, Any] = {name: getattr(args, name) for name in FROM_CHECKPOINT if getattr(args, name) is not None}
-    changes.update({name: getattr(args, name) if getattr(args, name) is not None else FIELDS[name].default
-                    for name in FROM_MACHINE})
-    changes.update(progress=False, eval_batch_size=args.batch_size or saved.eval_batch_size or saved.batch_size)
+    changes: dict[str, Any] = {
+        name: getattr(args, name) for name in FROM_CHECKPOINT if getattr(args, name) is not None
+    }
+    changes.update(
+        {
+            name: getattr(args, name) if getattr(args, name) is not None else FIELDS[name].default
+            for name in FROM_MACHINE
+        }
+    )
+    changes.update(
+        progress=False, eval_batch_size=args.batch_size or saved.eval_batch_size or saved.batch_size
+    )
     return dataclasses.replace(saved, **changes)
 
 
@@ -107,16 +143,24 @@ def check_text_model(args: argparse.Namespace, config: TrainConfig) -> None:
     model (--model hf) is loaded as one instead."""
     if config.model_name not in TEXT_MODELS:
         return
-    if config.model_name == "hf":  # its outputs are a transformers model's, its padded batches need their collate_fn
-        raise UsageError("--model hf's checkpoints are not predicted here: load the model as a transformers model "
-                         "(--export-on-end hf, or python -m multigpu.export CKPT FOLDER --format hf --tokenizer "
-                         "TOKENIZER_FOLDER, then from_pretrained; docs/language-models.md)")
+    if (
+        config.model_name == "hf"
+    ):  # its outputs are a transformers model's, its padded batches need their collate_fn
+        raise UsageError(
+            "--model hf's checkpoints are not predicted here: load the model as a transformers model "
+            "(--export-on-end hf, or python -m multigpu.export CKPT FOLDER --format hf --tokenizer "
+            "TOKENIZER_FOLDER, then from_pretrained; docs/language-models.md)"
+        )
     if args.imagefolder is not None:
-        raise UsageError(f"--imagefolder gives images, and the checkpoint's --model {config.model_name} reads "
-                         f"characters; predict its --dataset text instead (drop --imagefolder)")
+        raise UsageError(
+            f"--imagefolder gives images, and the checkpoint's --model {config.model_name} reads "
+            f"characters; predict its --dataset text instead (drop --imagefolder)"
+        )
     if (args.output or "").endswith(".csv"):
-        raise UsageError(f"--output {args.output}: --model {config.model_name} scores every position of a window, "
-                         f"more than a CSV row per sample holds; write a .pt file, e.g. --output logits.pt")
+        raise UsageError(
+            f"--output {args.output}: --model {config.model_name} scores every position of a window, "
+            f"more than a CSV row per sample holds; write a .pt file, e.g. --output logits.pt"
+        )
 
 
 def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
@@ -125,19 +169,33 @@ def check_output(output: str, checkpoint_path: str, overwrite: bool) -> None:
     and, without --overwrite, any existing file. Refused: nothing is read or written."""
     safe_files.refuse_link(output)
     if os.path.isdir(output):
-        raise UsageError(f"--output {output} is a folder; name a file in it, e.g. {os.path.join(output, 'p.csv')}")
-    if os.path.exists(output) and os.path.exists(checkpoint_path) and os.path.samefile(output, checkpoint_path):
-        raise UsageError(f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
-                         f"choose another file")
+        raise UsageError(
+            f"--output {output} is a folder; name a file in it, e.g. {os.path.join(output, 'p.csv')}"
+        )
+    if (
+        os.path.exists(output)
+        and os.path.exists(checkpoint_path)
+        and os.path.samefile(output, checkpoint_path)
+    ):
+        raise UsageError(
+            f"--output {output} is the checkpoint being read (--checkpoint {checkpoint_path}); "
+            f"choose another file"
+        )
     name = os.path.basename(output)
-    names = [pattern for pattern in run_folders.CHECKPOINT_FILES if pattern.endswith(".pt")]  # --output: .pt or .csv
+    names = [
+        pattern for pattern in run_folders.CHECKPOINT_FILES if pattern.endswith(".pt")
+    ]  # --output: .pt or .csv
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
-        raise UsageError(f"--output {output}: {name} is a save-dir's checkpoint name "
-                         f"({', '.join(names)}), refused even with --overwrite; "
-                         f"choose another name")
+        raise UsageError(
+            f"--output {output}: {name} is a save-dir's checkpoint name "
+            f"({', '.join(names)}), refused even with --overwrite; "
+            f"choose another name"
+        )
     if os.path.exists(output) and not overwrite:
-        raise UsageError(f"--output {output} exists; add --overwrite to replace it (only once the prediction "
-                         f"is complete), or choose another file")
+        raise UsageError(
+            f"--output {output} exists; add --overwrite to replace it (only once the prediction "
+            f"is complete), or choose another file"
+        )
 
 
 # ---------------------------------------------------------------- data and model
@@ -149,11 +207,12 @@ class PredictionSet:
     labelled: bool
     input_shape: tuple[int, ...]
     num_classes: int
-    files: Optional[list[str]] = None  # --imagefolder: the image paths, in dataset order
+    files: list[str] | None = None  # --imagefolder: the image paths, in dataset order
 
 
-def prediction_set(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any],
-                   runtime: Runtime) -> PredictionSet:
+def prediction_set(
+    args: argparse.Namespace, config: TrainConfig, state: dict[str, Any], runtime: Runtime
+) -> PredictionSet:
     """The set to predict; with --download, rank 0 fetches it while the others wait, then they read its files."""
     if args.imagefolder is None:
         spec = build_datasets(config, download_allowed=runtime.is_main)
@@ -161,8 +220,9 @@ def prediction_set(args: argparse.Namespace, config: TrainConfig, state: dict[st
             return PredictionSet(spec.val, True, spec.input_shape, spec.num_classes)
         _evaluation_transform(spec.train, spec.val)
         return PredictionSet(spec.train, True, spec.input_shape, spec.num_classes)
-    channels, height, width = (TORCHVISION_SETS[config.dataset][1] if config.dataset in TORCHVISION_SETS
-                               else config.image_dims())
+    channels, height, width = (
+        TORCHVISION_SETS[config.dataset][1] if config.dataset in TORCHVISION_SETS else config.image_dims()
+    )
     images = UnlabeledImages(args.imagefolder, _image_transform(config, (channels, height, width)))
     shape = (channels * height * width,) if config.mode == "flatten" else (channels, height, width)
     return PredictionSet(images, False, shape, _classes(config, state), images.files)
@@ -193,12 +253,15 @@ def _classes(config: TrainConfig, state: dict[str, Any]) -> int:
     if config.dataset in TORCHVISION_SETS:
         return TORCHVISION_SETS[config.dataset][2]
     if config.dataset == "imagefolder":
-        return next(reversed(state["model"].values())).shape[0]  # every registered model ends in its head's bias
+        return next(reversed(state["model"].values())).shape[
+            0
+        ]  # every registered model ends in its head's bias
     return config.num_classes
 
 
-def load_model(config: TrainConfig, data: PredictionSet, state: dict[str, Any], path: str,
-               runtime: Runtime) -> nn.Module:
+def load_model(
+    config: TrainConfig, data: PredictionSet, state: dict[str, Any], path: str, runtime: Runtime
+) -> nn.Module:
     """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
     when it was trained with --ema-decay."""
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
@@ -206,12 +269,16 @@ def load_model(config: TrainConfig, data: PredictionSet, state: dict[str, Any], 
         model.load_state_dict(ema_weights(state) or state["model"])
     except RuntimeError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        raise checkpoint.CheckpointError(f"checkpoint {path} does not fit --model {config.model_name} for "
-                                         f"{'x'.join(map(str, data.input_shape))} inputs and {data.num_classes} "
-                                         f"classes: {lines[min(1, len(lines) - 1)][:200]}") from None
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} does not fit --model {config.model_name} for "
+            f"{'x'.join(map(str, data.input_shape))} inputs and {data.num_classes} "
+            f"classes: {lines[min(1, len(lines) - 1)][:200]}"
+        ) from None
     model = model.to(runtime.device)
     if runtime.mode == "dp":
-        return nn.DataParallel(model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0])
+        return nn.DataParallel(
+            model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0]
+        )
     return model
 
 
@@ -223,11 +290,14 @@ class CsvOutput:
         self.file_context = written_whole(path, "w", newline="")
         self.data, self.topk, self.count = data, topk, 0
 
-    def __enter__(self) -> "CsvOutput":
+    def __enter__(self) -> CsvOutput:
         self.writer = csv.writer(self.file_context.__enter__())
         columns = ["index"] + ["file"] * (self.data.files is not None) + ["label"] * self.data.labelled
-        self.writer.writerow(columns + ["predicted", "probability"] +
-                             [name for k in range(1, self.topk + 1) for name in (f"top{k}", f"top{k}_probability")])
+        self.writer.writerow(
+            columns
+            + ["predicted", "probability"]
+            + [name for k in range(1, self.topk + 1) for name in (f"top{k}", f"top{k}_probability")]
+        )
         return self
 
     def write(self, chunk: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -258,7 +328,7 @@ class TensorOutput:
     def __init__(self, path: str):
         self.path, self.chunks, self.count = path, [], 0
 
-    def __enter__(self) -> "TensorOutput":
+    def __enter__(self) -> TensorOutput:
         return self
 
     def write(self, chunk: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -286,11 +356,13 @@ class Counter(TensorOutput):
 def output_for(args: argparse.Namespace, data: PredictionSet, is_main: bool) -> Any:
     if not is_main or args.output is None:
         return Counter()
-    return CsvOutput(args.output, data, args.topk) if args.output.endswith(".csv") else TensorOutput(args.output)
+    return (
+        CsvOutput(args.output, data, args.topk) if args.output.endswith(".csv") else TensorOutput(args.output)
+    )
 
 
 # ---------------------------------------------------------------- the run
-def predict(argv: Optional[Sequence[str]] = None) -> None:
+def predict(argv: Sequence[str] | None = None) -> None:
     """Parse, check, predict, write, and print the metrics on a labelled set."""
     args = parse_args(argv)
     check_arguments(args)
@@ -318,17 +390,21 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
     model = load_model(config, data, state, args.checkpoint, runtime)
     amp = Amp(resolve_dtype(config.amp, runtime.device, say), runtime.device.type)
     batch = config.eval_batch_size * max(1, len(runtime.dp_device_ids))  # type: ignore[operator]
-    say(f"{runtime.describe()}; checkpoint {args.checkpoint} (epoch {state['epoch']}), model {config.model_name}, "
+    say(
+        f"{runtime.describe()}; checkpoint {args.checkpoint} (epoch {state['epoch']}), model {config.model_name}, "
         f"{len(data.data)} samples, batch {config.eval_batch_size} per device, amp {amp.name}"
-        f"{', its EMA weights' if ema_weights(state) else ''}")
+        f"{', its EMA weights' if ema_weights(state) else ''}"
+    )
     with output_for(args, data, runtime.is_main) as output:
-        Predictor(runtime, amp, num_workers=config.num_workers).each_chunk(model, data.data, batch, output.write,
-                                                                          everywhere=False, with_targets=True)
+        Predictor(runtime, amp, num_workers=config.num_workers).each_chunk(
+            model, data.data, batch, output.write, everywhere=False, with_targets=True
+        )
     say(f"predicted {output.count} samples" + (f", written to {args.output}" if args.output else ""))
     if data.labelled:
         # Through forward's signature, as in training: a model that takes the targets (gpt) gives its own loss.
-        evaluator = Evaluator(runtime, amp, fitted_forward(model), nn.CrossEntropyLoss(),
-                              num_workers=config.num_workers)
+        evaluator = Evaluator(
+            runtime, amp, fitted_forward(model), nn.CrossEntropyLoss(), num_workers=config.num_workers
+        )
         say(metrics_line(evaluator.run(model, data.data, batch), args, state))
 
 
@@ -336,10 +412,18 @@ def metrics_line(result: dict[str, float], args: argparse.Namespace, state: dict
     """The loss and every metric; on the checkpoint's own validation set, how they compare with what
     training recorded in the checkpoint."""
     names = [name for name in result if name != "count"]
-    line = f"{args.split} set ({result['count']} samples): " + ", ".join(f"{name} {result[name]:.6g}" for name in names)
+    line = f"{args.split} set ({result['count']} samples): " + ", ".join(
+        f"{name} {result[name]:.6g}" for name in names
+    )
     recorded = {name: state.get("metrics", {}).get(f"val_{name}") for name in names}
-    same_set = args.split == "val" and args.imagefolder is None and all(
-        getattr(args, name) is None for name in ("dataset", "data_dir", "data_file", "image_shape", "num_classes"))
+    same_set = (
+        args.split == "val"
+        and args.imagefolder is None
+        and all(
+            getattr(args, name) is None
+            for name in ("dataset", "data_dir", "data_file", "image_shape", "num_classes")
+        )
+    )
     if not same_set or None in recorded.values():
         return line
     if all(recorded[name] == result[name] for name in names):
@@ -347,7 +431,7 @@ def metrics_line(result: dict[str, float], args: argparse.Namespace, state: dict
     return f"{line}; training recorded {', '.join(f'{name} {value:.6g}' for name, value in recorded.items())}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: bad input is one line and exit 2, a failed run one line and exit 1."""
     return main_guarded(predict, sys.argv[1:] if argv is None else list(argv))
 

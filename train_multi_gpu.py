@@ -13,7 +13,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -45,7 +46,8 @@ from multigpu.parallel.wrapping import prepare_model, wrapped_for_training
 from multigpu.resilience import faults, heartbeat
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.preemption import StopRequest, stops_handled
-from multigpu.tuning import autotune, batch_size as batch_size_search, cpu_memory
+from multigpu.tuning import autotune, cpu_memory
+from multigpu.tuning import batch_size as batch_size_search
 from multigpu.tuning.gc_pauses import long_lived_objects_frozen
 
 __all__ = ["MultiGPUTrainer", "TrainConfig"]
@@ -62,21 +64,45 @@ class MultiGPUTrainer:
     `callbacks` (multigpu/loop/callbacks.py). A trainer that set up the process group destroys it on `close()`.
     """
 
-    def __init__(self, model: nn.Module, train_dataset: Dataset, val_dataset: Optional[Dataset] = None,
-                 config: Optional[TrainConfig] = None, *, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
-                 optimizer: OptimizerArg = None, scheduler: SchedulerArg = None, scheduler_interval: str = "step",
-                 metrics: MetricsSpec = None, collate_fn: Optional[Callable] = None,
-                 forward_fn: Optional[ForwardFn] = None, runtime: Optional[Runtime] = None,
-                 callbacks: Sequence[Any] = ()):
-        build.check_arguments(model, scheduler_interval)  # before the process group is set up: nothing to undo
+    def __init__(
+        self,
+        model: nn.Module,
+        train_dataset: Dataset,
+        val_dataset: Dataset | None = None,
+        config: TrainConfig | None = None,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: OptimizerArg = None,
+        scheduler: SchedulerArg = None,
+        scheduler_interval: str = "step",
+        metrics: MetricsSpec = None,
+        collate_fn: Callable | None = None,
+        forward_fn: ForwardFn | None = None,
+        runtime: Runtime | None = None,
+        callbacks: Sequence[Any] = (),
+    ):
+        build.check_arguments(
+            model, scheduler_interval
+        )  # before the process group is set up: nothing to undo
         config = config or TrainConfig()
-        self.callbacks = build.callbacks(config, callbacks, val_dataset is not None)  # refused before the group too
+        self.callbacks = build.callbacks(
+            config, callbacks, val_dataset is not None
+        )  # refused before the group too
         self.runtime, self.owns_process_group = runtime_for(config, runtime)
-        self.given, rt = config.fields_given, self.runtime  # the flags the user set (copies of the config forget them)
+        self.given, rt = (
+            config.fields_given,
+            self.runtime,
+        )  # the flags the user set (copies of the config forget them)
         # A script that calls fit() or predict() and simply ends: the group is destroyed at exit, as close() does.
         self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
-        config, chosen = run_folders.run_folder(config, rt)  # a new run-N folder when --save-dir was not given
-        self.config, self.report, self.device = config, reporting.Reporter(config, rt.is_main, chosen), rt.device
+        config, chosen = run_folders.run_folder(
+            config, rt
+        )  # a new run-N folder when --save-dir was not given
+        self.config, self.report, self.device = (
+            config,
+            reporting.Reporter(config, rt.is_main, chosen),
+            rt.device,
+        )
         say = self.report.line  # rank 0's console, progress bar and TensorBoard; the other ranks stay quiet
         self.amp = Amp.resolved(config.amp, rt.device, rt.mode == "fsdp", say)
         self.forward = forward_fn or fitted_forward(model)  # its forward signature read once
@@ -87,49 +113,140 @@ class MultiGPUTrainer:
         self.channels_last, move = config.channels_last, batch_mover(self.device, config.channels_last)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         # --data-on-device: the set moved there before --batch-size auto measures what memory is left
-        self.on_device = DeviceData(train_dataset, config, self.device, rt.world_size, collate_fn,
-                                    streaming.is_stream(train_dataset))
+        self.on_device = DeviceData(
+            train_dataset, config, self.device, rt.world_size, collate_fn, streaming.is_stream(train_dataset)
+        )
         if config.batch_size == AUTO:
-            self.config = config = batch_size_search.auto_batch_size(config, self.model, optimizer, self.forward,
-                                                                     self.loss_fn, self.amp, move, train_dataset,
-                                                                     collate_fn, rt, say)
+            self.config = config = batch_size_search.auto_batch_size(
+                config,
+                self.model,
+                optimizer,
+                self.forward,
+                self.loss_fn,
+                self.amp,
+                move,
+                train_dataset,
+                collate_fn,
+                rt,
+                say,
+            )
         sizes = batch_sizes(config, rt)
-        self.loader_batch, self.eval_batch, self.effective_batch = sizes.loader, sizes.evaluation, sizes.effective
-        self.data = data = training_data(train_dataset, config, rt, self.loader_batch, collate_fn, self.on_device)
+        self.loader_batch, self.eval_batch, self.effective_batch = (
+            sizes.loader,
+            sizes.evaluation,
+            sizes.effective,
+        )
+        self.data = data = training_data(
+            train_dataset, config, rt, self.loader_batch, collate_fn, self.on_device
+        )
         self.sampler, self.stream, self.steps_per_epoch = data.sampler, data.stream, data.steps_per_epoch
-        self.telemetry = telemetry.run_telemetry(rt, self.amp, self.train_loader, self.report, self.model,
-                                                 self.forward, move, train_dataset, config.batch_size, collate_fn,
-                                                 self.weighting)
-        self.meter = IntervalMeter(self.device, self.loader_batch)  # a step's loss and samples, read at sync points
-        wrapped, no_sync, self.gradient_nodes = wrapped_for_training(self.model, config, rt, self.amp.dtype, say)
-        made = optimization(self.model, config, self.given, optimizer, scheduler, scheduler_interval,
-                            self.effective_batch, data.steps_per_epoch, data.stream is not None)
-        self.optimizer, self.scheduler, self.scheduler_interval = made.optimizer, made.scheduler, made.scheduler_interval
-        self.builtin_optimizer, self.builtin_schedule, self.lr = made.builtin_optimizer, made.builtin_schedule, made.lr
+        self.telemetry = telemetry.run_telemetry(
+            rt,
+            self.amp,
+            self.train_loader,
+            self.report,
+            self.model,
+            self.forward,
+            move,
+            train_dataset,
+            config.batch_size,
+            collate_fn,
+            self.weighting,
+        )
+        self.meter = IntervalMeter(
+            self.device, self.loader_batch
+        )  # a step's loss and samples, read at sync points
+        wrapped, no_sync, self.gradient_nodes = wrapped_for_training(
+            self.model, config, rt, self.amp.dtype, say
+        )
+        made = optimization(
+            self.model,
+            config,
+            self.given,
+            optimizer,
+            scheduler,
+            scheduler_interval,
+            self.effective_batch,
+            data.steps_per_epoch,
+            data.stream is not None,
+        )
+        self.optimizer, self.scheduler, self.scheduler_interval = (
+            made.optimizer,
+            made.scheduler,
+            made.scheduler_interval,
+        )
+        self.builtin_optimizer, self.builtin_schedule, self.lr = (
+            made.builtin_optimizer,
+            made.builtin_schedule,
+            made.lr,
+        )
         self.total_steps, self.config, config = made.total_steps, made.config, made.config
         token_loss = token_loss_for(self.forward, self.loss_fn, self.model, rt.mode, rt.world_size)
-        self.step = TrainStep(self.model, wrapped, no_sync, self.forward, self.loss_fn, self.amp, self.optimizer,
-                              self.scheduler, self.scheduler_interval, config.clip_grad_norm, self.meter,
-                              self.telemetry.clock.fetch, move, self.weighting, token_loss)
-        self.evaluator = Evaluator(rt, self.amp, self.forward, self.loss_fn, metrics, config.num_workers, collate_fn,
-                                   move, self.weighting)
+        self.step = TrainStep(
+            self.model,
+            wrapped,
+            no_sync,
+            self.forward,
+            self.loss_fn,
+            self.amp,
+            self.optimizer,
+            self.scheduler,
+            self.scheduler_interval,
+            config.clip_grad_norm,
+            self.meter,
+            self.telemetry.clock.fetch,
+            move,
+            self.weighting,
+            token_loss,
+        )
+        self.evaluator = Evaluator(
+            rt,
+            self.amp,
+            self.forward,
+            self.loss_fn,
+            metrics,
+            config.num_workers,
+            collate_fn,
+            move,
+            self.weighting,
+        )
         self.monitor = Monitor(config.monitor, config.monitor_mode)  # picks best.pt
         self._on_step_end = self.callbacks.hooks["on_step_end"]
-        self.stop_reason: Optional[str] = None  # set by stop_training: the run ends after this epoch
-        self.eval_model: Optional[nn.Module] = None  # a callback's module to evaluate and predict with (EMA's)
+        self.stop_reason: str | None = None  # set by stop_training: the run ends after this epoch
+        self.eval_model: nn.Module | None = None  # a callback's module to evaluate and predict with (EMA's)
         # Every name evaluation looks up (metrics, --monitor, targets) tried on a few samples: seconds, not an epoch
         self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
         self.progress, self.metrics, self._resumed = Progress(), {}, False
         self.rng_state, self.buffers_at_start = stateful.RngState(rt), []  # fit() notes the buffers' versions
         self.stop, self.die_at_step = StopRequest(), faults.fault_step(rt.rank)
         self.logged = LoggedScalars(self.device)  # trainer.log's scalars, until the next sync point
-        self.autotune = (autotune.make_autotuner(config, rt, self.model, self.given,
-                                                 lambda setting: build.use_setting(self, setting), say,
-                                                 data=self.on_device.measured)
-                         if config.autotune or self.on_device.measured else None)  # tried in fit's first steps
-        self.checkpointer = Checkpointer.at_start(config, rt, self.report, self.model, self.optimizer, self.total_steps)
-        self.sync = SyncPoints(config, rt, self.meter, self.logged, self.report, self.telemetry, self.amp, self.stop,
-                               self.checkpointer.newest)
+        self.autotune = (
+            autotune.make_autotuner(
+                config,
+                rt,
+                self.model,
+                self.given,
+                lambda setting: build.use_setting(self, setting),
+                say,
+                data=self.on_device.measured,
+            )
+            if config.autotune or self.on_device.measured
+            else None
+        )  # tried in fit's first steps
+        self.checkpointer = Checkpointer.at_start(
+            config, rt, self.report, self.model, self.optimizer, self.total_steps
+        )
+        self.sync = SyncPoints(
+            config,
+            rt,
+            self.meter,
+            self.logged,
+            self.report,
+            self.telemetry,
+            self.amp,
+            self.stop,
+            self.checkpointer.newest,
+        )
         rng.seed_all(config.seed + rt.rank)  # dropout and augmentation differ per rank, repeat on a rerun
 
     @property
@@ -138,7 +255,7 @@ class MultiGPUTrainer:
         return self.data.loader
 
     @property
-    def amp_dtype(self) -> Optional[torch.dtype]:
+    def amp_dtype(self) -> torch.dtype | None:
         return self.amp.dtype
 
     @property
@@ -150,13 +267,21 @@ class MultiGPUTrainer:
         """Resume if asked, train to `config.epochs` evaluating and checkpointing after each epoch, and return
         the final metrics. The save-dir lock, progress bar and TensorBoard writer are released however it ends."""
         rt, started, replica = self.runtime, time.perf_counter(), state.ReplicaSave(self)
-        hang_watchdog = build.hang_watchdog(self.config, rt, self.progress.global_step, self.checkpointer.save_dir,
-                                            replica)  # (docs/hangs.md, "When a run hangs")
+        hang_watchdog = build.hang_watchdog(
+            self.config, rt, self.progress.global_step, self.checkpointer.save_dir, replica
+        )  # (docs/hangs.md, "When a run hangs")
         try:
-            with stops_handled(self.stop, rt.rank, rt.world_size, min(self.config.dist_timeout, 10.0),
-                               on_peer_lost=replica.after_losing_a_peer):
+            with stops_handled(
+                self.stop,
+                rt.rank,
+                rt.world_size,
+                min(self.config.dist_timeout, 10.0),
+                on_peer_lost=replica.after_losing_a_peer,
+            ):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
-                if self.resume() and self._trained():  # a finished run, resumed: said in one line, nothing written
+                if (
+                    self.resume() and self._trained()
+                ):  # a finished run, resumed: said in one line, nothing written
                     return self._summary(already_complete=True)
                 for line in plan.plan_lines(self.plan_facts()):  # what will train, and how
                     self.report.line(line)
@@ -167,8 +292,12 @@ class MultiGPUTrainer:
                 # What rank 0's replica needs to save alone when it loses a peer (state.save_from_replica).
                 self.buffers_at_start = state.training_starts(self.rng_state, self.model)
                 # Short GC pauses (no rank waits on another's); on the CPU, freed memory kept for the next step
-                with long_lived_objects_frozen(), cpu_memory.kept_for_the_next_step(
-                        self.device.type == "cpu" and self.config.cache_cpu_memory):
+                with (
+                    long_lived_objects_frozen(),
+                    cpu_memory.kept_for_the_next_step(
+                        self.device.type == "cpu" and self.config.cache_cpu_memory
+                    ),
+                ):
                     while not self._trained() and not self._stopping_early():
                         if self.progress.evaluated and not self._run_epoch():
                             return self._stop_for_signal()
@@ -198,20 +327,26 @@ class MultiGPUTrainer:
             self.step(batches, window, sizes)  # forward, backward and the optimizer (multigpu/loop/step.py)
             progress.samples_in_epoch += window * self.runtime.world_size
             progress.global_step += 1
-            BEAT.step, BEAT.phase = progress.global_step, heartbeat.USER_CODE  # plain writes: the watchdog reads them
+            BEAT.step, BEAT.phase = (
+                progress.global_step,
+                heartbeat.USER_CODE,
+            )  # plain writes: the watchdog reads them
             for on_step_end in self._on_step_end:  # an empty list without callbacks
                 on_step_end(self)
             BEAT.phase = heartbeat.LOGGING
             reached = progress.reached_max_steps(config.max_steps)  # --max-steps ends the run mid-epoch
-            if self.sync.due(progress.global_step, last or reached) and self.sync(progress.global_step,
-                                                                                  self.step.applied_lr):
+            if self.sync.due(progress.global_step, last or reached) and self.sync(
+                progress.global_step, self.step.applied_lr
+            ):
                 return False
             if config.save_every_steps and progress.global_step % config.save_every_steps == 0:
                 BEAT.phase = heartbeat.CHECKPOINT
                 self.checkpointer.save_step(self.stateful(), progress.global_step)
                 self.callbacks.call("on_save", self)
             if progress.global_step == self.die_at_step:
-                faults.misbehave(self.runtime.rank)  # test-only: SIGKILL (a preempted worker) or SIGSTOP (a hang)
+                faults.misbehave(
+                    self.runtime.rank
+                )  # test-only: SIGKILL (a preempted worker) or SIGSTOP (a hang)
             if reached and not last:
                 self.report.end_epoch()
                 progress.evaluated = False
@@ -232,7 +367,7 @@ class MultiGPUTrainer:
         return self.data.steps_done(self.progress.epoch, self.progress.samples_in_epoch)
 
     # ------------------------------------------------------------------ evaluation and prediction
-    def evaluate(self, dataset: Optional[Dataset] = None) -> dict[str, float]:
+    def evaluate(self, dataset: Dataset | None = None) -> dict[str, float]:
         """Loss and metrics over every sample of `dataset` (default: the validation set) exactly once:
         `{"loss": ..., <each metric>: ..., "count": ...}`, the same numbers for any world size (a loss over
         tokens: the mean over every counted token, `perplexity`, and `tokens` counted)."""
@@ -241,15 +376,26 @@ class MultiGPUTrainer:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
         return self.evaluator.run(self._eval_model(), dataset, self.eval_batch)  # type: ignore[return-value]
 
-    def predict(self, dataset: Optional[Dataset] = None, *, batch_size: Optional[int] = None,
-                output_path: Optional[str] = None, to: Any = "cpu") -> Any:
+    def predict(
+        self,
+        dataset: Dataset | None = None,
+        *,
+        batch_size: int | None = None,
+        output_path: str | None = None,
+        to: Any = "cpu",
+    ) -> Any:
         """The model's outputs for every sample of `dataset` (default: the validation set) in dataset order, on
         every rank, as one process gets them; `batch_size` per device (default: the evaluation's). With
         `output_path`, rank 0 streams them to that file instead (docs/prediction.md, "Prediction")."""
-        batch = self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
-        predictor = Predictor(self.runtime, self.amp, self.forward, self.evaluator.num_workers, self.evaluator.collate_fn)
-        return predictor.run(self._eval_model(), dataset if dataset is not None else self.val_dataset, batch,
-                             output_path, to)
+        batch = (
+            self.eval_batch if batch_size is None else batch_size * max(1, len(self.runtime.dp_device_ids))
+        )
+        predictor = Predictor(
+            self.runtime, self.amp, self.forward, self.evaluator.num_workers, self.evaluator.collate_fn
+        )
+        return predictor.run(
+            self._eval_model(), dataset if dataset is not None else self.val_dataset, batch, output_path, to
+        )
 
     def _eval_model(self) -> nn.Module:
         # A callback's module (EMA's average), else the plain module, so no DDP collective runs per batch;
@@ -267,20 +413,29 @@ class MultiGPUTrainer:
             if result is None:
                 return False
             self.metrics = {f"val_{name}": value for name, value in result.items() if name not in COUNTS}
-            self.report.epoch_metrics(progress.epoch, self.config.epochs, result, progress.global_step,
-                                      mid_epoch=progress.samples_in_epoch > 0)  # --max-steps ended it there
+            self.report.epoch_metrics(
+                progress.epoch,
+                self.config.epochs,
+                result,
+                progress.global_step,
+                mid_epoch=progress.samples_in_epoch > 0,
+            )  # --max-steps ended it there
         progress.evaluated, best = True, self.monitor.new_best(self.metrics, progress.best_value)
         progress.best_value = progress.best_value if best is None else best
         BEAT.phase = heartbeat.USER_CODE
-        self.callbacks.call("on_validation_end", self)  # before the save: the checkpoint holds what they decided
-        self.report.scalars(self.logged.reduce(), progress.global_step)  # what was logged since the last sync point
+        self.callbacks.call(
+            "on_validation_end", self
+        )  # before the save: the checkpoint holds what they decided
+        self.report.scalars(
+            self.logged.reduce(), progress.global_step
+        )  # what was logged since the last sync point
         BEAT.phase = heartbeat.CHECKPOINT
         self.save_checkpoint("last.pt", also_as="best.pt" if best is not None else None)
         self.report.flush()
         return True
 
     # ------------------------------------------------------------------ checkpoints
-    def stateful(self, known_rng: Optional[stateful.Saved] = None) -> dict[str, Any]:
+    def stateful(self, known_rng: stateful.Saved | None = None) -> dict[str, Any]:
         """What a checkpoint holds, each thing with state_dict()/load_state_dict() (multigpu/engine/state.py)."""
         return state.contents(self, known_rng)
 
@@ -292,7 +447,7 @@ class MultiGPUTrainer:
         """Load a checkpoint (a file's state, or a sharded folder's at `path`) into the live run."""
         state.load(self, saved, path)
 
-    def save_checkpoint(self, name: str, also_as: Optional[str] = None) -> str:
+    def save_checkpoint(self, name: str, also_as: str | None = None) -> str:
         """Write <save-dir>/name (rank 0 writes; every rank must call this), then the callbacks' on_save."""
         path = self.checkpointer.save(self.stateful(), name, also_as)
         self.callbacks.call("on_save", self)
@@ -334,8 +489,15 @@ class MultiGPUTrainer:
         return summary.plan_facts(self)
 
     def _summary(self, **extra: Any) -> dict[str, Any]:
-        return summary.summary(self.metrics, self.monitor.name, self.progress, self.sync.samples, self.sync.seconds,
-                               self.telemetry, **extra)
+        return summary.summary(
+            self.metrics,
+            self.monitor.name,
+            self.progress,
+            self.sync.samples,
+            self.sync.seconds,
+            self.telemetry,
+            **extra,
+        )
 
     def close(self) -> None:
         """Release the save-dir and the writer and, if this trainer set up the process group, destroy it; without
@@ -354,7 +516,7 @@ class MultiGPUTrainer:
             atexit.unregister(self._close_at_exit)
             self._close_at_exit = None
 
-    def __enter__(self) -> "MultiGPUTrainer":
+    def __enter__(self) -> MultiGPUTrainer:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

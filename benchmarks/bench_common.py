@@ -7,17 +7,27 @@ import csv
 import datetime
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 
-def benchmark_parser(description: Optional[str], *, rounds: int, steps: int, batch: int, log_every: int,
-                     steps_help: str = "optimizer steps per run", batch_help: Optional[str] = None,
-                     output_help: str) -> argparse.ArgumentParser:
+def benchmark_parser(
+    description: str | None,
+    *,
+    rounds: int,
+    steps: int,
+    batch: int,
+    log_every: int,
+    steps_help: str = "optimizer steps per run",
+    batch_help: str | None = None,
+    output_help: str,
+) -> argparse.ArgumentParser:
     """The flags every benchmark here has (--rounds, --steps, --batch, --log-every, --output), with its defaults."""
     # allow_abbrev=False: a prefix or typo of a flag is refused, never read as the flag it starts.
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--steps", type=int, default=steps, help=steps_help)
     parser.add_argument("--batch", type=int, default=batch, help=batch_help)
@@ -38,8 +48,9 @@ def free_port() -> int:
 RESULT = "RESULT "  # the line a benchmark's worker prints its figures on, as JSON, from rank 0
 
 
-def run_worker(script: Sequence[str], nproc: int, label: str, env: Optional[dict[str, str]] = None,
-               timeout: float = 600) -> dict[str, Any]:
+def run_worker(
+    script: Sequence[str], nproc: int, label: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> dict[str, Any]:
     """Run `python SCRIPT...` in a fresh process (torchrun with `nproc` processes for 2 or more, on a free port)
     and return the figures of its RESULT line; exit with the worker's error output where it failed."""
     import json
@@ -47,16 +58,34 @@ def run_worker(script: Sequence[str], nproc: int, label: str, env: Optional[dict
     import sys
     import tempfile
 
-    command = ([sys.executable, *script] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr",
-                "127.0.0.1", "--master_port", str(free_port()), *script])
+    command = (
+        [sys.executable, *script]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *script,
+        ]
+    )
     with tempfile.TemporaryDirectory(prefix="bench-") as folder:  # whatever the worker writes where it runs
-        done = subprocess.run(command, capture_output=True, text=True, cwd=folder,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout)
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            cwd=folder,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+            timeout=timeout,
+        )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         sys.exit(f"{label} at {nproc} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[0][len(RESULT):])
+    return json.loads(lines[0][len(RESULT) :])
 
 
 def cpu_name() -> str:
@@ -76,13 +105,19 @@ def machine_line() -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"no GPU, {cpu_name()}"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"{devices}, {os.cpu_count()} CPU cores; torch {torch.__version__}, Python {platform.python_version()}; "
-            f"{date}")
+    return (
+        f"{devices}, {os.cpu_count()} CPU cores; torch {torch.__version__}, Python {platform.python_version()}; "
+        f"{date}"
+    )
 
 
-def alternating_rounds(rounds: int, workloads: Sequence[str], variants: Sequence[str],
-                       run: Callable[[str, str], Any], describe: Callable[[Any], str]
-                       ) -> tuple[dict[tuple[str, str], list[Any]], tuple[float, float]]:
+def alternating_rounds(
+    rounds: int,
+    workloads: Sequence[str],
+    variants: Sequence[str],
+    run: Callable[[str, str], Any],
+    describe: Callable[[Any], str],
+) -> tuple[dict[tuple[str, str], list[Any]], tuple[float, float]]:
     """Every workload under every variant, `rounds` times, the variants' order reversed every other round so
     neither always runs first on a warmer machine; each figure printed as it comes. The figures by (workload,
     variant), and the load average before and after (the machine is shared: the table says how busy it was)."""
@@ -90,7 +125,7 @@ def alternating_rounds(rounds: int, workloads: Sequence[str], variants: Sequence
     load_before = os.getloadavg()[0]
     for round_index in range(rounds):
         for workload in workloads:
-            for variant in (variants if round_index % 2 == 0 else list(reversed(variants))):
+            for variant in variants if round_index % 2 == 0 else list(reversed(variants)):
                 figures = run(workload, variant)
                 results.setdefault((workload, variant), []).append(figures)
                 print(f"round {round_index + 1}: {workload}, {variant}: {describe(figures)}", flush=True)
@@ -103,8 +138,9 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
-                   notes: Sequence[str]) -> None:
+def write_markdown(
+    path: Path, title: str, header: Sequence[str], rows: Sequence[Sequence[str]], notes: Sequence[str]
+) -> None:
     """Print the table with its notes, and write it to `path` (Markdown) and beside it as CSV."""
     text = f"{title}\n\n{markdown_table(header, rows)}\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
     print(text, end="", flush=True)
@@ -117,8 +153,13 @@ def write_markdown(path: Path, title: str, header: Sequence[str], rows: Sequence
     print(f"written: {path} and {path.with_suffix('.csv')}", flush=True)
 
 
-def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: int = 10, split: str = "train",
-                distinct: Optional[int] = None):
+def make_images(
+    size: int,
+    shape: tuple[int, int, int] = (1, 28, 28),
+    classes: int = 10,
+    split: str = "train",
+    distinct: int | None = None,
+):
     """The same in-memory synthetic images for every loop compared, so data loading is not what differs
     (split "val": held-out samples of the same task). `distinct`: generate only that many, and index them over
     and over up to `size` (no copies: 224 px images are 0.6 MB each)."""
@@ -129,8 +170,9 @@ def make_images(size: int, shape: tuple[int, int, int] = (1, 28, 28), classes: i
 
     made = size if distinct is None else min(size, distinct)
     source = SyntheticImages(made, shape, classes, seed=0, split=split)
-    pool = TensorDataset(torch.stack([source[i][0] for i in range(made)]),
-                         torch.tensor([source[i][1] for i in range(made)]))
+    pool = TensorDataset(
+        torch.stack([source[i][0] for i in range(made)]), torch.tensor([source[i][1] for i in range(made)])
+    )
     return pool if made == size else Subset(pool, [index % made for index in range(size)])
 
 
@@ -175,8 +217,17 @@ def steady(rates: Sequence[float]) -> float:
 # The collectives FSDP2, DTensor and the trainer issue, on the modules they look them up on at each call:
 # torch.distributed (FSDP2's all-gathers, reduce-scatters and HSDP's all-reduce) and its functional collectives
 # (DTensor's redistributions, e.g. the gradient norm of clipping).
-DIST_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
-                    "all_gather_into_tensor", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single")
+DIST_COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all_single",
+)
 FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor")
 
 
@@ -189,16 +240,19 @@ class CollectiveTally:
     `labels` names groups by their ranks (`mesh_labels` gives a device mesh's dimensions); the default group is
     "world", others "ranks 0,2". `tally.counts[(label, operation)] = (calls, bytes, bytes sent)`."""
 
-    def __init__(self, labels: Optional[dict] = None):
+    def __init__(self, labels: dict | None = None):
         self.labels = dict(labels or {})
         self.counts: dict = {}
         self._saved: list = []
 
-    def __enter__(self) -> "CollectiveTally":
+    def __enter__(self) -> CollectiveTally:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
-        for module, names, functional in ((dist, DIST_COLLECTIVES, False), (funcol, FUNCTIONAL_COLLECTIVES, True)):
+        for module, names, functional in (
+            (dist, DIST_COLLECTIVES, False),
+            (funcol, FUNCTIONAL_COLLECTIVES, True),
+        ):
             for name in names:
                 original = getattr(module, name)
                 self._saved.append((module, name, original))
@@ -223,6 +277,7 @@ class CollectiveTally:
         def counted(*args, **kwargs):
             self._add(name, signature.bind(*args, **kwargs).arguments, functional)
             return original(*args, **kwargs)
+
         return counted
 
     def _add(self, name: str, arguments: dict, functional: bool) -> None:
@@ -235,7 +290,9 @@ class CollectiveTally:
             group = dist.distributed_c10d._resolve_process_group(funcol._resolve_group_name(group))
         group = group or dist.group.WORLD
         ranks, size = tuple(dist.get_process_group_ranks(group)), group.size()
-        largest = max((v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)), default=0)
+        largest = max(
+            (v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)), default=0
+        )
         if functional and name == "all_gather_tensor":
             largest *= size  # its output is made inside
         share = 2 * (size - 1) / size if "all_reduce" in name else (size - 1) / size

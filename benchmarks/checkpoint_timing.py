@@ -56,9 +56,19 @@ def build_trainer(mode: str, size: str, save_dir: str, async_checkpoint: bool = 
     torch.manual_seed(0)
     model = GPT(VOCAB, BLOCK, n_layer=blocks, n_head=heads, n_embd=width)
     tokens = torch.randint(VOCAB, (8, BLOCK + 1))
-    config = TrainConfig(multi_gpu=mode, epochs=1, batch_size=1, optimizer="adamw", lr=1e-4, progress=False,
-                         save_dir=save_dir, checkpoint_format="sharded" if mode == "fsdp" else "file",
-                         async_checkpoint=async_checkpoint, hang_timeout=0, allow_low_disk=True)
+    config = TrainConfig(
+        multi_gpu=mode,
+        epochs=1,
+        batch_size=1,
+        optimizer="adamw",
+        lr=1e-4,
+        progress=False,
+        save_dir=save_dir,
+        checkpoint_format="sharded" if mode == "fsdp" else "file",
+        async_checkpoint=async_checkpoint,
+        hang_timeout=0,
+        allow_low_disk=True,
+    )
     trainer = MultiGPUTrainer(model, TensorDataset(tokens[:, :-1], tokens[:, 1:]), None, config)
     inputs = tokens[:1, :-1].to(trainer.runtime.device)
     loss = trainer.step.wrapped(inputs, tokens[:1, 1:].to(trainer.runtime.device))[1]
@@ -88,18 +98,29 @@ def _one_process(size: str, rounds: int, folder: str, sharded_from: str) -> dict
 
     results: dict[str, Any] = {"raw torch.save": [], "one file": [], "sharded load at 1": []}
     with build_trainer("none", size, os.path.join(folder, "file")) as trainer:
-        results["parameters"] = sum(p.numel() for p in trainer.model.parameters())  # the tied head counted once
+        results["parameters"] = sum(
+            p.numel() for p in trainer.model.parameters()
+        )  # the tied head counted once
         for round_number in range(rounds):
             raw = os.path.join(folder, f"raw-{round_number}.pt")
             state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
             seconds, _ = timed(lambda: torch.save(state, raw))
             load, _ = timed(lambda: torch.load(raw, weights_only=True))
-            results["raw torch.save"].append({"blocked": seconds, "complete": seconds, "load": load,
-                                              "bytes": os.path.getsize(raw)})
+            results["raw torch.save"].append(
+                {"blocked": seconds, "complete": seconds, "load": load, "bytes": os.path.getsize(raw)}
+            )
             os.remove(raw)
-            seconds, path = timed(lambda: trainer.checkpointer.save(trainer.stateful(), f"round-{round_number}.pt"))
-            results["one file"].append({"blocked": seconds, "complete": seconds,
-                                        "load": load_seconds(trainer, path), "bytes": checkpoint.size_of(path)})
+            seconds, path = timed(
+                lambda: trainer.checkpointer.save(trainer.stateful(), f"round-{round_number}.pt")
+            )
+            results["one file"].append(
+                {
+                    "blocked": seconds,
+                    "complete": seconds,
+                    "load": load_seconds(trainer, path),
+                    "bytes": checkpoint.size_of(path),
+                }
+            )
             os.remove(path)
     with build_trainer("fsdp", size, os.path.join(folder, "fsdp-at-1")) as trainer:
         for path in sorted(Path(sharded_from).glob("round-*")):
@@ -109,8 +130,15 @@ def _one_process(size: str, rounds: int, folder: str, sharded_from: str) -> dict
 
 def _sharded_rank(rank: int, size: str, rounds: int, folder: str, port: int) -> None:
     """Rank `rank` of 2: sharded saves, sync and async alternating, and loads at 2; rank 0 writes the figures."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     from multigpu.checkpoints import checkpoint
 
     results: dict[str, list[dict[str, float]]] = {"sharded, sync": [], "sharded, async": []}
@@ -121,10 +149,17 @@ def _sharded_rank(rank: int, size: str, rounds: int, folder: str, port: int) -> 
                 trainer.config.async_checkpoint = row.endswith("async")
                 name = f"{'async' if trainer.config.async_checkpoint else 'round'}-{round_number}"
                 blocked, path = timed(lambda: trainer.checkpointer.save(trainer.stateful(), name))
-                waited, _ = timed(trainer.checkpointer.finish_saves)  # the shards on disk and renamed into place
-                results[row].append({"blocked": blocked, "complete": blocked + waited,
-                                     "load": load_seconds(trainer, path),
-                                     "bytes": checkpoint.size_of(path) if rank == 0 else 0})
+                waited, _ = timed(
+                    trainer.checkpointer.finish_saves
+                )  # the shards on disk and renamed into place
+                results[row].append(
+                    {
+                        "blocked": blocked,
+                        "complete": blocked + waited,
+                        "load": load_seconds(trainer, path),
+                        "bytes": checkpoint.size_of(path) if rank == 0 else 0,
+                    }
+                )
     if rank == 0:
         Path(folder, "sharded.json").write_text(json.dumps(results))
 
@@ -139,8 +174,12 @@ def run(size: str, rounds: int) -> dict[str, Any]:
         one = _one_process(size, rounds, folder, os.path.join(folder, "sharded"))
     for row, load in zip(sharded["sharded, sync"], one.pop("sharded load at 1")):
         row["load at 1"] = load
-    return {"parameters": one["parameters"], "raw torch.save": one["raw torch.save"], "one file": one["one file"],
-            **sharded}
+    return {
+        "parameters": one["parameters"],
+        "raw torch.save": one["raw torch.save"],
+        "one file": one["one file"],
+        **sharded,
+    }
 
 
 def _median(values: list[float]) -> str:
@@ -149,21 +188,39 @@ def _median(values: list[float]) -> str:
 
 
 def table(results: dict[str, list[dict[str, float]]]) -> tuple[list[str], list[list[str]]]:
-    header = ["save", "processes", "training blocked per save (s)", "complete on disk (s)", "load (s)",
-              "size on disk (MB)"]
+    header = [
+        "save",
+        "processes",
+        "training blocked per save (s)",
+        "complete on disk (s)",
+        "load (s)",
+        "size on disk (MB)",
+    ]
     rows = []
     for row in ROWS:
         rounds = results[row]
-        load = _median([r["load"] for r in rounds]) + (" at 2; " + _median([r["load at 1"] for r in rounds]) +
-                                                        " at 1" if "load at 1" in rounds[0] else "")
-        rows.append([row, "2" if row.startswith("sharded") else "1", _median([r["blocked"] for r in rounds]),
-                     _median([r["complete"] for r in rounds]), load, f"{rounds[0]['bytes'] / 1e6:.1f}"])
+        load = _median([r["load"] for r in rounds]) + (
+            " at 2; " + _median([r["load at 1"] for r in rounds]) + " at 1"
+            if "load at 1" in rounds[0]
+            else ""
+        )
+        rows.append(
+            [
+                row,
+                "2" if row.startswith("sharded") else "1",
+                _median([r["blocked"] for r in rounds]),
+                _median([r["complete"] for r in rounds]),
+                load,
+                f"{rounds[0]['bytes'] / 1e6:.1f}",
+            ]
+        )
     return header, rows
 
 
 def main(argv: Any = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model, 1 round (what CI runs)")
     parser.add_argument("--rounds", type=int, help="repeats of every row (default 3; 1 with --tiny)")
     parser.add_argument("--json", help="also write the raw measurements here")
@@ -171,8 +228,10 @@ def main(argv: Any = None) -> int:
     size = "tiny" if args.tiny else "full"
     results = run(size, args.rounds or (1 if args.tiny else 3))
     blocks, width, _ = SIZES[size]
-    print(f"Checkpoint save and load, gpt of {blocks} blocks x width {width} ({results['parameters'] / 1e6:.1f}M "
-          f"parameters), fp32 AdamW; {machine_line()}\n")
+    print(
+        f"Checkpoint save and load, gpt of {blocks} blocks x width {width} ({results['parameters'] / 1e6:.1f}M "
+        f"parameters), fp32 AdamW; {machine_line()}\n"
+    )
     print(markdown_table(*table(results)))
     if args.json:
         Path(args.json).write_text(json.dumps(results))

@@ -24,8 +24,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -40,7 +41,9 @@ from train_multi_gpu import MultiGPUTrainer  # noqa: E402
 
 def json_lines(samples: int, work: int) -> list[str]:
     generator = torch.Generator().manual_seed(0)
-    return [json.dumps({"x": torch.randn(work, generator=generator).tolist(), "y": i % 4}) for i in range(samples)]
+    return [
+        json.dumps({"x": torch.randn(work, generator=generator).tolist(), "y": i % 4}) for i in range(samples)
+    ]
 
 
 def parse(line: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +75,15 @@ class LineStream(IterableDataset):
 
 def measure(dataset: Any, workers: int, batch: int, save_dir: str) -> tuple[float, float]:
     """(loader samples/s, training samples/s) over one epoch."""
-    config = TrainConfig(batch_size=batch, epochs=1, num_workers=workers, progress=False, save_dir=save_dir,
-                         lr=0.01, log_every=10_000)
+    config = TrainConfig(
+        batch_size=batch,
+        epochs=1,
+        num_workers=workers,
+        progress=False,
+        save_dir=save_dir,
+        lr=0.01,
+        log_every=10_000,
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     with contextlib.redirect_stdout(io.StringIO()), MultiGPUTrainer(model, dataset, None, config) as trainer:
@@ -90,8 +100,9 @@ def measure(dataset: Any, workers: int, batch: int, save_dir: str) -> tuple[floa
 
 
 def main(argv: Any = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--work", type=int, default=200, help="numbers per JSON line: the cost of a sample")
@@ -105,9 +116,14 @@ def main(argv: Any = None) -> None:
             with tempfile.TemporaryDirectory() as save_dir:
                 loader_rate, train_rate = measure(dataset, workers, args.batch, save_dir)
             rows.append([kind, workers, f"{loader_rate:,.0f}", f"{train_rate:,.0f}"])
-    write_markdown(Path(args.output), f"Data throughput: {args.samples} samples of {args.work} JSON numbers, batch "
-                   f"{args.batch}, one process", ["data", "--num-workers", "loader samples/s", "training samples/s"],
-                   rows, [machine_line()])
+    write_markdown(
+        Path(args.output),
+        f"Data throughput: {args.samples} samples of {args.work} JSON numbers, batch "
+        f"{args.batch}, one process",
+        ["data", "--num-workers", "loader samples/s", "training samples/s"],
+        rows,
+        [machine_line()],
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,9 @@ RESULT = "GPU_CHECK_RESULT "
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-def worker(function: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def worker(
+    function: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """Register `function` under its name with '-' for '_' (the NAME on the command line)."""
     WORKERS[function.__name__.replace("_", "-")] = function
     return function
@@ -50,7 +52,9 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
         accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
-            scalars.setdefault(tag, []).extend((event.step, event.value) for event in accumulator.Scalars(tag))
+            scalars.setdefault(tag, []).extend(
+                (event.step, event.value) for event in accumulator.Scalars(tag)
+            )
     return {tag: sorted(values) for tag, values in scalars.items()}
 
 
@@ -84,8 +88,17 @@ def small_net(channels: int, classes: int, batchnorm: bool = False) -> nn.Module
     torch.manual_seed(0)
     norm2d: list[nn.Module] = [nn.BatchNorm2d(16)] if batchnorm else []
     norm1d: list[nn.Module] = [nn.BatchNorm1d(32)] if batchnorm else []
-    return nn.Sequential(nn.Conv2d(channels, 16, 3, padding=1), *norm2d, nn.ReLU(), nn.AdaptiveAvgPool2d(4),
-                         nn.Flatten(), nn.Linear(256, 32), *norm1d, nn.ReLU(), nn.Linear(32, classes))
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1),
+        *norm2d,
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(256, 32),
+        *norm1d,
+        nn.ReLU(),
+        nn.Linear(32, classes),
+    )
 
 
 def throughput_model(name: str, shape: tuple[int, ...], classes: int) -> nn.Module:
@@ -117,7 +130,7 @@ def free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def peak_memory(device: torch.device) -> Optional[int]:
+def peak_memory(device: torch.device) -> int | None:
     """torch.cuda.max_memory_allocated since the last reset; None off CUDA, where it is not measured."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
@@ -171,25 +184,41 @@ def fp16_overflow(params: dict[str, Any]) -> dict[str, Any]:
 
     bad = params["bad_step"]
     probe = OverflowProbe(bad)
-    config = TrainConfig(multi_gpu="none", amp="fp16", epochs=1, batch_size=params["batch"], lr=1e-3,
-                         log_every=params["log_every"], num_workers=0, progress=False, save_dir=params["save_dir"])
-    trainer = MultiGPUTrainer(small_net(3, 10), class_blobs(params["samples"], (3, 16, 16)), None, config,
-                              loss_fn=probe)
+    config = TrainConfig(
+        multi_gpu="none",
+        amp="fp16",
+        epochs=1,
+        batch_size=params["batch"],
+        lr=1e-3,
+        log_every=params["log_every"],
+        num_workers=0,
+        progress=False,
+        save_dir=params["save_dir"],
+    )
+    trainer = MultiGPUTrainer(
+        small_net(3, 10), class_blobs(params["samples"], (3, 16, 16)), None, config, loss_fn=probe
+    )
     if not torch.cuda.is_available():
         # --amp fp16 is CUDA-only (the CPU falls back to bf16 without a scaler); a CPU GradScaler runs
         # the trainer's same scale/step/update path, so the dry run checks this worker's logic.
-        trainer.amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # what trainer.scaler returns
+        trainer.amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # what trainer.scaler returns
     probe.trainer = trainer
     trainer.fit()
     scales = probe.scales + [trainer.scaler.get_scale()]  # scales[i]: the scale of step i + 1
     skipped = [step for step in range(1, len(scales)) if scales[step] < scales[step - 1]]
     logged = read_scalars(os.path.join(params["save_dir"], "tb"))
-    return {"device": device_of(trainer.model), "steps": probe.calls, "injected_step": bad, "skipped_steps_seen": skipped,
-            "skipped_steps_logged": sum(value for _, value in logged.get("train/skipped_steps", [])),
-            "loss_scale_logged": [value for _, value in logged.get("train/loss_scale", [])],
-            "scale_before": scales[bad - 1], "scale_after": scales[bad],
-            "weights_unchanged_at_injected_step": torch.equal(probe.weights[bad], probe.weights[bad + 1]),
-            "weights_changed_at_step_before": not torch.equal(probe.weights[bad - 1], probe.weights[bad])}
+    return {
+        "device": device_of(trainer.model),
+        "steps": probe.calls,
+        "injected_step": bad,
+        "skipped_steps_seen": skipped,
+        "skipped_steps_logged": sum(value for _, value in logged.get("train/skipped_steps", [])),
+        "loss_scale_logged": [value for _, value in logged.get("train/loss_scale", [])],
+        "scale_before": scales[bad - 1],
+        "scale_after": scales[bad],
+        "weights_unchanged_at_injected_step": torch.equal(probe.weights[bad], probe.weights[bad + 1]),
+        "weights_changed_at_step_before": not torch.equal(probe.weights[bad - 1], probe.weights[bad]),
+    }
 
 
 @worker
@@ -204,21 +233,38 @@ def sync_bn(params: dict[str, Any]) -> dict[str, Any]:
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    config = TrainConfig(multi_gpu="ddp" if launched_by_torchrun() else "none", sync_bn=params["sync_bn"],
-                         epochs=1, batch_size=params["batch"], optimizer="sgd", lr=0.05, num_workers=0,
-                         log_every=params["log_every"], progress=False, save_dir=params["save_dir"])
+    config = TrainConfig(
+        multi_gpu="ddp" if launched_by_torchrun() else "none",
+        sync_bn=params["sync_bn"],
+        epochs=1,
+        batch_size=params["batch"],
+        optimizer="sgd",
+        lr=0.05,
+        num_workers=0,
+        log_every=params["log_every"],
+        progress=False,
+        save_dir=params["save_dir"],
+    )
     runtime = setup(config)
     model = small_net(3, 10, batchnorm=True)
     batchnorm = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    trainer = MultiGPUTrainer(model, class_blobs(params["samples"], (3, 16, 16)), None, config, runtime=runtime)
+    trainer = MultiGPUTrainer(
+        model, class_blobs(params["samples"], (3, 16, 16)), None, config, runtime=runtime
+    )
     synced = sum(isinstance(m, nn.SyncBatchNorm) for m in trainer.model.modules())
     trainer.fit()
     result: dict[str, Any] = {}
     if runtime.is_main:
         torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, params["state_out"])
         losses = [value for _, value in read_scalars(os.path.join(params["save_dir"], "tb"))["train/loss"]]
-        result = {"world_size": runtime.world_size, "mode": runtime.mode, "device": str(runtime.device),
-                  "batchnorm_layers": batchnorm, "sync_batchnorm_layers": synced, "losses": losses}
+        result = {
+            "world_size": runtime.world_size,
+            "mode": runtime.mode,
+            "device": str(runtime.device),
+            "batchnorm_layers": batchnorm,
+            "sync_batchnorm_layers": synced,
+            "losses": losses,
+        }
     del trainer
     teardown()
     return result
@@ -246,8 +292,10 @@ def copy_rates(shape: tuple[int, ...], steps: int) -> dict[str, dict[str, float]
             waits.append(time.perf_counter() - before)
             conv(inputs)
         torch.cuda.synchronize()
-        rates[name] = {"steps_per_sec": steps / (time.perf_counter() - started),
-                       "host_wait_ms": 1000 * statistics.median(waits)}
+        rates[name] = {
+            "steps_per_sec": steps / (time.perf_counter() - started),
+            "host_wait_ms": 1000 * statistics.median(waits),
+        }
     return rates
 
 
@@ -256,11 +304,20 @@ def data_path(params: dict[str, Any]) -> dict[str, Any]:
     """Whether the trainer's training loader pins memory on this device, and pinned vs pageable copy rates."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu="none", epochs=1, batch_size=8, progress=False, save_dir=params["save_dir"],
-                         data_on_device="off")  # the loader's path is what this row proves
+    config = TrainConfig(
+        multi_gpu="none",
+        epochs=1,
+        batch_size=8,
+        progress=False,
+        save_dir=params["save_dir"],
+        data_on_device="off",
+    )  # the loader's path is what this row proves
     trainer = MultiGPUTrainer(small_net(3, 10), class_blobs(64, (3, 16, 16)), None, config)
-    result: dict[str, Any] = {"device": device_of(trainer.model), "loader_pin_memory": trainer.train_loader.pin_memory,
-                              "loader_workers": trainer.train_loader.num_workers}
+    result: dict[str, Any] = {
+        "device": device_of(trainer.model),
+        "loader_pin_memory": trainer.train_loader.pin_memory,
+        "loader_workers": trainer.train_loader.num_workers,
+    }
     del trainer
     if torch.cuda.is_available():
         result["copy"] = copy_rates(tuple(params["batch_shape"]), params["steps"])
@@ -276,15 +333,23 @@ def steady_rate(interval_rates: list[float]) -> float:
     return len(rates) / sum(1.0 / rate for rate in rates)
 
 
-def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) -> tuple[float, Optional[int]]:
+def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) -> tuple[float, int | None]:
     """MultiGPUTrainer's samples/s (whole job) from its TensorBoard train/samples_per_sec, and its peak memory
     from memory/max_allocated_gb (its telemetry resets CUDA's peak at each sync point, the last one after the
     last step, so torch's counter after fit() holds only what came after training); (0, None) off rank 0."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu=runtime.mode, amp=amp, epochs=1, batch_size=params["batch"],
-                         num_workers=params["workers"], log_every=params["log_every"], lr_schedule="constant",
-                         progress=False, save_dir=save_dir)
+    config = TrainConfig(
+        multi_gpu=runtime.mode,
+        amp=amp,
+        epochs=1,
+        batch_size=params["batch"],
+        num_workers=params["workers"],
+        log_every=params["log_every"],
+        lr_schedule="constant",
+        progress=False,
+        save_dir=save_dir,
+    )
     shape = tuple(params["image_shape"])
     model = throughput_model(params["model"], shape, params["classes"])
     data = RepeatedImages(params["steps"] * params["batch"] * runtime.world_size, shape, params["classes"])
@@ -297,7 +362,7 @@ def trainer_rate(params: dict[str, Any], amp: str, runtime: Any, save_dir: str) 
     rates = [value for _, value in scalars["train/samples_per_sec"]]
     peaks = [value for _, value in scalars.get("memory/max_allocated_gb", [])]
     shutil.rmtree(save_dir)  # a ResNet-50 checkpoint with its AdamW state is 300 MB
-    return steady_rate(rates), round(max(peaks) * 2 ** 30) if peaks else None
+    return steady_rate(rates), round(max(peaks) * 2**30) if peaks else None
 
 
 def raw_rate(params: dict[str, Any], amp: str, runtime: Any) -> float:
@@ -307,12 +372,19 @@ def raw_rate(params: dict[str, Any], amp: str, runtime: Any) -> float:
     shape = tuple(params["image_shape"])
     model = throughput_model(params["model"], shape, params["classes"]).to(device)
     if world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = RepeatedImages(params["steps"] * params["batch"] * world, shape, params["classes"])
     sampler = DistributedSampler(data, num_replicas=world, rank=runtime.rank, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=params["batch"], sampler=sampler, num_workers=params["workers"],
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        data,
+        batch_size=params["batch"],
+        sampler=sampler,
+        num_workers=params["workers"],
+        pin_memory=device.type == "cuda",
+    )
     loss_fn = nn.CrossEntropyLoss()
     dtype = torch.bfloat16 if amp == "bf16" else None
     rates, started = [], time.perf_counter()
@@ -339,10 +411,10 @@ def throughput(params: dict[str, Any]) -> dict[str, Any]:
 
     runtime = setup(TrainConfig(multi_gpu="auto"))
     rates: dict[str, dict[str, list[float]]] = {amp: {"trainer": [], "raw": []} for amp in params["amps"]}
-    memory: dict[str, dict[str, Optional[int]]] = {amp: {"trainer": None, "raw": None} for amp in params["amps"]}
+    memory: dict[str, dict[str, int | None]] = {amp: {"trainer": None, "raw": None} for amp in params["amps"]}
     for amp in params["amps"]:
         for round_index in range(params["rounds"]):
-            for loop in (("trainer", "raw") if round_index % 2 == 0 else ("raw", "trainer")):
+            for loop in ("trainer", "raw") if round_index % 2 == 0 else ("raw", "trainer"):
                 reset_peak_memory(runtime.device)
                 save_dir = os.path.join(params["tmp"], f"{amp}-{round_index}-{loop}")
                 if loop == "trainer":
@@ -355,8 +427,12 @@ def throughput(params: dict[str, Any]) -> dict[str, Any]:
                 if peak is not None:
                     memory[amp][loop] = max(memory[amp][loop] or 0, peak)
                 free_cuda()
-    result = {"world_size": runtime.world_size, "device": str(runtime.device), "samples_per_sec": rates,
-              "max_memory_allocated": memory}
+    result = {
+        "world_size": runtime.world_size,
+        "device": str(runtime.device),
+        "samples_per_sec": rates,
+        "max_memory_allocated": memory,
+    }
     teardown()
     return result
 
@@ -377,23 +453,39 @@ def predict(params: dict[str, Any]) -> dict[str, Any]:
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    config = TrainConfig(multi_gpu="auto", eval_batch_size=params["batch"], num_workers=0, progress=False,
-                         save_dir=params["save_dir"])
+    config = TrainConfig(
+        multi_gpu="auto",
+        eval_batch_size=params["batch"],
+        num_workers=0,
+        progress=False,
+        save_dir=params["save_dir"],
+    )
     runtime = setup(config)
     data = class_blobs(params["samples"], tuple(params["shape"]))
     device_trainer = MultiGPUTrainer(small_net(params["shape"][0], 10), data, None, config, runtime=runtime)
     outputs, seconds = timed_predict(device_trainer, data)
     result: dict[str, Any] = {}
     if runtime.is_main:
-        cpu_trainer = MultiGPUTrainer(small_net(params["shape"][0], 10), data, None, config,
-                                      runtime=Runtime("none", torch.device("cpu")))
+        cpu_trainer = MultiGPUTrainer(
+            small_net(params["shape"][0], 10),
+            data,
+            None,
+            config,
+            runtime=Runtime("none", torch.device("cpu")),
+        )
         reference, cpu_seconds = timed_predict(cpu_trainer, data)
         inputs = data.tensors[0][: params["batch"]]
         with torch.no_grad():  # the first batch through the plain CPU model: the outputs are in dataset order
             in_order = torch.allclose(reference[: len(inputs)], cpu_trainer.model(inputs), atol=1e-6)
-        result = {"device": str(runtime.device), "world_size": runtime.world_size, "samples": len(outputs),
-                  "max_abs_difference": (outputs.double() - reference.double()).abs().max().item(),
-                  "in_order": in_order, "seconds": seconds, "cpu_seconds": cpu_seconds}
+        result = {
+            "device": str(runtime.device),
+            "world_size": runtime.world_size,
+            "samples": len(outputs),
+            "max_abs_difference": (outputs.double() - reference.double()).abs().max().item(),
+            "in_order": in_order,
+            "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
+        }
     del device_trainer
     teardown()
     return result

@@ -33,11 +33,11 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -60,8 +60,8 @@ class Point:
 
     batch: int
     seconds: float
-    max_difference: Optional[float] = None
-    tolerance: Optional[float] = None
+    max_difference: float | None = None
+    tolerance: float | None = None
 
 
 @dataclass
@@ -110,9 +110,15 @@ def max_difference(outputs: torch.Tensor, reference: torch.Tensor) -> float:
     return (outputs.double().cpu() - reference.double().cpu()).abs().max().item()
 
 
-def measure(series: Series, run: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
-            reference: Optional[dict[int, torch.Tensor]], tolerance: Optional[float], args: argparse.Namespace,
-            keep: Optional[dict[int, torch.Tensor]] = None) -> Series:
+def measure(
+    series: Series,
+    run: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+    reference: dict[int, torch.Tensor] | None,
+    tolerance: float | None,
+    args: argparse.Namespace,
+    keep: dict[int, torch.Tensor] | None = None,
+) -> Series:
     """Time `run(inputs on device)` at every batch size (a split set: those it can split); compare its outputs
     with `reference`'s."""
     for batch in args.batch_sizes:
@@ -122,7 +128,9 @@ def measure(series: Series, run: Callable[[torch.Tensor], torch.Tensor], device:
         with torch.no_grad():
             outputs = run(inputs)
         if isinstance(run, BatchParallel) and run.last_path != "split":
-            raise RuntimeError(f"BatchParallel ran batch {batch} on one device: this row would not measure a split")
+            raise RuntimeError(
+                f"BatchParallel ran batch {batch} on one device: this row would not measure a split"
+            )
         point = Point(batch, fastest_seconds(lambda: run(inputs), args.repeats))
         if reference is not None:
             point.max_difference, point.tolerance = max_difference(outputs, reference[batch]), tolerance
@@ -139,32 +147,71 @@ def cpu_series(args: argparse.Namespace) -> tuple[list[Series], dict[int, torch.
     model = make_model(args.model, args.shape, cpu)
     all_threads: dict[int, torch.Tensor] = {}
     torch.set_num_threads(threads)
-    rows = [measure(Series(f"CPU, {threads} threads", "cpu", True), model, cpu, None, None, args, keep=all_threads)]
+    rows = [
+        measure(
+            Series(f"CPU, {threads} threads", "cpu", True), model, cpu, None, None, args, keep=all_threads
+        )
+    ]
     torch.set_num_threads(1)
-    rows.insert(0, measure(Series("CPU, 1 thread", "cpu", True), model, cpu, all_threads, SPLIT_TOLERANCE, args))
+    rows.insert(
+        0, measure(Series("CPU, 1 thread", "cpu", True), model, cpu, all_threads, SPLIT_TOLERANCE, args)
+    )
     torch.set_num_threads(threads)
     if args.cpu_replicas >= 2:
         parallel = BatchParallel(model, ["cpu"] * args.cpu_replicas, min_per_device=1)
-        rows.append(measure(Series(f"CPU BatchParallel, {args.cpu_replicas} replicas (threads)", "cpu", False),
-                            parallel, cpu, all_threads, SPLIT_TOLERANCE, args))
+        rows.append(
+            measure(
+                Series(f"CPU BatchParallel, {args.cpu_replicas} replicas (threads)", "cpu", False),
+                parallel,
+                cpu,
+                all_threads,
+                SPLIT_TOLERANCE,
+                args,
+            )
+        )
     if args.cpu_processes >= 2:
-        rows.append(ddp_series(args, args.cpu_processes, "cpu", f"CPU DDP, {args.cpu_processes} processes (gloo, "
-                                                                f"1 thread each)"))
+        rows.append(
+            ddp_series(
+                args,
+                args.cpu_processes,
+                "cpu",
+                f"CPU DDP, {args.cpu_processes} processes (gloo, 1 thread each)",
+            )
+        )
     return rows, all_threads
 
 
 def gpu_series(args: argparse.Namespace, cpu_reference: dict[int, torch.Tensor]) -> list[Series]:
     gpus = torch.cuda.device_count()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 as the CPU computes it
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+        False  # fp32 as the CPU computes it
+    )
     device = torch.device("cuda", 0)
     model = make_model(args.model, args.shape, device)
     one_gpu: dict[int, torch.Tensor] = {}
-    rows = [measure(Series(f"1 GPU ({torch.cuda.get_device_name(0)})", "gpu", True), model, device, cpu_reference,
-                    CROSS_DEVICE_TOLERANCE, args, keep=one_gpu)]
+    rows = [
+        measure(
+            Series(f"1 GPU ({torch.cuda.get_device_name(0)})", "gpu", True),
+            model,
+            device,
+            cpu_reference,
+            CROSS_DEVICE_TOLERANCE,
+            args,
+            keep=one_gpu,
+        )
+    ]
     if gpus >= 2:
         parallel = BatchParallel(model, list(range(gpus)), min_per_device=1)
-        rows.append(measure(Series(f"{gpus} GPUs BatchParallel", "gpu", False), parallel, device, one_gpu,
-                            SPLIT_TOLERANCE, args))
+        rows.append(
+            measure(
+                Series(f"{gpus} GPUs BatchParallel", "gpu", False),
+                parallel,
+                device,
+                one_gpu,
+                SPLIT_TOLERANCE,
+                args,
+            )
+        )
         rows.append(ddp_series(args, gpus, "gpu", f"{gpus} GPUs DDP (NCCL)"))
     return rows
 
@@ -172,19 +219,34 @@ def gpu_series(args: argparse.Namespace, cpu_reference: dict[int, torch.Tensor])
 # ---------------------------------------------------------------------------- DDP: a worker under torchrun
 def ddp_series(args: argparse.Namespace, nproc: int, kind: str, name: str) -> Series:
     """Run this script's DDP worker under torchrun with `nproc` processes; its rank 0 reports the figures."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(Path(__file__).resolve()), "--ddp-worker", "--model", args.model, "--image-shape",
-               ",".join(map(str, args.shape)), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
-               "--repeats", str(args.repeats)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(Path(__file__).resolve()),
+        "--ddp-worker",
+        "--model",
+        args.model,
+        "--image-shape",
+        ",".join(map(str, args.shape)),
+        "--batch-sizes",
+        ",".join(map(str, args.batch_sizes)),
+        "--repeats",
+        str(args.repeats),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kind == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT)]
     if result.returncode != 0 or not lines:
-        raise RuntimeError(f"the DDP worker failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"the DDP worker failed (exit {result.returncode}): {result.stderr.strip()[-500:]}"
+        )
     series = Series(name, kind, False)
-    for raw in json.loads(lines[-1][len(RESULT):]):
+    for raw in json.loads(lines[-1][len(RESULT) :]):
         series.points[raw["batch"]] = Point(**raw)
         print(f"{name}, batch {raw['batch']}: {1000 * raw['seconds']:.3f} ms", file=sys.stderr, flush=True)
     return series
@@ -226,8 +288,14 @@ def ddp_worker(args: argparse.Namespace) -> None:
             seconds = fastest_seconds(timed, args.repeats)
             if runtime.is_main:
                 whole = model(make_inputs(batch, args.shape).to(runtime.device))
-                points.append({"batch": batch, "seconds": seconds, "max_difference": max_difference(outputs, whole),
-                               "tolerance": SPLIT_TOLERANCE})
+                points.append(
+                    {
+                        "batch": batch,
+                        "seconds": seconds,
+                        "max_difference": max_difference(outputs, whole),
+                        "tolerance": SPLIT_TOLERANCE,
+                    }
+                )
     if runtime.is_main:
         print(RESULT + json.dumps(points), flush=True)
     teardown()
@@ -238,10 +306,16 @@ def crossover_text(split: Series, single: Series) -> str:
     """multigpu.loop.inference.crossover (the rule BatchParallel's "auto" uses) of the measured times."""
     batches = sorted(set(split.points) & set(single.points))
     found = crossover(batches, [split.points[b].seconds < single.points[b].seconds for b in batches])
-    return f"batch {found}" if found is not None else f"never up to batch {batches[-1]}" if batches else "not measured"
+    return (
+        f"batch {found}"
+        if found is not None
+        else f"never up to batch {batches[-1]}"
+        if batches
+        else "not measured"
+    )
 
 
-def one_device_of(series: Series, rows: Sequence[Series]) -> Optional[Series]:
+def one_device_of(series: Series, rows: Sequence[Series]) -> Series | None:
     """The one device a split set is compared with: the CPU with all threads, or 1 GPU."""
     singles = [row for row in rows if row.kind == series.kind and row.single]
     return singles[-1] if singles else None
@@ -249,19 +323,38 @@ def one_device_of(series: Series, rows: Sequence[Series]) -> Optional[Series]:
 
 def markdown(rows: Sequence[Series], caption: str) -> str:
     cpu = next(row for row in rows if row.kind == "cpu" and row.single and "1 thread" not in row.name)
-    lines = [caption, "", "| device set | batch | ms / batch | samples/s | vs CPU | vs 1 device | max \\|diff\\| | ok |",
-             "|---|---:|---:|---:|---:|---:|---:|:-:|"]
+    lines = [
+        caption,
+        "",
+        "| device set | batch | ms / batch | samples/s | vs CPU | vs 1 device | max \\|diff\\| | ok |",
+        "|---|---:|---:|---:|---:|---:|---:|:-:|",
+    ]
     for row in rows:
         single = one_device_of(row, rows)
         for batch, point in sorted(row.points.items()):
-            vs_cpu = cpu.points[batch].seconds / point.seconds if row is not cpu and batch in cpu.points else None
-            vs_one = (single.points[batch].seconds / point.seconds
-                      if not row.single and single is not None and batch in single.points else None)
-            ok = "" if point.max_difference is None else "✓" if point.max_difference <= point.tolerance else "✗"
-            difference = "" if point.max_difference is None else f"{point.max_difference:.2g} (≤ {point.tolerance:g})"
-            lines.append(f"| {row.name} | {batch} | {1000 * point.seconds:.3f} | {batch / point.seconds:,.0f} | "
-                         f"{'' if vs_cpu is None else f'{vs_cpu:.2f}x'} | {'' if vs_one is None else f'{vs_one:.2f}x'} "
-                         f"| {difference} | {ok} |")
+            vs_cpu = (
+                cpu.points[batch].seconds / point.seconds if row is not cpu and batch in cpu.points else None
+            )
+            vs_one = (
+                single.points[batch].seconds / point.seconds
+                if not row.single and single is not None and batch in single.points
+                else None
+            )
+            ok = (
+                ""
+                if point.max_difference is None
+                else "✓"
+                if point.max_difference <= point.tolerance
+                else "✗"
+            )
+            difference = (
+                "" if point.max_difference is None else f"{point.max_difference:.2g} (≤ {point.tolerance:g})"
+            )
+            lines.append(
+                f"| {row.name} | {batch} | {1000 * point.seconds:.3f} | {batch / point.seconds:,.0f} | "
+                f"{'' if vs_cpu is None else f'{vs_cpu:.2f}x'} | {'' if vs_one is None else f'{vs_one:.2f}x'} "
+                f"| {difference} | {ok} |"
+            )
     lines.append("")
     for row in rows:
         single = one_device_of(row, rows)
@@ -270,8 +363,15 @@ def markdown(rows: Sequence[Series], caption: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194)]
+COLOURS = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+]
 
 
 def plot(rows: Sequence[Series], caption: str, path: Path) -> None:
@@ -284,7 +384,10 @@ def plot(rows: Sequence[Series], caption: str, path: Path) -> None:
     font = ImageFont.load_default(size=14)
     points = [(batch, batch / point.seconds) for row in rows for batch, point in row.points.items()]
     x_low, x_high = math.log2(min(b for b, _ in points)), math.log2(max(b for b, _ in points))
-    y_low, y_high = math.floor(math.log10(min(r for _, r in points))), math.ceil(math.log10(max(r for _, r in points)))
+    y_low, y_high = (
+        math.floor(math.log10(min(r for _, r in points))),
+        math.ceil(math.log10(max(r for _, r in points))),
+    )
     x_high, y_high = max(x_high, x_low + 1), max(y_high, y_low + 1)
 
     def at(batch: float, rate: float) -> tuple[float, float]:
@@ -294,15 +397,20 @@ def plot(rows: Sequence[Series], caption: str, path: Path) -> None:
 
     draw.rectangle([left, top, width - right, height - bottom], outline="black")
     for batch in sorted({b for b, _ in points}):
-        x, _ = at(batch, 10 ** y_low)
+        x, _ = at(batch, 10**y_low)
         draw.line([x, height - bottom, x, height - bottom + 5], fill="black")
         draw.text((x, height - bottom + 8), str(batch), fill="black", font=font, anchor="mt")
     for decade in range(y_low, y_high + 1):
-        _, y = at(2 ** x_low, 10 ** decade)
+        _, y = at(2**x_low, 10**decade)
         draw.line([left, y, width - right, y], fill=(225, 225, 225))
-        draw.text((left - 8, y), f"{10 ** decade:,}", fill="black", font=font, anchor="rm")
-    draw.text(((left + width - right) / 2, height - bottom + 30), "batch size (samples)", fill="black", font=font,
-              anchor="mt")
+        draw.text((left - 8, y), f"{10**decade:,}", fill="black", font=font, anchor="rm")
+    draw.text(
+        ((left + width - right) / 2, height - bottom + 30),
+        "batch size (samples)",
+        fill="black",
+        font=font,
+        anchor="mt",
+    )
     draw.text((10, top - 25), "samples/s (log scale)", fill="black", font=font)
     for index, row in enumerate(rows):
         colour = COLOURS[index % len(COLOURS)]
@@ -333,8 +441,11 @@ def caption_lines(text: str, width: int) -> list[str]:
 def machine() -> str:
     """The CPU's model name and core count, the GPUs, and the load when the run started (a shared machine)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         cpu = platform.processor() or platform.machine()
     text = f"{cpu}, {len(os.sched_getaffinity(0))} cores"
@@ -344,17 +455,21 @@ def machine() -> str:
 
 
 # ---------------------------------------------------------------------------- command line
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", default="cnn", choices=["mlp", "cnn", "resnet18", "resnet50"])
     parser.add_argument("--image-shape", default="1,28,28", help="C,H,W of the inputs (flattened for mlp)")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     parser.add_argument("--repeats", type=int, default=10, help="at most this many timed runs per figure")
-    parser.add_argument("--cpu-replicas", type=int, default=2, help="BatchParallel's CPU replicas (0: no row)")
+    parser.add_argument(
+        "--cpu-replicas", type=int, default=2, help="BatchParallel's CPU replicas (0: no row)"
+    )
     parser.add_argument("--cpu-processes", type=int, default=2, help="DDP's CPU processes (0: no row)")
-    parser.add_argument("--output", default="inference_scaling.md", help="the Markdown table; the plot goes "
-                        "beside it as .png")
+    parser.add_argument(
+        "--output", default="inference_scaling.md", help="the Markdown table; the plot goes beside it as .png"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a DDP worker may take")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -364,7 +479,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ddp_worker:
         ddp_worker(args)
@@ -375,8 +490,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if torch.cuda.is_available():
         rows += gpu_series(args, cpu_outputs)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    caption = (f"Prediction time per batch, {args.model} on {'x'.join(map(str, args.shape))} inputs, fp32: "
-               f"{description}; torch {torch.__version__}; {date}; {time.monotonic() - started:.0f} s in all.")
+    caption = (
+        f"Prediction time per batch, {args.model} on {'x'.join(map(str, args.shape))} inputs, fp32: "
+        f"{description}; torch {torch.__version__}; {date}; {time.monotonic() - started:.0f} s in all."
+    )
     table = markdown(rows, caption)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

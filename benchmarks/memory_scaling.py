@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -43,16 +43,21 @@ SIZES = {"full": (2048, 12), "small": (64, 4)}  # (width, blocks): 50.4M and 17k
 TRAFFIC_SIZE = (512, 4)  # 1.06M parameters
 MESH_PROCESSES = 4
 MESHES = ((1, 4), (2, 2), (4, 1))  # (replicate, shard) at MESH_PROCESSES
-ACCUMULATIONS = {"none": (1, "whole"), "4 micro-steps, whole": (4, "whole"), "4 micro-steps, sharded": (4, "sharded")}
+ACCUMULATIONS = {
+    "none": (1, "whole"),
+    "4 micro-steps, whole": (4, "whole"),
+    "4 micro-steps, sharded": (4, "sharded"),
+}
 
 
 def build_model(width: int, blocks: int) -> Any:
-    import torch.nn as nn
     import torch
+    import torch.nn as nn
 
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)],
-                         nn.Linear(width, 10))
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)], nn.Linear(width, 10)
+    )
 
 
 def local_bytes(tensors: Any) -> int:
@@ -81,8 +86,15 @@ def _peak_rss() -> int:
     return 0
 
 
-def measure(mode: str, width: int, blocks: int, group: Any, device: Any, replicate: int = 1,
-            count_traffic: bool = False) -> dict[str, Any]:
+def measure(
+    mode: str,
+    width: int,
+    blocks: int,
+    group: Any,
+    device: Any,
+    replicate: int = 1,
+    count_traffic: bool = False,
+) -> dict[str, Any]:
     """One AdamW step of the model under `mode` over the ranks of `group` (fsdp with `replicate` > 1: the hybrid
     mesh of all ranks); this rank's bytes of parameters, gradients and optimizer state, and under --mesh the
     traffic of each accumulation."""
@@ -101,23 +113,35 @@ def measure(mode: str, width: int, blocks: int, group: Any, device: Any, replica
         reset_cuda_peak(device)
     model = build_model(width, blocks).to(device)
     if mode == "fsdp":
-        mesh = (DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",)) if replicate == 1
-                else sharding.device_mesh(device, dist.get_world_size(group), replicate))
+        mesh = (
+            DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+            if replicate == 1
+            else sharding.device_mesh(device, dist.get_world_size(group), replicate)
+        )
         sharding.shard(model, device, dist.get_world_size(group), mesh=mesh)
         trained = model
     else:
-        trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
-                                                      else None, process_group=group)
+        trained = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.index is not None else None, process_group=group
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     inputs = torch.randn(4, width, device=device)
     nn.functional.cross_entropy(trained(inputs), torch.zeros(4, dtype=torch.long, device=device)).backward()
     optimizer.step()
-    result = {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in model.parameters()),
-              "optimizer": local_bytes(value for state in optimizer.state.values() for value in state.values()
-                                       if torch.is_tensor(value) and value.dim() > 0),
-              "largest_block": max(sum(p.numel() * 4 for p in block.parameters()) for block in model.children()),
-              "parameters": sum(p.numel() for p in model.parameters()), "peak_rss": _peak_rss(),
-              "peak_gpu": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+    result = {
+        "params": local_bytes(model.parameters()),
+        "grads": local_bytes(p.grad for p in model.parameters()),
+        "optimizer": local_bytes(
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if torch.is_tensor(value) and value.dim() > 0
+        ),
+        "largest_block": max(sum(p.numel() * 4 for p in block.parameters()) for block in model.children()),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "peak_rss": _peak_rss(),
+        "peak_gpu": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+    }
     if count_traffic and mode == "fsdp":
         result["traffic"] = traffic(model, optimizer, width, device)
     del trained, model, optimizer
@@ -143,7 +167,9 @@ def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, di
             for micro in range(micro_steps):
                 inputs = torch.randn(4, width, device=device)
                 with inner() if micro < micro_steps - 1 else contextlib.nullcontext():
-                    loss = nn.functional.cross_entropy(model(inputs), torch.zeros(4, dtype=torch.long, device=device))
+                    loss = nn.functional.cross_entropy(
+                        model(inputs), torch.zeros(4, dtype=torch.long, device=device)
+                    )
                     (loss / micro_steps).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -155,8 +181,15 @@ def traffic(model: Any, optimizer: Any, width: int, device: Any) -> dict[str, di
     return counted
 
 
-def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, device_type: str,
-          traffic_size: Optional[tuple[int, int]] = None) -> None:
+def _rank(
+    rank: int,
+    sizes: list[int],
+    width: int,
+    blocks: int,
+    folder: str,
+    device_type: str,
+    traffic_size: tuple[int, int] | None = None,
+) -> None:
     """Rank `rank` of max(sizes) processes: for each world size N, the first N ranks measure both modes in a
     process group of their own, while the others wait (one start of the processes for every N). With
     `traffic_size` (--mesh; sizes: [MESH_PROCESSES]), every rank measures ddp and each of MESHES, and each mesh's
@@ -168,19 +201,33 @@ def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, dev
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{folder}/store",
-                            rank=rank, world_size=max(sizes))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{folder}/store",
+        rank=rank,
+        world_size=max(sizes),
+    )
     results: dict[Any, Any] = {}
     try:
         if traffic_size:
             results["ddp"] = measure("ddp", width, blocks, dist.group.WORLD, device)
             for replicate, shard in MESHES:
                 one_model = traffic_size == (width, blocks)  # --small: memory and traffic of the same model
-                result = measure("fsdp", width, blocks, dist.group.WORLD, device, replicate, count_traffic=one_model)
-                counted = result if one_model else measure("fsdp", *traffic_size, dist.group.WORLD, device, replicate,
-                                                           count_traffic=True)
-                results[f"{replicate}x{shard}"] = {**result, "traffic": counted["traffic"],
-                                                   "traffic_parameters": counted["parameters"]}
+                result = measure(
+                    "fsdp", width, blocks, dist.group.WORLD, device, replicate, count_traffic=one_model
+                )
+                counted = (
+                    result
+                    if one_model
+                    else measure(
+                        "fsdp", *traffic_size, dist.group.WORLD, device, replicate, count_traffic=True
+                    )
+                )
+                results[f"{replicate}x{shard}"] = {
+                    **result,
+                    "traffic": counted["traffic"],
+                    "traffic_parameters": counted["parameters"],
+                }
         for size in [] if traffic_size else sizes:
             group = dist.new_group(list(range(size)))  # every rank takes part in creating each group
             if rank < size:
@@ -191,8 +238,13 @@ def _rank(rank: int, sizes: list[int], width: int, blocks: int, folder: str, dev
     Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu",
-        traffic_size: Optional[tuple[int, int]] = None) -> dict[Any, Any]:
+def run(
+    sizes: list[int],
+    width: int,
+    blocks: int,
+    device_type: str = "cpu",
+    traffic_size: tuple[int, int] | None = None,
+) -> dict[Any, Any]:
     """Every rank's measurements at each world size in `sizes` (real processes, spawned once: gloo, or NCCL on
     GPUs), by world size; with `traffic_size` (--mesh), by ddp and mesh shape at MESH_PROCESSES."""
     import torch.multiprocessing as mp
@@ -202,8 +254,12 @@ def run(sizes: list[int], width: int, blocks: int, device_type: str = "cpu",
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     sizes = [MESH_PROCESSES] if traffic_size else sizes
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(sizes, width, blocks, folder, device_type, traffic_size), nprocs=max(sizes),
-                 join=True)
+        mp.spawn(
+            _rank,
+            args=(sizes, width, blocks, folder, device_type, traffic_size),
+            nprocs=max(sizes),
+            join=True,
+        )
         ranks = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(max(sizes))]
     if traffic_size:
         return {shape: [rank[shape] for rank in ranks] for shape in ranks[0]}
@@ -218,15 +274,32 @@ def held(rank: dict[str, int]) -> int:
 def mesh_tables(results: dict[str, list[dict[str, Any]]]) -> list[tuple[list[str], list[list[str]]]]:
     """--mesh: the memory per rank of ddp and each mesh, and each mesh's traffic per optimizer step."""
     ddp = held(results["ddp"][0])
-    memory = (["layout", "params+grads+optimizer per rank (MB)", "of ddp's", "ideal", "peak RSS per rank (MB)"], [])
+    memory = (
+        ["layout", "params+grads+optimizer per rank (MB)", "of ddp's", "ideal", "peak RSS per rank (MB)"],
+        [],
+    )
     for shape, ranks in results.items():
         shard = int(shape.split("x")[1]) if shape != "ddp" else 1
         name = "ddp" if shape == "ddp" else f"fsdp {shape}" if shape.startswith("1x") else f"hybrid {shape}"
         most = max(held(rank) for rank in ranks)
-        memory[1].append([name, f"{most / 1e6:.2f}", f"{most / ddp:.3f}", f"{1 / shard:.3f}",
-                          f"{max(rank['peak_rss'] for rank in ranks) / 1e6:.0f}"])
-    traffic = (["mesh", "accumulation", "across replicas: calls, MB sent per rank",
-                "within the shard group: calls, MB sent per rank"], [])
+        memory[1].append(
+            [
+                name,
+                f"{most / 1e6:.2f}",
+                f"{most / ddp:.3f}",
+                f"{1 / shard:.3f}",
+                f"{max(rank['peak_rss'] for rank in ranks) / 1e6:.0f}",
+            ]
+        )
+    traffic = (
+        [
+            "mesh",
+            "accumulation",
+            "across replicas: calls, MB sent per rank",
+            "within the shard group: calls, MB sent per rank",
+        ],
+        [],
+    )
     for shape, ranks in results.items():
         for accumulation in ACCUMULATIONS if shape != "ddp" else ():
             groups = ranks[0]["traffic"][accumulation]
@@ -240,40 +313,66 @@ def mesh_tables(results: dict[str, list[dict[str, Any]]]) -> list[tuple[list[str
 
 def table(results: dict[int, list[dict[str, dict[str, int]]]]) -> tuple[list[str], list[list[str]]]:
     """Rows per mode and world size: rank 0's bytes (the largest shard), their share of ddp's, the most peak RSS."""
-    header = ["mode", "processes", "params+grads+optimizer per rank (MB)", "of ddp's", "ideal 1/N",
-              "peak RSS per rank (MB)", "peak GPU memory per rank (MB)"]
+    header = [
+        "mode",
+        "processes",
+        "params+grads+optimizer per rank (MB)",
+        "of ddp's",
+        "ideal 1/N",
+        "peak RSS per rank (MB)",
+        "peak GPU memory per rank (MB)",
+    ]
     rows = []
     for mode in MODES:
         for world_size, ranks in sorted(results.items()):
             held = max(sum(rank[mode][key] for key in ("params", "grads", "optimizer")) for rank in ranks)
             ddp = sum(ranks[0]["ddp"][key] for key in ("params", "grads", "optimizer"))
-            rows.append([mode, str(world_size), f"{held / 1e6:.1f}", f"{held / ddp:.3f}",
-                         f"{(1 if mode == 'ddp' else 1 / world_size):.3f}",
-                         f"{max(rank[mode]['peak_rss'] for rank in ranks) / 1e6:.0f}",
-                         f"{max(rank[mode]['peak_gpu'] for rank in ranks) / 1e6:.0f}" if ranks[0][mode]['peak_gpu']
-                         else "-"])
+            rows.append(
+                [
+                    mode,
+                    str(world_size),
+                    f"{held / 1e6:.1f}",
+                    f"{held / ddp:.3f}",
+                    f"{(1 if mode == 'ddp' else 1 / world_size):.3f}",
+                    f"{max(rank[mode]['peak_rss'] for rank in ranks) / 1e6:.0f}",
+                    f"{max(rank[mode]['peak_gpu'] for rank in ranks) / 1e6:.0f}"
+                    if ranks[0][mode]["peak_gpu"]
+                    else "-",
+                ]
+            )
     return header, rows
 
 
 def main(argv: Any = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--small", action="store_true", help="a tiny model (what CI runs)")
     parser.add_argument("--processes", default="1,2,3", help="world sizes, comma-separated")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process, NCCL")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per process, NCCL"
+    )
     shapes = ", ".join(f"{replicate}x{shard}" for replicate, shard in MESHES)
-    parser.add_argument("--mesh", action="store_true", help=f"ddp and fsdp's meshes {shapes} at {MESH_PROCESSES} "
-                        f"processes: memory, and traffic per optimizer step")
+    parser.add_argument(
+        "--mesh",
+        action="store_true",
+        help=f"ddp and fsdp's meshes {shapes} at {MESH_PROCESSES} "
+        f"processes: memory, and traffic per optimizer step",
+    )
     parser.add_argument("--json", help="also write the raw measurements here")
     args = parser.parse_args(argv)
     width, blocks = SIZES["small" if args.small else "full"]
     if args.mesh:
-        return main_mesh(width, blocks, (width, blocks) if args.small else TRAFFIC_SIZE, args.device, args.json)
+        return main_mesh(
+            width, blocks, (width, blocks) if args.small else TRAFFIC_SIZE, args.device, args.json
+        )
     results = run(sorted({int(part) for part in args.processes.split(",")}), width, blocks, args.device)
     parameters = next(iter(results.values()))[0]["ddp"]["parameters"]
     header, rows = table(results)
-    print(f"Per-rank memory, {parameters / 1e6:.1f}M parameters (fp32, AdamW), {blocks} blocks of "
-          f"Linear({width}, {width}) + GELU; {machine_line()}\n")
+    print(
+        f"Per-rank memory, {parameters / 1e6:.1f}M parameters (fp32, AdamW), {blocks} blocks of "
+        f"Linear({width}, {width}) + GELU; {machine_line()}\n"
+    )
     print(markdown_table(header, rows))
     if args.json:
         Path(args.json).write_text(json.dumps({str(n): ranks for n, ranks in results.items()}))
@@ -284,12 +383,16 @@ def main_mesh(width: int, blocks: int, traffic_size: tuple[int, int], device: st
     results = run([], width, blocks, device, traffic_size)
     memory, traffic = mesh_tables(results)
     parameters = results["ddp"][0]["parameters"]
-    print(f"Per-rank memory at {MESH_PROCESSES} processes, {parameters / 1e6:.2f}M parameters (fp32, AdamW), {blocks} "
-          f"blocks of Linear({width}, {width}) + GELU; {machine_line()}\n")
+    print(
+        f"Per-rank memory at {MESH_PROCESSES} processes, {parameters / 1e6:.2f}M parameters (fp32, AdamW), {blocks} "
+        f"blocks of Linear({width}, {width}) + GELU; {machine_line()}\n"
+    )
     print(markdown_table(*memory))
-    print(f"\nCollective traffic per optimizer step, {results['2x2'][0]['traffic_parameters'] / 1e6:.2f}M parameters "
-          f"({traffic_size[1]} blocks of Linear({traffic_size[0]}, {traffic_size[0]}) + GELU; batch 4 per micro-step; "
-          f"ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a reduce-scatter or all-gather (n-1)/n):\n")
+    print(
+        f"\nCollective traffic per optimizer step, {results['2x2'][0]['traffic_parameters'] / 1e6:.2f}M parameters "
+        f"({traffic_size[1]} blocks of Linear({traffic_size[0]}, {traffic_size[0]}) + GELU; batch 4 per micro-step; "
+        f"ring algorithms: an all-reduce sends 2(n-1)/n of its bytes, a reduce-scatter or all-gather (n-1)/n):\n"
+    )
     print(markdown_table(*traffic))
     if json_path:
         Path(json_path).write_text(json.dumps(results))

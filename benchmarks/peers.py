@@ -37,14 +37,27 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_common import (RESULT, benchmark_parser, machine_line, make_cnn, make_images, run_worker,  # noqa: E402
-                          write_markdown)
+from bench_common import (  # noqa: E402
+    RESULT,
+    benchmark_parser,
+    machine_line,
+    make_cnn,
+    make_images,
+    run_worker,
+    write_markdown,
+)
+
 from data import default_num_workers  # noqa: E402
 from multigpu.config import FIELDS  # noqa: E402
 
 CONTENDERS = ("trainer", "autotune", "loop", "accelerate", "lightning")
-NAMES = {"trainer": "this project", "autotune": "this project --autotune", "loop": "hand-written loop",
-         "accelerate": "Accelerate", "lightning": "Lightning"}
+NAMES = {
+    "trainer": "this project",
+    "autotune": "this project --autotune",
+    "loop": "hand-written loop",
+    "accelerate": "Accelerate",
+    "lightning": "Lightning",
+}
 DEFAULT_CONTENDERS = "trainer,loop,accelerate,lightning"
 SHAPES = {"cnn": (1, 28, 28), "resnet18": (3, 32, 32), "resnet50": (3, 224, 224)}
 # Distinct training images: all of them for the small shapes; for 224 px a pool repeated to the run's length, since
@@ -65,12 +78,25 @@ def run_trainer(model, data, args, world: int, started: Callable[[], float]) -> 
     last = LastStep()
     start = started()
     # weight_decay=0: torch's SGD default, as the other contenders build it (the trainer's own default is 0.01)
-    config = TrainConfig(multi_gpu="ddp" if world > 1 else "none", epochs=1, batch_size=args.batch, optimizer="sgd",
-                         lr=LR, momentum=MOMENTUM, weight_decay=0.0, lr_schedule="constant", progress=False,
-                         save_dir=tempfile.mkdtemp(prefix="peers-"), autotune=args.worker == "autotune", amp=args.amp)
+    config = TrainConfig(
+        multi_gpu="ddp" if world > 1 else "none",
+        epochs=1,
+        batch_size=args.batch,
+        optimizer="sgd",
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=0.0,
+        lr_schedule="constant",
+        progress=False,
+        save_dir=tempfile.mkdtemp(prefix="peers-"),
+        autotune=args.worker == "autotune",
+        amp=args.amp,
+    )
     trainer = MultiGPUTrainer(model, data, None, config, callbacks=[last])
     trainer.fit()
-    chosen = {"chosen": trainer.autotune.chosen.words()} if trainer.autotune and trainer.autotune.chosen else {}
+    chosen = (
+        {"chosen": trainer.autotune.chosen.words()} if trainer.autotune and trainer.autotune.chosen else {}
+    )
     return last.at - start, trainer.model, chosen
 
 
@@ -79,9 +105,17 @@ def _loader(data, args, world: int):
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(data, seed=0, drop_last=True) if world > 1 else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the trainer's loader settings there
-    return DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None,
-                      pin_memory=device.type == "cuda", num_workers=default_num_workers(device))
+    device = torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # the trainer's loader settings there
+    return DataLoader(
+        data,
+        batch_size=args.batch,
+        sampler=sampler,
+        shuffle=sampler is None,
+        pin_memory=device.type == "cuda",
+        num_workers=default_num_workers(device),
+    )
 
 
 def run_loop(model, data, args, world: int, started: Callable[[], float]) -> tuple[float, Any, dict]:
@@ -92,8 +126,9 @@ def run_loop(model, data, args, world: int, started: Callable[[], float]) -> tup
     device = _device()
     plain = model.to(device)
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(plain, device_ids=[device.index] if device.index is not None
-                                                          else None)
+        model = torch.nn.parallel.DistributedDataParallel(
+            plain, device_ids=[device.index] if device.index is not None else None
+        )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loss_fn = torch.nn.CrossEntropyLoss()
     for inputs, targets in _loader(data, args, world):
@@ -112,7 +147,9 @@ def run_accelerate(model, data, args, world: int, started: Callable[[], float]) 
     start = started()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, _loader(data, args, 1))  # it shards the loader
+    model, optimizer, loader = accelerator.prepare(
+        model, optimizer, _loader(data, args, 1)
+    )  # it shards the loader
     loss_fn = torch.nn.CrossEntropyLoss()
     for inputs, targets in loader:
         accelerator.backward(loss_fn(model(inputs), targets))
@@ -144,10 +181,18 @@ def run_lightning(model, data, args, world: int, started: Callable[[], float]) -
 
     last = LastStep()
     start = started()
-    trainer = lightning.Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=world,
-                                strategy="ddp" if world > 1 else "auto", max_epochs=1, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0, callbacks=[last])
+    trainer = lightning.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[last],
+    )
     trainer.fit(Module(), _loader(data, args, 1))  # Lightning puts in its DistributedSampler itself
     assert trainer.global_step == args.steps, trainer.global_step
     return last.at - start, model, {}
@@ -170,8 +215,13 @@ def _wait(device) -> None:
         torch.cuda.synchronize(device)
 
 
-RUNS = {"trainer": run_trainer, "autotune": run_trainer, "loop": run_loop, "accelerate": run_accelerate,
-        "lightning": run_lightning}
+RUNS = {
+    "trainer": run_trainer,
+    "autotune": run_trainer,
+    "loop": run_loop,
+    "accelerate": run_accelerate,
+    "lightning": run_lightning,
+}
 
 
 def accuracy(model, args) -> float:
@@ -203,6 +253,7 @@ def worker(args) -> None:
     elif args.worker == "accelerate":
         import accelerate  # noqa: F401
     import torch._dynamo  # noqa: F401  (0.7-2 s here, an import every contender pays: see the docstring)
+
     import train_multi_gpu  # noqa: F401
 
     if world > 1:  # joined before the window, then a barrier: the ranks' start-up skew is not a framework's
@@ -216,15 +267,40 @@ def worker(args) -> None:
 
     seconds, trained, extra = RUNS[args.worker](model, data, args, world, started)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(RESULT + json.dumps({"samples_per_sec": args.steps * args.batch * world / seconds,
-                                   "seconds": seconds, "accuracy": accuracy(trained, args), **extra}), flush=True)
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "samples_per_sec": args.steps * args.batch * world / seconds,
+                    "seconds": seconds,
+                    "accuracy": accuracy(trained, args),
+                    **extra,
+                }
+            ),
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------ rounds and the table
 def launch(args, contender: str, nproc: int, steps: int) -> dict[str, float]:
-    script = [str(Path(__file__).resolve()), "--worker", contender, "--steps", str(steps), "--batch",
-              str(args.batch), "--threads", str(args.threads), "--model", args.model, "--amp", args.amp]
-    return run_worker(script, nproc, contender, {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        contender,
+        "--steps",
+        str(steps),
+        "--batch",
+        str(args.batch),
+        "--threads",
+        str(args.threads),
+        "--model",
+        args.model,
+        "--amp",
+        args.amp,
+    ]
+    return run_worker(
+        script, nproc, contender, {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    )
 
 
 def installed(contender: str) -> bool:
@@ -232,15 +308,34 @@ def installed(contender: str) -> bool:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, rounds=7, steps=0, batch=64, log_every=50, steps_help="unused: see --lengths",
-                              output_help="Markdown file (default benchmarks/results/peers_<cpu|gpu>.md)")
-    parser.add_argument("--lengths", default="64,256", help="run lengths in optimizer steps per rank, comma-separated")
+    parser = benchmark_parser(
+        __doc__,
+        rounds=7,
+        steps=0,
+        batch=64,
+        log_every=50,
+        steps_help="unused: see --lengths",
+        output_help="Markdown file (default benchmarks/results/peers_<cpu|gpu>.md)",
+    )
+    parser.add_argument(
+        "--lengths", default="64,256", help="run lengths in optimizer steps per rank, comma-separated"
+    )
     parser.add_argument("--nproc", default="1,2", help="process counts, comma-separated (2 or more: DDP)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0: torch's default)")
-    parser.add_argument("--model", choices=sorted(SHAPES), default="cnn",
-                        help="cnn on 1x28x28, resnet18 on 3x32x32, or resnet50 on 3x224x224")
-    parser.add_argument("--amp", choices=FIELDS["amp"].metadata["choices"], default="off",
-                        help="this project's --amp (its two contenders only: the loop and the peers stay fp32)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per process (0: torch's default)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(SHAPES),
+        default="cnn",
+        help="cnn on 1x28x28, resnet18 on 3x32x32, or resnet50 on 3x224x224",
+    )
+    parser.add_argument(
+        "--amp",
+        choices=FIELDS["amp"].metadata["choices"],
+        default="off",
+        help="this project's --amp (its two contenders only: the loop and the peers stay fp32)",
+    )
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="which to run, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="one round of 24 steps at 2 processes (CI)")
     parser.add_argument("--json", help="also write the raw figures here")
@@ -252,9 +347,13 @@ def main() -> None:
     if args.tiny:
         args.rounds, args.lengths, args.nproc = 1, "24", "2"
     asked = [name for name in args.contenders.split(",") if name]
-    unknown = sorted(set(asked) - set(CONTENDERS)) + ([] if "loop" in asked else ["(loop is needed: the ratios' base)"])
+    unknown = sorted(set(asked) - set(CONTENDERS)) + (
+        [] if "loop" in asked else ["(loop is needed: the ratios' base)"]
+    )
     if unknown:
-        sys.exit(f"error: --contenders {args.contenders}: not one of {', '.join(CONTENDERS)}: {', '.join(unknown)}")
+        sys.exit(
+            f"error: --contenders {args.contenders}: not one of {', '.join(CONTENDERS)}: {', '.join(unknown)}"
+        )
     contenders = [name for name in CONTENDERS if name in asked and installed(name)]
     for name in asked:
         if name not in contenders:
@@ -265,27 +364,48 @@ def main() -> None:
         for nproc in [int(count) for count in args.nproc.split(",")]:
             key, per_round = f"{steps} steps, {nproc} process(es)", []
             for round_index in range(args.rounds):
-                order = contenders[round_index % len(contenders):] + contenders[:round_index % len(contenders)]
+                order = (
+                    contenders[round_index % len(contenders) :] + contenders[: round_index % len(contenders)]
+                )
                 measured = {name: launch(args, name, nproc, steps) for name in order}
                 per_round.append(measured)
-                print(f"{key}, round {round_index + 1}: " + ", ".join(
-                    f"{NAMES[name]} {measured[name]['samples_per_sec']:.0f}" for name in contenders) + " samples/s",
-                    flush=True)
+                print(
+                    f"{key}, round {round_index + 1}: "
+                    + ", ".join(
+                        f"{NAMES[name]} {measured[name]['samples_per_sec']:.0f}" for name in contenders
+                    )
+                    + " samples/s",
+                    flush=True,
+                )
             raw[key] = per_round
             rows.append(_row(steps, nproc, args, per_round, contenders))
-    header = ["run length", "config", *[f"{NAMES[name]} vs loop" for name in contenders if name != "loop"],
-              "loop samples/s", "held-out accuracy (" + ", ".join(NAMES[name] for name in contenders) + ")"]
-    chosen = sorted({measured["autotune"]["chosen"] for per_round in raw.values() for measured in per_round
-                     if "chosen" in measured.get("autotune", {})})
-    notes = [machine_line(), f"the project's {args.model} on synthetic {'x'.join(map(str, SHAPES[args.model]))} "
-             f"images in memory{_distinct(args)}, batch {args.batch} per process, SGD, {_precision(args)}, no "
-             f"validation, {_threads(args)}; "
-             f"{args.rounds} interleaved rounds",
-             "ratio: samples/s / the hand-written loop's in the same round, median (range); time from building "
-             "the framework's objects to the end of the last optimizer step, on rank 0; accuracy: medians, on 512 "
-             "held-out samples after the run",
-             *([f"--autotune chose: {'; '.join(chosen)}"] if chosen else []),
-             *[f"{NAMES[name]}: not installed, skipped" for name in asked if name not in contenders]]
+    header = [
+        "run length",
+        "config",
+        *[f"{NAMES[name]} vs loop" for name in contenders if name != "loop"],
+        "loop samples/s",
+        "held-out accuracy (" + ", ".join(NAMES[name] for name in contenders) + ")",
+    ]
+    chosen = sorted(
+        {
+            measured["autotune"]["chosen"]
+            for per_round in raw.values()
+            for measured in per_round
+            if "chosen" in measured.get("autotune", {})
+        }
+    )
+    notes = [
+        machine_line(),
+        f"the project's {args.model} on synthetic {'x'.join(map(str, SHAPES[args.model]))} "
+        f"images in memory{_distinct(args)}, batch {args.batch} per process, SGD, {_precision(args)}, no "
+        f"validation, {_threads(args)}; "
+        f"{args.rounds} interleaved rounds",
+        "ratio: samples/s / the hand-written loop's in the same round, median (range); time from building "
+        "the framework's objects to the end of the last optimizer step, on rank 0; accuracy: medians, on 512 "
+        "held-out samples after the run",
+        *([f"--autotune chose: {'; '.join(chosen)}"] if chosen else []),
+        *[f"{NAMES[name]}: not installed, skipped" for name in asked if name not in contenders],
+    ]
     device = "gpu" if _cuda() else "cpu"
     output = Path(args.output) if args.output else REPO / "benchmarks" / "results" / f"peers_{device}.md"
     write_markdown(output, "Trainer, hand-written loop and peers (benchmarks/peers.py)", header, rows, notes)
@@ -310,11 +430,15 @@ def _row(steps: int, nproc: int, args, per_round: list[dict], contenders: list[s
     for name in contenders:
         if name == "loop":
             continue
-        ratios = [measured[name]["samples_per_sec"] / measured["loop"]["samples_per_sec"] for measured in per_round]
+        ratios = [
+            measured[name]["samples_per_sec"] / measured["loop"]["samples_per_sec"] for measured in per_round
+        ]
         cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
     loop = statistics.median(measured["loop"]["samples_per_sec"] for measured in per_round)
-    accuracy = ", ".join(f"{statistics.median(measured[name]['accuracy'] for measured in per_round):.3f}"
-                         for name in contenders)
+    accuracy = ", ".join(
+        f"{statistics.median(measured[name]['accuracy'] for measured in per_round):.3f}"
+        for name in contenders
+    )
     config = f"DDP, {nproc} processes" if nproc > 1 else "1 process"
     return [f"{steps} steps per rank", config, *cells, f"{loop:.0f}", accuracy]
 

@@ -28,15 +28,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
-from bench_common import (benchmark_parser, logged_rates, machine_line, make_cnn, make_images,  # noqa: E402
-                          steady, write_markdown)  # (after the path set-up)
+from bench_common import (  # noqa: E402
+    benchmark_parser,
+    logged_rates,
+    machine_line,
+    make_cnn,
+    make_images,
+    steady,  # (after the path set-up)
+    write_markdown,
+)
 
 RESULT = "SCALING_RESULT "
 LOOPS = ("trainer", "raw")
@@ -55,18 +63,24 @@ class Setup:
     threads: int = 1  # OMP_NUM_THREADS per process
 
 
-def setups(gpus: int, max_devices: Optional[int] = None) -> list[Setup]:
+def setups(gpus: int, max_devices: int | None = None) -> list[Setup]:
     """The device sets to measure, the one-device set first (at most `max_devices` devices each)."""
     return [setup for setup in all_setups(gpus) if max_devices is None or setup.devices <= max_devices]
 
 
 def all_setups(gpus: int) -> list[Setup]:
     if not gpus:
-        return [Setup("1 process", 1, "none"), Setup("1 process, 2 threads", 2, "none", threads=2),
-                Setup("DDP, 2 processes", 2, "ddp", nproc=2)]
+        return [
+            Setup("1 process", 1, "none"),
+            Setup("1 process, 2 threads", 2, "none", threads=2),
+            Setup("DDP, 2 processes", 2, "ddp", nproc=2),
+        ]
     counts = sorted({n for n in (2, 4, 8, 16, 32) if n < gpus} | {gpus} - {1})
-    return ([Setup("1 GPU", 1, "none")] + [Setup(f"DDP, {n} GPUs", n, "ddp", nproc=n) for n in counts]
-            + ([Setup(f"DataParallel, {gpus} GPUs", gpus, "dp")] if gpus > 1 else []))
+    return (
+        [Setup("1 GPU", 1, "none")]
+        + [Setup(f"DDP, {n} GPUs", n, "ddp", nproc=n) for n in counts]
+        + ([Setup(f"DataParallel, {gpus} GPUs", gpus, "dp")] if gpus > 1 else [])
+    )
 
 
 # ---------------------------------------------------------------------------- inside the launched processes
@@ -81,6 +95,7 @@ def first_step_clock(optimizer: Any) -> dict[str, float]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # once, at the first step
             seen["first_step"] = time.time()
+
     optimizer.register_step_post_hook(hook)
     return seen
 
@@ -94,9 +109,17 @@ def process_batch(args: argparse.Namespace) -> int:
 def run_trainer(args: argparse.Namespace, devices: int) -> dict[str, float]:
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu=args.mode, epochs=1, batch_size=process_batch(args), lr=1e-3,
-                         lr_schedule="constant", log_every=args.log_every, num_workers=0, progress=False,
-                         save_dir=tempfile.mkdtemp())
+    config = TrainConfig(
+        multi_gpu=args.mode,
+        epochs=1,
+        batch_size=process_batch(args),
+        lr=1e-3,
+        lr_schedule="constant",
+        log_every=args.log_every,
+        num_workers=0,
+        progress=False,
+        save_dir=tempfile.mkdtemp(),
+    )
     with MultiGPUTrainer(make_cnn(), make_images(args.steps * args.batch * devices), None, config) as trainer:
         seen = first_step_clock(trainer.optimizer)
         trainer.fit()
@@ -128,8 +151,12 @@ def run_raw(args: argparse.Namespace, devices: int) -> dict[str, float]:
     data = make_images(args.steps * args.batch * devices)
     world = dist.get_world_size() if args.mode == "ddp" else 1
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=process_batch(args) * (devices if args.mode == "dp" else 1),
-                        sampler=sampler, pin_memory=cuda)
+    loader = DataLoader(
+        data,
+        batch_size=process_batch(args) * (devices if args.mode == "dp" else 1),
+        sampler=sampler,
+        pin_memory=cuda,
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
     boundaries = [time.perf_counter()]
     for step, (inputs, targets) in enumerate(loader, start=1):
@@ -144,8 +171,12 @@ def run_raw(args: argparse.Namespace, devices: int) -> dict[str, float]:
     if args.mode == "ddp":
         dist.destroy_process_group()
     samples = args.log_every * args.batch * devices  # per logging interval
-    return {"samples_per_sec": steady([samples / (end - start) for start, end in zip(boundaries, boundaries[1:])]),
-            **seen}
+    return {
+        "samples_per_sec": steady(
+            [samples / (end - start) for start, end in zip(boundaries, boundaries[1:])]
+        ),
+        **seen,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -157,18 +188,42 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- the parent
 def launch(args: argparse.Namespace, setup: Setup, loop: str) -> dict[str, float]:
     """Run one loop on one device set in fresh processes; its samples/s and seconds to the first step."""
-    script = [str(Path(__file__).resolve()), "--worker", loop, "--mode", setup.mode, "--devices", str(setup.devices),
-              "--steps", str(args.steps), "--batch", str(args.batch), "--log-every", str(args.log_every)]
-    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={setup.nproc}"]
-                if setup.nproc > 1 else [])
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        loop,
+        "--mode",
+        setup.mode,
+        "--devices",
+        str(setup.devices),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--log-every",
+        str(args.log_every),
+    ]
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={setup.nproc}"]
+        if setup.nproc > 1
+        else []
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads), "PYTHONUNBUFFERED": "1"}
     launched = time.time()
-    result = subprocess.run([sys.executable, *launcher, *script], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=args.timeout)
+    result = subprocess.run(
+        [sys.executable, *launcher, *script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT)]
     if result.returncode != 0 or not lines:
-        raise SystemExit(f"{loop} on {setup.name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    figures = json.loads(lines[-1][len(RESULT):])
+        raise SystemExit(
+            f"{loop} on {setup.name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}"
+        )
+    figures = json.loads(lines[-1][len(RESULT) :])
     return {"samples_per_sec": figures["samples_per_sec"], "startup_s": figures["first_step"] - launched}
 
 
@@ -176,16 +231,22 @@ def measure(args: argparse.Namespace, sets: Sequence[Setup]) -> dict[tuple[str, 
     runs = [(setup, loop) for setup in sets for loop in LOOPS]
     results: dict[tuple[str, str], list[dict[str, float]]] = {(s.name, loop): [] for s, loop in runs}
     for round_index in range(args.rounds):
-        for setup, loop in (runs if round_index % 2 == 0 else runs[::-1]):
+        for setup, loop in runs if round_index % 2 == 0 else runs[::-1]:
             figures = launch(args, setup, loop)
             results[(setup.name, loop)].append(figures)
-            print(f"round {round_index + 1}: {setup.name}, {loop}: {figures['samples_per_sec']:.0f} samples/s, "
-                  f"first step after {figures['startup_s']:.2f} s", flush=True)
+            print(
+                f"round {round_index + 1}: {setup.name}, {loop}: {figures['samples_per_sec']:.0f} samples/s, "
+                f"first step after {figures['startup_s']:.2f} s",
+                flush=True,
+            )
     return results
 
 
-def table(sets: Sequence[Setup], results: dict[tuple[str, str], list[dict[str, float]]]) -> list[dict[str, Any]]:
+def table(
+    sets: Sequence[Setup], results: dict[tuple[str, str], list[dict[str, float]]]
+) -> list[dict[str, Any]]:
     """Medians per device set and loop, with speed-up and efficiency against the first (one-device) set."""
+
     def median(name: str, loop: str, key: str) -> float:
         return statistics.median(figures[key] for figures in results[(name, loop)])
 
@@ -204,16 +265,29 @@ def table(sets: Sequence[Setup], results: dict[tuple[str, str], list[dict[str, f
     return rows
 
 
-HEADER = ["device set", "devices", "trainer samples/s", "raw samples/s", "trainer/raw", "speed-up trainer (raw)",
-          "efficiency trainer (raw)", "first step s trainer (raw)"]
+HEADER = [
+    "device set",
+    "devices",
+    "trainer samples/s",
+    "raw samples/s",
+    "trainer/raw",
+    "speed-up trainer (raw)",
+    "efficiency trainer (raw)",
+    "first step s trainer (raw)",
+]
 
 
 def cells(row: dict[str, Any]) -> list[str]:
-    return [row["setup"], str(row["devices"]), f"{row['trainer_samples_per_sec']:.0f}",
-            f"{row['raw_samples_per_sec']:.0f}", f"{row['ratio']:.3f}",
-            f"{row['trainer_speedup']:.2f} ({row['raw_speedup']:.2f})",
-            f"{row['trainer_efficiency']:.0%} ({row['raw_efficiency']:.0%})",
-            f"{row['trainer_startup_s']:.2f} ({row['raw_startup_s']:.2f})"]
+    return [
+        row["setup"],
+        str(row["devices"]),
+        f"{row['trainer_samples_per_sec']:.0f}",
+        f"{row['raw_samples_per_sec']:.0f}",
+        f"{row['ratio']:.3f}",
+        f"{row['trainer_speedup']:.2f} ({row['raw_speedup']:.2f})",
+        f"{row['trainer_efficiency']:.0%} ({row['raw_efficiency']:.0%})",
+        f"{row['trainer_startup_s']:.2f} ({row['raw_startup_s']:.2f})",
+    ]
 
 
 def goals(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -221,13 +295,17 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = []
     for row in rows:
         met = row["ratio"] >= GOAL_RATIO and row["trainer_startup_s"] <= row["raw_startup_s"] + GOAL_STARTUP_S
-        lines.append(f"{row['setup']}: trainer/raw {row['ratio']:.3f} (goal >= {GOAL_RATIO}), first step "
-                     f"{row['trainer_startup_s'] - row['raw_startup_s']:+.2f} s vs raw (goal <= +{GOAL_STARTUP_S:g} s)"
-                     f"{'' if met else ' - NOT MET'}")
+        lines.append(
+            f"{row['setup']}: trainer/raw {row['ratio']:.3f} (goal >= {GOAL_RATIO}), first step "
+            f"{row['trainer_startup_s'] - row['raw_startup_s']:+.2f} s vs raw (goal <= +{GOAL_STARTUP_S:g} s)"
+            f"{'' if met else ' - NOT MET'}"
+        )
     for row in rows[1:]:
         share = row["trainer_efficiency"] / row["raw_efficiency"]
-        lines.append(f"{row['setup']}: trainer's scaling efficiency {share:.3f} x the raw loop's (goal >= "
-                     f"{GOAL_EFFICIENCY_SHARE}){'' if share >= GOAL_EFFICIENCY_SHARE else ' - NOT MET'}")
+        lines.append(
+            f"{row['setup']}: trainer's scaling efficiency {share:.3f} x the raw loop's (goal >= "
+            f"{GOAL_EFFICIENCY_SHARE}){'' if share >= GOAL_EFFICIENCY_SHARE else ' - NOT MET'}"
+        )
     return lines
 
 
@@ -240,7 +318,9 @@ def plot(rows: Sequence[dict[str, Any]], caption: str, path: Path) -> None:
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
-    draw.text((left, 12), "Training throughput as devices are added (higher is better)", fill="black", font=font)
+    draw.text(
+        (left, 12), "Training throughput as devices are added (higher is better)", fill="black", font=font
+    )
     draw.text((left, 34), caption, fill="dimgray", font=small)
     peak = max(max(row["trainer_samples_per_sec"], row["raw_samples_per_sec"]) for row in rows) * 1.15
     draw.line([(left, top), (left, bottom), (width - 30, bottom)], fill="black")
@@ -256,31 +336,48 @@ def plot(rows: Sequence[dict[str, Any]], caption: str, path: Path) -> None:
             rate = row[f"{loop}_samples_per_sec"]
             x, y = x0 + offset * 60, bottom - (bottom - top) * rate / peak
             draw.rectangle([x, y, x + 55, bottom], fill=colours[loop])
-            draw.text((x + 27, y - 4), f"x{row[f'{loop}_speedup']:.2f}", fill="black", font=small, anchor="mb")
+            draw.text(
+                (x + 27, y - 4), f"x{row[f'{loop}_speedup']:.2f}", fill="black", font=small, anchor="mb"
+            )
         draw.text((x0 + 58, bottom + 8), row["setup"], fill="black", font=small, anchor="mt")
-        draw.text((x0 + 58, bottom + 24), f"trainer/raw {row['ratio']:.3f}", fill="dimgray", font=small, anchor="mt")
+        draw.text(
+            (x0 + 58, bottom + 24), f"trainer/raw {row['ratio']:.3f}", fill="dimgray", font=small, anchor="mt"
+        )
     for offset, loop in enumerate(LOOPS):
         x = width - 250 + offset * 120
         draw.rectangle([x, 60, x + 14, 74], fill=colours[loop])
-        draw.text((x + 20, 67), "MultiGPUTrainer" if loop == "trainer" else "hand-written", fill="black",
-                  font=small, anchor="lm")
+        draw.text(
+            (x + 20, 67),
+            "MultiGPUTrainer" if loop == "trainer" else "hand-written",
+            fill="black",
+            font=small,
+            anchor="lm",
+        )
     image.save(path)
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = benchmark_parser(__doc__, rounds=5, steps=40, batch=64, log_every=8,
-                              batch_help="samples per device per step",
-                              output_help="the Markdown table (default: benchmarks/results/scaling_<cpu|gpu>.md); "
-                                          "CSV, PNG and JSON beside it")
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__,
+        rounds=5,
+        steps=40,
+        batch=64,
+        log_every=8,
+        batch_help="samples per device per step",
+        output_help="the Markdown table (default: benchmarks/results/scaling_<cpu|gpu>.md); "
+        "CSV, PNG and JSON beside it",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
-    parser.add_argument("--max-devices", type=int, help="measure only the device sets of at most this many devices")
+    parser.add_argument(
+        "--max-devices", type=int, help="measure only the device sets of at most this many devices"
+    )
     parser.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
@@ -294,11 +391,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = table(sets, measure(args, sets))
     load_after = os.getloadavg()[0]
     machine = machine_line()
-    notes = [machine, f"cnn on 1x28x28 synthetic images, batch {args.batch} per device, {args.steps} steps per run, "
-             f"medians of {args.rounds} alternating rounds; samples/s over every --log-every {args.log_every} "
-             f"interval but the first; load average {load_before:.2f} before, {load_after:.2f} after",
-             *goals(rows)]
-    write_markdown(output, "Scaling: trainer vs hand-written loop", HEADER, [cells(row) for row in rows], notes)
+    notes = [
+        machine,
+        f"cnn on 1x28x28 synthetic images, batch {args.batch} per device, {args.steps} steps per run, "
+        f"medians of {args.rounds} alternating rounds; samples/s over every --log-every {args.log_every} "
+        f"interval but the first; load average {load_before:.2f} before, {load_after:.2f} after",
+        *goals(rows),
+    ]
+    write_markdown(
+        output, "Scaling: trainer vs hand-written loop", HEADER, [cells(row) for row in rows], notes
+    )
     plot(rows, machine, output.with_suffix(".png"))
     output.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")  # the figures, unrounded
     print(f"written: {output.with_suffix('.png')} and {output.with_suffix('.json')}", flush=True)

@@ -22,14 +22,22 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
-from bench_common import make_cnn as make_model, make_images as make_data  # noqa: E402  (after the path set-up)
+from bench_common import make_cnn as make_model  # noqa: E402  (after the path set-up)
+from bench_common import make_images as make_data  # noqa: E402
 
 
 def run_trainer(args) -> float:
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu="ddp", epochs=args.epochs, batch_size=args.batch_size, lr=1e-3,
-                         progress=False, log_every=args.log_every, save_dir=tempfile.mkdtemp())
+    config = TrainConfig(
+        multi_gpu="ddp",
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=1e-3,
+        progress=False,
+        log_every=args.log_every,
+        save_dir=tempfile.mkdtemp(),
+    )
     return MultiGPUTrainer(make_model(), make_data(args.samples), None, config).fit()["samples_per_sec"]
 
 
@@ -43,7 +51,7 @@ def run_raw(args) -> float:
     from torch.utils.data import DataLoader, DistributedSampler
 
     cuda = torch.cuda.is_available()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -78,17 +86,33 @@ def worker(args) -> None:
 
 
 def launch(args, loop: str) -> float:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__), "--worker", loop, "--epochs", str(args.epochs),
-               "--samples", str(args.samples), "--batch-size", str(args.batch_size), "--log-every", str(args.log_every)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.abspath(__file__),
+        "--worker",
+        loop,
+        "--epochs",
+        str(args.epochs),
+        "--samples",
+        str(args.samples),
+        "--batch-size",
+        str(args.batch_size),
+        "--log-every",
+        str(args.log_every),
+    ]
     output = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])["samples_per_sec"]
+    return json.loads(line[len("RESULT ") :])["samples_per_sec"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
@@ -107,8 +131,10 @@ def main() -> None:
             results[loop].append(launch(args, loop))
             print(f"round {round_index + 1}: {loop:7s} {results[loop][-1]:8.0f} samples/s", flush=True)
     trainer, raw = statistics.median(results["trainer"]), statistics.median(results["raw"])
-    print(f"median samples/s: trainer {trainer:.0f}, raw DDP loop {raw:.0f}, ratio {trainer / raw:.3f} "
-          f"({args.nproc} processes, batch {args.batch_size}, {args.samples} samples x {args.epochs} epochs)")
+    print(
+        f"median samples/s: trainer {trainer:.0f}, raw DDP loop {raw:.0f}, ratio {trainer / raw:.3f} "
+        f"({args.nproc} processes, batch {args.batch_size}, {args.samples} samples x {args.epochs} epochs)"
+    )
 
 
 if __name__ == "__main__":

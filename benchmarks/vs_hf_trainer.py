@@ -67,8 +67,14 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_common import (RESULT, alternating_rounds, benchmark_parser, machine_line, run_worker,  # noqa: E402
-                          write_markdown)
+from bench_common import (  # noqa: E402
+    RESULT,
+    alternating_rounds,
+    benchmark_parser,
+    machine_line,
+    run_worker,
+    write_markdown,
+)
 
 CONTENDERS = ("ours", "hf")
 NAMES = {"ours": "this project", "hf": "Hugging Face Trainer"}
@@ -128,9 +134,18 @@ def build_model(args, folder: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(SEED)
-    config = GPT2Config(vocab_size=args.vocab, n_positions=args.block, n_embd=args.embd, n_layer=args.layers,
-                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)  # GPT-2's 50256 is no token here
+    config = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.block,
+        n_embd=args.embd,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=args.vocab - 1,
+        eos_token_id=args.vocab - 1,
+    )  # GPT-2's 50256 is no token here
     GPT2LMHeadModel(config).save_pretrained(folder)
 
 
@@ -151,7 +166,9 @@ def validation_loss(model, data: PackedWindows) -> float:
     with torch.no_grad():
         for ids, mask in zip(data.ids.split(VAL_BATCH), data.mask.split(VAL_BATCH)):
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+            )
             count += ids[:, 1:].numel()
     return total.item() / count
 
@@ -173,9 +190,16 @@ def run_ours(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any
     module."""
     from train_multi_gpu import MultiGPUTrainer, TrainConfig
 
-    config = TrainConfig(multi_gpu="ddp" if world > 1 else "none", epochs=1, batch_size=args.batch,
-                         lr_schedule="constant", log_every=args.log_every, progress=False, seed=SEED,
-                         save_dir=scratch)
+    config = TrainConfig(
+        multi_gpu="ddp" if world > 1 else "none",
+        epochs=1,
+        batch_size=args.batch,
+        lr_schedule="constant",
+        log_every=args.log_every,
+        progress=False,
+        seed=SEED,
+        save_dir=scratch,
+    )
     trainer = MultiGPUTrainer(model, data, None, config, optimizer=adamw, callbacks=[ends])
     trainer.fit()
     return trainer.model
@@ -191,14 +215,30 @@ def run_hf(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
         on_step_end = ends.on_step_end  # the same bound method the project's run calls: one way of timing
 
     # max_grad_norm 0: no clipping, as the project's default; data_seed: the project's order (the docstring)
-    training = TrainingArguments(output_dir=scratch,
-                                 per_device_train_batch_size=args.batch, max_steps=args.steps,
-                                 lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, seed=SEED,
-                                 data_seed=SEED, dataloader_num_workers=0, logging_steps=args.log_every,
-                                 eval_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-                                 use_cpu=not torch.cuda.is_available())
-    trainer = Trainer(model=model, args=training, train_dataset=data, optimizers=(adamw(model.parameters()), None),
-                      callbacks=[Ends()])
+    training = TrainingArguments(
+        output_dir=scratch,
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0.0,
+        seed=SEED,
+        data_seed=SEED,
+        dataloader_num_workers=0,
+        logging_steps=args.log_every,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=data,
+        optimizers=(adamw(model.parameters()), None),
+        callbacks=[Ends()],
+    )
     trainer.train()
     return trainer.model
 
@@ -223,20 +263,48 @@ def worker(args) -> None:
         sys.exit(f"{NAMES[args.worker]} took {len(ends.at)} optimizer steps, not {args.steps}")
     seconds = ends.at[-1] - ends.at[args.warmup - 1]
     tokens = (args.steps - args.warmup) * args.batch * args.block * world
-    print(RESULT + json.dumps({"tokens_per_sec": tokens / seconds, "seconds": seconds,
-                               "val_loss": validation_loss(trained, validation_set(args))}), flush=True)
+    print(
+        RESULT
+        + json.dumps(
+            {
+                "tokens_per_sec": tokens / seconds,
+                "seconds": seconds,
+                "val_loss": validation_loss(trained, validation_set(args)),
+            }
+        ),
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------ rounds and the table (the driver)
 def launch(args, contender: str, nproc: int, threads: int) -> dict[str, float]:
-    script = [str(Path(__file__).resolve()), "--worker", contender, "--model-dir", args.model_dir,
-              "--threads", str(threads), *workload_flags(args)]
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        contender,
+        "--model-dir",
+        args.model_dir,
+        "--threads",
+        str(threads),
+        *workload_flags(args),
+    ]
     return run_worker(script, nproc, NAMES[contender], {"OMP_NUM_THREADS": str(threads)})
 
 
 def workload_flags(args) -> list[str]:
     """The flags that make the workload, passed on to every worker."""
-    names = ("steps", "warmup", "batch", "log_every", "layers", "embd", "heads", "vocab", "block", "val_windows")
+    names = (
+        "steps",
+        "warmup",
+        "batch",
+        "log_every",
+        "layers",
+        "embd",
+        "heads",
+        "vocab",
+        "block",
+        "val_windows",
+    )
     return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
 
@@ -246,7 +314,9 @@ def threads_for(args, nproc: int) -> int:
 
 def rows_for(nproc: int, per_round: dict[str, list[dict]]) -> tuple[list[list[str]], list[str]]:
     """The table's two rows at one process count, and what missed the target there (empty: met)."""
-    ratios = [ours["tokens_per_sec"] / hf["tokens_per_sec"] for ours, hf in zip(per_round["ours"], per_round["hf"])]
+    ratios = [
+        ours["tokens_per_sec"] / hf["tokens_per_sec"] for ours, hf in zip(per_round["ours"], per_round["hf"])
+    ]
     gaps = [ours["val_loss"] - hf["val_loss"] for ours, hf in zip(per_round["ours"], per_round["hf"])]
     ratio, gap = statistics.median(ratios), max(gaps, key=abs)
     rows = []
@@ -254,12 +324,22 @@ def rows_for(nproc: int, per_round: dict[str, list[dict]]) -> tuple[list[list[st
         rates = [figures["tokens_per_sec"] for figures in per_round[name]]
         loss = statistics.median(figures["val_loss"] for figures in per_round[name])
         ours = name == "ours"
-        rows.append([str(nproc), NAMES[name], f"{statistics.median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})",
-                     f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ours else "",
-                     f"{loss:.6f}", f"{gap:+.1e}" if ours else ""])
+        rows.append(
+            [
+                str(nproc),
+                NAMES[name],
+                f"{statistics.median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})",
+                f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ours else "",
+                f"{loss:.6f}",
+                f"{gap:+.1e}" if ours else "",
+            ]
+        )
     missed = [f"{nproc} process(es): ours/HF {ratio:.2f} < {MIN_RATIO}"] if ratio < MIN_RATIO else []
-    missed += [f"{nproc} process(es): |val loss difference| {abs(gap):.1e} > {MAX_LOSS_GAP}"] \
-        if abs(gap) > MAX_LOSS_GAP else []
+    missed += (
+        [f"{nproc} process(es): |val loss difference| {abs(gap):.1e} > {MAX_LOSS_GAP}"]
+        if abs(gap) > MAX_LOSS_GAP
+        else []
+    )
     return rows, missed
 
 
@@ -270,7 +350,9 @@ def main() -> int:
         return 0
     missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:  # transformers' Trainer needs accelerate: without either there is no contender
-        print(f"error: {' and '.join(missing)} not installed: pip install -e '.[hf-trainer]'", file=sys.stderr)
+        print(
+            f"error: {' and '.join(missing)} not installed: pip install -e '.[hf-trainer]'", file=sys.stderr
+        )
         return 2
     import transformers
 
@@ -283,22 +365,35 @@ def main() -> int:
 
         untrained = validation_loss(GPT2LMHeadModel.from_pretrained(model_dir), validation_set(args))
         results, load = alternating_rounds(
-            args.rounds, [str(count) for count in counts], list(CONTENDERS),
+            args.rounds,
+            [str(count) for count in counts],
+            list(CONTENDERS),
             lambda nproc, name: launch(args, name, int(nproc), threads_for(args, int(nproc))),
-            lambda figures: f"{figures['tokens_per_sec']:.0f} tokens/s, val loss {figures['val_loss']:.6f}")
+            lambda figures: f"{figures['tokens_per_sec']:.0f} tokens/s, val loss {figures['val_loss']:.6f}",
+        )
     rows, missed = [], []
     for count in counts:
         made, miss = rows_for(count, {name: results[(str(count), name)] for name in CONTENDERS})
         rows += made
         missed += miss
     header = ["processes", "contender", "tokens/s", "ours/HF", "val loss", "val loss difference (ours - HF)"]
-    write_markdown(Path(args.output) if args.output else default_output(), "This project against Hugging Face's "
-                   "Trainer (benchmarks/vs_hf_trainer.py)", header, rows, notes(args, counts, untrained, load))
+    write_markdown(
+        Path(args.output) if args.output else default_output(),
+        "This project against Hugging Face's Trainer (benchmarks/vs_hf_trainer.py)",
+        header,
+        rows,
+        notes(args, counts, untrained, load),
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{nproc} {name}": figures
-                                               for (nproc, name), figures in results.items()}, indent=1))
-    print("target met: ours/HF >= 1.0 and |val loss difference| <= 1e-4 at every process count" if not missed else
-          "target missed: " + "; ".join(missed), flush=True)
+        Path(args.json).write_text(
+            json.dumps({f"{nproc} {name}": figures for (nproc, name), figures in results.items()}, indent=1)
+        )
+    print(
+        "target met: ours/HF >= 1.0 and |val loss difference| <= 1e-4 at every process count"
+        if not missed
+        else "target missed: " + "; ".join(missed),
+        flush=True,
+    )
     return 1 if missed else 0
 
 
@@ -307,39 +402,54 @@ def notes(args, counts: list[int], untrained: float, load: tuple[float, float]) 
     import transformers
 
     threads = ", ".join(f"{threads_for(args, count)} thread(s) per process at {count}" for count in counts)
-    return [machine_line() + f"; transformers {transformers.__version__}, Accelerate "
-            f"{importlib.metadata.version('accelerate')}; load average {load[0]:.2f} before, {load[1]:.2f} after",
-            f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
-            f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
-            f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
-            f"constant LR, no clipping, fp32, {threads}",
-            f"tokens/s: rank 0's, steps {args.warmup + 1}-{args.steps} (the first {args.warmup} are warm-up), "
-            f"median (range) of {args.rounds} interleaved round(s); ours/HF: the median of the rounds' ratios",
-            f"val loss: per token over {args.val_windows} held-out windows after the last step (before "
-            f"training: {untrained:.6f}); the difference: the largest over the rounds",
-            f"command: python benchmarks/vs_hf_trainer.py {' '.join(sys.argv[1:])}".rstrip()]
+    return [
+        machine_line() + f"; transformers {transformers.__version__}, Accelerate "
+        f"{importlib.metadata.version('accelerate')}; load average {load[0]:.2f} before, {load[1]:.2f} after",
+        f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
+        f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
+        f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
+        f"constant LR, no clipping, fp32, {threads}",
+        f"tokens/s: rank 0's, steps {args.warmup + 1}-{args.steps} (the first {args.warmup} are warm-up), "
+        f"median (range) of {args.rounds} interleaved round(s); ours/HF: the median of the rounds' ratios",
+        f"val loss: per token over {args.val_windows} held-out windows after the last step (before "
+        f"training: {untrained:.6f}); the difference: the largest over the rounds",
+        f"command: python benchmarks/vs_hf_trainer.py {' '.join(sys.argv[1:])}".rstrip(),
+    ]
 
 
 def default_output() -> Path:
     import torch
 
-    return REPO / "benchmarks" / "results" / f"vs_hf_trainer_{'gpu' if torch.cuda.is_available() else 'cpu'}.md"
+    return (
+        REPO / "benchmarks" / "results" / f"vs_hf_trainer_{'gpu' if torch.cuda.is_available() else 'cpu'}.md"
+    )
 
 
 def parse_args() -> argparse.Namespace:
-    parser = benchmark_parser(__doc__, rounds=9, steps=60, batch=8, log_every=10,
-                              output_help="Markdown file (default benchmarks/results/vs_hf_trainer_<cpu|gpu>.md)")
+    parser = benchmark_parser(
+        __doc__,
+        rounds=9,
+        steps=60,
+        batch=8,
+        log_every=10,
+        output_help="Markdown file (default benchmarks/results/vs_hf_trainer_<cpu|gpu>.md)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="the first steps, left out of tokens/s")
-    parser.add_argument("--nproc", help="process counts, comma-separated (2 or more: DDP; default 1,2, --tiny 1)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (0: cores / processes)")
+    parser.add_argument(
+        "--nproc", help="process counts, comma-separated (2 or more: DDP; default 1,2, --tiny 1)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per process (0: cores / processes)"
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--embd", type=int, default=128, help="the model's width")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--block", type=int, default=128, help="tokens per window, the model's context")
     parser.add_argument("--val-windows", type=int, default=64)
-    parser.add_argument("--tiny", action="store_true",
-                        help="1 layer, 6 steps, one round, 1 process unless --nproc (CI)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="1 layer, 6 steps, one round, 1 process unless --nproc (CI)"
+    )
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -355,11 +465,26 @@ def parse_args() -> argparse.Namespace:
 
 def argument_problems(args) -> list[str]:
     """What makes the arguments unusable, one line each."""
-    problems = [f"--{name.replace('_', '-')} must be at least 1" for name in
-                ("rounds", "steps", "batch", "log_every", "layers", "embd", "heads", "vocab", "block", "val_windows")
-                if getattr(args, name) < 1]
+    problems = [
+        f"--{name.replace('_', '-')} must be at least 1"
+        for name in (
+            "rounds",
+            "steps",
+            "batch",
+            "log_every",
+            "layers",
+            "embd",
+            "heads",
+            "vocab",
+            "block",
+            "val_windows",
+        )
+        if getattr(args, name) < 1
+    ]
     if not 1 <= args.warmup < args.steps:
-        problems.append(f"--warmup {args.warmup}: from 1 to --steps - 1 ({args.steps - 1}), so some steps are timed")
+        problems.append(
+            f"--warmup {args.warmup}: from 1 to --steps - 1 ({args.steps - 1}), so some steps are timed"
+        )
     if args.embd % max(args.heads, 1):
         problems.append(f"--heads {args.heads} must divide --embd {args.embd}")
     counts = args.nproc.split(",")

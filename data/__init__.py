@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -18,8 +18,16 @@ from .sampler import ResumableDistributedSampler, ShardedBatchSampler
 from .synthetic import SyntheticImages
 from .text import CharWindows, text_datasets
 
-__all__ = ["DataSpec", "build_datasets", "build_loader", "CharWindows", "RandomCropFlip",
-           "ResumableDistributedSampler", "ShardedBatchSampler", "SyntheticImages"]
+__all__ = [
+    "DataSpec",
+    "build_datasets",
+    "build_loader",
+    "CharWindows",
+    "RandomCropFlip",
+    "ResumableDistributedSampler",
+    "ShardedBatchSampler",
+    "SyntheticImages",
+]
 
 TORCHVISION_SETS = {
     # name: (torchvision class, image shape, classes, mean, std)
@@ -39,7 +47,7 @@ class DataSpec:
     input_shape: tuple[int, ...]  # of one sample as the model sees it: (T,) for a window of characters
     num_classes: int  # of a text set: its vocabulary size
     warnings: list[str] = field(default_factory=list)  # one line each, printed by rank 0 before training
-    collate_fn: Optional[Callable] = None  # how samples become a batch (None: torch's default; padded text pads)
+    collate_fn: Callable | None = None  # how samples become a batch (None: torch's default; padded text pads)
 
 
 class Flattened(Dataset):
@@ -66,15 +74,23 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     if name == "text":  # windows of character ids: nothing to flatten
         train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
         return DataSpec(train, val, (config.block_size,), vocabulary)
-    if name == "hf" and config.text_column is not None:  # text as a transformers model's tokens (data/hf_text.py)
+    if (
+        name == "hf" and config.text_column is not None
+    ):  # text as a transformers model's tokens (data/hf_text.py)
         from .hf_text import hf_text_datasets
+
         train, val, shape, classes, collate_fn = hf_text_datasets(config)
-        return DataSpec(train, val, shape, classes, collate_fn=collate_fn)  # type: ignore[arg-type]  (val: as below)
+        return DataSpec(train, val, shape, classes, collate_fn=collate_fn)  # type: ignore[arg-type]  # val: as below
     if name == "hf":  # local files through Hugging Face datasets (data/hf.py)
         from .hf import hf_datasets
+
         train, val, shape, classes = hf_datasets(config)
-        return DataSpec(train, val, shape, classes)  # type: ignore[arg-type]  (val: None without --val-files)
-    if name in ("synthetic", "fake", "imagefolder"):  # --image-shape sizes their samples: refused before any is made
+        return DataSpec(train, val, shape, classes)  # type: ignore[arg-type]  # val: None without --val-files
+    if name in (
+        "synthetic",
+        "fake",
+        "imagefolder",
+    ):  # --image-shape sizes their samples: refused before any is made
         check_batch_fits_in_memory(config)
     if name == "synthetic":
         shape, classes = config.image_dims(), config.num_classes
@@ -82,6 +98,7 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
         val = SyntheticImages(config.val_size, shape, classes, config.seed, "val")
     elif name == "fake":
         import torchvision
+
         shape, classes = config.image_dims(), config.num_classes
         to_tensor = torchvision.transforms.ToTensor()
         train = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
@@ -104,8 +121,10 @@ def one_class_warning(config: TrainConfig, train: Dataset) -> str:
         which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore
     else:
         which, fix = "one class (--num-classes 1)", "use --num-classes 2 or more"
-    return (f"warning: --dataset {config.dataset} has {which}: every label is the same, so the loss is 0 from the "
-            f"first step and the model learns nothing; {fix}")
+    return (
+        f"warning: --dataset {config.dataset} has {which}: every label is the same, so the loss is 0 from the "
+        f"first step and the model learns nothing; {fix}"
+    )
 
 
 def check_batch_fits_in_memory(config: TrainConfig) -> None:
@@ -113,15 +132,19 @@ def check_batch_fits_in_memory(config: TrainConfig) -> None:
     now: refused before anything is allocated, where it would otherwise take the machine's memory until the
     kernel's OOM killer ends the run (or another process)."""
     channels, height, width = config.image_dims()
-    batch = max((size for size in (config.batch_size, config.eval_batch_size) if isinstance(size, int)), default=1)
+    batch = max(
+        (size for size in (config.batch_size, config.eval_batch_size) if isinstance(size, int)), default=1
+    )
     needed, available = batch * channels * height * width * 4, available_memory()
     if available is not None and needed > available:
-        raise UsageError(f"--image-shape {config.image_shape}: one batch of {batch} such images takes "
-                         f"{_gigabytes(needed)}, more than the {_gigabytes(available)} of memory available; use smaller "
-                         f"images or a smaller --batch-size")
+        raise UsageError(
+            f"--image-shape {config.image_shape}: one batch of {batch} such images takes "
+            f"{_gigabytes(needed)}, more than the {_gigabytes(available)} of memory available; use smaller "
+            f"images or a smaller --batch-size"
+        )
 
 
-def available_memory() -> Optional[int]:
+def available_memory() -> int | None:
     """Bytes of memory available to new allocations now (Linux's MemAvailable, which counts the page cache the
     kernel can drop), else the free pages; None where neither can be read."""
     try:
@@ -153,8 +176,12 @@ def _torchvision_set(config: TrainConfig, download_allowed: bool):
         train = dataset_class(config.data_dir, train=True, download=download, transform=normalize)
         val = dataset_class(config.data_dir, train=False, download=download, transform=normalize)
     except (RuntimeError, OSError, ValueError, TypeError, AssertionError) as error:  # what torchvision raises
-        raise UsageError(torchvision_problem(config.dataset, dataset_class, config.data_dir, download, error)) from None
-    train.fixed_samples = True  # normalised, not augmented: --data-on-device may read it once (device_data.py)
+        raise UsageError(
+            torchvision_problem(config.dataset, dataset_class, config.data_dir, download, error)
+        ) from None
+    train.fixed_samples = (
+        True  # normalised, not augmented: --data-on-device may read it once (device_data.py)
+    )
     if shape[0] == 3:  # CIFAR's training augmentation; the padding is black, -mean/std once normalised
         train = RandomCropFlip(train, padding=4, fill=[-m / s for m, s in zip(mean, std)])
     return train, val, shape, classes
@@ -166,8 +193,10 @@ def _image_folder(config: TrainConfig):
     channels, height, width = config.image_dims()
     missing = [split for split in ("train", "val") if not os.path.isdir(os.path.join(config.data_dir, split))]
     if missing:
-        raise UsageError(f"--dataset imagefolder needs {', '.join(s + '/' for s in missing)} inside --data-dir "
-                         f"{os.path.abspath(config.data_dir)} (one sub-folder per class)")
+        raise UsageError(
+            f"--dataset imagefolder needs {', '.join(s + '/' for s in missing)} inside --data-dir "
+            f"{os.path.abspath(config.data_dir)} (one sub-folder per class)"
+        )
     to_tensor = [transforms.Resize((height, width)), transforms.ToTensor()]
     if channels == 1:
         to_tensor.insert(0, transforms.Grayscale())
@@ -181,8 +210,10 @@ def check_num_workers(workers: int) -> None:
     own copy of the data set, and 100000 of them hang the machine before the first batch."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if workers > 4 * cores:
-        raise UsageError(f"--num-workers {workers} is more than 4 per CPU core ({cores} cores here), and each worker "
-                         f"is a process; use at most {4 * cores} (the default: 0 on CPU, 4 per GPU)")
+        raise UsageError(
+            f"--num-workers {workers} is more than 4 per CPU core ({cores} cores here), and each worker "
+            f"is a process; use at most {4 * cores} (the default: 0 on CPU, 4 per GPU)"
+        )
 
 
 def default_num_workers(device: torch.device) -> int:
@@ -190,10 +221,18 @@ def default_num_workers(device: torch.device) -> int:
     return 4 if device.type == "cuda" else 0
 
 
-def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[int], seed: int = 0, *,
-                 sampler: Optional[Sampler] = None, batch_size: Optional[int] = None,
-                 batch_sampler: Optional[Sampler] = None, collate_fn: Optional[Callable] = None,
-                 persistent_workers: bool = True) -> DataLoader:
+def build_loader(
+    dataset: Dataset,
+    device: torch.device,
+    num_workers: int | None,
+    seed: int = 0,
+    *,
+    sampler: Sampler | None = None,
+    batch_size: int | None = None,
+    batch_sampler: Sampler | None = None,
+    collate_fn: Callable | None = None,
+    persistent_workers: bool = True,
+) -> DataLoader:
     """A DataLoader with the settings that matter for speed on GPUs.
 
     Pinned memory lets the trainer's non_blocking copies overlap with compute;
@@ -204,8 +243,14 @@ def build_loader(dataset: Dataset, device: torch.device, num_workers: Optional[i
     """
     workers = default_num_workers(device) if num_workers is None else num_workers
     check_num_workers(workers)
-    return DataLoader(dataset, batch_size=batch_size if batch_sampler is None else 1, sampler=sampler,
-                      batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=persistent_workers and workers > 0,
-                      generator=torch.Generator().manual_seed(seed),
-                      collate_fn=collate_fn)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size if batch_sampler is None else 1,
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=persistent_workers and workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=collate_fn,
+    )

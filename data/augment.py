@@ -7,14 +7,16 @@ image, mirrored where it is flipped, so a batch costs a handful of kernels and n
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 
-def crop_flip(images: torch.Tensor, padding: int, fill: torch.Tensor,
-              generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def crop_flip(
+    images: torch.Tensor, padding: int, fill: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Each NxCxHxW image cut at a random offset out of itself padded by `padding` pixels of `fill` (one value per
     channel) on every side, then mirrored left-right with probability 1/2; draws from `generator` (None: torch's
     global generator, as torchvision's transforms in a loader worker)."""
@@ -25,10 +27,15 @@ def crop_flip(images: torch.Tensor, padding: int, fill: torch.Tensor,
     rows = offsets[0, :, None] - padding + torch.arange(height, device=device)  # N x H, in the unpadded image
     columns = torch.arange(width, device=device)
     columns = offsets[1, :, None] - padding + torch.where(flipped, width - 1 - columns, columns)  # N x W
-    inside = ((rows >= 0) & (rows < height))[:, None, :, None] & ((columns >= 0) & (columns < width))[:, None, None, :]
-    picked = images[torch.arange(count, device=device)[:, None, None, None],
-                    torch.arange(images.shape[1], device=device)[None, :, None, None],
-                    rows.clamp(0, height - 1)[:, None, :, None], columns.clamp(0, width - 1)[:, None, None, :]]
+    inside = ((rows >= 0) & (rows < height))[:, None, :, None] & ((columns >= 0) & (columns < width))[
+        :, None, None, :
+    ]
+    picked = images[
+        torch.arange(count, device=device)[:, None, None, None],
+        torch.arange(images.shape[1], device=device)[None, :, None, None],
+        rows.clamp(0, height - 1)[:, None, :, None],
+        columns.clamp(0, width - 1)[:, None, None, :],
+    ]
     return torch.where(inside, picked, fill.to(device=device, dtype=images.dtype).view(1, -1, 1, 1))
 
 
@@ -40,10 +47,12 @@ class RandomCropFlip(Dataset):
     generator seeded per rank and batch (data/device_data.py); in the loader, each sample here.
     """
 
-    def __init__(self, dataset: Dataset, padding: int = 4, fill: Union[float, Sequence[float]] = 0.0):
+    def __init__(self, dataset: Dataset, padding: int = 4, fill: float | Sequence[float] = 0.0):
         self.dataset, self.padding = dataset, padding
         self.fill = torch.as_tensor(fill, dtype=torch.float32).reshape(-1)
-        self._device_fill = self.fill  # the fill where the batches are, made once: no host-to-device copy per batch
+        self._device_fill = (
+            self.fill
+        )  # the fill where the batches are, made once: no host-to-device copy per batch
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import default_collate
@@ -36,11 +36,13 @@ def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> 
     With `channels_last`, image batches (4-D floating-point tensors) are made
     channels-last on the device, after the copy, where the conversion is cheap.
     """
+
     def move(tensor: torch.Tensor) -> torch.Tensor:
         moved = tensor.to(device, non_blocking=True)
         if channels_last and moved.dim() == 4 and moved.is_floating_point():
             return moved.contiguous(memory_format=torch.channels_last)
         return moved
+
     return map_tensors(move, batch)
 
 
@@ -58,13 +60,17 @@ def _as_it_is(batch: Any) -> Any:
 
 def batch_size(batch: Any) -> int:
     """Samples in `batch`: the first dimension of its first tensor."""
-    if type(batch) is list or type(batch) is tuple:  # the usual (inputs, targets) pair, without the general walk
+    if (
+        type(batch) is list or type(batch) is tuple
+    ):  # the usual (inputs, targets) pair, without the general walk
         first = batch[0] if batch else None
         if type(first) is torch.Tensor and first.dim():
             return first.shape[0]
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    values = (
+        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    )
     for value in values:
         size = batch_size(value)
         if size >= 0:
@@ -98,8 +104,10 @@ def concat(parts: list[Any]) -> Any:
     first = parts[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
-            raise ValueError("an output without a batch dimension (a 0-dim tensor) cannot be joined sample by "
-                             "sample; return per-sample outputs, or pass a forward_fn that selects them")
+            raise ValueError(
+                "an output without a batch dimension (a 0-dim tensor) cannot be joined sample by "
+                "sample; return per-sample outputs, or pass a forward_fn that selects them"
+            )
         return torch.cat(parts)
     if isinstance(first, Mapping):
         joined = {key: concat([part[key] for part in parts]) for key in first}
@@ -110,11 +118,13 @@ def concat(parts: list[Any]) -> Any:
         return type(first)(concat(list(column)) for column in zip(*parts))
     if first is None or all(part == first for part in parts[1:]):
         return first
-    raise ValueError(f"outputs must be tensors or tuples/lists/dicts of them to be joined sample by sample; "
-                     f"got {type(first).__name__} values that differ between batches")
+    raise ValueError(
+        f"outputs must be tensors or tuples/lists/dicts of them to be joined sample by sample; "
+        f"got {type(first).__name__} values that differ between batches"
+    )
 
 
-def sample_batch(dataset: Any, size: int, collate_fn: Optional[Callable] = None) -> Any:
+def sample_batch(dataset: Any, size: int, collate_fn: Callable | None = None) -> Any:
     """A batch of the data set's first `size` samples (fewer if it has fewer), collated as the loader does.
     For measuring a step at start (FLOPs, the batch size that fits), not for training."""
     return (collate_fn or default_collate)([dataset[index] for index in range(min(size, len(dataset)))])
@@ -122,4 +132,6 @@ def sample_batch(dataset: Any, size: int, collate_fn: Optional[Callable] = None)
 
 def repeat_batch(batch: Any, size: int) -> Any:
     """`batch` with every tensor's first dimension cycled to `size` rows (structure kept)."""
-    return map_tensors(lambda tensor: tensor[torch.arange(size) % tensor.shape[0]] if tensor.dim() else tensor, batch)
+    return map_tensors(
+        lambda tensor: tensor[torch.arange(size) % tensor.shape[0]] if tensor.dim() else tensor, batch
+    )

@@ -20,7 +20,8 @@ pass an epoch); a stream (IterableDataset) has no index to gather by and keeps i
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import numpy
 import torch
@@ -38,8 +39,15 @@ class DeviceData:
     device already (`columns`, one tensor per field of its samples) and `batches` gives the training loader's
     stand-in."""
 
-    def __init__(self, dataset: Dataset, config: TrainConfig, device: torch.device, world_size: int,
-                 collate_fn: Optional[Callable], stream: bool):
+    def __init__(
+        self,
+        dataset: Dataset,
+        config: TrainConfig,
+        device: torch.device,
+        world_size: int,
+        collate_fn: Callable | None,
+        stream: bool,
+    ):
         self.on, self.columns, self.augment, self.bare = False, [], None, False
         self.measured = False  # auto: the first steps measure it against the loader, and the faster way stays
         if config.data_on_device == "off":
@@ -48,19 +56,31 @@ class DeviceData:
         why_not = _why_not(dataset, config, device, world_size, collate_fn, stream)
         if why_not is not None:
             if config.data_on_device == "on":
-                raise UsageError(f"--data-on-device on: {why_not}; use --data-on-device auto (or off) to read it "
-                                 f"with the loader")
+                raise UsageError(
+                    f"--data-on-device on: {why_not}; use --data-on-device auto (or off) to read it "
+                    f"with the loader"
+                )
             self.line = f"data: read by the loader: {why_not}"
             return
-        source = ("already in this process's memory, used as it is" if _new_bytes(dataset, device) == 0
-                  else "read once into this process's memory" if device.type == "cpu" else f"moved to {device} once")
+        source = (
+            "already in this process's memory, used as it is"
+            if _new_bytes(dataset, device) == 0
+            else "read once into this process's memory"
+            if device.type == "cpu"
+            else f"moved to {device} once"
+        )
         ranks = "; each rank holds all of it (its share changes every epoch)" if world_size > 1 else ""
         augmented = ", each batch cropped and flipped there" if _inner(dataset) is not dataset else ""
-        loader = ("the loader's instead if the first steps measure it faster (--data-on-device auto)"
-                  if config.data_on_device == AUTO else "no loader")
-        self.line = (f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
-                     f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
-                     f"{loader}")
+        loader = (
+            "the loader's instead if the first steps measure it faster (--data-on-device auto)"
+            if config.data_on_device == AUTO
+            else "no loader"
+        )
+        self.line = (
+            f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
+            f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
+            f"{loader}"
+        )
         try:
             self.columns, self.bare = columns(dataset, device, config.num_workers)
         except UsageError as error:  # a field that is not a tensor, or changes shape: seen only while reading
@@ -72,13 +92,19 @@ class DeviceData:
         self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]
         self.device = device
 
-    def batches(self, sampler: Any, batch_size: int, seed: int) -> "DeviceBatches":
+    def batches(self, sampler: Any, batch_size: int, seed: int) -> DeviceBatches:
         """What the trainer iterates instead of a loader: batches of `batch_size` from `sampler`'s indices."""
         return DeviceBatches(self, sampler, batch_size, seed)
 
 
-def _why_not(dataset: Dataset, config: TrainConfig, device: torch.device, world_size: int,
-             collate_fn: Optional[Callable], stream: bool) -> Optional[str]:
+def _why_not(
+    dataset: Dataset,
+    config: TrainConfig,
+    device: torch.device,
+    world_size: int,
+    collate_fn: Callable | None,
+    stream: bool,
+) -> str | None:
     """Why this training set cannot (or, under auto, should not) live on the device; None where it can."""
     if stream:
         return "a stream (IterableDataset) has no index to gather a batch by"
@@ -88,19 +114,29 @@ def _why_not(dataset: Dataset, config: TrainConfig, device: torch.device, world_
         return f"--num-workers {config.num_workers} asks for loader workers"
     inner = _inner(dataset)
     if not (isinstance(inner, TensorDataset) or getattr(inner, "fixed_samples", False)):
-        return (f"a {type(dataset).__name__} is neither a TensorDataset nor a set whose samples never change "
-                f"(fixed_samples = True)")
+        return (
+            f"a {type(dataset).__name__} is neither a TensorDataset nor a set whose samples never change "
+            f"(fixed_samples = True)"
+        )
     needed, budget = _new_bytes(dataset, device), _budget(device)
     if needed > budget:
         shared = ", shared by the local processes" if device.type == "cpu" else ""
-        return (f"its {_megabytes(needed)} are more than the {_megabytes(budget)} data may take on {device} "
-                f"({DEVICE_SHARE:.0%} of its memory{shared})")
-    if config.data_on_device == AUTO and not isinstance(inner, TensorDataset) and config.max_steps \
-            and isinstance(config.batch_size, int):
+        return (
+            f"its {_megabytes(needed)} are more than the {_megabytes(budget)} data may take on {device} "
+            f"({DEVICE_SHARE:.0%} of its memory{shared})"
+        )
+    if (
+        config.data_on_device == AUTO
+        and not isinstance(inner, TensorDataset)
+        and config.max_steps
+        and isinstance(config.batch_size, int)
+    ):
         planned = config.max_steps * config.batch_size * config.grad_accum_steps  # this rank's, at most
         if planned * world_size < len(dataset):  # type: ignore[arg-type]
-            return (f"--max-steps {config.max_steps} reads {planned:,} samples per rank, fewer than the set's "
-                    f"{len(dataset):,}, which would all be read once first")  # type: ignore[arg-type]
+            return (
+                f"--max-steps {config.max_steps} reads {planned:,} samples per rank, fewer than the set's "
+                f"{len(dataset):,}, which would all be read once first"
+            )  # type: ignore[arg-type]
     return None
 
 
@@ -123,8 +159,12 @@ def _set_bytes(dataset: Dataset) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in inner.tensors)
     fields = inner[0]
     fields = fields if isinstance(fields, (tuple, list)) else (fields,)
-    return len(inner) * sum(field.numel() * field.element_size() if isinstance(field, torch.Tensor)  # type: ignore
-                            else 8 for field in fields)
+    return len(inner) * sum(
+        field.numel() * field.element_size()
+        if isinstance(field, torch.Tensor)  # type: ignore
+        else 8
+        for field in fields
+    )
 
 
 def _new_bytes(dataset: Dataset, device: torch.device) -> int:
@@ -173,16 +213,22 @@ def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> tupl
         if not stored:
             for field in fields:
                 if not isinstance(field, torch.Tensor):
-                    raise UsageError(f"--data-on-device: a sample of {type(dataset).__name__} holds a "
-                                     f"{type(field).__name__}, not only tensors and numbers; give --data-on-device "
-                                     f"off")
-            stored = [torch.empty((size, *field.shape[1:]), dtype=field.dtype, device=device) for field in fields]
+                    raise UsageError(
+                        f"--data-on-device: a sample of {type(dataset).__name__} holds a "
+                        f"{type(field).__name__}, not only tensors and numbers; give --data-on-device "
+                        f"off"
+                    )
+            stored = [
+                torch.empty((size, *field.shape[1:]), dtype=field.dtype, device=device) for field in fields
+            ]
         for column, field in zip(stored, fields):
             if field.shape[1:] != column.shape[1:]:
-                raise UsageError(f"--data-on-device: the samples of {type(dataset).__name__} change shape "
-                                 f"({tuple(column.shape[1:])} then {tuple(field.shape[1:])}); give --data-on-device "
-                                 f"off")
-            column[start:start + len(field)].copy_(field, non_blocking=True)
+                raise UsageError(
+                    f"--data-on-device: the samples of {type(dataset).__name__} change shape "
+                    f"({tuple(column.shape[1:])} then {tuple(field.shape[1:])}); give --data-on-device "
+                    f"off"
+                )
+            column[start : start + len(field)].copy_(field, non_blocking=True)
         start += len(fields[0])
     return stored, bare
 
@@ -194,7 +240,12 @@ class DeviceBatches:
     num_workers = 0
 
     def __init__(self, data: DeviceData, sampler: Any, batch_size: int, seed: int):
-        self.columns, self.augment, self.device, self.bare = data.columns, data.augment, data.device, data.bare
+        self.columns, self.augment, self.device, self.bare = (
+            data.columns,
+            data.augment,
+            data.device,
+            data.bare,
+        )
         self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
         self.generator = torch.Generator(device=self.device) if self.augment is not None else None
         # On the CPU, numpy's take copies whole rows on one thread: index_select of images there parallelises a
@@ -206,7 +257,7 @@ class DeviceBatches:
         sampler, size = self.sampler, self.batch_size
         epoch, consumed, order = sampler.epoch, sampler.consumed, sampler.indices().to(self.device)
         for first in range(0, len(order), size):
-            index = order[first:first + size]
+            index = order[first : first + size]
             batch = self._gather(index)
             if self.augment is not None:
                 # Seeded by where the batch is in the epoch: a rerun and a resume draw the same crops and flips.
@@ -219,11 +270,15 @@ class DeviceBatches:
         if not self.arrays:
             return [column.index_select(0, index) for column in self.columns]
         rows = index.numpy()
-        return [column.index_select(0, index) if array is None else torch.from_numpy(numpy.take(array, rows, axis=0))
-                for column, array in zip(self.columns, self.arrays)]
+        return [
+            column.index_select(0, index)
+            if array is None
+            else torch.from_numpy(numpy.take(array, rows, axis=0))
+            for column, array in zip(self.columns, self.arrays)
+        ]
 
 
-def _as_array(column: torch.Tensor) -> Optional[Any]:
+def _as_array(column: torch.Tensor) -> Any | None:
     """A numpy view of a CPU column whose rows are worth numpy's copy (a label's are not), else None."""
     if column[0].numel() < 64:
         return None
@@ -237,5 +292,5 @@ def _key(*parts: int) -> int:
     """A 63-bit generator seed of `parts`, different for any two tuples a run meets."""
     key = 0
     for part in parts:
-        key = (key * 1_000_003 + part) % (2 ** 63)
+        key = (key * 1_000_003 + part) % (2**63)
     return key

@@ -5,8 +5,9 @@ device, or read by a loader), or a stream's split over ranks and workers; the ep
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 from multigpu.config import TrainConfig
 from multigpu.data import build_loader, streaming
@@ -27,8 +28,11 @@ class BatchSizes:
 
 def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
     per_step = max(1, len(runtime.dp_device_ids))
-    return BatchSizes(config.batch_size * per_step, (config.eval_batch_size or config.batch_size) * per_step,
-                      effective_batch(config, runtime.devices_per_step))
+    return BatchSizes(
+        config.batch_size * per_step,
+        (config.eval_batch_size or config.batch_size) * per_step,
+        effective_batch(config, runtime.devices_per_step),
+    )
 
 
 @dataclass
@@ -36,13 +40,17 @@ class TrainingData:
     """Where each step's samples come from."""
 
     sampler: Any  # this rank's share of every epoch, resumable mid-epoch (a stream keeps its own position)
-    stream: Optional[streaming.TrainStream]  # an IterableDataset's split, ends and position; None for map-style
+    stream: streaming.TrainStream | None  # an IterableDataset's split, ends and position; None for map-style
     loader: Any  # the batches in use: a DataLoader, or the device's (data/device_data.py)
-    steps_per_epoch: int  # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
+    steps_per_epoch: (
+        int  # 0: a stream without __len__, whose epoch is one pass of steps unknown until it ends
+    )
     loader_batch: int  # samples per micro-batch of this process
     grad_accum_steps: int  # micro-batches per optimizer step
-    ways: dict[bool, Any] = field(default_factory=dict)  # --data-on-device auto's two: on the device (True), loader
-    _epoch: Optional[_Batches] = None  # the batches the epoch's windows read
+    ways: dict[bool, Any] = field(
+        default_factory=dict
+    )  # --data-on-device auto's two: on the device (True), loader
+    _epoch: _Batches | None = None  # the batches the epoch's windows read
 
     def windows(self, say: Callable[[str], None]) -> Iterator[streaming.Window]:
         """The rest of the epoch's steps: (micro-batches, samples, their sizes, last step of the epoch), the
@@ -69,7 +77,9 @@ class TrainingData:
         if self.stream is not None:
             return self.stream.steps_in_epoch
         self.sampler.start_at(epoch, samples_in_epoch)
-        return self.steps_per_epoch - math.ceil(len(self.sampler) / (self.loader_batch * self.grad_accum_steps))
+        return self.steps_per_epoch - math.ceil(
+            len(self.sampler) / (self.loader_batch * self.grad_accum_steps)
+        )
 
 
 class _Batches:
@@ -78,28 +88,60 @@ class _Batches:
     def __init__(self, iterator: Iterator[Any]) -> None:
         self.iterator = iterator
 
-    def __iter__(self) -> "_Batches":
+    def __iter__(self) -> _Batches:
         return self
 
     def __next__(self) -> Any:
         return next(self.iterator)
 
 
-def training_data(dataset: Any, config: TrainConfig, runtime: Runtime, loader_batch: int,
-                  collate_fn: Optional[Callable], on_device: DeviceData) -> TrainingData:
+def training_data(
+    dataset: Any,
+    config: TrainConfig,
+    runtime: Runtime,
+    loader_batch: int,
+    collate_fn: Callable | None,
+    on_device: DeviceData,
+) -> TrainingData:
     """A map-style set's sampler and its batches, gathered on the device (--data-on-device) or read by a
     loader (workers, pinned memory on CUDA); or a stream's split over ranks and workers (data/streaming.py)."""
     accumulate = config.grad_accum_steps
     if streaming.is_stream(dataset):
-        stream = streaming.TrainStream(dataset, runtime, loader_batch, accumulate, config.steps_per_epoch,
-                                       config.num_workers, config.seed, collate_fn, build_loader, config.max_steps)
-        return TrainingData(stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate)
+        stream = streaming.TrainStream(
+            dataset,
+            runtime,
+            loader_batch,
+            accumulate,
+            config.steps_per_epoch,
+            config.num_workers,
+            config.seed,
+            collate_fn,
+            build_loader,
+            config.max_steps,
+        )
+        return TrainingData(
+            stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate
+        )
     sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
     ways = {}
     if on_device.on:
         ways[True] = on_device.batches(sampler, loader_batch, config.seed)
     if not on_device.on or on_device.measured:  # a DataLoader starts no worker before it is iterated
-        ways[False] = build_loader(dataset, runtime.device, config.num_workers, config.seed + runtime.rank,
-                                   sampler=sampler, batch_size=loader_batch, collate_fn=collate_fn)
-    return TrainingData(sampler, None, ways[on_device.on], math.ceil(len(sampler) / (loader_batch * accumulate)),
-                        loader_batch, accumulate, ways)
+        ways[False] = build_loader(
+            dataset,
+            runtime.device,
+            config.num_workers,
+            config.seed + runtime.rank,
+            sampler=sampler,
+            batch_size=loader_batch,
+            collate_fn=collate_fn,
+        )
+    return TrainingData(
+        sampler,
+        None,
+        ways[on_device.on],
+        math.ceil(len(sampler) / (loader_batch * accumulate)),
+        loader_batch,
+        accumulate,
+        ways,
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import struct
 from math import prod
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from multigpu.errors import UsageError
 
@@ -36,8 +36,10 @@ def image_folders(data_dir: str, train_transform: Callable, val_transform: Calla
     val_classes = _folder(lambda: find_classes(val_dir)[0], val_dir)
     unknown = sorted(set(val_classes) - set(train.classes))
     if unknown:
-        raise UsageError(f"--dataset imagefolder: {val_dir} has class folder(s) {', '.join(unknown)} that {train_dir} "
-                         f"lacks, so the model could never predict them; add them to train/ or remove them from val/")
+        raise UsageError(
+            f"--dataset imagefolder: {val_dir} has class folder(s) {', '.join(unknown)} that {train_dir} "
+            f"lacks, so the model could never predict them; add them to train/ or remove them from val/"
+        )
 
     class TrainClasses(ImageFolder):
         def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
@@ -66,14 +68,18 @@ def refuse_link_loops(directory: str) -> None:
             path = os.path.join(folder, name)
             target = os.path.realpath(path)
             if target in holding:
-                raise UsageError(f"--dataset imagefolder: {path} is a symbolic link to {target}, a folder that "
-                                 f"holds it, so its images would be read again and again; remove the link")
+                raise UsageError(
+                    f"--dataset imagefolder: {path} is a symbolic link to {target}, a folder that "
+                    f"holds it, so its images would be read again and again; remove the link"
+                )
             above[path] = holding
 
 
 def _unreadable_folder(error: OSError) -> None:
-    raise UsageError(f"--dataset imagefolder: cannot read the folder {error.filename} "
-                     f"({error.strerror or error}); give this user read access to it")
+    raise UsageError(
+        f"--dataset imagefolder: cannot read the folder {error.filename} "
+        f"({error.strerror or error}); give this user read access to it"
+    )
 
 
 class UnreadableFile(UsageError):
@@ -97,24 +103,42 @@ def load_image(path: str) -> Any:
     try:
         with open(path, "rb") as file:
             return Image.open(file).convert("RGB")
-    except (OSError, SyntaxError, EOFError) as error:  # PIL's "image file is truncated", "broken PNG file", ...
-        reason = ("not an image PIL can read: damaged or cut short" if isinstance(error, UnidentifiedImageError)
-                  else (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0])
-        raise UnreadableFile(f"--dataset imagefolder: {path} cannot be read ({reason}); remove or replace it "
-                             f"(--resume auto then continues from the last checkpoint)") from None
+    except (
+        OSError,
+        SyntaxError,
+        EOFError,
+    ) as error:  # PIL's "image file is truncated", "broken PNG file", ...
+        reason = (
+            "not an image PIL can read: damaged or cut short"
+            if isinstance(error, UnidentifiedImageError)
+            else (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
+        )
+        raise UnreadableFile(
+            f"--dataset imagefolder: {path} cannot be read ({reason}); remove or replace it "
+            f"(--resume auto then continues from the last checkpoint)"
+        ) from None
 
 
 def _folder(build: Callable[[], Any], directory: str) -> Any:
     try:
         return build()
     except FileNotFoundError as error:  # no class folders, or a class folder without images
-        raise UsageError(f"--dataset imagefolder: {str(error).rstrip('.')} (one sub-folder of images per class, "
-                         f"e.g. {os.path.join(directory, 'cat', '1.jpg')})") from None
+        raise UsageError(
+            f"--dataset imagefolder: {str(error).rstrip('.')} (one sub-folder of images per class, "
+            f"e.g. {os.path.join(directory, 'cat', '1.jpg')})"
+        ) from None
 
 
 # How the formats ImageFolder accepts (and GIF) begin: a file that starts so needs no closer look.
-IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*", b"GIF8",
-               *(b"P%d" % kind for kind in range(1, 8)))
+IMAGE_MAGIC = (
+    b"\xff\xd8\xff",
+    b"\x89PNG\r\n\x1a\n",
+    b"BM",
+    b"II*\x00",
+    b"MM\x00*",
+    b"GIF8",
+    *(b"P%d" % kind for kind in range(1, 8)),
+)
 
 
 def check_image_headers(paths: list[str]) -> None:
@@ -137,11 +161,13 @@ def check_image_headers(paths: list[str]) -> None:
                 bad.append((path, problem))
     if bad:
         more = f" (and {len(bad) - 1} more such files)" if len(bad) > 1 else ""
-        raise UsageError(f"--dataset imagefolder: {bad[0][0]} is not a readable image ({bad[0][1]}){more}; "
-                         f"remove or replace it")
+        raise UsageError(
+            f"--dataset imagefolder: {bad[0][0]} is not a readable image ({bad[0][1]}){more}; "
+            f"remove or replace it"
+        )
 
 
-def _pil_problem(path: str) -> Optional[str]:
+def _pil_problem(path: str) -> str | None:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -158,7 +184,7 @@ def _pil_problem(path: str) -> Optional[str]:
 IDX_ITEM_BYTES = {0x08: 1, 0x09: 1, 0x0B: 2, 0x0C: 4, 0x0D: 4, 0x0E: 8}
 
 
-def idx_problem(path: str) -> Optional[str]:
+def idx_problem(path: str) -> str | None:
     """Why the IDX file at `path` is unusable (truncated, not IDX), or None if its size matches its header."""
     with open(path, "rb") as file:
         head = file.read(16)
@@ -167,22 +193,27 @@ def idx_problem(path: str) -> Optional[str]:
     ndim = head[3]
     if len(head) < 4 + 4 * ndim:
         return "truncated in its header"
-    expected = 4 + 4 * ndim + prod(struct.unpack(f">{ndim}I", head[4:4 + 4 * ndim])) * IDX_ITEM_BYTES[head[2]]
+    expected = (
+        4 + 4 * ndim + prod(struct.unpack(f">{ndim}I", head[4 : 4 + 4 * ndim])) * IDX_ITEM_BYTES[head[2]]
+    )
     size = os.path.getsize(path)
     if size != expected:
-        return f"{size} bytes where its header needs {expected}: {'truncated' if size < expected else 'damaged'}"
+        return (
+            f"{size} bytes where its header needs {expected}: {'truncated' if size < expected else 'damaged'}"
+        )
     return None
 
 
-def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str],
-                                                          list[str]]:
+def _file_states(
+    dataset_class: type, root: str
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str], list[str]]:
     """(unreadable files with why, corrupt files with why, missing files, compressed files not yet extracted)
     of a torchvision set."""
     from torchvision.datasets.utils import check_integrity
 
     unreadable, corrupt, missing, unextracted = [], [], [], []
 
-    def sort_out(path: str, problem: Callable[[], Optional[str]]) -> bool:
+    def sort_out(path: str, problem: Callable[[], str | None]) -> bool:
         """Whether the file at `path` is unusable, filed under unreadable or corrupt with why."""
         try:
             why = problem()
@@ -201,8 +232,14 @@ def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]],
                 sort_out(unpacked, lambda: idx_problem(unpacked))
             elif not os.path.exists(packed):
                 missing.append(unpacked)
-            elif not sort_out(packed, lambda: None if check_integrity(packed, md5)
-                              else "checksum mismatch: a truncated or damaged download"):
+            elif not sort_out(
+                packed,
+                lambda: (
+                    None
+                    if check_integrity(packed, md5)
+                    else "checksum mismatch: a truncated or damaged download"
+                ),
+            ):
                 unextracted.append(packed)
     else:  # CIFAR: the archive, and the batch files extracted from it
         folder = os.path.join(root, dataset_class.base_folder)
@@ -211,12 +248,20 @@ def _file_states(dataset_class: type, root: str) -> tuple[list[tuple[str, str]],
             if not os.path.exists(path):
                 missing.append(path)
             else:
-                sort_out(path, lambda: None if check_integrity(path, md5)
-                         else "checksum mismatch: a truncated or damaged file")
+                sort_out(
+                    path,
+                    lambda: (
+                        None
+                        if check_integrity(path, md5)
+                        else "checksum mismatch: a truncated or damaged file"
+                    ),
+                )
     return unreadable, corrupt, missing, unextracted
 
 
-def torchvision_problem(name: str, dataset_class: type, root: str, download: bool, error: BaseException) -> str:
+def torchvision_problem(
+    name: str, dataset_class: type, root: str, download: bool, error: BaseException
+) -> str:
     """One line for a torchvision set that failed to load: which file is corrupt, missing or not extracted,
     or why --download failed (`error` is what torchvision raised)."""
     unreadable, corrupt, missing, unextracted = _file_states(dataset_class, root)
@@ -228,19 +273,29 @@ def torchvision_problem(name: str, dataset_class: type, root: str, download: boo
         path, why = corrupt[0]
         more = f" (and {len(corrupt) - 1} more)" if len(corrupt) > 1 else ""
         if download:
-            return (f"--dataset {name}: {path} is corrupt ({why}){more} and --download could not fetch a good copy "
-                    f"({_download_reason(error)}); check the network, or copy a good file there")
-        return (f"--dataset {name}: {path} is corrupt ({why}){more}; pass --download to fetch it again, "
-                f"or copy a good one there")
+            return (
+                f"--dataset {name}: {path} is corrupt ({why}){more} and --download could not fetch a good copy "
+                f"({_download_reason(error)}); check the network, or copy a good file there"
+            )
+        return (
+            f"--dataset {name}: {path} is corrupt ({why}){more}; pass --download to fetch it again, "
+            f"or copy a good one there"
+        )
     if download and (missing or unextracted):
-        return (f"--dataset {name}: --download could not fetch the files into --data-dir {where} "
-                f"({_download_reason(error)}); check the network, or copy the files there")
+        return (
+            f"--dataset {name}: --download could not fetch the files into --data-dir {where} "
+            f"({_download_reason(error)}); check the network, or copy the files there"
+        )
     if unextracted:
-        return (f"--dataset {name}: {unextracted[0]} is there but not extracted; pass --download to extract it "
-                f"(nothing is fetched for complete files)")
+        return (
+            f"--dataset {name}: {unextracted[0]} is there but not extracted; pass --download to extract it "
+            f"(nothing is fetched for complete files)"
+        )
     if missing:
-        return (f"--dataset {name}: files not found in --data-dir {where}; pass --download to fetch them "
-                f"(or point --data-dir at a copy)")
+        return (
+            f"--dataset {name}: files not found in --data-dir {where}; pass --download to fetch them "
+            f"(or point --data-dir at a copy)"
+        )
     return f"--dataset {name}: cannot read the files in --data-dir {where} ({_download_reason(error)})"
 
 

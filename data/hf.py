@@ -26,7 +26,8 @@ import json
 import logging
 import math
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -48,8 +49,10 @@ def import_datasets(module: str = "datasets") -> Any:
     try:
         library = __import__(module)
     except ImportError:
-        raise UsageError(f"--dataset hf needs the Hugging Face datasets library, which is not installed: "
-                         f"{INSTALL} (or pip install datasets)") from None
+        raise UsageError(
+            f"--dataset hf needs the Hugging Face datasets library, which is not installed: "
+            f"{INSTALL} (or pip install datasets)"
+        ) from None
     # Its progress bars and notes ("Too many dataloader workers ...: stopping 1", when a rank's files are fewer
     # than its workers: harmless, the others read them) would print on every rank, and its error logs ("Failed
     # to load JSON from file ...") beside the one line each of its errors becomes here (Files.bad_row).
@@ -71,8 +74,10 @@ def import_transformers(what: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise UsageError(f"{what} needs the Hugging Face transformers library, which is not installed: "
-                         f"{INSTALL} (or pip install transformers)") from None
+        raise UsageError(
+            f"{what} needs the Hugging Face transformers library, which is not installed: "
+            f"{INSTALL} (or pip install transformers)"
+        ) from None
     # Its progress bars ("Loading weights") and notes (newly initialised heads, long texts that packing cuts)
     # would print on every rank.
     transformers.utils.logging.disable_progress_bar()
@@ -83,24 +88,36 @@ def import_transformers(what: str) -> Any:
 def files_of(patterns: str, flag: str) -> tuple[str, list[str]]:
     """The files `patterns` (comma-separated globs) match, and their one format; UsageError naming the flag when
     none match or the extensions mix or are unknown."""
-    files = sorted({path for pattern in patterns.split(",") if pattern.strip()
-                    for path in glob.glob(os.path.expanduser(pattern.strip()), recursive=True) if os.path.isfile(path)})
+    files = sorted(
+        {
+            path
+            for pattern in patterns.split(",")
+            if pattern.strip()
+            for path in glob.glob(os.path.expanduser(pattern.strip()), recursive=True)
+            if os.path.isfile(path)
+        }
+    )
     if not files:
-        raise UsageError(f"{flag} {patterns!r} matches no file; give a path or glob of local .parquet, .jsonl, "
-                         f".json, .csv or .txt files")
+        raise UsageError(
+            f"{flag} {patterns!r} matches no file; give a path or glob of local .parquet, .jsonl, "
+            f".json, .csv or .txt files"
+        )
     kinds = {os.path.splitext(path)[1].lower() for path in files}
     unknown = sorted(kinds - set(FORMATS))
     if unknown or len({FORMATS[kind] for kind in kinds}) > 1:
-        raise UsageError(f"{flag} {patterns!r} matches files of {', '.join(sorted(kinds))}: give files of one "
-                         f"format, .parquet, .jsonl/.json, .csv or .txt")
+        raise UsageError(
+            f"{flag} {patterns!r} matches files of {', '.join(sorted(kinds))}: give files of one "
+            f"format, .parquet, .jsonl/.json, .csv or .txt"
+        )
     return FORMATS[kinds.pop()], files
 
 
-def count_rows(kind: str, files: list[str]) -> Optional[int]:
+def count_rows(kind: str, files: list[str]) -> int | None:
     """Rows in `files` without reading them as a table: Parquet's metadata, or lines; None for a .json file,
     which may hold one array."""
     if kind == "parquet":
         import pyarrow.parquet as parquet
+
         return sum(parquet.ParquetFile(path).metadata.num_rows for path in files)
     if any(path.lower().endswith(".json") for path in files):
         return None
@@ -115,8 +132,9 @@ class HFSamples:
     """Turns one HF example (a dict of columns) into the trainer's sample: {"x": input, "y": class}, plus the
     `keep` columns as they are (an id a model records, say)."""
 
-    def __init__(self, input_column: str, label_column: str, shape: Optional[tuple[int, ...]],
-                 keep: tuple[str, ...] = ()):
+    def __init__(
+        self, input_column: str, label_column: str, shape: tuple[int, ...] | None, keep: tuple[str, ...] = ()
+    ):
         self.input_column, self.label_column, self.shape, self.keep = input_column, label_column, shape, keep
         self.numbers = math.prod(shape) if shape is not None else 0  # what each input must hold
 
@@ -124,16 +142,24 @@ class HFSamples:
         value = example[self.input_column]
         if hasattr(value, "convert"):  # a PIL image
             import torchvision.transforms.functional as functional
+
             x = functional.to_tensor(value)
         else:
             x = torch.as_tensor(value, dtype=torch.float32)
         if self.shape is not None:
-            if self.numbers > 0 and x.numel() != self.numbers:  # (-1,): an image, flattened, whatever its size
-                raise ValueError(f"its column {self.input_column} holds {x.numel()} numbers, and a sample needs "
-                                 f"{self.numbers}")
+            if (
+                self.numbers > 0 and x.numel() != self.numbers
+            ):  # (-1,): an image, flattened, whatever its size
+                raise ValueError(
+                    f"its column {self.input_column} holds {x.numel()} numbers, and a sample needs "
+                    f"{self.numbers}"
+                )
             x = x.reshape(self.shape)
-        return {"x": x, "y": torch.as_tensor(example[self.label_column], dtype=torch.long),
-                **{name: example[name] for name in self.keep}}
+        return {
+            "x": x,
+            "y": torch.as_tensor(example[self.label_column], dtype=torch.long),
+            **{name: example[name] for name in self.keep},
+        }
 
 
 class Files:
@@ -141,17 +167,19 @@ class Files:
     `rows`: what each row as read must pass, where samples are made from rows changed first (tokenized text);
     None: the samples themselves."""
 
-    def __init__(self, flag: str, kind: str, paths: list[str], rows: Optional[Any] = None):
+    def __init__(self, flag: str, kind: str, paths: list[str], rows: Any | None = None):
         self.flag, self.kind, self.paths, self.rows = flag, kind, paths, rows
 
-    def bad_row(self, samples: Optional[HFSamples], error: BaseException) -> str:
+    def bad_row(self, samples: HFSamples | None, error: BaseException) -> str:
         """One line for `error`, met reading these files: the first row of them that cannot be read or made a
         sample, by file and row (1 = the first data row; a JSON Lines file's row is its line), and how to go on.
         Found by reading the files again, one at a time: only on this error's path."""
         where = self._first_bad_row(samples) or f"{', '.join(self.paths)}: {last_line(error)}"
-        return f"{self.flag}: {where}; fix or remove it (--resume auto then continues from the last checkpoint)"
+        return (
+            f"{self.flag}: {where}; fix or remove it (--resume auto then continues from the last checkpoint)"
+        )
 
-    def _first_bad_row(self, samples: Optional[HFSamples]) -> Optional[str]:
+    def _first_bad_row(self, samples: HFSamples | None) -> str | None:
         datasets, samples = import_datasets(), self.rows or samples
         for path in self.paths:
             broken = _broken_json(path) if self.kind == "json" else None
@@ -170,7 +198,7 @@ class Files:
         return None
 
 
-def _broken_json(path: str) -> Optional[str]:
+def _broken_json(path: str) -> str | None:
     """'<path> row N is not valid JSON (why)' for the first such line of a JSON Lines file (a .json file: the
     line where its document breaks), else None."""
     with open(path, encoding="utf-8", errors="replace") as text:
@@ -217,7 +245,7 @@ class HFStream(IterableDataset):
 
     shards_itself = True  # data/streaming.py takes what each (rank, worker) yields
 
-    def __init__(self, stream: Any, samples: HFSamples, length: Optional[int], files: Files):
+    def __init__(self, stream: Any, samples: HFSamples, length: int | None, files: Files):
         self.stream, self.samples, self.length, self.files = stream, samples, length, files
 
     def __len__(self) -> int:
@@ -236,8 +264,9 @@ class HFStream(IterableDataset):
             raise UnreadableFile(self.files.bad_row(self.samples, error)) from None
 
 
-def hf_datasets(config: TrainConfig, keep: tuple[str, ...] = ()) -> tuple[Dataset, Optional[Dataset], tuple[int, ...],
-                                                                        int]:
+def hf_datasets(
+    config: TrainConfig, keep: tuple[str, ...] = ()
+) -> tuple[Dataset, Dataset | None, tuple[int, ...], int]:
     """(train, val or None, one input's shape, classes) of --dataset hf; `keep`: columns passed on as they are."""
     datasets = import_datasets()
     kind, paths = files_of(config.data_files or "", "--data-files")
@@ -292,12 +321,16 @@ def _no_rows(files: Files) -> UsageError:
 def _input_column(config: TrainConfig, example: dict[str, Any]) -> str:
     column = config.input_column or next((name for name in INPUT_COLUMNS if name in example), None)
     if column is None or column not in example:
-        raise UsageError(f"--input-column {column or '(not given)'}: the files' columns are "
-                         f"{', '.join(example)}; name the column that holds each sample's input")
+        raise UsageError(
+            f"--input-column {column or '(not given)'}: the files' columns are "
+            f"{', '.join(example)}; name the column that holds each sample's input"
+        )
     if isinstance(example[column], str):
-        raise UsageError(f"--input-column {column} holds text; the built-in models read numbers or images: for "
-                         f"a transformers model give --text-column {column} --model-path FOLDER (or, for "
-                         f"characters of one plain file, use --dataset text --data-file FILE)")
+        raise UsageError(
+            f"--input-column {column} holds text; the built-in models read numbers or images: for "
+            f"a transformers model give --text-column {column} --model-path FOLDER (or, for "
+            f"characters of one plain file, use --dataset text --data-file FILE)"
+        )
     return column
 
 
@@ -305,11 +338,15 @@ def check_label(config: TrainConfig, example: dict[str, Any]) -> None:
     """UsageError where `example` has no --label-column, or holds something else than an integer class id there."""
     label = example.get(config.label_column)
     if config.label_column not in example:
-        raise UsageError(f"--label-column {config.label_column}: the files' columns are {', '.join(example)}; name "
-                         f"the column that holds each sample's class")
+        raise UsageError(
+            f"--label-column {config.label_column}: the files' columns are {', '.join(example)}; name "
+            f"the column that holds each sample's class"
+        )
     if isinstance(label, bool) or not isinstance(label, int):
-        raise UsageError(f"--label-column {config.label_column} holds {type(label).__name__} values ({label!r}); "
-                         f"it must hold integer class ids 0..N-1")
+        raise UsageError(
+            f"--label-column {config.label_column} holds {type(label).__name__} values ({label!r}); "
+            f"it must hold integer class ids 0..N-1"
+        )
 
 
 def class_count(config: TrainConfig, table: Any) -> int:
@@ -318,7 +355,7 @@ def class_count(config: TrainConfig, table: Any) -> int:
     return len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
 
 
-def _shape(config: TrainConfig, value: Any, column: str) -> Optional[tuple[int, ...]]:
+def _shape(config: TrainConfig, value: Any, column: str) -> tuple[int, ...] | None:
     """How a numeric input is reshaped: to --image-shape (--mode image) or flat (--mode flatten); None keeps an
     image as its tensor is (flattened under --mode flatten)."""
     if hasattr(value, "convert"):
@@ -328,7 +365,9 @@ def _shape(config: TrainConfig, value: Any, column: str) -> Optional[tuple[int, 
         return (count,)
     dims = config.image_dims()
     if dims[0] * dims[1] * dims[2] != count:
-        raise UsageError(f"--input-column {column} holds {count} numbers per sample; --mode image reads them as "
-                         f"--image-shape {config.image_shape} ({dims[0] * dims[1] * dims[2]}): give an --image-shape "
-                         f"C,H,W whose product is {count}, or --mode flatten --model mlp")
+        raise UsageError(
+            f"--input-column {column} holds {count} numbers per sample; --mode image reads them as "
+            f"--image-shape {config.image_shape} ({dims[0] * dims[1] * dims[2]}): give an --image-shape "
+            f"C,H,W whose product is {count}, or --mode flatten --model mlp"
+        )
     return dims

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -36,14 +36,27 @@ from torch.utils.data import Dataset
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
-from .hf import (Files, HFStream, HFTable, check_label, class_count, count_rows, files_of, first_row, import_datasets,
-                 import_transformers, last_line, load_files)
+from .hf import (
+    Files,
+    HFStream,
+    HFTable,
+    check_label,
+    class_count,
+    count_rows,
+    files_of,
+    first_row,
+    import_datasets,
+    import_transformers,
+    last_line,
+    load_files,
+)
 
 ROWS_PER_PROCESS = 1000  # datasets.map's batch: a process started for fewer rows costs more than it saves
 
 
-def hf_text_datasets(config: TrainConfig) -> tuple[Dataset, Optional[Dataset], tuple[int, ...], int,
-                                                   Optional[Callable]]:
+def hf_text_datasets(
+    config: TrainConfig,
+) -> tuple[Dataset, Dataset | None, tuple[int, ...], int, Callable | None]:
     """(train, val or None, a sample's shape (--block-size,), the vocabulary (a classifier's: its classes), the
     collate_fn that pads each batch or None for packed windows) of --dataset hf --text-column."""
     datasets = import_datasets()
@@ -54,7 +67,11 @@ def hf_text_datasets(config: TrainConfig) -> tuple[Dataset, Optional[Dataset], t
     collate_fn = None if packed else PadBatch(padding_id(config, tokenizer))
     tokenize = Tokenize(tokenizer, config, packed)
     train, table = _token_samples(datasets, "--data-files", config.data_files, config, tokenize)
-    val = _token_samples(datasets, "--val-files", config.val_files, config, tokenize)[0] if config.val_files else None
+    val = (
+        _token_samples(datasets, "--val-files", config.val_files, config, tokenize)[0]
+        if config.val_files
+        else None
+    )
     classes = class_count(config, table) if config.text_classification else len(tokenizer)
     return train, val, (config.block_size,), classes, collate_fn
 
@@ -63,18 +80,26 @@ def model_config(config: TrainConfig) -> Any:
     """The transformers config of --model-path's folder, or --model-config's folder or file; one line where the
     path holds none."""
     transformers = import_transformers("--model hf")
-    flag, path = ("--model-path", config.model_path) if config.model_path else ("--model-config", config.model_config)
+    flag, path = (
+        ("--model-path", config.model_path) if config.model_path else ("--model-config", config.model_config)
+    )
     if not os.path.exists(path):
-        raise UsageError(f"{flag} {path}: no such file or folder; give a folder that a transformers model's "
-                         f"save_pretrained wrote")
+        raise UsageError(
+            f"{flag} {path}: no such file or folder; give a folder that a transformers model's "
+            f"save_pretrained wrote"
+        )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"{flag} {path} is not a transformers model: it holds no config.json; give a folder that "
-                         f"a transformers model's save_pretrained wrote")
+        raise UsageError(
+            f"{flag} {path} is not a transformers model: it holds no config.json; give a folder that "
+            f"a transformers model's save_pretrained wrote"
+        )
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 -- transformers raises OSError, ValueError, KeyError ...
-        raise UsageError(f"{flag} {path} is not a transformers model's config ({last_line(error)[:200]}); give "
-                         f"a folder that a transformers model's save_pretrained wrote") from None
+        raise UsageError(
+            f"{flag} {path} is not a transformers model's config ({last_line(error)[:200]}); give "
+            f"a folder that a transformers model's save_pretrained wrote"
+        ) from None
 
 
 def load_tokenizer(config: TrainConfig) -> Any:
@@ -85,9 +110,11 @@ def load_tokenizer(config: TrainConfig) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as error:  # noqa: BLE001 -- whatever keeps the folder from being a tokenizer
-        raise UsageError(f"{_tokenizer_flag(config)} holds no tokenizer that transformers reads "
-                         f"({last_line(error)[:200]}); give --tokenizer FOLDER, a folder that a tokenizer's "
-                         f"save_pretrained wrote") from None
+        raise UsageError(
+            f"{_tokenizer_flag(config)} holds no tokenizer that transformers reads "
+            f"({last_line(error)[:200]}); give --tokenizer FOLDER, a folder that a tokenizer's "
+            f"save_pretrained wrote"
+        ) from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -103,27 +130,34 @@ def check_fit(config: TrainConfig, tokens: int, model: Any) -> None:
     config), or --block-size is above its positions."""
     vocabulary = getattr(model, "vocab_size", None)
     if vocabulary is not None and tokens > vocabulary:
-        raise UsageError(f"{_tokenizer_flag(config)}: the tokenizer has {tokens} tokens, more than the model's "
-                         f"vocabulary of {vocabulary} (vocab_size in its config): ids from {vocabulary} up would "
-                         f"index past its embedding; use the model's own tokenizer, or a model built for this one")
+        raise UsageError(
+            f"{_tokenizer_flag(config)}: the tokenizer has {tokens} tokens, more than the model's "
+            f"vocabulary of {vocabulary} (vocab_size in its config): ids from {vocabulary} up would "
+            f"index past its embedding; use the model's own tokenizer, or a model built for this one"
+        )
     context = getattr(model, "max_position_embeddings", None)  # GPT-2's n_positions under its common name
     if context is not None and config.block_size > context:
-        raise UsageError(f"--block-size {config.block_size} is above the model's context of {context} positions "
-                         f"(max_position_embeddings, GPT-2's n_positions, in its config): give --block-size "
-                         f"{context} or less")
+        raise UsageError(
+            f"--block-size {config.block_size} is above the model's context of {context} positions "
+            f"(max_position_embeddings, GPT-2's n_positions, in its config): give --block-size "
+            f"{context} or less"
+        )
 
 
 def padding_id(config: TrainConfig, tokenizer: Any) -> int:
     """The id padded batches are filled with; UsageError for a tokenizer with no padding or end-of-text token."""
     if tokenizer.pad_token_id is None:
         unless = "" if config.text_classification else " (or drop --pad-to-batch to pack the texts instead)"
-        raise UsageError(f"{_tokenizer_flag(config)}: the tokenizer has neither a padding nor an end-of-text token "
-                         f"to pad batches with; give it a pad_token{unless}")
+        raise UsageError(
+            f"{_tokenizer_flag(config)}: the tokenizer has neither a padding nor an end-of-text token "
+            f"to pad batches with; give it a pad_token{unless}"
+        )
     return tokenizer.pad_token_id
 
 
-def _token_samples(datasets: Any, flag: str, patterns: str, config: TrainConfig, tokenize: "Tokenize"
-                   ) -> tuple[Dataset, Any]:
+def _token_samples(
+    datasets: Any, flag: str, patterns: str, config: TrainConfig, tokenize: Tokenize
+) -> tuple[Dataset, Any]:
     """The samples of one flag's files, and the files as read (a label column's class names are there)."""
     files = Files(flag, *files_of(patterns, flag), rows=TextRows(config))
     table = load_files(datasets, files, config.streaming)
@@ -137,10 +171,14 @@ def _token_samples(datasets: Any, flag: str, patterns: str, config: TrainConfig,
         raise UsageError(files.bad_row(None, error)) from None
     samples = TokenSamples(tokenize.packed)
     if config.streaming:  # a padded text is one sample; packed windows are not counted before they are read
-        return HFStream(tokens, samples, None if tokenize.packed else count_rows(files.kind, files.paths), files), table
+        return HFStream(
+            tokens, samples, None if tokenize.packed else count_rows(files.kind, files.paths), files
+        ), table
     if len(tokens) == 0:
-        raise UsageError(f"{flag}: {', '.join(files.paths)} hold fewer tokens than one window of --block-size "
-                         f"{config.block_size}; give more text or a smaller --block-size")
+        raise UsageError(
+            f"{flag}: {', '.join(files.paths)} hold fewer tokens than one window of --block-size "
+            f"{config.block_size}; give more text or a smaller --block-size"
+        )
     return HFTable(tokens, samples, files), table
 
 
@@ -157,15 +195,19 @@ def check_columns(config: TrainConfig, example: dict[str, Any]) -> None:
     """UsageError where the files' first row has no text in --text-column (or, for a classifier, no class id in
     --label-column)."""
     if config.text_column not in example:
-        raise UsageError(f"--text-column {config.text_column}: the files' columns are {', '.join(example)}; name "
-                         f"the column that holds each sample's text")
+        raise UsageError(
+            f"--text-column {config.text_column}: the files' columns are {', '.join(example)}; name "
+            f"the column that holds each sample's text"
+        )
     if config.text_classification:
         check_label(config, example)
     try:
         TextRows(config)(example)
     except ValueError as error:
-        raise UsageError(f"--text-column {config.text_column}: the first row's {error}; name the column that "
-                         f"holds each sample's text") from None
+        raise UsageError(
+            f"--text-column {config.text_column}: the first row's {error}; name the column that "
+            f"holds each sample's text"
+        ) from None
 
 
 class TextRows:
@@ -182,8 +224,9 @@ class TextRows:
             raise ValueError(f"column {self.column} holds {type(text).__name__} ({text!r:.40}), not text")
         label = example.get(self.label_column) if self.label_column else 0
         if isinstance(label, bool) or not isinstance(label, int):
-            raise ValueError(f"column {self.label_column} holds {type(label).__name__} ({label!r:.40}), not a "
-                             f"class id")
+            raise ValueError(
+                f"column {self.label_column} holds {type(label).__name__} ({label!r:.40}), not a class id"
+            )
 
 
 class Tokenize:
@@ -193,12 +236,15 @@ class Tokenize:
     def __init__(self, tokenizer: Any, config: TrainConfig, packed: bool):
         self.tokenizer, self.column, self.packed = tokenizer, config.text_column, packed
         self.max_length = None if packed else config.block_size
-        self.end = tokenizer.eos_token_id if packed else None  # one text's end, and the next one's start, marked
+        self.end = (
+            tokenizer.eos_token_id if packed else None
+        )  # one text's end, and the next one's start, marked
         self.label_column = config.label_column if config.text_classification else None
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        ids = self.tokenizer(batch[self.column], truncation=self.max_length is not None,
-                             max_length=self.max_length)["input_ids"]
+        ids = self.tokenizer(
+            batch[self.column], truncation=self.max_length is not None, max_length=self.max_length
+        )["input_ids"]
         if self.end is not None:
             ids = [text + [self.end] for text in ids]
         if self.label_column is None:
@@ -216,7 +262,11 @@ class GroupTexts:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         joined = list(itertools.chain.from_iterable(batch["input_ids"]))
         whole = len(joined) - len(joined) % self.block_size
-        return {"input_ids": [joined[start:start + self.block_size] for start in range(0, whole, self.block_size)]}
+        return {
+            "input_ids": [
+                joined[start : start + self.block_size] for start in range(0, whole, self.block_size)
+            ]
+        }
 
 
 class TokenSamples:
@@ -244,12 +294,14 @@ class PadBatch:
         self.pad_id = pad_id
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(1, max(len(sample["input_ids"]) for sample in samples))  # a batch of empty texts: one pad
+        longest = max(
+            1, max(len(sample["input_ids"]) for sample in samples)
+        )  # a batch of empty texts: one pad
         input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
         for row, sample in enumerate(samples):
-            input_ids[row, :len(sample["input_ids"])] = sample["input_ids"]
-            attention_mask[row, :len(sample["input_ids"])] = 1
+            input_ids[row, : len(sample["input_ids"])] = sample["input_ids"]
+            attention_mask[row, : len(sample["input_ids"])] = 1
         if "labels" in samples[0]:
             labels = torch.stack([sample["labels"] for sample in samples])
         else:

@@ -8,7 +8,8 @@ which makes validation numbers wrong (PITFALLS 1).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -41,15 +42,25 @@ class ResumableDistributedSampler(DistributedSampler):
     changed, because the position is counted in global samples.
     """
 
-    def __init__(self, dataset_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
-        super().__init__(range(dataset_size), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=True)
+    def __init__(
+        self, dataset_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True
+    ):
+        super().__init__(
+            range(dataset_size),
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
+        )
         self.dataset_size, self.world_size = dataset_size, world_size
         self.consumed = 0
         self.usable = dataset_size - dataset_size % world_size
         if self.usable == 0:
-            raise UsageError(f"a training set of {dataset_size} sample(s) cannot be shared by {world_size} ranks, "
-                             f"each needs at least one: use a larger training set or fewer processes")
+            raise UsageError(
+                f"a training set of {dataset_size} sample(s) cannot be shared by {world_size} ranks, "
+                f"each needs at least one: use a larger training set or fewer processes"
+            )
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning (call once per epoch, as with DistributedSampler)."""
@@ -90,7 +101,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __init__(self, dataset_size: int, batch_size: int, rank: int = 0, world_size: int = 1):
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.num_batches = (dataset_size + batch_size - 1) // batch_size
-        self.batch_indices = range(rank, self.num_batches, world_size)  # global numbers of this rank's batches
+        self.batch_indices = range(
+            rank, self.num_batches, world_size
+        )  # global numbers of this rank's batches
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.batch_indices:
@@ -100,8 +113,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return len(self.batch_indices)
 
 
-def windows(batches: Iterator[Any], samples: int, micro_batch: int, micro_batches: int
-            ) -> Iterator[tuple[Iterator[Any], int, list[int], bool]]:
+def windows(
+    batches: Iterator[Any], samples: int, micro_batch: int, micro_batches: int
+) -> Iterator[tuple[Iterator[Any], int, list[int], bool]]:
     """This rank's optimizer steps over its `samples` left in the epoch, read from `batches` (the loader over
     the sampler): (the batches, the window's samples, each micro-batch's size, whether it is the epoch's last).
     The sampler gives every rank the same number of samples: full windows of `micro_batches` micro-batches of
@@ -111,6 +125,10 @@ def windows(batches: Iterator[Any], samples: int, micro_batch: int, micro_batche
     while samples > 0:
         window = min(full_window, samples)
         samples -= window
-        sizes = full_sizes if window == full_window else \
-            [micro_batch] * ((window - 1) // micro_batch) + [window - (window - 1) // micro_batch * micro_batch]
+        sizes = (
+            full_sizes
+            if window == full_window
+            else [micro_batch] * ((window - 1) // micro_batch)
+            + [window - (window - 1) // micro_batch * micro_batch]
+        )
         yield batches, window, sizes, samples == 0

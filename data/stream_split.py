@@ -34,7 +34,8 @@ import dataclasses
 import os
 import threading
 import weakref
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,19 +88,31 @@ def _hugging_face(dataset: Any, rank: int, world_size: int) -> tuple[Any, Split]
     if node is None:
         if world_size > 1:
             from datasets.distributed import split_dataset_by_node
+
             dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
-        return dataset, Split(True, True, f"a Hugging Face stream of {_shards(dataset)} shard(s), split over "
-                                          f"ranks here with split_dataset_by_node")
+        return dataset, Split(
+            True,
+            True,
+            f"a Hugging Face stream of {_shards(dataset)} shard(s), split over "
+            f"ranks here with split_dataset_by_node",
+        )
     if (node.rank, node.world_size) != (rank, world_size):
-        raise UsageError(f"the Hugging Face stream was split with split_dataset_by_node(rank={node.rank}, "
-                         f"world_size={node.world_size}), but this process is rank {rank} of {world_size}: split "
-                         f"it with the RANK and WORLD_SIZE torchrun sets, or pass it unsplit (the trainer splits it)")
-    return dataset, Split(True, True, f"a Hugging Face stream split by split_dataset_by_node, {_shards(dataset)} "
-                                      f"shard(s) on this rank")
+        raise UsageError(
+            f"the Hugging Face stream was split with split_dataset_by_node(rank={node.rank}, "
+            f"world_size={node.world_size}), but this process is rank {rank} of {world_size}: split "
+            f"it with the RANK and WORLD_SIZE torchrun sets, or pass it unsplit (the trainer splits it)"
+        )
+    return dataset, Split(
+        True,
+        True,
+        f"a Hugging Face stream split by split_dataset_by_node, {_shards(dataset)} shard(s) on this rank",
+    )
 
 
 def _shards(dataset: Any) -> Any:
-    return getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", "?")  # n_shards: older datasets
+    return getattr(dataset, "num_shards", None) or getattr(
+        dataset, "n_shards", "?"
+    )  # n_shards: older datasets
 
 
 # ---------------------------------------------------------------- the probe
@@ -124,7 +137,9 @@ def _probe(dataset: Any) -> Split:
         first, watch = _first_sample(dataset, rank=0, worker=0)
         workers = watch.read_worker and not _same(first, _first_sample(dataset, rank=0, worker=1)[0])
         ranks = watch.read_rank and not _same(first, _first_sample(dataset, rank=1, worker=0)[0])
-    except Exception:  # it reads only inside loader workers, say: the trainer splits it, the first pass's counts check
+    except (
+        Exception
+    ):  # it reads only inside loader workers, say: the trainer splits it, the first pass's counts check
         return Split(False, False, "not readable in the main process")
     return Split(ranks, workers, "its first sample read as rank 0 and 1, worker 0 and 1")
 
@@ -140,7 +155,7 @@ class _Watch:
         return threading.get_ident() == self.thread
 
 
-_WATCH: Optional[_Watch] = None
+_WATCH: _Watch | None = None
 _NOTHING = object()  # the first sample of a stream that gave none
 
 
@@ -172,6 +187,7 @@ def _watched_call(original: Any, answer: str) -> Any:
             watch.read_rank = True
             return watch.rank if answer == "rank" else PROBE_WORLD
         return original(*args, **kwargs)
+
     return call
 
 
@@ -181,10 +197,15 @@ def _seen_as(dataset: Any, rank: int, worker: int) -> Iterator[_Watch]:
     far as the dataset can ask; everything is put back after."""
     global _WATCH
     watch, saved_info, environ_class = _Watch(rank, worker), worker_module._worker_info, type(os.environ)
-    calls = {(module, name): getattr(module, name) for module in (dist, dist.distributed_c10d)
-             for name in ("get_rank", "get_world_size")}
+    calls = {
+        (module, name): getattr(module, name)
+        for module in (dist, dist.distributed_c10d)
+        for name in ("get_rank", "get_world_size")
+    }
     _WATCH = watch
-    worker_module._worker_info = _WatchedWorkerInfo(id=worker, num_workers=PROBE_WORLD, seed=0, dataset=dataset)
+    worker_module._worker_info = _WatchedWorkerInfo(
+        id=worker, num_workers=PROBE_WORLD, seed=0, dataset=dataset
+    )
     os.environ.__class__ = _WatchedEnviron
     for (module, name), original in calls.items():
         setattr(module, name, _watched_call(original, "rank" if name == "get_rank" else "world"))
@@ -219,8 +240,13 @@ def _first_sample(dataset: Any, rank: int, worker: int) -> tuple[Any, _Watch]:
 def _same(a: Any, b: Any) -> bool:
     """Whether two samples are equal: tensors and arrays by value, containers item by item."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
-            and a.dtype == b.dtype and bool(torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
     if isinstance(a, dict) and isinstance(b, dict):

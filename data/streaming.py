@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
@@ -44,7 +45,9 @@ from multigpu.data.stream_split import Split, find_split, play_worker
 from multigpu.errors import UsageError
 from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_distributed
 
-Window = tuple[Iterator[Any], int, list[int], bool]  # (micro-batches, samples, their sizes, last of the epoch)
+Window = tuple[
+    Iterator[Any], int, list[int], bool
+]  # (micro-batches, samples, their sizes, last of the epoch)
 
 
 def is_stream(dataset: Any) -> bool:
@@ -52,7 +55,7 @@ def is_stream(dataset: Any) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def stream_length(dataset: Any) -> Optional[int]:
+def stream_length(dataset: Any) -> int | None:
     """len(dataset) where the stream has one, else None."""
     try:
         return len(dataset)
@@ -67,8 +70,13 @@ class StreamShard(IterableDataset):
     def __init__(self, dataset: Any, rank: int, world_size: int, tagged: bool = True):
         self.dataset, self.split = find_split(dataset, rank, world_size)
         self.rank, self.world_size, self.tagged = rank, world_size, tagged
-        self.rotate = 0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
-        self.pass_number, self.skip = 0, None  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
+        self.rotate = (
+            0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
+        )
+        self.pass_number, self.skip = (
+            0,
+            None,
+        )  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
 
     @property
     def pass_number(self) -> int:
@@ -100,8 +108,13 @@ class StreamShard(IterableDataset):
         if self.split_by_trainer:
             samples = self._split(slot, slots)
         else:  # keep every `every`-th of what the stream gives this (rank, worker): the dimension it does not split
-            every, mine = ((1, 0) if self.split.ranks and self.split.workers else
-                           (self.world_size, self.rank) if self.split.workers else (workers, role))
+            every, mine = (
+                (1, 0)
+                if self.split.ranks and self.split.workers
+                else (self.world_size, self.rank)
+                if self.split.workers
+                else (workers, role)
+            )
             samples = self._own(slot, every, mine)
         for sample in samples:
             yield (slot, sample) if self.tagged else sample
@@ -140,7 +153,7 @@ def _trained_before(position: int, layers: list[dict[str, Any]], seen: list[list
 class TaggedCollate:
     """Collates a worker's (slot, sample) pairs: (slot, samples, the user's batch)."""
 
-    def __init__(self, collate_fn: Optional[Callable]):
+    def __init__(self, collate_fn: Callable | None):
         self.collate_fn = collate_fn or default_collate
 
     def __call__(self, items: list[tuple[int, Any]]) -> tuple[int, int, Any]:
@@ -152,31 +165,50 @@ class TrainStream:
     stream's position for checkpoints. Also the few sampler attributes the trainer reads (seed, dataset_size,
     usable, start_at)."""
 
-    def __init__(self, dataset: Any, runtime: Any, loader_batch: int, grad_accum: int, steps_per_epoch: int,
-                 num_workers: Optional[int], seed: int, collate_fn: Optional[Callable], build_loader: Callable,
-                 max_steps: int = 0):
+    def __init__(
+        self,
+        dataset: Any,
+        runtime: Any,
+        loader_batch: int,
+        grad_accum: int,
+        steps_per_epoch: int,
+        num_workers: int | None,
+        seed: int,
+        collate_fn: Callable | None,
+        build_loader: Callable,
+        max_steps: int = 0,
+    ):
         self.runtime, self.loader_batch, self.grad_accum = runtime, loader_batch, grad_accum
         self.length = length = stream_length(dataset)
         self.seed, self.dataset_size = seed, length if length is not None else -1
         self.shard = StreamShard(dataset, runtime.rank, runtime.world_size)
         _agree_on(self.shard.split)
-        self.loader: DataLoader = build_loader(self.shard, runtime.device, num_workers, seed + runtime.rank,
-                                               batch_size=loader_batch, collate_fn=TaggedCollate(collate_fn),
-                                               persistent_workers=False)  # each pass's workers see its skip
+        self.loader: DataLoader = build_loader(
+            self.shard,
+            runtime.device,
+            num_workers,
+            seed + runtime.rank,
+            batch_size=loader_batch,
+            collate_fn=TaggedCollate(collate_fn),
+            persistent_workers=False,
+        )  # each pass's workers see its skip
         self.workers = max(1, self.loader.num_workers)
         # --steps-per-epoch N: N steps an epoch; --max-steps alone on a stream without __len__: one epoch of them.
         self.fixed_steps = steps_per_epoch or (max_steps if length is None else 0)  # 0: an epoch is one pass
-        self.fixed_by = f"--steps-per-epoch {steps_per_epoch}" if steps_per_epoch else f"--max-steps {max_steps}"
+        self.fixed_by = (
+            f"--steps-per-epoch {steps_per_epoch}" if steps_per_epoch else f"--max-steps {max_steps}"
+        )
         step_samples = loader_batch * grad_accum
-        self.steps_per_epoch: Optional[int] = self.fixed_steps or (  # None: a pass of unknown length
-            max(1, math.ceil(length / (step_samples * runtime.world_size))) if length is not None else None)
+        self.steps_per_epoch: int | None = self.fixed_steps or (  # None: a pass of unknown length
+            max(1, math.ceil(length / (step_samples * runtime.world_size))) if length is not None else None
+        )
         self.usable = length if length is not None else (self.steps_per_epoch or 0) * step_samples
         self.counts: dict[int, int] = {}  # samples each of this rank's slots handed to training, this pass
         self.next_worker = 0  # the worker whose batch this rank takes next: DataLoader takes them in turn
         self.steps_in_epoch = self.steps_in_pass = 0
         self.ranks_checked, self.warned, self.counted, self.said_wrap = False, False, False, False
         self.first_batches: dict[int, str] = {}  # slot -> its first batch's digest, in the first whole pass
-        self._batches: Optional[Iterator[Any]] = None  # the pass's loader, kept across --steps-per-epoch epochs
+        self._batches: Iterator[Any] | None = None  # the pass's loader, kept across --steps-per-epoch epochs
 
     # --- what the trainer reads of a sampler ---
     def start_at(self, epoch: int, consumed: int) -> None:
@@ -200,9 +232,11 @@ class TrainStream:
                 self._end_of_pass(window, report)
                 if ran_out and not self.said_wrap:
                     self.said_wrap = True
-                    report(f"the training stream ran out after {ran_out[1]} steps (pass {ran_out[0]}), "
-                           f"{self.steps_in_epoch} steps into an epoch of {self.fixed_by}: the epoch goes on with "
-                           f"pass {ran_out[0] + 1}, from the stream's start (said once)")
+                    report(
+                        f"the training stream ran out after {ran_out[1]} steps (pass {ran_out[0]}), "
+                        f"{self.steps_in_epoch} steps into an epoch of {self.fixed_by}: the epoch goes on with "
+                        f"pass {ran_out[0] + 1}, from the stream's start (said once)"
+                    )
                 window = self._next_window()
             self.steps_in_epoch += 1
             yield self._step(window, report, last=self.steps_in_epoch >= self.fixed_steps)
@@ -225,7 +259,7 @@ class TrainStream:
         self._end_of_pass(window, report)
         self.steps_in_epoch = 0
 
-    def _next_window(self) -> Optional[list[tuple[int, int, Any]]]:
+    def _next_window(self) -> list[tuple[int, int, Any]] | None:
         if self._batches is None:
             self._batches = iter(self.loader)
         window = []
@@ -235,7 +269,7 @@ class TrainStream:
                 return window
         return window or None  # a short window still counts toward the unused samples
 
-    def _all_have(self, window: Optional[list]) -> bool:
+    def _all_have(self, window: list | None) -> bool:
         """Whether every rank has a full window: one MIN all-reduce of a 1-element flag (a host sync per step,
         for streams only: the price of never hanging at an uneven end)."""
         mine = window is not None and len(window) == self.grad_accum
@@ -252,7 +286,9 @@ class TrainStream:
         for slot, samples, batch in window:
             self.counts[slot] = self.counts.get(slot, 0) + samples
             if self.length is None and not self.counted and slot not in self.first_batches:
-                self.first_batches[slot] = _digest(batch)  # once per slot, in the first pass (None: no tensor)
+                self.first_batches[slot] = _digest(
+                    batch
+                )  # once per slot, in the first pass (None: no tensor)
         self.next_worker = (window[-1][0] // self.runtime.world_size + 1) % self.workers
         if not self.ranks_checked and self.shard.split.ranks:
             self.ranks_checked = True
@@ -260,7 +296,7 @@ class TrainStream:
         sizes = [samples for _, samples, _ in window]
         return iter([batch for _, _, batch in window]), sum(sizes), sizes, last
 
-    def _end_of_pass(self, window: Optional[list], report: Callable[[str], None]) -> None:
+    def _end_of_pass(self, window: list | None, report: Callable[[str], None]) -> None:
         """Count what this rank still held, tell the user, check the first whole pass's counts, and start the
         next pass at its beginning."""
         whole = self.shard.skip is None  # this pass was read from its start by this run
@@ -269,9 +305,11 @@ class TrainStream:
         facts = gather_objects((unused, sum(self.counts.values()), self.first_batches if whole else {}))
         held = [rank_unused for rank_unused, _, _ in facts]  # type: ignore[misc]
         if any(held):
-            report(f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
-                   f"ended it together; samples left unused: " +
-                   ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(held)))
+            report(
+                f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
+                f"ended it together; samples left unused: "
+                + ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(held))
+            )
         if whole and not self.steps_in_pass:
             raise UsageError(self._too_few([rank_unused + trained for rank_unused, trained, _ in facts]))
         if whole and not self.counted:
@@ -286,15 +324,19 @@ class TrainStream:
 
     def _too_few(self, samples: list[int]) -> str:
         if not any(samples):
-            return ("the training stream gave no sample in a whole pass: it is empty; check its files, or what its "
-                    "__iter__ yields")
+            return (
+                "the training stream gave no sample in a whole pass: it is empty; check its files, or what its "
+                "__iter__ yields"
+            )
         world = self.runtime.world_size
-        return (f"the training stream is too small for {world} ranks: a whole pass gave " +
-                ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples)) +
-                f" sample(s), and every step needs {self.grad_accum} batch(es) on every rank; use fewer ranks"
-                f"{' or a smaller --grad-accum-steps' if self.grad_accum > 1 else ''}, or more data")
+        return (
+            f"the training stream is too small for {world} ranks: a whole pass gave "
+            + ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples))
+            + f" sample(s), and every step needs {self.grad_accum} batch(es) on every rank; use fewer ranks"
+            f"{' or a smaller --grad-accum-steps' if self.grad_accum > 1 else ''}, or more data"
+        )
 
-    def _count_line(self, facts: list[tuple[int, int, dict[int, str]]]) -> Optional[str]:
+    def _count_line(self, facts: list[tuple[int, int, dict[int, str]]]) -> str | None:
         """One warning when the first whole pass's samples, over every (rank, worker), do not add up: more
         or fewer than __len__, or (without __len__) two of them starting with the same batch."""
         world = self.runtime.world_size
@@ -304,22 +346,30 @@ class TrainStream:
             if total == self.length:
                 return None
             ratio = total / self.length if self.length else math.inf
-            how = (f"each sample read about {round(ratio)} times, by several (rank, worker)s" if ratio >= 1.5 else
-                   f"about 1/{round(1 / ratio)} of them: the stream is split twice, by itself and by the trainer"
-                   if 0 < ratio <= 2 / 3 else "its __len__ is off, or samples are read twice or never")
-            return (f"warning: the first pass of the training stream gave {total} samples over {world} rank(s) x "
-                    f"{self.workers} worker(s), and its __len__ is {self.length}: {how}; {took}. Read the rank and "
-                    f"worker in __iter__, or set shards_itself (docs/data.md, \"Your own data\")")
+            how = (
+                f"each sample read about {round(ratio)} times, by several (rank, worker)s"
+                if ratio >= 1.5
+                else f"about 1/{round(1 / ratio)} of them: the stream is split twice, by itself and by the trainer"
+                if 0 < ratio <= 2 / 3
+                else "its __len__ is off, or samples are read twice or never"
+            )
+            return (
+                f"warning: the first pass of the training stream gave {total} samples over {world} rank(s) x "
+                f"{self.workers} worker(s), and its __len__ is {self.length}: {how}; {took}. Read the rank and "
+                f'worker in __iter__, or set shards_itself (docs/data.md, "Your own data")'
+            )
         firsts: dict[str, int] = {}
         for _, _, digests in facts:
             for slot, digest in digests.items():
                 if digest is None:
                     continue
                 if digest in firsts:
-                    return (f"warning: in the first pass of the training stream {_slot_words(firsts[digest], world)} "
-                            f"and {_slot_words(slot, world)} read the same first batch: samples are read more than "
-                            f"once; {took}. Read the rank and worker in __iter__, or set shards_itself "
-                            f"(docs/data.md, \"Your own data\")")
+                    return (
+                        f"warning: in the first pass of the training stream {_slot_words(firsts[digest], world)} "
+                        f"and {_slot_words(slot, world)} read the same first batch: samples are read more than "
+                        f"once; {took}. Read the rank and worker in __iter__, or set shards_itself "
+                        f'(docs/data.md, "Your own data")'
+                    )
                 firsts[digest] = slot
         return None
 
@@ -329,10 +379,12 @@ class TrainStream:
         digests = gather_objects(_digest(window[0][2]))
         if len(digests) > 1 and len(set(digests)) == 1 and digests[0] is not None:
             self.warned = True
-            report(f"warning: every rank read the same first batch: the dataset {self.shard.split.words()} "
-                   f"({self.shard.split.found}) but does not split by rank; read the RANK and WORLD_SIZE variables "
-                   f"in its __iter__, or drop shards_itself and let the trainer split it (docs/data.md, "
-                   f"\"Your own data\")")
+            report(
+                f"warning: every rank read the same first batch: the dataset {self.shard.split.words()} "
+                f"({self.shard.split.found}) but does not split by rank; read the RANK and WORLD_SIZE variables "
+                f"in its __iter__, or drop shards_itself and let the trainer split it (docs/data.md, "
+                f'"Your own data")'
+            )
 
     # --- checkpoints ---
     def state_dict(self) -> dict[str, Any]:
@@ -347,28 +399,41 @@ class TrainStream:
             layers[-1]["counts"] = [n + old for n, old in zip(counts, layers[-1]["counts"])]
         else:
             layers.append({"slots": slots, "counts": counts})
-        return {"pass": self.shard.pass_number, "steps_in_epoch": self.steps_in_epoch,
-                "steps_in_pass": self.steps_in_pass, "layers": layers,
-                "next_worker": [turn for _, turn in ranks], "world_size": self.runtime.world_size,  # type: ignore[misc]
-                "workers": self.workers, "shards_itself": not self.shard.split_by_trainer}
+        return {
+            "pass": self.shard.pass_number,
+            "steps_in_epoch": self.steps_in_epoch,
+            "steps_in_pass": self.steps_in_pass,
+            "layers": layers,
+            "next_worker": [turn for _, turn in ranks],
+            "world_size": self.runtime.world_size,  # type: ignore[misc]
+            "workers": self.workers,
+            "shards_itself": not self.shard.split_by_trainer,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved pass where it stopped; a stream that splits itself needs the same layout."""
         if not state:
-            raise UsageError("the checkpoint holds no stream position (saved with map-style data): resume it with "
-                             "that data, or start this stream with a new --save-dir")
+            raise UsageError(
+                "the checkpoint holds no stream position (saved with map-style data): resume it with "
+                "that data, or start this stream with a new --save-dir"
+            )
         workers, world = self.workers, self.runtime.world_size
         same_layout = (state["world_size"], state["workers"]) == (world, workers)
         if state["shards_itself"] and not same_layout:
-            raise UsageError(f"the checkpoint holds the position of a stream that shards itself over {state['world_size']} "
-                             f"rank(s) x {state['workers']} worker(s), which cannot be re-split for {world} x "
-                             f"{workers}: resume with that layout, or drop shards_itself so the trainer splits it")
+            raise UsageError(
+                f"the checkpoint holds the position of a stream that shards itself over {state['world_size']} "
+                f"rank(s) x {state['workers']} worker(s), which cannot be re-split for {world} x "
+                f"{workers}: resume with that layout, or drop shards_itself so the trainer splits it"
+            )
         self.shard.pass_number, self.steps_in_epoch = state["pass"], state["steps_in_epoch"]
         self.steps_in_pass = state.get("steps_in_pass", 0)
         self.shard.skip, self.counts = [dict(layer) for layer in state["layers"]], {}
         if same_layout:  # the same batches in the same order: the worker whose turn it was goes first
-            turn = (state["next_worker"][self.runtime.rank] if "next_worker" in state
-                    else state["batches_taken"][self.runtime.rank] % workers)  # saved before next_worker was
+            turn = (
+                state["next_worker"][self.runtime.rank]
+                if "next_worker" in state
+                else state["batches_taken"][self.runtime.rank] % workers
+            )  # saved before next_worker was
             self.shard.rotate = self.next_worker = turn
 
 
@@ -376,16 +441,18 @@ def _agree_on(split: Split) -> None:
     """Every rank must take the stream alike (the first-batch check is a collective): UsageError if not."""
     splits = gather_objects((split.ranks, split.workers))
     if len(set(splits)) > 1:  # type: ignore[arg-type]
-        raise UsageError("the ranks see the training stream split differently (" +
-                         ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits)) +
-                         "): give it a shards_itself attribute, True or False (docs/data.md, \"Your own data\")")
+        raise UsageError(
+            "the ranks see the training stream split differently ("
+            + ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits))
+            + '): give it a shards_itself attribute, True or False (docs/data.md, "Your own data")'
+        )
 
 
 def _slot_words(slot: int, world: int) -> str:
     return f"rank {slot % world} worker {slot // world}"
 
 
-def _digest(batch: Any) -> Optional[str]:
+def _digest(batch: Any) -> str | None:
     """A short fingerprint of a batch's tensors, to compare first batches once (None: it holds no tensor)."""
     digest, tensors = hashlib.sha1(), []
     from multigpu.data.batches import map_tensors
@@ -393,5 +460,6 @@ def _digest(batch: Any) -> Optional[str]:
     def add(tensor: torch.Tensor) -> None:
         tensors.append(tensor)
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+
     map_tensors(add, batch)
     return digest.hexdigest() if tensors else None

@@ -17,15 +17,25 @@ class SyntheticImages(Dataset):
     """
 
     NOISE = 3.0
-    fixed_samples = True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
+    fixed_samples = (
+        True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
+    )
 
-    def __init__(self, size: int, image_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10,
-                 seed: int = 0, split: str = "train"):
+    def __init__(
+        self,
+        size: int,
+        image_shape: tuple[int, int, int] = (1, 28, 28),
+        num_classes: int = 10,
+        seed: int = 0,
+        split: str = "train",
+    ):
         self.size, self.image_shape, self.num_classes = size, tuple(image_shape), num_classes
         self.seed = seed * 7919 + (0 if split == "train" else 1)
         channels, height, width = self.image_shape
         generator = torch.Generator().manual_seed(seed)  # prototypes are shared by train and val
-        coarse = torch.randn(num_classes, channels, max(1, height // 4), max(1, width // 4), generator=generator)
+        coarse = torch.randn(
+            num_classes, channels, max(1, height // 4), max(1, width // 4), generator=generator
+        )
         # Smooth prototypes: convolutions can learn them, yet the classes overlap under the noise.
         self.prototypes = F.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
 

@@ -20,7 +20,9 @@ BINARY_SIGNS = "\x00"  # a NUL character: no text file has one, every binary for
 class CharWindows(Dataset):
     """Windows of `block_size` character ids and the same windows shifted by one (the targets)."""
 
-    fixed_samples = True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
+    fixed_samples = (
+        True  # sample i never changes: --data-on-device may read the set once (data/device_data.py)
+    )
 
     def __init__(self, ids: torch.Tensor, block_size: int):
         self.ids, self.block_size = ids, block_size
@@ -33,7 +35,7 @@ class CharWindows(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
         start = index * self.block_size
-        chunk = self.ids[start:start + self.block_size + 1]
+        chunk = self.ids[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -47,16 +49,21 @@ def read_text(path: str) -> str:
     except IsADirectoryError:
         raise UsageError(f"--data-file {path} is a folder; give a UTF-8 plain text file") from None
     except OSError as error:
-        raise UsageError(f"--data-file {path} cannot be read ({error.strerror}); give a readable text file") from None
+        raise UsageError(
+            f"--data-file {path} cannot be read ({error.strerror}); give a readable text file"
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsageError(f"--data-file {path} is not UTF-8 text (byte {error.start} is not); give a plain text "
-                         f"file") from None
+        raise UsageError(
+            f"--data-file {path} is not UTF-8 text (byte {error.start} is not); give a plain text file"
+        ) from None
     if not text:
         raise UsageError(f"--data-file {path} is empty; give a file with some text")
     if any(sign in text for sign in BINARY_SIGNS):
-        raise UsageError(f"--data-file {path} holds NUL bytes, so it is binary, not text; give a plain text file")
+        raise UsageError(
+            f"--data-file {path} holds NUL bytes, so it is binary, not text; give a plain text file"
+        )
     return text
 
 
@@ -71,7 +78,9 @@ def text_datasets(path: str, block_size: int) -> tuple[CharWindows, CharWindows,
     if min(len(train), len(val)) < 2:
         # Two windows and the last one's final target, 2T + 1 characters, in the validation tail (the smaller split).
         needed = (2 * block_size + 1) * VAL_PARTS
-        raise UsageError(f"--data-file {path} has {len(text):,} characters, too few for two windows of "
-                         f"--block-size {block_size} in each split ({len(train)} train, {len(val)} val); give "
-                         f"at least {needed:,} characters or a smaller --block-size")
+        raise UsageError(
+            f"--data-file {path} has {len(text):,} characters, too few for two windows of "
+            f"--block-size {block_size} in each split ({len(train)} train, {len(val)} val); give "
+            f"at least {needed:,} characters or a smaller --block-size"
+        )
     return train, val, len(vocabulary)

@@ -29,9 +29,12 @@ class UnlabeledImages(Dataset):
         if not os.path.isdir(root):
             raise UsageError(f"--imagefolder {root} is not a folder; give the folder that holds the images")
         self.root, self.transform = root, transform
-        self.files = sorted(os.path.relpath(os.path.join(folder, name), root)
-                            for folder, _, names in os.walk(root) for name in names
-                            if name.lower().endswith(IMG_EXTENSIONS))
+        self.files = sorted(
+            os.path.relpath(os.path.join(folder, name), root)
+            for folder, _, names in os.walk(root)
+            for name in names
+            if name.lower().endswith(IMG_EXTENSIONS)
+        )
         if not self.files:
             raise UsageError(f"--imagefolder {root} holds no images ({', '.join(IMG_EXTENSIONS)})")
         try:

@@ -10,7 +10,7 @@ main_multi_gpu.py; the optimizer and schedule are the user's own.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,15 +21,20 @@ from multigpu.models import build_model
 from train_multi_gpu import MultiGPUTrainer
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     config = parse_config(argv)
     data = build_datasets(config)
     torch.manual_seed(config.seed)
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
-    with MultiGPUTrainer(model, data.train, data.val, config,
-                         optimizer=lambda params: torch.optim.Adadelta(params, lr=config.lr),
-                         scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7),
-                         scheduler_interval="epoch") as trainer:
+    with MultiGPUTrainer(
+        model,
+        data.train,
+        data.val,
+        config,
+        optimizer=lambda params: torch.optim.Adadelta(params, lr=config.lr),
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7),
+        scheduler_interval="epoch",
+    ) as trainer:
         return trainer.fit()
 
 

@@ -12,7 +12,7 @@ needed, and accuracy is computed from the logits against batch["labels"].
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -33,8 +33,9 @@ class TokenSequences(Dataset):
         generator = torch.Generator().manual_seed(seed)
         self.labels = torch.randint(CLASSES, (size,), generator=generator)
         noise = torch.randint(VOCAB, (size, LENGTH), generator=generator)
-        signal = self.labels[:, None] * (VOCAB // CLASSES) + torch.randint(VOCAB // CLASSES, (size, LENGTH),
-                                                                          generator=generator)
+        signal = self.labels[:, None] * (VOCAB // CLASSES) + torch.randint(
+            VOCAB // CLASSES, (size, LENGTH), generator=generator
+        )
         self.input_ids = torch.where(torch.rand(size, LENGTH, generator=generator) < 0.5, signal, noise)
 
     def __len__(self) -> int:
@@ -52,16 +53,20 @@ class BagOfWordsClassifier(nn.Module):
         self.embed = nn.EmbeddingBag(VOCAB, 32)
         self.head = nn.Linear(32, CLASSES)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         logits = self.head(self.embed(input_ids))
         return {"logits": logits, "loss": F.cross_entropy(logits, labels) if labels is not None else None}
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     config = parse_config(argv)
     torch.manual_seed(config.seed)
-    with MultiGPUTrainer(BagOfWordsClassifier(), TokenSequences(config.train_size, config.seed),
-                         TokenSequences(config.val_size, config.seed + 1), config) as trainer:
+    with MultiGPUTrainer(
+        BagOfWordsClassifier(),
+        TokenSequences(config.train_size, config.seed),
+        TokenSequences(config.val_size, config.seed + 1),
+        config,
+    ) as trainer:
         return trainer.fit()
 
 

@@ -13,7 +13,7 @@ as keywords only if its keys were forward's parameters (docs/data.md,
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -53,11 +53,15 @@ class TableModel(nn.Module):
         return self.net(torch.cat([features["numeric"], self.city(features["city"])], dim=1))
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     config = parse_config(argv)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    with MultiGPUTrainer(TableModel(), Customers(config.train_size, config.seed),
-                         Customers(config.val_size, config.seed + 1), config) as trainer:
+    with MultiGPUTrainer(
+        TableModel(),
+        Customers(config.train_size, config.seed),
+        Customers(config.val_size, config.seed + 1),
+        config,
+    ) as trainer:
         return trainer.fit()
 
 

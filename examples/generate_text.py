@@ -18,7 +18,9 @@ def generate(folder: str, prompt: str, new_tokens: int = 12) -> str:
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = tokenizer(prompt, return_tensors="pt")
-    ids = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    ids = model.generate(
+        **inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
     return tokenizer.decode(ids[0], skip_special_tokens=True)
 
 

@@ -14,7 +14,7 @@ accuracy is reported (docs/data.md, "Your own task").
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,9 @@ class Reviews(Dataset):
         self.labels = torch.randint(2, (size,), generator=generator)
         lengths = torch.randint(4, MAX_LENGTH + 1, (size,), generator=generator)
         tokens = torch.randint(1, VOCAB // 2, (size, MAX_LENGTH), generator=generator)
-        tokens += (self.labels[:, None] * (VOCAB // 2 - 1)) * (torch.rand(size, MAX_LENGTH, generator=generator) < 0.7)
+        tokens += (self.labels[:, None] * (VOCAB // 2 - 1)) * (
+            torch.rand(size, MAX_LENGTH, generator=generator) < 0.7
+        )
         self.attention_mask = (torch.arange(MAX_LENGTH) < lengths[:, None]).long()
         self.input_ids = tokens * self.attention_mask  # PAD after each review's end
 
@@ -43,8 +45,11 @@ class Reviews(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
-                "label": self.labels[index]}
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": self.attention_mask[index],
+            "label": self.labels[index],
+        }
 
 
 class ReviewClassifier(nn.Module):
@@ -59,11 +64,15 @@ class ReviewClassifier(nn.Module):
         return self.head(self.embed(input_ids).mean(1))
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     config = parse_config(argv)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    with MultiGPUTrainer(ReviewClassifier(), Reviews(config.train_size, config.seed),
-                         Reviews(config.val_size, config.seed + 1), config) as trainer:
+    with MultiGPUTrainer(
+        ReviewClassifier(),
+        Reviews(config.train_size, config.seed),
+        Reviews(config.val_size, config.seed + 1),
+        config,
+    ) as trainer:
         return trainer.fit()
 
 

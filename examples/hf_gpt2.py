@@ -15,7 +15,7 @@ Needs the [hf] extra: pip install '.[hf]'.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -41,14 +41,25 @@ class Counting(Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}  # the model shifts the labels itself
 
 
-def train(argv: Optional[Sequence[str]] = None) -> None:
+def train(argv: Sequence[str] | None = None) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = parse_config(argv)
     torch.manual_seed(config.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-                                       bos_token_id=0, eos_token_id=0))  # token ids within this vocabulary
-    with MultiGPUTrainer(model, Counting(config.train_size, 0), Counting(config.val_size, 1), config) as trainer:
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=LENGTH,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )  # token ids within this vocabulary
+    with MultiGPUTrainer(
+        model, Counting(config.train_size, 0), Counting(config.val_size, 1), config
+    ) as trainer:
         trainer.fit()
 
 

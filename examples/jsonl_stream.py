@@ -16,8 +16,8 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import IterableDataset
@@ -61,7 +61,7 @@ def write_shards(folder: Path, seed: int) -> None:
         shutil.rmtree(partial)
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     folder = Path(argv.pop(0) if argv and not argv[0].startswith("-") else "stream-data")
     config = parse_config(argv)

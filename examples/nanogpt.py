@@ -15,7 +15,7 @@ and trains on the loss the model returns; no loss_fn is applied
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -36,14 +36,16 @@ class Characters(Dataset):
 
     def __init__(self, size: int, seed: int):
         self.data = torch.tensor([VOCAB.index(char) for char in TEXT * (size // len(TEXT) + 2)])
-        self.starts = torch.randint(len(self.data) - BLOCK - 1, (size,), generator=torch.Generator().manual_seed(seed))
+        self.starts = torch.randint(
+            len(self.data) - BLOCK - 1, (size,), generator=torch.Generator().manual_seed(seed)
+        )
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = int(self.starts[index])
-        return self.data[start:start + BLOCK], self.data[start + 1:start + 1 + BLOCK]
+        return self.data[start : start + BLOCK], self.data[start + 1 : start + 1 + BLOCK]
 
 
 class Block(nn.Module):
@@ -55,8 +57,10 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.size()
-        q, k, v = (t.view(batch, time, HEADS, channels // HEADS).transpose(1, 2)
-                   for t in self.c_attn(x).split(EMBED, dim=2))
+        q, k, v = (
+            t.view(batch, time, HEADS, channels // HEADS).transpose(1, 2)
+            for t in self.c_attn(x).split(EMBED, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, channels))
 
@@ -73,7 +77,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(EMBED)
         self.lm_head = nn.Linear(EMBED, len(VOCAB), bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.h:
             x = block(x)
@@ -85,19 +89,27 @@ class GPT(nn.Module):
             logits, loss = self.lm_head(x[:, [-1], :]), None
         return logits, loss
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float,
-                             betas: tuple[float, float]) -> torch.optim.AdamW:
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float]
+    ) -> torch.optim.AdamW:
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
-    config = parse_config(["--clip-grad-norm", "1.0", *(sys.argv[1:] if argv is None else argv)])  # nanoGPT's clip
+def train(argv: Sequence[str] | None = None) -> dict:
+    config = parse_config(
+        ["--clip-grad-norm", "1.0", *(sys.argv[1:] if argv is None else argv)]
+    )  # nanoGPT's clip
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model = GPT()
-    train_set, val_set = Characters(config.train_size, config.seed), Characters(config.val_size, config.seed + 1)
+    train_set, val_set = (
+        Characters(config.train_size, config.seed),
+        Characters(config.val_size, config.seed + 1),
+    )
     optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=config.lr, betas=(0.9, 0.95))
     with MultiGPUTrainer(model, train_set, val_set, config, optimizer=optimizer) as trainer:
         return trainer.fit()

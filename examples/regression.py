@@ -12,7 +12,7 @@ best.pt follows val_loss (lower is better).
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,17 @@ def linear_data(size: int, seed: int) -> TensorDataset:
     return TensorDataset(inputs, inputs @ weights + 0.1 * torch.randn(size, 1, generator=generator))
 
 
-def train(argv: Optional[Sequence[str]] = None) -> dict:
+def train(argv: Sequence[str] | None = None) -> dict:
     config = parse_config(argv)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
-    with MultiGPUTrainer(torch.nn.Linear(20, 1), linear_data(config.train_size, config.seed),
-                         linear_data(config.val_size, config.seed + 1), config, loss_fn=F.mse_loss,
-                         optimizer=lambda params: torch.optim.SGD(params, lr=config.lr, momentum=0.9)) as trainer:
+    with MultiGPUTrainer(
+        torch.nn.Linear(20, 1),
+        linear_data(config.train_size, config.seed),
+        linear_data(config.val_size, config.seed + 1),
+        config,
+        loss_fn=F.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=config.lr, momentum=0.9),
+    ) as trainer:
         return trainer.fit()
 
 

@@ -32,8 +32,10 @@ TOKENS = 150  # the tokenizer's vocabulary: letters, their merges up to whole wo
 
 def sentence(draw: random.Random) -> str:
     """`the ADJ NOUN VERB PLACE the ADJ NOUN .`: a grammar whose next word narrows to one of a few."""
-    return (f"the {draw.choice(ADJECTIVES)} {draw.choice(NOUNS)} {draw.choice(VERBS)} {draw.choice(PLACES)} "
-            f"the {draw.choice(ADJECTIVES)} {draw.choice(NOUNS)} .")
+    return (
+        f"the {draw.choice(ADJECTIVES)} {draw.choice(NOUNS)} {draw.choice(VERBS)} {draw.choice(PLACES)} "
+        f"the {draw.choice(ADJECTIVES)} {draw.choice(NOUNS)} ."
+    )
 
 
 def texts(count: int, seed: int) -> list[str]:
@@ -44,8 +46,10 @@ def texts(count: int, seed: int) -> list[str]:
 
 def write_jsonl(path: Path, rows: list[str]) -> None:
     """One {"text": ..., "label": 1 if it tells of a fox else 0} per line."""
-    path.write_text("".join(json.dumps({"text": text, "label": int(" fox " in text)}) + "\n" for text in rows),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({"text": text, "label": int(" fox " in text)}) + "\n" for text in rows),
+        encoding="utf-8",
+    )
 
 
 def train_tokenizer(corpus: list[str]):
@@ -57,8 +61,10 @@ def train_tokenizer(corpus: list[str]):
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]", continuing_subword_prefix="##"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=TOKENS, special_tokens=[END, "[UNK]"],
-                                                              continuing_subword_prefix="##"))
+    tokenizer.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=TOKENS, special_tokens=[END, "[UNK]"], continuing_subword_prefix="##"),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, unk_token="[UNK]")
 
 
@@ -70,8 +76,15 @@ def write_model(folder: Path, tokenizer) -> None:
 
     logging.disable_progress_bar()  # a bar for one small file says nothing
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     GPT2LMHeadModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

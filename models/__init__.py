@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch.nn as nn
 
@@ -22,18 +22,24 @@ MODELS: dict[str, Callable[[tuple[int, ...], int, TrainConfig], nn.Module]] = {
     "resnet18": lambda shape, classes, config: resnet("resnet18", shape, classes),
     "resnet50": lambda shape, classes, config: resnet("resnet50", shape, classes),
     # A text set's "classes" are its vocabulary and its sample shape (T,) the context length.
-    "gpt": lambda shape, classes, config: GPT(classes, shape[0], config.n_layer, config.n_head, config.n_embd),
+    "gpt": lambda shape, classes, config: GPT(
+        classes, shape[0], config.n_layer, config.n_head, config.n_embd
+    ),
     "hf": lambda shape, classes, config: _transformers_model(classes, config),
 }
 
-TEXT_MODELS = ("gpt", "hf")  # models of tokens (--dataset text, --text-column); the others take images or vectors
+TEXT_MODELS = (
+    "gpt",
+    "hf",
+)  # models of tokens (--dataset text, --text-column); the others take images or vectors
 
 # Height and width below which a model's layers leave nothing (the others take any size).
 MIN_IMAGE_SIZE = {"cnn": SmallCNN.MIN_SIZE}
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
-                config: Optional[TrainConfig] = None) -> nn.Module:
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, config: TrainConfig | None = None
+) -> nn.Module:
     """The model `name` for samples of `input_shape` (CxHxW, (D,) when flattened, (T,) token windows) and
     `num_classes` (a text set's vocabulary size); `config` sizes --model gpt (None: the defaults)."""
     if name not in TEXT_MODELS:
@@ -53,8 +59,12 @@ def _check_image_input(name: str, input_shape: tuple[int, ...]) -> None:
     from multigpu.errors import UsageError
 
     if name != "mlp" and len(input_shape) != 3:
-        raise UsageError(f"--model {name} needs image samples (--mode image); with --mode flatten use --model mlp")
+        raise UsageError(
+            f"--model {name} needs image samples (--mode image); with --mode flatten use --model mlp"
+        )
     smallest = MIN_IMAGE_SIZE.get(name, 1)
     if min(input_shape[1:], default=smallest) < smallest:
-        raise UsageError(f"--model {name} needs images of at least {smallest}x{smallest} pixels, got "
-                         f"{'x'.join(map(str, input_shape[1:]))} (--image-shape {','.join(map(str, input_shape))})")
+        raise UsageError(
+            f"--model {name} needs images of at least {smallest}x{smallest} pixels, got "
+            f"{'x'.join(map(str, input_shape[1:]))} (--image-shape {','.join(map(str, input_shape))})"
+        )

@@ -21,11 +21,19 @@ class SmallCNN(nn.Module):
         super().__init__()
         channels = input_shape[0]
         self.features = nn.Sequential(
-            nn.Conv2d(channels, width, 3, padding=1), nn.GroupNorm(8, width), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.GroupNorm(8, 2 * width), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, width, 3, padding=1),
+            nn.GroupNorm(8, width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.GroupNorm(8, 2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.AdaptiveAvgPool2d(7),
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 49, 128), nn.ReLU(), nn.Linear(128, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * width * 49, 128), nn.ReLU(), nn.Linear(128, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))

@@ -8,8 +8,6 @@ train identically.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -59,8 +57,10 @@ class GPT(nn.Module):
         if n_embd % n_head:
             from multigpu.errors import UsageError
 
-            raise UsageError(f"--n-embd {n_embd} must be a multiple of --n-head {n_head}: each head takes an equal "
-                             f"share of the embedding")
+            raise UsageError(
+                f"--n-embd {n_embd} must be a multiple of --n-head {n_head}: each head takes an equal "
+                f"share of the embedding"
+            )
         self.block_size = block_size
         self.token_embedding = nn.Embedding(vocab_size, n_embd)
         self.position_embedding = nn.Embedding(block_size, n_embd)
@@ -70,8 +70,9 @@ class GPT(nn.Module):
         self.lm_head.weight = self.token_embedding.weight  # weight tying: one matrix reads and writes tokens
         self.apply(_init_weights)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.token_embedding(idx) + self.position_embedding(positions)
         for block in self.blocks:

@@ -33,9 +33,13 @@ def hf_model(num_classes: int, config: TrainConfig) -> nn.Module:
             return auto.from_config(settings, dtype=torch.float32)
         return auto.from_pretrained(config.model_path, config=settings, dtype=torch.float32)
     except ValueError as error:  # no such head for this kind of model
-        raise UsageError(f"--model hf: transformers has no {auto.__name__} for a {settings.model_type} model "
-                         f"({last_line(error)[:120]})") from None
+        raise UsageError(
+            f"--model hf: transformers has no {auto.__name__} for a {settings.model_type} model "
+            f"({last_line(error)[:120]})"
+        ) from None
     except OSError as error:  # a config without weights, or weights that do not read
-        raise UsageError(f"--model-path {config.model_path}: its weights do not load ({last_line(error)[:200]}); "
-                         f"give a folder that a model's save_pretrained wrote, or --model-config "
-                         f"{config.model_path} for an untrained model") from None
+        raise UsageError(
+            f"--model-path {config.model_path}: its weights do not load ({last_line(error)[:200]}); "
+            f"give a folder that a model's save_pretrained wrote, or --model-config "
+            f"{config.model_path} for an untrained model"
+        ) from None

@@ -38,8 +38,9 @@ _wait_before_fork()
 # a checkout, this line finds them beside multigpu/. So nothing named plain `data` or `models` is ever
 # imported, and a user's own data.py or models.py cannot shadow the framework's.
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "data")) \
-        and _os.path.isfile(_os.path.join(_checkout, "data", "__init__.py")):
+if not _os.path.isdir(
+    _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "data")
+) and _os.path.isfile(_os.path.join(_checkout, "data", "__init__.py")):
     __path__.append(_checkout)  # type: ignore[name-defined]  # noqa: F821
 
 # The modules of the flat package of version 0.2 moved into the subpackages: their old import paths still work.

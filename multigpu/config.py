@@ -15,19 +15,25 @@ import numbers
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, FrozenSet, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar
 
 from multigpu.errors import UsageError
 
 
-def _opt(default: Any, help: str, choices: Optional[Sequence[str]] = None, *, group: str,
-         words: Sequence[str] = ()) -> Any:
+def _opt(
+    default: Any, help: str, choices: Sequence[str] | None = None, *, group: str, words: Sequence[str] = ()
+) -> Any:
     """A field; `words` are what a numeric field also accepts instead of a number (--batch-size auto)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group, "words": tuple(words)})
+    return field(
+        default=default, metadata={"help": help, "choices": choices, "group": group, "words": tuple(words)}
+    )
 
 
-AUTO = "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/tuning/batch_size.py)
+AUTO = (
+    "auto"  # --batch-size auto: the largest batch that fits, found at start (multigpu/tuning/batch_size.py)
+)
 
 
 LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # --logger's names (multigpu/monitoring/trackers.py)
@@ -40,242 +46,481 @@ class TrainConfig:
     """Every setting of a run. Field names are the long CLI flags with '-' as '_'."""
 
     # --- devices -------------------------------------------------------
-    multi_gpu: str = _opt("auto", "ddp: one process per device under torchrun; fsdp: the same, with parameters, "
-                          "gradients and optimizer state sharded over the processes (FSDP2); dp: nn.DataParallel in "
-                          "one process; none: one device; auto: ddp under torchrun, else dp with several GPUs, else none",
-                          ["auto", "ddp", "fsdp", "dp", "none"], group="devices")
-    fsdp_blocks: Optional[str] = _opt(None, "fsdp: comma-separated class names of the blocks sharded as units of their "
-                                      "own, e.g. TransformerBlock,Bottleneck (default: the children of ModuleList/"
-                                      "Sequential containers that hold at least 1 percent of the parameters)",
-                                      group="devices")
-    fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free each block's gathered parameters after its forward and "
-                                            "gather them again for backward (ZeRO-3); --no-fsdp-reshard-after-forward "
-                                            "keeps them (ZeRO-2-like: more memory, fewer collectives)",
-                                            group="devices")
-    dp_replicate: Optional[int] = _opt(None, "fsdp: hybrid sharding (HSDP): the model is sharded within groups of "
-                                       "--dp-shard processes and replicated over this many such groups (a 2-D device "
-                                       "mesh, replicate x shard = the processes); default: the number of nodes, so "
-                                       "shards stay within a node; 1: shard over every process", group="devices")
-    dp_shard: Optional[int] = _opt(None, "fsdp: the processes each shard group spans (-1: the processes left after "
-                                   "--dp-replicate); default: the processes per node", group="devices")
-    fsdp_accumulate: str = _opt("whole", "fsdp with --grad-accum-steps: how the inner micro-steps keep their "
-                                "gradients. whole: no collective until the last micro-step, each rank sums the whole "
-                                "model's gradients meanwhile (fewest collectives); sharded: each micro-step "
-                                "reduce-scatters within its shard group, each rank keeps 1/S of them (less memory). "
-                                "Either way nothing crosses the replica groups before the last micro-step",
-                                ["whole", "sharded"], group="devices")
-    gpu_ids: Optional[str] = _opt(None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)",
-                                  group="devices")
-    dist_timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job fails",
-                               group="devices")
-    hang_timeout: Optional[float] = _opt(None, "seconds no rank may go without advancing before the watchdog writes "
-                                         "<save-dir>/hang_report.txt, saves the last completed step and stops the "
-                                         "run with exit status 3 (0: off; default: 300, or half of --dist-timeout "
-                                         "when that is shorter; must be below --dist-timeout)", group="devices")
-    cache_cpu_memory: bool = _opt(True, "training on the CPU: keep the memory a step frees for the next step "
-                                  "instead of handing it back to the kernel, which faults it in afresh (glibc "
-                                  "malloc's trim and mmap thresholds; the CPU's counterpart of CUDA's caching "
-                                  "allocator: the process holds its peak memory until training ends)",
-                                  group="devices")
-    debug_collectives: bool = _opt(False, "check before each of the trainer's collectives and each DDP gradient "
-                                   "all-reduce that all ranks call the same operation with the same shapes "
-                                   "(slower: a store round trip each)", group="devices")
+    multi_gpu: str = _opt(
+        "auto",
+        "ddp: one process per device under torchrun; fsdp: the same, with parameters, "
+        "gradients and optimizer state sharded over the processes (FSDP2); dp: nn.DataParallel in "
+        "one process; none: one device; auto: ddp under torchrun, else dp with several GPUs, else none",
+        ["auto", "ddp", "fsdp", "dp", "none"],
+        group="devices",
+    )
+    fsdp_blocks: str | None = _opt(
+        None,
+        "fsdp: comma-separated class names of the blocks sharded as units of their "
+        "own, e.g. TransformerBlock,Bottleneck (default: the children of ModuleList/"
+        "Sequential containers that hold at least 1 percent of the parameters)",
+        group="devices",
+    )
+    fsdp_reshard_after_forward: bool = _opt(
+        True,
+        "fsdp: free each block's gathered parameters after its forward and "
+        "gather them again for backward (ZeRO-3); --no-fsdp-reshard-after-forward "
+        "keeps them (ZeRO-2-like: more memory, fewer collectives)",
+        group="devices",
+    )
+    dp_replicate: int | None = _opt(
+        None,
+        "fsdp: hybrid sharding (HSDP): the model is sharded within groups of "
+        "--dp-shard processes and replicated over this many such groups (a 2-D device "
+        "mesh, replicate x shard = the processes); default: the number of nodes, so "
+        "shards stay within a node; 1: shard over every process",
+        group="devices",
+    )
+    dp_shard: int | None = _opt(
+        None,
+        "fsdp: the processes each shard group spans (-1: the processes left after "
+        "--dp-replicate); default: the processes per node",
+        group="devices",
+    )
+    fsdp_accumulate: str = _opt(
+        "whole",
+        "fsdp with --grad-accum-steps: how the inner micro-steps keep their "
+        "gradients. whole: no collective until the last micro-step, each rank sums the whole "
+        "model's gradients meanwhile (fewest collectives); sharded: each micro-step "
+        "reduce-scatters within its shard group, each rank keeps 1/S of them (less memory). "
+        "Either way nothing crosses the replica groups before the last micro-step",
+        ["whole", "sharded"],
+        group="devices",
+    )
+    gpu_ids: str | None = _opt(
+        None, "comma-separated GPU ids for dp, e.g. 0,1,3 (default: all visible GPUs)", group="devices"
+    )
+    dist_timeout: float = _opt(
+        1800.0, "seconds a collective may wait for the other ranks before the job fails", group="devices"
+    )
+    hang_timeout: float | None = _opt(
+        None,
+        "seconds no rank may go without advancing before the watchdog writes "
+        "<save-dir>/hang_report.txt, saves the last completed step and stops the "
+        "run with exit status 3 (0: off; default: 300, or half of --dist-timeout "
+        "when that is shorter; must be below --dist-timeout)",
+        group="devices",
+    )
+    cache_cpu_memory: bool = _opt(
+        True,
+        "training on the CPU: keep the memory a step frees for the next step "
+        "instead of handing it back to the kernel, which faults it in afresh (glibc "
+        "malloc's trim and mmap thresholds; the CPU's counterpart of CUDA's caching "
+        "allocator: the process holds its peak memory until training ends)",
+        group="devices",
+    )
+    debug_collectives: bool = _opt(
+        False,
+        "check before each of the trainer's collectives and each DDP gradient "
+        "all-reduce that all ranks call the same operation with the same shapes "
+        "(slower: a store round trip each)",
+        group="devices",
+    )
     # --- data ----------------------------------------------------------
-    dataset: str = _opt("synthetic", "data set", ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                                  "imagefolder", "fake", "text", "hf"], group="data")
-    data_dir: str = _opt("datasets", "where torchvision data sets live (imagefolder: a folder with train/ and val/)",
-                         group="data")
-    data_file: Optional[str] = _opt(None, "--dataset text: a UTF-8 plain text file; its characters are the tokens, "
-                                    "its last 10 percent the validation set", group="data")
-    data_files: Optional[str] = _opt(None, "--dataset hf: local .parquet, .jsonl/.json, .csv or .txt files of the "
-                                     "training set (globs, comma-separated), read with Hugging Face datasets "
-                                     "(pip install -e '.[hf]')", group="data")
-    val_files: Optional[str] = _opt(None, "--dataset hf: the validation set's files, as --data-files (none: no "
-                                    "validation)", group="data")
-    streaming: bool = _opt(False, "--dataset hf: read the files as a stream (split over ranks by "
-                                  "split_dataset_by_node, over workers by the files) instead of as one table",
-                           group="data")
-    input_column: Optional[str] = _opt(None, "--dataset hf: the column of each sample's input, numbers or an image "
-                                       "(default: the first of image, pixels, x, features, input)", group="data")
-    label_column: str = _opt("label", "--dataset hf: the column of each sample's class id (with --text-column: "
-                             "naming it makes --model hf a sequence classifier)", group="data")
-    text_column: Optional[str] = _opt(None, "--dataset hf: the column of each sample's text (e.g. text), tokenized for "
-                                      "--model hf", group="data")
-    tokenizer: Optional[str] = _opt(None, "--text-column: the tokenizer's folder (save_pretrained's; default: "
-                                    "--model-path's own)", group="data")
-    pad_to_batch: bool = _opt(False, "--text-column with a causal language model: pad each batch to its longest "
-                              "sample (attention mask 0 and labels -100 there) instead of packing the token stream "
-                              "into --block-size windows; a classifier's samples are always padded", group="data")
-    download: bool = _opt(False, "download torchvision data sets that are missing from --data-dir", group="data")
+    dataset: str = _opt(
+        "synthetic",
+        "data set",
+        ["synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "fake", "text", "hf"],
+        group="data",
+    )
+    data_dir: str = _opt(
+        "datasets",
+        "where torchvision data sets live (imagefolder: a folder with train/ and val/)",
+        group="data",
+    )
+    data_file: str | None = _opt(
+        None,
+        "--dataset text: a UTF-8 plain text file; its characters are the tokens, "
+        "its last 10 percent the validation set",
+        group="data",
+    )
+    data_files: str | None = _opt(
+        None,
+        "--dataset hf: local .parquet, .jsonl/.json, .csv or .txt files of the "
+        "training set (globs, comma-separated), read with Hugging Face datasets "
+        "(pip install -e '.[hf]')",
+        group="data",
+    )
+    val_files: str | None = _opt(
+        None, "--dataset hf: the validation set's files, as --data-files (none: no validation)", group="data"
+    )
+    streaming: bool = _opt(
+        False,
+        "--dataset hf: read the files as a stream (split over ranks by "
+        "split_dataset_by_node, over workers by the files) instead of as one table",
+        group="data",
+    )
+    input_column: str | None = _opt(
+        None,
+        "--dataset hf: the column of each sample's input, numbers or an image "
+        "(default: the first of image, pixels, x, features, input)",
+        group="data",
+    )
+    label_column: str = _opt(
+        "label",
+        "--dataset hf: the column of each sample's class id (with --text-column: "
+        "naming it makes --model hf a sequence classifier)",
+        group="data",
+    )
+    text_column: str | None = _opt(
+        None,
+        "--dataset hf: the column of each sample's text (e.g. text), tokenized for --model hf",
+        group="data",
+    )
+    tokenizer: str | None = _opt(
+        None,
+        "--text-column: the tokenizer's folder (save_pretrained's; default: --model-path's own)",
+        group="data",
+    )
+    pad_to_batch: bool = _opt(
+        False,
+        "--text-column with a causal language model: pad each batch to its longest "
+        "sample (attention mask 0 and labels -100 there) instead of packing the token stream "
+        "into --block-size windows; a classifier's samples are always padded",
+        group="data",
+    )
+    download: bool = _opt(
+        False, "download torchvision data sets that are missing from --data-dir", group="data"
+    )
     train_size: int = _opt(8192, "samples in the synthetic/fake training set", group="data")
     val_size: int = _opt(1000, "samples in the synthetic/fake validation set", group="data")
-    image_shape: str = _opt("1,28,28", "C,H,W of synthetic/fake images (and the resize target of imagefolder, and "
-                                       "the shape of --dataset hf's numeric inputs)", group="data")
-    num_classes: int = _opt(10, "classes of the synthetic/fake data sets (and of --dataset hf's label column when it "
-                                "has no class names; with --text-column, naming it makes --model hf a sequence "
-                                "classifier)", group="data")
-    num_workers: Optional[int] = _opt(None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)",
-                                      group="data")
-    data_on_device: str = _opt("auto", "keep the training set on the device and gather each batch there (no loader, "
-                               "no host copy per step; CIFAR's crop and flip run there on whole batches): on, off, or "
-                               "auto: where it is tensors (a TensorDataset, or a set whose samples never change: "
-                               "synthetic, fake, the MNIST family, CIFAR, text) that fit in a quarter of the device's "
-                               "memory, the first steps measure it against the loader and the faster way stays",
-                               ["auto", "on", "off"], group="data")
-    steps_per_epoch: int = _opt(0, "optimizer steps per epoch of a streaming training set (an IterableDataset), "
-                                "passes following one another; 0: an epoch is one pass (without __len__ its steps "
-                                "are unknown, and a schedule that needs them is refused)", group="data")
-    eval_batch_size: Optional[int] = _opt(None, "samples per device per evaluation batch (default: --batch-size)",
-                                          group="data")
+    image_shape: str = _opt(
+        "1,28,28",
+        "C,H,W of synthetic/fake images (and the resize target of imagefolder, and "
+        "the shape of --dataset hf's numeric inputs)",
+        group="data",
+    )
+    num_classes: int = _opt(
+        10,
+        "classes of the synthetic/fake data sets (and of --dataset hf's label column when it "
+        "has no class names; with --text-column, naming it makes --model hf a sequence "
+        "classifier)",
+        group="data",
+    )
+    num_workers: int | None = _opt(
+        None, "data-loader worker processes per rank (default: 0 on CPU, 4 on CUDA)", group="data"
+    )
+    data_on_device: str = _opt(
+        "auto",
+        "keep the training set on the device and gather each batch there (no loader, "
+        "no host copy per step; CIFAR's crop and flip run there on whole batches): on, off, or "
+        "auto: where it is tensors (a TensorDataset, or a set whose samples never change: "
+        "synthetic, fake, the MNIST family, CIFAR, text) that fit in a quarter of the device's "
+        "memory, the first steps measure it against the loader and the faster way stays",
+        ["auto", "on", "off"],
+        group="data",
+    )
+    steps_per_epoch: int = _opt(
+        0,
+        "optimizer steps per epoch of a streaming training set (an IterableDataset), "
+        "passes following one another; 0: an epoch is one pass (without __len__ its steps "
+        "are unknown, and a schedule that needs them is refused)",
+        group="data",
+    )
+    eval_batch_size: int | None = _opt(
+        None, "samples per device per evaluation batch (default: --batch-size)", group="data"
+    )
     # --- model ---------------------------------------------------------
-    mode: str = _opt("image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"],
-                     group="model")
-    model: Optional[str] = _opt(None, "model (default: cnn for --mode image, mlp for --mode flatten, gpt for "
-                                "--dataset text, hf for --dataset hf --text-column)",
-                                ["mlp", "cnn", "resnet18", "resnet50", "gpt", "hf"], group="model")
-    model_path: Optional[str] = _opt(None, "--model hf: a local transformers model folder (save_pretrained's) to "
-                                     "fine-tune: AutoModelForCausalLM, or AutoModelForSequenceClassification with "
-                                     "--num-classes or --label-column", group="model")
-    model_config: Optional[str] = _opt(None, "--model hf: a transformers config (a folder holding config.json, or a "
-                                       ".json file) to build an untrained model from, instead of --model-path",
-                                       group="model")
-    block_size: int = _opt(64, "--model gpt: context length, the characters in each window of --dataset text; "
-                           "--model hf: the tokens in each packed window, the most a padded sample keeps",
-                           group="model")
+    mode: str = _opt(
+        "image", "image: samples are CxHxW; flatten: samples are vectors", ["image", "flatten"], group="model"
+    )
+    model: str | None = _opt(
+        None,
+        "model (default: cnn for --mode image, mlp for --mode flatten, gpt for "
+        "--dataset text, hf for --dataset hf --text-column)",
+        ["mlp", "cnn", "resnet18", "resnet50", "gpt", "hf"],
+        group="model",
+    )
+    model_path: str | None = _opt(
+        None,
+        "--model hf: a local transformers model folder (save_pretrained's) to "
+        "fine-tune: AutoModelForCausalLM, or AutoModelForSequenceClassification with "
+        "--num-classes or --label-column",
+        group="model",
+    )
+    model_config: str | None = _opt(
+        None,
+        "--model hf: a transformers config (a folder holding config.json, or a "
+        ".json file) to build an untrained model from, instead of --model-path",
+        group="model",
+    )
+    block_size: int = _opt(
+        64,
+        "--model gpt: context length, the characters in each window of --dataset text; "
+        "--model hf: the tokens in each packed window, the most a padded sample keeps",
+        group="model",
+    )
     n_layer: int = _opt(2, "--model gpt: transformer blocks", group="model")
     n_head: int = _opt(2, "--model gpt: attention heads per block (a divisor of --n-embd)", group="model")
     n_embd: int = _opt(64, "--model gpt: embedding width", group="model")
-    sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model")
-    compile: bool = _opt(False, "torch.compile the model (before the DDP wrap; the first steps take longer while it "
-                         "compiles; checkpoints stay loadable without it)", group="model")
-    float8: Optional[str] = _opt(None, "train the Linear layers large enough to gain in float8 (torchao's "
-                                 "convert_to_float8_training; pip install '.[float8]'), with float8 all-gather under "
-                                 "fsdp: tensorwise or rowwise scaling; GPUs of compute capability 8.9 or above only",
-                                 ["tensorwise", "rowwise"], group="model")
-    channels_last: bool = _opt(False, "keep conv weights and image batches channels-last (NHWC): faster convolutions "
-                               "on tensor-core GPUs, above all with --amp", group="model")
-    init_from: Optional[str] = _opt(None, "start training from these weights (a .safetensors file or its index, a "
-                                    "Hugging Face folder, a .pt weights file or a checkpoint): fine-tuning, not a "
-                                    "resume (optimizer, schedule and progress start afresh; a run that resumes keeps "
-                                    "its checkpoint's weights)", group="model")
-    init_strict: bool = _opt(True, "--init-from: every key of the model and of the file must match in name and shape; "
-                             "--no-init-strict loads what matches and says what did not", group="model")
-    autotune: bool = _opt(False, "measure, in the first optimizer steps (which train as usual), the settings that "
-                          "change speed but not the numbers: channels-last for convolution nets, intra-op threads on the "
-                          "CPU, torch.compile on runs long enough to repay it; keep the fastest, say so in one line "
-                          "and save the choice in the checkpoint (a resume reuses it)", group="model")
+    sync_bn: bool = _opt(
+        False, "convert BatchNorm to SyncBatchNorm before the DDP wrap (CUDA only)", group="model"
+    )
+    compile: bool = _opt(
+        False,
+        "torch.compile the model (before the DDP wrap; the first steps take longer while it "
+        "compiles; checkpoints stay loadable without it)",
+        group="model",
+    )
+    float8: str | None = _opt(
+        None,
+        "train the Linear layers large enough to gain in float8 (torchao's "
+        "convert_to_float8_training; pip install '.[float8]'), with float8 all-gather under "
+        "fsdp: tensorwise or rowwise scaling; GPUs of compute capability 8.9 or above only",
+        ["tensorwise", "rowwise"],
+        group="model",
+    )
+    channels_last: bool = _opt(
+        False,
+        "keep conv weights and image batches channels-last (NHWC): faster convolutions "
+        "on tensor-core GPUs, above all with --amp",
+        group="model",
+    )
+    init_from: str | None = _opt(
+        None,
+        "start training from these weights (a .safetensors file or its index, a "
+        "Hugging Face folder, a .pt weights file or a checkpoint): fine-tuning, not a "
+        "resume (optimizer, schedule and progress start afresh; a run that resumes keeps "
+        "its checkpoint's weights)",
+        group="model",
+    )
+    init_strict: bool = _opt(
+        True,
+        "--init-from: every key of the model and of the file must match in name and shape; "
+        "--no-init-strict loads what matches and says what did not",
+        group="model",
+    )
+    autotune: bool = _opt(
+        False,
+        "measure, in the first optimizer steps (which train as usual), the settings that "
+        "change speed but not the numbers: channels-last for convolution nets, intra-op threads on the "
+        "CPU, torch.compile on runs long enough to repay it; keep the fastest, say so in one line "
+        "and save the choice in the checkpoint (a resume reuses it)",
+        group="model",
+    )
     # --- optimisation ----------------------------------------------------
     epochs: int = _opt(3, "training epochs", group="optimisation")
-    max_steps: int = _opt(0, "end training after this many optimizer steps in all (counting those before a resume), "
-                             "evaluating and saving as at an epoch's end; the LR schedule and warm-up then span "
-                             "them. 0: --epochs alone decides; with both, whichever comes first ends the run. Alone "
-                             "it bounds an endless stream", group="optimisation")
-    batch_size: Union[int, str] = _opt(64, "samples per GPU/process per micro-batch (effective batch = batch_size x "
-                                       "devices x grad_accum_steps); auto: the largest that fits in GPU memory with a "
-                                       "10 percent margin (CUDA only)", group="optimisation", words=(AUTO,))
+    max_steps: int = _opt(
+        0,
+        "end training after this many optimizer steps in all (counting those before a resume), "
+        "evaluating and saving as at an epoch's end; the LR schedule and warm-up then span "
+        "them. 0: --epochs alone decides; with both, whichever comes first ends the run. Alone "
+        "it bounds an endless stream",
+        group="optimisation",
+    )
+    batch_size: int | str = _opt(
+        64,
+        "samples per GPU/process per micro-batch (effective batch = batch_size x "
+        "devices x grad_accum_steps); auto: the largest that fits in GPU memory with a "
+        "10 percent margin (CUDA only)",
+        group="optimisation",
+        words=(AUTO,),
+    )
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step", group="optimisation")
     optimizer: str = _opt("adamw", "optimizer", ["sgd", "adamw"], group="optimisation")
-    lr: float = _opt(1e-3, "learning rate, used as given unless --lr-scaling says otherwise", group="optimisation")
-    lr_scaling: str = _opt("none", "scale --lr from --lr-base-batch to the effective batch",
-                           ["none", "linear", "sqrt"], group="optimisation")
+    lr: float = _opt(
+        1e-3, "learning rate, used as given unless --lr-scaling says otherwise", group="optimisation"
+    )
+    lr_scaling: str = _opt(
+        "none",
+        "scale --lr from --lr-base-batch to the effective batch",
+        ["none", "linear", "sqrt"],
+        group="optimisation",
+    )
     lr_base_batch: int = _opt(32, "the batch size --lr was tuned for", group="optimisation")
-    lr_schedule: str = _opt("cosine", "schedule after warm-up, stepped per optimizer step",
-                            ["cosine", "step", "constant"], group="optimisation")
-    warmup_epochs: float = _opt(0.0, "linear LR warm-up length in epochs (may be fractional)", group="optimisation")
+    lr_schedule: str = _opt(
+        "cosine",
+        "schedule after warm-up, stepped per optimizer step",
+        ["cosine", "step", "constant"],
+        group="optimisation",
+    )
+    warmup_epochs: float = _opt(
+        0.0, "linear LR warm-up length in epochs (may be fractional)", group="optimisation"
+    )
     lr_step_epochs: float = _opt(30.0, "--lr-schedule step: epochs between LR decays", group="optimisation")
     lr_gamma: float = _opt(0.1, "--lr-schedule step: factor applied at each decay", group="optimisation")
     weight_decay: float = _opt(0.01, "weight decay", group="optimisation")
     momentum: float = _opt(0.9, "SGD momentum", group="optimisation")
-    loss_weighting: str = _opt("auto", "how a step's loss averages: samples (each sample's loss weighs alike, "
-                               "right for images), tokens (the mean over every counted target token of the step, "
-                               "all micro-batches and ranks: -100 targets ignored, as language models need), or "
-                               "auto: tokens for token-id targets (integer targets with a sequence dimension, or "
-                               "holding -100), samples otherwise; evaluation averages the same way",
-                               ["auto", "samples", "tokens"], group="optimisation")
-    clip_grad_norm: float = _opt(0.0, "clip the global gradient norm to this value after unscaling (0: off)",
-                                 group="optimisation")
-    amp: str = _opt("off", "mixed precision: fp16 (with GradScaler) or bf16 autocast; auto: bf16 on GPUs that have "
-                    "it, else fp16 on GPUs, fp32 on the CPU", ["off", "fp16", "bf16", "auto"],
-                    group="optimisation")
+    loss_weighting: str = _opt(
+        "auto",
+        "how a step's loss averages: samples (each sample's loss weighs alike, "
+        "right for images), tokens (the mean over every counted target token of the step, "
+        "all micro-batches and ranks: -100 targets ignored, as language models need), or "
+        "auto: tokens for token-id targets (integer targets with a sequence dimension, or "
+        "holding -100), samples otherwise; evaluation averages the same way",
+        ["auto", "samples", "tokens"],
+        group="optimisation",
+    )
+    clip_grad_norm: float = _opt(
+        0.0, "clip the global gradient norm to this value after unscaling (0: off)", group="optimisation"
+    )
+    amp: str = _opt(
+        "off",
+        "mixed precision: fp16 (with GradScaler) or bf16 autocast; auto: bf16 on GPUs that have "
+        "it, else fp16 on GPUs, fp32 on the CPU",
+        ["off", "fp16", "bf16", "auto"],
+        group="optimisation",
+    )
     seed: int = _opt(0, "seed of model init, data order and augmentation", group="optimisation")
-    ema_decay: float = _opt(0.0, "keep an exponential moving average of the weights, updated after each optimizer "
-                            "step with this decay, e.g. 0.999; evaluation, best.pt and predict use it (0: off)",
-                            group="optimisation")
+    ema_decay: float = _opt(
+        0.0,
+        "keep an exponential moving average of the weights, updated after each optimizer "
+        "step with this decay, e.g. 0.999; evaluation, best.pt and predict use it (0: off)",
+        group="optimisation",
+    )
     # --- output --------------------------------------------------------
-    save_dir: Optional[str] = _opt(None, "where last.pt, best.pt, step checkpoints and TensorBoard logs are written "
-                                   "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
-                                   group="output")
-    overwrite: bool = _opt(False, "start afresh in a --save-dir that holds another run's checkpoints (they are kept "
-                           "aside until this run's first checkpoint is written, and put back if it ends before)",
-                           group="output")
-    allow_low_disk: bool = _opt(False, "start even when the save-dir's free space is below what this run's checkpoints "
-                                "need (estimated at start); a save that does not fit then stops the run",
-                                group="output")
-    log_dir: Optional[str] = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
-    log_every: int = _opt(50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output")
-    progress: bool = _opt(True, "show the rank-0 progress bar (on a terminal; a redirected log gets a line per "
-                                 "--log-every steps)", group="output")
-    resume: Optional[str] = _opt(None, "checkpoint to continue from (a file, or a folder: its newest good one), or "
-                                 "'auto' for the newest good one in --save-dir", group="output")
-    save_every_steps: int = _opt(0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)",
-                                 group="output")
+    save_dir: str | None = _opt(
+        None,
+        "where last.pt, best.pt, step checkpoints and TensorBoard logs are written "
+        "(default: a new checkpoints/run-N per run; with --resume auto the newest one)",
+        group="output",
+    )
+    overwrite: bool = _opt(
+        False,
+        "start afresh in a --save-dir that holds another run's checkpoints (they are kept "
+        "aside until this run's first checkpoint is written, and put back if it ends before)",
+        group="output",
+    )
+    allow_low_disk: bool = _opt(
+        False,
+        "start even when the save-dir's free space is below what this run's checkpoints "
+        "need (estimated at start); a save that does not fit then stops the run",
+        group="output",
+    )
+    log_dir: str | None = _opt(None, "TensorBoard directory (default: <save-dir>/tb)", group="output")
+    log_every: int = _opt(
+        50, "optimizer steps between loss/throughput logs (the only host syncs)", group="output"
+    )
+    progress: bool = _opt(
+        True,
+        "show the rank-0 progress bar (on a terminal; a redirected log gets a line per --log-every steps)",
+        group="output",
+    )
+    resume: str | None = _opt(
+        None,
+        "checkpoint to continue from (a file, or a folder: its newest good one), or "
+        "'auto' for the newest good one in --save-dir",
+        group="output",
+    )
+    save_every_steps: int = _opt(
+        0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)", group="output"
+    )
     keep_last: int = _opt(3, "step checkpoints to keep", group="output")
-    checkpoint_format: str = _opt("auto", "file: rank 0 writes one file (last.pt); safetensors: the same as "
-                                  "last.safetensors, without pickle (the trainer state as JSON in its header); "
-                                  "sharded: a folder (last/) where every process writes its own shards in parallel, "
-                                  "which resumes at any number of processes; auto: sharded under --multi-gpu fsdp, "
-                                  "else file", ["auto", "file", "safetensors", "sharded"], group="output")
-    export_on_end: Optional[str] = _opt(None, "when training ends, write best's weights (last's without validation) "
-                                        "beside the checkpoints: safetensors (best-weights.safetensors) or hf (a "
-                                        "transformers model's own folder, best-hf/)", ["safetensors", "hf"],
-                                        group="output")
-    logger: str = _opt("tensorboard", "where the scalars go, a comma list of tensorboard, csv (metrics.csv in the "
-                       "save-dir), mlflow (pip install '.[mlflow]'; the database <save-dir>/mlflow.db unless "
-                       "MLFLOW_TRACKING_URI), wandb (pip install '.[wandb]'; WANDB_MODE=offline and the other "
-                       "WANDB_ variables apply): the same scalars at the same steps, from rank 0", group="output")
-    async_checkpoint: bool = _opt(False, "write sharded checkpoints in the background while training goes on (a CPU "
-                                  "copy is taken first; the next save waits for the previous one)", group="output")
-    monitor: Optional[str] = _opt(None, "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
-                                  "(default: val_acc when accuracy is computed, else val_loss; val_loss for a loss "
-                                  "over tokens)", group="output")
-    monitor_mode: str = _opt("auto", "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
-                             "losses and errors (loss, mse, mae), higher otherwise", ["auto", "min", "max"],
-                             group="output")
-    early_stop_patience: int = _opt(0, "stop after this many evaluated epochs in a row without a better --monitor "
-                                    "value (0: off); best.pt keeps the best epoch", group="output")
-    early_stop_min_delta: float = _opt(0.0, "--early-stop-patience: the least change of --monitor that counts as "
-                                       "better", group="output")
+    checkpoint_format: str = _opt(
+        "auto",
+        "file: rank 0 writes one file (last.pt); safetensors: the same as "
+        "last.safetensors, without pickle (the trainer state as JSON in its header); "
+        "sharded: a folder (last/) where every process writes its own shards in parallel, "
+        "which resumes at any number of processes; auto: sharded under --multi-gpu fsdp, "
+        "else file",
+        ["auto", "file", "safetensors", "sharded"],
+        group="output",
+    )
+    export_on_end: str | None = _opt(
+        None,
+        "when training ends, write best's weights (last's without validation) "
+        "beside the checkpoints: safetensors (best-weights.safetensors) or hf (a "
+        "transformers model's own folder, best-hf/)",
+        ["safetensors", "hf"],
+        group="output",
+    )
+    logger: str = _opt(
+        "tensorboard",
+        "where the scalars go, a comma list of tensorboard, csv (metrics.csv in the "
+        "save-dir), mlflow (pip install '.[mlflow]'; the database <save-dir>/mlflow.db unless "
+        "MLFLOW_TRACKING_URI), wandb (pip install '.[wandb]'; WANDB_MODE=offline and the other "
+        "WANDB_ variables apply): the same scalars at the same steps, from rank 0",
+        group="output",
+    )
+    async_checkpoint: bool = _opt(
+        False,
+        "write sharded checkpoints in the background while training goes on (a CPU "
+        "copy is taken first; the next save waits for the previous one)",
+        group="output",
+    )
+    monitor: str | None = _opt(
+        None,
+        "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
+        "(default: val_acc when accuracy is computed, else val_loss; val_loss for a loss "
+        "over tokens)",
+        group="output",
+    )
+    monitor_mode: str = _opt(
+        "auto",
+        "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
+        "losses and errors (loss, mse, mae), higher otherwise",
+        ["auto", "min", "max"],
+        group="output",
+    )
+    early_stop_patience: int = _opt(
+        0,
+        "stop after this many evaluated epochs in a row without a better --monitor "
+        "value (0: off); best.pt keeps the best epoch",
+        group="output",
+    )
+    early_stop_min_delta: float = _opt(
+        0.0, "--early-stop-patience: the least change of --monitor that counts as better", group="output"
+    )
 
     # Not a field (no flag, not saved): the fields the command line named, whatever their values, as parse_config
     # found them. None (a config built in Python, or a copy from dataclasses.replace): a field then counts as given
     # when it differs from its default (multigpu/config_checks.py, which warns about flags that do nothing).
-    given: ClassVar[Optional[FrozenSet[str]]] = None
+    given: ClassVar[frozenset[str] | None] = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f, getattr(self, f.name)))
         if self.dp_shard is not None and self.dp_shard < 1 and self.dp_shard != -1:
-            raise UsageError(f"--dp-shard must be at least 1, or -1 for the processes left after --dp-replicate; "
-                             f"got {self.dp_shard}")
+            raise UsageError(
+                f"--dp-shard must be at least 1, or -1 for the processes left after --dp-replicate; "
+                f"got {self.dp_shard}"
+            )
         for name, allowed in RANGES.items():
             if getattr(self, name) not in FIELDS[name].metadata["words"]:
                 allowed.check(name, getattr(self, name))
         if self.resume == "auto" and self.overwrite:
-            raise UsageError("--resume auto continues the run in --save-dir and --overwrite starts afresh over it: "
-                             "give one of them")
+            raise UsageError(
+                "--resume auto continues the run in --save-dir and --overwrite starts afresh over it: "
+                "give one of them"
+            )
         if self.monitor is not None and not self.monitor.startswith("val_"):
-            raise UsageError(f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}")
+            raise UsageError(
+                f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}"
+            )
         if self.ema_decay == 1:
-            raise UsageError("--ema-decay 1 would keep the starting weights forever: give a value below 1, e.g. "
-                             "0.999 (or 0 for no average)")
+            raise UsageError(
+                "--ema-decay 1 would keep the starting weights forever: give a value below 1, e.g. "
+                "0.999 (or 0 for no average)"
+            )
         if self.hang_timeout and self.hang_timeout >= self.dist_timeout:
-            raise UsageError(f"--hang-timeout {_number(self.hang_timeout)} must be below --dist-timeout "
-                             f"{_number(self.dist_timeout)} (the watchdog must act before the collectives fail): "
-                             f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off")
+            raise UsageError(
+                f"--hang-timeout {_number(self.hang_timeout)} must be below --dist-timeout "
+                f"{_number(self.dist_timeout)} (the watchdog must act before the collectives fail): "
+                f"lower it, raise --dist-timeout, or pass --hang-timeout 0 to turn the watchdog off"
+            )
         self.image_dims()  # validates --image-shape
-        for name in ["multi_gpu", "dataset", "mode", "model", "optimizer", "lr_scaling", "lr_schedule", "amp",
-                     "monitor_mode", "checkpoint_format", "fsdp_accumulate", "export_on_end", "data_on_device",
-                     "float8", "loss_weighting"]:
+        for name in [
+            "multi_gpu",
+            "dataset",
+            "mode",
+            "model",
+            "optimizer",
+            "lr_scaling",
+            "lr_schedule",
+            "amp",
+            "monitor_mode",
+            "checkpoint_format",
+            "fsdp_accumulate",
+            "export_on_end",
+            "data_on_device",
+            "float8",
+            "loss_weighting",
+        ]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
@@ -283,65 +528,91 @@ class TrainConfig:
         self._check_text_pairing()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
-            raise UsageError(f"--logger takes a comma list of {', '.join(LOGGERS)}; got {unknown[0]!r} in "
-                             f"{self.logger!r}")
+            raise UsageError(
+                f"--logger takes a comma list of {', '.join(LOGGERS)}; got {unknown[0]!r} in {self.logger!r}"
+            )
 
     def _check_text_pairing(self) -> None:
         """UsageError where --dataset text, --data-file and --model gpt are not given together: character windows
         only gpt reads, and gpt reads nothing else."""
         if self.data_file is not None and self.dataset != "text":
-            raise UsageError(f"--data-file is the text of --dataset text, and this run's data set is {self.dataset}; "
-                             f"add --dataset text (or drop --data-file)")
-        hf_only = [name for name in ("data_files", "val_files", "streaming", "input_column", "text_column")
-                   if getattr(self, name)]
+            raise UsageError(
+                f"--data-file is the text of --dataset text, and this run's data set is {self.dataset}; "
+                f"add --dataset text (or drop --data-file)"
+            )
+        hf_only = [
+            name
+            for name in ("data_files", "val_files", "streaming", "input_column", "text_column")
+            if getattr(self, name)
+        ]
         if self.dataset != "hf" and hf_only:
-            raise UsageError(f"--{flag(hf_only[0])} is for --dataset hf, and this run's data set is {self.dataset}; "
-                             f"add --dataset hf (or drop --{flag(hf_only[0])})")
+            raise UsageError(
+                f"--{flag(hf_only[0])} is for --dataset hf, and this run's data set is {self.dataset}; "
+                f"add --dataset hf (or drop --{flag(hf_only[0])})"
+            )
         if self.dataset == "hf" and not self.data_files:
-            raise UsageError("--dataset hf needs --data-files GLOB: the local files of the training set (.parquet, "
-                             ".jsonl/.json, .csv or .txt)")
+            raise UsageError(
+                "--dataset hf needs --data-files GLOB: the local files of the training set (.parquet, "
+                ".jsonl/.json, .csv or .txt)"
+            )
         if self.dataset == "text" and not self.data_file:
             raise UsageError("--dataset text needs --data-file FILE, a UTF-8 plain text file")
         if (self.dataset == "text") != (self.model_name == "gpt"):
-            raise UsageError(f"--model {self.model_name} and --dataset {self.dataset} do not fit: --model gpt reads "
-                             f"windows of characters, --dataset text --data-file FILE gives them and no other model "
-                             f"reads them")
+            raise UsageError(
+                f"--model {self.model_name} and --dataset {self.dataset} do not fit: --model gpt reads "
+                f"windows of characters, --dataset text --data-file FILE gives them and no other model "
+                f"reads them"
+            )
         self._check_hf_model()
 
         if self.async_checkpoint and not self.sharded_checkpoints():
-            raise UsageError("--async-checkpoint writes sharded checkpoints in the background, and this run writes "
-                             "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint")
+            raise UsageError(
+                "--async-checkpoint writes sharded checkpoints in the background, and this run writes "
+                "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint"
+            )
 
     def _check_hf_model(self) -> None:
         """UsageError where --model hf and what it reads are not given together: a transformers model, from
         --model-path or --model-config (one of them), reads the tokens of --dataset hf --text-column, which its
         tokenizer makes, and no other model reads them."""
-        hf_model_only = [name for name in ("model_path", "model_config", "tokenizer", "pad_to_batch")
-                         if getattr(self, name)]
+        hf_model_only = [
+            name
+            for name in ("model_path", "model_config", "tokenizer", "pad_to_batch")
+            if getattr(self, name)
+        ]
         if self.model_name != "hf":
             if hf_model_only:
-                raise UsageError(f"--{flag(hf_model_only[0])} is for --model hf, and this run's model is "
-                                 f"{self.model_name}; add --model hf (or drop --{flag(hf_model_only[0])})")
+                raise UsageError(
+                    f"--{flag(hf_model_only[0])} is for --model hf, and this run's model is "
+                    f"{self.model_name}; add --model hf (or drop --{flag(hf_model_only[0])})"
+                )
             if self.text_column is not None:
-                raise UsageError(f"--text-column gives tokens, which only --model hf reads, and this run's model is "
-                                 f"{self.model_name}: use --model hf --model-path FOLDER (or drop --text-column)")
+                raise UsageError(
+                    f"--text-column gives tokens, which only --model hf reads, and this run's model is "
+                    f"{self.model_name}: use --model hf --model-path FOLDER (or drop --text-column)"
+                )
             return
         if self.dataset != "hf":
-            raise UsageError(f"--model hf reads text files through --dataset hf --text-column COLUMN, and this run's "
-                             f"data set is {self.dataset}; add --dataset hf --data-files GLOB --text-column text")
+            raise UsageError(
+                f"--model hf reads text files through --dataset hf --text-column COLUMN, and this run's "
+                f"data set is {self.dataset}; add --dataset hf --data-files GLOB --text-column text"
+            )
         if self.text_column is None:
             raise UsageError("--model hf needs --text-column COLUMN: the files' column of text it trains on")
         if (self.model_path is None) == (self.model_config is None):
             given = "both" if self.model_path else "neither"
-            raise UsageError(f"--model hf needs one of --model-path FOLDER (a model to fine-tune) and --model-config "
-                             f"FOLDER_OR_JSON (an untrained model built from a config); {given} given")
+            raise UsageError(
+                f"--model hf needs one of --model-path FOLDER (a model to fine-tune) and --model-config "
+                f"FOLDER_OR_JSON (an untrained model built from a config); {given} given"
+            )
         if self.tokenizer_path is None:
-            raise UsageError("--model-config builds an untrained model, which has no tokenizer: add --tokenizer "
-                             "FOLDER")
+            raise UsageError(
+                "--model-config builds an untrained model, which has no tokenizer: add --tokenizer FOLDER"
+            )
 
     # --- derived values: computed, never stored, so they cannot go stale ---
     @property
-    def fields_given(self) -> FrozenSet[str]:
+    def fields_given(self) -> frozenset[str]:
         """The fields the user set: the flags the command line named, else (Python) those not at their default.
         Read it before copying the config: a copy from dataclasses.replace forgets `given`."""
         if self.given is not None:
@@ -374,24 +645,34 @@ class TrainConfig:
             return (nodes, world_size // nodes) if nodes > 1 and world_size % nodes == 0 else (1, world_size)
         needs = (replicate or 1) * (shard or 1)
         if world_size == 1 and needs > 1:
-            flags = " ".join(f"--{flag(name)} {getattr(self, name)}" for name in ("dp_replicate", "dp_shard")
-                             if getattr(self, name) is not None)
-            raise UsageError(f"{flags} needs {'' if replicate and shard else 'at least '}{needs} processes, and this "
-                             f"run is one process: start it with torchrun --nproc_per_node={needs}")
+            flags = " ".join(
+                f"--{flag(name)} {getattr(self, name)}"
+                for name in ("dp_replicate", "dp_shard")
+                if getattr(self, name) is not None
+            )
+            raise UsageError(
+                f"{flags} needs {'' if replicate and shard else 'at least '}{needs} processes, and this "
+                f"run is one process: start it with torchrun --nproc_per_node={needs}"
+            )
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
         if replicate is None or shard is None:
             given, name = (replicate, "replicate") if shard is None else (shard, "shard")
             if world_size % given:  # type: ignore[operator]
                 divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-                raise UsageError(f"--dp-{name} {given} does not divide this run's {processes} into equal groups: give "
-                                 f"one of {divisors}")
+                raise UsageError(
+                    f"--dp-{name} {given} does not divide this run's {processes} into equal groups: give "
+                    f"one of {divisors}"
+                )
             other = world_size // given  # type: ignore[operator]
             replicate, shard = (given, other) if shard is None else (other, given)
         if replicate * shard != world_size:
-            raise UsageError(f"--dp-replicate {replicate} x --dp-shard {shard} = {replicate * shard} processes, but "
-                             f"this run has {processes}: make replicate x shard = {world_size}, or give --dp-shard "
-                             f"-1 for the processes left")
+            raise UsageError(
+                f"--dp-replicate {replicate} x --dp-shard {shard} = {replicate * shard} processes, but "
+                f"this run has {processes}: make replicate x shard = {world_size}, or give --dp-shard "
+                f"-1 for the processes left"
+            )
         return replicate, shard
+
     @property
     def loggers(self) -> list[str]:
         """--logger's names, in order, once each."""
@@ -399,7 +680,9 @@ class TrainConfig:
 
     def sharded_checkpoints(self) -> bool:
         """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
-        return self.checkpoint_format == "sharded" or (self.checkpoint_format == "auto" and self.multi_gpu == "fsdp")
+        return self.checkpoint_format == "sharded" or (
+            self.checkpoint_format == "auto" and self.multi_gpu == "fsdp"
+        )
 
     def image_dims(self) -> tuple[int, int, int]:
         """--image-shape as (C, H, W)."""
@@ -408,7 +691,9 @@ class TrainConfig:
         except ValueError:
             dims = ()
         if len(dims) != 3 or min(dims) < 1:
-            raise UsageError(f"--image-shape must be C,H,W with positive integers, e.g. 3,32,32; got {self.image_shape!r}")
+            raise UsageError(
+                f"--image-shape must be C,H,W with positive integers, e.g. 3,32,32; got {self.image_shape!r}"
+            )
         return dims  # type: ignore[return-value]
 
     @property
@@ -421,7 +706,7 @@ class TrainConfig:
         return "gpt" if self.dataset == "text" else "mlp" if self.mode == "flatten" else "cnn"
 
     @property
-    def tokenizer_path(self) -> Optional[str]:
+    def tokenizer_path(self) -> str | None:
         """The folder of --model hf's tokenizer: --tokenizer, else --model-path's own (None: neither given)."""
         return self.tokenizer or self.model_path
 
@@ -447,7 +732,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Inverse of to_dict; unknown keys (from a newer version) are ignored."""
         return cls(**{name: value for name, value in values.items() if name in FIELDS})
 
@@ -460,17 +745,19 @@ class Range:
     """The values a numeric field allows; NaN and infinities are never allowed."""
 
     low: float
-    high: Optional[float] = None
+    high: float | None = None
     low_allowed: bool = True  # False: strictly above `low`
 
-    def check(self, name: str, value: Optional[float]) -> None:
+    def check(self, name: str, value: float | None) -> None:
         if value is None:
             return
         rule = self.describe()
         if not math.isfinite(value):
             raise UsageError(f"--{flag(name)} must be a finite number ({rule}), got {value}")
-        if not ((value >= self.low if self.low_allowed else value > self.low)
-                and (self.high is None or value <= self.high)):
+        if not (
+            (value >= self.low if self.low_allowed else value > self.low)
+            and (self.high is None or value <= self.high)
+        ):
             must = "must not be" if rule.startswith("not ") else "must be"
             raise UsageError(f"--{flag(name)} {must} {rule.removeprefix('not ')}, got {value}")
 
@@ -493,14 +780,44 @@ def _number(value: float) -> str:
 
 # Every numeric field and what it allows, so no flag can take a value that makes the run mean nothing.
 RANGES = {
-    **{name: Range(1) for name in ("epochs", "batch_size", "grad_accum_steps", "lr_base_batch", "log_every",
-                                   "train_size", "val_size", "num_classes", "keep_last", "eval_batch_size",
-                                   "block_size", "n_layer", "n_head", "n_embd")},
-    **{name: Range(0) for name in ("num_workers", "save_every_steps", "warmup_epochs", "weight_decay",
-                                   "steps_per_epoch", "max_steps", "clip_grad_norm", "early_stop_patience", "early_stop_min_delta",
-                                   "hang_timeout")},
+    **{
+        name: Range(1)
+        for name in (
+            "epochs",
+            "batch_size",
+            "grad_accum_steps",
+            "lr_base_batch",
+            "log_every",
+            "train_size",
+            "val_size",
+            "num_classes",
+            "keep_last",
+            "eval_batch_size",
+            "block_size",
+            "n_layer",
+            "n_head",
+            "n_embd",
+        )
+    },
+    **{
+        name: Range(0)
+        for name in (
+            "num_workers",
+            "save_every_steps",
+            "warmup_epochs",
+            "weight_decay",
+            "steps_per_epoch",
+            "max_steps",
+            "clip_grad_norm",
+            "early_stop_patience",
+            "early_stop_min_delta",
+            "hang_timeout",
+        )
+    },
     **{name: Range(0, low_allowed=False) for name in ("lr_gamma", "lr_step_epochs")},
-    "lr": Range(0),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
+    "lr": Range(
+        0
+    ),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
     "dp_replicate": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
@@ -515,33 +832,56 @@ RANGES = {
 _KINDS = {"int": numbers.Integral, "float": numbers.Real, "bool": bool, "str": str}
 
 
+def _annotation_parts(f: dataclasses.Field) -> list[str]:
+    """The names a field's annotation joins: `int | None` and `Optional[int]` both give ['int', 'None']."""
+    text = str(f.type)
+    if text.startswith("Optional["):
+        return [text.removeprefix("Optional[").removesuffix("]"), "None"]
+    if text.startswith("Union["):
+        return [part.strip() for part in text.removeprefix("Union[").removesuffix("]").split(",")]
+    return [part.strip() for part in text.split("|")]
+
+
 def field_kind(f: dataclasses.Field) -> str:
-    """A field's kind: int, float, bool or str (`Optional[...]` and the words of `Union[int, str]` aside)."""
-    return str(f.type).removeprefix("Optional[").removesuffix("]").removeprefix("Union[").split(",")[0]
+    """A field's kind: int, float, bool or str (None and the words of `int | str` aside)."""
+    return _annotation_parts(f)[0]
+
+
+def field_is_optional(f: dataclasses.Field) -> bool:
+    """Whether the field also takes None."""
+    return "None" in _annotation_parts(f)
 
 
 def _checked_type(f: dataclasses.Field, value: Any) -> Any:
     """`value` as the field's type (an int is accepted for a float, a word where the field has words),
     or UsageError naming the field."""
-    optional, kind, words = str(f.type).startswith("Optional["), field_kind(f), f.metadata["words"]
+    optional = field_is_optional(f)
+    kind = field_kind(f)
+    words = f.metadata["words"]
     if (value is None and optional) or (isinstance(value, str) and value in words):
         return value
     if isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool)):
         return {"int": int, "float": float}.get(kind, lambda same: same)(value)  # plain types for checkpoints
     alternatives = "".join(f" or {word!r}" for word in words) + (" or None" if optional else "")
-    raise UsageError(f"TrainConfig {f.name} (--{flag(f.name)}) must be {'an' if kind == 'int' else 'a'} {kind}"
-                     f"{alternatives}, got {value!r} ({type(value).__name__})")
+    raise UsageError(
+        f"TrainConfig {f.name} (--{flag(f.name)}) must be {'an' if kind == 'int' else 'a'} {kind}"
+        f"{alternatives}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def _number_or_word(kind: Callable[[str], Any], words: Sequence[str]) -> Callable[[str], Any]:
     """The command-line parser of a numeric field that also takes words: --batch-size 64 or --batch-size auto."""
+
     def parse(text: str) -> Any:
         if text in words:
             return text
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number or {' or '.join(words)}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number or {' or '.join(words)}, got {text!r}"
+            ) from None
+
     return parse
 
 
@@ -576,8 +916,13 @@ class _BooleanAction(argparse.BooleanOptionalAction):
         super().__init__(*args, **kwargs)
         self.nargs, self.metavar = "?", "true|false"
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: Optional[str] = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if values is None:
             super().__call__(parser, namespace, None, option_string)
             return
@@ -592,7 +937,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.option_strings == ["-h", "--help"]:
+        if (
+            "default" in text
+            or action.default in (None, argparse.SUPPRESS)
+            or action.option_strings == ["-h", "--help"]
+        ):
             return text
         return super()._get_help_string(action) or text
 
@@ -608,8 +957,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
             continue
         kind = {"int": int, "float": float}.get(field_kind(f), str)
         words = f.metadata["words"]
-        group.add_argument(option, type=_number_or_word(kind, words) if words else kind, default=f.default,
-                           choices=f.metadata["choices"], help=f.metadata["help"])
+        group.add_argument(
+            option,
+            type=_number_or_word(kind, words) if words else kind,
+            default=f.default,
+            choices=f.metadata["choices"],
+            help=f.metadata["help"],
+        )
     # Old launchers (torch.distributed.launch) pass --local-rank/--local_rank; ranks come from the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -623,7 +977,9 @@ def reference_table() -> str:
         lines += [f"**{group}**", "", "| flag (field) | type | default | what it does |", "|---|---|---|---|"]
         for f in dataclasses.fields(TrainConfig):
             if f.metadata["group"] == group:
-                cells = (cell.replace("|", "\\|").replace("<", "&lt;") for cell in _reference_row(f))  # not markup
+                cells = (
+                    cell.replace("|", "\\|").replace("<", "&lt;") for cell in _reference_row(f)
+                )  # not markup
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -633,7 +989,7 @@ def _reference_row(f: dataclasses.Field) -> list[str]:
     flags = f"`--{flag(f.name)}`" + (f", `--no-{flag(f.name)}`" if f.type in ("bool", bool) else "")
     kind = " or ".join([field_kind(f), *(repr(word) for word in f.metadata["words"])])
     kind += f": one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
-    kind += " or None" if str(f.type).startswith("Optional[") else ""
+    kind += " or None" if field_is_optional(f) else ""
     return [f"{flags} (`{f.name}`)", kind, f"`{f.default!r}`", f.metadata["help"]]
 
 
@@ -642,7 +998,7 @@ def _reference_row(f: dataclasses.Field) -> list[str]:
 TEST_ARGS_ENV = "MULTIGPU_TEST_ARGS"
 
 
-def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse command-line arguments into a validated TrainConfig that knows which flags they named (`given`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = vars(build_parser().parse_args(shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv))
@@ -652,7 +1008,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     return config
 
 
-def given_fields(argv: Sequence[str]) -> FrozenSet[str]:
+def given_fields(argv: Sequence[str]) -> frozenset[str]:
     """The TrainConfig fields that `argv` names, whatever their values (--lr-gamma 0.1 names lr_gamma although
     0.1 is its default): parsed with every default suppressed, the namespace holds only what `argv` gave."""
     parser = build_parser()

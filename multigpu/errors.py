@@ -8,7 +8,9 @@ class UsageError(Exception):
     """
 
     exit_code = 2
-    agreed = True  # every rank reaches the same verdict, so rank 0 alone says it (False: the rank that met it)
+    agreed = (
+        True  # every rank reaches the same verdict, so rank 0 alone says it (False: the rank that met it)
+    )
 
 
 class CheckpointError(UsageError):

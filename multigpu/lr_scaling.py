@@ -38,5 +38,7 @@ def describe_lr(config: TrainConfig, effective_batch: int) -> str:
     lr = scaled_lr(config.lr, config.lr_scaling, effective_batch, config.lr_base_batch)
     if config.lr_scaling == "none":
         return f"lr {lr:g} (as given; --lr-scaling none)"
-    return (f"lr {lr:g} = {config.lr:g} x {config.lr_scaling}({effective_batch}/{config.lr_base_batch}) "
-            f"(--lr-scaling {config.lr_scaling})")
+    return (
+        f"lr {lr:g} = {config.lr:g} x {config.lr_scaling}({effective_batch}/{config.lr_base_batch}) "
+        f"(--lr-scaling {config.lr_scaling})"
+    )

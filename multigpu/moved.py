@@ -15,9 +15,10 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
-MOVED: dict[str, Union[str, tuple[str, ...]]] = {
+MOVED: dict[str, str | tuple[str, ...]] = {
     "multigpu.amp": "multigpu.loop.amp",
     "multigpu.autotune": "multigpu.tuning.autotune",
     "multigpu.batch_size": "multigpu.tuning.batch_size",
@@ -40,8 +41,12 @@ MOVED: dict[str, Union[str, tuple[str, ...]]] = {
     "multigpu.hang_report": "multigpu.resilience.hang_report",
     "multigpu.heartbeat": "multigpu.resilience.heartbeat",
     "multigpu.inference": "multigpu.loop.inference",
-    "multigpu.launch_rules": ("multigpu.launch.launch_rules", "multigpu.launch.answers", "multigpu.launch.command",
-                               "multigpu.launch.slurm"),
+    "multigpu.launch_rules": (
+        "multigpu.launch.launch_rules",
+        "multigpu.launch.answers",
+        "multigpu.launch.command",
+        "multigpu.launch.slurm",
+    ),
     "multigpu.meters": "multigpu.monitoring.meters",
     "multigpu.metrics": "multigpu.loop.metrics",
     "multigpu.optim": "multigpu.loop.optim",
@@ -88,7 +93,9 @@ class _SplitModule(types.ModuleType):
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old path as its module's new place; `python -m OLD` runs the new module's code."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
         first = importlib.util.find_spec(_targets(fullname)[0])
@@ -103,7 +110,9 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         if not isinstance(module, _SplitModule):
-            module.__spec__ = self._own_spec  # its own again: importlib.reload and pickling find the real file
+            module.__spec__ = (
+                self._own_spec
+            )  # its own again: importlib.reload and pickling find the real file
 
     def get_code(self, fullname: str) -> Any:
         spec = importlib.util.find_spec(_targets(fullname)[0])

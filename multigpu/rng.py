@@ -24,15 +24,20 @@ def rng_state(device: torch.device) -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "python": [python_version, list(python_state), python_gauss],
-        "numpy": [numpy_state[0], numpy_state[1].tolist(), *[x.item() if hasattr(x, "item") else x
-                                                              for x in numpy_state[2:]]],
+        "numpy": [
+            numpy_state[0],
+            numpy_state[1].tolist(),
+            *[x.item() if hasattr(x, "item") else x for x in numpy_state[2:]],
+        ],
     }
 
 
 def same_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     """Whether two `rng_state`s are the same: no random number was drawn between them."""
+
     def same(a: Any, b: Any) -> bool:
         return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
+
     return all(same(ours[name], theirs[name]) for name in ("torch", "cuda", "python", "numpy"))
 
 

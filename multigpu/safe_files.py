@@ -34,15 +34,19 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import IO, Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import IO, Any, Callable
 
 from multigpu.errors import UsageError
 
 TMP_SUFFIX = ".tmp"  # a whole file's unfinished content: `<name>.<random>.tmp` in the file's folder
 OLD_SUFFIX = ".old" + TMP_SUFFIX  # a folder being replaced, between replace_folder's two renames
 # open()'s modes as flags; every one of them creates the file, and none follows a final link.
-_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-          "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
+_FLAGS = {
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+}
 
 
 def link_refusal(path: str) -> UsageError:
@@ -51,8 +55,9 @@ def link_refusal(path: str) -> UsageError:
         target = os.readlink(path)
     except OSError:
         target = "?"
-    return UsageError(f"refusing to write {path}: it is a symbolic link (to {target}); remove it or choose "
-                      f"another path")
+    return UsageError(
+        f"refusing to write {path}: it is a symbolic link (to {target}); remove it or choose another path"
+    )
 
 
 def refuse_link(path: str) -> None:
@@ -85,8 +90,14 @@ def open_no_follow(path: str, mode: str = "w", perms: int = 0o666, **open_args: 
 
 
 @contextlib.contextmanager
-def replacing(path: str, mode: str = "wb", perms: Optional[int] = None, sync_folder: bool = False,
-              before_rename: Optional[Callable[[], None]] = None, **open_args: Any) -> Iterator[IO]:
+def replacing(
+    path: str,
+    mode: str = "wb",
+    perms: int | None = None,
+    sync_folder: bool = False,
+    before_rename: Callable[[], None] | None = None,
+    **open_args: Any,
+) -> Iterator[IO]:
     """A file for the whole new content of `path`: written under a temporary name in the same folder,
     fsynced and renamed over `path` when the block ends without an error, so readers and a crash see
     the old file or the new one, never part of it. A failed block leaves no temporary file.
@@ -115,7 +126,7 @@ def replacing(path: str, mode: str = "wb", perms: Optional[int] = None, sync_fol
         _sync_folder(directory)
 
 
-def create_once(path: str, data: bytes | str, perms: Optional[int] = None) -> bool:
+def create_once(path: str, data: bytes | str, perms: int | None = None) -> bool:
     """Create `path` holding `data`, whole from the instant it appears, unless something (a link too) is
     there already: False then, and nothing is changed. Of several processes creating it at once, exactly
     one gets True (a temporary file hard-linked to the name: link() fails on any existing name)."""
@@ -139,10 +150,14 @@ def _temporary(path: str) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=directory)
 
 
-def write_atomically(path: str, data: bytes | str, perms: Optional[int] = None) -> None:
+def write_atomically(path: str, data: bytes | str, perms: int | None = None) -> None:
     """Replace `path` with `data` (text is UTF-8) through `replacing`: whole, never through a link."""
-    with replacing(path, "w" if isinstance(data, str) else "wb", perms,
-                   **({"encoding": "utf-8"} if isinstance(data, str) else {})) as file:
+    with replacing(
+        path,
+        "w" if isinstance(data, str) else "wb",
+        perms,
+        **({"encoding": "utf-8"} if isinstance(data, str) else {}),
+    ) as file:
         file.write(data)
 
 
@@ -153,7 +168,7 @@ def ordinary_mode(executable: bool = False) -> int:
     return (0o777 if executable else 0o666) & ~mask
 
 
-def make_folder(path: str, inside: Optional[str] = None) -> None:
+def make_folder(path: str, inside: str | None = None) -> None:
     """Create the folder `path` and its parents where they are missing.
 
     `inside`: a folder the user named that holds `path` (the save-dir of `<save-dir>/tb`, the sweep
@@ -223,7 +238,7 @@ def _sync_folder(directory: str) -> None:
         os.close(folder)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`write FILE [--executable]`: standard input becomes FILE (its folders created), as `replacing` writes
     it; bad input is one line on stderr and exit 2, a failed write one line and exit 1."""
     args = list(sys.argv[1:] if argv is None else argv)

@@ -1,4 +1,5 @@
 """The path of multigpu/launch/torchrun.py before 0.3, kept so that a `launch_command.sh` saved then still runs."""
+
 import os
 import runpy
 import sys

@@ -45,8 +45,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
     def link(match: re.Match) -> str:
         text, target, anchor = match.group(1), match.group(2), match.group(3) or ""
-        in_checkout = os.path.normpath(target if at_top else os.path.join("docs", os.path.dirname(page.file.src_uri),
-                                                                          target))
+        in_checkout = os.path.normpath(
+            target if at_top else os.path.join("docs", os.path.dirname(page.file.src_uri), target)
+        )
         in_site = in_checkout.removeprefix("docs/") if in_checkout.startswith("docs/") else in_checkout
         if in_site in pages:
             here = os.path.dirname(page.file.src_uri)

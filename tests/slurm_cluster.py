@@ -28,21 +28,31 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel")
 START_TIMEOUT = 30  # seconds for the node to come up idle
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
-def why_not_available() -> Optional[str]:
+def why_not_available() -> str | None:
     """None when a cluster can start here, else the reason (for a pytest skip)."""
     missing = [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
     if missing:
-        return (f"SLURM is not installed ({', '.join(missing)} missing): bash scripts/setup_slurm.sh installs "
-                f"Debian's slurm-wlm and munge")
+        return (
+            f"SLURM is not installed ({', '.join(missing)} missing): bash scripts/setup_slurm.sh installs "
+            f"Debian's slurm-wlm and munge"
+        )
     if os.geteuid() != 0:
         return "the single-node SLURM test runs its daemons as root, and this is not root"
     return None
@@ -64,7 +74,7 @@ class SlurmCluster:
         self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
 
     # ------------------------------------------------------------------ daemons
-    def start(self) -> "SlurmCluster":
+    def start(self) -> SlurmCluster:
         for folder in ("state", "spool", "munge", "log"):
             (self.root / folder).mkdir(mode=0o755, parents=True, exist_ok=True)
         key = self.root / "munge" / "munge.key"
@@ -72,9 +82,19 @@ class SlurmCluster:
         key.chmod(0o400)
         self._write_config()
         munge = self.root / "munge"
-        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={munge / 'munge.socket'}",
-                               f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
-                               f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={munge / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+        )
         self._wait_for(lambda: (munge / "munge.socket").exists(), "munged to open its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", self.env["SLURM_CONF"]])
         self._spawn("slurmd", ["slurmd", "-D", "-f", self.env["SLURM_CONF"], "-N", self.node])
@@ -95,14 +115,14 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root / 'munge' / 'munge.socket'},cred_expire=5
+AuthInfo=socket={root / "munge" / "munge.socket"},cred_expire=5
 CryptoType=crypto/munge
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
-SlurmctldLogFile={root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={root / 'log' / 'slurmd.log'}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd.pid"}
+SlurmctldLogFile={root / "log" / "slurmctld.log"}
+SlurmdLogFile={root / "log" / "slurmd.log"}
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -120,8 +140,9 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, name: str, command: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115  (closed with the process)
-        self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                start_new_session=True)
+        self.processes[name] = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         log.close()
 
     def _wait_for(self, condition, what: str) -> None:
@@ -129,12 +150,16 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         while not condition():
             dead = [name for name, process in self.processes.items() if process.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"SLURM test cluster: waiting for {what} failed ({', '.join(dead) or 'timeout'}"
-                                   f" ); logs in {self.root / 'log'}:\n{self.logs()}")
+                raise RuntimeError(
+                    f"SLURM test cluster: waiting for {what} failed ({', '.join(dead) or 'timeout'}"
+                    f" ); logs in {self.root / 'log'}:\n{self.logs()}"
+                )
             time.sleep(0.2)  # polling the daemons' state
 
     def logs(self) -> str:
-        return "\n".join(f"--- {path.name}\n{path.read_text()[-2000:]}" for path in sorted((self.root / "log").iterdir()))
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text()[-2000:]}" for path in sorted((self.root / "log").iterdir())
+        )
 
     def stop(self) -> None:
         """Stop the daemons by PID, node first: SIGTERM, then SIGKILL for one that does not go."""
@@ -162,10 +187,16 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         except (RuntimeError, subprocess.TimeoutExpired):
             return ""
 
-    def submit(self, script: Path, *options: str, cwd: Optional[Path] = None) -> str:
+    def submit(self, script: Path, *options: str, cwd: Path | None = None) -> str:
         """sbatch [options] `script`; the job id."""
-        result = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
-                                env=self.env, cwd=cwd, timeout=60)
+        result = subprocess.run(
+            ["sbatch", "--parsable", *options, str(script)],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=cwd,
+            timeout=60,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {script} failed: {result.stderr.strip()}")
         return self.track(result.stdout.strip().split(";")[0])
@@ -195,7 +226,9 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Poll until every task of job array `job` has finished; their states, in task order."""
         deadline = time.monotonic() + timeout
         while True:
-            lines = [line for line in self.run("scontrol", "show", "job", "-o", job).splitlines() if line.strip()]
+            lines = [
+                line for line in self.run("scontrol", "show", "job", "-o", job).splitlines() if line.strip()
+            ]
             states = [dict(re.findall(r"(\w+)=(\S*)", line)).get("JobState", "") for line in lines]
             if states and all(state in FINISHED for state in states):
                 return states

@@ -26,7 +26,7 @@ import sys
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,10 +35,29 @@ from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import (REPO, RUN_TIMEOUT, SHARED_DATA, assert_one_line, assert_untouched, blobs, busy_cpus,
-                      cli_command, cli_env, config_for, contents, file_size_limit, hold_save_dir, image_folder,
-                      permissions_apply, run_as_torchrun_workers, run_cli_ranks, run_on_small_file_system,
-                      tiny_model, tiny_text, torchruns_store)
+from conftest import (
+    REPO,
+    RUN_TIMEOUT,
+    SHARED_DATA,
+    assert_one_line,
+    assert_untouched,
+    blobs,
+    busy_cpus,
+    cli_command,
+    cli_env,
+    config_for,
+    contents,
+    file_size_limit,
+    hold_save_dir,
+    image_folder,
+    permissions_apply,
+    run_as_torchrun_workers,
+    run_cli_ranks,
+    run_on_small_file_system,
+    tiny_model,
+    tiny_text,
+    torchruns_store,
+)
 from multigpu.config import TrainConfig
 from multigpu.data.sampler import ResumableDistributedSampler
 from multigpu.errors import UsageError
@@ -48,8 +67,19 @@ from multigpu.sweep import cli as sweep_cli
 from train_multi_gpu import MultiGPUTrainer
 
 # Small enough that a case which wrongly trains still ends in about a second.
-BASE = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--no-progress",
-        "--dist-timeout", "60"]
+BASE = [
+    "--train-size",
+    "64",
+    "--val-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--no-progress",
+    "--dist-timeout",
+    "60",
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +104,14 @@ def text_file(tmp_path: Path) -> str:
     return str(tmp_path / "notes.txt")
 
 
-def imagefolder(tmp_path: Path, classes: dict, spoil: Callable[[Path], None] = lambda root: None) -> list[str]:
+def imagefolder(
+    tmp_path: Path, classes: dict, spoil: Callable[[Path], None] = lambda root: None
+) -> list[str]:
     spoil(image_folder(tmp_path / "images", classes))
     return ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "images"), "--image-shape", "3,8,8"]
 
 
-def text_data(tmp_path: Path, content: Optional[bytes] = None, characters: int = 6000) -> list[str]:
+def text_data(tmp_path: Path, content: bytes | None = None, characters: int = 6000) -> list[str]:
     """--dataset text reading a file of `content` (None: a good text of `characters` characters)."""
     path = tmp_path / "corpus.txt"
     if content is None:
@@ -108,7 +140,7 @@ def mnist_downloads(tmp_path: Path, truncated: str) -> list[str]:
     return ["--dataset", "mnist", "--data-dir", str(tmp_path / "mnist")]
 
 
-def mnist_extracted(tmp_path: Path, truncated: Optional[str]) -> list[str]:
+def mnist_extracted(tmp_path: Path, truncated: str | None) -> list[str]:
     """A small extracted MNIST raw folder (well-formed IDX files, 20 + 10 blank images), one file cut short."""
     raw = tmp_path / "mnist" / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -159,7 +191,9 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, proxy)
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's cached opener read the proxies when built
+    monkeypatch.setattr(
+        urllib.request, "_opener", None
+    )  # urlopen's cached opener read the proxies when built
 
 
 # ---------------------------------------------------------------- the command line, in this process
@@ -167,7 +201,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 class Case:
     args: list[str]
     expected: str  # in the one error line
-    files: Optional[Callable[[Path, Path], list[str]]] = None  # (tmp_path, save_dir) -> more arguments
+    files: Callable[[Path, Path], list[str]] | None = None  # (tmp_path, save_dir) -> more arguments
     marks: list = field(default_factory=list)
     owned: bool = False  # another run holds the save-dir meanwhile
     env: dict = field(default_factory=dict)  # environment variables for the run, e.g. what torchrun sets
@@ -201,154 +235,260 @@ CLI = {
     "seed negative": Case(["--seed", "-1"], "--seed must be between 0 and 2147483647, got -1"),
     "dist-timeout inf": finite("--dist-timeout", "inf"),
     "dist-timeout nan": finite("--dist-timeout", "nan"),
-    "dist-timeout zero": Case(["--dist-timeout", "0"], "--dist-timeout must be between 1 and 1000000000, got 0.0"),
+    "dist-timeout zero": Case(
+        ["--dist-timeout", "0"], "--dist-timeout must be between 1 and 1000000000, got 0.0"
+    ),
     "dist-timeout below a second": Case(["--dist-timeout", "1e-9"], "--dist-timeout must be between 1 and "),
-    "hang-timeout not below dist-timeout": Case(["--hang-timeout", "60"],
-                                                "--hang-timeout 60 must be below --dist-timeout 60"),
+    "hang-timeout not below dist-timeout": Case(
+        ["--hang-timeout", "60"], "--hang-timeout 60 must be below --dist-timeout 60"
+    ),
     "hang-timeout negative": Case(["--hang-timeout", "-1"], "--hang-timeout must not be negative"),
     "epochs zero": Case(["--epochs", "0"], "--epochs must be at least 1, got 0"),
     "epochs fractional": Case(["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
     "grad-accum-steps zero": Case(["--grad-accum-steps", "0"], "--grad-accum-steps must be at least 1"),
     "keep-last zero": Case(["--keep-last", "0"], "--keep-last must be at least 1"),
     "num-workers negative": Case(["--num-workers", "-1"], "--num-workers must not be negative"),
-    "num-workers beyond the cores (a hang)": Case(["--num-workers", "100000"], "--num-workers 100000 is more than 4 "
-                                                  "per CPU core"),
-    "image-shape beyond memory (an OOM kill)": Case(["--image-shape", "3,100000,100000"], "--image-shape "
-                                                    "3,100000,100000: one batch of 16 such images takes 1,920.0 GB, "
-                                                    "more than the "),
-    "save-every-steps negative": Case(["--save-every-steps", "-5"], "--save-every-steps must not be negative"),
+    "num-workers beyond the cores (a hang)": Case(
+        ["--num-workers", "100000"], "--num-workers 100000 is more than 4 per CPU core"
+    ),
+    "image-shape beyond memory (an OOM kill)": Case(
+        ["--image-shape", "3,100000,100000"],
+        "--image-shape 3,100000,100000: one batch of 16 such images takes 1,920.0 GB, more than the ",
+    ),
+    "save-every-steps negative": Case(
+        ["--save-every-steps", "-5"], "--save-every-steps must not be negative"
+    ),
     "max-steps negative": Case(["--max-steps", "-1"], "--max-steps must not be negative, got -1"),
     "max-steps fractional": Case(["--max-steps", "2.5"], "argument --max-steps: invalid int value: '2.5'"),
     "dataset hf without files": Case(["--dataset", "hf"], "--dataset hf needs --data-files GLOB"),
-    "streaming without dataset hf": Case(["--streaming"], "--streaming is for --dataset hf, and this run's data "
-                                                          "set is synthetic; add --dataset hf"),
-    "data-files matching nothing": Case(["--dataset", "hf", "--data-files", "no-such-dir/*.parquet"],
-                                        "--data-files 'no-such-dir/*.parquet' matches no file"),
-    "fsdp-blocks unknown": Case(["--multi-gpu", "fsdp", "--fsdp-blocks", "Nope"], "--fsdp-blocks Nope: the model "
-                                "has no module of class Nope; name classes it has, e.g. "),
-    "fsdp with batch-size auto": Case(["--multi-gpu", "fsdp", "--batch-size", "auto"], "--batch-size auto measures "
-                                      "the whole model on one GPU, not the shards fsdp trains"),
-    "hybrid mesh in one process": Case(["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "2"],
-                                       "--dp-replicate 2 --dp-shard 2 needs 4 processes, and this run is one process: "
-                                       "start it with torchrun --nproc_per_node=4"),
+    "streaming without dataset hf": Case(
+        ["--streaming"],
+        "--streaming is for --dataset hf, and this run's data set is synthetic; add --dataset hf",
+    ),
+    "data-files matching nothing": Case(
+        ["--dataset", "hf", "--data-files", "no-such-dir/*.parquet"],
+        "--data-files 'no-such-dir/*.parquet' matches no file",
+    ),
+    "fsdp-blocks unknown": Case(
+        ["--multi-gpu", "fsdp", "--fsdp-blocks", "Nope"],
+        "--fsdp-blocks Nope: the model has no module of class Nope; name classes it has, e.g. ",
+    ),
+    "fsdp with batch-size auto": Case(
+        ["--multi-gpu", "fsdp", "--batch-size", "auto"],
+        "--batch-size auto measures the whole model on one GPU, not the shards fsdp trains",
+    ),
+    "hybrid mesh in one process": Case(
+        ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "2"],
+        "--dp-replicate 2 --dp-shard 2 needs 4 processes, and this run is one process: "
+        "start it with torchrun --nproc_per_node=4",
+    ),
     "mesh that is not torchrun's 4 processes": Case(
-        ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "3"], "--dp-replicate 2 x --dp-shard 3 = 6 "
+        ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "3"],
+        "--dp-replicate 2 x --dp-shard 3 = 6 "
         "processes, but this run has 4 processes: make replicate x shard = 4, or give --dp-shard -1 for the processes "
-        "left", env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")),
+        "left",
+        env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4"),
+    ),
     "replicas that do not divide the processes": Case(
-        ["--multi-gpu", "fsdp", "--dp-replicate", "3"], "--dp-replicate 3 does not divide this run's 4 processes "
-        "into equal groups: give one of 1, 2, 4", env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")),
-    "dp-shard zero": Case(["--dp-shard", "0"], "--dp-shard must be at least 1, or -1 for the processes left after "
-                                               "--dp-replicate; got 0"),
-    "ema-decay 1": Case(["--ema-decay", "1"], "--ema-decay 1 would keep the starting weights forever: give a value "
-                                              "below 1"),
+        ["--multi-gpu", "fsdp", "--dp-replicate", "3"],
+        "--dp-replicate 3 does not divide this run's 4 processes into equal groups: give one of 1, 2, 4",
+        env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4"),
+    ),
+    "dp-shard zero": Case(
+        ["--dp-shard", "0"],
+        "--dp-shard must be at least 1, or -1 for the processes left after --dp-replicate; got 0",
+    ),
+    "ema-decay 1": Case(
+        ["--ema-decay", "1"], "--ema-decay 1 would keep the starting weights forever: give a value below 1"
+    ),
     "ema-decay above 1": Case(["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, got 1.5"),
-    "early-stop-patience negative": Case(["--early-stop-patience", "-1"], "--early-stop-patience must not be negative"),
+    "early-stop-patience negative": Case(
+        ["--early-stop-patience", "-1"], "--early-stop-patience must not be negative"
+    ),
     "lr-base-batch zero": Case(["--lr-base-batch", "0"], "--lr-base-batch must be at least 1"),
     "log-every zero": Case(["--log-every", "0"], "--log-every must be at least 1"),
     "train-size zero": Case(["--train-size", "0"], "--train-size must be at least 1"),
     "num-classes zero": Case(["--num-classes", "0"], "--num-classes must be at least 1"),
     "image-shape zero channels": Case(["--image-shape", "0,28,28"], "--image-shape must be C,H,W"),
     # names, checked before the first step
-    "monitor that is not a metric": Case(["--monitor", "val_bogus"], "--monitor val_bogus is not a validation metric "
-                                         "of this run; it has val_loss, val_acc"),
+    "monitor that is not a metric": Case(
+        ["--monitor", "val_bogus"],
+        "--monitor val_bogus is not a validation metric of this run; it has val_loss, val_acc",
+    ),
     "an abbreviated flag": Case(["--ep", "2"], "unrecognized arguments: --ep 2"),
     # model and devices
-    "image too small for the cnn": Case(["--image-shape", "3,1,1", "--model", "cnn"],
-                                        "--model cnn needs images of at least 4x4 pixels, got 1x1"),
+    "image too small for the cnn": Case(
+        ["--image-shape", "3,1,1", "--model", "cnn"],
+        "--model cnn needs images of at least 4x4 pixels, got 1x1",
+    ),
     "ddp without torchrun": Case(["--multi-gpu", "ddp"], "started by torchrun: torchrun --nproc_per_node="),
-    "none as one of torchrun's 2 workers": Case(["--multi-gpu", "none"], "--multi-gpu none trains in one process, "
-                                                "but torchrun started 2", env=dict(RANK="0", LOCAL_RANK="0",
-                                                                                   WORLD_SIZE="2")),
+    "none as one of torchrun's 2 workers": Case(
+        ["--multi-gpu", "none"],
+        "--multi-gpu none trains in one process, but torchrun started 2",
+        env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2"),
+    ),
     # checkpoints and directories
-    "resume a text file": Case([], "refused: not a checkpoint (it holds text",
-                               lambda tmp, ckpt: ["--resume", text_file(tmp)]),
-    "resume an empty file": Case([], "refused: not a checkpoint (the file is empty)",
-                                 lambda tmp, ckpt: ["--resume", empty_file(tmp)]),
-    "resume a missing file": Case(["--resume", "/nonexistent/last.pt"], "checkpoint /nonexistent/last.pt does not exist"),
+    "resume a text file": Case(
+        [], "refused: not a checkpoint (it holds text", lambda tmp, ckpt: ["--resume", text_file(tmp)]
+    ),
+    "resume an empty file": Case(
+        [], "refused: not a checkpoint (the file is empty)", lambda tmp, ckpt: ["--resume", empty_file(tmp)]
+    ),
+    "resume a missing file": Case(
+        ["--resume", "/nonexistent/last.pt"], "checkpoint /nonexistent/last.pt does not exist"
+    ),
     "save-dir is a file": Case([], "is not writable", lambda tmp, ckpt: ["--save-dir", text_file(tmp)]),
     "log-dir is unwritable": Case([], "--log-dir", lambda tmp, ckpt: ["--log-dir", text_file(tmp) + "/tb"]),
-    "save-dir owned by a running run": Case(["--resume", "auto"], "is in use by another run (pid ",
-                                            owned=True),
+    "save-dir owned by a running run": Case(
+        ["--resume", "auto"], "is in use by another run (pid ", owned=True
+    ),
     "fresh run over an explicit save-dir's checkpoints": Case([], "--overwrite", None),
-    "resume auto where no checkpoint loads": Case(["--resume", "auto"], "last.pt",
-                                                  lambda tmp, ckpt: unreadable_checkpoints_only(ckpt)),
+    "resume auto where no checkpoint loads": Case(
+        ["--resume", "auto"], "last.pt", lambda tmp, ckpt: unreadable_checkpoints_only(ckpt)
+    ),
     "resume a named pipe (reading it would wait forever)": Case(
-        [], "refused: not a checkpoint (a named pipe (FIFO), not a regular file)",
-        lambda tmp, ckpt: ["--resume", named_pipe(tmp)]),
+        [],
+        "refused: not a checkpoint (a named pipe (FIFO), not a regular file)",
+        lambda tmp, ckpt: ["--resume", named_pipe(tmp)],
+    ),
     "resume a folder without checkpoints": Case(
-        [], "is a folder without checkpoints (last.pt, step-*.pt)",
-        lambda tmp, ckpt: ["--resume", empty_folder(tmp)]),
+        [],
+        "is a folder without checkpoints (last.pt, step-*.pt)",
+        lambda tmp, ckpt: ["--resume", empty_folder(tmp)],
+    ),
     "resume a half-written sharded checkpoint": Case(
-        [], "refused: an incomplete sharded checkpoint (no .metadata or trainer_state.pt: its save did not finish)",
-        lambda tmp, ckpt: ["--resume", half_sharded(tmp)]),
-    "async checkpoint of one file": Case(["--async-checkpoint"], "--async-checkpoint writes sharded checkpoints in "
-                                         "the background, and this run writes one file from rank 0"),
-    "resume auto and overwrite at once": Case(["--resume", "auto", "--overwrite"],
-                                              "--resume auto continues the run in --save-dir and --overwrite starts "
-                                              "afresh over it: give one of them"),
+        [],
+        "refused: an incomplete sharded checkpoint (no .metadata or trainer_state.pt: its save did not finish)",
+        lambda tmp, ckpt: ["--resume", half_sharded(tmp)],
+    ),
+    "async checkpoint of one file": Case(
+        ["--async-checkpoint"],
+        "--async-checkpoint writes sharded checkpoints in "
+        "the background, and this run writes one file from rank 0",
+    ),
+    "resume auto and overwrite at once": Case(
+        ["--resume", "auto", "--overwrite"],
+        "--resume auto continues the run in --save-dir and --overwrite starts "
+        "afresh over it: give one of them",
+    ),
     "resume a checkpoint of the save-dir and overwrite it": Case(
-        ["--overwrite"], "continues the run in --save-dir", lambda tmp, ckpt: ["--resume", str(ckpt / "last.pt")]),
-    "epochs below the checkpoint's": Case(["--resume", "auto", "--epochs", "1"],
-                                          "has trained 2 epoch(s), already past --epochs 1 (the total, not epochs "
-                                          "more): nothing to train; pass --epochs 3 or more",
-                                          lambda tmp, ckpt: at_epoch(ckpt / "last.pt", 2)),
-    "max-steps the checkpoint already reached": Case(["--resume", "auto", "--max-steps", "1"],
-                                                     "optimizer steps, already at --max-steps 1 (the total, not steps "
-                                                     "more): nothing to train; pass a larger --max-steps to train on"),
+        ["--overwrite"],
+        "continues the run in --save-dir",
+        lambda tmp, ckpt: ["--resume", str(ckpt / "last.pt")],
+    ),
+    "epochs below the checkpoint's": Case(
+        ["--resume", "auto", "--epochs", "1"],
+        "has trained 2 epoch(s), already past --epochs 1 (the total, not epochs "
+        "more): nothing to train; pass --epochs 3 or more",
+        lambda tmp, ckpt: at_epoch(ckpt / "last.pt", 2),
+    ),
+    "max-steps the checkpoint already reached": Case(
+        ["--resume", "auto", "--max-steps", "1"],
+        "optimizer steps, already at --max-steps 1 (the total, not steps "
+        "more): nothing to train; pass a larger --max-steps to train on",
+    ),
     # data sets
-    "imagefolder without class folders": Case([], "Couldn't find any class folder in",
-                                              lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})),
+    "imagefolder without class folders": Case(
+        [], "Couldn't find any class folder in", lambda tmp, ckpt: imagefolder(tmp, {"train": [], "val": []})
+    ),
     "imagefolder with a text file named .jpg": Case(
-        [], "cat/notes.jpg is not a readable image (not an image format PIL can read); remove or replace it",
-        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]},
-                                      lambda root: (root / "train" / "cat" / "notes.jpg").write_text("hello"))),
+        [],
+        "cat/notes.jpg is not a readable image (not an image format PIL can read); remove or replace it",
+        lambda tmp, ckpt: imagefolder(
+            tmp,
+            {"train": ["cat", "dog"], "val": ["cat", "dog"]},
+            lambda root: (root / "train" / "cat" / "notes.jpg").write_text("hello"),
+        ),
+    ),
     "imagefolder with a val class train lacks": Case(
-        [], "has class folder(s) fox that",
-        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog", "fox"]})),
+        [],
+        "has class folder(s) fox that",
+        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog", "fox"]}),
+    ),
     "imagefolder with a class folder without images": Case(
-        [], "Found no valid file for the classes dog",
-        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat"]},
-                                      lambda root: (root / "train" / "dog" / "0.png").unlink()
-                                      or (root / "train" / "dog" / "1.png").unlink())),
+        [],
+        "Found no valid file for the classes dog",
+        lambda tmp, ckpt: imagefolder(
+            tmp,
+            {"train": ["cat", "dog"], "val": ["cat"]},
+            lambda root: (
+                (root / "train" / "dog" / "0.png").unlink() or (root / "train" / "dog" / "1.png").unlink()
+            ),
+        ),
+    ),
     "imagefolder with a symlink loop": Case(
-        [], "train/cat/again is a symbolic link to ",
-        lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]},
-                                      lambda root: (root / "train" / "cat" / "again").symlink_to(root / "train"))),
-    "imagefolder without val/": Case([], "needs val/ inside --data-dir",
-                                     lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat"]})),
+        [],
+        "train/cat/again is a symbolic link to ",
+        lambda tmp, ckpt: imagefolder(
+            tmp,
+            {"train": ["cat", "dog"], "val": ["cat", "dog"]},
+            lambda root: (root / "train" / "cat" / "again").symlink_to(root / "train"),
+        ),
+    ),
+    "imagefolder without val/": Case(
+        [], "needs val/ inside --data-dir", lambda tmp, ckpt: imagefolder(tmp, {"train": ["cat"]})
+    ),
     "mnist with a truncated .gz": Case(
-        [], "train-images-idx3-ubyte.gz is corrupt (checksum mismatch: a truncated or damaged download); "
-            "pass --download", lambda tmp, ckpt: mnist_downloads(tmp, "train-images-idx3-ubyte.gz")),
+        [],
+        "train-images-idx3-ubyte.gz is corrupt (checksum mismatch: a truncated or damaged download); "
+        "pass --download",
+        lambda tmp, ckpt: mnist_downloads(tmp, "train-images-idx3-ubyte.gz"),
+    ),
     "mnist with a truncated extracted file": Case(
-        [], "t10k-labels-idx1-ubyte is corrupt (9 bytes where its header needs 18: truncated)",
-        lambda tmp, ckpt: mnist_extracted(tmp, "t10k-labels-idx1-ubyte")),
-    "text file missing": Case(["--dataset", "text", "--data-file", "/nonexistent/tiny.txt"],
-                              "--data-file /nonexistent/tiny.txt: no such file; give a UTF-8 plain text file"),
-    "text file empty": Case([], "is empty; give a file with some text", lambda tmp, ckpt: text_data(tmp, b"")),
-    "text file that is binary (NUL bytes)": Case([], "holds NUL bytes, so it is binary, not text",
-                                                 lambda tmp, ckpt: text_data(tmp, b"abc\x00\x01\x02" * 200)),
-    "text file that is not UTF-8": Case([], "is not UTF-8 text (byte 0 is not)",
-                                        lambda tmp, ckpt: text_data(tmp, b"\x89PNG\r\n\x1a\n" + bytes(range(256)))),
+        [],
+        "t10k-labels-idx1-ubyte is corrupt (9 bytes where its header needs 18: truncated)",
+        lambda tmp, ckpt: mnist_extracted(tmp, "t10k-labels-idx1-ubyte"),
+    ),
+    "text file missing": Case(
+        ["--dataset", "text", "--data-file", "/nonexistent/tiny.txt"],
+        "--data-file /nonexistent/tiny.txt: no such file; give a UTF-8 plain text file",
+    ),
+    "text file empty": Case(
+        [], "is empty; give a file with some text", lambda tmp, ckpt: text_data(tmp, b"")
+    ),
+    "text file that is binary (NUL bytes)": Case(
+        [],
+        "holds NUL bytes, so it is binary, not text",
+        lambda tmp, ckpt: text_data(tmp, b"abc\x00\x01\x02" * 200),
+    ),
+    "text file that is not UTF-8": Case(
+        [],
+        "is not UTF-8 text (byte 0 is not)",
+        lambda tmp, ckpt: text_data(tmp, b"\x89PNG\r\n\x1a\n" + bytes(range(256))),
+    ),
     "text shorter than two windows a split": Case(
-        [], "has 200 characters, too few for two windows of --block-size 16 in each split (11 train, 1 val); give "
-            "at least 330 characters", lambda tmp, ckpt: text_data(tmp, characters=200)),
-    "data-file without --dataset text": Case([], "--data-file is the text of --dataset text, and this run's data set "
-                                                 "is synthetic; add --dataset text",
-                                             lambda tmp, ckpt: ["--data-file", text_file(tmp)]),
+        [],
+        "has 200 characters, too few for two windows of --block-size 16 in each split (11 train, 1 val); give "
+        "at least 330 characters",
+        lambda tmp, ckpt: text_data(tmp, characters=200),
+    ),
+    "data-file without --dataset text": Case(
+        [],
+        "--data-file is the text of --dataset text, and this run's data set is synthetic; add --dataset text",
+        lambda tmp, ckpt: ["--data-file", text_file(tmp)],
+    ),
     "dataset text without a data-file": Case(["--dataset", "text"], "--dataset text needs --data-file FILE"),
     "gpt on images": Case(["--model", "gpt"], "--model gpt and --dataset synthetic do not fit"),
-    "gpt heads that do not divide the embedding": Case(["--n-head", "3"], "--n-embd 16 must be a multiple of "
-                                                                          "--n-head 3", lambda tmp, ckpt: text_data(tmp)),
-    "cifar10 not there": Case(["--dataset", "cifar10", "--data-dir", "/nonexistent/data"],
-                              "files not found in --data-dir /nonexistent/data; pass --download"),
+    "gpt heads that do not divide the embedding": Case(
+        ["--n-head", "3"], "--n-embd 16 must be a multiple of --n-head 3", lambda tmp, ckpt: text_data(tmp)
+    ),
+    "cifar10 not there": Case(
+        ["--dataset", "cifar10", "--data-dir", "/nonexistent/data"],
+        "files not found in --data-dir /nonexistent/data; pass --download",
+    ),
     "mnist corrupt and --download without a network": Case(
-        ["--download"], "train-images-idx3-ubyte.gz is corrupt (checksum mismatch: a truncated or damaged download) "
-                        "and --download could not fetch a good copy ([Errno 111] Connection refused)",
-        lambda tmp, ckpt: mnist_downloads(tmp, "train-images-idx3-ubyte.gz"), offline=True),
+        ["--download"],
+        "train-images-idx3-ubyte.gz is corrupt (checksum mismatch: a truncated or damaged download) "
+        "and --download could not fetch a good copy ([Errno 111] Connection refused)",
+        lambda tmp, ckpt: mnist_downloads(tmp, "train-images-idx3-ubyte.gz"),
+        offline=True,
+    ),
     "cifar10 --download without a network": Case(
-        ["--download", "--dataset", "cifar10", "--data-dir", "/nonexistent/data"], "--download could not fetch the "
-        "files into --data-dir /nonexistent/data ([Errno 111] Connection refused); check the network", offline=True),
+        ["--download", "--dataset", "cifar10", "--data-dir", "/nonexistent/data"],
+        "--download could not fetch the "
+        "files into --data-dir /nonexistent/data ([Errno 111] Connection refused); check the network",
+        offline=True,
+    ),
 }
 
 
@@ -378,7 +518,9 @@ def test_a_monitor_typo_is_refused_before_the_first_step(tmp_path, capsys):
     code = main_multi_gpu.main([*BASE, "--save-dir", str(tmp_path / "ckpt"), "--monitor", "val_accuracy"])
     out, err = capsys.readouterr()
     assert_one_line(code, err, "--monitor val_accuracy is not a validation metric of this run")
-    assert not [line for line in out.splitlines() if line.startswith(("step ", "epoch "))], out  # nothing trained
+    assert not [line for line in out.splitlines() if line.startswith(("step ", "epoch "))], (
+        out
+    )  # nothing trained
     assert not list(tmp_path.rglob("*.pt"))
 
 
@@ -398,16 +540,33 @@ def script_main(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -
 
 # A prefix of a real flag of each command line: argparse would take it as that flag.
 ABBREVIATED = {
-    "main_multi_gpu.py (and examples/, through parse_config)": (lambda mp: main_multi_gpu.main(["--ep", "2"]), "--ep"),
-    "predict_multi_gpu.py": (lambda mp: predict_multi_gpu.main(["--checkpoint", "x.pt", "--out", "p.csv"]), "--out"),
+    "main_multi_gpu.py (and examples/, through parse_config)": (
+        lambda mp: main_multi_gpu.main(["--ep", "2"]),
+        "--ep",
+    ),
+    "predict_multi_gpu.py": (
+        lambda mp: predict_multi_gpu.main(["--checkpoint", "x.pt", "--out", "p.csv"]),
+        "--out",
+    ),
     "sweep_multi_gpu.py": (lambda mp: sweep_cli.main(["--num-se", "2"]), "--num-se"),
     "the launcher's rules": (lambda mp: launch_rules.main(["check", "--epoch", "3"]), "--epoch"),
-    "the benchmarks' common flags": (lambda mp: benchmark("bench_common").benchmark_parser(
-        None, rounds=1, steps=1, batch=1, log_every=1, output_help="").parse_args(["--round", "2"]), "--round"),
-    "benchmarks/inference_scaling.py": (lambda mp: benchmark("inference_scaling").parse_args(["--repeat", "3"]),
-                                        "--repeat"),
+    "the benchmarks' common flags": (
+        lambda mp: (
+            benchmark("bench_common")
+            .benchmark_parser(None, rounds=1, steps=1, batch=1, log_every=1, output_help="")
+            .parse_args(["--round", "2"])
+        ),
+        "--round",
+    ),
+    "benchmarks/inference_scaling.py": (
+        lambda mp: benchmark("inference_scaling").parse_args(["--repeat", "3"]),
+        "--repeat",
+    ),
     "benchmarks/gpu_check.py": (lambda mp: benchmark("gpu_check").parse_args(["--cpu-dry"]), "--cpu-dry"),
-    "benchmarks/trainer_vs_raw_ddp.py": (lambda mp: script_main("trainer_vs_raw_ddp", ["--npro", "2"], mp), "--npro"),
+    "benchmarks/trainer_vs_raw_ddp.py": (
+        lambda mp: script_main("trainer_vs_raw_ddp", ["--npro", "2"], mp),
+        "--npro",
+    ),
 }
 
 
@@ -427,31 +586,61 @@ def test_an_abbreviated_flag_is_refused_by_every_parser(name, capsys, monkeypatc
 def test_a_full_disk_at_start_is_refused_before_training(save_dir):
     before = contents(save_dir)
     # Room for nothing: the start probe writes real bytes, so a disk with no room is found at start.
-    result = subprocess.run(cli_command([*BASE, "--save-dir", str(save_dir), "--resume", "auto"]), cwd=REPO,
-                            env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                            preexec_fn=file_size_limit(16 * 1024))
-    assert_one_line(result.returncode, result.stderr, f"--save-dir {save_dir} is not writable (File too large); "
-                                                      f"free some space or choose another directory")
+    result = subprocess.run(
+        cli_command([*BASE, "--save-dir", str(save_dir), "--resume", "auto"]),
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        preexec_fn=file_size_limit(16 * 1024),
+    )
+    assert_one_line(
+        result.returncode,
+        result.stderr,
+        f"--save-dir {save_dir} is not writable (File too large); "
+        f"free some space or choose another directory",
+    )
     assert_untouched(save_dir, before)
 
 
 @pytest.mark.slow
 def test_a_save_dir_too_small_for_the_checkpoints_is_refused_at_start_unless_allowed(tmp_path):
     # A real 3 MB file system; the run's checkpoints (the mlp's, 1.1 MB each) need 3.3 MB at the most.
-    save_dir, command = tmp_path / "small" / "ckpt", cli_command([*BASE, "--mode", "flatten", "--model", "mlp",
-                                                                  "--image-shape", "1,8,8"])
+    save_dir, command = (
+        tmp_path / "small" / "ckpt",
+        cli_command([*BASE, "--mode", "flatten", "--model", "mlp", "--image-shape", "1,8,8"]),
+    )
     save_dir.parent.mkdir()
     files = f"find {shlex.quote(str(save_dir.parent))} -type f"  # what is on the small file system at the end
-    refused = run_on_small_file_system("3m", save_dir.parent, f'"$@"; status=$?; {files}; exit $status', *command,
-                                       "--save-dir", str(save_dir))
-    assert_one_line(refused.returncode, refused.stderr,
-                    f"--save-dir {save_dir} has 3.1 MB free, but this run's checkpoints need about 3.3 MB (last.pt, "
-                    f"best.pt, and the one being written, about 1.1 MB each): free some space, choose another "
-                    f"directory, or pass --allow-low-disk to start anyway")
-    assert str(save_dir) not in refused.stdout and "step " not in refused.stdout  # no file written, nothing trained
+    refused = run_on_small_file_system(
+        "3m",
+        save_dir.parent,
+        f'"$@"; status=$?; {files}; exit $status',
+        *command,
+        "--save-dir",
+        str(save_dir),
+    )
+    assert_one_line(
+        refused.returncode,
+        refused.stderr,
+        f"--save-dir {save_dir} has 3.1 MB free, but this run's checkpoints need about 3.3 MB (last.pt, "
+        f"best.pt, and the one being written, about 1.1 MB each): free some space, choose another "
+        f"directory, or pass --allow-low-disk to start anyway",
+    )
+    assert (
+        str(save_dir) not in refused.stdout and "step " not in refused.stdout
+    )  # no file written, nothing trained
     # Accepting the risk: it warns and trains; one epoch's last.pt and best.pt fit.
-    allowed = run_on_small_file_system("3m", save_dir.parent, f'"$@" && {files} -name "*.pt"', *command,
-                                       "--save-dir", str(save_dir), "--allow-low-disk")
+    allowed = run_on_small_file_system(
+        "3m",
+        save_dir.parent,
+        f'"$@" && {files} -name "*.pt"',
+        *command,
+        "--save-dir",
+        str(save_dir),
+        "--allow-low-disk",
+    )
     assert allowed.returncode == 0, allowed.stderr
     assert f"warning: --save-dir {save_dir} has 3.1 MB free" in allowed.stdout
     assert sorted(allowed.stdout.splitlines()[-2:]) == [str(save_dir / "best.pt"), str(save_dir / "last.pt")]
@@ -462,28 +651,43 @@ def test_resume_auto_without_save_dir_refuses_another_commands_run(prepared, tmp
     shutil.copytree(prepared, tmp_path / "checkpoints" / "run-1")
     before = contents(tmp_path / "checkpoints")
     code = main_multi_gpu.main([*BASE, "--resume", "auto", "--lr", "0.1", "--epochs", "2"])
-    assert_one_line(code, capsys.readouterr().err,
-                    "--resume auto without --save-dir: no run under checkpoints has this command's settings; the "
-                    "newest, checkpoints/run-1, differs in lr: 0.001 -> 0.1: continue it with these settings by "
-                    "naming it (--save-dir checkpoints/run-1 --resume auto), or drop --resume auto to start a new "
-                    "run")
+    assert_one_line(
+        code,
+        capsys.readouterr().err,
+        "--resume auto without --save-dir: no run under checkpoints has this command's settings; the "
+        "newest, checkpoints/run-1, differs in lr: 0.001 -> 0.1: continue it with these settings by "
+        "naming it (--save-dir checkpoints/run-1 --resume auto), or drop --resume auto to start a new "
+        "run",
+    )
     assert_untouched(tmp_path / "checkpoints", before)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["run-1"]
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["in the main process", "in a loader worker"])
 def test_an_image_that_fails_to_decode_mid_epoch_is_one_line_naming_it_and_the_checkpoints_are_kept(
-        workers, tmp_path, capsys):
-    run = [*BASE, *imagefolder(tmp_path, {"train": ["cat", "dog"], "val": ["cat", "dog"]}),
-           "--save-dir", str(tmp_path / "ckpt"), "--num-workers", str(workers)]
+    workers, tmp_path, capsys
+):
+    run = [
+        *BASE,
+        *imagefolder(tmp_path, {"train": ["cat", "dog"], "val": ["cat", "dog"]}),
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+        "--num-workers",
+        str(workers),
+    ]
     assert main_multi_gpu.main(run) == 0
     broken = tmp_path / "images" / "train" / "dog" / "1.png"
-    broken.write_bytes(broken.read_bytes()[:48])  # a copy cut short after its header: the start's checks pass it
+    broken.write_bytes(
+        broken.read_bytes()[:48]
+    )  # a copy cut short after its header: the start's checks pass it
     before = contents(tmp_path / "ckpt")
     capsys.readouterr()
     code = main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"])
-    assert_one_line(code, capsys.readouterr().err, f"{broken} cannot be read (image file is truncated); remove or "
-                                                   f"replace it")
+    assert_one_line(
+        code,
+        capsys.readouterr().err,
+        f"{broken} cannot be read (image file is truncated); remove or replace it",
+    )
     assert_untouched(tmp_path / "ckpt", before)
 
 
@@ -496,17 +700,26 @@ def unreadable(path: Path) -> Path:
 # these run with the capabilities that let it dropped (conftest.permissions_apply).
 PERMISSIONS = {
     "an unreadable data file": lambda tmp, ckpt: (
-        [*mnist_extracted(tmp, None), "--save-dir", str(ckpt)], tmp,
+        [*mnist_extracted(tmp, None), "--save-dir", str(ckpt)],
+        tmp,
         f"--dataset mnist: {unreadable(tmp / 'mnist' / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte')} cannot be read "
-        f"(Permission denied); give this user read access to it"),
+        f"(Permission denied); give this user read access to it",
+    ),
     "an unreadable image folder": lambda tmp, ckpt: (
-        [*imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]}), "--save-dir", str(ckpt)], tmp,
-        f"cannot read the folder {unreadable(tmp / 'images' / 'train' / 'dog')} (Permission denied)"),
+        [*imagefolder(tmp, {"train": ["cat", "dog"], "val": ["cat", "dog"]}), "--save-dir", str(ckpt)],
+        tmp,
+        f"cannot read the folder {unreadable(tmp / 'images' / 'train' / 'dog')} (Permission denied)",
+    ),
     "a save-dir in a read-only folder": lambda tmp, ckpt: (
-        ["--save-dir", str(tmp / "locked" / "run")], tmp,
-        f"--save-dir {tmp / 'locked' / 'run'} is not writable (Permission denied)"),
+        ["--save-dir", str(tmp / "locked" / "run")],
+        tmp,
+        f"--save-dir {tmp / 'locked' / 'run'} is not writable (Permission denied)",
+    ),
     "the current folder read-only, without --save-dir": lambda tmp, ckpt: (
-        [], tmp / "locked", f"cannot use {tmp / 'locked' / 'checkpoints'}: permission denied"),
+        [],
+        tmp / "locked",
+        f"cannot use {tmp / 'locked' / 'checkpoints'}: permission denied",
+    ),
 }
 
 
@@ -515,18 +728,30 @@ def test_a_path_this_user_may_not_use_is_one_line_naming_it(name, save_dir, tmp_
     (tmp_path / "locked").mkdir(mode=0o555)
     args, cwd, expected = PERMISSIONS[name](tmp_path, save_dir)
     before, cwd_before = contents(save_dir), sorted(cwd.iterdir())
-    result = subprocess.run(cli_command([*BASE, *args]), cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT, preexec_fn=permissions_apply())
+    result = subprocess.run(
+        cli_command([*BASE, *args]),
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        preexec_fn=permissions_apply(),
+    )
     assert_one_line(result.returncode, result.stderr, expected)
     assert_untouched(save_dir, before)
     assert sorted(cwd.iterdir()) == cwd_before
 
 
 RANKS = {
-    "dp under torchrun": (["--multi-gpu", "dp"], "--multi-gpu dp trains in one process, but torchrun started 2: "
-                                                 "use --multi-gpu ddp under torchrun, or run without torchrun"),
-    "a training set smaller than the world size": (["--multi-gpu", "ddp", "--train-size", "1"],
-                                                   "a training set of 1 sample(s) cannot be shared by 2 ranks"),
+    "dp under torchrun": (
+        ["--multi-gpu", "dp"],
+        "--multi-gpu dp trains in one process, but torchrun started 2: "
+        "use --multi-gpu ddp under torchrun, or run without torchrun",
+    ),
+    "a training set smaller than the world size": (
+        ["--multi-gpu", "ddp", "--train-size", "1"],
+        "a training set of 1 sample(s) cannot be shared by 2 ranks",
+    ),
 }
 
 
@@ -545,10 +770,12 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0_and_exit_2_on_every_ra
 EVERY_RANK_REFUSES = {
     "a value out of range": (["--epochs", "0"], "--epochs must be at least 1, got 0"),
     "dp under torchrun": (["--multi-gpu", "dp"], RANKS["dp under torchrun"][1]),
-    "a mesh of more processes than the run's": (["--multi-gpu", "fsdp", "--dp-replicate", "3", "--dp-shard", "2"],
-                                                "--dp-replicate 3 x --dp-shard 2 = 6 processes, but this run has 2 "
-                                                "processes: make replicate x shard = 2, or give --dp-shard -1 for the "
-                                                "processes left"),
+    "a mesh of more processes than the run's": (
+        ["--multi-gpu", "fsdp", "--dp-replicate", "3", "--dp-shard", "2"],
+        "--dp-replicate 3 x --dp-shard 2 = 6 processes, but this run has 2 "
+        "processes: make replicate x shard = 2, or give --dp-shard -1 for the "
+        "processes left",
+    ),
 }
 TORCHRUNS = 20
 
@@ -560,8 +787,10 @@ def test_a_refusal_every_rank_reaches_is_said_once_under_torchrun_whichever_rank
     it), rank 1 slowest, and neither."""
     args, expected = EVERY_RANK_REFUSES[name]
     with torchruns_store() as port, busy_cpus(2):
-        runs = [run_as_torchrun_workers(args, 2, port, attempt, held=attempt % 3 if attempt % 3 < 2 else None)
-                for attempt in range(TORCHRUNS)]
+        runs = [
+            run_as_torchrun_workers(args, 2, port, attempt, held=attempt % 3 if attempt % 3 < 2 else None)
+            for attempt in range(TORCHRUNS)
+        ]
     for attempt, (statuses, output) in enumerate(runs):
         assert output == f"error: {expected}\n", (attempt, statuses, output)
         assert 2 in statuses and set(statuses) <= {2, -15}, (attempt, statuses)
@@ -582,11 +811,21 @@ def api_fit(tmp_path: Path, model: torch.nn.Module, dataset: Dataset, **options:
     return MultiGPUTrainer(model, dataset, None, config_for(tmp_path, 1, epochs=1), **options).fit()
 
 
-def api_build(tmp_path: Path, val: Dataset, model: Optional[torch.nn.Module] = None, config: Optional[dict] = None,
-              **options: Any) -> object:
+def api_build(
+    tmp_path: Path,
+    val: Dataset,
+    model: torch.nn.Module | None = None,
+    config: dict | None = None,
+    **options: Any,
+) -> object:
     """The trainer built, not fitted: what this refuses is refused before the first step."""
-    return MultiGPUTrainer(model or tiny_model(), blobs(32, 0), val, config_for(tmp_path, 1, epochs=1, **(config or {})),
-                           **options)
+    return MultiGPUTrainer(
+        model or tiny_model(),
+        blobs(32, 0),
+        val,
+        config_for(tmp_path, 1, epochs=1, **(config or {})),
+        **options,
+    )
 
 
 def regression_set(size: int) -> TensorDataset:
@@ -600,47 +839,87 @@ def api(make: Callable[[Path], object], error: type, expected: str, *marks) -> o
 
 
 API = {
-    "batch_size as text": api(lambda tmp: TrainConfig(batch_size="64"), UsageError,
-                              "TrainConfig batch_size (--batch-size) must be an int or 'auto', got '64' (str)"),
-    "fractional max_steps": api(lambda tmp: TrainConfig(max_steps=2.5), UsageError,
-                                "TrainConfig max_steps (--max-steps) must be an int, got 2.5 (float)"),
-    "fractional epochs": api(lambda tmp: TrainConfig(epochs=1.5), UsageError,
-                             "TrainConfig epochs (--epochs) must be an int, got 1.5 (float)"),
+    "batch_size as text": api(
+        lambda tmp: TrainConfig(batch_size="64"),
+        UsageError,
+        "TrainConfig batch_size (--batch-size) must be an int or 'auto', got '64' (str)",
+    ),
+    "fractional max_steps": api(
+        lambda tmp: TrainConfig(max_steps=2.5),
+        UsageError,
+        "TrainConfig max_steps (--max-steps) must be an int, got 2.5 (float)",
+    ),
+    "fractional epochs": api(
+        lambda tmp: TrainConfig(epochs=1.5),
+        UsageError,
+        "TrainConfig epochs (--epochs) must be an int, got 1.5 (float)",
+    ),
     "lr as text": api(lambda tmp: TrainConfig(lr="0.1"), UsageError, "TrainConfig lr (--lr) must be a float"),
-    "progress as a number": api(lambda tmp: TrainConfig(progress=1), UsageError,
-                                "TrainConfig progress (--progress) must be a bool, got 1 (int)"),
-    "a bool for an int": api(lambda tmp: TrainConfig(train_size=True), UsageError, "must be an int, got True (bool)"),
-    "save_dir as a number": api(lambda tmp: TrainConfig(save_dir=3), UsageError,
-                                "TrainConfig save_dir (--save-dir) must be a str"),
-    "momentum nan": api(lambda tmp: TrainConfig(momentum=float("nan")), UsageError, "--momentum must be a finite"),
-    "seed beyond the generators": api(lambda tmp: TrainConfig(seed=2**40), UsageError, "--seed must be between"),
-    "sampler for more ranks than samples": api(lambda tmp: ResumableDistributedSampler(1, rank=0, world_size=2),
-                                               UsageError, "cannot be shared by 2 ranks"),
-    "image too small for the cnn": api(lambda tmp: build_model("cnn", (3, 1, 1), 10), UsageError, "at least 4x4"),
-    "data set without targets": api(lambda tmp: api_fit(tmp, tiny_model(), InputsOnly()), ValueError, "target"),
-    "model outputs fewer than the classes": api(lambda tmp: api_fit(tmp, tiny_model(classes=2),
-                                                                    blobs(32, 0, classes=4)),
-                                                ValueError, "class"),
+    "progress as a number": api(
+        lambda tmp: TrainConfig(progress=1),
+        UsageError,
+        "TrainConfig progress (--progress) must be a bool, got 1 (int)",
+    ),
+    "a bool for an int": api(
+        lambda tmp: TrainConfig(train_size=True), UsageError, "must be an int, got True (bool)"
+    ),
+    "save_dir as a number": api(
+        lambda tmp: TrainConfig(save_dir=3), UsageError, "TrainConfig save_dir (--save-dir) must be a str"
+    ),
+    "momentum nan": api(
+        lambda tmp: TrainConfig(momentum=float("nan")), UsageError, "--momentum must be a finite"
+    ),
+    "seed beyond the generators": api(
+        lambda tmp: TrainConfig(seed=2**40), UsageError, "--seed must be between"
+    ),
+    "sampler for more ranks than samples": api(
+        lambda tmp: ResumableDistributedSampler(1, rank=0, world_size=2),
+        UsageError,
+        "cannot be shared by 2 ranks",
+    ),
+    "image too small for the cnn": api(
+        lambda tmp: build_model("cnn", (3, 1, 1), 10), UsageError, "at least 4x4"
+    ),
+    "data set without targets": api(
+        lambda tmp: api_fit(tmp, tiny_model(), InputsOnly()), ValueError, "target"
+    ),
+    "model outputs fewer than the classes": api(
+        lambda tmp: api_fit(tmp, tiny_model(classes=2), blobs(32, 0, classes=4)), ValueError, "class"
+    ),
     # names and shapes, checked on a few validation samples when the trainer is built
-    "monitor that is not a metric": api(lambda tmp: api_build(tmp, blobs(16, 1), config=dict(monitor="val_f1")),
-                                        UsageError, "--monitor val_f1 is not a validation metric of this run; it has "
-                                                    "val_loss, val_acc"),
+    "monitor that is not a metric": api(
+        lambda tmp: api_build(tmp, blobs(16, 1), config=dict(monitor="val_f1")),
+        UsageError,
+        "--monitor val_f1 is not a validation metric of this run; it has val_loss, val_acc",
+    ),
     "early stopping without a validation set": api(
-        lambda tmp: api_build(tmp, None, config=dict(early_stop_patience=2)), UsageError,
-        "--early-stop-patience watches a validation metric, and this run has no validation set"),
-    "a metric name that does not exist": api(lambda tmp: api_build(tmp, blobs(16, 1), metrics=["acc", "f1"]),
-                                             ValueError, "unknown metric 'f1'"),
-    "a validation set without targets": api(lambda tmp: api_build(tmp, InputsOnly()), ValueError,
-                                            "a batch must be an (inputs, targets) pair or a dict"),
-    "a metric function that fails": api(lambda tmp: api_build(tmp, blobs(16, 1),
-                                                              metrics={"p": lambda outputs, targets: outputs.probs}),
-                                        AttributeError, "probs"),
+        lambda tmp: api_build(tmp, None, config=dict(early_stop_patience=2)),
+        UsageError,
+        "--early-stop-patience watches a validation metric, and this run has no validation set",
+    ),
+    "a metric name that does not exist": api(
+        lambda tmp: api_build(tmp, blobs(16, 1), metrics=["acc", "f1"]), ValueError, "unknown metric 'f1'"
+    ),
+    "a validation set without targets": api(
+        lambda tmp: api_build(tmp, InputsOnly()),
+        ValueError,
+        "a batch must be an (inputs, targets) pair or a dict",
+    ),
+    "a metric function that fails": api(
+        lambda tmp: api_build(tmp, blobs(16, 1), metrics={"p": lambda outputs, targets: outputs.probs}),
+        AttributeError,
+        "probs",
+    ),
     "regression outputs (N, 1) against targets (N,)": api(
         lambda tmp: api_build(tmp, regression_set(16), torch.nn.Linear(16, 1), loss_fn=torch.nn.MSELoss()),
-        UsageError, "outputs of shape (8, 1) and targets of shape (8,) differ: MSELoss would broadcast them"),
+        UsageError,
+        "outputs of shape (8, 1) and targets of shape (8,) differ: MSELoss would broadcast them",
+    ),
     "the same without a validation set, at the first batch": api(
         lambda tmp: api_fit(tmp, torch.nn.Linear(16, 1), regression_set(32), loss_fn=F.l1_loss),
-        ValueError, "outputs of shape (8, 1) and targets of shape (8,) differ: l1_loss would broadcast them"),
+        ValueError,
+        "outputs of shape (8, 1) and targets of shape (8,) differ: l1_loss would broadcast them",
+    ),
 }
 
 

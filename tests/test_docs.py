@@ -43,7 +43,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -75,7 +75,7 @@ class Block:
     where: str
     lang: str
     commands: list[str]
-    illustrative: Optional[str] = None
+    illustrative: str | None = None
     pending: bool = False
 
     @property
@@ -109,7 +109,9 @@ def blocks_of(doc: str) -> list[Block]:
         if fence:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             if fence.group(1) in ("bash", "sh"):
-                found.append(Block(f"{doc}:{i + 1}", fence.group(1), commands_of(lines[i + 1:end]), mark, pending))
+                found.append(
+                    Block(f"{doc}:{i + 1}", fence.group(1), commands_of(lines[i + 1 : end]), mark, pending)
+                )
             mark, i = None, end
         elif line.strip() and not marker:
             mark = None
@@ -138,8 +140,9 @@ def fresh_clone(checkout: Path = REPO) -> Path:
     command then finds it ready, as it does after the first time.
     """
     folder = Path(tempfile.mkdtemp(prefix="docs-"))
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=checkout, capture_output=True, text=True,
-                            check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached"], cwd=checkout, capture_output=True, text=True, check=True
+    ).stdout
     for name in filter(None, listed.split("\0")):
         if (checkout / name).exists():  # not a file deleted in the working tree
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -159,10 +162,16 @@ def environment(block: Block) -> dict[str, str]:
     # One thread per process: two sequences run side by side on a 2-core machine, and torch's threads of a
     # one-process command would only spin against them (the launcher sets the same for its processes). Torch's
     # default thread count is left to the tests that run in pytest's own process.
-    env = {**os.environ, "PYTHON": sys.executable, "MULTIGPU_TEST_ARGS": SHRINK, "PYTHONDONTWRITEBYTECODE": "1",
-           "OMP_NUM_THREADS": "1",
-           "LAUNCH_DEFAULT_PORT": str(free_port()), "LAUNCH_INPUT_TIMEOUT": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "MULTIGPU_TEST_ARGS": SHRINK,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1",
+        "LAUNCH_DEFAULT_PORT": str(free_port()),
+        "LAUNCH_INPUT_TIMEOUT": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     if block.lang == "sh":
         env.pop("CUDA_VISIBLE_DEVICES", None)
         env.update(PATH=f"{FAKE_BIN}{os.pathsep}{env['PATH']}", FAKE_GPU_COUNT="8")
@@ -171,19 +180,21 @@ def environment(block: Block) -> dict[str, str]:
     return env
 
 
-def as_dry_run(command: str) -> Optional[str]:
+def as_dry_run(command: str) -> str | None:
     """A launcher command with --dry-run added (before any `--`), or None for anything else."""
     if not re.search(r"\blaunch_multi_gpu\.sh\b", command):
         return None
     return re.sub(r"(launch_multi_gpu\.sh)(\s|$)", r"\1 --dry-run\2", command, count=1)
 
 
-def serve_tensorboard(command: str, folder: Path, env: dict[str, str]) -> Optional[str]:
+def serve_tensorboard(command: str, folder: Path, env: dict[str, str]) -> str | None:
     """Start tensorboard as written (on a free port unless one is given), fetch its page, stop it."""
     words = shlex.split(command.split("#")[0])
     if "--port" not in words:
         words += ["--port", str(free_port())]
-    server = subprocess.Popen(words, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        words, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         url, seen = None, ""
@@ -195,7 +206,11 @@ def serve_tensorboard(command: str, folder: Path, env: dict[str, str]) -> Option
         if url is None:
             return f"tensorboard did not start:\n{seen[-2000:]}"
         with urllib.request.urlopen(url.replace("localhost", "127.0.0.1"), timeout=30) as page:
-            return None if page.status == 200 and b"TensorBoard" in page.read() else f"{url}: no TensorBoard page"
+            return (
+                None
+                if page.status == 200 and b"TensorBoard" in page.read()
+                else f"{url}: no TensorBoard page"
+            )
     finally:
         server.terminate()
         try:
@@ -214,7 +229,7 @@ def accuracies(output: str) -> list[float]:
     return found
 
 
-def learning_failure(block: Block, command: str, output: str) -> Optional[str]:
+def learning_failure(block: Block, command: str, output: str) -> str | None:
     """Why a training command's output shows it did not learn; None when it did, or is no training command."""
     if not TRAINS.search(command) or re.search(r"--(dry-run|help|slurm)\b", command):
         return None
@@ -248,25 +263,37 @@ def run_blocks(blocks: list[Block], again: bool = False) -> list[str]:
                 failures.append(f"{block.where}: run a second time: {problem}")
                 break
     subprocess.run(["rm", "-rf", str(folder)], check=False)
-    print(f"{blocks[0].where}..: {sum(len(block.commands) for block in blocks)} command(s) in "
-          f"{time.monotonic() - started:.1f}s")  # with -s
+    print(
+        f"{blocks[0].where}..: {sum(len(block.commands) for block in blocks)} command(s) in "
+        f"{time.monotonic() - started:.1f}s"
+    )  # with -s
     return failures
 
 
-def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -> Optional[str]:
+def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -> str | None:
     """Run one documented command in `folder`; what went wrong, or None."""
     runnable = command if block.lang == "bash" else as_dry_run(command)
     if runnable is None:
-        return (f"`{command}` needs GPUs but is no launcher call to dry-run: make it run on the CPU (a bash "
-                f"block) or mark the block <!-- illustrative: why -->")
+        return (
+            f"`{command}` needs GPUs but is no launcher call to dry-run: make it run on the CPU (a bash "
+            f"block) or mark the block <!-- illustrative: why -->"
+        )
     if command.startswith("tensorboard "):
         problem = serve_tensorboard(runnable, folder, env)
         return f"`{command}`: {problem}" if problem else None
     started = time.monotonic()
     # A session of its own, killed whole on a timeout: a command's own children (a benchmark's workers) would
     # otherwise run on, orphaned, and slow every later test.
-    process = subprocess.Popen(["bash", "-c", runnable], cwd=folder, env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        ["bash", "-c", runnable],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(ENTER_AT_EVERY_QUESTION, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -284,8 +311,13 @@ def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -
 
 
 def checkout_state() -> set[str]:
-    status = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {line for line in status.splitlines() if "__pycache__" not in line and ".pytest_cache" not in line}
 
 
@@ -294,8 +326,13 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
     runnable = [block for block in all_blocks() if not block.illustrative and not block.pending]
     reader = [block for doc in READER for block in runnable if block.doc == doc]  # all of them, repeats too
     read = {tuple(block.commands) for block in reader}
-    guide = list({tuple(block.commands): block for block in runnable
-                  if block.doc not in READER and tuple(block.commands) not in read}.values())  # the rest, once
+    guide = list(
+        {
+            tuple(block.commands): block
+            for block in runnable
+            if block.doc not in READER and tuple(block.commands) not in read
+        }.values()
+    )  # the rest, once
     guide.sort(key=lambda block: (block.lang == "bash", len(block.commands)), reverse=True)  # long ones first
     sequences = [reader] + [[block] for block in guide]  # the reader's sequence first: it is the longest
     before = checkout_state()
@@ -303,22 +340,31 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
         results = pool.map(run_blocks, sequences, [True] + [False] * len(guide))  # the reader comes back
         failures = [failure for result in results for failure in result]
     assert not failures, "\n\n".join(failures)
-    assert sum(len(block.commands) for block in reader + guide) >= 15  # the parser found the documents' commands
+    assert (
+        sum(len(block.commands) for block in reader + guide) >= 15
+    )  # the parser found the documents' commands
     assert checkout_state() == before, "a documented command wrote into the checkout"
 
 
 def test_documented_commands_name_no_fixed_rendezvous_port() -> None:
     """`--master-port 29500` in the multi-node example failed (`port 29500 is busy`) whenever anything held it:
     commands that run leave the port to the launcher (its default, a free one in these tests)."""
-    fixed = [f"{block.where}: {command}" for block in all_blocks() if not block.illustrative
-             for command in block.commands if FIXED_PORT.search(command)]
+    fixed = [
+        f"{block.where}: {command}"
+        for block in all_blocks()
+        if not block.illustrative
+        for command in block.commands
+        if FIXED_PORT.search(command)
+    ]
     assert not fixed, fixed
 
 
 def test_only_a_handful_of_blocks_are_illustrative_and_each_says_why() -> None:
     illustrative = [block for block in all_blocks() if block.illustrative]
     assert len(illustrative) <= MAX_ILLUSTRATIVE, [block.where for block in illustrative]
-    assert all(block.illustrative != "illustrative" for block in illustrative), "say why: <!-- illustrative: why -->"
+    assert all(block.illustrative != "illustrative" for block in illustrative), (
+        "say why: <!-- illustrative: why -->"
+    )
 
 
 def test_pending_blocks_name_scripts_that_do_not_exist_yet() -> None:
@@ -326,15 +372,21 @@ def test_pending_blocks_name_scripts_that_do_not_exist_yet() -> None:
     for block in pending:
         for script in re.findall(r"\b[\w/]+\.py\b", " ".join(block.commands)):
             assert not (REPO / script).exists(), (
-                f"{block.where}: {script} exists now: take its block out of the <!-- pending --> comment")
+                f"{block.where}: {script} exists now: take its block out of the <!-- pending --> comment"
+            )
 
 
 def test_commands_that_run_on_the_cpu_ask_for_no_bf16_or_fp16() -> None:
     """A `bash` block runs as written on a CPU, where bf16 is emulated unless the processor has bf16 units:
     QUICK_REFERENCE's `--amp bf16` command took 509 s at 54 samples/s against 220-760 in fp32. `--amp auto` picks
     fp32 there and bf16 on GPUs."""
-    asking = [f"{block.where}: {command}" for block in all_blocks() if block.lang == "bash"
-              for command in block.commands if re.search(r"--amp[ =](bf16|fp16)\b", command)]
+    asking = [
+        f"{block.where}: {command}"
+        for block in all_blocks()
+        if block.lang == "bash"
+        for command in block.commands
+        if re.search(r"--amp[ =](bf16|fp16)\b", command)
+    ]
     assert not asking, asking
 
 
@@ -368,11 +420,16 @@ def test_a_fresh_clone_holds_the_tracked_files_only(tmp_path: Path) -> None:
     for name in ("requirements.txt", "pyproject.toml", "docs/page.md", "predictions.csv"):
         (checkout / name).write_text(name)
     subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
-    subprocess.run(["git", "add", "requirements.txt", "pyproject.toml", "docs/page.md"], cwd=checkout, check=True)
+    subprocess.run(
+        ["git", "add", "requirements.txt", "pyproject.toml", "docs/page.md"], cwd=checkout, check=True
+    )
     clone = fresh_clone(checkout)
     try:
-        assert sorted(path.relative_to(clone).as_posix() for path in clone.rglob("*") if path.is_file()
-                      and ".venv" not in path.parts) == ["docs/page.md", "pyproject.toml", "requirements.txt"]
+        assert sorted(
+            path.relative_to(clone).as_posix()
+            for path in clone.rglob("*")
+            if path.is_file() and ".venv" not in path.parts
+        ) == ["docs/page.md", "pyproject.toml", "requirements.txt"]
     finally:
         shutil.rmtree(clone)
 
@@ -403,8 +460,12 @@ def test_the_reference_lists_every_trainconfig_field_with_its_flag_type_default_
 def test_what_an_autotune_command_says_of_its_trials_holds_on_any_machine() -> None:
     """QUICK_REFERENCE said `the first 10 pick the faster memory format` where the run said `steps 1-20 measured`:
     how many settings --autotune tries depends on the machine (its threads), 5 steps each."""
-    said = [(doc, line) for doc in DOCS for line in (REPO / doc).read_text().splitlines()
-            if re.match(r"(python|torchrun|bash) .*--autotune.*  # ", line)]  # a command, and what it says
+    said = [
+        (doc, line)
+        for doc in DOCS
+        for line in (REPO / doc).read_text().splitlines()
+        if re.match(r"(python|torchrun|bash) .*--autotune.*  # ", line)
+    ]  # a command, and what it says
     assert said, "no documented --autotune command"
     for where, line in said:
         comment = line.split("  # ", 1)[1]
@@ -418,9 +479,12 @@ TIMING = re.compile(r"\b(about|took|takes) \d[\d,.]* ?(s|seconds|minutes?)\b|\b\
 
 def test_the_timings_a_reader_is_promised_say_they_were_measured_on_a_quiet_machine() -> None:
     """README's sweep, "about 20 s on 2 CPU cores", took 182 s on a machine other jobs kept busy."""
-    unsaid = [f"{doc}: {paragraph.strip()[:120]}" for doc in READER + ("MULTI_GPU_GUIDE.md",)
-              for paragraph in re.split(r"\n\s*\n", (REPO / doc).read_text())
-              if TIMING.search(paragraph) and "quiet" not in paragraph]
+    unsaid = [
+        f"{doc}: {paragraph.strip()[:120]}"
+        for doc in READER + ("MULTI_GPU_GUIDE.md",)
+        for paragraph in re.split(r"\n\s*\n", (REPO / doc).read_text())
+        if TIMING.search(paragraph) and "quiet" not in paragraph
+    ]
     assert not unsaid, unsaid
 
 
@@ -430,9 +494,13 @@ def test_a_training_command_that_ends_at_chance_fails_the_docs(tmp_path: Path) -
     assert "trained to chance" in learning_failure(readme, "python main_multi_gpu.py", at_chance)
     assert learning_failure(readme, "python main_multi_gpu.py", at_chance.replace("0.1000", "0.9531")) is None
     assert "no validation accuracy" in learning_failure(readme, "bash launch_multi_gpu.sh --yes", "done\n")
-    assert learning_failure(guide, "python main_multi_gpu.py --model mlp", "done: best val loss 0.01\n") is None
+    assert (
+        learning_failure(guide, "python main_multi_gpu.py --model mlp", "done: best val loss 0.01\n") is None
+    )
     assert learning_failure(readme, "bash launch_multi_gpu.sh --dry-run", "") is None
-    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps({"metrics": {"val_acc": acc}}) for acc in (0.9, 0.12)))
+    (tmp_path / "results.jsonl").write_text(
+        "\n".join(json.dumps({"metrics": {"val_acc": acc}}) for acc in (0.9, 0.12))
+    )
     sweep_output = f"sweep done: 2 of 2 experiments ok; summary {tmp_path}/summary.md (and summary.csv)\n"
     assert accuracies(sweep_output) == [0.9, 0.12]
     assert "0.1200" in learning_failure(readme, "python sweep_multi_gpu.py --num-seeds 2", sweep_output)
@@ -444,10 +512,17 @@ def test_the_guides_site_builds_with_no_broken_link_page_or_anchor(tmp_path: Pat
     mkdocs = Path(sys.executable).parent / "mkdocs"
     if not mkdocs.exists():
         pytest.skip("mkdocs is not installed: bash scripts/ensure_env.sh docs")
-    built = subprocess.run([str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
-                           cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
-                           timeout=COMMAND_TIMEOUT)
+    built = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+    )
     assert built.returncode == 0, built.stderr
-    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "trainer").is_dir()
+    assert (tmp_path / "site" / "index.html").is_file() and (
+        tmp_path / "site" / "reference" / "trainer"
+    ).is_dir()
     reference = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
     assert all(f"--{flag(field.name)}</code>" in reference for field in dataclasses.fields(TrainConfig))

@@ -57,13 +57,16 @@ class AllReduceCount:
         self.calls = 0
 
 
-def counting_allreduce_hook(state: AllReduceCount, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def counting_allreduce_hook(
+    state: AllReduceCount, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     state.calls += 1
     return default_hooks.allreduce_hook(None, bucket)  # None: the default (whole-world) group
 
 
-def train(tmp_path: Path, world_size: int, size: int, runtime: Runtime | None = None,
-          **overrides: Any) -> Outcome:
+def train(
+    tmp_path: Path, world_size: int, size: int, runtime: Runtime | None = None, **overrides: Any
+) -> Outcome:
     """Train tiny_model on `size` blobs for 2 epochs and report weights and counts."""
     config = config_for(tmp_path, world_size, lr_scaling="linear", lr_base_batch=16, epochs=2, **overrides)
     trainer = MultiGPUTrainer(tiny_model(), blobs(size, 0), None, config, runtime=runtime)
@@ -74,24 +77,32 @@ def train(tmp_path: Path, world_size: int, size: int, runtime: Runtime | None = 
     trainer.step.wrapped.register_forward_pre_hook(lambda module, args: forwards.append(1))
     trainer.fit()
     weights = {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}
-    return Outcome(weights, trainer.progress.global_step, trainer.lr, trainer.effective_batch, len(forwards),
-                   count.calls)
+    return Outcome(
+        weights, trainer.progress.global_step, trainer.lr, trainer.effective_batch, len(forwards), count.calls
+    )
 
 
 def ddp_runs(world_size: int) -> dict[str, dict[str, Any]]:
     """The DDP runs, per optimizer: the whole batch split over ranks, and the same with accumulation 3."""
     runs = {}
     for name, optimizer in OPTIMIZERS.items():
-        runs[f"{name}/split"] = dict(size=WHOLE_BATCH["size"], batch_size=WHOLE_BATCH["batch_size"] // world_size,
-                                     **optimizer)
-        runs[f"{name}/split+accum"] = dict(size=ACCUMULATION["size"], grad_accum_steps=3,
-                                           batch_size=ACCUMULATION["batch_size"] // (3 * world_size), **optimizer)
+        runs[f"{name}/split"] = dict(
+            size=WHOLE_BATCH["size"], batch_size=WHOLE_BATCH["batch_size"] // world_size, **optimizer
+        )
+        runs[f"{name}/split+accum"] = dict(
+            size=ACCUMULATION["size"],
+            grad_accum_steps=3,
+            batch_size=ACCUMULATION["batch_size"] // (3 * world_size),
+            **optimizer,
+        )
     return runs
 
 
 def _ddp_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Outcome]:
-    return {name: train(tmp_path / f"rank{rank}" / name, world_size, **run)
-            for name, run in ddp_runs(world_size).items()}
+    return {
+        name: train(tmp_path / f"rank{rank}" / name, world_size, **run)
+        for name, run in ddp_runs(world_size).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +123,11 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def assert_same_training(actual: Outcome, expected: Outcome) -> float:
     """Same steps, LR and effective batch, weights within TOLERANCE; returns the max abs difference."""
-    assert (actual.steps, actual.effective_batch, actual.lr) == (expected.steps, expected.effective_batch,
-                                                                 expected.lr)
+    assert (actual.steps, actual.effective_batch, actual.lr) == (
+        expected.steps,
+        expected.effective_batch,
+        expected.lr,
+    )
     difference = max_difference(actual.weights, expected.weights)
     print(f"max abs weight difference {difference:.3g} after {actual.steps} steps")  # figure for the guide
     assert difference <= TOLERANCE
@@ -138,8 +152,14 @@ def test_ddp_equals_one_process_with_the_whole_batch(ddp, tmp_path, optimizer):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_accumulation_equals_one_big_batch_in_one_process_and_under_ddp(ddp, tmp_path, optimizer):
     big = train(tmp_path / "big", 1, **ACCUMULATION, **OPTIMIZERS[optimizer])
-    accumulated = train(tmp_path / "accum", 1, size=ACCUMULATION["size"], grad_accum_steps=3,
-                        batch_size=ACCUMULATION["batch_size"] // 3, **OPTIMIZERS[optimizer])
+    accumulated = train(
+        tmp_path / "accum",
+        1,
+        size=ACCUMULATION["size"],
+        grad_accum_steps=3,
+        batch_size=ACCUMULATION["batch_size"] // 3,
+        **OPTIMIZERS[optimizer],
+    )
     assert big.steps == 24  # ceil(138 / 12) = 12 per epoch, the last one short
     assert_training_moved(big)
     assert_same_training(accumulated, big)
@@ -166,9 +186,22 @@ def test_dataparallel_splitting_a_batch_equals_one_device_with_that_batch(tmp_pa
     gpus = torch.cuda.device_count() >= 2
     device = torch.device("cuda:0" if gpus else "cpu")
     dp = Runtime("dp", device, dp_device_ids=[0, 1])
-    split = train(tmp_path / "dp", 1, runtime=dp, size=WHOLE_BATCH["size"], batch_size=8, num_workers=0,
-                  **OPTIMIZERS["sgd"])
-    single = train(tmp_path / "one", 1, runtime=Runtime("none", device), num_workers=0, **WHOLE_BATCH,
-                   **OPTIMIZERS["sgd"])
+    split = train(
+        tmp_path / "dp",
+        1,
+        runtime=dp,
+        size=WHOLE_BATCH["size"],
+        batch_size=8,
+        num_workers=0,
+        **OPTIMIZERS["sgd"],
+    )
+    single = train(
+        tmp_path / "one",
+        1,
+        runtime=Runtime("none", device),
+        num_workers=0,
+        **WHOLE_BATCH,
+        **OPTIMIZERS["sgd"],
+    )
     assert split.forwards == single.forwards == 20  # one forward of 16 per step (DP splits it inside)
     assert_same_training(split, single)

@@ -14,20 +14,41 @@ from multigpu.checkpoints import checkpoint
 from multigpu.resilience.faults import FAULT_ENV
 
 # 96 samples, 8 per process: 6 steps per epoch with 2 processes; step checkpoints every 2 steps.
-SMALL = ["--train-size", "96", "--val-size", "40", "--batch-size", "8", "--epochs", "2", "--no-progress",
-         "--dist-timeout", "60", "--log-every", "2", "--save-every-steps", "2"]
+SMALL = [
+    "--train-size",
+    "96",
+    "--val-size",
+    "40",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+    "--no-progress",
+    "--dist-timeout",
+    "60",
+    "--log-every",
+    "2",
+    "--save-every-steps",
+    "2",
+]
 EXAMPLES = {  # script: (its own flags, the metric best.pt follows)
     "regression.py": (["--lr", "0.01"], "val_loss"),
     "dict_batches.py": (["--lr", "0.01"], "val_acc"),
-    "adadelta_steplr.py": (["--lr", "1.0", "--model", "mlp", "--mode", "flatten", "--image-shape", "1,8,8"],
-                           "val_acc"),
+    "adadelta_steplr.py": (
+        ["--lr", "1.0", "--model", "mlp", "--mode", "flatten", "--image-shape", "1,8,8"],
+        "val_acc",
+    ),
 }
 
 
 def run_example(name: str, save_dir: Path, *extra: str, nproc: int | None = None, fault: str = ""):
     flags, _ = EXAMPLES[name]
-    return run_cli([*SMALL, *flags, "--save-dir", str(save_dir), *extra], nproc=nproc, script=REPO / "examples" / name,
-                   env={FAULT_ENV: fault} if fault else None)
+    return run_cli(
+        [*SMALL, *flags, "--save-dir", str(save_dir), *extra],
+        nproc=nproc,
+        script=REPO / "examples" / name,
+        env={FAULT_ENV: fault} if fault else None,
+    )
 
 
 @pytest.mark.slow
@@ -39,7 +60,8 @@ def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_un
     best = checkpoint.load(str(tmp_path / "single" / "best.pt"))
     values = [value for _, value in read_scalars(tmp_path / "single" / "tb")[monitor.replace("_", "/", 1)]]
     assert best["monitor"] == monitor and best["best_value"] == pytest.approx(
-        min(values) if monitor == "val_loss" else max(values), rel=1e-6)
+        min(values) if monitor == "val_loss" else max(values), rel=1e-6
+    )
 
     assert_ok(run_example(name, tmp_path / "whole", nproc=2))
     killed = run_example(name, tmp_path / "resumed", nproc=2, fault="1:5")  # rank 1 dies after step 5
@@ -59,19 +81,36 @@ def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_un
 # Clients ported as their authors wrote them: the model's forward signature decides what each batch passes.
 PORTED = {
     "hf_dict_batch.py": ["--lr", "0.01"],  # {"input_ids", "attention_mask", "label"} into forward(input_ids)
-    "nanogpt.py": ["--lr", "0.01"],  # forward(idx, targets=None) -> (logits, loss), two AdamW groups, clipping
+    "nanogpt.py": [
+        "--lr",
+        "0.01",
+    ],  # forward(idx, targets=None) -> (logits, loss), two AdamW groups, clipping
     "dict_inputs_pair.py": ["--lr", "0.01"],  # ({"numeric", "city"}, label) into forward(features)
 }
-TINY = ["--train-size", "256", "--val-size", "64", "--batch-size", "16", "--epochs", "2", "--no-progress",
-        "--dist-timeout", "60", "--log-every", "4"]
+TINY = [
+    "--train-size",
+    "256",
+    "--val-size",
+    "64",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "2",
+    "--no-progress",
+    "--dist-timeout",
+    "60",
+    "--log-every",
+    "4",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PORTED)
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_ported_clients_train_without_a_forward_fn_and_their_loss_falls(name, nproc, tmp_path):
-    result = run_cli([*TINY, *PORTED[name], "--save-dir", str(tmp_path)], nproc=nproc,
-                     script=REPO / "examples" / name)
+    result = run_cli(
+        [*TINY, *PORTED[name], "--save-dir", str(tmp_path)], nproc=nproc, script=REPO / "examples" / name
+    )
     assert_ok(result)
     losses = [value for _, value in read_scalars(tmp_path / "tb")["train/loss"]]
     assert len(losses) >= 3 and losses[-1] < 0.8 * losses[0], losses

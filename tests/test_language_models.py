@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -20,13 +19,37 @@ from conftest import assert_ok, assert_one_line, run_cli
 EPOCHS = 3
 
 
-def _fine_tune(tiny_lm: Path, save_dir: Path, nproc: Optional[int] = None) -> list[float]:
+def _fine_tune(tiny_lm: Path, save_dir: Path, nproc: int | None = None) -> list[float]:
     """The CLI's run on the tiny model folder (packed windows of 32 tokens); its validation losses, epoch by
     epoch."""
-    args = ["--dataset", "hf", "--data-files", str(tiny_lm / "train.jsonl"), "--val-files", str(tiny_lm / "val.jsonl"),
-            "--text-column", "text", "--model", "hf", "--model-path", str(tiny_lm / "model"), "--block-size", "32",
-            "--batch-size", "16", "--epochs", str(EPOCHS), "--lr", "3e-3", "--export-on-end", "hf", "--no-progress",
-            "--save-dir", str(save_dir), *(["--multi-gpu", "ddp"] if nproc else [])]
+    args = [
+        "--dataset",
+        "hf",
+        "--data-files",
+        str(tiny_lm / "train.jsonl"),
+        "--val-files",
+        str(tiny_lm / "val.jsonl"),
+        "--text-column",
+        "text",
+        "--model",
+        "hf",
+        "--model-path",
+        str(tiny_lm / "model"),
+        "--block-size",
+        "32",
+        "--batch-size",
+        "16",
+        "--epochs",
+        str(EPOCHS),
+        "--lr",
+        "3e-3",
+        "--export-on-end",
+        "hf",
+        "--no-progress",
+        "--save-dir",
+        str(save_dir),
+        *(["--multi-gpu", "ddp"] if nproc else []),
+    ]
     result = run_cli(args, nproc=nproc)
     assert_ok(result)
     assert f"exported the trained weights of {save_dir / 'best.pt'}" in result.stdout, result.stdout
@@ -39,8 +62,12 @@ def _loads_and_generates(folder: Path) -> list[int]:
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer("the quick fox", return_tensors="pt")
-    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    assert generated.shape[1] > prompt["input_ids"].shape[1] and tokenizer.decode(generated[0]).startswith("the quick")
+    generated = model.generate(
+        **prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
+    assert generated.shape[1] > prompt["input_ids"].shape[1] and tokenizer.decode(generated[0]).startswith(
+        "the quick"
+    )
     return generated[0].tolist()
 
 
@@ -51,35 +78,72 @@ def _loss_per_token(folder: Path, tiny_lm: Path) -> float:
     from multigpu.config import parse_config
     from multigpu.data import build_datasets
 
-    config = parse_config(["--dataset", "hf", "--data-files", str(tiny_lm / "val.jsonl"), "--text-column", "text",
-                           "--model-path", str(tiny_lm / "model"), "--block-size", "32"])
+    config = parse_config(
+        [
+            "--dataset",
+            "hf",
+            "--data-files",
+            str(tiny_lm / "val.jsonl"),
+            "--text-column",
+            "text",
+            "--model-path",
+            str(tiny_lm / "model"),
+            "--block-size",
+            "32",
+        ]
+    )
     val = build_datasets(config).train
     windows = torch.stack([val[index]["input_ids"] for index in range(len(val))])
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(folder)(input_ids=windows).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             windows[:, 1:].reshape(-1)).item()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)
+    ).item()
 
 
 def test_a_model_folder_fine_tunes_on_jsonl_and_its_export_generates(tiny_lm, tmp_path):
     losses = _fine_tune(tiny_lm, tmp_path / "run")
-    assert len(losses) == EPOCHS and losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.5, losses
+    assert (
+        len(losses) == EPOCHS and losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.5
+    ), losses
     exported = tmp_path / "run" / "best-hf"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        path.name for path in exported.iterdir()}
+        path.name for path in exported.iterdir()
+    }
     _loads_and_generates(exported)
     # The loss the run printed is the mean over tokens: the exported (best) weights give it again here.
     assert _loss_per_token(exported, tiny_lm) == pytest.approx(min(losses), abs=2e-4)
 
 
 def test_its_checkpoint_is_loaded_as_a_transformers_model_not_predicted(tiny_lm, tmp_path, capsys):
-    assert main_multi_gpu.main(["--dataset", "hf", "--data-files", str(tiny_lm / "val.jsonl"), "--text-column", "text",
-                                "--model-path", str(tiny_lm / "model"), "--epochs", "1", "--no-progress",
-                                "--save-dir", str(tmp_path / "run")]) == 0
-    code = predict_multi_gpu.main(["--checkpoint", str(tmp_path / "run" / "last.pt"), "--output",
-                                   str(tmp_path / "p.pt")])
-    assert_one_line(code, capsys.readouterr().err, "--model hf's checkpoints are not predicted here: load the model "
-                                                   "as a transformers model")
+    assert (
+        main_multi_gpu.main(
+            [
+                "--dataset",
+                "hf",
+                "--data-files",
+                str(tiny_lm / "val.jsonl"),
+                "--text-column",
+                "text",
+                "--model-path",
+                str(tiny_lm / "model"),
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--save-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
+    code = predict_multi_gpu.main(
+        ["--checkpoint", str(tmp_path / "run" / "last.pt"), "--output", str(tmp_path / "p.pt")]
+    )
+    assert_one_line(
+        code,
+        capsys.readouterr().err,
+        "--model hf's checkpoints are not predicted here: load the model as a transformers model",
+    )
 
 
 @pytest.mark.slow
@@ -104,21 +168,39 @@ def _smaller_vocabulary(tiny_lm: Path, tmp: Path) -> list[str]:
 
 BAD = {
     "not a transformers model": (_not_a_model, "is not a transformers model: it holds no config.json"),
-    "no such text column": (lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--text-column", "body"],
-                            "--text-column body: the files' columns are text, label; name the column that holds "
-                            "each sample's text"),
-    "a tokenizer larger than the vocabulary": (_smaller_vocabulary, "the tokenizer has 150 tokens, more than the "
-                                                                    "model's vocabulary of 100"),
-    "a block size above the context": (lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--block-size",
-                                                             "128"],
-                                       "--block-size 128 is above the model's context of 64 positions"),
+    "no such text column": (
+        lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--text-column", "body"],
+        "--text-column body: the files' columns are text, label; name the column that holds "
+        "each sample's text",
+    ),
+    "a tokenizer larger than the vocabulary": (
+        _smaller_vocabulary,
+        "the tokenizer has 150 tokens, more than the model's vocabulary of 100",
+    ),
+    "a block size above the context": (
+        lambda tiny_lm, tmp: ["--model-path", str(tiny_lm / "model"), "--block-size", "128"],
+        "--block-size 128 is above the model's context of 64 positions",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", BAD)
 def test_bad_input_is_one_line_and_exit_2(tiny_lm, tmp_path, capsys, name):
     flags, expected = BAD[name]
-    code = main_multi_gpu.main(["--dataset", "hf", "--data-files", str(tiny_lm / "train.jsonl"), "--text-column",
-                                "text", "--model", "hf", "--no-progress", "--save-dir", str(tmp_path / "run"),
-                                *flags(tiny_lm, tmp_path)])
+    code = main_multi_gpu.main(
+        [
+            "--dataset",
+            "hf",
+            "--data-files",
+            str(tiny_lm / "train.jsonl"),
+            "--text-column",
+            "text",
+            "--model",
+            "hf",
+            "--no-progress",
+            "--save-dir",
+            str(tmp_path / "run"),
+            *flags(tiny_lm, tmp_path),
+        ]
+    )
     assert_one_line(code, capsys.readouterr().err, expected)

@@ -5,22 +5,42 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Optional
 
 from conftest import REPO
 
 # From the bottom up; a module may import its own layer and the layers below. The package root holds the
 # shared vocabulary (config, errors, safe_files, lr_scaling, rng, config_checks); models/ sits with data/.
-LAYERS = ("root", "resilience", "parallel", "data", "loop", "checkpoints", "monitoring", "tuning", "engine",
-          "train_multi_gpu", "launch", "sweep", "entry")
+LAYERS = (
+    "root",
+    "resilience",
+    "parallel",
+    "data",
+    "loop",
+    "checkpoints",
+    "monitoring",
+    "tuning",
+    "engine",
+    "train_multi_gpu",
+    "launch",
+    "sweep",
+    "entry",
+)
 ENTRY_SCRIPTS = ("main_multi_gpu", "predict_multi_gpu", "sweep_multi_gpu")
-PACKAGE_PLUMBING = ("multigpu", "multigpu.moved", "multigpu.torchrun")  # the package's own set-up and old paths
+PACKAGE_PLUMBING = (
+    "multigpu",
+    "multigpu.moved",
+    "multigpu.torchrun",
+)  # the package's own set-up and old paths
 
 
 def modules() -> dict[str, Path]:
     """Every module of the package, data/ and models/ as multigpu.data and multigpu.models, and the scripts."""
     found = {}
-    for folder, prefix in (("multigpu", "multigpu"), ("data", "multigpu.data"), ("models", "multigpu.models")):
+    for folder, prefix in (
+        ("multigpu", "multigpu"),
+        ("data", "multigpu.data"),
+        ("models", "multigpu.models"),
+    ):
         for path in (REPO / folder).rglob("*.py"):
             parts = path.relative_to(REPO / folder).with_suffix("").parts
             name = ".".join((prefix, *parts))
@@ -29,7 +49,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def layer(module: str) -> Optional[str]:
+def layer(module: str) -> str | None:
     if module in ENTRY_SCRIPTS:
         return "entry"
     if module == "train_multi_gpu":
@@ -69,7 +89,9 @@ def test_every_import_runs_down_the_layers():
 
 def test_no_module_imports_itself_round_a_circle():
     known = modules()
-    graph = {module: imports(path, known) - {module} - set(PACKAGE_PLUMBING) for module, path in known.items()}
+    graph = {
+        module: imports(path, known) - {module} - set(PACKAGE_PLUMBING) for module, path in known.items()
+    }
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles: list[str] = []
 
@@ -77,7 +99,7 @@ def test_no_module_imports_itself_round_a_circle():
         state[module] = 1
         for imported in sorted(graph.get(module, ())):
             if state.get(imported) == 1:
-                circles.append(" -> ".join([*path[path.index(imported):], imported]))
+                circles.append(" -> ".join([*path[path.index(imported) :], imported]))
             elif imported not in state:
                 visit(imported, [*path, imported])
         state[module] = 2

@@ -17,9 +17,28 @@ REPO = Path(__file__).resolve().parent.parent
 def ddp_run(tmp_path_factory):
     """One 2-process DDP run of the default model on the default data, shared by the tests below."""
     save_dir = tmp_path_factory.mktemp("ddp")
-    result = run_cli(["--multi-gpu", "ddp", "--epochs", "3", "--train-size", "2048", "--val-size", "500",
-                      "--batch-size", "32", "--log-every", "8", "--no-progress", "--dist-timeout", "60",
-                      "--save-dir", str(save_dir)], nproc=2)
+    result = run_cli(
+        [
+            "--multi-gpu",
+            "ddp",
+            "--epochs",
+            "3",
+            "--train-size",
+            "2048",
+            "--val-size",
+            "500",
+            "--batch-size",
+            "32",
+            "--log-every",
+            "8",
+            "--no-progress",
+            "--dist-timeout",
+            "60",
+            "--save-dir",
+            str(save_dir),
+        ],
+        nproc=2,
+    )
     assert_ok(result)
     return save_dir, result
 
@@ -47,7 +66,12 @@ def test_ddp_run_prints_its_plan_once_from_rank_0(ddp_run):
 def test_ddp_run_writes_one_event_file_and_rank0_checkpoints(ddp_run):
     save_dir, _ = ddp_run
     assert len(event_files(save_dir)) == 1
-    assert sorted(p.name for p in save_dir.iterdir()) == [".run.lock", "best.pt", "last.pt", "tb"]  # no temp files
+    assert sorted(p.name for p in save_dir.iterdir()) == [
+        ".run.lock",
+        "best.pt",
+        "last.pt",
+        "tb",
+    ]  # no temp files
     state = torch.load(save_dir / "last.pt", map_location="cpu", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "scaler", "epoch", "config", "metrics"):
         assert key in state
@@ -62,8 +86,23 @@ def test_ddp_run_writes_one_event_file_and_rank0_checkpoints(ddp_run):
 @pytest.mark.slow
 def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
     save_dir, _ = ddp_run
-    result = run_cli(["--epochs", "4", "--train-size", "2048", "--val-size", "500", "--batch-size", "32",
-                      "--no-progress", "--save-dir", str(tmp_path), "--resume", str(save_dir / "last.pt")])
+    result = run_cli(
+        [
+            "--epochs",
+            "4",
+            "--train-size",
+            "2048",
+            "--val-size",
+            "500",
+            "--batch-size",
+            "32",
+            "--no-progress",
+            "--save-dir",
+            str(tmp_path),
+            "--resume",
+            str(save_dir / "last.pt"),
+        ]
+    )
     assert_ok(result)
     assert "resumed from" in result.stdout
     assert result.stdout.count("epoch 4/4: val loss") == 1 and "epoch 3/4" not in result.stdout
@@ -72,15 +111,30 @@ def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
 
 @pytest.mark.slow
 def test_single_device_and_dp_fallback_train(tmp_path):
-    single = run_cli(["--multi-gpu", "none", "--mode", "flatten", "--epochs", "2", *TINY,
-                      "--save-dir", str(tmp_path / "single")])
+    single = run_cli(
+        [
+            "--multi-gpu",
+            "none",
+            "--mode",
+            "flatten",
+            "--epochs",
+            "2",
+            *TINY,
+            "--save-dir",
+            str(tmp_path / "single"),
+        ]
+    )
     assert_ok(single)
     assert "mode none: one device, cpu" in single.stdout
-    dp = run_cli(["--multi-gpu", "dp", "--mode", "flatten", "--epochs", "2", *TINY, "--save-dir", str(tmp_path / "dp")])
+    dp = run_cli(
+        ["--multi-gpu", "dp", "--mode", "flatten", "--epochs", "2", *TINY, "--save-dir", str(tmp_path / "dp")]
+    )
     assert_ok(dp)
     assert "--multi-gpu dp needs 2 or more GPUs, found 0: training on the single device cpu" in dp.stdout
     # Same seed, same data, same device: the fallback trains exactly what single-device mode trains.
-    weights = [torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in ("single", "dp")]
+    weights = [
+        torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in ("single", "dp")
+    ]
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
 
 
@@ -88,8 +142,21 @@ def test_single_device_and_dp_fallback_train(tmp_path):
 def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
     runs = {"a": "0", "b": "0", "c": "1"}
     for name, seed in runs.items():
-        assert_ok(run_cli(["--mode", "flatten", "--epochs", "1", *TINY, "--seed", seed,
-                           "--save-dir", str(tmp_path / name)]))
+        assert_ok(
+            run_cli(
+                [
+                    "--mode",
+                    "flatten",
+                    "--epochs",
+                    "1",
+                    *TINY,
+                    "--seed",
+                    seed,
+                    "--save-dir",
+                    str(tmp_path / name),
+                ]
+            )
+        )
     weights = {name: torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in runs}
     assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
     assert not all(torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
@@ -97,8 +164,26 @@ def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_with_accumulation_and_lr_scaling_reports_the_effective_batch(tmp_path):
-    result = run_cli(["--multi-gpu", "ddp", "--mode", "flatten", "--epochs", "1", *TINY, "--grad-accum-steps", "2",
-                      "--lr", "0.001", "--lr-scaling", "sqrt", "--save-dir", str(tmp_path)], nproc=2)
+    result = run_cli(
+        [
+            "--multi-gpu",
+            "ddp",
+            "--mode",
+            "flatten",
+            "--epochs",
+            "1",
+            *TINY,
+            "--grad-accum-steps",
+            "2",
+            "--lr",
+            "0.001",
+            "--lr-scaling",
+            "sqrt",
+            "--save-dir",
+            str(tmp_path),
+        ],
+        nproc=2,
+    )
     assert_ok(result)
     assert "batch 32 per device x 2 devices x 2 accumulation = 128 effective" in result.stdout
     assert "lr 0.002 = 0.001 x sqrt(128/32) (--lr-scaling sqrt)" in result.stdout
@@ -131,9 +216,33 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
 
 @pytest.mark.slow
 def test_mnist_reaches_97_percent_in_one_epoch_under_ddp(mnist_root, tmp_path):
-    result = run_cli(["--multi-gpu", "ddp", "--dataset", "mnist", "--data-dir", str(mnist_root), "--download",
-                      "--model", "cnn", "--epochs", "1", "--batch-size", "32", "--lr", "2e-3", "--no-progress",
-                      "--log-every", "200", "--dist-timeout", "60", "--save-dir", str(tmp_path / "ckpt")], nproc=2)
+    result = run_cli(
+        [
+            "--multi-gpu",
+            "ddp",
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            str(mnist_root),
+            "--download",
+            "--model",
+            "cnn",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--lr",
+            "2e-3",
+            "--no-progress",
+            "--log-every",
+            "200",
+            "--dist-timeout",
+            "60",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        nproc=2,
+    )
     assert_ok(result)
     state = torch.load(tmp_path / "ckpt" / "last.pt", weights_only=True)
     assert state["metrics"]["val_acc"] >= 0.97, result.stdout

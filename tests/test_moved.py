@@ -28,19 +28,36 @@ def test_the_old_names_the_guide_and_scripts_used_still_import():
     from multigpu.checkpoint import CheckpointError, load  # noqa: F401
     from multigpu.distributed import prepare_model, setup  # noqa: F401  (a module split in two)
     from multigpu.inference import BatchParallel
-    from multigpu.savedir import SaveDirLock, choose_run_dir  # noqa: F401
     from multigpu.loop.inference import BatchParallel as moved
+    from multigpu.savedir import SaveDirLock, choose_run_dir  # noqa: F401
+
     assert BatchParallel is moved
     from multigpu.loop import float8, gradient_nodes  # part of the module's form on its devices since
-    from multigpu.parallel import float8 as float8_now, gradient_nodes as gradient_nodes_now
+    from multigpu.parallel import float8 as float8_now
+    from multigpu.parallel import gradient_nodes as gradient_nodes_now
+
     assert float8 is float8_now and gradient_nodes is gradient_nodes_now
 
 
 def test_python_m_old_path_runs_the_moved_module_and_the_old_torchrun_path_runs_as_a_script():
-    export = subprocess.run([PYTHON, "-m", "multigpu.export", "--help"], cwd=REPO, env=cli_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert export.returncode == 0 and export.stdout.startswith("usage: python -m multigpu.export"), export.stderr
-    old, new = (subprocess.run([PYTHON, str(path)], cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                               timeout=120) for path in (REPO / "multigpu" / "torchrun.py",
-                                                         REPO / "multigpu" / "launch" / "torchrun.py"))
-    assert (old.returncode, old.stderr) == (new.returncode, new.stderr) == (2, new.stderr) and "--log-file" in old.stderr
+    export = subprocess.run(
+        [PYTHON, "-m", "multigpu.export", "--help"],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert export.returncode == 0 and export.stdout.startswith("usage: python -m multigpu.export"), (
+        export.stderr
+    )
+    old, new = (
+        subprocess.run(
+            [PYTHON, str(path)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
+        )
+        for path in (REPO / "multigpu" / "torchrun.py", REPO / "multigpu" / "launch" / "torchrun.py")
+    )
+    assert (old.returncode, old.stderr) == (new.returncode, new.stderr) == (
+        2,
+        new.stderr,
+    ) and "--log-file" in old.stderr

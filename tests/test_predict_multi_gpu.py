@@ -48,15 +48,22 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
     image_folder(tmp_path / "photos", {"batch1": ["cat", "dog"], "batch0": ["x"]}, per_class=2)
     commands = guide_commands("predict_multi_gpu.py", page="docs/prediction.md")
     assert [(nproc, args[args.index("--output") + 1]) for nproc, args in commands] == [
-        (2, "predictions.csv"), (2, "outputs.pt"), (None, "photos.csv")]
+        (2, "predictions.csv"),
+        (2, "outputs.pt"),
+        (None, "photos.csv"),
+    ]
     results = [run_cli(args, nproc=nproc, cwd=tmp_path, script=SCRIPT) for nproc, args in commands]
     for result in results:
         assert_ok(result)
     assert "mode ddp: 2 processes" in results[0].stdout
 
     state = checkpoint.load(str(trained))
-    metric_lines = [line for line in results[0].stdout.splitlines() if line.startswith("val set (100 samples)")]
-    assert len(metric_lines) == 1 and metric_lines[0].endswith("the same as training recorded in this checkpoint")
+    metric_lines = [
+        line for line in results[0].stdout.splitlines() if line.startswith("val set (100 samples)")
+    ]
+    assert len(metric_lines) == 1 and metric_lines[0].endswith(
+        "the same as training recorded in this checkpoint"
+    )
     rows = read_csv(tmp_path / "predictions.csv")
     assert [int(row["index"]) for row in rows] == list(range(100))  # one row per sample, in dataset order
     labels = validation_labels(state)
@@ -64,8 +71,11 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
     accuracy = sum(int(row["predicted"]) == label for row, label in zip(rows, labels)) / len(rows)
     assert accuracy == state["metrics"]["val_acc"] == state["best_value"]
     assert 0.2 < accuracy < 1  # one epoch: neither chance nor perfect, so the equality says something
-    assert all(row["top1"] == row["predicted"] and float(row["top1_probability"]) >= float(row["top2_probability"])
-               >= float(row["top3_probability"]) for row in rows)
+    assert all(
+        row["top1"] == row["predicted"]
+        and float(row["top1_probability"]) >= float(row["top2_probability"]) >= float(row["top3_probability"])
+        for row in rows
+    )
 
     outputs = torch.load(tmp_path / "outputs.pt", weights_only=True)
     assert outputs.shape == (100, 10) and outputs.dtype == torch.float32
@@ -73,15 +83,34 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
 
     photos = read_csv(tmp_path / "photos.csv")
     assert list(photos[0]) == ["index", "file", "predicted", "probability"]  # no labels: no label column
-    assert [row["file"] for row in photos] == ["batch0/x/0.png", "batch0/x/1.png", "batch1/cat/0.png",
-                                               "batch1/cat/1.png", "batch1/dog/0.png", "batch1/dog/1.png"]
+    assert [row["file"] for row in photos] == [
+        "batch0/x/0.png",
+        "batch0/x/1.png",
+        "batch1/cat/0.png",
+        "batch1/cat/1.png",
+        "batch1/dog/0.png",
+        "batch1/dog/1.png",
+    ]
     assert "set (" not in results[2].stdout  # and no metrics
     assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_training_split_in_other_batches_gives_the_models_outputs_in_order(trained, tmp_path, capsys):
-    assert predict_multi_gpu.main(["--checkpoint", str(trained), "--split", "train", "--batch-size", "7",
-                                   "--output", str(tmp_path / "train.pt")]) == 0
+    assert (
+        predict_multi_gpu.main(
+            [
+                "--checkpoint",
+                str(trained),
+                "--split",
+                "train",
+                "--batch-size",
+                "7",
+                "--output",
+                str(tmp_path / "train.pt"),
+            ]
+        )
+        == 0
+    )
     assert "train set (512 samples): loss" in capsys.readouterr().out
     state = checkpoint.load(str(trained))
     model = build_model("mlp", (784,), 10)
@@ -94,13 +123,30 @@ def test_the_training_split_in_other_batches_gives_the_models_outputs_in_order(t
 
 def test_a_gpt_checkpoint_predicts_scores_at_every_position_with_the_loss_training_recorded(tmp_path, capsys):
     text = tiny_text(tmp_path / "tiny.txt")
-    assert main_multi_gpu.main([*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "16",
-                                "--no-progress", "--save-dir", str(tmp_path / "run")]) == 0
+    assert (
+        main_multi_gpu.main(
+            [
+                *TINY_GPT,
+                "--data-file",
+                str(text),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "16",
+                "--no-progress",
+                "--save-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 0
+    )
     best = str(tmp_path / "run" / "best.pt")
     capsys.readouterr()
     assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "logits.pt")]) == 0
     metrics = capsys.readouterr().out.splitlines()[-1]  # the model's own loss, as training computed it
-    assert metrics.startswith("val set (") and metrics.endswith("the same as training recorded in this checkpoint")
+    assert metrics.startswith("val set (") and metrics.endswith(
+        "the same as training recorded in this checkpoint"
+    )
     state = checkpoint.load(best)
     config = TrainConfig.from_dict(state["config"])
     val = build_datasets(config).val
@@ -111,20 +157,36 @@ def test_a_gpt_checkpoint_predicts_scores_at_every_position_with_the_loss_traini
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt", weights_only=True), expected)
     assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "p.csv")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--model gpt scores every position of a window" in err and "logits.pt" in err
+    assert (
+        err.count("\n") == 1 and "--model gpt scores every position of a window" in err and "logits.pt" in err
+    )
     assert predict_multi_gpu.main(["--checkpoint", best, "--imagefolder", str(tmp_path)]) == 2
-    assert "--imagefolder gives images, and the checkpoint's --model gpt reads characters" in capsys.readouterr().err
+    assert (
+        "--imagefolder gives images, and the checkpoint's --model gpt reads characters"
+        in capsys.readouterr().err
+    )
 
 
 BAD_INPUT = {
     "missing checkpoint": (["--checkpoint", "{tmp}/nope.pt"], "checkpoint {tmp}/nope.pt does not exist"),
-    "truncated checkpoint": (["--checkpoint", "{tmp}/cut.pt"], "checkpoint {tmp}/cut.pt refused: truncated or corrupt"),
-    "text as checkpoint": (["--checkpoint", "{tmp}/old.csv", "--output", "{tmp}/new.csv"],
-                           "refused: not a checkpoint (it holds text"),
-    "mismatched model": (["--num-classes", "3"], "does not fit --model mlp for 784 inputs and 3 classes: size mismatch"),
+    "truncated checkpoint": (
+        ["--checkpoint", "{tmp}/cut.pt"],
+        "checkpoint {tmp}/cut.pt refused: truncated or corrupt",
+    ),
+    "text as checkpoint": (
+        ["--checkpoint", "{tmp}/old.csv", "--output", "{tmp}/new.csv"],
+        "refused: not a checkpoint (it holds text",
+    ),
+    "mismatched model": (
+        ["--num-classes", "3"],
+        "does not fit --model mlp for 784 inputs and 3 classes: size mismatch",
+    ),
     "missing data": (["--dataset", "mnist", "--data-dir", "{tmp}/none"], "--dataset mnist: files not found"),
     "missing image folder": (["--imagefolder", "{tmp}/none"], "--imagefolder {tmp}/none is not a folder"),
-    "unknown output kind": (["--output", "{tmp}/p.txt"], "--output {tmp}/p.txt: the file name must end in .csv or .pt"),
+    "unknown output kind": (
+        ["--output", "{tmp}/p.txt"],
+        "--output {tmp}/p.txt: the file name must end in .csv or .pt",
+    ),
     "too many top classes": (["--topk", "11"], "--topk 11 is more than the model's 10 classes"),
 }
 
@@ -150,20 +212,37 @@ def test_bad_input_is_one_line_exit_2_and_an_earlier_output_is_kept(case, traine
 # --output that would destroy something: (--output, with --overwrite too?, the line). In {tmp}: S/ a save-dir
 # with best.pt (the checkpoint read), old.csv (an earlier output), a folder, and a link to another user's file.
 REFUSED_OUTPUTS = {
-    "the checkpoint read": ("{tmp}/S/best.pt", True, "--output {tmp}/S/best.pt is the checkpoint being read "
-                                                     "(--checkpoint {tmp}/S/best.pt); choose another file"),
-    "a checkpoint name": ("{tmp}/step-3.pt", True, "--output {tmp}/step-3.pt: step-3.pt is a save-dir's checkpoint "
-                                                   "name (last.pt, best.pt, step-*.pt), refused even with --overwrite"),
-    "an existing file": ("{tmp}/old.csv", False, "--output {tmp}/old.csv exists; add --overwrite to replace it"),
+    "the checkpoint read": (
+        "{tmp}/S/best.pt",
+        True,
+        "--output {tmp}/S/best.pt is the checkpoint being read "
+        "(--checkpoint {tmp}/S/best.pt); choose another file",
+    ),
+    "a checkpoint name": (
+        "{tmp}/step-3.pt",
+        True,
+        "--output {tmp}/step-3.pt: step-3.pt is a save-dir's checkpoint "
+        "name (last.pt, best.pt, step-*.pt), refused even with --overwrite",
+    ),
+    "an existing file": (
+        "{tmp}/old.csv",
+        False,
+        "--output {tmp}/old.csv exists; add --overwrite to replace it",
+    ),
     "a folder": ("{tmp}/folder.csv", True, "--output {tmp}/folder.csv is a folder; name a file in it"),
-    "a symbolic link": ("{tmp}/link.csv", True, "refusing to write {tmp}/link.csv: it is a symbolic link (to "
-                                                "{tmp}/victim.csv); remove it or choose another path"),
+    "a symbolic link": (
+        "{tmp}/link.csv",
+        True,
+        "refusing to write {tmp}/link.csv: it is a symbolic link (to "
+        "{tmp}/victim.csv); remove it or choose another path",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_OUTPUTS))
-def test_an_output_that_would_destroy_a_file_is_refused_and_every_file_is_byte_identical(case, trained, tmp_path,
-                                                                                         capsys):
+def test_an_output_that_would_destroy_a_file_is_refused_and_every_file_is_byte_identical(
+    case, trained, tmp_path, capsys
+):
     (tmp_path / "S").mkdir()
     shutil.copy(trained, tmp_path / "S" / "best.pt")
     (tmp_path / "old.csv").write_text("an earlier output\n")
@@ -186,14 +265,28 @@ def test_overwrite_replaces_an_output_only_when_the_prediction_succeeds(trained,
     photos = image_folder(tmp_path / "photos", {"batch0": ["x"]}, per_class=2)
     image = photos / "batch0" / "x" / "1.png"
     whole = image.read_bytes()
-    image.write_bytes(whole[: len(whole) // 2])  # its header is intact: found broken only when read, mid-prediction
+    image.write_bytes(
+        whole[: len(whole) // 2]
+    )  # its header is intact: found broken only when read, mid-prediction
     for output in (tmp_path / "old.csv", tmp_path / "old.pt"):
         output.write_text("an earlier output\n")
-        args = ["--checkpoint", str(trained), "--imagefolder", str(photos), "--output", str(output), "--overwrite"]
+        args = [
+            "--checkpoint",
+            str(trained),
+            "--imagefolder",
+            str(photos),
+            "--output",
+            str(output),
+            "--overwrite",
+        ]
         with pytest.raises(OSError, match="1.png"):
             predict_multi_gpu.main(args)
         assert output.read_text() == "an earlier output\n"
-        assert {path.name for path in tmp_path.iterdir()} == {"photos", "old.csv", output.name}  # no .partial, .tmp
+        assert {path.name for path in tmp_path.iterdir()} == {
+            "photos",
+            "old.csv",
+            output.name,
+        }  # no .partial, .tmp
         image.write_bytes(whole)
         assert predict_multi_gpu.main(args) == 0
         assert f"predicted 2 samples, written to {output}" in capsys.readouterr().out

@@ -19,13 +19,27 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
-from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, blobs, cli_command, cli_env, config_for, free_port,
-                      preloaded_context, run_cli, run_cli_ranks, run_ranks, tiny_model)
+from conftest import (
+    REPO,
+    RUN_TIMEOUT,
+    TINY,
+    assert_ok,
+    blobs,
+    cli_command,
+    cli_env,
+    config_for,
+    free_port,
+    preloaded_context,
+    run_cli,
+    run_cli_ranks,
+    run_ranks,
+    tiny_model,
+)
 from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
@@ -35,16 +49,34 @@ from multigpu.resilience.preemption import StopRequest
 from train_multi_gpu import MultiGPUTrainer
 
 # 8 steps per epoch with 2 processes; step checkpoints at 5, 10, 15, 20 (2 kept); last.pt at 8, 16, 24.
-ARGS = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "3", "--log-every", "1",
-        "--save-every-steps", "5", "--keep-last", "2"]
+ARGS = [
+    *TINY,
+    "--model",
+    "mlp",
+    "--mode",
+    "flatten",
+    "--epochs",
+    "3",
+    "--log-every",
+    "1",
+    "--save-every-steps",
+    "5",
+    "--keep-last",
+    "2",
+]
 FINAL_STEP = 24
 
 
-def run(save_dir: Path, *extra: str, fault: str = "", nproc: Optional[int] = 2,
-        torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run(
+    save_dir: Path, *extra: str, fault: str = "", nproc: int | None = 2, torchrun_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """One CLI run into `save_dir`, with rank:step[:save] of the fault injector when given."""
-    return run_cli([*ARGS, "--save-dir", str(save_dir), *extra], nproc=nproc, torchrun_args=torchrun_args,
-                   env={FAULT_ENV: fault} if fault else None)
+    return run_cli(
+        [*ARGS, "--save-dir", str(save_dir), *extra],
+        nproc=nproc,
+        torchrun_args=torchrun_args,
+        env={FAULT_ENV: fault} if fault else None,
+    )
 
 
 def output(result: subprocess.CompletedProcess) -> str:
@@ -84,26 +116,48 @@ def reference(tmp_path_factory) -> Path:
     """last.pt of the uninterrupted run that every interrupted one must reproduce."""
     save_dir = tmp_path_factory.mktemp("reference")
     assert_ok(run(save_dir))
-    assert files(save_dir) == ["best.pt", "last.pt", "step-000000015.pt", "step-000000020.pt"]  # --keep-last 2
+    assert files(save_dir) == [
+        "best.pt",
+        "last.pt",
+        "step-000000015.pt",
+        "step-000000020.pt",
+    ]  # --keep-last 2
     return save_dir
 
 
 @pytest.mark.slow
 def test_reference_checkpoint_is_complete_and_loads_weights_only(reference):
     state = checkpoint.load(str(reference / "last.pt"))  # weights_only=True, the only way the project loads
-    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])  # unwrapped (PITFALLS 8)
-    assert (state["world_size"], len(state["rng"]), state["sampler_seed"], state["train_size"]) == (2, 2, 0, 512)
+    assert not any(
+        key.startswith(("module.", "_orig_mod.")) for key in state["model"]
+    )  # unwrapped (PITFALLS 8)
+    assert (state["world_size"], len(state["rng"]), state["sampler_seed"], state["train_size"]) == (
+        2,
+        2,
+        0,
+        512,
+    )
     assert set(state["rng"][0]) == {"torch", "cuda", "python", "numpy"}
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # per rank: seed + rank
     assert state["config"]["model"] == "mlp" and state["torch_version"] == str(torch.__version__)
     assert state["monitor"] == "val_acc" and state["best_value"] > 0.5 and state["scaler"] == {}
-    assert (state["optimizer_class"], state["scheduler_class"], state["format_version"]) == ("AdamW", "LambdaLR", 2)
+    assert (state["optimizer_class"], state["scheduler_class"], state["format_version"]) == (
+        "AdamW",
+        "LambdaLR",
+        2,
+    )
 
 
 def start_cli(save_dir: Path, *extra: str) -> subprocess.Popen:
     """A 2-process run whose output the test reads line by line as it is printed."""
-    return subprocess.Popen(cli_command([*ARGS, "--save-dir", str(save_dir), *extra], nproc=2), cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cli_command([*ARGS, "--save-dir", str(save_dir), *extra], nproc=2),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int:
@@ -152,14 +206,18 @@ def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_pa
     result = run(save_dir, "--resume", "auto", fault="1:9")
     assert_failed(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
+    assert (
+        resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
+    )
 
     # Leg 3: continues from step 9, which rank 0 kept past the epoch boundary; rank 0 is SIGKILLed inside the
     # save of step 10, with the new file complete but not yet renamed: the previous checkpoints stay as they were.
     result = run(save_dir, "--resume", "auto", fault="0:10:save")
     assert_failed(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'step-000000009.pt'}: epoch 2, step 9, 64 samples into the epoch"
+    assert (
+        resumed_from(out) == f"{save_dir / 'step-000000009.pt'}: epoch 2, step 9, 64 samples into the epoch"
+    )
     assert "rank 1: lost contact with rank 0" in out
     assert [name for name in files(save_dir) if name.endswith(".tmp")] != []
     assert "step-000000010.pt" not in files(save_dir)
@@ -180,8 +238,9 @@ def test_killed_and_preempted_runs_resume_to_identical_weights(reference, tmp_pa
     result = run(save_dir, "--resume", "auto")
     assert_ok(result)
     out = output(result)
-    assert resumed_from(out).startswith(f"{save_dir / 'last.pt'}: epoch {stopped['epoch'] + 1}, "
-                                        f"step {stopped['global_step']},")
+    assert resumed_from(out).startswith(
+        f"{save_dir / 'last.pt'}: epoch {stopped['epoch'] + 1}, step {stopped['global_step']},"
+    )
     assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
 
 
@@ -191,7 +250,9 @@ def test_elastic_restart_resumes_by_itself_to_identical_weights(reference, tmp_p
     result = run(save_dir, fault="1:7", torchrun_args=("--max-restarts", "1"))
     assert_ok(result)
     out = output(result)
-    assert resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
+    assert (
+        resumed_from(out) == f"{save_dir / 'step-000000007.pt'}: epoch 1, step 7, 448 samples into the epoch"
+    )
     assert assert_same_training_state(save_dir / "last.pt", reference / "last.pt") == 0.0
 
 
@@ -209,20 +270,29 @@ def test_two_process_checkpoint_resumes_in_one_process_and_trains_on(reference, 
 
 def resume_in_process(reference: Path, tmp_path: Path, **changes) -> MultiGPUTrainer:
     """A one-process trainer built as the CLI builds it, resuming the reference's last.pt with `changes`."""
-    values = {**checkpoint.load(str(reference / "last.pt"))["config"], "save_dir": str(tmp_path),
-              "resume": str(reference / "last.pt"), **changes}
+    values = {
+        **checkpoint.load(str(reference / "last.pt"))["config"],
+        "save_dir": str(tmp_path),
+        "resume": str(reference / "last.pt"),
+        **changes,
+    }
     config = TrainConfig(**values)
     data = build_datasets(config)
-    trainer = MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+    trainer = MultiGPUTrainer(
+        build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config
+    )
     trainer.resume()
     return trainer
 
 
-@pytest.mark.parametrize("change, refusal", [
-    ({"model": "cnn"}, "--model cnn contradicts checkpoint"),
-    ({"train_size": 256}, "a training set of 256 contradicts checkpoint"),
-    ({"optimizer": "sgd"}, "optimizer SGD contradicts checkpoint"),
-])
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"model": "cnn"}, "--model cnn contradicts checkpoint"),
+        ({"train_size": 256}, "a training set of 256 contradicts checkpoint"),
+        ({"optimizer": "sgd"}, "optimizer SGD contradicts checkpoint"),
+    ],
+)
 def test_resume_refuses_another_model_or_data_set_in_one_line(reference, tmp_path, change, refusal):
     with pytest.raises(checkpoint.CheckpointError) as refused:
         resume_in_process(reference, tmp_path, **change)
@@ -242,9 +312,17 @@ def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(t
     env = cli_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
     # --hang-timeout 0: without the watchdog (tests/resilience/test_watchdog.py), the collective's timeout is what tells.
     command = cli_command([*ARGS, "--save-dir", str(tmp_path), "--dist-timeout", "3", "--hang-timeout", "0"])
-    ranks = [subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            text=True,
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
     watchdog = threading.Timer(RUN_TIMEOUT, lambda: [rank.kill() for rank in ranks])
     watchdog.start()
     try:
@@ -264,8 +342,9 @@ def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(t
 def dropout_model() -> torch.nn.Module:
     """Dropout makes the weights depend on the restored RNG state, not only on the data order."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4)
+    )
 
 
 def test_resume_from_every_step_checkpoint_is_exact_with_accumulation_and_dropout(tmp_path):
@@ -276,9 +355,14 @@ def test_resume_from_every_step_checkpoint_is_exact_with_accumulation_and_dropou
     steps = sorted(p.name for p in Path(config.save_dir).glob("step-*.pt"))
     assert steps == [f"step-{s:09d}.pt" for s in (3, 6, 9, 12)]  # 6 and 12: one step before an epoch end
     for name in steps:
-        resumed = MultiGPUTrainer(dropout_model(), blobs(100, 0), None,
-                                  dataclasses.replace(config, save_dir=str(tmp_path / name),
-                                                      resume=str(Path(config.save_dir) / name)))
+        resumed = MultiGPUTrainer(
+            dropout_model(),
+            blobs(100, 0),
+            None,
+            dataclasses.replace(
+                config, save_dir=str(tmp_path / name), resume=str(Path(config.save_dir) / name)
+            ),
+        )
         resumed.fit()
         for key, tensor in uninterrupted.model.state_dict().items():
             assert torch.equal(resumed.model.state_dict()[key], tensor), (name, key)
@@ -394,11 +478,15 @@ def _a_run_of_long_steps(tmp_path: Path, ready: Any) -> None:
 def signal_pending(pid: int, signum: int) -> bool:
     """Whether `signum` waits to be delivered to process `pid` (Linux /proc: two signals of one kind that are
     both pending at once are one)."""
-    fields = dict(line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines() if "\t" in line)
+    fields = dict(
+        line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines() if "\t" in line
+    )
     return any(int(fields[mask], 16) >> (signum - 1) & 1 for mask in ("SigPnd", "ShdPnd"))
 
 
-def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping_the_last_checkpoint(tmp_path):
+def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping_the_last_checkpoint(
+    tmp_path,
+):
     """Two SIGTERMs did not stop a run whose steps took 25 s each: both came while the step was in C++ code,
     and Python made them one handler call there."""
     context = preloaded_context()
@@ -409,7 +497,9 @@ def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping
         assert ready.wait(RUN_TIMEOUT)
         started = time.monotonic()
         os.kill(run.pid, signal.SIGTERM)
-        while signal_pending(run.pid, signal.SIGTERM):  # two at once would be one: the kernel keeps one of a kind
+        while signal_pending(
+            run.pid, signal.SIGTERM
+        ):  # two at once would be one: the kernel keeps one of a kind
             time.sleep(0.001)
         os.kill(run.pid, signal.SIGTERM)
         run.join(RUN_TIMEOUT)
@@ -424,20 +514,40 @@ def test_a_second_sigterm_ends_a_run_whose_step_is_one_long_call_at_once_keeping
 
 
 # ---------------------------------------------------------------- resume on another number of processes
-def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[int], resume: bool,
-              settings: Optional[dict] = None) -> dict:
+def _lr_trace(
+    rank: int,
+    world_size: int,
+    tmp_path: Path,
+    stop_after: int | None,
+    resume: bool,
+    settings: dict | None = None,
+) -> dict:
     """2 epochs of 160 samples, batch 8 per rank, warm-up then cosine (or other `settings`): (global-sample
     position, LR) of every optimizer step. `stop_after` steps it stops cleanly (the SIGTERM path, so last.pt is
     written)."""
-    config = config_for(tmp_path, world_size, **{"optimizer": "sgd", "lr": 0.1, "warmup_epochs": 0.5, "epochs": 2,
-                                                 "log_every": 1, "resume": "auto" if resume else None,
-                                                 **(settings or {})})
+    config = config_for(
+        tmp_path,
+        world_size,
+        **{
+            "optimizer": "sgd",
+            "lr": 0.1,
+            "warmup_epochs": 0.5,
+            "epochs": 2,
+            "log_every": 1,
+            "resume": "auto" if resume else None,
+            **(settings or {}),
+        },
+    )
     trainer = MultiGPUTrainer(tiny_model(), blobs(160, 0), None, config)
     trace: list[tuple[int, float]] = []
 
     def record(optimizer, args, kwargs) -> None:
-        trace.append((trainer.progress.epoch * 160 + trainer.progress.samples_in_epoch,
-                      optimizer.param_groups[0]["lr"]))
+        trace.append(
+            (
+                trainer.progress.epoch * 160 + trainer.progress.samples_in_epoch,
+                optimizer.param_groups[0]["lr"],
+            )
+        )
         if len(trace) == stop_after:
             os.kill(os.getpid(), signal.SIGTERM)  # a rank of its own (run_ranks): only this rank stops
 
@@ -446,8 +556,13 @@ def _lr_trace(rank: int, world_size: int, tmp_path: Path, stop_after: Optional[i
     with contextlib.redirect_stdout(printed):
         trainer.fit()
     plan = [line for line in printed.getvalue().splitlines() if " steps/epoch, " in line]
-    return {"trace": trace, "final_lr": trainer.optimizer.param_groups[0]["lr"], "plan": plan,
-            "global_step": trainer.progress.global_step, "printed": printed.getvalue()}
+    return {
+        "trace": trace,
+        "final_lr": trainer.optimizer.param_groups[0]["lr"],
+        "plan": plan,
+        "global_step": trainer.progress.global_step,
+        "printed": printed.getvalue(),
+    }
 
 
 @pytest.mark.slow
@@ -481,8 +596,10 @@ def test_a_resume_at_fewer_processes_with_max_steps_trains_every_step_asked_for_
     expected = [0.1 * 0.5 * (1 + math.cos(math.pi * step / 9)) for step in (6, 7, 8)]
     assert [lr for _, lr in resumed["trace"]] == pytest.approx(expected, abs=1e-9) and min(expected) > 0.002
     assert abs(resumed["final_lr"]) < 1e-9
-    assert ("the LR schedule continues at the same point in samples and ends with the 3 steps --max-steps 6 "
-            "leaves") in resumed["printed"]
+    assert (
+        "the LR schedule continues at the same point in samples and ends with the 3 steps --max-steps 6 "
+        "leaves"
+    ) in resumed["printed"]
 
 
 # ---------------------------------------------------------------- the save from rank 0's replica
@@ -523,15 +640,17 @@ sys.exit(main_guarded(train, sys.argv[1:]))
 """
 
 
-def run_replica_case(out: Path, layer: str, fault: str = "", die_in_forward: int = 0
-                     ) -> list[subprocess.CompletedProcess]:
+def run_replica_case(
+    out: Path, layer: str, fault: str = "", die_in_forward: int = 0
+) -> list[subprocess.CompletedProcess]:
     """REPLICA_RUN as 2 ranks into out/ckpt (continuing what is there): rank:step of the fault injector, or the
     forward rank 1 dies in, if given."""
     out.mkdir(exist_ok=True)
     script = out / "run.py"
     script.write_text(REPLICA_RUN.format(repo=str(REPO), tests=str(REPO / "tests")))
-    return run_cli_ranks([str(out), layer, str(die_in_forward)], 2, env={FAULT_ENV: fault} if fault else None,
-                         script=script)
+    return run_cli_ranks(
+        [str(out), layer, str(die_in_forward)], 2, env={FAULT_ENV: fault} if fault else None, script=script
+    )
 
 
 def kill_and_resume(out: Path, layer: str, said: str, resumed_at: str, **death: Any) -> dict[str, Any]:
@@ -558,12 +677,22 @@ def test_rank_0_writes_no_replica_save_after_random_numbers_were_drawn_and_the_r
     the other rank's random state is unknown and its own is step 14's, so it writes nothing, and --resume auto
     from step 10 ends on the uninterrupted run's weights (before, its replica put 0.06 between them)."""
     assert all(rank.returncode == 0 for rank in run_replica_case(tmp_path / "whole", "dropout"))
-    final = kill_and_resume(tmp_path / "cut", "dropout", "no checkpoint written: random numbers were drawn (dropout, "
-                            "random augmentation) since every rank's generators were last gathered, and rank 0 knows "
-                            f"only its own; the newest checkpoint is {tmp_path / 'cut' / 'ckpt' / 'last.pt'}",
-                            "last.pt", fault="1:13")
-    assert files(tmp_path / "cut" / "ckpt") == ["last.pt", "step-000000005.pt", "step-000000010.pt", "step-000000015.pt",
-                                                "step-000000020.pt"]
+    final = kill_and_resume(
+        tmp_path / "cut",
+        "dropout",
+        "no checkpoint written: random numbers were drawn (dropout, "
+        "random augmentation) since every rank's generators were last gathered, and rank 0 knows "
+        f"only its own; the newest checkpoint is {tmp_path / 'cut' / 'ckpt' / 'last.pt'}",
+        "last.pt",
+        fault="1:13",
+    )
+    assert files(tmp_path / "cut" / "ckpt") == [
+        "last.pt",
+        "step-000000005.pt",
+        "step-000000010.pt",
+        "step-000000015.pt",
+        "step-000000020.pt",
+    ]
     assert_same_weights(final, checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt")))
 
 
@@ -575,12 +704,23 @@ def test_rank_0_writes_a_replica_save_only_before_the_next_forward_updated_its_b
     weights and statistics."""
     assert all(rank.returncode == 0 for rank in run_replica_case(tmp_path / "whole", "batchnorm"))
     whole = checkpoint.load(str(tmp_path / "whole" / "ckpt" / "last.pt"))
-    after_step = kill_and_resume(tmp_path / "after", "batchnorm", "checkpoint of the last completed step (13) written "
-                                 "from rank 0's replica", "step-000000013.pt", fault="1:13")
+    after_step = kill_and_resume(
+        tmp_path / "after",
+        "batchnorm",
+        "checkpoint of the last completed step (13) written from rank 0's replica",
+        "step-000000013.pt",
+        fault="1:13",
+    )
     assert_same_weights(after_step, whole)
-    in_forward = kill_and_resume(tmp_path / "in", "batchnorm", "no checkpoint written: step 14's forward had already "
-                                 "updated the model's buffers (BatchNorm statistics) on rank 0; the newest checkpoint "
-                                 f"is {tmp_path / 'in' / 'ckpt' / 'last.pt'}", "last.pt", die_in_forward=14)
+    in_forward = kill_and_resume(
+        tmp_path / "in",
+        "batchnorm",
+        "no checkpoint written: step 14's forward had already "
+        "updated the model's buffers (BatchNorm statistics) on rank 0; the newest checkpoint "
+        f"is {tmp_path / 'in' / 'ckpt' / 'last.pt'}",
+        "last.pt",
+        die_in_forward=14,
+    )
     assert_same_weights(in_forward, whole)
 
 

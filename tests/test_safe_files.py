@@ -22,7 +22,8 @@ from multigpu.checkpoints.savedir import SaveDirLock
 from multigpu.errors import UsageError
 from multigpu.launch import torchrun
 from multigpu.loop.prediction import written_whole
-from multigpu.sweep import cli as sweep_cli, records
+from multigpu.sweep import cli as sweep_cli
+from multigpu.sweep import records
 from multigpu.sweep.plan import Experiment
 from multigpu.sweep.worker import Task, run_task
 
@@ -94,7 +95,10 @@ def test_replacing_writes_whole_files_or_nothing(tmp_path):
     assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert safe_files.create_once(str(tmp_path / "once"), "first") is True
     assert safe_files.create_once(str(tmp_path / "once"), "second") is False
-    assert (tmp_path / "once").read_text() == "first" and sorted(os.listdir(tmp_path)) == ["data.json", "once"]
+    assert (tmp_path / "once").read_text() == "first" and sorted(os.listdir(tmp_path)) == [
+        "data.json",
+        "once",
+    ]
 
 
 def test_make_folder_refuses_a_link_below_the_users_folder_and_follows_the_users_own(tmp_path):
@@ -112,13 +116,24 @@ def test_make_folder_refuses_a_link_below_the_users_folder_and_follows_the_users
 def test_the_launchers_writer_makes_an_executable_file_and_refuses_a_link_in_one_line(tmp_path):
     path = tmp_path / "new" / "launch_command.sh"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    written = subprocess.run([PYTHON, "-m", "multigpu.safe_files", "write", str(path), "--executable"],
-                             input=b"#!/bin/sh\n", env=env, capture_output=True, timeout=60)
+    written = subprocess.run(
+        [PYTHON, "-m", "multigpu.safe_files", "write", str(path), "--executable"],
+        input=b"#!/bin/sh\n",
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
     assert written.returncode == 0 and path.read_bytes() == b"#!/bin/sh\n" and os.access(path, os.X_OK)
     link = tmp_path / "planted.sh"
     target = plant(link, tmp_path)
-    refused = subprocess.run([PYTHON, "-m", "multigpu.safe_files", "write", str(link), "--executable"],
-                             input="rm -rf ~\n", env=env, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [PYTHON, "-m", "multigpu.safe_files", "write", str(link), "--executable"],
+        input="rm -rf ~\n",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (refused.returncode, refused.stderr) == (2, refusal_of(link) + "\n")
     assert snapshot(target) == (VICTIM_BYTES, stat.S_IFREG | 0o640)
 
@@ -127,9 +142,26 @@ def test_the_launchers_writer_makes_an_executable_file_and_refuses_a_link_in_one
 def launcher(tmp_path: Path, *args: str) -> str:
     """launch_multi_gpu.sh with every answer given (CPU only), up to writing its file: its stderr's last line."""
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", str(REPO / "launch_multi_gpu.sh"), "--yes", "--gpus", "1", "--epochs", "1",
-                             "--save-dir", str(tmp_path / "save"), *args], cwd=tmp_path, env=env, text=True,
-                            capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch_multi_gpu.sh"),
+            "--yes",
+            "--gpus",
+            "1",
+            "--epochs",
+            "1",
+            "--save-dir",
+            str(tmp_path / "save"),
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     return result.stderr.splitlines()[-1].removeprefix("launch_multi_gpu.sh: ")
 
@@ -157,22 +189,45 @@ def sweep_run(tmp_path: Path) -> str:
 # name -> (the link planted, whether it points to a folder, the real writer that meets it)
 PLANTED = {
     "save-dir .run.lock": ("save/.run.lock", False, lambda tmp, _: SaveDirLock(str(tmp / "save")).acquire()),
-    "save-dir last.pt": ("save/last.pt", False, lambda tmp, _: checkpoint.atomic_save({}, str(tmp / "save/last.pt"))),
+    "save-dir last.pt": (
+        "save/last.pt",
+        False,
+        lambda tmp, _: checkpoint.atomic_save({}, str(tmp / "save/last.pt")),
+    ),
     "save-dir tb/": ("save/tb", True, trainer),
-    "torchrun.log": ("save/torchrun.log", False, lambda tmp, _: torchrun.run(
-        ["--log-file", str(tmp / "save/torchrun.log"), "--standalone", "--nproc_per_node=1", "train.py"])),
+    "torchrun.log": (
+        "save/torchrun.log",
+        False,
+        lambda tmp, _: torchrun.run(
+            ["--log-file", str(tmp / "save/torchrun.log"), "--standalone", "--nproc_per_node=1", "train.py"]
+        ),
+    ),
     "launch_command.sh": ("save/launch_command.sh", False, lambda tmp, _: launcher(tmp)),
     "launch_slurm.sbatch": ("save/launch_slurm.sbatch", False, lambda tmp, _: launcher(tmp, "--slurm")),
-    "predict <output>.partial": ("out/p.csv.partial", False,
-                                 lambda tmp, _: written_whole(str(tmp / "out/p.csv")).__enter__()),
-    "sweep results.jsonl": ("sweep/results.jsonl", False, lambda tmp, _: records.append_result(
-        str(tmp / "sweep/results.jsonl"), {"experiment": "seed-0", "finished": 1})),
-    "sweep progress.json": ("sweep/progress.json", False, lambda tmp, _: records.write_json_atomic(
-        str(tmp / "sweep/progress.json"), {})),
+    "predict <output>.partial": (
+        "out/p.csv.partial",
+        False,
+        lambda tmp, _: written_whole(str(tmp / "out/p.csv")).__enter__(),
+    ),
+    "sweep results.jsonl": (
+        "sweep/results.jsonl",
+        False,
+        lambda tmp, _: records.append_result(
+            str(tmp / "sweep/results.jsonl"), {"experiment": "seed-0", "finished": 1}
+        ),
+    ),
+    "sweep progress.json": (
+        "sweep/progress.json",
+        False,
+        lambda tmp, _: records.write_json_atomic(str(tmp / "sweep/progress.json"), {}),
+    ),
     "sweep sweep.json": ("sweep/sweep.json", False, lambda tmp, capsys: sweep(tmp, capsys)),
     "sweep .lock": ("sweep/.lock", False, lambda tmp, capsys: sweep(tmp, capsys)),
-    "sweep .summary.lock": ("sweep/.summary.lock", False,
-                            lambda tmp, _: records.summary_lock(str(tmp / "sweep")).__enter__()),
+    "sweep .summary.lock": (
+        "sweep/.summary.lock",
+        False,
+        lambda tmp, _: records.summary_lock(str(tmp / "sweep")).__enter__(),
+    ),
     "sweep sweep.sbatch": ("sweep/sweep.sbatch", False, lambda tmp, capsys: sweep(tmp, capsys, "--slurm")),
     "sweep slurm/": ("sweep/slurm", True, lambda tmp, capsys: sweep(tmp, capsys, "--slurm")),
     "sweep train.log": ("sweep/lr=0.1/seed-0/train.log", False, lambda tmp, _: sweep_run(tmp)),
@@ -181,7 +236,9 @@ PLANTED = {
 
 
 @pytest.mark.parametrize("case", list(PLANTED))
-def test_a_link_planted_for_a_file_the_project_writes_is_refused_and_its_target_untouched(case, tmp_path, capsys):
+def test_a_link_planted_for_a_file_the_project_writes_is_refused_and_its_target_untouched(
+    case, tmp_path, capsys
+):
     name, folder, write = PLANTED[case]
     link = tmp_path / name
     target = plant(link, tmp_path, folder)
@@ -193,18 +250,30 @@ def test_a_link_planted_for_a_file_the_project_writes_is_refused_and_its_target_
 
 def test_every_write_in_the_project_goes_through_safe_files():
     """The cases above cover the writers there are: a new open-for-writing elsewhere must use the helper."""
-    writes = re.compile(r"os\.open\([^)]*O_(CREAT|WRONLY|RDWR|APPEND|TRUNC)|\bopen\([^)]*[\"'][wax]b?\+?[\"']"
-                        r"|mkstemp\(|\.write_(text|bytes)\(|os\.chmod\(|>>? *\"\$|FileSystemWriter\b")
-    sources = [*REPO.glob("*.py"), *REPO.glob("*.sh"), *(path for folder in ("multigpu", "data", "models")
-                                                          for path in (REPO / folder).rglob("*.py"))]
-    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sources
-             if path.name != "safe_files.py"
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             if writes.search(line) and "os.devnull" not in line]  # /dev/null is no file a run creates
+    writes = re.compile(
+        r"os\.open\([^)]*O_(CREAT|WRONLY|RDWR|APPEND|TRUNC)|\bopen\([^)]*[\"'][wax]b?\+?[\"']"
+        r"|mkstemp\(|\.write_(text|bytes)\(|os\.chmod\(|>>? *\"\$|FileSystemWriter\b"
+    )
+    sources = [
+        *REPO.glob("*.py"),
+        *REPO.glob("*.sh"),
+        *(path for folder in ("multigpu", "data", "models") for path in (REPO / folder).rglob("*.py")),
+    ]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sources
+        if path.name != "safe_files.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if writes.search(line) and "os.devnull" not in line
+    ]  # /dev/null is no file a run creates
     # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in multigpu/checkpoints/sharded.py
     # only, and only inside the temporary folder that safe_files.make_folder made for that save (renamed into
     # place by safe_files.replace_folder), a folder of the project's own naming where no link was planted.
-    dcp_writers = [line for line in found if line.startswith("multigpu/checkpoints/sharded.py:") and "FileSystemWriter" in line]
+    dcp_writers = [
+        line
+        for line in found
+        if line.startswith("multigpu/checkpoints/sharded.py:") and "FileSystemWriter" in line
+    ]
     assert len(dcp_writers) == 2, found  # the writer a save uses, and the fault injector's subclass of it
     assert [line for line in found if line not in dcp_writers] == []
 

@@ -27,7 +27,10 @@ def sweep_args(sweep_dir: Path, *extra: str) -> list[str]:
 
 
 def exact_metrics(sweep_dir: Path) -> dict[str, dict[str, float]]:
-    return {name: {key: record["metrics"][key] for key in EXACT} for name, record in read_results(sweep_dir).items()}
+    return {
+        name: {key: record["metrics"][key] for key in EXACT}
+        for name, record in read_results(sweep_dir).items()
+    }
 
 
 def assert_same_weights(dir_a: Path, dir_b: Path, experiment: str) -> None:
@@ -66,17 +69,20 @@ def test_summary_matches_a_direct_computation(two_workers):
     assert sorted(rows) == ["lr=0.001", "lr=0.003"]
     for point, row in rows.items():
         ours = [results[name] for name in EXPERIMENTS if name.startswith(point + "/")]
-        for column, values in {"best_val_acc": [r["metrics"]["best_val_acc"] for r in ours],
-                               "val_loss": [r["metrics"]["val_loss"] for r in ours],
-                               "wall_time": [r["wall_time"] for r in ours]}.items():
+        for column, values in {
+            "best_val_acc": [r["metrics"]["best_val_acc"] for r in ours],
+            "val_loss": [r["metrics"]["val_loss"] for r in ours],
+            "wall_time": [r["wall_time"] for r in ours],
+        }.items():
             assert float(row[f"{column}_mean"]) == pytest.approx(sum(values) / 3, abs=1e-12)
             if column != "wall_time":
                 std = (sum((v - sum(values) / 3) ** 2 for v in values) / 2) ** 0.5
                 assert float(row[f"{column}_std"]) == pytest.approx(std, abs=1e-12)
-                half = 4.3027 * std / 3 ** 0.5  # t(0.975, 2 degrees of freedom)
+                half = 4.3027 * std / 3**0.5  # t(0.975, 2 degrees of freedom)
                 top = 1.0 if column == "best_val_acc" else math.inf  # the interval ends where accuracy does
-                assert float(row[f"{column}_ci95_high"]) == pytest.approx(min(top, statistics.fmean(values) + half),
-                                                                          abs=1e-9)
+                assert float(row[f"{column}_ci95_high"]) == pytest.approx(
+                    min(top, statistics.fmean(values) + half), abs=1e-9
+                )
         assert (row["runs"], row["done"], row["failed"]) == ("3", "3", "0")
     table = (sweep_dir / "summary.md").read_text()
     assert table in result.stdout and "| lr=0.003 | 3/3 | 0 |" in table
@@ -86,8 +92,21 @@ def test_summary_matches_a_direct_computation(two_workers):
 def test_one_worker_gives_identical_results_through_main_multi_gpu(two_workers, tmp_path):
     """The design notes' form (main_multi_gpu.py, underscore spellings) runs the same sweep."""
     reference, _ = two_workers
-    result = run_sweep(["--sweep_dir", str(tmp_path), "--num_seeds", "3", "--checkpoint_interval", "5", *GRID,
-                        "--workers", "1", *RUN], entry="main_multi_gpu.py")
+    result = run_sweep(
+        [
+            "--sweep_dir",
+            str(tmp_path),
+            "--num_seeds",
+            "3",
+            "--checkpoint_interval",
+            "5",
+            *GRID,
+            "--workers",
+            "1",
+            *RUN,
+        ],
+        entry="main_multi_gpu.py",
+    )
     assert_ok(result)
     assert exact_metrics(tmp_path) == exact_metrics(reference)
     assert {record["slot"] for record in read_results(tmp_path).values()} == {"cpu0"}
@@ -100,19 +119,35 @@ def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_
     """cnn cannot take --mode flatten's vectors (fails at run time); mlp/seed-1's worker is SIGKILLed at step 3."""
     reference, _ = two_workers
     killed = {"MULTIGPU_SWEEP_FAULT_INJECT": "model=mlp/seed-1@0:3"}
-    args = ["--sweep-dir", str(tmp_path), "--seeds", "0,1", "--grid", "model=mlp,cnn", "--retries", "1", "--", *RUN]
+    args = [
+        "--sweep-dir",
+        str(tmp_path),
+        "--seeds",
+        "0,1",
+        "--grid",
+        "model=mlp,cnn",
+        "--retries",
+        "1",
+        "--",
+        *RUN,
+    ]
     result = run_sweep(["--workers", "2", *args], env=killed)
     assert result.returncode == 1, result.stderr
     results = read_results(tmp_path)
     assert {name: r["status"] for name, r in results.items()} == {
-        "model=mlp/seed-0": "ok", "model=mlp/seed-1": "ok", "model=cnn/seed-0": "failed", "model=cnn/seed-1": "failed"}
+        "model=mlp/seed-0": "ok",
+        "model=mlp/seed-1": "ok",
+        "model=cnn/seed-0": "failed",
+        "model=cnn/seed-1": "failed",
+    }
     assert "retry   model=mlp/seed-1 (attempt 2 of 2) after: worker died: killed by SIGKILL" in result.stdout
     assert results["model=mlp/seed-1"]["attempt"] == 2
     log = (tmp_path / "model=mlp/seed-1/train.log").read_text()
     assert "resumed from" in log and "step-000000002.pt" in log
     # The retry continued from the killed attempt's checkpoint to exactly the uninterrupted result.
-    assert {k: results["model=mlp/seed-1"]["metrics"][k] for k in EXACT} == \
-        exact_metrics(reference)["lr=0.001/seed-1"]
+    assert {k: results["model=mlp/seed-1"]["metrics"][k] for k in EXACT} == exact_metrics(reference)[
+        "lr=0.001/seed-1"
+    ]
     assert results["model=cnn/seed-0"]["exit_status"] == 2 and results["model=cnn/seed-0"]["attempt"] == 1
     error = result.stderr.splitlines()
     assert error[0].startswith("error: 2 of 4 experiments failed")
@@ -120,7 +155,11 @@ def test_failures_are_isolated_and_a_killed_worker_is_replaced(two_workers, tmp_
     assert "| model=cnn | 0/2 | 2 |" in (tmp_path / "summary.md").read_text()
 
     again = run_sweep(args)  # failed runs are kept as they are unless asked for
-    assert again.returncode == 1 and "nothing to run" in again.stdout and "2 of 4 experiments failed" in again.stderr
+    assert (
+        again.returncode == 1
+        and "nothing to run" in again.stdout
+        and "2 of 4 experiments failed" in again.stderr
+    )
     assert read_results(tmp_path) == results
     retried = run_sweep(["--retry-failed", "--workers", "1", *args])
     assert retried.returncode == 1 and retried.stdout.count("FAILED  model=cnn/seed-") == 2
@@ -172,8 +211,13 @@ def guide_sweep_commands() -> list[list[str]]:
     minutes), as argv lists after the script name."""
     text = guide_text()
     blocks = re.findall(r"(<!-- illustrative[^\n]*-->\n)?```bash\n(.*?)```", text, re.S)
-    return [shlex.split(line)[2:] for mark, block in blocks if not mark for line in block.splitlines()
-            if line.startswith("python sweep_multi_gpu.py")]
+    return [
+        shlex.split(line)[2:]
+        for mark, block in blocks
+        if not mark
+        for line in block.splitlines()
+        if line.startswith("python sweep_multi_gpu.py")
+    ]
 
 
 def test_guide_sweep_commands_run_as_written(tmp_path):
@@ -182,9 +226,31 @@ def test_guide_sweep_commands_run_as_written(tmp_path):
     for argv in commands:
         cut = argv.index("--")
         # One seed, one worker and fewer samples, so the suite stays fast; everything else as written.
-        result = run_sweep([*argv[:cut], "--num-seeds", "1", "--workers", "1", "--", *argv[cut + 1:],
-                            "--train-size", "256", "--val-size", "64", "--epochs", "1", "--no-progress"], cwd=tmp_path)
+        result = run_sweep(
+            [
+                *argv[:cut],
+                "--num-seeds",
+                "1",
+                "--workers",
+                "1",
+                "--",
+                *argv[cut + 1 :],
+                "--train-size",
+                "256",
+                "--val-size",
+                "64",
+                "--epochs",
+                "1",
+                "--no-progress",
+            ],
+            cwd=tmp_path,
+        )
         assert_ok(result)
-        expected = "sweep.sbatch: 2 experiments in 2 array tasks" if "--slurm" in argv else \
-            "search done: 4 trials ended" if "--search" in argv else "sweep done: 2 of 2"
+        expected = (
+            "sweep.sbatch: 2 experiments in 2 array tasks"
+            if "--slurm" in argv
+            else "search done: 4 trials ended"
+            if "--search" in argv
+            else "sweep done: 2 of 2"
+        )
         assert expected in result.stdout

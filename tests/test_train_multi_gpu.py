@@ -13,8 +13,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from conftest import (RUN_TIMEOUT, CrashAt, blobs, busy_cpus, cli_command, cli_env, config_for, read_scalars, run_ranks,
-                      thread_names, tiny_model)
+from conftest import (
+    RUN_TIMEOUT,
+    CrashAt,
+    blobs,
+    busy_cpus,
+    cli_command,
+    cli_env,
+    config_for,
+    read_scalars,
+    run_ranks,
+    thread_names,
+    tiny_model,
+)
 from multigpu.checkpoints import checkpoint
 from multigpu.loop.callbacks import EMA
 from multigpu.loop.forward import BatchMismatch
@@ -39,22 +50,38 @@ def test_evaluate_counts_every_sample_once_for_any_world_size(tmp_path):
 
 
 def test_python_api_misuse_is_one_clear_exception_not_torchs(tmp_path):
-    floats = TensorDataset(torch.randn(32, 16), torch.randint(4, (32,)).float())  # class labels stored as floats
-    says = (r"^targets of dtype float32 and shape \(8,\) for outputs of shape \(8, 4\): cross-entropy \(the default "
-            r"loss_fn\) takes class indices, integers \(e\.g\. targets\.long\(\) in the data set\), or class "
-            r"probabilities of the outputs' shape; for real-valued targets pass a loss_fn such as torch\.nn\.MSELoss\(\)$")
+    floats = TensorDataset(
+        torch.randn(32, 16), torch.randint(4, (32,)).float()
+    )  # class labels stored as floats
+    says = (
+        r"^targets of dtype float32 and shape \(8,\) for outputs of shape \(8, 4\): cross-entropy \(the default "
+        r"loss_fn\) takes class indices, integers \(e\.g\. targets\.long\(\) in the data set\), or class "
+        r"probabilities of the outputs' shape; for real-valued targets pass a loss_fn such as torch\.nn\.MSELoss\(\)$"
+    )
     with pytest.raises(BatchMismatch, match=says):  # at the first step
         MultiGPUTrainer(tiny_model(), floats, None, config_for(tmp_path / "fit", 1, epochs=1)).fit()
     with pytest.raises(BatchMismatch, match=says.replace("(8,)", "(4,)").replace("(8, 4)", "(4, 4)")):
-        MultiGPUTrainer(tiny_model(), floats, floats, config_for(tmp_path / "val", 1))  # the validation set's check
+        MultiGPUTrainer(
+            tiny_model(), floats, floats, config_for(tmp_path / "val", 1)
+        )  # the validation set's check
     probabilities = TensorDataset(torch.randn(32, 16), torch.softmax(torch.randn(32, 4), dim=1))
-    assert MultiGPUTrainer(tiny_model(), probabilities, None, config_for(tmp_path / "soft", 1, epochs=1)).fit()[
-        "global_step"] == 4  # floats of the outputs' shape are class probabilities: cross-entropy takes them
-    with pytest.raises(TypeError, match=r"^model is the class Linear, not a model: build it first, e\.g\. "
-                                        r"MultiGPUTrainer\(Linear\(\.\.\.\), \.\.\.\)$"):
+    assert (
+        MultiGPUTrainer(tiny_model(), probabilities, None, config_for(tmp_path / "soft", 1, epochs=1)).fit()[
+            "global_step"
+        ]
+        == 4
+    )  # floats of the outputs' shape are class probabilities: cross-entropy takes them
+    with pytest.raises(
+        TypeError,
+        match=r"^model is the class Linear, not a model: build it first, e\.g\. "
+        r"MultiGPUTrainer\(Linear\(\.\.\.\), \.\.\.\)$",
+    ):
         MultiGPUTrainer(torch.nn.Linear, blobs(32, 0), None, config_for(tmp_path / "class", 1))
-    with pytest.raises(TypeError, match=r"^model must be a torch\.nn\.Module \(its parameters are what trains\); got a "
-                                        r"function: <function "):
+    with pytest.raises(
+        TypeError,
+        match=r"^model must be a torch\.nn\.Module \(its parameters are what trains\); got a "
+        r"function: <function ",
+    ):
         MultiGPUTrainer(lambda inputs: inputs, blobs(32, 0), None, config_for(tmp_path / "function", 1))
 
 
@@ -75,8 +102,9 @@ def test_bf16_autocast_trains_on_the_cpu(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), blobs(256, 0), blobs(100, 1), config_for(tmp_path, 1, amp="bf16"))
     assert trainer.amp_dtype == torch.bfloat16
     dtypes: list[torch.dtype] = []  # what the training steps' forward passes return: autocast is on
-    trainer.model.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype)
-                                        if module.training else None)
+    trainer.model.register_forward_hook(
+        lambda module, args, output: dtypes.append(output.dtype) if module.training else None
+    )
     assert trainer.fit()["val_acc"] > 0.9
     assert dtypes and set(dtypes) == {torch.bfloat16}
 
@@ -91,8 +119,12 @@ def test_fp16_on_the_cpu_falls_back_to_bf16_with_one_line(tmp_path, capsys):
 
 
 def _train_and_return_weights(rank: int, world_size: int, tmp_path: Path) -> dict:
-    trainer = MultiGPUTrainer(tiny_model(), blobs(128, 0), blobs(50, 1), config_for(tmp_path / f"w{world_size}",
-                                                                                  world_size, epochs=1))
+    trainer = MultiGPUTrainer(
+        tiny_model(),
+        blobs(128, 0),
+        blobs(50, 1),
+        config_for(tmp_path / f"w{world_size}", world_size, epochs=1),
+    )
     trainer.fit()
     return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
 
@@ -109,8 +141,13 @@ def test_best_checkpoint_follows_the_monitored_metric_in_its_direction(tmp_path)
 
     for mode, pick in (("auto", min), ("max", max)):  # auto: val_loss, lower is better; max overrides it
         config = config_for(tmp_path / mode, 1, epochs=3, monitor_mode=mode, lr=0.002)
-        trainer = MultiGPUTrainer(regression_model(), regression_set(64, 0), regression_set(30, 1), config,
-                                  loss_fn=torch.nn.functional.mse_loss)
+        trainer = MultiGPUTrainer(
+            regression_model(),
+            regression_set(64, 0),
+            regression_set(30, 1),
+            config,
+            loss_fn=torch.nn.functional.mse_loss,
+        )
         summary = trainer.fit()
         assert summary["monitor"] == "val_loss" and "val_acc" not in summary and "best_val_acc" not in summary
         losses = [value for _, value in read_scalars(Path(config.tensorboard_dir))["val/loss"]]
@@ -147,7 +184,9 @@ def test_fit_closes_its_writer_and_progress_bar_when_training_raises(tmp_path):
 
 def test_resume_waits_for_fit_so_a_user_can_attach_things_first(tmp_path):
     MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1)).fit()
-    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"))
+    trainer = MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto")
+    )
     assert trainer.progress.global_step == 0
     steps: list[int] = []
     trainer.optimizer.register_step_post_hook(lambda *args: steps.append(trainer.progress.global_step))
@@ -155,11 +194,16 @@ def test_resume_waits_for_fit_so_a_user_can_attach_things_first(tmp_path):
 
 
 def _process_group_owner(rank: int, world_size: int, tmp_path: Path) -> dict[str, bool]:
-    with MultiGPUTrainer(tiny_model(), blobs(32, 0), None, config_for(tmp_path, world_size, epochs=1)) as trainer:
+    with MultiGPUTrainer(
+        tiny_model(), blobs(32, 0), None, config_for(tmp_path, world_size, epochs=1)
+    ) as trainer:
         trainer.fit()
         during = dist.is_initialized() and trainer.owns_process_group
-    return {"during": during, "after": dist.is_initialized(), "gloo threads after": any(
-        name.startswith(("gloo", "pt_gloo")) for name in thread_names())}
+    return {
+        "during": during,
+        "after": dist.is_initialized(),
+        "gloo threads after": any(name.startswith(("gloo", "pt_gloo")) for name in thread_names()),
+    }
 
 
 @pytest.mark.slow
@@ -210,13 +254,23 @@ def test_a_script_that_fits_or_predicts_and_simply_ends_exits_0_under_load(tmp_p
     chance once in 10,000; 20 took 4 minutes of CI's 25."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT_THAT_ENDS)
-    runs = [(f"fit-{index}", "fit") for index in range(10)] + [(f"predict-{index}", "predict") for index in range(2)]
+    runs = [(f"fit-{index}", "fit") for index in range(10)] + [
+        (f"predict-{index}", "predict") for index in range(2)
+    ]
     results = {}
     with busy_cpus(2):
-        for group in (runs[i:i + 4] for i in range(0, len(runs), 4)):
-            started = {name: subprocess.Popen(cli_command([str(tmp_path / name), kind], nproc=2, script=script),
-                                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True) for name, kind in group}
+        for group in (runs[i : i + 4] for i in range(0, len(runs), 4)):
+            started = {
+                name: subprocess.Popen(
+                    cli_command([str(tmp_path / name), kind], nproc=2, script=script),
+                    cwd=tmp_path,
+                    env=cli_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for name, kind in group
+            }
             for name, process in started.items():
                 output = process.communicate(timeout=RUN_TIMEOUT)[0]
                 results[name] = process.returncode, output
@@ -227,10 +281,13 @@ def test_a_script_that_fits_or_predicts_and_simply_ends_exits_0_under_load(tmp_p
 
 
 # Calls that make the host wait for the device (on CUDA): reading a tensor's value, or synchronising.
-HOST_SYNCS = [(torch.Tensor, name) for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")] \
-    + [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time")]
-FRAMEWORK = (str(Path(__file__).resolve().parent.parent / "multigpu"),
-             str(Path(__file__).resolve().parent.parent / "train_multi_gpu.py"))
+HOST_SYNCS = [
+    (torch.Tensor, name) for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+] + [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time")]
+FRAMEWORK = (
+    str(Path(__file__).resolve().parent.parent / "multigpu"),
+    str(Path(__file__).resolve().parent.parent / "train_multi_gpu.py"),
+)
 
 
 def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int, callbacks: tuple = ()) -> int:
@@ -239,11 +296,13 @@ def host_syncs_in_fit(monkeypatch, tmp_path: Path, steps: int, log_every: int, c
     calls: list[str] = []
     with monkeypatch.context() as patch:
         for owner, name in HOST_SYNCS:
-            def counted(*args, _original=getattr(owner, name), **kwargs):
+
+            def counted(*args, _original=getattr(owner, name), **kwargs):  # noqa: B008
                 caller = sys._getframe(1).f_code.co_filename
                 if caller.startswith(FRAMEWORK):
                     calls.append(caller)
                 return _original(*args, **kwargs)
+
             patch.setattr(owner, name, counted)
         config = config_for(tmp_path / f"{steps}-{log_every}", 1, epochs=1, log_every=log_every)
         MultiGPUTrainer(tiny_model(), blobs(8 * steps, 0), None, config, callbacks=callbacks).fit()
@@ -260,13 +319,24 @@ def test_training_adds_no_host_sync_per_step_only_per_logging_interval(monkeypat
 
 class LogsEachStep:
     def on_step_end(self, trainer):
-        trainer.log({"mine/lr_tensor": trainer.optimizer.param_groups[0]["lr"] * torch.ones((), device=trainer.device)})
+        trainer.log(
+            {
+                "mine/lr_tensor": trainer.optimizer.param_groups[0]["lr"]
+                * torch.ones((), device=trainer.device)
+            }
+        )
 
 
 def test_own_scalars_and_the_ema_add_no_host_sync_per_step(monkeypatch, tmp_path):
-    once = host_syncs_in_fit(monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9)))
-    assert host_syncs_in_fit(monkeypatch, tmp_path / "32", steps=32, log_every=32,
-                             callbacks=(LogsEachStep(), EMA(0.9))) == once
+    once = host_syncs_in_fit(
+        monkeypatch, tmp_path / "4", steps=4, log_every=4, callbacks=(LogsEachStep(), EMA(0.9))
+    )
+    assert (
+        host_syncs_in_fit(
+            monkeypatch, tmp_path / "32", steps=32, log_every=32, callbacks=(LogsEachStep(), EMA(0.9))
+        )
+        == once
+    )
 
 
 class LogitsWatcher(torch.nn.Module):
@@ -279,7 +349,9 @@ class LogitsWatcher(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self.layers[1](self.layers[0](inputs))
-        if hidden.requires_grad:  # training: its gradient arrives after the loss's and the last layer's backward
+        if (
+            hidden.requires_grad
+        ):  # training: its gradient arrives after the loss's and the last layer's backward
             hidden.register_hook(lambda grad: self.logits_alive_in_backward.append(logits() is not None))
         outputs = self.layers[2](hidden)
         logits = weakref.ref(outputs)
@@ -298,6 +370,7 @@ def test_a_steps_logits_are_freed_before_its_backward_not_after(tmp_path):
 def test_max_steps_ends_mid_epoch_on_its_schedule_and_a_resume_reaches_it_bit_identically(tmp_path):
     """--max-steps 13 with 8 steps per epoch: training ends in epoch 2 at step 13, evaluated and saved there, the
     cosine schedule at its end; a run that died at step 7 resumes from its step-5 checkpoint to the same weights."""
+
     def trainer(name: str, **extra) -> MultiGPUTrainer:
         torch.manual_seed(0)
         config = config_for(tmp_path / name, 1, epochs=3, max_steps=13, lr_schedule="cosine", **extra)

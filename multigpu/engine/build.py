@@ -8,7 +8,8 @@ order a run needs them, so reading it shows what a run is made of.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -33,14 +34,20 @@ def check_arguments(model: Any, scheduler_interval: str) -> None:
     """One clear exception for arguments torch would fail on deep inside the set-up (`'function' object has
     no attribute 'to'`): a model that is not an nn.Module instance, an unknown scheduler interval."""
     if scheduler_interval not in INTERVALS:
-        raise ValueError(f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}")
+        raise ValueError(
+            f"scheduler_interval must be one of {', '.join(INTERVALS)}; got {scheduler_interval!r}"
+        )
     if isinstance(model, nn.Module):
         return
     if isinstance(model, type) and issubclass(model, nn.Module):
-        raise TypeError(f"model is the class {model.__name__}, not a model: build it first, e.g. "
-                        f"MultiGPUTrainer({model.__name__}(...), ...)")
-    raise TypeError(f"model must be a torch.nn.Module (its parameters are what trains); got a "
-                    f"{type(model).__name__}: {model!r:.60}")
+        raise TypeError(
+            f"model is the class {model.__name__}, not a model: build it first, e.g. "
+            f"MultiGPUTrainer({model.__name__}(...), ...)"
+        )
+    raise TypeError(
+        f"model must be a torch.nn.Module (its parameters are what trains); got a "
+        f"{type(model).__name__}: {model!r:.60}"
+    )
 
 
 def callbacks(config: TrainConfig, users: Sequence[Any], has_validation: bool) -> Callbacks:
@@ -48,18 +55,28 @@ def callbacks(config: TrainConfig, users: Sequence[Any], has_validation: bool) -
     (multigpu/loop/callbacks.py). --init-from comes first: every other callback (EMA's copy) starts from the
     weights it loads."""
     if config.early_stop_patience and not has_validation:
-        raise UsageError("--early-stop-patience watches a validation metric, and this run has no validation "
-                         "set: give one, or leave --early-stop-patience at 0")
-    builtin = [InitFrom(config.init_from, config.init_strict) if config.init_from else None,
-               ExportOnEnd(config.export_on_end, config.tokenizer_path) if config.export_on_end else None,
-               EarlyStopping(config.early_stop_patience, config.early_stop_min_delta)
-               if config.early_stop_patience > 0 else None,
-               EMA(config.ema_decay) if config.ema_decay > 0 else None]
+        raise UsageError(
+            "--early-stop-patience watches a validation metric, and this run has no validation "
+            "set: give one, or leave --early-stop-patience at 0"
+        )
+    builtin = [
+        InitFrom(config.init_from, config.init_strict) if config.init_from else None,
+        ExportOnEnd(config.export_on_end, config.tokenizer_path) if config.export_on_end else None,
+        EarlyStopping(config.early_stop_patience, config.early_stop_min_delta)
+        if config.early_stop_patience > 0
+        else None,
+        EMA(config.ema_decay) if config.ema_decay > 0 else None,
+    ]
     return Callbacks([*filter(None, builtin), *users])
 
 
-def hang_watchdog(config: TrainConfig, runtime: Runtime, global_step: int, save_dir: str,
-                  save_last_step: Callable[[dict[str, Any]], str]) -> Optional[Watchdog]:
+def hang_watchdog(
+    config: TrainConfig,
+    runtime: Runtime,
+    global_step: int,
+    save_dir: str,
+    save_last_step: Callable[[dict[str, Any]], str],
+) -> Watchdog | None:
     """--hang-timeout's watchdog, started (None with 0): rank 0's saves the last completed step through
     `save_last_step` when it decides (docs/hangs.md, "When a run hangs")."""
     seconds = config.watchdog_seconds
@@ -68,8 +85,9 @@ def hang_watchdog(config: TrainConfig, runtime: Runtime, global_step: int, save_
     BEAT.restart()
     BEAT.step = global_step
     mesh = runtime.mesh_shape if runtime.mode == "fsdp" and runtime.mesh_shape[0] > 1 else None
-    return Watchdog(runtime.rank, runtime.world_size, seconds, save_dir, runtime.backend, save_last_step,
-                    mesh=mesh).start()
+    return Watchdog(
+        runtime.rank, runtime.world_size, seconds, save_dir, runtime.backend, save_last_step, mesh=mesh
+    ).start()
 
 
 class Tunable(Protocol):
@@ -105,10 +123,11 @@ def use_setting(run: Tunable, setting: autotune.Setting) -> None:
         run.step.move = run.evaluator.move = batch_mover(run.runtime.device, setting.channels_last)
         if run.runtime.mode == "ddp":  # DDP's gradient buckets take the weights' layout when it is built
             run.step.wrapped._remove_autograd_hooks()
-            run.step.wrapped = wrap_model(run.model, run.config, run.runtime, lambda line: None, run.amp.dtype)
+            run.step.wrapped = wrap_model(
+                run.model, run.config, run.runtime, lambda line: None, run.amp.dtype
+            )
             run.step.no_sync = run.step.wrapped.no_sync
     if setting.compiled and run.model._compiled_call_impl is None:
         run.model.compile()  # in place, inside DDP's wrapper: as --compile, plain state_dict keys
     elif not setting.compiled:
         run.model._compiled_call_impl = None  # what nn.Module.compile set: the plain forward again
-

@@ -4,7 +4,7 @@ done line and TensorBoard's hparams."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -15,18 +15,42 @@ from multigpu.monitoring.reporting import Reporter
 from multigpu.monitoring.telemetry import Telemetry
 
 
-def summary(metrics: dict[str, float], monitor: Optional[str], progress: Progress, samples: int, seconds: float,
-            telemetry: Telemetry, **extra: Any) -> dict[str, Any]:
+def summary(
+    metrics: dict[str, float],
+    monitor: str | None,
+    progress: Progress,
+    samples: int,
+    seconds: float,
+    telemetry: Telemetry,
+    **extra: Any,
+) -> dict[str, Any]:
     """What fit returns: the last validation metrics, the best monitored value, progress and throughput."""
     best = progress.best_value
-    return {**metrics, "monitor": monitor, "best": best, **({f"best_{monitor}": best} if monitor else {}),
-            "epochs": progress.epoch, "global_step": progress.global_step,
-            "samples_per_sec": samples / max(seconds, 1e-9), **telemetry.summary(), **extra}
+    return {
+        **metrics,
+        "monitor": monitor,
+        "best": best,
+        **({f"best_{monitor}": best} if monitor else {}),
+        "epochs": progress.epoch,
+        "global_step": progress.global_step,
+        "samples_per_sec": samples / max(seconds, 1e-9),
+        **telemetry.summary(),
+        **extra,
+    }
 
 
-def report_done(report: Reporter, result: dict[str, Any], config: TrainConfig, classes: Optional[int],
-                optimizer: torch.optim.Optimizer, lr: float, has_validation: bool, devices_per_step: int,
-                telemetry: Telemetry, epoch_share: Optional[float] = 0.0) -> None:
+def report_done(
+    report: Reporter,
+    result: dict[str, Any],
+    config: TrainConfig,
+    classes: int | None,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    has_validation: bool,
+    devices_per_step: int,
+    telemetry: Telemetry,
+    epoch_share: float | None = 0.0,
+) -> None:
     """The end-of-run lines and hparams; `result` gets `did_not_learn` (why) where the run shows it did not
     learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py). `epoch_share`: of the epoch it
     ended in (plan.trained)."""
@@ -36,19 +60,49 @@ def report_done(report: Reporter, result: dict[str, Any], config: TrainConfig, c
     why = "; ".join(plan.no_learning_signs(report, classes)) or plan.at_chance(report, classes)
     if why:
         result["did_not_learn"] = why
-    report.line(plan.done_line(result, result["monitor"], has_validation, devices_per_step,
-                               telemetry.summary_text(result), epoch_share))
-    report.hparams(config, {key: value for key, value in result.items() if isinstance(value, float)
-                            and (key.startswith("val_") or key.startswith("best_"))})
+    report.line(
+        plan.done_line(
+            result,
+            result["monitor"],
+            has_validation,
+            devices_per_step,
+            telemetry.summary_text(result),
+            epoch_share,
+        )
+    )
+    report.hparams(
+        config,
+        {
+            key: value
+            for key, value in result.items()
+            if isinstance(value, float) and (key.startswith("val_") or key.startswith("best_"))
+        },
+    )
 
 
 def plan_facts(run: Any) -> plan.PlanFacts:
     """What the plan lines describe (multigpu/monitoring/plan.py), read from the live run (the trainer)."""
     return plan.PlanFacts(
-        run.config, run.runtime, run.given, run.optimizer, run.scheduler, run.scheduler_interval,
-        run.builtin_optimizer, run.builtin_schedule, run.lr, run.effective_batch, run.loader_batch,
-        run.steps_per_epoch, run.sampler.usable, any(p.dim() == 4 for p in run.model.parameters()),
-        run.amp.name, run.progress, run.steps_done_in_epoch(), run.on_device.line, loss_line(run.weighting))
+        run.config,
+        run.runtime,
+        run.given,
+        run.optimizer,
+        run.scheduler,
+        run.scheduler_interval,
+        run.builtin_optimizer,
+        run.builtin_schedule,
+        run.lr,
+        run.effective_batch,
+        run.loader_batch,
+        run.steps_per_epoch,
+        run.sampler.usable,
+        any(p.dim() == 4 for p in run.model.parameters()),
+        run.amp.name,
+        run.progress,
+        run.steps_done_in_epoch(),
+        run.on_device.line,
+        loss_line(run.weighting),
+    )
 
 
 def loss_line(weighting: Any) -> str:
@@ -64,12 +118,28 @@ def finish(run: Any, started: float) -> dict[str, Any]:
     TensorBoard's hparams, and what fit returns."""
     if run.stop_reason:
         run.report.line(run.stop_reason)
-    result = summary(run.metrics, run.monitor.name, run.progress, run.sync.samples, run.sync.seconds,
-                     run.telemetry, wall_time=time.perf_counter() - started,
-                     **({"stopped_early": run.stop_reason} if run.stop_reason else {}))
+    result = summary(
+        run.metrics,
+        run.monitor.name,
+        run.progress,
+        run.sync.samples,
+        run.sync.seconds,
+        run.telemetry,
+        wall_time=time.perf_counter() - started,
+        **({"stopped_early": run.stop_reason} if run.stop_reason else {}),
+    )
     samples_per_epoch = getattr(run.sampler, "usable", None)  # a stream's epoch has no known length
     epoch_share = run.progress.samples_in_epoch / samples_per_epoch if samples_per_epoch else None
-    report_done(run.report, result, run.config, run.evaluator.classes, run.optimizer, run.lr,
-                run.val_dataset is not None, run.runtime.devices_per_step, run.telemetry,
-                epoch_share if run.progress.samples_in_epoch else 0.0)
+    report_done(
+        run.report,
+        result,
+        run.config,
+        run.evaluator.classes,
+        run.optimizer,
+        run.lr,
+        run.val_dataset is not None,
+        run.runtime.devices_per_step,
+        run.telemetry,
+        epoch_share if run.progress.samples_in_epoch else 0.0,
+    )
     return result

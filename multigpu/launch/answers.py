@@ -9,8 +9,8 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from multigpu.config import TrainConfig, flag, given_fields, parse_config
 from multigpu.errors import UsageError
@@ -29,8 +29,17 @@ CPU_PROCESSES = 2  # ddp on a machine without GPUs: gloo processes unless told o
 
 # The trainer options the launcher sets from its own flags; a copy after -- would win in the trainer's
 # parser and make the shown batch and LR a lie.
-LAUNCHER_OWNED = ("multi_gpu", "gpu_ids", "epochs", "batch_size", "lr", "lr_scaling", "save_dir", "dp_replicate",
-                  "dp_shard")
+LAUNCHER_OWNED = (
+    "multi_gpu",
+    "gpu_ids",
+    "epochs",
+    "batch_size",
+    "lr",
+    "lr_scaling",
+    "save_dir",
+    "dp_replicate",
+    "dp_shard",
+)
 
 
 # The training questions, answered through TrainConfig's fields of the same names.
@@ -49,29 +58,29 @@ MESH = ("dp_replicate", "dp_shard")  # fsdp's device mesh, passed on as the trai
 class Settings:
     """What the user said (flags and answers, as text; None: not said) and what the launcher found."""
 
-    multi_gpu: Optional[str] = None
-    gpus: Optional[str] = None
-    nproc: Optional[str] = None
-    gpu_ids: Optional[str] = None
-    gpu_choice: Optional[str] = None  # the answer to "GPUs: all, a count or ids"
-    epochs: Optional[str] = None
-    batch_size: Optional[str] = None
-    lr: Optional[str] = None
-    lr_scaling: Optional[str] = None
-    save_dir: Optional[str] = None
-    dp_replicate: Optional[str] = None
-    dp_shard: Optional[str] = None
-    nnodes: Optional[str] = None
-    node_rank: Optional[str] = None
-    master_addr: Optional[str] = None
-    master_port: Optional[str] = None
-    max_restarts: Optional[str] = None
-    slurm: Optional[str] = None
-    partition: Optional[str] = None
-    time: Optional[str] = None
-    account: Optional[str] = None
-    cpus_per_task: Optional[str] = None
-    oversubscribe: Optional[str] = None  # "1": more CPU processes than cores, as the user asked
+    multi_gpu: str | None = None
+    gpus: str | None = None
+    nproc: str | None = None
+    gpu_ids: str | None = None
+    gpu_choice: str | None = None  # the answer to "GPUs: all, a count or ids"
+    epochs: str | None = None
+    batch_size: str | None = None
+    lr: str | None = None
+    lr_scaling: str | None = None
+    save_dir: str | None = None
+    dp_replicate: str | None = None
+    dp_shard: str | None = None
+    nnodes: str | None = None
+    node_rank: str | None = None
+    master_addr: str | None = None
+    master_port: str | None = None
+    max_restarts: str | None = None
+    slurm: str | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    cpus_per_task: str | None = None
+    oversubscribe: str | None = None  # "1": more CPU processes than cores, as the user asked
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable
@@ -88,7 +97,7 @@ class Devices:
 
     mode: str  # ddp, dp or none: the trainer's --multi-gpu
     count: int  # processes per node (ddp), GPUs (dp), 1 (none)
-    ids: Optional[str]  # the GPU ids chosen, "1,3"; None: the first `count`
+    ids: str | None  # the GPU ids chosen, "1,3"; None: the first `count`
     on_gpu: bool
 
     @property
@@ -101,7 +110,7 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
 
 
-def whole(name: str, text: Optional[str], minimum: int, maximum: Optional[int] = None) -> Optional[int]:
+def whole(name: str, text: str | None, minimum: int, maximum: int | None = None) -> int | None:
     """A launcher flag that is a whole number, in the words TrainConfig uses for its own."""
     if text is None:
         return None
@@ -120,17 +129,19 @@ def given_trainer_options(args: Sequence[str]) -> set[str]:
     return set(given_fields(args))
 
 
-def training_config(s: Settings, devices: Optional[Devices] = None) -> TrainConfig:
+def training_config(s: Settings, devices: Devices | None = None) -> TrainConfig:
     """The TrainConfig the command will give the trainer, checked by the trainer's own parser and rules."""
     owned = [name for name in LAUNCHER_OWNED if name in given_trainer_options(s.trainer_args)]
     if owned:
-        raise UsageError(f"--{flag(owned[0])} after -- would override the launcher's setting; give it before -- "
-                         f"(see --help)")
+        raise UsageError(
+            f"--{flag(owned[0])} after -- would override the launcher's setting; give it before -- "
+            f"(see --help)"
+        )
     argv = trainer_flags(s, devices)
     return parse_config(argv + s.trainer_args)
 
 
-def trainer_flags(s: Settings, devices: Optional[Devices]) -> list[str]:
+def trainer_flags(s: Settings, devices: Devices | None) -> list[str]:
     """The trainer flags the launcher sets: the mode, dp's GPUs, and the training answers given."""
     argv = []
     if devices is not None:
@@ -143,14 +154,16 @@ def trainer_flags(s: Settings, devices: Optional[Devices]) -> list[str]:
     return argv
 
 
-def settle_mesh(s: Settings, devices: Devices, nodes: "Nodes") -> Optional[tuple[int, int]]:
+def settle_mesh(s: Settings, devices: Devices, nodes: Nodes) -> tuple[int, int] | None:
     """fsdp's device mesh (replicate, shard) by the trainer's own rule (TrainConfig.mesh_shape): --dp-replicate
     and --dp-shard, or with several nodes the hybrid layout, shard within a node and replicate across the nodes.
     A hybrid mesh is named in the command, so it runs as planned; None: not fsdp."""
     given = [name for name in MESH if getattr(s, name) is not None]
     if devices.mode != "fsdp":
         if given:
-            raise UsageError(f"--{flag(given[0])} shapes the device mesh of --multi-gpu fsdp; add --multi-gpu fsdp")
+            raise UsageError(
+                f"--{flag(given[0])} shapes the device mesh of --multi-gpu fsdp; add --multi-gpu fsdp"
+            )
         return None
     replicate, shard = training_config(s, devices).mesh_shape(devices.count * nodes.count, nodes.count)
     if given or replicate > 1:
@@ -158,15 +171,19 @@ def settle_mesh(s: Settings, devices: Devices, nodes: "Nodes") -> Optional[tuple
     return replicate, shard
 
 
-def mesh_phrase(mesh: Optional[tuple[int, int]], nodes: "Nodes", devices: Devices) -> str:
+def mesh_phrase(mesh: tuple[int, int] | None, nodes: Nodes, devices: Devices) -> str:
     """', hybrid: replicate 2 x shard 4 (...)' for a hybrid mesh; nothing otherwise."""
     if mesh is None or mesh[0] == 1:
         return ""
-    where = (" (shard within each node, replicate across the nodes)" if mesh == (nodes.count, devices.count) else "")
+    where = (
+        " (shard within each node, replicate across the nodes)"
+        if mesh == (nodes.count, devices.count)
+        else ""
+    )
     return f", hybrid: mesh replicate {mesh[0]} x shard {mesh[1]}{where}"
 
 
-def mode_of(s: Settings) -> Optional[str]:
+def mode_of(s: Settings) -> str | None:
     """--multi-gpu (or its alias --mode), with the old name 'single' for none."""
     if s.multi_gpu is None:
         return None
@@ -176,7 +193,7 @@ def mode_of(s: Settings) -> Optional[str]:
     return mode  # dp without GPUs runs, as the trainer runs it: on the one device there is (devices_of)
 
 
-def check_gpu_ids(text: str, found: list[str], mode: Optional[str]) -> str:
+def check_gpu_ids(text: str, found: list[str], mode: str | None) -> str:
     """--gpu-ids: GPUs that exist, each once ('3,' is one id, told apart from a count)."""
     if not found:
         raise UsageError(f"--gpu-ids {text}: no GPU found, so there are no GPU ids to choose")
@@ -193,7 +210,7 @@ def check_gpu_ids(text: str, found: list[str], mode: Optional[str]) -> str:
     return ",".join(ids)
 
 
-def check_gpu_count(text: str, found: list[str], mode: Optional[str]) -> int:
+def check_gpu_count(text: str, found: list[str], mode: str | None) -> int:
     count = whole("gpus", text, 1)
     assert count is not None
     if found and count > len(found):
@@ -214,7 +231,7 @@ def apply_gpu_choice(s: Settings) -> None:
         s.gpus = choice
 
 
-def devices_of(s: Settings, mode: Optional[str]) -> Devices:
+def devices_of(s: Settings, mode: str | None) -> Devices:
     """The devices per node from --gpus/--nproc/--gpu-ids and what was found; `mode` None: ddp."""
     found = s.found
     if s.nproc is not None and s.gpus is not None and s.nproc != s.gpus:
@@ -228,14 +245,18 @@ def devices_of(s: Settings, mode: Optional[str]) -> Devices:
         count = len(ids.split(","))
     elif count_text is not None:
         count = check_gpu_count(count_text, found, mode)
-    elif mode == "none" or (mode == "dp" and not found):  # the trainer's rule: dp with no GPU trains on the CPU
+    elif mode == "none" or (
+        mode == "dp" and not found
+    ):  # the trainer's rule: dp with no GPU trains on the CPU
         count = 1
         ids = found[0] if len(found) > 1 else None  # several GPUs: say which one, the first
     else:
         count = len(found) or default_cpu_processes()
     if not found and count > cores_here() and not s.oversubscribe:
-        raise UsageError(f"--gpus {count}: more processes than this machine's {plural(cores_here(), 'CPU core')}, "
-                         f"which they would only share; give at most {cores_here()}, or add --oversubscribe")
+        raise UsageError(
+            f"--gpus {count}: more processes than this machine's {plural(cores_here(), 'CPU core')}, "
+            f"which they would only share; give at most {cores_here()}, or add --oversubscribe"
+        )
     if mode == "dp" and ids is None and count < len(found):
         ids = ",".join(found[:count])  # DataParallel is told its GPUs: the first `count`
     return Devices(mode, count, ids, bool(found))
@@ -247,14 +268,18 @@ class Nodes:
 
     count: int = 1
     rank: int = 0
-    master_addr: Optional[str] = None
-    port: Optional[int] = None  # --master-port; None: choose
-    max_restarts: Optional[int] = None
+    master_addr: str | None = None
+    port: int | None = None  # --master-port; None: choose
+    max_restarts: int | None = None
 
 
-def nodes_of(s: Settings, mode: Optional[str]) -> Nodes:
-    nodes = Nodes(count=whole("nnodes", s.nnodes, 1) or 1, max_restarts=whole("max_restarts", s.max_restarts, 0),
-                  port=whole("master_port", s.master_port, 1, 65535), master_addr=s.master_addr)
+def nodes_of(s: Settings, mode: str | None) -> Nodes:
+    nodes = Nodes(
+        count=whole("nnodes", s.nnodes, 1) or 1,
+        max_restarts=whole("max_restarts", s.max_restarts, 0),
+        port=whole("master_port", s.master_port, 1, 65535),
+        master_addr=s.master_addr,
+    )
     rank = whole("node_rank", s.node_rank, 0)
     if s.slurm:
         for name in ("node_rank", "master_addr"):
@@ -265,8 +290,10 @@ def nodes_of(s: Settings, mode: Optional[str]) -> Nodes:
         if mode not in (None, *PROCESS_PER_DEVICE):
             raise UsageError(f"--nnodes {nodes.count} needs --multi-gpu ddp or fsdp")
         if rank is None:
-            raise UsageError(f"--nnodes {nodes.count} needs --node-rank: 0 on the master node, 1 to "
-                             f"{nodes.count - 1} on the others")
+            raise UsageError(
+                f"--nnodes {nodes.count} needs --node-rank: 0 on the master node, 1 to "
+                f"{nodes.count - 1} on the others"
+            )
         if rank >= nodes.count:
             raise UsageError(f"--node-rank {rank}: must be below --nnodes {nodes.count}")
         if not s.master_addr:
@@ -304,13 +331,17 @@ def rendezvous_port(s: Settings, nodes: Nodes) -> tuple[int, str]:
         # Every node must name the same port, so it cannot be picked; node 0 hosts it and can check it.
         port = nodes.port or default
         if nodes.rank == 0 and not port_is_free(port):
-            raise UsageError(f"port {port} is busy on this machine (node 0); choose a free one with --master-port, "
-                             f"the same on every node")
+            raise UsageError(
+                f"port {port} is busy on this machine (node 0); choose a free one with --master-port, "
+                f"the same on every node"
+            )
         return port, ""
     if nodes.port is not None:
         if not port_is_free(nodes.port):
-            raise UsageError(f"--master-port {nodes.port}: the port is busy; choose another or leave it out to pick "
-                             f"a free one")
+            raise UsageError(
+                f"--master-port {nodes.port}: the port is busy; choose another or leave it out to pick "
+                f"a free one"
+            )
         return nodes.port, ""
     for port in range(default, min(default + 100, 65536)):
         if port_is_free(port):

@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Optional, Sequence
 
 from multigpu.config import AUTO, FIELDS, TrainConfig
-from multigpu.launch.answers import (PROCESS_PER_DEVICE, TORCHRUN, TRAINER, Devices, Nodes, Settings, cores_here,
-                                     omp_threads, plural, trainer_flags)
+from multigpu.launch.answers import (
+    PROCESS_PER_DEVICE,
+    TORCHRUN,
+    TRAINER,
+    Devices,
+    Nodes,
+    Settings,
+    cores_here,
+    omp_threads,
+    plural,
+    trainer_flags,
+)
 from multigpu.lr_scaling import effective_batch, scaled_lr
 
 
 def shown(path: str) -> str:
     """A path as printed: relative when under the current directory (commands run from there)."""
     cwd = os.getcwd() + os.sep
-    return path[len(cwd):] if path.startswith(cwd) else path
+    return path[len(cwd) :] if path.startswith(cwd) else path
 
 
 def quoted(words: Sequence[str]) -> str:
@@ -38,14 +48,24 @@ def command(s: Settings, devices: Devices, nodes: Nodes, port: int, config: Trai
     trainer = shown(TRAINER)
     if devices.mode in PROCESS_PER_DEVICE:
         env.append(f"OMP_NUM_THREADS={omp_threads(cores_here(), devices.count)}")
-        words = [shown(s.python), shown(TORCHRUN), "--log-file", torchrun_log(config.save_dir, nodes),
-                 f"--nproc_per_node={devices.count}"]
+        words = [
+            shown(s.python),
+            shown(TORCHRUN),
+            "--log-file",
+            torchrun_log(config.save_dir, nodes),
+            f"--nproc_per_node={devices.count}",
+        ]
         if nodes.count > 1:
             # c10d: node 0 hosts the store at --master-addr:port (said, not guessed from the address);
             # the id only has to be the same on every node, as the port is.
             host = f"[{nodes.master_addr}]" if ":" in str(nodes.master_addr) else nodes.master_addr
-            words += [f"--nnodes={nodes.count}", "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}",
-                      f"--rdzv_id=multigpu-{port}", f"--rdzv_conf=is_host={int(nodes.rank == 0)}"]
+            words += [
+                f"--nnodes={nodes.count}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={host}:{port}",
+                f"--rdzv_id=multigpu-{port}",
+                f"--rdzv_conf=is_host={int(nodes.rank == 0)}",
+            ]
         else:
             if nodes.master_addr:
                 words.append(f"--master_addr={nodes.master_addr}")
@@ -64,7 +84,7 @@ def devices_per_step(devices: Devices, nodes: Nodes) -> int:
     return devices.count * nodes.count if devices.mode in PROCESS_PER_DEVICE else devices.count
 
 
-def per_device_batch(config: TrainConfig, devices: Devices) -> Optional[int]:
+def per_device_batch(config: TrainConfig, devices: Devices) -> int | None:
     """--batch-size as the run will use it: None where --batch-size auto will find it on the GPUs at start, the
     trainer's default where auto has no CUDA to measure (the trainer says so too)."""
     if config.batch_size != AUTO:
@@ -100,12 +120,17 @@ def device_phrase(devices: Devices, nodes: Nodes) -> str:
         what = plural(devices.count, "GPU")
     else:
         what = f"{plural(devices.count, 'CPU process')} (gloo)"
-    phrase = {"ddp": f"DDP with {what}", "fsdp": f"FSDP (the model sharded) over {what}",
-              "dp": f"DataParallel over {what}"}.get(devices.mode)
+    phrase = {
+        "ddp": f"DDP with {what}",
+        "fsdp": f"FSDP (the model sharded) over {what}",
+        "dp": f"DataParallel over {what}",
+    }.get(devices.mode)
     if devices.mode == "dp" and not devices.on_gpu:
         phrase = "one CPU process (--multi-gpu dp needs 2 or more GPUs and none were found: the trainer falls back)"
     if phrase is None:
-        phrase = f"one GPU{f' (id {devices.ids})' if devices.ids else ''}" if devices.on_gpu else "one CPU process"
+        phrase = (
+            f"one GPU{f' (id {devices.ids})' if devices.ids else ''}" if devices.on_gpu else "one CPU process"
+        )
     if nodes.count > 1:
         phrase += f" per node x {nodes.count} nodes (this is node {nodes.rank})"
     return phrase

@@ -13,7 +13,8 @@ import contextlib
 import errno
 import os
 import sys
-from typing import Any, Iterator, TextIO
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 # What a write to a console nobody reads any more fails with: the reader of a pipe is gone (EPIPE), the
 # terminal is gone (EIO), the descriptor was closed (EBADF).
@@ -64,8 +65,11 @@ def best_effort() -> Iterator[None]:
     """sys.stdout and sys.stderr as BestEffortStreams for the block; they are put back at its end unless the
     block replaced them itself (torchrun.py sends its stderr to a log file for good)."""
     saved = {name: getattr(sys, name) for name in ("stdout", "stderr")}
-    wrapped = {name: BestEffortStream(stream) for name, stream in saved.items()
-               if stream is not None and not isinstance(stream, BestEffortStream)}
+    wrapped = {
+        name: BestEffortStream(stream)
+        for name, stream in saved.items()
+        if stream is not None and not isinstance(stream, BestEffortStream)
+    }
     for name, stream in wrapped.items():
         setattr(sys, name, stream)
     try:

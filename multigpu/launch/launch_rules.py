@@ -23,15 +23,37 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
-from multigpu.launch.answers import (PROCESS_PER_DEVICE, TRAINING, Settings, apply_gpu_choice, check_save_dir,
-                                     cores_here, default_cpu_processes, devices_of, mesh_phrase, mode_of, nodes_of,
-                                     plural, rendezvous_port, settle_mesh, settle_training, training_config)
-from multigpu.launch.command import command, device_phrase, effective_batch_text, lr_text, quoted, torchrun_log
+from multigpu.launch.answers import (
+    PROCESS_PER_DEVICE,
+    TRAINING,
+    Settings,
+    apply_gpu_choice,
+    check_save_dir,
+    cores_here,
+    default_cpu_processes,
+    devices_of,
+    mesh_phrase,
+    mode_of,
+    nodes_of,
+    plural,
+    rendezvous_port,
+    settle_mesh,
+    settle_training,
+    training_config,
+)
+from multigpu.launch.command import (
+    command,
+    device_phrase,
+    effective_batch_text,
+    lr_text,
+    quoted,
+    torchrun_log,
+)
 from multigpu.launch.slurm import check_slurm_job, slurm, slurm_devices
 
 
@@ -76,7 +98,9 @@ def settle_save_dir(s: Settings, config: TrainConfig) -> Iterator[tuple[str, str
     ("save-dir-holds") with a fresh folder beside it, for the launcher to ask.
     """
     if s.save_dir is None:
-        continued = run_folders.run_to_continue(DEFAULT_SAVE_ROOT, config) if config.resume == "auto" else None
+        continued = (
+            run_folders.run_to_continue(DEFAULT_SAVE_ROOT, config) if config.resume == "auto" else None
+        )
         s.save_dir = continued[0] if continued else run_folders.next_run_dir(DEFAULT_SAVE_ROOT)
         yield "set:save-dir", s.save_dir
     elif config.resume is None and not config.overwrite and os.path.isdir(s.save_dir):
@@ -100,15 +124,23 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     port, note = rendezvous_port(s, nodes) if devices.mode in PROCESS_PER_DEVICE else (0, "")
     yield "plan", f"Plan: {device_phrase(devices, nodes)}{mesh_phrase(mesh, nodes, devices)}"
     if not devices.on_gpu and devices.count > cores_here():
-        yield "plan", f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}"
+        yield (
+            "plan",
+            f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}",
+        )
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     yield "plan", f"  checkpoints and launch_command.sh in {config.save_dir}/"
     if devices.mode in PROCESS_PER_DEVICE:
         yield "plan", f"  torchrun's own messages go to {torchrun_log(config.save_dir, nodes)}"
     if nodes.count > 1:
-        yield "plan", ("  checkpoints come from global rank 0, which c10d may place on any node: use a --save-dir "
-                       "all nodes share")
+        yield (
+            "plan",
+            (
+                "  checkpoints come from global rank 0, which c10d may place on any node: use a --save-dir "
+                "all nodes share"
+            ),
+        )
     if note:
         yield "plan", f"  {note}"
     yield "save-dir", config.save_dir
@@ -121,7 +153,7 @@ STEPS = {"check": check, "plan": plan, "slurm": slurm}
 def parse(argv: Sequence[str]) -> tuple[str, Settings]:
     if "--" in argv:
         cut = list(argv).index("--")
-        argv, trainer_args = list(argv[:cut]), list(argv[cut + 1:])
+        argv, trainer_args = list(argv[:cut]), list(argv[cut + 1 :])
     else:
         argv, trainer_args = list(argv), []
     parser = argparse.ArgumentParser(prog="launch_rules", add_help=False, allow_abbrev=False)
@@ -140,7 +172,7 @@ def records(step: str, s: Settings) -> Iterator[str]:
         yield f"{key}={value}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     step, s = parse(sys.argv[1:] if argv is None else argv)
     out = sys.stdout
     try:

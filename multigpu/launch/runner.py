@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -57,21 +58,29 @@ def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> d
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
-        print(f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
-              f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples", flush=True)
+        print(
+            f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+            f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples",
+            flush=True,
+        )
         for line in data.warnings:
             print(line, flush=True)
-    return MultiGPUTrainer(model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn,
-                           callbacks=callbacks).fit()
+    return MultiGPUTrainer(
+        model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn, callbacks=callbacks
+    ).fit()
 
 
-def train_from_argv(argv: Optional[Sequence[str]], on_summary: Optional[Callable[[dict], None]] = None,
-                    callbacks: Sequence[Any] = ()) -> int:
+def train_from_argv(
+    argv: Sequence[str] | None,
+    on_summary: Callable[[dict], None] | None = None,
+    callbacks: Sequence[Any] = (),
+) -> int:
     """Train on main_multi_gpu.py's training flags and return the exit status (see `main_guarded`).
 
     `on_summary` receives the final metrics of a finished run; `callbacks` are the trainer's (run).
     """
-    def train(args: Optional[Sequence[str]]) -> None:
+
+    def train(args: Sequence[str] | None) -> None:
         summary = run(parse_config(args), callbacks)
         if on_summary is not None:
             on_summary(summary)
@@ -89,7 +98,7 @@ def _samples(dataset: Any) -> str:
         return "a stream of"
 
 
-def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> int:
+def main_guarded(train: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Run `train(argv)` and turn how it ends into an exit status: 0 done (or stopped cleanly by a signal),
     1 training failed, 2 bad input, each with one line and no traceback. Scripts of your own
     (examples/) use it too. The console is best-effort meanwhile (multigpu/launch/console.py)."""
@@ -98,7 +107,7 @@ def main_guarded(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
         return _exit_status(train, argv)
 
 
-def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]]) -> int:
+def _exit_status(train: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         train(argv)
@@ -115,19 +124,29 @@ def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
     except PermissionError as error:
         # What no check named already (the current folder when it is not writable, say): the path, in one line.
         path = os.path.abspath(error.filename) if error.filename else str(error)
-        print(f"error: {'' if rank == 0 else f'rank {rank}: '}cannot use {path}: permission denied; give this user "
-              f"access to it, or use another path", file=sys.stderr, flush=True)
+        print(
+            f"error: {'' if rank == 0 else f'rank {rank}: '}cannot use {path}: permission denied; give this user "
+            f"access to it, or use another path",
+            file=sys.stderr,
+            flush=True,
+        )
         return UsageError.exit_code
     except KeyboardInterrupt:
         # Training turns Ctrl-C into a checkpoint and exit 0; this one came before or after training.
         if rank == 0:
-            print("interrupted outside training: the interrupt wrote no checkpoint", file=sys.stderr, flush=True)
+            print(
+                "interrupted outside training: the interrupt wrote no checkpoint", file=sys.stderr, flush=True
+            )
         return 130
     except BaseException as error:
         if is_peer_failure(error) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # A rank died or hung outside training (set-up, a barrier): the group is gone, no rank can be named.
-            print(f"rank {rank}: lost contact with another rank, which died or hung ({error_detail(error)}); "
-                  f"stopping", file=sys.stderr, flush=True)
+            print(
+                f"rank {rank}: lost contact with another rank, which died or hung ({error_detail(error)}); "
+                f"stopping",
+                file=sys.stderr,
+                flush=True,
+            )
             return TrainingStopped.exit_code
         if rank != 0:
             print(f"rank {rank} failed:", file=sys.stderr, flush=True)
@@ -135,7 +154,9 @@ def _exit_status(train: Callable[[Optional[Sequence[str]]], Any], argv: Optional
     return 0
 
 
-SAID_WAIT_SECONDS = 30.0  # for the rank that says the line to print it: milliseconds, unless it died meanwhile
+SAID_WAIT_SECONDS = (
+    30.0  # for the rank that says the line to print it: milliseconds, unless it died meanwhile
+)
 
 
 def say_once(error: str, rank: int) -> None:
@@ -156,7 +177,9 @@ def say_once(error: str, rank: int) -> None:
     if store is not None or rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
     if store is not None:
-        with contextlib.suppress(RuntimeError):  # a store gone now: the others, ended by torchrun, wait no more
+        with contextlib.suppress(
+            RuntimeError
+        ):  # a store gone now: the others, ended by torchrun, wait no more
             store.set(_said_key() + "/said", "1")
 
 
@@ -173,7 +196,7 @@ def _said_key() -> str:
     return f"multigpu/said-once/attempt-{restart_count()}"  # a torchrun restart's verdict is said again
 
 
-def _torchruns_store() -> Optional[Any]:
+def _torchruns_store() -> Any | None:
     """torchrun's store, where several of its workers may end the run; None in one process, without torchrun's
     store, or when it cannot be reached (torchrun is going away too)."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:

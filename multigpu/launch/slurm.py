@@ -8,13 +8,30 @@ import os
 import re
 import shlex
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from multigpu.config import TrainConfig
 from multigpu.errors import HANG_EXIT_STATUS, UsageError
-from multigpu.launch.answers import (CPU_PROCESSES, PROCESS_PER_DEVICE, TORCHRUN, TRAINER, Devices, Nodes, Settings,
-                                     check_save_dir, given_trainer_options, mesh_phrase, mode_of, nodes_of, plural,
-                                     settle_mesh, settle_training, trainer_flags, training_config, whole)
+from multigpu.launch.answers import (
+    CPU_PROCESSES,
+    PROCESS_PER_DEVICE,
+    TORCHRUN,
+    TRAINER,
+    Devices,
+    Nodes,
+    Settings,
+    check_save_dir,
+    given_trainer_options,
+    mesh_phrase,
+    mode_of,
+    nodes_of,
+    plural,
+    settle_mesh,
+    settle_training,
+    trainer_flags,
+    training_config,
+    whole,
+)
 from multigpu.launch.command import effective_batch_text, lr_text, quoted
 
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")
@@ -48,15 +65,23 @@ def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a SLURM job needs beyond a run here: its own resuming, and a --save-dir every node sees."""
     given = given_trainer_options(s.trainer_args)
     if "resume" in given:
-        raise UsageError("--resume after -- with --slurm: the job script continues with --resume auto by itself")
+        raise UsageError(
+            "--resume after -- with --slurm: the job script continues with --resume auto by itself"
+        )
     if "overwrite" in given:
-        raise UsageError("--overwrite after -- with --slurm: the job continues its --save-dir with --resume auto "
-                         "(a requeue must not start over); give a new --save-dir instead")
+        raise UsageError(
+            "--overwrite after -- with --slurm: the job continues its --save-dir with --resume auto "
+            "(a requeue must not start over); give a new --save-dir instead"
+        )
     if nodes.count > 1 and s.save_dir is None:
-        raise UsageError(f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
-                         f"global rank 0, which writes the checkpoints, may be on any node")
+        raise UsageError(
+            f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
+            f"global rank 0, which writes the checkpoints, may be on any node"
+        )
     if re.search(r"\s", config.save_dir):
-        raise UsageError(f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another")
+        raise UsageError(
+            f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
+        )
     check_save_dir(config.save_dir)
 
 
@@ -72,8 +97,13 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
     settle_training(s, config)
     what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
-    yield "plan", (f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()}"
-                   f"{mesh_phrase(mesh, nodes, devices)} with c10d rendezvous on the first node")
+    yield (
+        "plan",
+        (
+            f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()}"
+            f"{mesh_phrase(mesh, nodes, devices)} with c10d rendezvous on the first node"
+        ),
+    )
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
     script = os.path.join(config.save_dir, "launch_slurm.sbatch")
@@ -93,19 +123,38 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     if gpus:
         directives.append(f"--gpus-per-node={gpus}")
     directives.append(f"--cpus-per-task={cpus}")
-    directives += [f"--{name}={getattr(s, name)}" for name in ("partition", "time", "account") if getattr(s, name)]
-    directives += [f"--chdir={os.getcwd()}", f"--output={config.save_dir}/slurm-%j.out", "--open-mode=append",
-                   "--requeue", "--signal=B:USR1@120"]
-    trainer = [TRAINER, *trainer_flags(s, Devices(mode_of(s) or "ddp", procs, None, gpus > 0)), "--resume", "auto",
-               *s.trainer_args]
+    directives += [
+        f"--{name}={getattr(s, name)}" for name in ("partition", "time", "account") if getattr(s, name)
+    ]
+    directives += [
+        f"--chdir={os.getcwd()}",
+        f"--output={config.save_dir}/slurm-%j.out",
+        "--open-mode=append",
+        "--requeue",
+        "--signal=B:USR1@120",
+    ]
+    trainer = [
+        TRAINER,
+        *trainer_flags(s, Devices(mode_of(s) or "ddp", procs, None, gpus > 0)),
+        "--resume",
+        "auto",
+        *s.trainer_args,
+    ]
     restarts = f" --max_restarts={nodes.max_restarts}" if nodes.max_restarts is not None else ""
     port = str(nodes.port) if nodes.port else "$((20000 + SLURM_JOB_ID % 20000))"
-    gpu_check = "" if not gpus else """
+    gpu_check = (
+        ""
+        if not gpus
+        else """
 [[ ${SLURM_GPUS_ON_NODE:-0} == "$GPUS_PER_NODE" ]] ||
     fail "written for $GPUS_PER_NODE GPUs per node, SLURM gave ${SLURM_GPUS_ON_NODE:-0} on $(hostname);" \\
         "check the partition's GPUs (sinfo -o '%P %G')"
 """
-    shared_check = "" if nodes.count == 1 else """
+    )
+    shared_check = (
+        ""
+        if nodes.count == 1
+        else """
 # Rank 0 (on any node) writes the checkpoints that every node resumes from: all must see one --save-dir.
 marker=$SAVE_DIR/.shared-check-$SLURM_JOB_ID
 touch "$marker" || fail "cannot write to --save-dir $SAVE_DIR"
@@ -113,13 +162,14 @@ srun --nodes="$NODES" --ntasks-per-node=1 test -e "$marker" ||
     fail "--save-dir $SAVE_DIR is not shared: some node does not see it; use storage all nodes mount"
 rm -f "$marker"
 """
+    )
     restart_env = " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" if nodes.count > 1 and nodes.max_restarts else ""
     return f"""#!/bin/bash
-# SLURM job written by launch_multi_gpu.sh on {time.strftime('%Y-%m-%d %H:%M:%S')}:
-# {plural(nodes.count, 'node')} x {plural(gpus, 'GPU') if gpus else plural(procs, 'CPU process')}, {(mode_of(s) or 'ddp').upper()} under torchrun, c10d rendezvous on the allocation's first node.
-# Submit: sbatch {shlex.quote(os.path.join(config.save_dir, 'launch_slurm.sbatch'))}
+# SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}:
+# {plural(nodes.count, "node")} x {plural(gpus, "GPU") if gpus else plural(procs, "CPU process")}, {(mode_of(s) or "ddp").upper()} under torchrun, c10d rendezvous on the allocation's first node.
+# Submit: sbatch {shlex.quote(os.path.join(config.save_dir, "launch_slurm.sbatch"))}
 # Submitting it again, or a requeue, continues from the newest checkpoint (--resume auto).
-{chr(10).join('#SBATCH ' + d for d in directives)}
+{chr(10).join("#SBATCH " + d for d in directives)}
 
 set -uo pipefail
 NODES={nodes.count} GPUS_PER_NODE={gpus} PROCS_PER_NODE={procs}

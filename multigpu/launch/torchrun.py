@@ -30,14 +30,15 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 if __package__ in (None, ""):  # run as a file: make the repository importable, not this folder
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from multigpu import safe_files  # noqa: E402  (after the path fix)
-from multigpu.launch.console import best_effort  # noqa: E402
 from multigpu.errors import HANG_EXIT_STATUS, UsageError  # noqa: E402
+from multigpu.launch.console import best_effort  # noqa: E402
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit  # noqa: E402
 
 PROG = "torchrun"
@@ -58,7 +59,9 @@ def verdict(failures: dict[int, Any], ranks: str = "rank") -> tuple[int, str]:
     if not failures:
         return 0, ""
     hang = [item for item in failures.items() if item[1].exitcode == HANG_EXIT_STATUS]  # it ended the others
-    rank, failure = min(hang or failures.items(), key=lambda item: item[1].timestamp)  # ties: the first observed
+    rank, failure = min(
+        hang or failures.items(), key=lambda item: item[1].timestamp
+    )  # ties: the first observed
     return worker_status(failure.exitcode), f"{ranks} {rank}"
 
 
@@ -85,7 +88,7 @@ class _WorkerGroups:
 
         local_elastic_agent.start_processes = start_and_remember
 
-    def failures_after_signal(self, sigval: signal.Signals) -> Optional[dict[int, Any]]:
+    def failures_after_signal(self, sigval: signal.Signals) -> dict[int, Any] | None:
         """The workers' failures by local rank once all have ended; None if none were started."""
         if self.latest is None:
             return None
@@ -103,12 +106,16 @@ def _send_logs_to(log: TextIO) -> None:
     libraries installed."""
     import logging
 
-    loggers = [logging.getLogger()] + [item for item in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(item, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        item for item in logging.Logger.manager.loggerDict.values() if isinstance(item, logging.Logger)
+    ]
     for logger in loggers:
         for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout) \
-                    and _stream_settable(handler):
+            if (
+                isinstance(handler, logging.StreamHandler)
+                and handler.stream in (sys.stderr, sys.stdout)
+                and _stream_settable(handler)
+            ):
                 handler.setStream(log)
     sys.stderr = log
 
@@ -140,7 +147,9 @@ def run(argv: Sequence[str]) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     # Left open until the process ends: torch may still log while Python shuts down.
     log = safe_files.open_no_follow(log_path, "a", buffering=1)
-    _say(log, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: torchrun {' '.join(torchrun_argv)}")
+    _say(
+        log, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: torchrun {' '.join(torchrun_argv)}"
+    )
     terminal = sys.stderr
     groups = _WorkerGroups()
     groups.install()
@@ -165,8 +174,11 @@ def run(argv: Sequence[str]) -> int:
         return 1
     if status == HANG_EXIT_STATUS:
         report = os.path.join(_save_dir(torchrun_argv), "hang_report.txt")
-        _say(terminal, f"{PROG}: hang: see {report} ({who} stopped the run with status {status}; torchrun's "
-                       f"report: {log_path})")
+        _say(
+            terminal,
+            f"{PROG}: hang: see {report} ({who} stopped the run with status {status}; torchrun's "
+            f"report: {log_path})",
+        )
     elif status not in (0, UsageError.exit_code):  # bad input: the worker's one line says it all
         _say(terminal, f"{PROG}: {who} exited with status {status} (torchrun's report: {log_path})")
     return status

@@ -8,14 +8,15 @@ an enabled GradScaler. Without autocast, every step shares one no-op context
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from contextlib import AbstractContextManager
+from typing import Callable
 
 import torch
 
 NAMES = {None: "off", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) -> Optional[torch.dtype]:
+def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) -> torch.dtype | None:
     """--amp as a dtype for `device`, with a one-line note where the device cannot do what was asked.
 
     auto: bf16 on a GPU that has it, else fp16 (with its GradScaler) on a GPU; fp32 on the CPU, where
@@ -33,15 +34,17 @@ def resolve_dtype(amp: str, device: torch.device, say: Callable[[str], None]) ->
         say("--amp bf16 is not supported by this GPU; using fp16 with a GradScaler instead")
         return torch.float16
     if amp == "bf16" and device.type == "cpu" and cpu_bf16_units() is False:
-        say("--amp bf16: this CPU has no bf16 units (AVX512-BF16, AMX or Arm's BF16), so bf16 is emulated here, "
-            "often several times slower than fp32; --amp auto (fp32 on the CPU) or off runs at fp32 speed")
+        say(
+            "--amp bf16: this CPU has no bf16 units (AVX512-BF16, AMX or Arm's BF16), so bf16 is emulated here, "
+            "often several times slower than fp32; --amp auto (fp32 on the CPU) or off runs at fp32 speed"
+        )
     return {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[amp]
 
 
 BF16_UNITS = ("avx512_bf16", "amx_bf16", "bf16")  # x86's flags, and Arm's Features word
 
 
-def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> Optional[bool]:
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU computes in bf16 itself (BF16_UNITS among its flags), which makes CPU autocast pay;
     None where its flags cannot be read (no /proc/cpuinfo)."""
     try:
@@ -67,15 +70,21 @@ class Amp:
     ShardedGradScaler, whose inf check covers every rank's shard.
     """
 
-    def __init__(self, dtype: Optional[torch.dtype], device_type: str, init_scale: float = 2.0 ** 16,
-                 sharded: bool = False):
+    def __init__(
+        self, dtype: torch.dtype | None, device_type: str, init_scale: float = 2.0**16, sharded: bool = False
+    ):
         self.dtype = dtype
         self.sharded = sharded
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-            self.scaler = ShardedGradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
+
+            self.scaler = ShardedGradScaler(
+                device_type, init_scale=init_scale, enabled=dtype == torch.float16
+            )
         else:
-            self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == torch.float16)
+            self.scaler = torch.amp.GradScaler(
+                device_type, init_scale=init_scale, enabled=dtype == torch.float16
+            )
         self.device_type = device_type
         self._nothing = contextlib.nullcontext()
         # A plain flag: the training step tests it rather than entering a no-op context on every step
@@ -83,7 +92,7 @@ class Amp:
         self.autocasts = dtype is not None and not sharded
 
     @classmethod
-    def resolved(cls, flag: str, device: torch.device, sharded: bool, say: Callable[[str], None]) -> "Amp":
+    def resolved(cls, flag: str, device: torch.device, sharded: bool, say: Callable[[str], None]) -> Amp:
         """--amp resolved for `device` (auto: bf16 where the GPU computes in it); `sharded` (fsdp) casts the
         parameters itself (FSDP2's MixedPrecisionPolicy) rather than autocasting."""
         return cls(resolve_dtype(flag, device, say), device.type, sharded=sharded)
@@ -97,7 +106,7 @@ class Amp:
     def scaler(self, scaler: torch.amp.GradScaler) -> None:
         self._scaler, self.scaling = scaler, scaler.is_enabled()
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         """The autocast context of this run (a no-op without --amp, and under fsdp, whose policy casts)."""
         if not self.autocasts:
             return self._nothing

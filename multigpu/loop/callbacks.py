@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -42,7 +43,7 @@ class Trainer(Protocol):
     progress: Progress
     metrics: dict[str, float]
     monitor: Monitor
-    eval_model: Optional[torch.nn.Module]
+    eval_model: torch.nn.Module | None
 
     def stop_training(self, reason: str) -> None: ...
 
@@ -54,8 +55,13 @@ class Callbacks:
     def __init__(self, callbacks: Sequence[Any]):
         self.callbacks = list(callbacks)
         self.hooks: dict[str, list[Callable[[Any], None]]] = {
-            hook: [getattr(callback, hook) for callback in self.callbacks if callable(getattr(callback, hook, None))]
-            for hook in HOOKS}
+            hook: [
+                getattr(callback, hook)
+                for callback in self.callbacks
+                if callable(getattr(callback, hook, None))
+            ]
+            for hook in HOOKS
+        }
 
     def call(self, hook: str, trainer: Trainer) -> None:
         """Call every callback's `hook` with the trainer, in the order the callbacks were given."""
@@ -73,8 +79,11 @@ class Callbacks:
 
     def state_dict(self) -> dict[str, Any]:
         """{name: state} of the callbacks that have a state_dict."""
-        return {key: callback.state_dict() for key, callback in zip(self.keys(), self.callbacks)
-                if callable(getattr(callback, "state_dict", None))}
+        return {
+            key: callback.state_dict()
+            for key, callback in zip(self.keys(), self.callbacks)
+            if callable(getattr(callback, "state_dict", None))
+        }
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         """Give each callback that can load a state its own from a checkpoint; one the checkpoint lacks
@@ -91,12 +100,14 @@ class EarlyStopping:
 
     def __init__(self, patience: int, min_delta: float = 0.0):
         self.patience, self.min_delta = patience, min_delta
-        self.best: Optional[float] = None
+        self.best: float | None = None
         self.best_epoch = 0
         self.epochs_without_improvement = 0
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        if self.epochs_without_improvement >= self.patience:  # resumed after it stopped: nothing more to train
+        if (
+            self.epochs_without_improvement >= self.patience
+        ):  # resumed after it stopped: nothing more to train
             trainer.stop_training(self._why(trainer))
 
     def on_validation_end(self, trainer: Trainer) -> None:
@@ -122,14 +133,23 @@ class EarlyStopping:
 
     def _why(self, trainer: Trainer) -> str:
         delta = f" by more than {self.min_delta:g}" if self.min_delta else ""
-        best = "no finite value yet" if self.best is None else f"best {self.best:.4g} after epoch {self.best_epoch}"
-        return (f"early stopping: {trainer.monitor.name} has not improved{delta} for "
-                f"{self.epochs_without_improvement} epoch(s) (--early-stop-patience {self.patience}); {best}, "
-                f"kept in best.pt")
+        best = (
+            "no finite value yet"
+            if self.best is None
+            else f"best {self.best:.4g} after epoch {self.best_epoch}"
+        )
+        return (
+            f"early stopping: {trainer.monitor.name} has not improved{delta} for "
+            f"{self.epochs_without_improvement} epoch(s) (--early-stop-patience {self.patience}); {best}, "
+            f"kept in best.pt"
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_epoch": self.best_epoch,
-                "epochs_without_improvement": self.epochs_without_improvement}
+        return {
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "epochs_without_improvement": self.epochs_without_improvement,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]
@@ -145,8 +165,8 @@ class EMA:
 
     def __init__(self, decay: float):
         self.decay = decay
-        self.model: Optional[torch.nn.Module] = None  # the average, a copy of the trained module
-        self.loaded: Optional[dict[str, torch.Tensor]] = None  # from a checkpoint, until fit starts
+        self.model: torch.nn.Module | None = None  # the average, a copy of the trained module
+        self.loaded: dict[str, torch.Tensor] | None = None  # from a checkpoint, until fit starts
 
     def on_fit_start(self, trainer: Trainer) -> None:
         trained = _plain(trainer.model)
@@ -172,11 +192,16 @@ class EMA:
         if self.loaded is not None:
             self.model.load_state_dict(self.loaded)
             self.loaded = None
-        self._averaged, self._buffers = self.model.shards, ()  # buffers: the trained model's own, used as they are
+        self._averaged, self._buffers = (
+            self.model.shards,
+            (),
+        )  # buffers: the trained model's own, used as they are
         trainer.eval_model = self.model
 
     def on_step_end(self, trainer: Trainer) -> None:
-        trained = self.model.trained_shards() if isinstance(self.model, sharding.AveragedShards) else self._trained
+        trained = (
+            self.model.trained_shards() if isinstance(self.model, sharding.AveragedShards) else self._trained
+        )
         torch._foreach_lerp_(self._averaged, trained, 1.0 - self.decay)
         if self._buffers:  # kept equal at every step, so a resume from any checkpoint evaluates alike
             torch._foreach_copy_(*self._buffers)
@@ -189,7 +214,7 @@ class EMA:
         self.loaded = state["weights"]
 
 
-def ema_weights(state: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
+def ema_weights(state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """The EMA's weights in a checkpoint, None when it was trained without --ema-decay."""
     return state.get("callbacks", {}).get(EMA.__name__, {}).get("weights")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -25,9 +25,17 @@ from multigpu.data.batches import batch_size, sample_batch, to_device
 from multigpu.data.sampler import ShardedBatchSampler
 from multigpu.data.streaming import StreamShard, is_stream
 from multigpu.errors import UsageError
-from multigpu.loop import metrics as metric_lib, snapshot
+from multigpu.loop import metrics as metric_lib
+from multigpu.loop import snapshot
 from multigpu.loop.amp import Amp
-from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss, own_loss, predictions, stand_in_forward
+from multigpu.loop.forward import (
+    ForwardFn,
+    check_first_batch,
+    compute_loss,
+    own_loss,
+    predictions,
+    stand_in_forward,
+)
 from multigpu.loop.tokens import LossWeighting, targets_in, token_accuracy, token_loss_sum
 from multigpu.parallel.distributed import Runtime, all_reduce_sum, gather_objects
 from multigpu.parallel.wrapping import uncompiled
@@ -41,22 +49,32 @@ class Evaluator:
     tokens (`weighting`, multigpu/loop/tokens.py) the loss is the mean over every counted target token, with
     its `perplexity`, the default metric is the accuracy over those tokens, and "tokens" counts them."""
 
-    def __init__(self, runtime: Runtime, amp: Amp, forward: ForwardFn, loss_fn: Any,
-                 metrics: metric_lib.MetricsSpec = None, num_workers: Optional[int] = None,
-                 collate_fn: Optional[Callable] = None, move: Optional[Callable[[Any], Any]] = None,
-                 weighting: Optional[LossWeighting] = None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        amp: Amp,
+        forward: ForwardFn,
+        loss_fn: Any,
+        metrics: metric_lib.MetricsSpec = None,
+        num_workers: int | None = None,
+        collate_fn: Callable | None = None,
+        move: Callable[[Any], Any] | None = None,
+        weighting: LossWeighting | None = None,
+    ):
         self.runtime, self.amp, self.forward, self.loss_fn = runtime, amp, forward, loss_fn
         self.spec, self.num_workers, self.collate_fn = metrics, num_workers, collate_fn
         # How a batch reaches the device: the trainer's (channels-last batches for a channels-last model).
         self.move = move or functools.partial(to_device, device=runtime.device)
-        self.names: Optional[list[str]] = None  # result keys, agreed by all ranks at the first evaluation
+        self.names: list[str] | None = None  # result keys, agreed by all ranks at the first evaluation
         self._metrics: dict[str, metric_lib.Metric] = {}
         self._first_batch_checked = False
-        self.classes: Optional[int] = None  # the width of (N, C) class scores: what accuracy at chance means
+        self.classes: int | None = None  # the width of (N, C) class scores: what accuracy at chance means
         self.per_sample_loss = _per_sample(loss_fn)
         self.weighting = weighting
 
-    def check_names(self, model: torch.nn.Module, dataset: Optional[Dataset], monitor: metric_lib.Monitor) -> None:
+    def check_names(
+        self, model: torch.nn.Module, dataset: Dataset | None, monitor: metric_lib.Monitor
+    ) -> None:
         """Run the loss and every metric on the first few samples of `dataset`, and look the monitored name up in
         the results they give, so that a wrong name, a failing metric function or a batch without targets stops
         the run before training, not after its first epoch.
@@ -72,7 +90,9 @@ class Evaluator:
                 batch = sample_batch(dataset, CHECK_SAMPLES, self.collate_fn)
             except UsageError:
                 raise
-            except Exception:  # a data set that reads only inside loader workers: checked at the first evaluation
+            except (
+                Exception
+            ):  # a data set that reads only inside loader workers: checked at the first evaluation
                 return
             model.eval()
             self._batch_sums(model, self.move(batch))
@@ -80,8 +100,9 @@ class Evaluator:
         monitor.check([f"val_{name}" for name in ("loss", *perplexity, *self._metrics)])
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module, dataset: Dataset, batch_size_: int,
-            stop: Optional[StopRequest] = None) -> Optional[dict[str, float]]:
+    def run(
+        self, model: torch.nn.Module, dataset: Dataset, batch_size_: int, stop: StopRequest | None = None
+    ) -> dict[str, float] | None:
         """Loss and metrics over every sample of `dataset`; every rank must call it.
 
         With `stop` (during fit), the ranks agree after each round of batches
@@ -92,8 +113,11 @@ class Evaluator:
         if is_stream(dataset):
             return self._run_stream(model, dataset, batch_size_)
         batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]
-        loader = iter(build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
-                                   collate_fn=self.collate_fn))
+        loader = iter(
+            build_loader(
+                dataset, rt.device, self.num_workers, batch_sampler=batches, collate_fn=self.collate_fn
+            )
+        )
         was_training = model.training
         model.eval()
         rows: dict[int, list[torch.Tensor]] = {}
@@ -118,8 +142,14 @@ class Evaluator:
         at different batches: no collective until the sums, so no stop vote either."""
         rt = self.runtime
         shard = StreamShard(dataset, rt.rank, rt.world_size, tagged=False)
-        loader = build_loader(shard, rt.device, self.num_workers, batch_size=batch_size_, collate_fn=self.collate_fn,
-                              persistent_workers=False)
+        loader = build_loader(
+            shard,
+            rt.device,
+            self.num_workers,
+            batch_size=batch_size_,
+            collate_fn=self.collate_fn,
+            persistent_workers=False,
+        )
         was_training = model.training
         model.eval()
         try:
@@ -141,10 +171,14 @@ class Evaluator:
             outputs, targets = self.forward(model, batch)
         samples = batch_size(batch)
         scores = _float(predictions(outputs))
-        if not self._first_batch_checked:  # the first batch this rank sees: checked, and the metrics resolved from it
+        if (
+            not self._first_batch_checked
+        ):  # the first batch this rank sees: checked, and the metrics resolved from it
             check_first_batch(outputs, targets, self.loss_fn)
             self._metrics = self._resolve_metrics(scores, targets)
-            self.classes = scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() == 2 else None
+            self.classes = (
+                scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() == 2 else None
+            )
             self._first_batch_checked = True
         sums = [*self._loss_and_counts(outputs, targets, batch, samples)]
         for name in self.names or self._metrics:
@@ -164,7 +198,7 @@ class Evaluator:
         count = torch.tensor(samples, dtype=torch.float64)
         if not self.by_tokens:
             return [self._loss_sum(outputs, targets, samples), count, torch.zeros((), dtype=torch.float64)]
-        weighting: LossWeighting = self.weighting  # type: ignore[assignment]  (by_tokens: there is one)
+        weighting: LossWeighting = self.weighting  # type: ignore[assignment]  # by_tokens: there is one
         counted = weighting.counted(targets_in(batch))  # type: ignore[arg-type]
         loss_sum = token_loss_sum(_float(outputs), targets, self.loss_fn, counted, weighting.shift)
         return [loss_sum, count, counted.double()]
@@ -212,7 +246,7 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
-def _per_sample(loss_fn: Any) -> Optional[Callable]:
+def _per_sample(loss_fn: Any) -> Callable | None:
     """The loss with reduction='none' where it has one, so evaluation sums per-sample losses."""
     if getattr(loss_fn, "reduction", None) == "mean":
         per_sample = copy.copy(loss_fn)

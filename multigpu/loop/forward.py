@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +59,21 @@ class ModelForward:
         self.first = positional[0] if positional else None  # the parameter `model(inputs)` fills
         self.takes_inputs = bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params)
         # The parameter that takes the targets (nanoGPT's `targets`, Hugging Face's `labels`), never the inputs'.
-        self.target = next((name for name in TARGET_PARAMETERS if name in self.names and name != self.first), None)
+        self.target = next(
+            (name for name in TARGET_PARAMETERS if name in self.names and name != self.first), None
+        )
         self.required = [p.name for p in named if p.default is p.empty and p.name != self.target]
         self.checked = self.signature is None
 
     def __call__(self, model: Any, batch: Any) -> tuple[Any, Any]:
-        if not self.checked:  # the first batch: anything the signature cannot take is one clear error, not a TypeError
+        if (
+            not self.checked
+        ):  # the first batch: anything the signature cannot take is one clear error, not a TypeError
             self.check(batch)
             self.checked = True
-        if isinstance(batch, (list, tuple)) and len(batch) == 2:  # checked first: the usual batch, and the cheap test
+        if (
+            isinstance(batch, (list, tuple)) and len(batch) == 2
+        ):  # checked first: the usual batch, and the cheap test
             inputs, targets = batch
             if type(inputs) is torch.Tensor or not isinstance(inputs, Mapping) or not self.spreads(inputs):
                 if self.target is None or targets is None:
@@ -77,8 +83,11 @@ class ModelForward:
         if isinstance(batch, Mapping):
             targets = next((batch[key] for key in LABEL_KEYS if key in batch), None)
             return model(**self.keywords(batch, targets)), targets
-        raise BatchMismatch(self.mismatch(batch, "a batch must be an (inputs, targets) pair or a dict",
-                                          "(model(...), targets)"))
+        raise BatchMismatch(
+            self.mismatch(
+                batch, "a batch must be an (inputs, targets) pair or a dict", "(model(...), targets)"
+            )
+        )
 
     def spreads(self, inputs: Mapping) -> bool:
         """Whether dict inputs are keyword arguments: their keys name `forward`'s parameters, the required ones
@@ -90,8 +99,11 @@ class ModelForward:
 
     def keywords(self, values: Mapping, targets: Any) -> dict[str, Any]:
         """The entries of `values` that `forward` accepts, and the targets where it takes them."""
-        kwargs = dict(values) if self.every_key else {key: value for key, value in values.items()
-                                                      if key in self.names}
+        kwargs = (
+            dict(values)
+            if self.every_key
+            else {key: value for key, value in values.items() if key in self.names}
+        )
         if self.target is not None and targets is not None and self.target not in kwargs:
             kwargs[self.target] = targets
         return kwargs
@@ -105,33 +117,51 @@ class ModelForward:
             missing = [name for name in self.required if name != self.first]
             if not self.takes_inputs or missing:
                 needs = ", ".join(missing) or "its inputs as a positional argument"
-                raise BatchMismatch(self.mismatch(batch, f"forward needs {needs}, which model(inputs) does not give",
-                                                  "(model(...), batch[1])"))
+                raise BatchMismatch(
+                    self.mismatch(
+                        batch,
+                        f"forward needs {needs}, which model(inputs) does not give",
+                        "(model(...), batch[1])",
+                    )
+                )
         elif isinstance(batch, Mapping):
             missing = [name for name in self.required if name not in batch]
             if missing:
-                raise BatchMismatch(self.mismatch(batch, f"forward needs {', '.join(missing)}, which the batch's keys "
-                                                         "do not give", "(model(...), batch[...])"))
+                raise BatchMismatch(
+                    self.mismatch(
+                        batch,
+                        f"forward needs {', '.join(missing)}, which the batch's keys do not give",
+                        "(model(...), batch[...])",
+                    )
+                )
 
     def mismatch(self, batch: Any, problem: str, fits: str) -> str:
         """One line: what is wrong, the batch's structure, the signature, and the forward_fn that would fit."""
-        fitted = f" to fit the model's forward{_plain_signature(self.signature)}" if self.signature is not None else ""
-        return (f"{problem}, got {describe(batch)}; pass forward_fn=lambda model, batch: {fits}{fitted} "
-                f"(docs/data.md, \"Your own task\")")
+        fitted = (
+            f" to fit the model's forward{_plain_signature(self.signature)}"
+            if self.signature is not None
+            else ""
+        )
+        return (
+            f"{problem}, got {describe(batch)}; pass forward_fn=lambda model, batch: {fits}{fitted} "
+            f'(docs/data.md, "Your own task")'
+        )
 
 
 def plain_module(model: Any) -> Any:
     """The module inside DDP, DataParallel and torch.compile's wrapper."""
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
-        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        if inner is None and isinstance(
+            model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        ):
             inner = model.module
         if inner is None:
             return model
         model = inner
 
 
-def _signature(model: Any) -> Optional[inspect.Signature]:
+def _signature(model: Any) -> inspect.Signature | None:
     """The signature of the plain module's `forward` (under DDP, DataParallel or torch.compile), None if unknown."""
     if model is None:
         return None
@@ -144,8 +174,10 @@ def _signature(model: Any) -> Optional[inspect.Signature]:
 
 def _plain_signature(signature: inspect.Signature) -> inspect.Signature:
     """`signature` without annotations: `(idx, targets=None)`, short enough for one line."""
-    return signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-                             return_annotation=inspect.Signature.empty)
+    return signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
 
 
 def describe(batch: Any) -> str:
@@ -166,10 +198,12 @@ def fitted_forward(model: torch.nn.Module) -> ModelForward:
     return ModelForward(model)
 
 
-default_forward = ModelForward(None)  # (outputs, targets) of a pair or dict batch, for a model not known in advance
+default_forward = ModelForward(
+    None
+)  # (outputs, targets) of a pair or dict batch, for a model not known in advance
 
 
-def own_loss(outputs: Any) -> Optional[torch.Tensor]:
+def own_loss(outputs: Any) -> torch.Tensor | None:
     """The loss a model returned with its outputs (Hugging Face's `.loss`/`["loss"]`, the scalar tensor of
     nanoGPT's `(logits, loss)`), or None."""
     if isinstance(outputs, Mapping):
@@ -180,10 +214,13 @@ def own_loss(outputs: Any) -> Optional[torch.Tensor]:
     return getattr(outputs, "loss", None)
 
 
-def _loss_index(outputs: Union[tuple, list]) -> Optional[int]:
+def _loss_index(outputs: tuple | list) -> int | None:
     """Where a tuple of outputs holds the batch's loss: its one 0-dim floating-point tensor."""
-    scalars = [index for index, item in enumerate(outputs)
-               if isinstance(item, torch.Tensor) and item.dim() == 0 and item.is_floating_point()]
+    scalars = [
+        index
+        for index, item in enumerate(outputs)
+        if isinstance(item, torch.Tensor) and item.dim() == 0 and item.is_floating_point()
+    ]
     return scalars[0] if len(scalars) == 1 and len(outputs) > 1 else None
 
 
@@ -211,14 +248,18 @@ def predictions(outputs: Any) -> Any:
     return without_loss(outputs) if logits is None else logits
 
 
-def compute_loss(outputs: Any, targets: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]) -> torch.Tensor:
+def compute_loss(
+    outputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None
+) -> torch.Tensor:
     """The model's own loss, else `loss_fn(outputs, targets)`."""
     loss = None if isinstance(outputs, torch.Tensor) else own_loss(outputs)  # a plain tensor carries no loss
     if loss is not None:
         return loss
     if loss_fn is None or targets is None:
-        raise ValueError("the model returned no loss and the batch has no targets to compare with: give the batch "
-                         f"a {'/'.join(LABEL_KEYS[:2])} entry, or a forward_fn that returns (outputs, targets)")
+        raise ValueError(
+            "the model returned no loss and the batch has no targets to compare with: give the batch "
+            f"a {'/'.join(LABEL_KEYS[:2])} entry, or a forward_fn that returns (outputs, targets)"
+        )
     return loss_fn(outputs, targets)
 
 
@@ -242,34 +283,52 @@ def check_first_batch(outputs: Any, targets: Any, loss_fn: Any) -> None:
     mistake would surface as an IndexError deep inside the loss, or train on the wrong numbers.
     """
     logits = predictions(outputs)
-    if not (isinstance(logits, torch.Tensor) and isinstance(targets, torch.Tensor)) or own_loss(outputs) is not None:
+    if (
+        not (isinstance(logits, torch.Tensor) and isinstance(targets, torch.Tensor))
+        or own_loss(outputs) is not None
+    ):
         return
     cross_entropy = isinstance(loss_fn, torch.nn.CrossEntropyLoss) or loss_fn is F.cross_entropy
     if cross_entropy and targets.is_floating_point() and targets.shape != logits.shape:
-        raise BatchMismatch(f"targets of dtype {str(targets.dtype).replace('torch.', '')} and shape "
-                            f"{tuple(targets.shape)} for outputs of shape {tuple(logits.shape)}: cross-entropy (the "
-                            f"default loss_fn) takes class indices, integers (e.g. targets.long() in the data set), "
-                            f"or class probabilities of the outputs' shape; for real-valued targets pass a loss_fn "
-                            f"such as torch.nn.MSELoss()")
+        raise BatchMismatch(
+            f"targets of dtype {str(targets.dtype).replace('torch.', '')} and shape "
+            f"{tuple(targets.shape)} for outputs of shape {tuple(logits.shape)}: cross-entropy (the "
+            f"default loss_fn) takes class indices, integers (e.g. targets.long() in the data set), "
+            f"or class probabilities of the outputs' shape; for real-valued targets pass a loss_fn "
+            f"such as torch.nn.MSELoss()"
+        )
     if cross_entropy and logits.dim() == 2 and not targets.is_floating_point():
         if targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
-            raise BatchMismatch(f"targets of shape {tuple(targets.shape)} do not fit outputs of shape "
-                                f"{tuple(logits.shape)}: cross-entropy needs one class index per sample")
+            raise BatchMismatch(
+                f"targets of shape {tuple(targets.shape)} do not fit outputs of shape "
+                f"{tuple(logits.shape)}: cross-entropy needs one class index per sample"
+            )
         top = int(targets.max()) if targets.numel() else -1
         if top >= logits.shape[1] or (targets.numel() and int(targets.min()) < 0):
-            raise BatchMismatch(f"target class {top} does not fit the model's {logits.shape[1]} outputs: build the "
-                                f"model with as many outputs as the data set has classes")
-    elementwise = isinstance(loss_fn, ELEMENTWISE_LOSSES) or any(loss_fn is f for f in ELEMENTWISE_LOSS_FUNCTIONS)
+            raise BatchMismatch(
+                f"target class {top} does not fit the model's {logits.shape[1]} outputs: build the "
+                f"model with as many outputs as the data set has classes"
+            )
+    elementwise = isinstance(loss_fn, ELEMENTWISE_LOSSES) or any(
+        loss_fn is f for f in ELEMENTWISE_LOSS_FUNCTIONS
+    )
     if elementwise and logits.shape != targets.shape:
         name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-        raise BatchMismatch(f"outputs of shape {tuple(logits.shape)} and targets of shape {tuple(targets.shape)} "
-                            f"differ: {name} would broadcast them and compare every output with every target; give "
-                            f"them one shape (e.g. outputs.squeeze(-1) in a forward_fn, or targets of shape "
-                            f"{tuple(logits.shape)} from the data set)")
+        raise BatchMismatch(
+            f"outputs of shape {tuple(logits.shape)} and targets of shape {tuple(targets.shape)} "
+            f"differ: {name} would broadcast them and compare every output with every target; give "
+            f"them one shape (e.g. outputs.squeeze(-1) in a forward_fn, or targets of shape "
+            f"{tuple(logits.shape)} from the data set)"
+        )
 
 
-def stand_in_forward(forward: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, dataset: Any,
-                     collate_fn: Optional[Callable], move: Callable[[Any], Any]) -> None:
+def stand_in_forward(
+    forward: Callable[[torch.nn.Module, Any], Any],
+    model: torch.nn.Module,
+    dataset: Any,
+    collate_fn: Callable | None,
+    move: Callable[[Any], Any],
+) -> None:
     """A forward of the data set's first sample whose result is dropped: a rank with no batch of its own in an
     evaluation or prediction round runs it, since every forward of a sharded model is a collective."""
     forward(model, move(sample_batch(dataset, 1, collate_fn)))

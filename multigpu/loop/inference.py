@@ -25,7 +25,8 @@ import statistics
 import threading
 import time
 import weakref
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import torch
 from torch.nn.parallel import gather, parallel_apply, replicate
@@ -37,7 +38,7 @@ AUTO_LARGEST = 4096  # the largest batch "auto" times: a crossover above it coun
 AUTO_REPEATS = 3  # timings per batch size and path (the median is used)
 
 # "auto" crossovers, measured once per (model, input shape, devices): {module: {(shape key, devices): samples}}
-CROSSOVERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, float]]" = weakref.WeakKeyDictionary()
+CROSSOVERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
 
 
 def chunk_sizes(samples: int, parts: int) -> list[int]:
@@ -46,7 +47,7 @@ def chunk_sizes(samples: int, parts: int) -> list[int]:
     return [base + 1] * extra + [base] * (parts - extra)
 
 
-def crossover(batches: Sequence[int], split_wins: Sequence[bool]) -> Optional[int]:
+def crossover(batches: Sequence[int], split_wins: Sequence[bool]) -> int | None:
     """Where splitting starts to win: the smallest of the measured `batches` (ascending) at which the split
     was faster both there and at the next measured batch (the largest counts on its own); None if nowhere.
 
@@ -65,18 +66,23 @@ class BatchParallel:
     `last_threshold` the batch size from which that input splits (inf: never).
     """
 
-    def __init__(self, module: torch.nn.Module, devices: Optional[Sequence[DeviceSpec]] = None,
-                 min_per_device: Union[int, str] = 30):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        devices: Sequence[DeviceSpec] | None = None,
+        min_per_device: int | str = 30,
+    ):
         self.devices = _devices(devices)
-        if min_per_device != "auto" and not (isinstance(min_per_device, int) and not isinstance(min_per_device, bool)
-                                             and min_per_device >= 1):
+        if min_per_device != "auto" and not (
+            isinstance(min_per_device, int) and not isinstance(min_per_device, bool) and min_per_device >= 1
+        ):
             raise ValueError(f"min_per_device must be a positive integer or 'auto', got {min_per_device!r}")
         self.module = module.to(self.devices[0])
         self.min_per_device = min_per_device
-        self.last_path: Optional[str] = None
-        self.last_threshold: Optional[float] = None
+        self.last_path: str | None = None
+        self.last_threshold: float | None = None
         self._replicas: list[torch.nn.Module] = []
-        self._replicas_of: Optional[tuple] = None  # the parameter versions the cached replicas were made from
+        self._replicas_of: tuple | None = None  # the parameter versions the cached replicas were made from
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         samples = batch_size((inputs, kwargs))
@@ -93,11 +99,17 @@ class BatchParallel:
         return self.module(*to_device(inputs, device), **to_device(kwargs, device))
 
     def _split(self, inputs: tuple, kwargs: dict, samples: int) -> Any:
-        parts = [to_device(part, device) for part, device in
-                 zip(split((inputs, kwargs), chunk_sizes(samples, len(self.devices))), self.devices)]
+        parts = [
+            to_device(part, device)
+            for part, device in zip(
+                split((inputs, kwargs), chunk_sizes(samples, len(self.devices))), self.devices
+            )
+        ]
         replicas = self._current_replicas()
         if self.devices[0].type == "cuda":
-            outputs = parallel_apply(replicas, [args for args, _ in parts], [kw for _, kw in parts], self.devices)
+            outputs = parallel_apply(
+                replicas, [args for args, _ in parts], [kw for _, kw in parts], self.devices
+            )
             return gather(outputs, self.devices[0])
         return concat(_run_in_threads(replicas, parts))
 
@@ -107,8 +119,13 @@ class BatchParallel:
         if self.devices[0].type != "cuda":
             return [self.module] * len(self.devices)
         grad = torch.is_grad_enabled()
-        versions = None if grad else tuple((t.data_ptr(), t._version) for t in
-                                           (*self.module.parameters(), *self.module.buffers()))
+        versions = (
+            None
+            if grad
+            else tuple(
+                (t.data_ptr(), t._version) for t in (*self.module.parameters(), *self.module.buffers())
+            )
+        )
         if grad or versions != self._replicas_of:
             self._replicas = replicate(self.module, self.devices, detach=not grad)
             self._replicas_of = versions
@@ -138,7 +155,7 @@ class BatchParallel:
         self.module.eval()
         try:
             with torch.no_grad():
-                for size in (len(self.devices) * 2 ** k for k in range(32)):
+                for size in (len(self.devices) * 2**k for k in range(32)):
                     if size > AUTO_LARGEST:
                         break
                     batch_inputs, batch_kwargs = repeat_batch(template, size)
@@ -173,17 +190,21 @@ class BatchParallel:
                 torch.cuda.synchronize(device)
 
 
-def _devices(devices: Optional[Sequence[DeviceSpec]]) -> list[torch.device]:
+def _devices(devices: Sequence[DeviceSpec] | None) -> list[torch.device]:
     """The devices as torch.device objects: GPU ids are CUDA devices; default every visible GPU (else the CPU)."""
     if devices is None:
         count = torch.cuda.device_count()
         return [torch.device("cuda", index) for index in range(count)] or [torch.device("cpu")]
-    resolved = [torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec) for spec in devices]
+    resolved = [
+        torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec) for spec in devices
+    ]
     if not resolved:
         raise ValueError("BatchParallel needs at least one device")
     if len({device.type for device in resolved}) > 1:
-        raise ValueError(f"BatchParallel devices must all be of one kind (all CUDA or all CPU), got "
-                         f"{', '.join(map(str, resolved))}")
+        raise ValueError(
+            f"BatchParallel devices must all be of one kind (all CUDA or all CPU), got "
+            f"{', '.join(map(str, resolved))}"
+        )
     return resolved
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Union
 
 import torch
 
@@ -33,9 +34,11 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def top_k_accuracy(k: int) -> Metric:
     """1.0 where the target is among the k top-scoring classes, per sample."""
+
     def metric(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         top = outputs.topk(min(k, outputs.shape[-1]), dim=-1).indices
         return (top == targets.unsqueeze(-1)).any(-1).double()
+
     return metric
 
 
@@ -64,8 +67,10 @@ def builtin(name: str) -> Metric:
     top = re.fullmatch(r"(?:acc_)?top(\d+)", name)
     if top:
         return top_k_accuracy(int(top.group(1)))
-    raise ValueError(f"unknown metric {name!r}: built-ins are acc, acc_topK (e.g. acc_top5), mse, mae; "
-                     f"or pass a function (outputs, targets) -> per-sample values")
+    raise ValueError(
+        f"unknown metric {name!r}: built-ins are acc, acc_topK (e.g. acc_top5), mse, mae; "
+        f"or pass a function (outputs, targets) -> per-sample values"
+    )
 
 
 def key_of(name: str) -> str:
@@ -93,8 +98,14 @@ def default_names(outputs: Any, targets: Any) -> list[str]:
     """acc for class scores with class-index targets; mse and mae for outputs shaped like targets."""
     if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
         return []
-    if (outputs.dim() == 2 and outputs.shape[1] > 1 and targets.dim() == 1 and not targets.is_floating_point()
-            and not targets.is_complex() and targets.dtype != torch.bool):
+    if (
+        outputs.dim() == 2
+        and outputs.shape[1] > 1
+        and targets.dim() == 1
+        and not targets.is_floating_point()
+        and not targets.is_complex()
+        and targets.dtype != torch.bool
+    ):
         return ["acc"]
     if outputs.numel() == targets.numel() and outputs.is_floating_point() and targets.is_floating_point():
         return ["mse", "mae"]
@@ -119,7 +130,7 @@ def lower_is_better(name: str) -> bool:
 class Monitor:
     """Which validation metric picks best.pt and which way is better: timm's eval_metric and decreasing."""
 
-    def __init__(self, name: Optional[str], mode: str = "auto"):
+    def __init__(self, name: str | None, mode: str = "auto"):
         self.name, self.mode = name, mode
 
     def choose(self, results: Mapping[str, float]) -> str:
@@ -136,14 +147,15 @@ class Monitor:
         if self.name is not None and self.name not in names:
             from multigpu.errors import UsageError
 
-            raise UsageError(f"--monitor {self.name} is not a validation metric of this run; it has "
-                             f"{', '.join(names)}")
+            raise UsageError(
+                f"--monitor {self.name} is not a validation metric of this run; it has {', '.join(names)}"
+            )
 
     def lower_is_better(self) -> bool:
         """The direction of the monitored metric: --monitor-mode, or from its name."""
         return self.mode == "min" or (self.mode == "auto" and lower_is_better(self.name or ""))
 
-    def new_best(self, metrics: Mapping[str, float], best: Optional[float]) -> Optional[float]:
+    def new_best(self, metrics: Mapping[str, float], best: float | None) -> float | None:
         """The monitored value of `metrics` when it beats `best` (the best so far; None: nothing yet), else None
         (also without metrics: a run without a validation set)."""
         if not metrics:
@@ -151,7 +163,7 @@ class Monitor:
         value = metrics[self.choose(metrics)]
         return value if self.improves(value, best) else None
 
-    def improves(self, value: float, best: Optional[float]) -> bool:
+    def improves(self, value: float, best: float | None) -> bool:
         """Whether `value` beats `best` (None: nothing yet); a NaN never does."""
         lower = self.lower_is_better()
         return math.isfinite(value) and (best is None or (value < best if lower else value > best))

@@ -12,7 +12,8 @@ import dataclasses
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Collection, Iterable, Optional, Union
+from collections.abc import Collection, Iterable
+from typing import Any, Callable, Union
 
 import torch
 from torch.optim import Optimizer
@@ -40,13 +41,17 @@ def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_:
     if not isinstance(optimizer, Optimizer):
         optimizer = optimizer([p for p in model.parameters() if p.requires_grad])  # type: ignore[misc]
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a function params -> Optimizer, "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a function params -> Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
     ours = {id(p) for p in model.parameters()}
     if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("the optimizer holds parameters that are not the model's: build it on the model "
-                         "given to MultiGPUTrainer, or pass a function params -> Optimizer (which --multi-gpu fsdp "
-                         "needs: sharding replaces the parameters by their shards)")
+        raise ValueError(
+            "the optimizer holds parameters that are not the model's: build it on the model "
+            "given to MultiGPUTrainer, or pass a function params -> Optimizer (which --multi-gpu fsdp "
+            "needs: sharding replaces the parameters by their shards)"
+        )
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * lr_factor_
     return optimizer
@@ -84,8 +89,9 @@ def build_scheduler(optimizer: Optimizer, config: TrainConfig, steps_per_epoch: 
     return LambdaLR(optimizer, schedule_rule(config, steps_per_epoch))
 
 
-def schedule_config(config: TrainConfig, given: Collection[str], users_optimizer: bool,
-                    users_schedule: bool) -> TrainConfig:
+def schedule_config(
+    config: TrainConfig, given: Collection[str], users_optimizer: bool, users_schedule: bool
+) -> TrainConfig:
     """The config the built-in schedule follows. A user's optimizer without a scheduler keeps its own LR, as it
     would in plain PyTorch (lr_schedule constant), unless lr_schedule was set; a warm-up asked for still applies."""
     if users_optimizer and not users_schedule and "lr_schedule" not in given:
@@ -102,11 +108,15 @@ def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: s
             return scheduler(optimizer, total_steps=total_steps)
         return scheduler(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-        raise ValueError("the scheduler drives another optimizer than the trainer's: pass a function "
-                         "optimizer -> scheduler, or build it on the optimizer you give the trainer")
+        raise ValueError(
+            "the scheduler drives another optimizer than the trainer's: pass a function "
+            "optimizer -> scheduler, or build it on the optimizer you give the trainer"
+        )
     if lr_scaling != "none":
-        raise UsageError(f"--lr-scaling {lr_scaling} cannot rescale a scheduler that is already built (it "
-                         f"captured the unscaled LR): pass scheduler=lambda optimizer: ... instead")
+        raise UsageError(
+            f"--lr-scaling {lr_scaling} cannot rescale a scheduler that is already built (it "
+            f"captured the unscaled LR): pass scheduler=lambda optimizer: ... instead"
+        )
     return scheduler
 
 
@@ -123,7 +133,7 @@ def _parameters(function: Callable) -> Collection[str]:
         return ()
 
 
-def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]:
+def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> float | None:
     """The highest LR of the first param group over the scheduler's next `steps` steps, found by stepping a copy
     that drives a stand-in optimizer (the real one, its parameters and the scheduler are left as they are).
 
@@ -134,8 +144,13 @@ def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]
     if steps > limit:
         return None
     try:
-        stand_in = torch.optim.SGD([{**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)]}
-                                    for group in optimizer.param_groups], lr=0.0)
+        stand_in = torch.optim.SGD(
+            [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)]}
+                for group in optimizer.param_groups
+            ],
+            lr=0.0,
+        )
         dry = copy.deepcopy(scheduler, memo={id(optimizer): stand_in})
         peak = stand_in.param_groups[0]["lr"]
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": no step is taken here
@@ -148,8 +163,9 @@ def peak_lr(scheduler: Any, steps: int, limit: int = 100_000) -> Optional[float]
     return peak
 
 
-def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float],
-                     rule: Optional[Callable[[int], float]] = None) -> None:
+def move_schedule_to(
+    scheduler: LambdaLR, step: int, base_lrs: list[float], rule: Callable[[int], float] | None = None
+) -> None:
     """Put the built-in schedule at optimizer step `step` of this run, each param group starting from its
     `base_lrs` entry (and following `rule`, `schedule_rule`'s, where given): the LR of the next step is then the
     schedule's value there.
@@ -173,12 +189,20 @@ def move_schedule_to(scheduler: LambdaLR, step: int, base_lrs: list[float],
 def group_settings(optimizer: Optimizer) -> list[dict[str, Any]]:
     """Each param group's settings (all but its parameters), copied: what this run built, kept before a
     checkpoint's param groups replace them (see `keep_run_settings`)."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return [
+        {key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups
+    ]
 
 
-def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str, Any]], step: int,
-                      builtin_schedule: bool, builtin_optimizer: bool,
-                      rule: Optional[Callable[[int], float]] = None) -> None:
+def keep_run_settings(
+    optimizer: Optimizer,
+    scheduler: Any,
+    built: list[dict[str, Any]],
+    step: int,
+    builtin_schedule: bool,
+    builtin_optimizer: bool,
+    rule: Callable[[int], float] | None = None,
+) -> None:
     """After a resume has loaded the checkpoint's optimizer and scheduler: this run's LR and weight decay (`built`,
     from `group_settings` before the load) hold from the next step, as the changed-settings line says; the
     optimizer's state (its moments, step counts) and the schedule's position continue (docs/sweeps.md,
@@ -193,10 +217,12 @@ def keep_run_settings(optimizer: Optimizer, scheduler: Any, built: list[dict[str
         for ours, group in zip(built, optimizer.param_groups):
             theirs = group.get("initial_lr")
             if ours.get("initial_lr") not in (None, theirs) and theirs is not None:
-                raise UsageError(f"this run's optimizer starts from lr {ours['initial_lr']:g} and the checkpoint's "
-                                 f"from {theirs:g}, but your scheduler {type(scheduler).__name__} continues the "
-                                 f"checkpoint's LR (a scheduler's state cannot be moved to another base LR): resume "
-                                 f"with lr {theirs:g}, or start afresh in a new --save-dir")
+                raise UsageError(
+                    f"this run's optimizer starts from lr {ours['initial_lr']:g} and the checkpoint's "
+                    f"from {theirs:g}, but your scheduler {type(scheduler).__name__} continues the "
+                    f"checkpoint's LR (a scheduler's state cannot be moved to another base LR): resume "
+                    f"with lr {theirs:g}, or start afresh in a new --save-dir"
+                )
     kept = ("weight_decay", "momentum") if builtin_optimizer and builtin_schedule else ("weight_decay",)
     for ours, group in zip(built, optimizer.param_groups):
         group.update({key: ours[key] for key in kept if key in ours and key in group})
@@ -210,13 +236,19 @@ def refuse_schedules_without_length(config: Any, builtin: bool, scheduler: Any, 
     total_steps), naming the flags that give it. A constant LR, or a scheduler of your own that needs no total,
     trains as it is."""
     unknown = "this training stream has no __len__, so an epoch is one pass of steps unknown until it ends"
-    give = "give --steps-per-epoch N or --max-steps N (steps_per_epoch=N, max_steps=N), or the dataset a __len__"
+    give = (
+        "give --steps-per-epoch N or --max-steps N (steps_per_epoch=N, max_steps=N), or the dataset a __len__"
+    )
     if builtin and config.warmup_epochs:
-        raise UsageError(f"--warmup-epochs {config.warmup_epochs:g} counts steps in epochs, and {unknown}: {give}; "
-                         f"or drop the warm-up")
+        raise UsageError(
+            f"--warmup-epochs {config.warmup_epochs:g} counts steps in epochs, and {unknown}: {give}; "
+            f"or drop the warm-up"
+        )
     if builtin and config.lr_schedule != "constant":
-        raise UsageError(f"--lr-schedule {config.lr_schedule} needs the run's length in steps, and {unknown}: "
-                         f"{give}; or use --lr-schedule constant")
+        raise UsageError(
+            f"--lr-schedule {config.lr_schedule} needs the run's length in steps, and {unknown}: "
+            f"{give}; or use --lr-schedule constant"
+        )
     if not builtin and interval == "step" and takes_total_steps(scheduler):
         raise UsageError(f"your scheduler takes total_steps, and {unknown}: {give}")
 
@@ -235,22 +267,42 @@ class Optimization:
     config: TrainConfig  # with the schedule a user's optimizer gets (schedule_config)
 
 
-def optimization(model: torch.nn.Module, config: TrainConfig, given: Collection[str], optimizer: OptimizerArg,
-                 scheduler: SchedulerArg, scheduler_interval: str, effective_batch: int, steps_per_epoch: int,
-                 stream: bool) -> Optimization:
+def optimization(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    given: Collection[str],
+    optimizer: OptimizerArg,
+    scheduler: SchedulerArg,
+    scheduler_interval: str,
+    effective_batch: int,
+    steps_per_epoch: int,
+    stream: bool,
+) -> Optimization:
     """The run's optimizer and schedule. A stream without __len__ (`steps_per_epoch` 0) knows no total: it is
     taken as unbounded where a length is only weighed (room for checkpoints, --autotune's payback), and a
     schedule that needs it exactly is refused in one line."""
     factor = scaled_lr(1.0, config.lr_scaling, effective_batch, config.lr_base_batch)  # the rule, for either
     total_steps = config.planned_steps(steps_per_epoch) if steps_per_epoch else math.inf
-    built = (build_optimizer(model, config, config.lr * factor) if optimizer is None
-             else users_optimizer(optimizer, model, factor))
+    built = (
+        build_optimizer(model, config, config.lr * factor)
+        if optimizer is None
+        else users_optimizer(optimizer, model, factor)
+    )
     lr = built.param_groups[0]["lr"]  # the schedule's base: a warm-up's schedule starts below it
     config = schedule_config(config, given, optimizer is not None, scheduler is not None)
     interval = "step" if scheduler is None else scheduler_interval
     if stream and not steps_per_epoch:
         refuse_schedules_without_length(config, scheduler is None, scheduler, interval)
-    schedule = (build_scheduler(built, config, steps_per_epoch) if scheduler is None
-                else users_scheduler(scheduler, built, config.lr_scaling,
-                                     total_steps if scheduler_interval == "step" else config.epochs))
-    return Optimization(built, schedule, interval, optimizer is None, scheduler is None, lr, total_steps, config)
+    schedule = (
+        build_scheduler(built, config, steps_per_epoch)
+        if scheduler is None
+        else users_scheduler(
+            scheduler,
+            built,
+            config.lr_scaling,
+            total_steps if scheduler_interval == "step" else config.epochs,
+        )
+    )
+    return Optimization(
+        built, schedule, interval, optimizer is None, scheduler is None, lr, total_steps, config
+    )

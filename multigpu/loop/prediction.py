@@ -18,8 +18,8 @@ import io
 import math
 import os
 import struct
-from collections.abc import Mapping
-from typing import IO, Any, Callable, Iterator, Optional, Union
+from collections.abc import Iterator, Mapping
+from typing import IO, Any, Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -40,13 +40,25 @@ _LENGTH = struct.Struct("<Q")
 class Predictor:
     """Runs a model over a data set and hands back its outputs in dataset order, exact over ranks."""
 
-    def __init__(self, runtime: Runtime, amp: Amp, forward: ForwardFn = default_forward,
-                 num_workers: Optional[int] = None, collate_fn: Optional[Callable] = None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        amp: Amp,
+        forward: ForwardFn = default_forward,
+        num_workers: int | None = None,
+        collate_fn: Callable | None = None,
+    ):
         self.runtime, self.amp, self.forward = runtime, amp, forward
         self.num_workers, self.collate_fn = num_workers, collate_fn
 
-    def run(self, model: torch.nn.Module, dataset: Optional[Dataset], batch_size: int,
-            output_path: Optional[str] = None, to: Union[str, torch.device] = "cpu") -> Any:
+    def run(
+        self,
+        model: torch.nn.Module,
+        dataset: Dataset | None,
+        batch_size: int,
+        output_path: str | None = None,
+        to: str | torch.device = "cpu",
+    ) -> Any:
         """The outputs for every sample of `dataset`, concatenated along the batch dimension on device `to`,
         on every rank; with `output_path`, rank 0 streams them to that file instead and None is returned
         (read it with `load_predictions`). Every rank must call it."""
@@ -56,14 +68,23 @@ class Predictor:
             with written_whole(output_path) if self.runtime.is_main else contextlib.nullcontext() as file:
                 if file is not None:
                     file.write(FILE_MAGIC)
-                self.each_chunk(model, dataset, batch_size, lambda chunk: _append(file, chunk), everywhere=False)
+                self.each_chunk(
+                    model, dataset, batch_size, lambda chunk: _append(file, chunk), everywhere=False
+                )
             return None
         chunks: list[Any] = []
         self.each_chunk(model, dataset, batch_size, chunks.append, everywhere=True)
         return to_device(concat(chunks), torch.device(to))
 
-    def each_chunk(self, model: torch.nn.Module, dataset: Dataset, batch_size: int, receive: Callable[[Any], None],
-                   everywhere: bool = True, with_targets: bool = False) -> None:
+    def each_chunk(
+        self,
+        model: torch.nn.Module,
+        dataset: Dataset,
+        batch_size: int,
+        receive: Callable[[Any], None],
+        everywhere: bool = True,
+        with_targets: bool = False,
+    ) -> None:
         """Call `receive(outputs)` for consecutive runs of samples from the first to the last, on every rank
         (`everywhere`) or on rank 0 only; `receive((outputs, targets))` `with_targets`. Every rank must call it."""
         rt = self.runtime
@@ -71,8 +92,11 @@ class Predictor:
         if size == 0:
             raise ValueError("predict() got an empty data set")
         batches = ShardedBatchSampler(size, batch_size, rt.rank, rt.world_size)
-        loader = iter(build_loader(dataset, rt.device, self.num_workers, batch_sampler=batches,
-                                   collate_fn=self.collate_fn))
+        loader = iter(
+            build_loader(
+                dataset, rt.device, self.num_workers, batch_sampler=batches, collate_fn=self.collate_fn
+            )
+        )
         rounds = math.ceil(batches.num_batches / rt.world_size)  # a round: one batch on every rank
         per_chunk = max(1, CHUNK_SAMPLES // (batch_size * rt.world_size))
         was_training = model.training
@@ -80,12 +104,22 @@ class Predictor:
         try:
             for first in range(0, rounds, per_chunk):
                 last = min(first + per_chunk, rounds)
-                mine = [self._outputs(model, next(loader), with_targets) for round_ in range(first, last)
-                        if round_ * rt.world_size + rt.rank < batches.num_batches]
-                if rt.forward_is_collective and len(mine) < last - first:  # fsdp: join the others' all-gathers
+                mine = [
+                    self._outputs(model, next(loader), with_targets)
+                    for round_ in range(first, last)
+                    if round_ * rt.world_size + rt.rank < batches.num_batches
+                ]
+                if (
+                    rt.forward_is_collective and len(mine) < last - first
+                ):  # fsdp: join the others' all-gathers
                     with torch.no_grad(), self.amp.autocast():
-                        stand_in_forward(lambda model_, batch: forward_for_prediction(self.forward, model_, batch),
-                                         model, dataset, self.collate_fn, lambda batch: to_device(batch, rt.device))
+                        stand_in_forward(
+                            lambda model_, batch: forward_for_prediction(self.forward, model_, batch),
+                            model,
+                            dataset,
+                            self.collate_fn,
+                            lambda batch: to_device(batch, rt.device),
+                        )
                 by_rank = _exchange(mine, everywhere)
                 if by_rank is not None:
                     numbers = range(first * rt.world_size, min(last * rt.world_size, batches.num_batches))
@@ -99,10 +133,13 @@ class Predictor:
         batch = to_device(batch, self.runtime.device)
         with self.amp.autocast():
             outputs, targets = forward_for_prediction(self.forward, model, batch)
-        result = to_device((_per_sample(outputs), targets) if with_targets else _per_sample(outputs),
-                           torch.device("cpu"))
+        result = to_device(
+            (_per_sample(outputs), targets) if with_targets else _per_sample(outputs), torch.device("cpu")
+        )
         if self.runtime.device.type == "cuda":
-            torch.cuda.synchronize(self.runtime.device)  # non_blocking copies to the host are complete only now
+            torch.cuda.synchronize(
+                self.runtime.device
+            )  # non_blocking copies to the host are complete only now
         return result
 
 
@@ -144,7 +181,7 @@ def _tensors_only(value: Any) -> Any:
     return _NOTHING
 
 
-def _exchange(mine: list[Any], everywhere: bool) -> Optional[list[list[Any]]]:
+def _exchange(mine: list[Any], everywhere: bool) -> list[list[Any]] | None:
     """Every rank's list of outputs, in rank order: on every rank, or on rank 0 (None elsewhere)."""
     return gather_objects(mine) if everywhere else gather_objects_to_main(mine)  # type: ignore[return-value]
 

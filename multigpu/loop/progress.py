@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -12,8 +11,10 @@ class Progress:
 
     epoch: int = 0  # epochs whose training is done (== epochs at the end)
     global_step: int = 0  # optimizer steps taken
-    samples_in_epoch: int = 0  # global samples of the current epoch already trained on, in the sampler's order
-    best_value: Optional[float] = None  # of the monitored validation metric
+    samples_in_epoch: int = (
+        0  # global samples of the current epoch already trained on, in the sampler's order
+    )
+    best_value: float | None = None  # of the monitored validation metric
     evaluated: bool = True  # False between an epoch's last step and the end of its evaluation
 
     def reached_max_steps(self, max_steps: int) -> bool:

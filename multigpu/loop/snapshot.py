@@ -7,7 +7,7 @@ training starts; a run with them must train exactly as one without them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -21,8 +21,13 @@ def _cpu_copy(state: object) -> object:
 
 
 @contextlib.contextmanager
-def kept(model: torch.nn.Module, device: torch.device, *, weights: bool = False,
-         optimizer: Optional[torch.optim.Optimizer] = None) -> Iterator[None]:
+def kept(
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    weights: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Iterator[None]:
     """Run the block in training mode, then restore what its steps changed.
 
     Always: the RNG states (torch, CUDA, Python, NumPy), the buffers (BatchNorm

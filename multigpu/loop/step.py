@@ -7,7 +7,9 @@ interval meter until the next sync point), no context entered that does nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -26,15 +28,41 @@ class TrainStep:
     With `token_loss`, a loss over tokens (multigpu/loop/tokens.py): `weighting` says whether this run's is one,
     or decides it at the first window (a stream under --loss-weighting auto)."""
 
-    def __init__(self, model: nn.Module, wrapped: nn.Module, no_sync: Callable[[], ContextManager],
-                 forward: ForwardFn, loss_fn: Any, amp: Amp, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 scheduler_interval: str, clip_grad_norm: float, meter: Any, fetch: Callable[[Iterator, Any], Any],
-                 move: Callable[[Any], Any], weighting: Optional[LossWeighting] = None,
-                 token_loss: Optional[TokenLoss] = None):
-        self.model, self.wrapped, self.no_sync, self.forward, self.loss_fn = model, wrapped, no_sync, forward, loss_fn
-        self.amp, self.optimizer, self.scheduler, self.scheduler_interval = amp, optimizer, scheduler, scheduler_interval
+    def __init__(
+        self,
+        model: nn.Module,
+        wrapped: nn.Module,
+        no_sync: Callable[[], AbstractContextManager],
+        forward: ForwardFn,
+        loss_fn: Any,
+        amp: Amp,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scheduler_interval: str,
+        clip_grad_norm: float,
+        meter: Any,
+        fetch: Callable[[Iterator, Any], Any],
+        move: Callable[[Any], Any],
+        weighting: LossWeighting | None = None,
+        token_loss: TokenLoss | None = None,
+    ):
+        self.model, self.wrapped, self.no_sync, self.forward, self.loss_fn = (
+            model,
+            wrapped,
+            no_sync,
+            forward,
+            loss_fn,
+        )
+        self.amp, self.optimizer, self.scheduler, self.scheduler_interval = (
+            amp,
+            optimizer,
+            scheduler,
+            scheduler_interval,
+        )
         self.clip_grad_norm, self.meter, self.fetch, self.move = clip_grad_norm, meter, fetch, move
-        self.applied_lr = optimizer.param_groups[0]["lr"]  # the LR the last step used, as TensorBoard shows it
+        self.applied_lr = optimizer.param_groups[0][
+            "lr"
+        ]  # the LR the last step used, as TensorBoard shows it
         self.batch_checked = False
         self.weighting = weighting
         self.token_loss = None if weighting is None or weighting.mode == "samples" else token_loss
@@ -76,7 +104,9 @@ class TrainStep:
         BEAT.phase = heartbeat.DATA
         window = [self.fetch(batches, self.move) for _ in sizes]
         if self.weighting.mode is None and self.weighting.decide(window[0]) == "samples":  # type: ignore[union-attr]
-            self.token_loss = None  # a stream's first window, decided now: this and every later step by samples
+            self.token_loss = (
+                None  # a stream's first window, decided now: this and every later step by samples
+            )
             self._samples_window(window, window_samples, sizes)
             return
         tokens = WindowTokens(self.weighting, window)  # type: ignore[arg-type]
@@ -131,7 +161,9 @@ class TrainStep:
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()
-            self.meter.skipped_steps += (scaler._scale < scale_before).to(torch.int64)  # a lowered scale = a skip
+            self.meter.skipped_steps += (scaler._scale < scale_before).to(
+                torch.int64
+            )  # a lowered scale = a skip
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

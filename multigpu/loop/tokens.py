@@ -23,7 +23,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -45,7 +45,7 @@ class SequenceCrossEntropy(torch.nn.CrossEntropyLoss):
         return super().forward(input, target)
 
 
-def targets_in(batch: Any) -> Optional[torch.Tensor]:
+def targets_in(batch: Any) -> torch.Tensor | None:
     """The targets a batch holds before any forward: the second of an (inputs, targets) pair, or a dict's
     `shift_labels` (already shifted, as Hugging Face's padding-free collators give them) or labels entry."""
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
@@ -57,7 +57,7 @@ def targets_in(batch: Any) -> Optional[torch.Tensor]:
     return found if isinstance(found, torch.Tensor) else None
 
 
-def are_tokens(targets: Optional[torch.Tensor]) -> bool:
+def are_tokens(targets: torch.Tensor | None) -> bool:
     """Token ids: integer targets with a sequence dimension, or holding the ignore index (one host sync: read
     once, when the weighting is decided)."""
     if targets is None or targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
@@ -106,7 +106,7 @@ class LossWeighting:
 
     def __init__(self, setting: str, model: torch.nn.Module):
         self.setting = setting  # auto, samples or tokens: TrainConfig checked it
-        self.mode: Optional[str] = None if setting == "auto" else setting  # None: auto, not decided yet
+        self.mode: str | None = None if setting == "auto" else setting  # None: auto, not decided yet
         self.shift = shifts_labels(model)
 
     @property
@@ -120,9 +120,11 @@ class LossWeighting:
         if self.mode is None:
             self.mode = "tokens" if are_tokens(targets) else "samples"
         if self.tokens and targets is None:
-            raise UsageError("--loss-weighting tokens counts the targets before the forward, and the batch shows "
-                             "none: give (inputs, targets) pairs or a dict with a labels entry, or use "
-                             "--loss-weighting samples")
+            raise UsageError(
+                "--loss-weighting tokens counts the targets before the forward, and the batch shows "
+                "none: give (inputs, targets) pairs or a dict with a labels entry, or use "
+                "--loss-weighting samples"
+            )
         return self.mode
 
     def counted(self, targets: torch.Tensor) -> torch.Tensor:
@@ -137,8 +139,10 @@ class LossWeighting:
             return f"loss: the mean over samples{' (auto)' if self.setting == 'auto' else ''}"
         chosen = " (auto: the targets are token ids)" if self.setting == "auto" else ""
         shift = ", shifted as the causal LM shifts them" if self.shift else ""
-        return (f"loss: the mean over the step's target tokens, all micro-batches and ranks{chosen}; -100 "
-                f"ignored{shift}")
+        return (
+            f"loss: the mean over the step's target tokens, all micro-batches and ranks{chosen}; -100 "
+            f"ignored{shift}"
+        )
 
 
 class WindowTokens:
@@ -169,10 +173,18 @@ class TokenLoss:
     """One micro-batch's forward and its share of the step's loss: its token-loss sum over the step's counted
     tokens, times `ranks` (the processes whose gradients DDP or FSDP average)."""
 
-    def __init__(self, forward: Callable[[Any, Any], tuple[Any, Any]], loss_fn: Any, model: torch.nn.Module,
-                 ranks: int, pass_num_items: bool):
+    def __init__(
+        self,
+        forward: Callable[[Any, Any], tuple[Any, Any]],
+        loss_fn: Any,
+        model: torch.nn.Module,
+        ranks: int,
+        pass_num_items: bool,
+    ):
         self.forward, self.loss_fn, self.ranks = forward, loss_fn, ranks
-        self.num_items_to_model = pass_num_items and isinstance(forward, ModelForward) and takes_num_items(model)
+        self.num_items_to_model = (
+            pass_num_items and isinstance(forward, ModelForward) and takes_num_items(model)
+        )
         self.num_items_to_loss = _takes_keyword(loss_fn, "num_items")
         self.summed = _summed(loss_fn)
         self.checked = False
@@ -211,7 +223,7 @@ def _takes_keyword(function: Any, name: str) -> bool:
         return False
 
 
-def _summed(loss_fn: Any) -> Optional[Callable[[Any, Any], torch.Tensor]]:
+def _summed(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor] | None:
     """The loss with reduction='sum' where it has a reduction (torch's losses), else None."""
     if getattr(loss_fn, "reduction", None) != "mean":
         return None
@@ -223,18 +235,21 @@ def _summed(loss_fn: Any) -> Optional[Callable[[Any, Any], torch.Tensor]]:
 def token_accuracy(shift: bool) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Accuracy over the counted tokens: (right, counted) of (B, T, V) scores against (B, T) token ids, the
     ignore index left out, the scores of position t against the target t + 1 where the model shifts."""
+
     def metric(scores: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if shift:
             scores, targets = scores[..., :-1, :], targets[..., 1:]
         counted = targets.ne(IGNORE_INDEX)
         right = (scores.argmax(-1) == targets) & counted
         return right.sum(), counted.sum()
+
     metric.__name__ = "acc"
     return metric
 
 
-def token_loss_sum(outputs: Any, targets: torch.Tensor, loss_fn: Any, counted: torch.Tensor,
-                   shift: bool) -> torch.Tensor:
+def token_loss_sum(
+    outputs: Any, targets: torch.Tensor, loss_fn: Any, counted: torch.Tensor, shift: bool
+) -> torch.Tensor:
     """A batch's token-loss sum for evaluation: the model's own mean loss times its count, else the loss
     summed (a loss with a reduction), else its mean times the count."""
     own = own_loss(outputs) if not isinstance(outputs, torch.Tensor) else None
@@ -253,9 +268,9 @@ def default_loss() -> torch.nn.Module:
     return SequenceCrossEntropy()
 
 
-
-def weighting_for(setting: str, model: torch.nn.Module, dataset: Any, collate_fn: Optional[Callable]
-                  ) -> LossWeighting:
+def weighting_for(
+    setting: str, model: torch.nn.Module, dataset: Any, collate_fn: Callable | None
+) -> LossWeighting:
     """The run's weighting, decided under auto from the first samples of a map-style training set; a stream's
     (which cannot be sampled before training) is decided at its first batch."""
     weighting = LossWeighting(setting, model)
@@ -267,8 +282,13 @@ def weighting_for(setting: str, model: torch.nn.Module, dataset: Any, collate_fn
     return weighting
 
 
-def token_loss_for(forward: Callable[[Any, Any], tuple[Any, Any]], loss_fn: Any, model: torch.nn.Module,
-                   mode: str, world_size: int) -> TokenLoss:
+def token_loss_for(
+    forward: Callable[[Any, Any], tuple[Any, Any]],
+    loss_fn: Any,
+    model: torch.nn.Module,
+    mode: str,
+    world_size: int,
+) -> TokenLoss:
     """The TokenLoss of a run in `mode` (ddp and fsdp average the gradients of `world_size` processes;
     DataParallel's replicas each return a loss, so the model is not handed the step's count there)."""
     ranks = world_size if mode in ("ddp", "fsdp") else 1

@@ -28,7 +28,6 @@ import os
 import socket
 import struct
 import time
-from typing import Optional
 
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -89,27 +88,40 @@ class EventFile:
     from that step on (what a resumed run logs again). `inside`: the folder the user named that holds
     `log_dir` (the save-dir of <save-dir>/tb): a symbolic link planted below it is refused (safe_files)."""
 
-    def __init__(self, log_dir: str, purge_step: Optional[int] = None, max_delay: float = 1.0,
-                 inside: Optional[str] = None):
+    def __init__(
+        self, log_dir: str, purge_step: int | None = None, max_delay: float = 1.0, inside: str | None = None
+    ):
         safe_files.make_folder(log_dir, inside)
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{next(_FILE_NUMBERS):06d}{SUFFIX}")
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+            f"{next(_FILE_NUMBERS):06d}{SUFFIX}"
+        )
         self.path = os.path.join(log_dir, name)
         self.max_delay = max_delay
-        self._file = safe_files.open_no_follow(self.path, "xb")  # a new name: nothing there may be written through
+        self._file = safe_files.open_no_follow(
+            self.path, "xb"
+        )  # a new name: nothing there may be written through
         self._pending: list[Event] = []
         self._written_at = time.monotonic()
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:  # the two records SummaryWriter(purge_step=...) writes
             self._write(Event(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
-            self._write(Event(wall_time=time.time(), step=purge_step,
-                              session_log=SessionLog(status=SessionLog.START)))
+            self._write(
+                Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START))
+            )
         self.flush()
 
     def scalars(self, values: dict[str, float], step: int = 0) -> None:
         """Several scalars as one event (one record rather than one per scalar), on disk within `max_delay` s."""
-        self._pending.append(Event(wall_time=time.time(), step=int(step), summary=Summary(value=[
-            Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])))
+        self._pending.append(
+            Event(
+                wall_time=time.time(),
+                step=int(step),
+                summary=Summary(
+                    value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]
+                ),
+            )
+        )
         if time.monotonic() - self._written_at >= self.max_delay:
             self.flush()
 

@@ -11,7 +11,7 @@ it is never guessed (docs/speed.md, "Speed").
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,27 +36,30 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 # torch.cuda.get_device_name() -> a row of the table; the first match wins, so variants come before their family.
 # A name that matches none (an H100 of unknown form factor, any other GPU) has no peak.
-GPU_NAMES: list[tuple[re.Pattern[str], str]] = [(re.compile(pattern, re.IGNORECASE), row) for pattern, row in [
-    (r"\bH100\b.*\bNVL\b", "H100 NVL"),
-    (r"\bH100\b.*\bPCIe\b", "H100 PCIe"),
-    (r"\bH100\b.*\b(SXM|HBM3)", "H100 SXM"),
-    (r"\bH200\b.*\bNVL\b", "H200 NVL"),
-    (r"\bH200\b", "H200 SXM"),  # the other H200 form factor
-    (r"\bA100\b", "A100"),  # SXM and PCIe, 40 and 80 GB: the same peaks
-    (r"\bL4\b", "L4"),  # not L40/L40S
-    (r"\bT4\b", "T4"),
-    (r"\bV100S\b", "V100S PCIe"),
-    (r"\bV100\b.*\bPCIe\b", "V100 PCIe"),
-    (r"\bV100\b.*\bSXM2\b", "V100 SXM2"),
-]]
+GPU_NAMES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(pattern, re.IGNORECASE), row)
+    for pattern, row in [
+        (r"\bH100\b.*\bNVL\b", "H100 NVL"),
+        (r"\bH100\b.*\bPCIe\b", "H100 PCIe"),
+        (r"\bH100\b.*\b(SXM|HBM3)", "H100 SXM"),
+        (r"\bH200\b.*\bNVL\b", "H200 NVL"),
+        (r"\bH200\b", "H200 SXM"),  # the other H200 form factor
+        (r"\bA100\b", "A100"),  # SXM and PCIe, 40 and 80 GB: the same peaks
+        (r"\bL4\b", "L4"),  # not L40/L40S
+        (r"\bT4\b", "T4"),
+        (r"\bV100S\b", "V100S PCIe"),
+        (r"\bV100\b.*\bPCIe\b", "V100 PCIe"),
+        (r"\bV100\b.*\bSXM2\b", "V100 SXM2"),
+    ]
+]
 
 
-def gpu_row(device_name: str) -> Optional[str]:
+def gpu_row(device_name: str) -> str | None:
     """The PEAK_TFLOPS row of a GPU, from its name as torch reports it; None for a GPU not in the table."""
     return next((row for pattern, row in GPU_NAMES if pattern.search(device_name)), None)
 
 
-def precision_of(amp_dtype: Optional[torch.dtype]) -> str:
+def precision_of(amp_dtype: torch.dtype | None) -> str:
     """Which peak a run is measured against: its autocast dtype, else tf32 where matmuls may use TF32
     (torch.set_float32_matmul_precision "high"/"medium"), else fp32."""
     if amp_dtype is not None:
@@ -64,7 +67,7 @@ def precision_of(amp_dtype: Optional[torch.dtype]) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def peak_flops(device_name: str, precision: str) -> Optional[float]:
+def peak_flops(device_name: str, precision: str) -> float | None:
     """Dense peak FLOP/s of one GPU at `precision`; None when the GPU or the precision is not in the table."""
     row = gpu_row(device_name)
     tflops = PEAK_TFLOPS[row].get(precision) if row else None
@@ -85,8 +88,10 @@ def _count_cpu_attention() -> None:
     from torch.utils import flop_counter
 
     aten = torch.ops.aten
-    for op, formula in ((aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
-                        (aten._scaled_dot_product_flash_attention_for_cpu_backward, flop_counter.sdpa_backward_flop)):
+    for op, formula in (
+        (aten._scaled_dot_product_flash_attention_for_cpu, flop_counter.sdpa_flop),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward, flop_counter.sdpa_backward_flop),
+    ):
         if op.default not in flop_counter.flop_registry:
             flop_counter.register_flop_formula(op, get_raw=True)(formula)  # `formula` takes the shapes itself
 
@@ -94,7 +99,7 @@ def _count_cpu_attention() -> None:
 _count_cpu_attention()
 
 
-def count_flops(forward: Callable[[], Any]) -> Optional[int]:
+def count_flops(forward: Callable[[], Any]) -> int | None:
     """FLOPs of `forward()` and of the backward pass from its outputs; None when nothing in them has a gradient.
 
     The backward starts from the model's own loss where it returns one, else from
@@ -110,7 +115,7 @@ def count_flops(forward: Callable[[], Any]) -> Optional[int]:
     return counter.get_total_flops()
 
 
-def backward_target(outputs: Any) -> Optional[torch.Tensor]:
+def backward_target(outputs: Any) -> torch.Tensor | None:
     """A scalar whose backward runs the model's whole backward pass."""
     loss = own_loss(outputs)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:

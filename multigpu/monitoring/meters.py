@@ -9,8 +9,9 @@ all ranks decide alike (docs/scaling.md, "When the loss becomes NaN or inf").
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any
 
 import torch
 
@@ -39,7 +40,9 @@ class Interval:
     @property
     def first_step_loss(self) -> float:
         """The mean loss of the interval's first step alone (of a run's first interval: where the run started)."""
-        return self.step_losses[0] / self.first_count if self.step_losses and self.first_count else float("nan")
+        return (
+            self.step_losses[0] / self.first_count if self.step_losses and self.first_count else float("nan")
+        )
 
 
 class IntervalMeter:
@@ -66,7 +69,9 @@ class IntervalMeter:
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """A micro-batch's mean loss over `samples` samples (stays on the device)."""
-        self.micro.append(loss.detach() if samples == self.full_batch else loss.detach() * (samples / self.full_batch))
+        self.micro.append(
+            loss.detach() if samples == self.full_batch else loss.detach() * (samples / self.full_batch)
+        )
 
     def add_sum(self, loss_sum: torch.Tensor) -> None:
         """A micro-batch's loss summed over its counted tokens (stays on the device)."""
@@ -89,16 +94,32 @@ class IntervalMeter:
         trainer.log waiting, so every rank learns whether to reduce them)."""
         steps, by_tokens = len(self.step_losses), bool(self.tokens)
         scale = 1.0 if by_tokens else float(self.full_batch)  # token steps added sums, not means / full batch
-        per_step = (torch.stack(self.step_losses).float() * scale if steps  # stack promotes dtypes
-                    else torch.zeros(0, device=self.device))
-        flags = torch.tensor([self.samples, float(stop_requested), float(logged), self.positions, self.first_samples],
-                             device=self.device)
-        tokens = (torch.stack([torch.stack(self.tokens).sum(), self.tokens[0]]).float() if by_tokens
-                  else torch.zeros(2, device=self.device))  # all, and the first step's
+        per_step = (
+            torch.stack(self.step_losses).float() * scale
+            if steps  # stack promotes dtypes
+            else torch.zeros(0, device=self.device)
+        )
+        flags = torch.tensor(
+            [self.samples, float(stop_requested), float(logged), self.positions, self.first_samples],
+            device=self.device,
+        )
+        tokens = (
+            torch.stack([torch.stack(self.tokens).sum(), self.tokens[0]]).float()
+            if by_tokens
+            else torch.zeros(2, device=self.device)
+        )  # all, and the first step's
         values = all_reduce_sum(torch.cat([per_step, flags, tokens.to(self.device)])).tolist()
-        return Interval(values[:steps], values[steps], values[steps + 1], time.perf_counter() - self.started,
-                        values[steps + 2], by_tokens, values[steps + 5], values[steps + 3],
-                        values[steps + 6] if by_tokens else values[steps + 4])
+        return Interval(
+            values[:steps],
+            values[steps],
+            values[steps + 1],
+            time.perf_counter() - self.started,
+            values[steps + 2],
+            by_tokens,
+            values[steps + 5],
+            values[steps + 3],
+            values[steps + 6] if by_tokens else values[steps + 4],
+        )
 
 
 class LoggedScalars:
@@ -113,21 +134,30 @@ class LoggedScalars:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.values: dict[str, list[Union[torch.Tensor, float]]] = {}
+        self.values: dict[str, list[torch.Tensor | float]] = {}
 
-    def add(self, values: Mapping[str, Union[torch.Tensor, float]]) -> None:
+    def add(self, values: Mapping[str, torch.Tensor | float]) -> None:
         for name, value in values.items():
-            self.values.setdefault(name, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
+            self.values.setdefault(name, []).append(
+                value.detach() if isinstance(value, torch.Tensor) else value
+            )
 
     def reduce(self) -> dict[str, float]:
         """{name: mean over every rank's values} since the last reduce; every rank must call it."""
         names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})  # type: ignore[attr-defined]
         if not names:
             return {}
-        sums_and_counts = torch.stack([
-            torch.stack([torch.as_tensor(value, device=self.device).float().mean() for value in self.values[name]]).sum()
-            if name in self.values else torch.zeros((), device=self.device) for name in names]
-            + [torch.tensor(float(len(self.values.get(name, ()))), device=self.device) for name in names])
+        sums_and_counts = torch.stack(
+            [
+                torch.stack(
+                    [torch.as_tensor(value, device=self.device).float().mean() for value in self.values[name]]
+                ).sum()
+                if name in self.values
+                else torch.zeros((), device=self.device)
+                for name in names
+            ]
+            + [torch.tensor(float(len(self.values.get(name, ()))), device=self.device) for name in names]
+        )
         self.values = {}
         totals = all_reduce_sum(sums_and_counts).tolist()
         return {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}

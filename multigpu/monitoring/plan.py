@@ -9,7 +9,7 @@ Reporter).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, FrozenSet, Optional
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ class PlanFacts:
 
     config: TrainConfig
     runtime: Runtime
-    given: FrozenSet[str]  # the flags the user set
+    given: frozenset[str]  # the flags the user set
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scheduler_interval: str  # "step" or "epoch"
@@ -44,44 +44,65 @@ class PlanFacts:
     progress: Any  # epoch and global_step to start from
     steps_done_in_epoch: int
     data: str = ""  # where the training batches come from (data/device_data.py)
-    loss: str = ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
+    loss: str = (
+        ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
+    )
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
     """The device layout, the batch arithmetic, the optimizer and schedule, then a warning for each setting that
     these numbers do not really describe."""
     config, rt, progress = run.config, run.runtime, run.progress
-    batch_rule = ("dp splits each batch of batch-size x GPUs over the GPUs" if rt.mode == "dp"
-                  else f"{rt.mode}: --batch-size is per process" if rt.mode in ("ddp", "fsdp") else "one device")
-    steps_left: Optional[int] = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
+    batch_rule = (
+        "dp splits each batch of batch-size x GPUs over the GPUs"
+        if rt.mode == "dp"
+        else f"{rt.mode}: --batch-size is per process"
+        if rt.mode in ("ddp", "fsdp")
+        else "one device"
+    )
+    steps_left: int | None = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
     if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
         steps_left = min(steps_left, config.max_steps - progress.global_step)
-    length = (f"{run.steps_per_epoch} steps/epoch, {progress.global_step + max(0, steps_left)} steps"
-              f"{f' ({steps_left} left)' if progress.global_step else ''}")
+    length = (
+        f"{run.steps_per_epoch} steps/epoch, {progress.global_step + max(0, steps_left)} steps"
+        f"{f' ({steps_left} left)' if progress.global_step else ''}"
+    )
     if not run.steps_per_epoch:  # a stream without __len__: its passes' steps are counted as they come
         steps_left = None
         length = f"an epoch is one pass of the stream (no __len__: steps unknown), {config.epochs} epochs"
     warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
-    schedule = (f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
-                if run.builtin_schedule else f"scheduler {type(run.scheduler).__name__} per "
-                f"{run.scheduler_interval}")
+    schedule = (
+        f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
+        if run.builtin_schedule
+        else f"scheduler {type(run.scheduler).__name__} per {run.scheduler_interval}"
+    )
     schedule += _lr_range(run, steps_left)
-    lr = (describe_lr(config, run.effective_batch) if run.builtin_optimizer else f"lr {run.lr:g} (the "
-          f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})")
-    return [rt.describe(),
-            f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
-            f"accumulation = {run.effective_batch} effective ({batch_rule})",
-            f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
-            *_frozen(run), *([run.data] if run.data else []), *([run.loss] if run.loss else []),
-            *_warnings(run, warmup_steps)]
+    lr = (
+        describe_lr(config, run.effective_batch)
+        if run.builtin_optimizer
+        else f"lr {run.lr:g} (the "
+        f"optimizer's own{'' if config.lr_scaling == 'none' else f', --lr-scaling {config.lr_scaling}'})"
+    )
+    return [
+        rt.describe(),
+        f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
+        f"accumulation = {run.effective_batch} effective ({batch_rule})",
+        f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
+        *_frozen(run),
+        *([run.data] if run.data else []),
+        *([run.loss] if run.loss else []),
+        *_warnings(run, warmup_steps),
+    ]
 
 
 def _frozen(run: PlanFacts) -> list[str]:
     """The note of a run at --lr 0 (the built-in optimizer's): what it is good for, and that it trains nothing."""
     if not run.builtin_optimizer or run.config.lr != 0:
         return []
-    return ["--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or "
-            "to evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"]
+    return [
+        "--lr 0: the weights will not change (every step applies LR 0: a frozen run, to measure throughput or "
+        "to evaluate); buffers a forward updates, such as BatchNorm's running statistics, still do"
+    ]
 
 
 def _why_schedule(run: PlanFacts) -> str:
@@ -91,14 +112,16 @@ def _why_schedule(run: PlanFacts) -> str:
     return " (your optimizer's own LR: no scheduler given, lr_schedule not set)"
 
 
-def _lr_range(run: PlanFacts, steps_left: Optional[int]) -> str:
+def _lr_range(run: PlanFacts, steps_left: int | None) -> str:
     """The LR the next step applies and the highest the schedule reaches: the optimizer's LR above is only
     the schedule's base (a warm-up or OneCycleLR starts far below it). `steps_left` None: not known."""
     first = run.optimizer.param_groups[0]["lr"]
     steps = steps_left if run.scheduler_interval == "step" else run.config.epochs - run.progress.epoch
     if steps is None and not run.builtin_schedule:
         return f" (first step lr {first:g}, peak unknown)"
-    if run.builtin_schedule:  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
+    if (
+        run.builtin_schedule
+    ):  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
         warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
         steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
     peak = peak_lr(run.scheduler, max(1, steps))
@@ -108,22 +131,35 @@ def _lr_range(run: PlanFacts, steps_left: Optional[int]) -> str:
 def _warnings(run: PlanFacts, warmup_steps: int) -> list[str]:
     config, samples_per_rank = run.config, run.samples_per_epoch // run.runtime.world_size
     total_steps = config.planned_steps(run.steps_per_epoch)
-    facts = config_checks.RunFacts(run.builtin_optimizer, run.builtin_schedule,
-                                   convolutions=run.convolutions, steps_per_epoch=run.steps_per_epoch)
+    facts = config_checks.RunFacts(
+        run.builtin_optimizer,
+        run.builtin_schedule,
+        convolutions=run.convolutions,
+        steps_per_epoch=run.steps_per_epoch,
+    )
     lines = config_checks.ignored_flags(config, run.given, facts)  # flags given that do nothing
     if run.steps_per_epoch and samples_per_rank < run.loader_batch * config.grad_accum_steps:
-        lines.append(f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
-                     f"step's {run.loader_batch} x {config.grad_accum_steps}: every step uses "
-                     f"{samples_per_rank} samples per process, not the effective batch above")
+        lines.append(
+            f"warning: each process gets {samples_per_rank} training samples per epoch, fewer than one "
+            f"step's {run.loader_batch} x {config.grad_accum_steps}: every step uses "
+            f"{samples_per_rank} samples per process, not the effective batch above"
+        )
     if config.lr_scaling == "linear" and "adam" in type(run.optimizer).__name__.lower():
-        sqrt_lr = run.lr * scaled_lr(1.0, "sqrt", run.effective_batch, config.lr_base_batch) / scaled_lr(
-            1.0, "linear", run.effective_batch, config.lr_base_batch)
-        lines.append(f"warning: --lr-scaling linear is the rule for SGD; {type(run.optimizer).__name__} usually "
-                     f"scales by sqrt (lr {run.lr:g} here, {sqrt_lr:g} with --lr-scaling sqrt)")
+        sqrt_lr = (
+            run.lr
+            * scaled_lr(1.0, "sqrt", run.effective_batch, config.lr_base_batch)
+            / scaled_lr(1.0, "linear", run.effective_batch, config.lr_base_batch)
+        )
+        lines.append(
+            f"warning: --lr-scaling linear is the rule for SGD; {type(run.optimizer).__name__} usually "
+            f"scales by sqrt (lr {run.lr:g} here, {sqrt_lr:g} with --lr-scaling sqrt)"
+        )
     if run.builtin_schedule and warmup_steps > total_steps:
         peak = run.lr * lr_factor(total_steps - 1, config, run.steps_per_epoch)
-        lines.append(f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "
-                     f"the LR peaks at {peak:g}, never at {run.lr:g}")
+        lines.append(
+            f"warning: the warm-up ({warmup_steps} steps) is longer than the run ({total_steps} steps): "
+            f"the LR peaks at {peak:g}, never at {run.lr:g}"
+        )
     return lines
 
 
@@ -136,7 +172,7 @@ NOT_FALLEN = 0.999
 DIVERGED = 10
 
 
-def chance_accuracy(classes: Optional[int]) -> Optional[float]:
+def chance_accuracy(classes: int | None) -> float | None:
     """Below this accuracy a classifier of `classes` classes is at chance (1/classes) for this project: less than
     half of chance above it, and at most 0.1 above it (0.15 for 10 classes, 0.6 for 2); None without classes."""
     if not classes or classes < 2:
@@ -144,7 +180,7 @@ def chance_accuracy(classes: Optional[int]) -> Optional[float]:
     return 1 / classes + min(0.5 / classes, 0.1)
 
 
-def at_chance(report: Reporter, classes: Optional[int]) -> Optional[str]:
+def at_chance(report: Reporter, classes: int | None) -> str | None:
     """The last validation accuracy as a sign, when it is at chance (`chance_accuracy`); else None."""
     acc, below = (report.last_val or {}).get("acc"), chance_accuracy(classes)
     if acc is None or below is None or acc >= below:
@@ -152,7 +188,7 @@ def at_chance(report: Reporter, classes: Optional[int]) -> Optional[str]:
     return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"  # type: ignore[operator]
 
 
-def no_better_than_chance(report: Reporter, classes: Optional[int]) -> bool:
+def no_better_than_chance(report: Reporter, classes: int | None) -> bool:
     """Whether the last validation accuracy is at most chance (1/classes): nothing learned that guessing lacks."""
     acc = (report.last_val or {}).get("acc")
     return acc is not None and chance_accuracy(classes) is not None and acc <= 1 / classes  # type: ignore[operator]
@@ -167,11 +203,13 @@ def divergence_signs(report: Reporter) -> list[str]:
     if report.last_loss > DIVERGED * start:  # NaN never gets here
         signs.append(f"training loss grew from {start:.4g} to {report.last_loss:.4g}")
     if last.get("loss", 0) > DIVERGED * start:
-        signs.append(f"val loss {last['loss']:.4g}, {last['loss'] / start:.3g}x the first step's loss {start:.4g}")
+        signs.append(
+            f"val loss {last['loss']:.4g}, {last['loss'] / start:.3g}x the first step's loss {start:.4g}"
+        )
     return signs
 
 
-def no_learning_signs(report: Reporter, classes: Optional[int]) -> list[str]:
+def no_learning_signs(report: Reporter, classes: int | None) -> list[str]:
     """Evidence, as `report` saw it, that this run did not learn: it diverged (`divergence_signs`); or its final
     validation accuracy is no better than chance (`no_better_than_chance`); or its validation loss did not fall (by
     0.1%, over two or more evaluations) while its accuracy stayed near chance or its training loss did not fall
@@ -189,8 +227,9 @@ def no_learning_signs(report: Reporter, classes: Optional[int]) -> list[str]:
     return signs + [chance] if chance and (signs or no_better_than_chance(report, classes)) else signs
 
 
-def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.optim.Optimizer, lr: float,
-                     lr_scaling: str) -> Optional[str]:
+def learning_warning(
+    report: Reporter, classes: int | None, optimizer: torch.optim.Optimizer, lr: float, lr_scaling: str
+) -> str | None:
     """One warning line when this run shows it did not learn (`no_learning_signs`), with the likely cause: the LR
     (`lr`, after `lr_scaling`) of `optimizer` when it is outside the optimizer's usual range, else the data."""
     signs = no_learning_signs(report, classes)
@@ -202,28 +241,45 @@ def learning_warning(report: Reporter, classes: Optional[int], optimizer: torch.
     if usual is None:
         advice = f"check the LR first, lr {lr:g}{scaled}"
     elif usual[0] <= lr <= usual[1]:
-        advice = (f"lr {lr:g}{scaled} is in {name}'s usual range ({usual[0]:g} to {usual[1]:g}): check the data and "
-                  f"targets first (do the targets follow the inputs?), then the LR")
+        advice = (
+            f"lr {lr:g}{scaled} is in {name}'s usual range ({usual[0]:g} to {usual[1]:g}): check the data and "
+            f"targets first (do the targets follow the inputs?), then the LR"
+        )
     else:
-        advice = f"check the LR first, lr {lr:g}{scaled}; {name} usually trains at {usual[0]:g} to {usual[1]:g}"
+        advice = (
+            f"check the LR first, lr {lr:g}{scaled}; {name} usually trains at {usual[0]:g} to {usual[1]:g}"
+        )
     what = "diverged" if divergence_signs(report) else "ended where it started"
     return f"warning: the run {what} ({'; '.join(signs)}): {advice}"
 
 
-def done_line(summary: dict[str, Any], monitor: Optional[str], has_val: bool, devices_per_step: int,
-              telemetry_text: str, epoch_share: Optional[float] = 0.0) -> str:
+def done_line(
+    summary: dict[str, Any],
+    monitor: str | None,
+    has_val: bool,
+    devices_per_step: int,
+    telemetry_text: str,
+    epoch_share: float | None = 0.0,
+) -> str:
     """The end-of-run line: the best monitored value (`monitor` names it), how long it trained (`trained`, of
     `epoch_share`), wall time, throughput (also per device, of `devices_per_step`) and the telemetry totals
     (`telemetry_text`)."""
-    best = (f"best {monitor.replace('_', ' ', 1)} {summary['best']:.4f}" if monitor and summary["best"] is not None
-            else "no finite validation metric" if has_val else "no validation set")
-    return (f"done: {best}, {trained(summary['epochs'], summary['global_step'], epoch_share)}, wall time "
-            f"{summary['wall_time']:.1f}s, "
-            f"{summary['samples_per_sec']:.0f} samples/s "
-            f"({summary['samples_per_sec'] / devices_per_step:.0f} per device){telemetry_text}")
+    best = (
+        f"best {monitor.replace('_', ' ', 1)} {summary['best']:.4f}"
+        if monitor and summary["best"] is not None
+        else "no finite validation metric"
+        if has_val
+        else "no validation set"
+    )
+    return (
+        f"done: {best}, {trained(summary['epochs'], summary['global_step'], epoch_share)}, wall time "
+        f"{summary['wall_time']:.1f}s, "
+        f"{summary['samples_per_sec']:.0f} samples/s "
+        f"({summary['samples_per_sec'] / devices_per_step:.0f} per device){telemetry_text}"
+    )
 
 
-def trained(epochs: int, steps: int, epoch_share: Optional[float]) -> str:
+def trained(epochs: int, steps: int, epoch_share: float | None) -> str:
     """How long a run trained: its whole epochs, or, where it ended inside one (--max-steps), its steps and the
     epochs they make (`epoch_share`: the share of the last epoch trained, 0 at an epoch's end; None where an
     epoch's length is unknown, a stream's)."""

@@ -11,7 +11,8 @@ import contextlib
 import importlib
 import sys
 import threading
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from multigpu.config import TrainConfig
 from multigpu.errors import TrainingStopped
@@ -23,7 +24,7 @@ from multigpu.monitoring.trackers import Trackers
 class Reporter:
     """Rank 0's console log, tqdm bar and TensorBoard writer."""
 
-    def __init__(self, config: TrainConfig, enabled: bool, first_line: Optional[str] = None):
+    def __init__(self, config: TrainConfig, enabled: bool, first_line: str | None = None):
         self.enabled = enabled
         self.log_dir, self.log_root = config.tensorboard_dir, config.tensorboard_root
         # The bar redraws itself with \r: in a log file (stdout redirected, CI, nohup) that leaves fragments and
@@ -35,17 +36,19 @@ class Reporter:
         # The other trackers get every scalar TensorBoard gets (multigpu/monitoring/trackers.py); their run ids are checkpoint
         # state, so they open at the first scalars, after a resume has loaded them.
         self.trackers = Trackers(config, enabled, self.line)
-        self._importing: Optional[threading.Thread] = None  # import_writer_in_background's
+        self._importing: threading.Thread | None = None  # import_writer_in_background's
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
         # after its last checkpoint, so steps never repeat after a resume (PITFALLS 15).
-        self.purge_step: Optional[int] = None
+        self.purge_step: int | None = None
         # This run's first and latest training loss and validation results: did it learn (plan.learning_warning)?
-        self.start_loss: Optional[float] = None  # its first step's: where it started (the untrained model's)
-        self.first_loss: Optional[float] = None
-        self.last_loss: Optional[float] = None
-        self.loss_intervals = 0  # logged intervals: with one, the training loss has nothing to be compared with
-        self.first_val: Optional[dict[str, float]] = None
-        self.last_val: Optional[dict[str, float]] = None
+        self.start_loss: float | None = None  # its first step's: where it started (the untrained model's)
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.loss_intervals = (
+            0  # logged intervals: with one, the training loss has nothing to be compared with
+        )
+        self.first_val: dict[str, float] | None = None
+        self.last_val: dict[str, float] | None = None
         if first_line:  # where the run saves, said first (checkpoints/run_folders.py's run_folder)
             self.line(first_line)
 
@@ -55,8 +58,11 @@ class Reporter:
         loader workers: a fork during an import could leave its lock held in the worker. Not a daemon: a script
         that ends first waits for it, rather than meeting it half-way through C code at interpreter finalization."""
         if self.enabled:
-            self._importing = threading.Thread(target=importlib.import_module, args=("multigpu.monitoring.event_file",),
-                                               name="import TensorBoard")
+            self._importing = threading.Thread(
+                target=importlib.import_module,
+                args=("multigpu.monitoring.event_file",),
+                name="import TensorBoard",
+            )
             self._importing.start()
 
     @property
@@ -77,13 +83,19 @@ class Reporter:
         else:
             print(text, flush=True)
 
-    def start_epoch(self, epoch: int, epochs: int, total_steps: Optional[int], done_steps: int) -> None:
+    def start_epoch(self, epoch: int, epochs: int, total_steps: int | None, done_steps: int) -> None:
         """The epoch's progress bar (`total_steps` None: steps and their rate, no total)."""
         if self.show_progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch + 1}/{epochs}",
-                            unit="step", dynamic_ncols=True, file=sys.stdout)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=done_steps,
+                desc=f"epoch {epoch + 1}/{epochs}",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stdout,
+            )
 
     def advance(self, steps: int, postfix: dict[str, str]) -> None:
         if self.bar is not None:
@@ -109,8 +121,17 @@ class Reporter:
         self.trackers.start(self.purge_step)
         self.trackers.scalars(values, step)
 
-    def interval(self, step: int, first_step: int, interval: Interval, lr: float, devices: int,
-                 skipped: Optional[int], loss_scale: Optional[float], more: Optional[dict[str, float]] = None) -> None:
+    def interval(
+        self,
+        step: int,
+        first_step: int,
+        interval: Interval,
+        lr: float,
+        devices: int,
+        skipped: int | None,
+        loss_scale: float | None,
+        more: dict[str, float] | None = None,
+    ) -> None:
         """A logging interval: TensorBoard scalars (`more` too), the bar's postfix (or a line without the bar),
         fp16 skips. Other ranks format nothing: their lines would go nowhere; every rank keeps the (reduced)
         loss, so every rank's fit() says alike whether the run learned."""
@@ -122,29 +143,47 @@ class Reporter:
             return
         per_sec = interval.samples / max(interval.seconds, 1e-9)
         fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
-        self.scalars({"train/loss": loss, "train/lr": lr, "train/samples_per_sec": per_sec,
-                      "train/samples_per_sec_per_device": per_sec / devices, **fp16, **(more or {})}, step)
+        self.scalars(
+            {
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/samples_per_sec": per_sec,
+                "train/samples_per_sec_per_device": per_sec / devices,
+                **fp16,
+                **(more or {}),
+            },
+            step,
+        )
         if skipped is not None:
             if skipped:
-                self.line(f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped} step(s) with inf/NaN "
-                          f"gradients (weights unchanged there); loss scale now {loss_scale:g}")
+                self.line(
+                    f"steps {first_step}-{step}: the fp16 loss scaler skipped {skipped} step(s) with inf/NaN "
+                    f"gradients (weights unchanged there); loss scale now {loss_scale:g}"
+                )
         shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", "samples/s": f"{per_sec:.0f}"}
-        tokens = f", {interval.tokens / max(interval.seconds, 1e-9):,.0f} tokens/s" if interval.by_tokens else ""
+        tokens = (
+            f", {interval.tokens / max(interval.seconds, 1e-9):,.0f} tokens/s" if interval.by_tokens else ""
+        )
         if interval.by_tokens:
             shown["tokens/s"] = tokens.split()[1]
         self.advance(len(interval.step_losses), shown)
         if not self.show_progress:
             self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s{tokens}")
 
-    def epoch_metrics(self, epoch: int, epochs: int, result: dict[str, float], step: int,
-                      mid_epoch: bool = False) -> None:
+    def epoch_metrics(
+        self, epoch: int, epochs: int, result: dict[str, float], step: int, mid_epoch: bool = False
+    ) -> None:
         """An epoch's validation results: `val/<name>` scalars and one line (`mid_epoch`: --max-steps ended
         training inside epoch `epoch` + 1, at `step`)."""
         values = {name: value for name, value in result.items() if name not in COUNTS}
         self.first_val, self.last_val = self.first_val or values, values
         self.scalars({f"val/{name}": value for name, value in values.items()}, step)
         shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
-        where = f"epoch {epoch + 1}/{epochs} to step {step} (--max-steps)" if mid_epoch else f"epoch {epoch}/{epochs}"
+        where = (
+            f"epoch {epoch + 1}/{epochs} to step {step} (--max-steps)"
+            if mid_epoch
+            else f"epoch {epoch}/{epochs}"
+        )
         tokens = f", {result['tokens']:,} tokens" if "tokens" in result else ""
         self.line(f"{where}: {shown} ({result['count']} samples{tokens})")
 
@@ -156,8 +195,10 @@ class Reporter:
             yield
         except OSError as error:
             self._writer = None  # its file is broken: closing it would raise again
-            raise TrainingStopped(f"could not write TensorBoard logs to {self.log_dir}: {error.strerror or error}; "
-                                  f"the checkpoints are kept (free some space, or choose another --log-dir)") from None
+            raise TrainingStopped(
+                f"could not write TensorBoard logs to {self.log_dir}: {error.strerror or error}; "
+                f"the checkpoints are kept (free some space, or choose another --log-dir)"
+            ) from None
 
     def hparams(self, config: TrainConfig, metrics: dict[str, float]) -> None:
         """The config as TensorBoard hparams (None shown as ''), with the final metrics."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +39,7 @@ from multigpu.monitoring.reporting import Reporter
 from multigpu.parallel.distributed import Runtime, all_reduce_sum
 from multigpu.parallel.wrapping import uncompiled
 
-GIB = 2 ** 30
+GIB = 2**30
 DATA_WAIT_HINT = 0.10  # a larger share of the time spent waiting for data gets a one-line hint
 
 
@@ -51,7 +52,9 @@ class HostClock:
 
     def __init__(self) -> None:
         self.waited = 0.0
-        self.begun: Optional[float] = None  # the interval's first fetch (a checkpoint save before it is not counted)
+        self.begun: float | None = (
+            None  # the interval's first fetch (a checkpoint save before it is not counted)
+        )
 
     def fetch(self, batches: Iterator[Any], move: Callable[[Any], Any]) -> Any:
         """The next batch, moved to the device by `move`."""
@@ -124,39 +127,49 @@ def split_timeline(kinds: list[str], seconds: list[float]) -> dict[str, float]:
 class Telemetry:
     """The time split, memory and FLOP figures of a run: TensorBoard scalars per interval, totals at the end."""
 
-    def __init__(self, runtime: Runtime, amp_dtype: Optional[torch.dtype], num_workers: int,
-                 say: Callable[[str], None]):
-        self.device, self.devices, self.num_workers, self.say = runtime.device, runtime.devices_per_step, \
-            num_workers, say
+    def __init__(
+        self, runtime: Runtime, amp_dtype: torch.dtype | None, num_workers: int, say: Callable[[str], None]
+    ):
+        self.device, self.devices, self.num_workers, self.say = (
+            runtime.device,
+            runtime.devices_per_step,
+            num_workers,
+            say,
+        )
         self.rank, self.world_size = runtime.rank, runtime.world_size
         self.cuda = self.device.type == "cuda"
         self.clock = CudaClock(self.device) if self.cuda else HostClock()
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.cuda else None
         self.precision = flop_lib.precision_of(amp_dtype)
         self.peak = flop_lib.peak_flops(self.gpu_name, self.precision) if self.gpu_name else None
-        self.flops_per_sample: Optional[float] = None  # set at start by count_flops
-        self.flops_per_position: Optional[float] = None  # a loss over tokens: per target position, padding included
+        self.flops_per_sample: float | None = None  # set at start by count_flops
+        self.flops_per_position: float | None = (
+            None  # a loss over tokens: per target position, padding included
+        )
         self.tokens, self.positions = 0.0, 0.0  # over the run, a loss over tokens
         self.seconds = {"data": 0.0, "copy": 0.0, "compute": 0.0}  # over the run
         self.samples, self.train_seconds = 0.0, 0.0
-        self.max_allocated: Optional[float] = None
+        self.max_allocated: float | None = None
         self.interval_allocated = 0.0  # this interval's peak allocated GiB (CUDA)
-        self.rank_peaks: Optional[list[float]] = None  # every rank's peak GiB over the run (several ranks)
+        self.rank_peaks: list[float] | None = None  # every rank's peak GiB over the run (several ranks)
         self.baseline = {"num_alloc_retries": 0, "num_ooms": 0}  # allocator counts before training began
         self.hinted: set[str] = set()
         self.intervals = 0
 
     # ------------------------------------------------------------------ at start
-    def count_flops(self, model: torch.nn.Module, forward: Callable[[Any], Any], batch: Any,
-                    samples: int) -> Optional[float]:
+    def count_flops(
+        self, model: torch.nn.Module, forward: Callable[[Any], Any], batch: Any, samples: int
+    ) -> float | None:
         """FLOPs per training sample from one forward and backward of `batch` on the plain module (outside
         any wrapper, so no collective runs); buffers, gradients and RNG are restored, so training is unchanged."""
         try:
             with kept(model, self.device):
                 counted = flop_lib.count_flops(lambda: forward(batch))
         except Exception as error:  # noqa: BLE001  (a failed count costs the perf/ figures, not the run)
-            self.say(f"perf/ not logged: counting the model's FLOPs on one batch failed ({type(error).__name__}: "
-                     f"{str(error).splitlines()[0][:200] if str(error) else 'no message'})")
+            self.say(
+                f"perf/ not logged: counting the model's FLOPs on one batch failed ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:200] if str(error) else 'no message'})"
+            )
             return None
         return counted / samples if counted else None
 
@@ -181,8 +194,12 @@ class Telemetry:
         scalars = self._time_scalars(split, interval, step - first_step + 1)
         if interval.by_tokens:
             seconds = max(interval.seconds, 1e-9)
-            scalars.update({"perf/tokens_per_sec": interval.tokens / seconds,
-                            "perf/padded_tokens_per_sec": interval.positions / seconds})
+            scalars.update(
+                {
+                    "perf/tokens_per_sec": interval.tokens / seconds,
+                    "perf/padded_tokens_per_sec": interval.positions / seconds,
+                }
+            )
         if self.cuda:
             scalars.update(self._memory_scalars(first_step, step))
         if self.world_size > 1:
@@ -195,9 +212,12 @@ class Telemetry:
                 scalars["perf/mfu"] = per_device / self.peak
         data_share = scalars.get("time/data_wait_frac", 0.0)
         if self.intervals > 1 and data_share > DATA_WAIT_HINT:  # the first holds the loader's start-up
-            self._hint_once("data", f"steps {first_step}-{step}: {data_share:.0%} of the time went to waiting for "
-                                    f"data: raise --num-workers (TrainConfig.num_workers from Python; now "
-                                    f"{self.num_workers})")
+            self._hint_once(
+                "data",
+                f"steps {first_step}-{step}: {data_share:.0%} of the time went to waiting for "
+                f"data: raise --num-workers (TrainConfig.num_workers from Python; now "
+                f"{self.num_workers})",
+            )
         return scalars
 
     def _time_scalars(self, split: dict[str, float], interval: Interval, steps: int) -> dict[str, float]:
@@ -216,18 +236,27 @@ class Telemetry:
         self.max_allocated = max(self.max_allocated or 0.0, allocated)
         retries = stats.get("num_alloc_retries", 0) - self.baseline["num_alloc_retries"]
         if retries:
-            self._hint_once("memory", f"steps {first_step}-{step}: the CUDA allocator had to free its cache and "
-                                      f"retry {retries} allocation(s): memory is nearly full, which slows steps; a "
-                                      f"smaller --batch-size (or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) "
-                                      f"helps")
-        return {"memory/max_allocated_gb": allocated,
-                "memory/max_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GIB,
-                "memory/alloc_retries": float(retries),
-                "memory/ooms": float(stats.get("num_ooms", 0) - self.baseline["num_ooms"])}
+            self._hint_once(
+                "memory",
+                f"steps {first_step}-{step}: the CUDA allocator had to free its cache and "
+                f"retry {retries} allocation(s): memory is nearly full, which slows steps; a "
+                f"smaller --batch-size (or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) "
+                f"helps",
+            )
+        return {
+            "memory/max_allocated_gb": allocated,
+            "memory/max_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GIB,
+            "memory/alloc_retries": float(retries),
+            "memory/ooms": float(stats.get("num_ooms", 0) - self.baseline["num_ooms"]),
+        }
 
     def _rank_memory_scalars(self) -> dict[str, float]:
         """Every rank's memory in GiB, gathered by one all-reduce of a vector where each rank fills its own slot."""
-        mine = self.interval_allocated if self.cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        mine = (
+            self.interval_allocated
+            if self.cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        )
         slots = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
         slots[self.rank] = mine
         figures = all_reduce_sum(slots).tolist()  # at the sync point: the host waits here anyway
@@ -240,24 +269,27 @@ class Telemetry:
             self.say(text)
 
     # ------------------------------------------------------------------ at the end
-    def summary(self) -> dict[str, Optional[float]]:
+    def summary(self) -> dict[str, float | None]:
         """Run totals for fit()'s result: data_wait_frac; on CUDA also max_memory_allocated_gb and mfu
         (None where not measured)."""
         total = sum(self.seconds.values())
-        result: dict[str, Optional[float]] = {"data_wait_frac": self.seconds["data"] / total if total else None}
+        result: dict[str, float | None] = {"data_wait_frac": self.seconds["data"] / total if total else None}
         if self.rank_peaks:
             result["peak_memory_per_rank_gb"] = self.rank_peaks
         if self.cuda:
             result["max_memory_allocated_gb"] = self.max_allocated
             flops = self._flops_in(self.samples, self.positions)
-            result["mfu"] = (flops / self.train_seconds / self.devices / self.peak
-                             if flops and self.peak and self.train_seconds else None)
+            result["mfu"] = (
+                flops / self.train_seconds / self.devices / self.peak
+                if flops and self.peak and self.train_seconds
+                else None
+            )
         if self.positions and self.train_seconds:
             result["tokens_per_sec"] = self.tokens / self.train_seconds
             result["padded_tokens_per_sec"] = self.positions / self.train_seconds
         return result
 
-    def _flops_in(self, samples: float, positions: float) -> Optional[float]:
+    def _flops_in(self, samples: float, positions: float) -> float | None:
         """The FLOPs of training `samples` samples of `positions` target positions: by position for a loss
         over tokens (padded lengths vary), else by sample; None where they were not counted."""
         if self.flops_per_position:
@@ -268,8 +300,10 @@ class Telemetry:
         """The end-of-run line's additions: "; data wait 3%, peak memory 10.20 GiB, MFU 41.0% (bf16 peak of ...)"."""
         parts = []
         if summary.get("tokens_per_sec") is not None:
-            parts.append(f"{summary['tokens_per_sec']:,.0f} tokens/s ({summary['padded_tokens_per_sec']:,.0f} "
-                         f"with padding)")
+            parts.append(
+                f"{summary['tokens_per_sec']:,.0f} tokens/s ({summary['padded_tokens_per_sec']:,.0f} "
+                f"with padding)"
+            )
         if summary.get("data_wait_frac") is not None:
             parts.append(f"data wait {summary['data_wait_frac']:.0%}")
         if summary.get("max_memory_allocated_gb") is not None:
@@ -277,8 +311,10 @@ class Telemetry:
         if summary.get("peak_memory_per_rank_gb"):
             peaks = summary["peak_memory_per_rank_gb"]
             what = "allocated" if self.cuda else "resident"
-            parts.append(f"peak {what} memory per rank {min(peaks):.2f}-{max(peaks):.2f} GiB (rank "
-                         f"{peaks.index(max(peaks))} the most)")
+            parts.append(
+                f"peak {what} memory per rank {min(peaks):.2f}-{max(peaks):.2f} GiB (rank "
+                f"{peaks.index(max(peaks))} the most)"
+            )
         if summary.get("mfu") is not None:
             parts.append(f"MFU {summary['mfu']:.1%} ({self.precision} peak of {self.gpu_name})")
         elif self.cuda:
@@ -292,9 +328,19 @@ class Telemetry:
         return f"no {self.precision} peak for {row}" if self.peak is None else "the FLOPs were not counted"
 
 
-def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, model: torch.nn.Module,
-                  forward: ForwardFn, move: Callable[[Any], Any], dataset: Any, batch: int,
-                  collate_fn: Optional[Callable], weighting: Optional[LossWeighting] = None) -> Telemetry:
+def run_telemetry(
+    runtime: Runtime,
+    amp: Amp,
+    loader: Any,
+    report: Reporter,
+    model: torch.nn.Module,
+    forward: ForwardFn,
+    move: Callable[[Any], Any],
+    dataset: Any,
+    batch: int,
+    collate_fn: Callable | None,
+    weighting: LossWeighting | None = None,
+) -> Telemetry:
     """The run's telemetry, with FLOPs per training sample (per target position, for a loss over tokens:
     `weighting`) for MFU (docs/speed.md, "Speed")."""
     measured = Telemetry(runtime, amp.dtype, loader.num_workers, report.line)
@@ -311,12 +357,20 @@ def run_telemetry(runtime: Runtime, amp: Amp, loader: Any, report: Reporter, mod
     return measured
 
 
-def flops_per_sample(telemetry: Telemetry, amp: Amp, model: torch.nn.Module, forward: ForwardFn,
-                     move: Callable[[Any], Any], sample: Any) -> Optional[float]:
+def flops_per_sample(
+    telemetry: Telemetry,
+    amp: Amp,
+    model: torch.nn.Module,
+    forward: ForwardFn,
+    move: Callable[[Any], Any],
+    sample: Any,
+) -> float | None:
     """FLOPs per training sample, counted on `sample`, a small batch of the training set, on the plain module,
     before the wrap (no collective)."""
+
     def forward_only(moved: Any) -> Any:
         with amp.autocast():
             return forward(model, moved)[0]
+
     with uncompiled():
         return telemetry.count_flops(model, forward_only, move(sample), batch_size(sample))

@@ -27,7 +27,8 @@ import io
 import json
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable
 
 from multigpu import safe_files
 from multigpu.config import TrainConfig
@@ -52,14 +53,20 @@ def check_installed(config: TrainConfig) -> None:
         wanted = [module, *(DATABASE_LIBRARIES if name == "mlflow" and _database_store() else ())]
         missing = [library for library in wanted if library is not None and not _importable(library)]
         if missing:
-            raise UsageError(f"--logger {name} needs the {' and '.join(missing)} librar"
-                             f"{'ies, which are' if len(missing) > 1 else 'y, which is'} not installed: "
-                             f"pip install '.[{extra}]' (or leave {name} out of --logger)")
+            raise UsageError(
+                f"--logger {name} needs the {' and '.join(missing)} librar"
+                f"{'ies, which are' if len(missing) > 1 else 'y, which is'} not installed: "
+                f"pip install '.[{extra}]' (or leave {name} out of --logger)"
+            )
 
 
 def _database_store() -> bool:
     """Whether MLflow's runs go to a database (its default here), not to a tracking server."""
-    return os.environ.get("MLFLOW_TRACKING_URI", "sqlite:").split(":", 1)[0] not in ("http", "https", "databricks")
+    return os.environ.get("MLFLOW_TRACKING_URI", "sqlite:").split(":", 1)[0] not in (
+        "http",
+        "https",
+        "databricks",
+    )
 
 
 def _importable(module: str) -> bool:
@@ -76,7 +83,7 @@ class CsvTracker:
     name = "csv"
     keeps_every_point = False  # it drops a killed run's steps past the checkpoint itself
 
-    def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
+    def __init__(self, config: TrainConfig, run_id: str | None, purge_step: int | None):
         self.path = os.path.join(config.save_dir or ".", CSV_FILE)
         self.run_id = run_id or "metrics.csv"
         if purge_step is not None and os.path.exists(self.path):
@@ -95,8 +102,9 @@ class CsvTracker:
     def scalars(self, values: dict[str, float], step: int) -> None:
         # Opened at each sync point, not held: a file replaced or removed meanwhile fails here, in one line.
         with safe_files.open_no_follow(self.path, "a", newline="") as file:
-            csv.writer(file, lineterminator="\n").writerows([step, name, repr(float(value))]
-                                                            for name, value in values.items())
+            csv.writer(file, lineterminator="\n").writerows(
+                [step, name, repr(float(value))] for name, value in values.items()
+            )
 
     def summary(self, metrics: dict[str, float]) -> None:
         self.scalars(metrics, 0)  # where TensorBoard's hparams plugin puts them
@@ -111,14 +119,17 @@ class MlflowTracker:
     name = "mlflow"
     keeps_every_point = True  # a metric's points cannot be dropped: a resumed run must not log a step again
 
-    def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
+    def __init__(self, config: TrainConfig, run_id: str | None, purge_step: int | None):
         from mlflow.tracking import MlflowClient
 
         # MLflow's database store, which its client and `mlflow ui` read as they are (its file store they open
         # only when MLFLOW_ALLOW_FILE_STORE says yes, since MLflow 3.7).
         uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
-            os.path.join(config.save_dir or ".", MLFLOW_DB))
-        with _quiet("mlflow.store.db.utils"):  # its lines on creating the database's tables say nothing to the user
+            os.path.join(config.save_dir or ".", MLFLOW_DB)
+        )
+        with _quiet(
+            "mlflow.store.db.utils"
+        ):  # its lines on creating the database's tables say nothing to the user
             self.client = MlflowClient(tracking_uri=uri)
             self.run_id = run_id if run_id is not None else self._new_run(config)
         if run_id is not None:
@@ -128,11 +139,12 @@ class MlflowTracker:
         """A run named after the save-dir, the config as its parameters; its id."""
         from mlflow.entities import Param
 
-        run_id = self.client.create_run(self._experiment(), run_name=_run_name(config),
-                                        tags={"mlflow.source.name": DEFAULT_PROJECT}).info.run_id
+        run_id = self.client.create_run(
+            self._experiment(), run_name=_run_name(config), tags={"mlflow.source.name": DEFAULT_PROJECT}
+        ).info.run_id
         params = [Param(key, "" if value is None else str(value)) for key, value in config.to_dict().items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
-            self.client.log_batch(run_id, params=params[start:start + 100])
+            self.client.log_batch(run_id, params=params[start : start + 100])
         return run_id
 
     def _experiment(self) -> str:
@@ -150,9 +162,11 @@ class MlflowTracker:
         import time
 
         from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(name, float(value), now, step)
-                                                    for name, value in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(name, float(value), now, step) for name, value in values.items()]
+        )
 
     def summary(self, metrics: dict[str, float]) -> None:
         self.scalars(metrics, 0)
@@ -167,22 +181,30 @@ class WandbTracker:
     name = "wandb"
     keeps_every_point = True  # an offline run resumed writes a file of its own: its steps must be new ones
 
-    def __init__(self, config: TrainConfig, run_id: Optional[str], purge_step: Optional[int]):
+    def __init__(self, config: TrainConfig, run_id: str | None, purge_step: int | None):
         import wandb
 
-        settings = {key: value for key, value in (("console", "off"), ("silent", True))
-                    if f"WANDB_{key.upper()}" not in os.environ}  # ours: the trainer's console is its own
+        settings = {
+            key: value
+            for key, value in (("console", "off"), ("silent", True))
+            if f"WANDB_{key.upper()}" not in os.environ
+        }  # ours: the trainer's console is its own
         # W&B writes its run's file every 15 s by default: a run killed outright lost that much of it, and a
         # resumed run logs only the steps after those it held (Trackers.held). Every second where W&B has it.
-        if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}) \
-                and "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL" not in os.environ:
+        if (
+            "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {})
+            and "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL" not in os.environ
+        ):
             settings["x_transaction_log_flush_interval"] = WANDB_FLUSH_SECONDS
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-                              name=os.environ.get("WANDB_NAME") or _run_name(config),
-                              dir=os.environ.get("WANDB_DIR") or config.save_dir,
-                              id=run_id or os.environ.get("WANDB_RUN_ID"),
-                              resume="allow" if run_id else None,
-                              config=None if run_id else config.to_dict(), settings=wandb.Settings(**settings))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+            name=os.environ.get("WANDB_NAME") or _run_name(config),
+            dir=os.environ.get("WANDB_DIR") or config.save_dir,
+            id=run_id or os.environ.get("WANDB_RUN_ID"),
+            resume="allow" if run_id else None,
+            config=None if run_id else config.to_dict(),
+            settings=wandb.Settings(**settings),
+        )
         self.run_id = self.run.id
         self.committed, self.pending = 0, 0  # W&B writes a step's row once a later step is logged
 
@@ -239,11 +261,15 @@ class Trackers:
         check_installed(config)
         self.config, self.say = config, say
         self.names = [name for name in config.loggers if name in TRACKERS] if enabled else []
-        self.open: Optional[dict[str, Any]] = None
+        self.open: dict[str, Any] | None = None
         self.ids: dict[str, str] = {}  # each tracker's run, from the checkpoint a resume loaded
         self.logged_path = os.path.join(config.save_dir or ".", LOGGED_FILE)
-        self.logged: dict[str, Any] = {}  # LOGGED_FILE's record: the last step each run that keeps every point holds
-        self.held: dict[str, int] = {}  # of a resumed run: the last step it held before this run, not logged again
+        self.logged: dict[
+            str, Any
+        ] = {}  # LOGGED_FILE's record: the last step each run that keeps every point holds
+        self.held: dict[
+            str, int
+        ] = {}  # of a resumed run: the last step it held before this run, not logged again
 
     def state_dict(self) -> dict[str, str]:
         return dict(self.ids)
@@ -251,7 +277,7 @@ class Trackers:
     def load_state_dict(self, state: dict[str, str]) -> None:
         self.ids = dict(state)
 
-    def start(self, purge_step: Optional[int]) -> None:
+    def start(self, purge_step: int | None) -> None:
         """Open each tracker's run (a resumed run's own, by its id in the checkpoint)."""
         if self.open is not None:
             return
@@ -261,10 +287,12 @@ class Trackers:
             resumed = self.ids.get(name) if purge_step is not None else None
             self._guarded(name, lambda: self._open(name, resumed, purge_step), opening=True)
             noted = self.logged.get(name, {})
-            if resumed is not None and noted.get("run") == resumed:  # the steps a killed run logged past its checkpoint
+            if (
+                resumed is not None and noted.get("run") == resumed
+            ):  # the steps a killed run logged past its checkpoint
                 self.held[name] = int(noted.get("step", 0))
 
-    def _open(self, name: str, resumed: Optional[str], purge_step: Optional[int]) -> None:
+    def _open(self, name: str, resumed: str | None, purge_step: int | None) -> None:
         tracker = TRACKERS[name](self.config, resumed, purge_step)
         self.open[name] = tracker  # type: ignore[index]
         self.ids[name] = tracker.run_id  # kept even if it fails later: a resume continues its run
@@ -309,5 +337,7 @@ class Trackers:
             if self.open is not None:
                 self.open.pop(name, None)
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            self.say(f"warning: --logger {name} failed {'to start' if opening else 'mid-run'} ({detail}); it logs "
-                     f"nothing more in this run, training goes on")
+            self.say(
+                f"warning: --logger {name} failed {'to start' if opening else 'mid-run'} ({detail}); it logs "
+                f"nothing more in this run, training goes on"
+            )

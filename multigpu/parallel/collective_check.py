@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,13 +54,17 @@ class CollectiveCheck:
                 return {r: json.loads(raw) for r, raw in enumerate(self.store.multi_get(keys))}
             elsewhere = self._ahead(missing, mine["group_seq"])
             if elsewhere or time.monotonic() > deadline:
-                where = "; ".join(f"rank {r} {what}" for r, what in elsewhere.items()) or \
-                        f"rank(s) {', '.join(map(str, missing))} did not arrive within {self.give_up_after:g} s"
-                self._fail(f"collective mismatch: rank {self.rank} calls {_call(mine)} (the trainer's collective "
-                           f"#{self.count}), while {where}")
+                where = (
+                    "; ".join(f"rank {r} {what}" for r, what in elsewhere.items())
+                    or f"rank(s) {', '.join(map(str, missing))} did not arrive within {self.give_up_after:g} s"
+                )
+                self._fail(
+                    f"collective mismatch: rank {self.rank} calls {_call(mine)} (the trainer's collective "
+                    f"#{self.count}), while {where}"
+                )
             time.sleep(0.05)  # polling the store while the others arrive: debug mode, not the fast path
 
-    def _ahead(self, missing: list[int], mine: Optional[int]) -> dict[int, str]:
+    def _ahead(self, missing: list[int], mine: int | None) -> dict[int, str]:
         """The missing ranks that issued more collectives of the group than this rank has: they called one
         that this rank did not, and wait in it (they can never come here). From their watchdog's heartbeat."""
         found = {}
@@ -77,13 +81,18 @@ class CollectiveCheck:
     def _compare(self, calls: dict[int, dict[str, Any]]) -> None:
         kinds = {(c["op"], tuple(c["shape"]), c["dtype"]) for c in calls.values()}
         if len(kinds) > 1:
-            self._fail(f"collective mismatch at the trainer's collective #{self.count}: "
-                       + "; ".join(f"rank {r} calls {_call(c)}" for r, c in calls.items()))
+            self._fail(
+                f"collective mismatch at the trainer's collective #{self.count}: "
+                + "; ".join(f"rank {r} calls {_call(c)}" for r, c in calls.items())
+            )
         counts = {c["group_seq"] for c in calls.values()}
         if len(counts) > 1:
-            self._fail(f"collective mismatch before {_call(calls[0])}: the ranks issued different numbers of "
-                       f"collectives (" + ", ".join(f"rank {r}: {c['group_seq']}" for r, c in calls.items())
-                       + "): a collective outside the trainer (the model, a callback) ran on some ranks only")
+            self._fail(
+                f"collective mismatch before {_call(calls[0])}: the ranks issued different numbers of "
+                f"collectives ("
+                + ", ".join(f"rank {r}: {c['group_seq']}" for r, c in calls.items())
+                + "): a collective outside the trainer (the model, a callback) ran on some ranks only"
+            )
 
     def _fail(self, line: str) -> None:
         """Say the line, let the other ranks' watchdogs end their processes quietly, and exit 1. No exception
@@ -105,7 +114,7 @@ def _call(call: dict[str, Any]) -> str:
     return f"{call['op']} of shape {list(call['shape'])} {call['dtype']}"
 
 
-def install(ddp_model: Optional[torch.nn.Module], rank: int, world_size: int, give_up_after: float) -> None:
+def install(ddp_model: torch.nn.Module | None, rank: int, world_size: int, give_up_after: float) -> None:
     """Check every trainer collective (through BEAT.recorded) and, on `ddp_model`, every gradient bucket's
     all-reduce (a DDP communication hook that checks, then all-reduces as DDP does by default)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

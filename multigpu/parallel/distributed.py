@@ -15,7 +15,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,11 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    backend: Optional[str] = None  # "nccl"/"gloo" under ddp and fsdp
+    backend: str | None = None  # "nccl"/"gloo" under ddp and fsdp
     dp_device_ids: list[int] = field(default_factory=list)  # GPUs nn.DataParallel splits over
-    mesh_shape: Optional[tuple[int, int]] = None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
+    mesh_shape: tuple[int, int] | None = (
+        None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
+    )
     nodes: int = 1  # torchrun's nodes (agents), when each runs the same number of processes
 
     def __post_init__(self) -> None:
@@ -69,21 +71,31 @@ class Runtime:
     def describe(self) -> str:
         if self.mode == "fsdp" and self.mesh_shape[0] > 1:
             replicate, shard = self.mesh_shape
-            nodes = (f"; with {self.nodes} nodes: shard within each node, replicate across them"
-                     if self.mesh_shape == (self.nodes, self.world_size // self.nodes) else "")
-            return (f"mode fsdp, hybrid: {self.world_size} processes, backend {self.backend}, mesh replicate {replicate} "
-                    f"x shard {shard} (dp_replicate, dp_shard){nodes}: parameters, gradients and optimizer state "
-                    f"sharded 1/{shard} per rank within each shard group, one gradient all-reduce across the "
-                    f"{replicate} replicas per optimizer step; this rank on {self.device}")
+            nodes = (
+                f"; with {self.nodes} nodes: shard within each node, replicate across them"
+                if self.mesh_shape == (self.nodes, self.world_size // self.nodes)
+                else ""
+            )
+            return (
+                f"mode fsdp, hybrid: {self.world_size} processes, backend {self.backend}, mesh replicate {replicate} "
+                f"x shard {shard} (dp_replicate, dp_shard){nodes}: parameters, gradients and optimizer state "
+                f"sharded 1/{shard} per rank within each shard group, one gradient all-reduce across the "
+                f"{replicate} replicas per optimizer step; this rank on {self.device}"
+            )
         if self.mode == "fsdp" and self.world_size == 1:
-            return (f"mode fsdp: one process, one shard (the whole model on {self.device}; fsdp saves memory with "
-                    f"several processes under torchrun)")
+            return (
+                f"mode fsdp: one process, one shard (the whole model on {self.device}; fsdp saves memory with "
+                f"several processes under torchrun)"
+            )
         if self.mode == "fsdp":
-            return (f"mode fsdp: {self.world_size} processes, backend {self.backend}, parameters, gradients and "
-                    f"optimizer state sharded 1/{self.world_size} per rank, this rank on {self.device}")
+            return (
+                f"mode fsdp: {self.world_size} processes, backend {self.backend}, parameters, gradients and "
+                f"optimizer state sharded 1/{self.world_size} per rank, this rank on {self.device}"
+            )
         if self.mode == "ddp":
-            return (f"mode ddp: {self.world_size} processes, backend {self.backend}, "
-                    f"this rank on {self.device}")
+            return (
+                f"mode ddp: {self.world_size} processes, backend {self.backend}, this rank on {self.device}"
+            )
         if self.mode == "dp":
             return f"mode dp: nn.DataParallel over cuda:{','.join(map(str, self.dp_device_ids))}"
         return f"mode none: one device, {self.device}"
@@ -93,7 +105,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def torchrun_hint(argv: Optional[list[str]] = None) -> str:
+def torchrun_hint(argv: list[str] | None = None) -> str:
     """The exact torchrun command that runs this script with the same arguments under DDP."""
     argv = sys.argv if argv is None else argv
     nproc = torch.cuda.device_count() or 2
@@ -109,7 +121,7 @@ def resolve_mode(config: TrainConfig) -> str:
     return "dp" if torch.cuda.device_count() > 1 else "none"
 
 
-def parse_gpu_ids(text: Optional[str]) -> list[int]:
+def parse_gpu_ids(text: str | None) -> list[int]:
     """--gpu-ids '0,1,3' checked against the visible GPUs; None means all of them."""
     visible = torch.cuda.device_count()
     if text is None:
@@ -120,8 +132,10 @@ def parse_gpu_ids(text: Optional[str]) -> list[int]:
         raise UsageError(f"--gpu-ids must be comma-separated integers like 0,1,3; got {text!r}") from None
     unknown = [i for i in ids if not 0 <= i < visible]
     if unknown or not ids or len(set(ids)) != len(ids):
-        raise UsageError(f"--gpu-ids {text}: GPU id(s) {unknown or ids} not usable; "
-                         f"visible GPUs are {list(range(visible)) or 'none'} (check CUDA_VISIBLE_DEVICES)")
+        raise UsageError(
+            f"--gpu-ids {text}: GPU id(s) {unknown or ids} not usable; "
+            f"visible GPUs are {list(range(visible)) or 'none'} (check CUDA_VISIBLE_DEVICES)"
+        )
     return ids
 
 
@@ -135,20 +149,29 @@ def setup(config: TrainConfig) -> Runtime:
     mode = resolve_mode(config)
     if mode in ("dp", "none"):
         runtime = _one_process(mode, config.gpu_ids)
-        if config.float8:  # refused before any data is read where the device has no float8 (parallel/float8.py)
+        if (
+            config.float8
+        ):  # refused before any data is read where the device has no float8 (parallel/float8.py)
             float8.check(config.float8, runtime.device)
         return runtime
     torchrun = launched_by_torchrun()
     if mode == "ddp" and not torchrun:
-        raise UsageError(f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}")
+        raise UsageError(
+            f"--multi-gpu ddp needs one process per device, started by torchrun: {torchrun_hint()}"
+        )
     if config.gpu_ids is not None:
-        raise UsageError("--gpu-ids is for --multi-gpu dp; " + ("under torchrun choose GPUs with CUDA_VISIBLE_DEVICES"
-                                                               if torchrun else "for fsdp choose GPUs with "
-                                                               "CUDA_VISIBLE_DEVICES"))
+        raise UsageError(
+            "--gpu-ids is for --multi-gpu dp; "
+            + (
+                "under torchrun choose GPUs with CUDA_VISIBLE_DEVICES"
+                if torchrun
+                else "for fsdp choose GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        )
     return _process_group(config, mode, torchrun)
 
 
-def runtime_for(config: TrainConfig, runtime: Optional[Runtime]) -> tuple[Runtime, bool]:
+def runtime_for(config: TrainConfig, runtime: Runtime | None) -> tuple[Runtime, bool]:
     """The run's mode, devices and ranks (`runtime` when given, else `setup`), and whether this call made the
     process group: its maker owns the group's end (the trainer's close(), or at exit)."""
     group_before = is_distributed()
@@ -156,22 +179,28 @@ def runtime_for(config: TrainConfig, runtime: Optional[Runtime]) -> tuple[Runtim
     return made, runtime is None and is_distributed() and not group_before
 
 
-def _one_process(mode: str, gpu_ids: Optional[str]) -> Runtime:
+def _one_process(mode: str, gpu_ids: str | None) -> Runtime:
     """--multi-gpu dp (nn.DataParallel over this process's GPUs) or none (one device): no process group."""
     processes = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
     if processes > 1:  # each process would train its own copy into the same files
-        raise UsageError(f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
-                         f"use --multi-gpu ddp under torchrun, or run without torchrun")
+        raise UsageError(
+            f"--multi-gpu {mode} trains in one process, but torchrun started {processes}: "
+            f"use --multi-gpu ddp under torchrun, or run without torchrun"
+        )
     if gpu_ids is not None and mode != "dp":
-        raise UsageError("--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
-                         "set CUDA_VISIBLE_DEVICES instead")
+        raise UsageError(
+            "--gpu-ids selects the GPUs of --multi-gpu dp; for ddp or one GPU "
+            "set CUDA_VISIBLE_DEVICES instead"
+        )
     if mode == "dp":
         ids = parse_gpu_ids(gpu_ids)
         if len(ids) >= 2:
             return Runtime("dp", torch.device(f"cuda:{ids[0]}"), dp_device_ids=ids)
         where = f"cuda:{ids[0]}" if ids else "cpu"
-        print(f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device {where}",
-              flush=True)
+        print(
+            f"--multi-gpu dp needs 2 or more GPUs, found {len(ids)}: training on the single device {where}",
+            flush=True,
+        )
         return Runtime("none", torch.device(where))
     return Runtime("none", torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
 
@@ -179,9 +208,16 @@ def _one_process(mode: str, gpu_ids: Optional[str]) -> Runtime:
 def _process_group(config: TrainConfig, mode: str, torchrun: bool) -> Runtime:
     """ddp or fsdp: this process's device, and the group joined (torchrun's ranks), or made for the one process
     of fsdp without torchrun."""
-    rank, local_rank, world_size = ((int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                                     int(os.environ["WORLD_SIZE"])) if torchrun else (0, 0, 1))
-    device = _device(rank, local_rank) if torchrun else torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    rank, local_rank, world_size = (
+        (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+        if torchrun
+        else (0, 0, 1)
+    )
+    device = (
+        _device(rank, local_rank)
+        if torchrun
+        else torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
     nodes = nodes_in_job(world_size)
     if torchrun and backend == "nccl" and config.debug_collectives:
@@ -198,8 +234,12 @@ def _process_group(config: TrainConfig, mode: str, torchrun: bool) -> Runtime:
         timeout = timedelta(seconds=config.dist_timeout)
         _import_before_the_group()
         if torchrun:
-            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **restart_safe_store(timeout))
+            dist.init_process_group(
+                backend,
+                timeout=timeout,
+                device_id=device if backend == "nccl" else None,
+                **restart_safe_store(timeout),
+            )
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Runtime(mode, device, rank, local_rank, world_size, backend, mesh_shape=mesh, nodes=nodes)
@@ -210,8 +250,10 @@ def _device(rank: int, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
-                         f"are visible; use --nproc_per_node={torch.cuda.device_count()}")
+        raise UsageError(
+            f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs "
+            f"are visible; use --nproc_per_node={torch.cuda.device_count()}"
+        )
     device = torch.device(f"cuda:{local_rank}")
     torch.cuda.set_device(device)  # before anything touches CUDA, so nothing lands on GPU 0
     return device
@@ -291,7 +333,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def start_all_reduce_sum(tensor: torch.Tensor) -> Optional[dist.Work]:
+def start_all_reduce_sum(tensor: torch.Tensor) -> dist.Work | None:
     """Start summing a tensor over ranks in place; the work to wait on before reading it (None in one process,
     where there is nothing to add). On CUDA the wait orders the device's stream, the host goes on."""
     if not is_distributed():
@@ -316,11 +358,11 @@ def gather_objects(obj: object) -> list[object]:
     return gathered
 
 
-def gather_objects_to_main(obj: object) -> Optional[list[object]]:
+def gather_objects_to_main(obj: object) -> list[object] | None:
     """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
     if not is_distributed():
         return [obj]
-    gathered: Optional[list[object]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     with BEAT.recorded("gather_object"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered

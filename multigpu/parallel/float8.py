@@ -30,14 +30,18 @@ def check(recipe: str, device: torch.device) -> None:
     """UsageError, in one line naming the device, where --float8 cannot run: no GPU with float8 tensor cores,
     or torchao missing."""
     if device.type != "cuda":
-        raise UsageError(f"--float8 {recipe} needs a GPU of compute capability {_dotted(MIN_CAPABILITY)} or above "
-                         f"(H100, H200, L4, RTX 4090 ...), and this run trains on the {device.type.upper()}; "
-                         f"drop --float8")
+        raise UsageError(
+            f"--float8 {recipe} needs a GPU of compute capability {_dotted(MIN_CAPABILITY)} or above "
+            f"(H100, H200, L4, RTX 4090 ...), and this run trains on the {device.type.upper()}; "
+            f"drop --float8"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise UsageError(f"--float8 {recipe} needs a GPU of compute capability {_dotted(MIN_CAPABILITY)} or above, "
-                         f"and {device} is a {torch.cuda.get_device_name(device)} of compute capability "
-                         f"{_dotted(capability)}; drop --float8 (--amp bf16 is this GPU's fast path)")
+        raise UsageError(
+            f"--float8 {recipe} needs a GPU of compute capability {_dotted(MIN_CAPABILITY)} or above, "
+            f"and {device} is a {torch.cuda.get_device_name(device)} of compute capability "
+            f"{_dotted(capability)}; drop --float8 (--amp bf16 is this GPU's fast path)"
+        )
     if importlib.util.find_spec("torchao") is None:
         raise UsageError(f"--float8 {recipe} needs torchao: pip install '.[float8]' (or pip install torchao)")
 
@@ -52,8 +56,11 @@ def convert(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool 
     computed without float8 tensor cores (torchao's emulation: any device, for tests)."""
     from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                                 enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise")
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise",
+    )
     gains = _auto_filter_for_recipe(recipe, filter_fqns=list(SKIPPED_NAMES))
     converted: list[str] = []
 
@@ -62,17 +69,21 @@ def convert(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool 
             converted.append(name)
             return True
         return False
+
     convert_to_float8_training(model, module_filter_fn=chosen, config=config)
     return converted
 
 
-def convert_for_training(model: nn.Module, recipe: str, device: torch.device, fsdp: bool,
-                         say: Callable[[str], None]) -> None:
+def convert_for_training(
+    model: nn.Module, recipe: str, device: torch.device, fsdp: bool, say: Callable[[str], None]
+) -> None:
     """--float8 for the trainer: checked, then `model`'s gaining Linear layers converted, in one line."""
     check(recipe, device)
     linears = sum(isinstance(module, nn.Linear) for module in model.modules())
     converted = convert(model, recipe, fsdp=fsdp)
     gather = ", all-gathered in float8 under fsdp" if fsdp and recipe == "tensorwise" else ""
-    say(f"--float8 {recipe}: {len(converted)} of {linears} Linear layers in float8{gather}; the others are too "
+    say(
+        f"--float8 {recipe}: {len(converted)} of {linears} Linear layers in float8{gather}; the others are too "
         f"small to gain (torchao's filter for {recipe}) or the output layer"
-        + ("" if converted else ": nothing converted, this model trains as without --float8"))
+        + ("" if converted else ": nothing converted, this model trains as without --float8")
+    )

@@ -19,7 +19,9 @@ checkpoint or as each rank's shards for a sharded folder (multigpu/checkpoints/s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -38,11 +40,13 @@ MIN_BLOCK_SHARE = 0.01
 def refuse_unsupported(config: TrainConfig) -> None:
     """What fsdp cannot do, refused at start in one line (exit 2) rather than done wrong."""
     if config.batch_size == AUTO:
-        raise UsageError("--batch-size auto measures the whole model on one GPU, not the shards fsdp trains: give "
-                         "--batch-size a number with --multi-gpu fsdp")
+        raise UsageError(
+            "--batch-size auto measures the whole model on one GPU, not the shards fsdp trains: give "
+            "--batch-size a number with --multi-gpu fsdp"
+        )
 
 
-def find_blocks(model: nn.Module, names: Optional[str] = None) -> list[nn.Module]:
+def find_blocks(model: nn.Module, names: str | None = None) -> list[nn.Module]:
     """The modules that become FSDP units before the root, outermost first: each module whose class is in
     `names` (comma-separated class names, --fsdp-blocks), or by default each child of an nn.ModuleList or
     nn.Sequential with at least MIN_BLOCK_SHARE of the parameters. A block's own insides are not searched."""
@@ -51,17 +55,27 @@ def find_blocks(model: nn.Module, names: Optional[str] = None) -> list[nn.Module
         present = {type(module).__name__ for module in model.modules()}
         unknown = sorted(wanted - present)
         if unknown:
-            repeated = sorted({type(child).__name__ for module in model.modules()
-                               if isinstance(module, (nn.ModuleList, nn.Sequential)) for child in module.children()})
-            raise UsageError(f"--fsdp-blocks {names}: the model has no module of class {', '.join(unknown)}; "
-                             f"name classes it has, e.g. {', '.join(repeated[:6]) or type(model).__name__}")
+            repeated = sorted(
+                {
+                    type(child).__name__
+                    for module in model.modules()
+                    if isinstance(module, (nn.ModuleList, nn.Sequential))
+                    for child in module.children()
+                }
+            )
+            raise UsageError(
+                f"--fsdp-blocks {names}: the model has no module of class {', '.join(unknown)}; "
+                f"name classes it has, e.g. {', '.join(repeated[:6]) or type(model).__name__}"
+            )
     total = sum(p.numel() for p in model.parameters())
 
     def is_block(module: nn.Module, parent: nn.Module) -> bool:
         if wanted is not None:
             return type(module).__name__ in wanted
         own = sum(p.numel() for p in module.parameters())
-        return isinstance(parent, (nn.ModuleList, nn.Sequential)) and own > 0 and own >= MIN_BLOCK_SHARE * total
+        return (
+            isinstance(parent, (nn.ModuleList, nn.Sequential)) and own > 0 and own >= MIN_BLOCK_SHARE * total
+        )
 
     found: list[nn.Module] = []
 
@@ -71,24 +85,30 @@ def find_blocks(model: nn.Module, names: Optional[str] = None) -> list[nn.Module
                 found.append(child)
             else:
                 visit(child)
+
     visit(model)
     return found
 
 
-def policy(amp_dtype: Optional[torch.dtype]) -> Any:
+def policy(amp_dtype: torch.dtype | None) -> Any:
     """FSDP2's mixed precision for --amp: parameters in `amp_dtype` for compute, gradients reduced in fp32
     (and fp32 master weights, which stay sharded); None: everything fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)
 
 
-def root_policy(amp_dtype: Optional[torch.dtype]) -> Any:
+def root_policy(amp_dtype: torch.dtype | None) -> Any:
     """The root's policy: the blocks', and outputs back in fp32, so the loss and metrics are computed as
     under autocast (a bf16 cross-entropy over many classes loses digits)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
     inner = policy(amp_dtype)
-    return MixedPrecisionPolicy(param_dtype=inner.param_dtype, reduce_dtype=inner.reduce_dtype,
-                                output_dtype=torch.float32 if amp_dtype else None)
+    return MixedPrecisionPolicy(
+        param_dtype=inner.param_dtype,
+        reduce_dtype=inner.reduce_dtype,
+        output_dtype=torch.float32 if amp_dtype else None,
+    )
 
 
 # The dimensions of a hybrid mesh, as torchtitan names them: parameters are Replicate() over the first and
@@ -102,25 +122,41 @@ def device_mesh(device: torch.device, world_size: int, replicate: int = 1) -> An
     node: a shard group's all-gathers and reduce-scatters stay inside a node, only the once-per-step all-reduce of
     the gradient shards crosses nodes."""
     from torch.distributed.device_mesh import init_device_mesh
+
     if replicate == 1:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     return init_device_mesh(device.type, (replicate, world_size // replicate), mesh_dim_names=MESH_DIMS)
 
 
-def shard(model: nn.Module, device: torch.device, world_size: int, *, blocks: Optional[str] = None,
-          reshard_after_forward: bool = True, amp_dtype: Optional[torch.dtype] = None,
-          mesh: Any = None, replicate: int = 1) -> tuple[nn.Module, int]:
+def shard(
+    model: nn.Module,
+    device: torch.device,
+    world_size: int,
+    *,
+    blocks: str | None = None,
+    reshard_after_forward: bool = True,
+    amp_dtype: torch.dtype | None = None,
+    mesh: Any = None,
+    replicate: int = 1,
+) -> tuple[nn.Module, int]:
     """`model` sharded in place over all ranks (with `replicate` > 1: over each shard group of the hybrid mesh,
     replicated across the groups; or over `mesh`, a DeviceMesh of some of them): each block its own FSDP unit,
     then the root. Returns the module (the same object, now an FSDPModule) and the number of blocks."""
     from torch.distributed.fsdp import fully_shard
+
     mesh = mesh if mesh is not None else device_mesh(device, world_size, replicate)
     found = find_blocks(model, blocks)
     for block in found:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(amp_dtype))
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(amp_dtype)
+        )
     # The root's parameters (embeddings, a head) are needed first in backward: no point freeing them after forward.
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward and not found,
-                mp_policy=root_policy(amp_dtype))
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward and not found,
+        mp_policy=root_policy(amp_dtype),
+    )
     return model, len(found)
 
 
@@ -129,10 +165,11 @@ def is_sharded(model: nn.Module) -> bool:
     if not any(cls.__name__ == "FSDPModule" for cls in type(model).__mro__):
         return False
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 
-def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[], ContextManager]:
+def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[], AbstractContextManager]:
     """DDP's no_sync for a sharded model, around the inner micro-steps of accumulation: no collective crosses the
     replica groups of a hybrid mesh before the last micro-step, whose all-reduce is the step's only one across
     them. Meanwhile each rank sums the whole gradients with no collective at all, or with `keep_sharded`
@@ -147,6 +184,7 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
             yield
         finally:
             setter(True)
+
     return context
 
 
@@ -195,7 +233,7 @@ class AveragedShards(nn.Module):
         with self.swapped_in() as model:
             return model(*args, **kwargs)
 
-    def train(self, mode: bool = True) -> "AveragedShards":
+    def train(self, mode: bool = True) -> AveragedShards:
         self._trained[0].train(mode)
         return super().train(mode)
 
@@ -219,6 +257,7 @@ def _reshard(model: nn.Module) -> None:
 
 def _state_dict_api() -> Any:
     import torch.distributed.checkpoint.state_dict as api  # see the imports' note: loaded only where used
+
     return api
 
 
@@ -226,7 +265,9 @@ def module_state_dict(model: nn.Module, full: bool = True) -> dict[str, Any]:
     """A sharded model's state keyed by parameter name: whole on rank 0's CPU (`full`, what a one-file checkpoint
     holds) or this rank's shards (what a sharded checkpoint holds)."""
     api = _state_dict_api()
-    return api.get_model_state_dict(model, options=api.StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return api.get_model_state_dict(
+        model, options=api.StateDictOptions(full_state_dict=full, cpu_offload=full)
+    )
 
 
 def load_module_state_dict(model: nn.Module, state: dict[str, Any], full: bool = True) -> None:
@@ -235,6 +276,8 @@ def load_module_state_dict(model: nn.Module, state: dict[str, Any], full: bool =
     api = _state_dict_api()
     missing = [name for name in api.get_model_state_dict(model) if name not in state]
     if missing:
-        raise RuntimeError(f"Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "
-                           f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise RuntimeError(
+            f"Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
     api.set_model_state_dict(model, state, options=api.StateDictOptions(full_state_dict=full))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Optional
 
 from multigpu.errors import UsageError
 from multigpu.resilience.preemption import restart_count
@@ -17,7 +16,7 @@ from multigpu.resilience.preemption import restart_count
 FAULT_ENV = "MULTIGPU_FAULT_INJECT"
 
 
-def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
+def _fault_spec(rank: int) -> tuple[int, str] | None:
     """(step, where) for this rank from MULTIGPU_FAULT_INJECT='rank:step[:save]', first attempt only."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or restart_count() > 0:
@@ -33,7 +32,7 @@ def _fault_spec(rank: int) -> Optional[tuple[int, str]]:
     return (step, where) if fault_rank == rank else None
 
 
-def fault_step(rank: int) -> Optional[int]:
+def fault_step(rank: int) -> int | None:
     """Test-only: the step after which this rank SIGKILLs itself, from MULTIGPU_FAULT_INJECT='rank:step'
     (or SIGSTOPs itself, from 'rank:step:stop': see `misbehave`).
 
@@ -44,7 +43,7 @@ def fault_step(rank: int) -> Optional[int]:
     return fault[0] if fault and fault[1] in ("step", "stop") else None
 
 
-def save_fault_step(rank: int) -> Optional[int]:
+def save_fault_step(rank: int) -> int | None:
     """Test-only: the step whose checkpoint save this rank is SIGKILLed in, after the temporary
     file is written and before it is renamed (MULTIGPU_FAULT_INJECT='0:step:save'; only rank 0 writes)."""
     fault = _fault_spec(rank)

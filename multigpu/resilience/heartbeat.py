@@ -19,14 +19,20 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import torch
 
 # The phases a rank reports, in the words of the hang report.
 DATA, FORWARD, BACKWARD, OPTIMIZER = "data loading", "forward", "backward", "optimizer step"
-EVALUATION, CHECKPOINT, USER_CODE, LOGGING = "evaluation", "checkpoint", "user code (callbacks)", "logging sync point"
+EVALUATION, CHECKPOINT, USER_CODE, LOGGING = (
+    "evaluation",
+    "checkpoint",
+    "user code (callbacks)",
+    "logging sync point",
+)
 STARTING = "start-up"
 # Phases in which the model and optimizer hold exactly the state after the last completed optimizer step.
 CONSISTENT_PHASES = (DATA, FORWARD, BACKWARD, EVALUATION, CHECKPOINT, USER_CODE, LOGGING)
@@ -36,14 +42,16 @@ class Heartbeat:
     """This rank's position; written by the main thread, read by the watchdog's thread."""
 
     def __init__(self) -> None:
-        self.check: Optional[Callable[[str, tuple[int, ...], str], None]] = None  # --debug-collectives
+        self.check: Callable[[str, tuple[int, ...], str], None] | None = None  # --debug-collectives
         self.restart()
 
     def restart(self) -> None:
         """A fresh position (a process may train several times)."""
         self.step = 0
         self.phase = STARTING
-        self.op = ""  # the last of the project's collectives entered: operation, sequence number, shape, dtype
+        self.op = (
+            ""  # the last of the project's collectives entered: operation, sequence number, shape, dtype
+        )
         self.seq = 0
         self.shape: tuple[int, ...] = ()
         self.dtype = ""
@@ -57,13 +65,15 @@ class Heartbeat:
             threading.Event().wait(timeout=30)  # the watchdog's os._exit comes within seconds
 
     @contextlib.contextmanager
-    def recorded(self, op: str, tensor: Optional[torch.Tensor] = None) -> Iterator[None]:
+    def recorded(self, op: str, tensor: torch.Tensor | None = None) -> Iterator[None]:
         """Note one of the project's collectives while it runs (shape and dtype of `tensor`, if any)."""
         self.seq += 1
         self.op = op
         self.shape = tuple(tensor.shape) if tensor is not None else ()
         self.dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else "object"
-        if self.check is not None:  # all ranks agree on (op, shape, dtype) first: multigpu/parallel/collective_check.py
+        if (
+            self.check is not None
+        ):  # all ranks agree on (op, shape, dtype) first: multigpu/parallel/collective_check.py
             self.check(op, self.shape, self.dtype)
         self.in_collective = True
         try:
@@ -71,20 +81,32 @@ class Heartbeat:
         finally:
             self.in_collective = False
 
-    def snapshot(self, group_seq: Optional[int]) -> dict[str, Any]:
+    def snapshot(self, group_seq: int | None) -> dict[str, Any]:
         """What the watchdog publishes: the attributes, the main thread's innermost line, the process group's
         collective count (`group_seq`: every collective of the group, DDP's and the user's included)."""
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        return {"step": self.step, "phase": self.phase, "op": self.op, "seq": self.seq, "shape": list(self.shape),
-                "dtype": self.dtype, "in_collective": self.in_collective, "group_seq": group_seq,
-                "where": _line(frame), "code": _line(_own_code(frame)), "frame": id(frame), "host": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "op": self.op,
+            "seq": self.seq,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "in_collective": self.in_collective,
+            "group_seq": group_seq,
+            "where": _line(frame),
+            "code": _line(_own_code(frame)),
+            "frame": id(frame),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
 
 # Frames in these folders are torch's or Python's: the report names the innermost line outside them.
 LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__))
 
 
-def _own_code(frame: Optional[FrameType]) -> Optional[FrameType]:
+def _own_code(frame: FrameType | None) -> FrameType | None:
     """The innermost frame of the user's or the project's code (not torch's, not the standard library's)."""
     mine = frame
     while mine is not None and mine.f_code.co_filename.startswith(LIBRARIES):
@@ -92,7 +114,7 @@ def _own_code(frame: Optional[FrameType]) -> Optional[FrameType]:
     return mine or frame
 
 
-def _line(frame: Optional[FrameType]) -> str:
+def _line(frame: FrameType | None) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else "?"
 
 

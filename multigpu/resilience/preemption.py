@@ -15,9 +15,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -25,7 +26,6 @@ from multigpu.errors import TrainingStopped
 from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import published
-
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -45,11 +45,11 @@ class StopRequest:
     """
 
     def __init__(self, repeat_window: float = 2.0) -> None:
-        self.signal_name: Optional[str] = None
+        self.signal_name: str | None = None
         self.repeat_window = repeat_window
         self._first_at = 0.0
         self._lock = threading.RLock()  # the handler and the watcher; a handler may interrupt itself
-        self._pipe: Optional[_WakeupPipe] = None  # while installed
+        self._pipe: _WakeupPipe | None = None  # while installed
         self._previous_fd = -1
 
     def install(self) -> None:
@@ -60,7 +60,9 @@ class StopRequest:
         _WATCHING.add(self)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
-        threading.Thread(target=self._watch, args=(self._pipe,), name="multigpu-stop-request", daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(self._pipe,), name="multigpu-stop-request", daemon=True
+        ).start()
 
     def uninstall(self) -> None:
         """Stop watching (call it after the handlers are put back): the wakeup fd as it was, the watcher ended."""
@@ -84,7 +86,7 @@ class StopRequest:
         os.close(self._pipe.write)
         self._pipe = None
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Python's handler, in the main thread: the signal's byte is in the pipe, taken here or by the watcher.
         pipe = self._pipe
         if pipe is not None:
@@ -105,14 +107,20 @@ class StopRequest:
                     return True
                 pipe.ended = not arrived
                 for signum in arrived:
-                    if signum in STOP_SIGNALS:  # every signal with a Python handler comes here (a loader's SIGCHLD)
+                    if (
+                        signum in STOP_SIGNALS
+                    ):  # every signal with a Python handler comes here (a loader's SIGCHLD)
                         self._arrived(signum)
             return False
 
     def _arrived(self, signum: int) -> None:
         now = time.monotonic()
         if self.signal_name is not None:
-            if signum == signal.SIGTERM and self.signal_name == "SIGTERM" and now - self._first_at < self.repeat_window:
+            if (
+                signum == signal.SIGTERM
+                and self.signal_name == "SIGTERM"
+                and now - self._first_at < self.repeat_window
+            ):
                 return
             # os.write, not print: the main thread may be inside a print to the same stream.
             os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
@@ -136,7 +144,7 @@ class _WakeupPipe:
         self.ended = False  # its writing end was closed, and the end seen: its reading end is closed next
 
 
-_WATCHING: "weakref.WeakSet[StopRequest]" = weakref.WeakSet()  # the StopRequests installed in this process
+_WATCHING: weakref.WeakSet[StopRequest] = weakref.WeakSet()  # the StopRequests installed in this process
 
 
 def _not_in_a_child() -> None:
@@ -160,13 +168,18 @@ def restarts_left() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
 
 
-def agent_store(timeout: timedelta) -> Optional[dist.Store]:
+def agent_store(timeout: timedelta) -> dist.Store | None:
     """torchrun's own store, joined as a client: torchrun lends it to the workers (TORCHELASTIC_USE_AGENT_STORE)
     and it lives as long as torchrun does, so it outlives every worker and every attempt. None without it."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master=False, timeout=timeout)
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
 
 
 def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
@@ -182,8 +195,11 @@ def restart_safe_store(timeout: timedelta) -> dict[str, Any]:
     store = agent_store(timeout)
     if store is None:
         return {}
-    return {"store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store), "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}
+    return {
+        "store": dist.PrefixStore(f"multigpu/attempt-{restart_count()}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 # ---------------------------------------------------------------- a lost rank
@@ -191,7 +207,7 @@ class PeerLost(TrainingStopped):
     """Another rank died or hung: a collective failed. Exit 1; the line was printed by every survivor.
     `lost`: the ranks that did not answer the roll call (empty when that could not be told)."""
 
-    def __init__(self, line: str, lost: Optional[list[int]] = None) -> None:
+    def __init__(self, line: str, lost: list[int] | None = None) -> None:
         super().__init__(line)
         self.lost = lost or []
 
@@ -204,7 +220,7 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(mark in str(error) for mark in marks)
 
 
-def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list[int]]:
+def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> list[int] | None:
     """The ranks that are gone after a failed collective: [] when every rank reported in (the collective failed
     for another reason), None if that cannot be told.
 
@@ -232,7 +248,9 @@ def lost_ranks(rank: int, world_size: int, wait_seconds: float) -> Optional[list
             beats = _beats(store, world_size)
             gone = [r for r in missing if r not in beats or beats[r] == first_beats.get(r)]
             if not missing or len(gone) == 1 or time.monotonic() >= deadline:
-                return gone if gone or not missing else None  # none gone: the silent ones are alive, cause unknown
+                return (
+                    gone if gone or not missing else None
+                )  # none gone: the silent ones are alive, cause unknown
             time.sleep(0.1)  # polling the store: a few cheap requests per second while waiting
     except Exception:  # the store is gone too: it lived in rank 0
         return [0] if rank != 0 else None
@@ -243,12 +261,16 @@ def _beats(store: Any, world_size: int) -> dict[int, int]:
     return {r: beat["beat"] for r, beat in published(store, world_size).items()}
 
 
-def lost_contact_line(rank: int, missing: Optional[list[int]], error: BaseException) -> str:
+def lost_contact_line(rank: int, missing: list[int] | None, error: BaseException) -> str:
     """One line for a survivor: which rank was lost, torch's own words for how, and the collective this rank
     was in when it noticed (a collective that is not the trainer's points at a desync)."""
-    who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "another rank"
-    return (f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}) while this rank was "
-            f"in {hang_report.failed_collective(error, 'the other ranks' if not missing else who)}; stopping")
+    who = (
+        f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "another rank"
+    )
+    return (
+        f"rank {rank}: lost contact with {who}, which died or hung ({error_detail(error)}) while this rank was "
+        f"in {hang_report.failed_collective(error, 'the other ranks' if not missing else who)}; stopping"
+    )
 
 
 def error_detail(error: BaseException) -> str:
@@ -258,8 +280,13 @@ def error_detail(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def stops_handled(stop: StopRequest, rank: int, world_size: int, wait_seconds: float,
-                  on_peer_lost: Callable[[], None] = lambda: None) -> Iterator[None]:
+def stops_handled(
+    stop: StopRequest,
+    rank: int,
+    world_size: int,
+    wait_seconds: float,
+    on_peer_lost: Callable[[], None] = lambda: None,
+) -> Iterator[None]:
     """SIGTERM/SIGINT set `stop` (checked at the trainer's sync points), and a collective that fails
     because another rank died or hung becomes one line on every survivor (PeerLost, exit 1).
 

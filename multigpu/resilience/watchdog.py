@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -37,7 +37,9 @@ PREFIX = "multigpu/hang/"  # in the attempt's own store (multigpu/resilience/pre
 # store, the child would inherit the locks that call holds, and could wait on one forever. A fork waits for
 # the current look to end, and the next look waits for the fork.
 _LOOKING = threading.Lock()
-os.register_at_fork(before=_LOOKING.acquire, after_in_parent=_LOOKING.release, after_in_child=_LOOKING.release)
+os.register_at_fork(
+    before=_LOOKING.acquire, after_in_parent=_LOOKING.release, after_in_child=_LOOKING.release
+)
 
 
 def published(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
@@ -45,11 +47,13 @@ def published(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
     Its "beat" counts the thread's looks: one that moves is a live process, whatever its main thread does."""
     keys = [f"{PREFIX}hb/{r}" for r in range(world_size)]
     present = [key for key in keys if store.check([key])]
-    return {int(key.rsplit("/", 1)[1]): json.loads(raw)
-            for key, raw in zip(present, store.multi_get(present) if present else [])}
+    return {
+        int(key.rsplit("/", 1)[1]): json.loads(raw)
+        for key, raw in zip(present, store.multi_get(present) if present else [])
+    }
 
 
-def group_sequence_number() -> Optional[int]:
+def group_sequence_number() -> int | None:
     """How many collectives the default process group has issued (DDP's and the user's included), or None."""
     try:
         return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
@@ -64,23 +68,38 @@ class Watchdog:
     its path, or says why it cannot; `save_dir` receives hang_report.txt.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout: float, save_dir: str, backend: Optional[str],
-                 save_last_step: Callable[[dict[str, Any]], str], store: Optional[Any] = None,
-                 mesh: Optional[tuple[int, int]] = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        save_dir: str,
+        backend: str | None,
+        save_last_step: Callable[[dict[str, Any]], str],
+        store: Any | None = None,
+        mesh: tuple[int, int] | None = None,
+    ):
         self.rank, self.world_size, self.timeout, self.save_dir = rank, world_size, timeout, save_dir
         self.mesh = mesh  # fsdp's hybrid mesh (replicate, shard): the report names each rank's place in it
         self.backend, self.save_last_step = backend, save_last_step
-        self.store = store if store is not None else (dist.distributed_c10d._get_default_store()
-                                                      if dist.is_initialized() else dist.HashStore())
+        self.store = (
+            store
+            if store is not None
+            else (dist.distributed_c10d._get_default_store() if dist.is_initialized() else dist.HashStore())
+        )
         self.interval = min(1.0, max(0.2, timeout / 5))  # a few looks per timeout, at most one a second
-        self.beats = 0  # this thread's own counter: whether the thread is alive, whatever the main thread does
-        self.seen: dict[int, tuple[Any, float, Any, float]] = {}  # rank: (position, moved at, beat, beat seen at)
+        self.beats = (
+            0  # this thread's own counter: whether the thread is alive, whatever the main thread does
+        )
+        self.seen: dict[
+            int, tuple[Any, float, Any, float]
+        ] = {}  # rank: (position, moved at, beat, beat seen at)
         self.latest: dict[int, dict[str, Any]] = {}
         self.answered = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="multigpu-hang-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 
@@ -96,25 +115,33 @@ class Watchdog:
             try:
                 with _LOOKING:
                     self._tick()
-            except Exception as error:  # the store is gone (the run is ending) or a report failed: say it once
+            except (
+                Exception
+            ) as error:  # the store is gone (the run is ending) or a report failed: say it once
                 if not self._stopped.is_set():
-                    print(f"rank {self.rank}: hang watchdog stopped: {type(error).__name__}: {error}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"rank {self.rank}: hang watchdog stopped: {type(error).__name__}: {error}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return
             if self._stopped.wait(self.interval):
                 return
 
     def _tick(self) -> None:
         self.beats += 1
-        self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps({**BEAT.snapshot(group_sequence_number()),
-                                                              "beat": self.beats}))
+        self.store.set(
+            f"{PREFIX}hb/{self.rank}",
+            json.dumps({**BEAT.snapshot(group_sequence_number()), "beat": self.beats}),
+        )
         if not self.answered and self.store.check([PREFIX + "stacks-wanted"]):
             self.store.set(f"{PREFIX}stack/{self.rank}", main_thread_stack())
             self.answered = True
         if self.store.check([PREFIX + "verdict"]):
             self._leave()
         if self.store.check([PREFIX + "mismatch"]) and not self.store.get(PREFIX + "mismatch").startswith(
-                f"{self.rank}:".encode()):  # --debug-collectives found one: the rank that found it says it
+            f"{self.rank}:".encode()
+        ):  # --debug-collectives found one: the rank that found it says it
             BEAT.hang_declared = True
             self.store.set(f"{PREFIX}mismatch-seen/{self.rank}", "1")
             os._exit(TrainingStopped.exit_code)
@@ -127,8 +154,15 @@ class Watchdog:
         for rank in range(self.world_size):  # not published yet: its clock runs from the first look
             self.seen.setdefault(rank, (None, now, None, now))
         for rank, beat in published(self.store, self.world_size).items():
-            position = (beat["step"], beat["phase"], beat["seq"], beat["in_collective"], beat["group_seq"],
-                        beat["where"], beat["frame"])
+            position = (
+                beat["step"],
+                beat["phase"],
+                beat["seq"],
+                beat["in_collective"],
+                beat["group_seq"],
+                beat["where"],
+                beat["frame"],
+            )
             old = self.seen.get(rank)
             moved_at = now if old is None or old[0] != position else old[1]
             beat_at = now if old is None or old[2] != beat["beat"] else old[3]
@@ -170,16 +204,23 @@ class Watchdog:
         self.answered = True
         wanted = [r for r in range(self.world_size) if r not in silent]
         deadline = time.monotonic() + 3 * self.interval + 2
-        while time.monotonic() < deadline and not all(self.store.check([f"{PREFIX}stack/{r}"]) for r in wanted):
+        while time.monotonic() < deadline and not all(
+            self.store.check([f"{PREFIX}stack/{r}"]) for r in wanted
+        ):
             time.sleep(0.1)  # polling the store: a few cheap requests while the ranks answer
-        return {r: self.store.get(f"{PREFIX}stack/{r}").decode() for r in wanted
-                if self.store.check([f"{PREFIX}stack/{r}"])}
+        return {
+            r: self.store.get(f"{PREFIX}stack/{r}").decode()
+            for r in wanted
+            if self.store.check([f"{PREFIX}stack/{r}"])
+        }
 
     def _wait_for_others_to_leave(self, silent: list[int]) -> None:
         """Give every responding rank a moment to read the verdict and exit: the store may live in this process."""
         others = [r for r in range(self.world_size) if r != self.rank and r not in silent]
         deadline = time.monotonic() + 3 * self.interval + 2
-        while time.monotonic() < deadline and not all(self.store.check([f"{PREFIX}left/{r}"]) for r in others):
+        while time.monotonic() < deadline and not all(
+            self.store.check([f"{PREFIX}left/{r}"]) for r in others
+        ):
             time.sleep(0.1)
 
     def _kill_local(self, silent: list[int]) -> None:
@@ -199,8 +240,11 @@ class Watchdog:
         BEAT.hang_declared = True
         if not self.answered:
             self.store.set(f"{PREFIX}stack/{self.rank}", main_thread_stack())
-        print(f"rank {self.rank}: stopped by the hang watchdog (see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"rank {self.rank}: stopped by the hang watchdog (see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
+            file=sys.stderr,
+            flush=True,
+        )
         self.store.set(f"{PREFIX}left/{self.rank}", "1")
         self._exit()
 
@@ -211,7 +255,7 @@ class Watchdog:
         os._exit(HANG_EXIT_STATUS)  # the main thread is stuck in C++ or a lock: no exception can reach it
 
 
-def _parent_of(pid: int) -> Optional[int]:
+def _parent_of(pid: int) -> int | None:
     """The parent process id of `pid` (Linux's /proc), or None when it cannot be read: then it is not killed."""
     try:
         with open(f"/proc/{pid}/stat") as stat:

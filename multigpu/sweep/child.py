@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from multigpu.sweep.pruning import TrialReporter
 from multigpu.sweep.records import write_json_atomic
@@ -20,12 +21,14 @@ from multigpu.sweep.study import TrialLink
 REPORT_TO = "--report-to"  # then the trial, as JSON, that a search's run reports to
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Train on the training flags; rank 0 writes the summary file."""
     from multigpu.launch.runner import train_from_argv
 
     args = list(sys.argv[1:] if argv is None else argv)
-    summary_path, *train_argv = args[1:] if args[:1] == ["--"] else args  # torchrun passes its "--" on, or not
+    summary_path, *train_argv = (
+        args[1:] if args[:1] == ["--"] else args
+    )  # torchrun passes its "--" on, or not
     reporter = None
     if train_argv[:1] == [REPORT_TO]:
         reporter = TrialReporter(TrialLink.from_json(train_argv[1]))

@@ -10,7 +10,8 @@ import dataclasses
 import glob
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from multigpu.errors import UsageError
 from multigpu.launch.console import best_effort
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # imported where a search runs: a grid sweep loads neither
     from multigpu.sweep.search_summary import TrialRow
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`sweep_multi_gpu.py [sweep flags] -- [training flags]`."""
     sweep_argv, train_argv = split_separated(sys.argv[1:] if argv is None else argv)
     return _one_line_errors(lambda: run(*_parsed(sweep_argv, train_argv, mixed=False)))
@@ -46,8 +47,10 @@ def _one_line_errors(action: Callable[[], int]) -> int:
     with best_effort():  # a console nobody reads any more (a dead pipe) never stops the sweep
         try:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                raise UsageError("a sweep starts its own processes (torchrun ones too, with --gpus-per-run): "
-                                 "run it with python, not under torchrun")
+                raise UsageError(
+                    "a sweep starts its own processes (torchrun ones too, with --gpus-per-run): "
+                    "run it with python, not under torchrun"
+                )
             return action()
         except UsageError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -77,7 +80,7 @@ def run(options: SweepOptions, train_argv: list[str]) -> int:
         return _finish(plan, options, mine, stopped)
 
 
-def _runs_again(record: Optional[dict[str, Any]], retry_failed: bool) -> bool:
+def _runs_again(record: dict[str, Any] | None, retry_failed: bool) -> bool:
     return record is None or (record["status"] == "failed" and retry_failed)
 
 
@@ -89,17 +92,29 @@ def _plan_line(plan: Plan, options: SweepOptions, in_shard: int) -> str:
     return f"sweep {plan.sweep_dir}: {shape} = {len(plan.experiments)} experiments{shard}"
 
 
-def _run_experiments(plan: Plan, options: SweepOptions, mine: list[Experiment], to_run: list[Experiment],
-                     earlier: dict[str, dict[str, Any]]) -> Optional[str]:
+def _run_experiments(
+    plan: Plan,
+    options: SweepOptions,
+    mine: list[Experiment],
+    to_run: list[Experiment],
+    earlier: dict[str, dict[str, Any]],
+) -> str | None:
     done = sum(earlier.get(e.name, {}).get("status") == "ok" for e in mine)
-    failed = sum(earlier.get(e.name, {}).get("status") == "failed" for e in mine) - \
-        sum(e.name in earlier for e in to_run)
+    failed = sum(earlier.get(e.name, {}).get("status") == "failed" for e in mine) - sum(
+        e.name in earlier for e in to_run
+    )
     parts = [f"{done} done"] if done else []
     if failed:
         parts.append(f"{failed} failed before (not run again; --retry-failed runs them)")
     parts.append(f"{len(to_run)} to run" + _continuing(to_run))
-    return _schedule(plan.sweep_dir, options, to_run, ", ".join(parts), plan.base.progress,
-                     {"experiments": len(mine), "done_before": done})
+    return _schedule(
+        plan.sweep_dir,
+        options,
+        to_run,
+        ", ".join(parts),
+        plan.base.progress,
+        {"experiments": len(mine), "done_before": done},
+    )
 
 
 def _continuing(to_run: list[Experiment]) -> str:
@@ -107,8 +122,15 @@ def _continuing(to_run: list[Experiment]) -> str:
     return f" ({resuming} continue from their checkpoints)" if resuming else ""
 
 
-def _schedule(sweep_dir: str, options: SweepOptions, to_run: list[Experiment], said: str, show_bar: bool,
-              shown: dict[str, Any], **more: Any) -> Optional[str]:
+def _schedule(
+    sweep_dir: str,
+    options: SweepOptions,
+    to_run: list[Experiment],
+    said: str,
+    show_bar: bool,
+    shown: dict[str, Any],
+    **more: Any,
+) -> str | None:
     """Run `to_run` (and what the scheduler's `more` gives) on this machine's slots, after a line that says
     `said` and names the slots; `shown`: what progress.json holds beside the scheduler's own state."""
     from multigpu.sweep.scheduler import Scheduler, find_slots
@@ -121,8 +143,15 @@ def _schedule(sweep_dir: str, options: SweepOptions, to_run: list[Experiment], s
     def write_progress(state: dict[str, Any]) -> None:
         records.write_json_atomic(progress_file, {**static, **state})
 
-    scheduler = Scheduler(slots, to_run, options, records.results_path(sweep_dir, options.shard), write_progress,
-                          show_bar=show_bar, **more)
+    scheduler = Scheduler(
+        slots,
+        to_run,
+        options,
+        records.results_path(sweep_dir, options.shard),
+        write_progress,
+        show_bar=show_bar,
+        **more,
+    )
     return scheduler.run()
 
 
@@ -138,10 +167,12 @@ def _visible_gpus() -> list[str]:
     return (ids or [str(index) for index in range(count)])[:count]
 
 
-def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: Optional[str]) -> int:
+def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: str | None) -> int:
     with records.summary_lock(plan.sweep_dir):  # shards ending together: the last one sees every result
         results = records.read_results(plan.sweep_dir)
-        table = summary.write(plan.sweep_dir, summary.summarize(plan, results), [axis.field for axis in plan.axes])
+        table = summary.write(
+            plan.sweep_dir, summary.summarize(plan, results), [axis.field for axis in plan.axes]
+        )
     print(table, end="", flush=True)
     ok = [e for e in mine if results.get(e.name, {}).get("status") == "ok"]
     failed = [results[e.name] for e in mine if results.get(e.name, {}).get("status") == "failed"]
@@ -150,20 +181,33 @@ def _finish(plan: Plan, options: SweepOptions, mine: list[Experiment], stopped: 
         return _stopped_status(stopped, f"{whose}{len(ok)} of {len(mine)} experiments done")
     merged = sum(e.name in results for e in plan.experiments)
     if options.sharded and merged < len(plan.experiments):
-        print(f"the summary covers {merged} of {len(plan.experiments)} experiments so far (other shards have not "
-              f"finished)", flush=True)
+        print(
+            f"the summary covers {merged} of {len(plan.experiments)} experiments so far (other shards have not "
+            f"finished)",
+            flush=True,
+        )
     where = os.path.join(plan.sweep_dir, "summary.md")
     if failed:
-        print(f"error: {whose}{len(failed)} of {len(mine)} experiments failed (summary: {where}):",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: {whose}{len(failed)} of {len(mine)} experiments failed (summary: {where}):",
+            file=sys.stderr,
+            flush=True,
+        )
         for record in failed:
-            print(f"  {record['experiment']}: {record['error']} (log {record['log']})", file=sys.stderr, flush=True)
+            print(
+                f"  {record['experiment']}: {record['error']} (log {record['log']})",
+                file=sys.stderr,
+                flush=True,
+            )
         print("  rerun with --retry-failed to run them again", file=sys.stderr, flush=True)
         return 1
     not_learned = [e.name for e in mine if summary.did_not_learn(results.get(e.name, {})) is not None]
     learning = f" ({len(not_learned)} did not learn: {', '.join(not_learned)})" if not_learned else ""
-    print(f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok{learning}; summary {where} (and summary.csv); "
-          f"compare the runs with: tensorboard --logdir {plan.sweep_dir}", flush=True)
+    print(
+        f"sweep done: {whose}{len(ok)} of {len(mine)} experiments ok{learning}; summary {where} (and summary.csv); "
+        f"compare the runs with: tensorboard --logdir {plan.sweep_dir}",
+        flush=True,
+    )
     return 0
 
 
@@ -193,58 +237,86 @@ def _run_search(options: SweepOptions, train_argv: list[str]) -> int:
         trials = search.study.get_trials(deepcopy=False)
         new = max(0, options.trials - len(trials))
         ended = sum(trial.state.name != "RUNNING" for trial in trials)
-        said = f"{ended} trial(s) ended before, {len(resumed)} run(s) to resume{_continuing(resumed)}, " \
-               f"{new} trial(s) to draw"
-        stopped = _schedule(plan.sweep_dir, options, resumed, said, plan.base.progress,
-                            {"trials": options.trials, "ended_before": ended}, more=search.more,
-                            recorded=search.recorded, total=len(resumed) + new * len(plan.seeds))
+        said = (
+            f"{ended} trial(s) ended before, {len(resumed)} run(s) to resume{_continuing(resumed)}, "
+            f"{new} trial(s) to draw"
+        )
+        stopped = _schedule(
+            plan.sweep_dir,
+            options,
+            resumed,
+            said,
+            plan.base.progress,
+            {"trials": options.trials, "ended_before": ended},
+            more=search.more,
+            recorded=search.recorded,
+            total=len(resumed) + new * len(plan.seeds),
+        )
         return _finish_search(plan, options, search, stopped)
 
 
 def _search_line(plan: SearchPlan, options: SweepOptions) -> str:
     space = " ".join(dimension.text for dimension in plan.space)
     way = "lower" if plan.lower_is_better else "higher"
-    return (f"search {plan.sweep_dir}: {options.trials} trials of {space} x {len(plan.seeds)} seed(s); sampler "
-            f"{options.sampler}, pruner {options.prune}; objective {plan.objective} ({way} is better)")
+    return (
+        f"search {plan.sweep_dir}: {options.trials} trials of {space} x {len(plan.seeds)} seed(s); sampler "
+        f"{options.sampler}, pruner {options.prune}; objective {plan.objective} ({way} is better)"
+    )
 
 
-def _finish_search(plan: SearchPlan, options: SweepOptions, search: Search, stopped: Optional[str]) -> int:
+def _finish_search(plan: SearchPlan, options: SweepOptions, search: Search, stopped: str | None) -> int:
     """The trial table, the best trial and its command, TensorBoard's HParams and the plots; the exit status."""
     from multigpu.sweep import search_summary, study_views
 
     with records.summary_lock(plan.sweep_dir):  # drivers ending together: the last one sees every trial
-        rows = search_summary.trial_rows(search.study.get_trials(deepcopy=False),
-                                         records.read_results(plan.sweep_dir), plan.seeds)
+        rows = search_summary.trial_rows(
+            search.study.get_trials(deepcopy=False), records.read_results(plan.sweep_dir), plan.seeds
+        )
         table = search_summary.write(plan.sweep_dir, rows, plan.objective, plan.space)
         hparams = study_views.write_hparams(plan.sweep_dir, plan.space, plan.objective, rows)
         plots = study_views.write_plots(plan.sweep_dir, search.study)
     print(table, end="", flush=True)
     print(_best_line(plan, rows), flush=True)
     trained = sum(row.epochs or 0 for row in rows)
-    print(f"epochs trained: {trained} of the {len(rows) * len(plan.seeds) * plan.max_epochs} that {len(rows)} "
-          f"trial(s) x {len(plan.seeds)} seed(s) x {plan.max_epochs} epochs would train unpruned", flush=True)
+    print(
+        f"epochs trained: {trained} of the {len(rows) * len(plan.seeds) * plan.max_epochs} that {len(rows)} "
+        f"trial(s) x {len(plan.seeds)} seed(s) x {plan.max_epochs} epochs would train unpruned",
+        flush=True,
+    )
     print(plots, flush=True)
     mine = {trial.number for trial in search.mine()}
-    return _search_status(options, [row for row in rows if row.number in mine and row.state != "running"], stopped,
-                          os.path.join(plan.sweep_dir, "summary.md"), hparams)
+    return _search_status(
+        options,
+        [row for row in rows if row.number in mine and row.state != "running"],
+        stopped,
+        os.path.join(plan.sweep_dir, "summary.md"),
+        hparams,
+    )
 
 
-def _search_status(options: SweepOptions, ended: list[TrialRow], stopped: Optional[str], where: str,
-                   hparams: str) -> int:
+def _search_status(
+    options: SweepOptions, ended: list[TrialRow], stopped: str | None, where: str, hparams: str
+) -> int:
     """The closing line and exit status of this driver's trials that `ended`."""
     whose = _whose(options)
     if stopped:
         return _stopped_status(stopped, f"{whose}{len(ended)} of {options.trials} trials ended")
     failed = [row for row in ended if row.state == "failed"]
     if failed:
-        print(f"error: {whose}{len(failed)} of {len(ended)} trials failed (summary: {where}):", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: {whose}{len(failed)} of {len(ended)} trials failed (summary: {where}):",
+            file=sys.stderr,
+            flush=True,
+        )
         for row in failed:
             print(f"  trial {row.number}: {row.error}", file=sys.stderr, flush=True)
         return 1
     pruned = sum(row.state == "pruned" for row in ended)
-    print(f"search done: {whose}{len(ended)} trials ended ({pruned} pruned); summary {where} (and summary.csv); "
-          f"compare the trials with: tensorboard --logdir {hparams}", flush=True)
+    print(
+        f"search done: {whose}{len(ended)} trials ended ({pruned} pruned); summary {where} (and summary.csv); "
+        f"compare the trials with: tensorboard --logdir {hparams}",
+        flush=True,
+    )
     return 0
 
 
@@ -268,6 +340,9 @@ def _write_slurm_script(plan: Plan, options: SweepOptions, train_argv: list[str]
         print(f"submit it with: sbatch {path}", flush=True)
         return 0
     job = slurm.submit(path)
-    print(f"submitted job array {job}; task output in {os.path.join(plan.sweep_dir, 'slurm')}; the merged summary "
-          f"is {os.path.join(plan.sweep_dir, 'summary.md')} once the tasks end", flush=True)
+    print(
+        f"submitted job array {job}; task output in {os.path.join(plan.sweep_dir, 'slurm')}; the merged summary "
+        f"is {os.path.join(plan.sweep_dir, 'summary.md')} once the tasks end",
+        flush=True,
+    )
     return 0

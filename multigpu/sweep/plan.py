@@ -10,8 +10,9 @@ import difflib
 import itertools
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 from urllib.parse import quote
 
 from multigpu.checkpoints.run_folders import folder_numbers
@@ -24,8 +25,12 @@ DEFAULT_SWEEP_ROOT, SWEEP_PREFIX = DEFAULT_SAVE_ROOT, "sweep-"  # without --swee
 SWEEP_FILE = "sweep.json"  # the fingerprint a rerun must match
 
 # Set by the sweep for each run, so neither a training flag nor a grid key may set them.
-PER_EXPERIMENT = {"seed": "--num-seeds/--seeds", "save_dir": "--sweep-dir", "resume": "the sweep itself (resume "
-                  "is automatic)", "log_dir": "the sweep (each run logs to <its dir>/tb)"}
+PER_EXPERIMENT = {
+    "seed": "--num-seeds/--seeds",
+    "save_dir": "--sweep-dir",
+    "resume": "the sweep itself (resume is automatic)",
+    "log_dir": "the sweep (each run logs to <its dir>/tb)",
+}
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -46,7 +51,7 @@ class Experiment:
     seed: int
     save_dir: str
     argv: tuple[str, ...]  # main_multi_gpu.py's flags for this run
-    report_to: Optional[TrialLink] = None  # a search's run: the trial it reports its epochs to (--search)
+    report_to: TrialLink | None = None  # a search's run: the trial it reports its epochs to (--search)
 
     @property
     def name(self) -> str:
@@ -87,8 +92,9 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
     axes = [_axis(token, train_argv) for token in options.grid]
     repeated = {axis.field for axis in axes if [a.field for a in axes].count(axis.field) > 1}
     if repeated:
-        raise UsageError(f"--grid names {', '.join(sorted(repeated))} twice: give all values of a key in one "
-                         f"KEY=V1,V2")
+        raise UsageError(
+            f"--grid names {', '.join(sorted(repeated))} twice: give all values of a key in one KEY=V1,V2"
+        )
     points = []  # (name, {field: value}, flags)
     for combination in itertools.product(*[range(len(axis.values)) for axis in axes]):
         values = {axis.field: axis.values[i] for axis, i in zip(axes, combination)}
@@ -98,29 +104,60 @@ def build_plan(options: SweepOptions, train_argv: Sequence[str]) -> Plan:
         points.append((point, values, point_flags))
     fingerprint = fingerprint_of(base, options, {axis.field: list(axis.values) for axis in axes})
     sweep_dir = os.path.abspath(options.sweep_dir or default_sweep_dir(fingerprint))
-    experiments = [experiment for point, _, point_flags in points
-                   for experiment in experiments_of(sweep_dir, point, [*train_argv, *point_flags], options.seeds)]
-    return Plan(sweep_dir, base, axes, [(point, values) for point, values, _ in points], experiments, fingerprint)
+    experiments = [
+        experiment
+        for point, _, point_flags in points
+        for experiment in experiments_of(sweep_dir, point, [*train_argv, *point_flags], options.seeds)
+    ]
+    return Plan(
+        sweep_dir, base, axes, [(point, values) for point, values, _ in points], experiments, fingerprint
+    )
 
 
-def fingerprint_of(base: TrainConfig, options: SweepOptions, grid: dict[str, list[Any]],
-                   **more: Any) -> dict[str, Any]:
+def fingerprint_of(
+    base: TrainConfig, options: SweepOptions, grid: dict[str, list[Any]], **more: Any
+) -> dict[str, Any]:
     """What a rerun must match to continue a sweep (sweep.json): the runs' settings but those set for each run,
     the grid, the slots' shape, and `more` (a search's settings)."""
-    return {"base": {name: value for name, value in base.to_dict().items()
-                     if name not in PER_EXPERIMENT and name != "progress"},
-            "grid": grid, "gpus_per_run": options.gpus_per_run, "threads_per_run": options.threads_per_run, **more}
+    return {
+        "base": {
+            name: value
+            for name, value in base.to_dict().items()
+            if name not in PER_EXPERIMENT and name != "progress"
+        },
+        "grid": grid,
+        "gpus_per_run": options.gpus_per_run,
+        "threads_per_run": options.threads_per_run,
+        **more,
+    }
 
 
-def experiments_of(sweep_dir: str, point: str, point_argv: Sequence[str], seeds: Sequence[int],
-                   report_to: Optional[TrialLink] = None) -> list[Experiment]:
+def experiments_of(
+    sweep_dir: str,
+    point: str,
+    point_argv: Sequence[str],
+    seeds: Sequence[int],
+    report_to: TrialLink | None = None,
+) -> list[Experiment]:
     """A point's runs, one per seed, each in its own DIR/<point>/seed-<k>/ (DIR/seed-<k>/ without a point) and
     continuing from its own newest checkpoint; `point_argv`: the training flags of the point."""
     experiments = []
     for seed in seeds:
-        save_dir = os.path.join(sweep_dir, point, f"seed-{seed}") if point else os.path.join(sweep_dir, f"seed-{seed}")
-        argv = [*point_argv, "--seed", str(seed), "--save-dir", save_dir, "--resume", "auto",
-                "--no-progress"]  # the sweep's one bar replaces each run's own
+        save_dir = (
+            os.path.join(sweep_dir, point, f"seed-{seed}")
+            if point
+            else os.path.join(sweep_dir, f"seed-{seed}")
+        )
+        argv = [
+            *point_argv,
+            "--seed",
+            str(seed),
+            "--save-dir",
+            save_dir,
+            "--resume",
+            "auto",
+            "--no-progress",
+        ]  # the sweep's one bar replaces each run's own
         experiments.append(Experiment(point, seed, save_dir, tuple(argv), report_to))
     return experiments
 
@@ -148,7 +185,9 @@ def refuse_per_experiment_flags(train_argv: list[str]) -> None:
     given = given_fields(train_argv)  # given, even when given the default
     for name, setter in PER_EXPERIMENT.items():
         if name in given:
-            raise UsageError(f"--{flag(name)} is set for each run by {setter}; leave it out of the training flags")
+            raise UsageError(
+                f"--{flag(name)} is set for each run by {setter}; leave it out of the training flags"
+            )
 
 
 def _axis(token: str, train_argv: list[str]) -> Axis:
@@ -170,8 +209,10 @@ def setting_name(key: str, where: str) -> str:
     if name not in FIELDS:
         close = difflib.get_close_matches(name, FIELDS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise UsageError(f"{where}: {key} is not a training setting{hint}; the keys are the flags of "
-                         f"main_multi_gpu.py --help, e.g. lr or batch_size")
+        raise UsageError(
+            f"{where}: {key} is not a training setting{hint}; the keys are the flags of "
+            f"main_multi_gpu.py --help, e.g. lr or batch_size"
+        )
     if name in PER_EXPERIMENT:
         raise UsageError(f"{where}: --{flag(name)} is set for each run by {PER_EXPERIMENT[name]}")
     return name
@@ -188,8 +229,9 @@ def setting_value(name: str, text: str, where: str, train_argv: Sequence[str]) -
         raise UsageError(f"{where}: {error}{hint}") from None
 
 
-def setting_values(name: str, texts: Sequence[str], where: str,
-                   train_argv: Sequence[str]) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], ...]]:
+def setting_values(
+    name: str, texts: Sequence[str], where: str, train_argv: Sequence[str]
+) -> tuple[tuple[Any, ...], tuple[tuple[str, ...], ...]]:
     """Several values of field `name` (setting_value), none given twice: (the values, the flags of each)."""
     values, flags = [], []
     for text in texts:
@@ -212,7 +254,7 @@ def _value_flags(name: str, text: str, where: str) -> list[str]:
     raise UsageError(f"{where}: --{flag(name)} is on or off; give true or false, not {text!r}")
 
 
-def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """The first setting in which two fingerprints differ, as 'FLAG THERE (sweep) vs HERE (command)'; None if equal."""
     for name in sorted(set(saved.get("base", {})) | set(current["base"])):
         there, here = saved.get("base", {}).get(name), current["base"].get(name)
@@ -221,21 +263,25 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> Op
     if saved.get("search") != current.get("search"):
         return _search_difference(saved.get("search"), current.get("search"))
     if saved.get("grid") != current["grid"]:
-        return f"--grid {_grid_text(saved.get('grid', {}))} (the sweep's) vs {_grid_text(current['grid'])} " \
-               f"(this command's)"
+        return (
+            f"--grid {_grid_text(saved.get('grid', {}))} (the sweep's) vs {_grid_text(current['grid'])} "
+            f"(this command's)"
+        )
     for name in ("gpus_per_run", "threads_per_run"):
         if saved.get(name) != current[name]:
             return f"--{flag(name)} {saved.get(name)} (the sweep's) vs {current[name]} (this command's)"
     return None
 
 
-def _search_difference(there: Optional[dict[str, Any]], here: Optional[dict[str, Any]]) -> str:
+def _search_difference(there: dict[str, Any] | None, here: dict[str, Any] | None) -> str:
     """The first --search setting (--space, --sampler, ...) in which a sweep and a command differ."""
     if there is None or here is None:
         kinds = ["a grid" if side is None else "--search optuna" for side in (there, here)]
         return f"{kinds[0]} (the sweep's) vs {kinds[1]} (this command's)"
     name = next(name for name in sorted({*there, *here}) if there.get(name) != here.get(name))
-    return f"--{flag(name)} {_shown(there.get(name))} (the sweep's) vs {_shown(here.get(name))} (this command's)"
+    return (
+        f"--{flag(name)} {_shown(there.get(name))} (the sweep's) vs {_shown(here.get(name))} (this command's)"
+    )
 
 
 def _shown(value: Any) -> str:

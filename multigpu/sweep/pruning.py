@@ -10,7 +10,7 @@ is written into the trial, so that the others stop at their next epoch end.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 from multigpu.sweep.study import PRUNED_ATTR, STUDY_NAME, TrialLink, make_pruner, storage
 
@@ -20,10 +20,10 @@ class TrialReporter:
 
     def __init__(self, link: TrialLink):
         self.link = link
-        self.pruned: Optional[str] = None
+        self.pruned: str | None = None
         self._storage: Any = None
         self._study: Any = None
-        self._trial_id: Optional[int] = None
+        self._trial_id: int | None = None
 
     def on_fit_start(self, trainer: Any) -> None:
         """A run resumed after its trial was pruned (or started after another seed's run was) stops at once."""
@@ -31,8 +31,10 @@ class TrialReporter:
             return
         epoch = self._frozen().user_attrs.get(PRUNED_ATTR)
         if epoch is not None:
-            self._stop(trainer, f"pruned by the search ({self.link.prune}) after epoch {epoch} of trial "
-                                f"{self.link.trial}")
+            self._stop(
+                trainer,
+                f"pruned by the search ({self.link.prune}) after epoch {epoch} of trial {self.link.trial}",
+            )
 
     def on_validation_end(self, trainer: Any) -> None:
         """Report this epoch's value; stop when the trial is pruned."""
@@ -48,14 +50,17 @@ class TrialReporter:
         if PRUNED_ATTR in frozen.user_attrs or trial.should_prune():
             if PRUNED_ATTR not in frozen.user_attrs:
                 trial.set_user_attr(PRUNED_ATTR, progress.epoch)
-            self._stop(trainer, f"pruned by the search ({self.link.prune}) after epoch {progress.epoch}: "
-                                f"{self.link.objective} {value:.4g}")
+            self._stop(
+                trainer,
+                f"pruned by the search ({self.link.prune}) after epoch {progress.epoch}: "
+                f"{self.link.objective} {value:.4g}",
+            )
 
     def outcome(self) -> dict[str, Any]:
         """What the run's summary gains: why it was pruned, if it was."""
         return {"pruned": self.pruned} if self.pruned else {}
 
-    def _mean_over_seeds(self, trial: Any, seed: int, epoch: int, value: float) -> Optional[float]:
+    def _mean_over_seeds(self, trial: Any, seed: int, epoch: int, value: float) -> float | None:
         """The trial's value at `epoch`: this run's alone, or the mean once every seed's run has reported it."""
         if len(self.link.seeds) == 1:
             return value
@@ -87,9 +92,12 @@ class TrialReporter:
             return
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._storage = storage(self.link.journal)
-        self._study = optuna.load_study(study_name=STUDY_NAME, storage=self._storage,
-                                        sampler=optuna.samplers.RandomSampler(),  # it samples nothing here
-                                        pruner=make_pruner(self.link.prune, self.link.max_epochs))
+        self._study = optuna.load_study(
+            study_name=STUDY_NAME,
+            storage=self._storage,
+            sampler=optuna.samplers.RandomSampler(),  # it samples nothing here
+            pruner=make_pruner(self.link.prune, self.link.max_epochs),
+        )
         study_id = self._storage.get_study_id_from_name(STUDY_NAME)
         self._trial_id = self._storage.get_trial_id_from_study_id_trial_number(study_id, self.link.trial)
 

@@ -16,7 +16,8 @@ import fcntl
 import glob
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
@@ -92,8 +93,10 @@ def check_fingerprint(sweep_dir: str, fingerprint: dict[str, Any]) -> bool:
         saved = json.load(file)
     difference = fingerprint_difference(saved, current)
     if difference is not None:
-        raise UsageError(f"--sweep-dir {sweep_dir} holds a sweep with other settings: {difference}; rerun "
-                         f"with the sweep's settings to continue it, or choose another --sweep-dir")
+        raise UsageError(
+            f"--sweep-dir {sweep_dir} holds a sweep with other settings: {difference}; rerun "
+            f"with the sweep's settings to continue it, or choose another --sweep-dir"
+        )
     return False
 
 
@@ -111,8 +114,9 @@ def exclusive(sweep_dir: str, shard: tuple[int, int]) -> Iterator[None]:
         except BlockingIOError:
             owner = os.pread(handle, 32, 0).decode(errors="replace").strip() or "another process"
             shard_text = f" (shard {shard[0]}/{shard[1]})" if shard[1] > 1 else ""
-            raise UsageError(f"--sweep-dir {sweep_dir}{shard_text} is in use by pid {owner}; wait for it to end "
-                             f"or stop it") from None
+            raise UsageError(
+                f"--sweep-dir {sweep_dir}{shard_text} is in use by pid {owner}; wait for it to end or stop it"
+            ) from None
         os.ftruncate(handle, 0)
         os.pwrite(handle, str(os.getpid()).encode(), 0)
         yield

@@ -17,9 +17,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 from multigpu.errors import UsageError
 from multigpu.sweep import records
@@ -56,20 +57,26 @@ def find_slots(options: SweepOptions, visible_gpus: list[str]) -> tuple[list[Slo
         cores = os.cpu_count() or 1
         processes = workers * per_run * options.threads_per_run
         crowded = f" (more than the {cores} cores: runs will be slower)" if processes > cores else ""
-        return slots, (f"{workers} CPU slot(s) x {per_run} process(es) x {options.threads_per_run} thread(s)"
-                       f"{crowded}{ignored}")
+        return slots, (
+            f"{workers} CPU slot(s) x {per_run} process(es) x {options.threads_per_run} thread(s)"
+            f"{crowded}{ignored}"
+        )
     gpus = options.max_gpus or len(visible_gpus)
     if gpus > len(visible_gpus):
-        raise UsageError(f"--max-gpus {gpus}: only {len(visible_gpus)} GPU(s) visible "
-                         f"({','.join(visible_gpus)}); check CUDA_VISIBLE_DEVICES")
+        raise UsageError(
+            f"--max-gpus {gpus}: only {len(visible_gpus)} GPU(s) visible "
+            f"({','.join(visible_gpus)}); check CUDA_VISIBLE_DEVICES"
+        )
     if gpus < per_run:
         raise UsageError(f"--gpus-per-run {per_run} needs at least that many GPUs; --max-gpus is {gpus}")
     slots = []
     for index in range(gpus // per_run):
-        devices = visible_gpus[index * per_run:(index + 1) * per_run]
+        devices = visible_gpus[index * per_run : (index + 1) * per_run]
         slots.append(Slot(index, ",".join(devices), f"gpu{','.join(devices)}"))
     idle = gpus % per_run
-    spare = f"; {idle} GPU(s) left idle ({gpus} is not a multiple of --gpus-per-run {per_run})" if idle else ""
+    spare = (
+        f"; {idle} GPU(s) left idle ({gpus} is not a multiple of --gpus-per-run {per_run})" if idle else ""
+    )
     return slots, f"{len(slots)} GPU slot(s) x {per_run} GPU(s){spare}"
 
 
@@ -78,7 +85,7 @@ class _Worker:
     slot: Slot
     process: Any
     conn: Connection
-    task: Optional[Task] = None
+    task: Task | None = None
     started: float = 0.0
 
 
@@ -86,11 +93,18 @@ class Scheduler:
     """Runs `experiments` on `slots`, then those `more()` gives while it gives any (a search's next trial, asked
     when a slot is free); `recorded(record)` hears each final outcome and may answer a line to print."""
 
-    def __init__(self, slots: list[Slot], experiments: list[Experiment], options: SweepOptions,
-                 results_path: str, progress: Callable[[dict[str, Any]], None], show_bar: bool,
-                 more: Callable[[], list[Experiment]] = list,
-                 recorded: Callable[[dict[str, Any]], Optional[str]] = lambda record: None,
-                 total: Optional[int] = None):
+    def __init__(
+        self,
+        slots: list[Slot],
+        experiments: list[Experiment],
+        options: SweepOptions,
+        results_path: str,
+        progress: Callable[[dict[str, Any]], None],
+        show_bar: bool,
+        more: Callable[[], list[Experiment]] = list,
+        recorded: Callable[[dict[str, Any]], str | None] = lambda record: None,
+        total: int | None = None,
+    ):
         self.slots, self.options = slots, options
         self.results_path, self.write_progress = results_path, progress
         self.more, self.recorded = more, recorded
@@ -110,7 +124,7 @@ class Scheduler:
         self._wake_read, self._wake_write = os.pipe()
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> Optional[str]:
+    def run(self) -> str | None:
         """Run until every experiment has a final outcome, or a signal stops the sweep (its name is returned)."""
         with self._signals_caught():
             try:
@@ -159,10 +173,14 @@ class Scheduler:
         ours, theirs = self.context.Pipe()
         threads = str(self.options.threads_per_run)
         # Set before the process starts: CUDA reads CUDA_VISIBLE_DEVICES once, OpenMP its thread count once.
-        with _environment(CUDA_VISIBLE_DEVICES=slot.devices, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
-            process = self.context.Process(target=worker_main, name=f"sweep-{slot.label}",
-                                           args=(theirs, self.options.threads_per_run, os.getpid(),
-                                                 self.options.gpus_per_run == 1))
+        with _environment(
+            CUDA_VISIBLE_DEVICES=slot.devices, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads
+        ):
+            process = self.context.Process(
+                target=worker_main,
+                name=f"sweep-{slot.label}",
+                args=(theirs, self.options.threads_per_run, os.getpid(), self.options.gpus_per_run == 1),
+            )
             process.start()
         theirs.close()
         return _Worker(slot, process, ours)
@@ -179,7 +197,9 @@ class Scheduler:
         for slot_index, worker in list(self.workers.items()):
             if worker.conn in ready:
                 self._receive(worker)
-            if worker.process.sentinel in ready or (worker.task is not None and not worker.process.is_alive()):
+            if worker.process.sentinel in ready or (
+                worker.task is not None and not worker.process.is_alive()
+            ):
                 self._on_exit(slot_index, worker)
 
     def _receive(self, worker: _Worker) -> None:
@@ -203,8 +223,18 @@ class Scheduler:
         code = worker.process.exitcode
         if self.fault_kills_sweep and task.fault:
             self._kill_everything()
-        self._settle(task, outcome(task, "failed", code, f"worker died: {describe_exit(code)}", {},
-                                   time.monotonic() - worker.started), worker.slot)
+        self._settle(
+            task,
+            outcome(
+                task,
+                "failed",
+                code,
+                f"worker died: {describe_exit(code)}",
+                {},
+                time.monotonic() - worker.started,
+            ),
+            worker.slot,
+        )
 
     def _settle(self, task: Task, result: dict[str, Any], slot: Slot) -> None:
         """Record a final outcome, or put the experiment back in the queue for another attempt."""
@@ -215,8 +245,10 @@ class Scheduler:
             return
         if result["exit_status"] != 2 and task.attempt <= self.options.retries:  # bad input would fail again
             self.queue.append(self._task(task.experiment, task.attempt + 1))
-            self._line(f"retry   {task.experiment.name} (attempt {task.attempt + 1} of {self.options.retries + 1}) "
-                       f"after: {result['error']}")
+            self._line(
+                f"retry   {task.experiment.name} (attempt {task.attempt + 1} of {self.options.retries + 1}) "
+                f"after: {result['error']}"
+            )
             return
         self._record({**result, "status": "failed"}, slot)
 
@@ -242,20 +274,37 @@ class Scheduler:
         done = len(self.finished)
         elapsed = now - self.started
         left = self.total - done
-        running = [{"experiment": w.task.experiment.name, "slot": w.slot.label, "pid": w.process.pid,
-                    "attempt": w.task.attempt, "seconds": round(now - w.started, 1)} for w in self._busy()]
-        self.write_progress({
-            "finished_now": done, "failed_now": sum(r["status"] == "failed" for r in self.finished),
-            "to_run": left, "running": running, "elapsed_seconds": round(elapsed, 1),
-            "eta_seconds": round(elapsed / done * left, 1) if done else None,
-            "stopping": self.signals[0] if self.signals else None, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        running = [
+            {
+                "experiment": w.task.experiment.name,
+                "slot": w.slot.label,
+                "pid": w.process.pid,
+                "attempt": w.task.attempt,
+                "seconds": round(now - w.started, 1),
+            }
+            for w in self._busy()
+        ]
+        self.write_progress(
+            {
+                "finished_now": done,
+                "failed_now": sum(r["status"] == "failed" for r in self.finished),
+                "to_run": left,
+                "running": running,
+                "elapsed_seconds": round(elapsed, 1),
+                "eta_seconds": round(elapsed / done * left, 1) if done else None,
+                "stopping": self.signals[0] if self.signals else None,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+        )
 
     def _bar(self, show: bool) -> Any:
         if not show or not self.total:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.total, desc="sweep", unit="run", dynamic_ncols=True, file=sys.stdout, disable=None)
+        return tqdm(
+            total=self.total, desc="sweep", unit="run", dynamic_ncols=True, file=sys.stdout, disable=None
+        )
 
     def _line(self, text: str) -> None:
         if self.bar is not None:
@@ -286,8 +335,10 @@ class Scheduler:
         count, name = len(self.signals), self.signals[-1]
         running = len(self._busy())
         if count == 1:
-            self._line(f"{name}: stopping; {running} run(s) in progress save a checkpoint at their next sync point "
-                       f"(signal again to make them stop now); rerun the same command to continue")
+            self._line(
+                f"{name}: stopping; {running} run(s) in progress save a checkpoint at their next sync point "
+                f"(signal again to make them stop now); rerun the same command to continue"
+            )
         elif count == 2:
             self._line(f"second signal: passing SIGTERM on to {running} run(s)")
             for worker in self.workers.values():
@@ -322,21 +373,26 @@ def describe_result(record: dict[str, Any]) -> str:
     """The one line printed when an experiment has finished."""
     name, seconds = record["experiment"], record["wall_time"]
     if record["status"] == "pruned":
-        return f"pruned  {name}: {record['metrics']['pruned']}, {record['metrics'].get('epochs', '?')} epochs, " \
-               f"{seconds:.1f}s"
+        return (
+            f"pruned  {name}: {record['metrics']['pruned']}, {record['metrics'].get('epochs', '?')} epochs, "
+            f"{seconds:.1f}s"
+        )
     if record["status"] != "ok":
         return f"FAILED  {name}: {record['error']} (exit {record['exit_status']}; log {record['log']})"
     metrics = record["metrics"]
     metric, best = monitored(metrics)
     shown = [f"best {metric} {best:.4f}"] if best is not None else []
-    shown += [f"{key} {value:.4f}" for key, value in sorted(metrics.items())
-              if key.startswith("val_") and isinstance(value, (int, float))]
+    shown += [
+        f"{key} {value:.4f}"
+        for key, value in sorted(metrics.items())
+        if key.startswith("val_") and isinstance(value, (int, float))
+    ]
     line = f"{name}: {', '.join(shown)}, {metrics.get('epochs', '?')} epochs, {seconds:.1f}s"
     why = did_not_learn(record)
     return f"ok, did not learn  {line} ({why})" if why else f"ok      {line}"
 
 
-def describe_exit(code: Optional[int]) -> str:
+def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         why = {"SIGKILL": " (out of memory, or killed from outside)", "SIGSEGV": " (a crash)"}.get(name, "")

@@ -12,20 +12,36 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from multigpu.config import TrainConfig, parse_config
 from multigpu.errors import UsageError
 from multigpu.loop.metrics import Monitor
 from multigpu.sweep import records
 from multigpu.sweep.options import SweepOptions
-from multigpu.sweep.plan import Experiment, default_sweep_dir, experiments_of, fingerprint_of, \
-    refuse_per_experiment_flags
+from multigpu.sweep.plan import (
+    Experiment,
+    default_sweep_dir,
+    experiments_of,
+    fingerprint_of,
+    refuse_per_experiment_flags,
+)
 from multigpu.sweep.search_summary import STATES
 from multigpu.sweep.space import Dimension, parse_space
-from multigpu.sweep.study import ERROR_ATTR, SHARD_ATTR, STUDY_FILE, TrialLink, make_pruner, make_sampler, \
-    open_study, storage, trial_point, trial_seed
+from multigpu.sweep.study import (
+    ERROR_ATTR,
+    SHARD_ATTR,
+    STUDY_FILE,
+    TrialLink,
+    make_pruner,
+    make_sampler,
+    open_study,
+    storage,
+    trial_point,
+    trial_seed,
+)
 
 DEFAULT_OBJECTIVE = "val_loss"  # without --monitor: the runs' best.pt follows the search's objective
 ASK_LOCK = ".ask.lock"  # drivers sharing the study count its trials and ask for one under it, one at a time
@@ -51,14 +67,20 @@ class SearchPlan:
 
     def flags(self, params: dict[str, Any]) -> list[str]:
         """The training flags of a trial's drawn settings, checked together by the training flags' rules."""
-        flags = [text for dimension in self.space for text in dimension.flags(params[dimension.name], self.train_argv)]
+        flags = [
+            text
+            for dimension in self.space
+            for text in dimension.flags(params[dimension.name], self.train_argv)
+        ]
         parse_config([*self.train_argv, *flags])  # each value was checked alone; together too
         return flags
 
     def runs(self, number: int, flags: Sequence[str], prune: str) -> list[Experiment]:
         """Trial `number`'s runs, one per seed, each reporting its epochs to the trial."""
         link = TrialLink(self.journal, number, tuple(self.seeds), self.objective, prune, self.max_epochs)
-        return experiments_of(self.sweep_dir, trial_point(number), [*self.train_argv, *flags], self.seeds, link)
+        return experiments_of(
+            self.sweep_dir, trial_point(number), [*self.train_argv, *flags], self.seeds, link
+        )
 
 
 def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> SearchPlan:
@@ -71,13 +93,26 @@ def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> Searc
         base = parse_config(train_argv)
     space = parse_space(options.space, train_argv)
     epochs = [max(dimension.values) for dimension in space if dimension.name == "epochs"]
-    search = {"space": [dimension.text for dimension in space], "sampler": options.sampler, "prune": options.prune,
-              "search_seed": options.search_seed, "seeds": list(options.seeds)}
+    search = {
+        "space": [dimension.text for dimension in space],
+        "sampler": options.sampler,
+        "prune": options.prune,
+        "search_seed": options.search_seed,
+        "seeds": list(options.seeds),
+    }
     fingerprint = fingerprint_of(base, options, {}, search=search)
     sweep_dir = os.path.abspath(options.sweep_dir or default_sweep_dir(fingerprint))
-    return SearchPlan(sweep_dir, base, train_argv, space, list(options.seeds), base.monitor,
-                      Monitor(base.monitor, base.monitor_mode).lower_is_better(), max(epochs or [base.epochs]),
-                      fingerprint)
+    return SearchPlan(
+        sweep_dir,
+        base,
+        train_argv,
+        space,
+        list(options.seeds),
+        base.monitor,
+        Monitor(base.monitor, base.monitor_mode).lower_is_better(),
+        max(epochs or [base.epochs]),
+        fingerprint,
+    )
 
 
 class Search:
@@ -92,13 +127,21 @@ class Search:
         self.trials: dict[int, list[Experiment]] = {}  # the trials this driver runs: their runs
 
     def _study(self, seed: int) -> Any:
-        return open_study(self.storage, self.plan.lower_is_better, make_sampler(self.options.sampler, seed),
-                          make_pruner(self.options.prune, self.plan.max_epochs))
+        return open_study(
+            self.storage,
+            self.plan.lower_is_better,
+            make_sampler(self.options.sampler, seed),
+            make_pruner(self.options.prune, self.plan.max_epochs),
+        )
 
-    def mine(self, states: Optional[Sequence[str]] = None) -> list[Any]:
+    def mine(self, states: Sequence[str] | None = None) -> list[Any]:
         """This shard's trials (Optuna's FrozenTrials), of the given state names (RUNNING, FAIL, ...) or all."""
-        return [trial for trial in self.study.get_trials(deepcopy=False)
-                if trial.user_attrs.get(SHARD_ATTR) == self.shard and (states is None or trial.state.name in states)]
+        return [
+            trial
+            for trial in self.study.get_trials(deepcopy=False)
+            if trial.user_attrs.get(SHARD_ATTR) == self.shard
+            and (states is None or trial.state.name in states)
+        ]
 
     def resume(self) -> list[Experiment]:
         """The runs of this shard's trials that a killed or stopped driver left running and that have no result yet
@@ -107,8 +150,10 @@ class Search:
 
         to_run = []
         for frozen in self.mine(["RUNNING"]):
-            trial = optuna.trial.Trial(self._study(trial_seed(self.options.search_seed, frozen.number)),
-                                       self._trial_id(frozen.number))
+            trial = optuna.trial.Trial(
+                self._study(trial_seed(self.options.search_seed, frozen.number)),
+                self._trial_id(frozen.number),
+            )
             runs = self._start(trial)
             to_run += [run for run in runs if run.name not in self.results]
             if runs and all(run.name in self.results for run in runs):
@@ -146,10 +191,12 @@ class Search:
         self.trials[trial.number] = self.plan.runs(trial.number, flags, self.options.prune)
         return self.trials[trial.number]
 
-    def recorded(self, record: dict[str, Any]) -> Optional[str]:
+    def recorded(self, record: dict[str, Any]) -> str | None:
         """Hear a run's final outcome; once every run of its trial has one, tell the study and say so."""
         self.results[record["experiment"]] = record
-        number = next((n for n, runs in self.trials.items() if record["experiment"] in {r.name for r in runs}), None)
+        number = next(
+            (n for n, runs in self.trials.items() if record["experiment"] in {r.name for r in runs}), None
+        )
         if number is None or any(run.name not in self.results for run in self.trials[number]):
             return None
         return self._tell(number)
@@ -162,12 +209,14 @@ class Search:
         self.study.tell(number, value, state=_state(state))
         trial = self.study.get_trials(deepcopy=False)[number]
         said = "" if trial.value is None else f": {self.plan.objective} {trial.value:.4f}"
-        settings = ", ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-                             for name, value in trial.params.items())
+        settings = ", ".join(
+            f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+            for name, value in trial.params.items()
+        )
         return f"trial {number} {STATES[state]}{said} ({settings})"
 
 
-def _ending(outcomes: list[dict[str, Any]]) -> tuple[str, Optional[float], Optional[str]]:
+def _ending(outcomes: list[dict[str, Any]]) -> tuple[str, float | None, str | None]:
     """(Optuna's state, the value, why it failed) of a trial whose runs ended with `outcomes`: failed if a run
     failed or a finished run had no --monitor value, pruned if one was pruned, else complete with the mean of
     its runs' best values."""

@@ -12,14 +12,21 @@ import csv
 import io
 import os
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from multigpu.sweep.records import write_text_atomic
 from multigpu.sweep.space import Dimension
 from multigpu.sweep.study import ERROR_ATTR, trial_point
 
-STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
+STATES = {
+    "COMPLETE": "complete",
+    "PRUNED": "pruned",
+    "FAIL": "failed",
+    "RUNNING": "running",
+    "WAITING": "waiting",
+}
 
 
 @dataclass(frozen=True)
@@ -28,29 +35,43 @@ class TrialRow:
 
     number: int
     state: str  # complete, pruned, failed, running (a driver still runs it, or was stopped), waiting
-    value: Optional[float]
-    epochs: Optional[int]  # trained by its runs together; None before any ended
+    value: float | None
+    epochs: int | None  # trained by its runs together; None before any ended
     params: dict[str, Any]
-    wall_time: Optional[float]  # of its runs together
-    error: Optional[str] = None  # a failed trial's: the first of its runs' errors
+    wall_time: float | None  # of its runs together
+    error: str | None = None  # a failed trial's: the first of its runs' errors
 
 
-def trial_rows(trials: Sequence[Any], results: dict[str, dict[str, Any]], seeds: Sequence[int]) -> list[TrialRow]:
+def trial_rows(
+    trials: Sequence[Any], results: dict[str, dict[str, Any]], seeds: Sequence[int]
+) -> list[TrialRow]:
     """The rows of the study's `trials` (Optuna's FrozenTrials), with their runs' `results`."""
     rows = []
     for trial in sorted(trials, key=lambda trial: trial.number):
-        runs = [results[name] for name in (f"{trial_point(trial.number)}/seed-{seed}" for seed in seeds)
-                if name in results]
+        runs = [
+            results[name]
+            for name in (f"{trial_point(trial.number)}/seed-{seed}" for seed in seeds)
+            if name in results
+        ]
         ended = [run for run in runs if run["status"] in ("ok", "pruned")]
-        errors = [run["error"] for run in runs if run["status"] == "failed"] + [trial.user_attrs.get(ERROR_ATTR)]
-        rows.append(TrialRow(trial.number, STATES.get(trial.state.name, trial.state.name.lower()), trial.value,
-                             sum(run["metrics"].get("epochs", 0) for run in ended) if ended else None,
-                             dict(trial.params), sum(run["wall_time"] for run in runs) if runs else None,
-                             next(filter(None, errors), None)))
+        errors = [run["error"] for run in runs if run["status"] == "failed"] + [
+            trial.user_attrs.get(ERROR_ATTR)
+        ]
+        rows.append(
+            TrialRow(
+                trial.number,
+                STATES.get(trial.state.name, trial.state.name.lower()),
+                trial.value,
+                sum(run["metrics"].get("epochs", 0) for run in ended) if ended else None,
+                dict(trial.params),
+                sum(run["wall_time"] for run in runs) if runs else None,
+                next(filter(None, errors), None),
+            )
+        )
     return rows
 
 
-def best(rows: Sequence[TrialRow], lower_is_better: bool) -> Optional[TrialRow]:
+def best(rows: Sequence[TrialRow], lower_is_better: bool) -> TrialRow | None:
     """The complete trial of the best value (the first of equals), None before one completed."""
     complete = [row for row in rows if row.state == "complete" and row.value is not None]
     if not complete:
@@ -68,8 +89,14 @@ def to_markdown(rows: Sequence[TrialRow], objective: str, names: Sequence[str]) 
     header = ["trial", "state", objective, "epochs trained", *names, "wall time (s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [str(row.number), row.state, _number(row.value, ".4f"), _number(row.epochs, "d"),
-                 *[_number(row.params.get(name), ".4g") for name in names], _number(row.wall_time, ".1f")]
+        cells = [
+            str(row.number),
+            row.state,
+            _number(row.value, ".4f"),
+            _number(row.epochs, "d"),
+            *[_number(row.params.get(name), ".4g") for name in names],
+            _number(row.wall_time, ".1f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -79,8 +106,16 @@ def to_csv(rows: Sequence[TrialRow], names: Sequence[str]) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["trial", "state", "value", "epochs_trained", *names, "wall_time"])
     for row in rows:
-        writer.writerow([row.number, row.state, _full(row.value), _full(row.epochs),
-                         *[_full(row.params.get(name)) for name in names], _full(row.wall_time)])
+        writer.writerow(
+            [
+                row.number,
+                row.state,
+                _full(row.value),
+                _full(row.epochs),
+                *[_full(row.params.get(name)) for name in names],
+                _full(row.wall_time),
+            ]
+        )
     return out.getvalue()
 
 
@@ -96,7 +131,9 @@ def write(sweep_dir: str, rows: Sequence[TrialRow], objective: str, space: Seque
 def _number(value: Any, spec: str) -> str:
     if value is None:
         return "—"
-    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    return (
+        format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    )
 
 
 def _full(value: Any) -> Any:

@@ -11,7 +11,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import Optional
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
@@ -19,11 +18,12 @@ from multigpu.sweep.options import MAX_ARRAY_TASKS, SweepOptions, to_argv
 from multigpu.sweep.plan import Plan
 
 SCRIPT_NAME = "sweep.sbatch"
-ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                     "sweep_multi_gpu.py")
+ENTRY = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "sweep_multi_gpu.py"
+)
 
 
-def array_size(plan: Plan, options: SweepOptions) -> tuple[int, Optional[int]]:
+def array_size(plan: Plan, options: SweepOptions) -> tuple[int, int | None]:
     """(N array tasks, at most P at once or None): one task per experiment unless --shards says otherwise;
     P keeps the GPUs in use at once within --max-gpus."""
     tasks = options.shards or max(1, min(len(plan.experiments), MAX_ARRAY_TASKS))
@@ -50,9 +50,14 @@ def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: st
 
     # Every value from the user is shell-quoted, #SBATCH lines too (sbatch reads their quotes as a shell does);
     # a newline, which no quoting keeps inside a comment, was refused with the flags (options.py).
-    directives = [f"--job-name=sweep-{os.path.basename(plan.sweep_dir)}", f"--array=0-{tasks - 1}{limit}",
-                  "--ntasks=1", resources, f"--output={os.path.join(plan.sweep_dir, 'slurm', '%A_%a.out')}",
-                  *options.sbatch_args]
+    directives = [
+        f"--job-name=sweep-{os.path.basename(plan.sweep_dir)}",
+        f"--array=0-{tasks - 1}{limit}",
+        "--ntasks=1",
+        resources,
+        f"--output={os.path.join(plan.sweep_dir, 'slurm', '%A_%a.out')}",
+        *options.sbatch_args,
+    ]
     lines = [
         "#!/bin/bash",
         f"# Sweep {shlex.quote(plan.sweep_dir)}: {len(plan.experiments)} experiments in {tasks} array tasks"
@@ -84,10 +89,14 @@ def submit(path: str) -> str:
     """sbatch the script; return the job id."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise UsageError(f"--submit: sbatch not found (not a SLURM machine?); the script is written: submit it "
-                         f"where SLURM runs with: sbatch {shlex.quote(path)}")
+        raise UsageError(
+            f"--submit: sbatch not found (not a SLURM machine?); the script is written: submit it "
+            f"where SLURM runs with: sbatch {shlex.quote(path)}"
+        )
     result = subprocess.run([sbatch, "--parsable", path], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
-        said = (result.stderr.strip() or result.stdout.strip() or f"exit status {result.returncode}").splitlines()
+        said = (
+            result.stderr.strip() or result.stdout.strip() or f"exit status {result.returncode}"
+        ).splitlines()
         raise UsageError(f"--submit: sbatch refused {path}: {said[0]}")
     return result.stdout.strip().split(";")[0]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from multigpu.config import FIELDS, field_kind, flag
 from multigpu.errors import UsageError
@@ -90,8 +91,10 @@ def _range(name: str, kind: str, texts: list[str], where: str, train_argv: Seque
     if len(texts) != 2:
         raise UsageError(f"{where}: {kind}() takes two numbers, LO and HI")
     if setting not in ("int", "float"):
-        raise UsageError(f"{where}: --{flag(name)} takes {'true or false' if setting == 'bool' else 'words'}, not "
-                         f"numbers from a range; give its values as choice(A,B,...)")
+        raise UsageError(
+            f"{where}: --{flag(name)} takes {'true or false' if setting == 'bool' else 'words'}, not "
+            f"numbers from a range; give its values as choice(A,B,...)"
+        )
     if kind == "uniform" and setting == "int":
         raise UsageError(f"{where}: --{flag(name)} takes whole numbers; give int(LO,HI) or log(LO,HI)")
     whole = kind == "int" or setting == "int"

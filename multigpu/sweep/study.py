@@ -22,9 +22,13 @@ STUDY_FILE = "study.journal"
 STUDY_NAME = "search"
 SHARD_ATTR = "sweep shard"  # the driver (--shard I/N) that runs a trial: a rerun of that shard resumes it
 ERROR_ATTR = "error"  # a trial failed before its runs started: why (a drawn value the training flags refuse)
-PRUNED_ATTR = "pruned after epoch"  # set once by the run that heard the pruner, so the trial's other runs stop too
-NEEDS_EXTRA = ("--search optuna needs Optuna, which is not installed: pip install '.[search]' "
-               "(or pip install 'optuna>=4')")
+PRUNED_ATTR = (
+    "pruned after epoch"  # set once by the run that heard the pruner, so the trial's other runs stop too
+)
+NEEDS_EXTRA = (
+    "--search optuna needs Optuna, which is not installed: pip install '.[search]' "
+    "(or pip install 'optuna>=4')"
+)
 
 
 def require_optuna() -> None:
@@ -51,7 +55,7 @@ class TrialLink:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "TrialLink":
+    def from_json(cls, text: str) -> TrialLink:
         values = json.loads(text)
         return cls(**{**values, "seeds": tuple(values["seeds"])})
 
@@ -73,7 +77,11 @@ def make_sampler(name: str, seed: int) -> Any:
     """--sampler: Optuna's TPE (random for its first 10 trials) or random sampler, seeded."""
     import optuna
 
-    return optuna.samplers.RandomSampler(seed=seed) if name == "random" else optuna.samplers.TPESampler(seed=seed)
+    return (
+        optuna.samplers.RandomSampler(seed=seed)
+        if name == "random"
+        else optuna.samplers.TPESampler(seed=seed)
+    )
 
 
 def make_pruner(name: str, max_epochs: int) -> Any:
@@ -95,11 +103,19 @@ def open_study(store: Any, lower_is_better: bool, sampler: Any = None, pruner: A
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweep says what happens, trial by trial
-    return optuna.create_study(study_name=STUDY_NAME, storage=store, sampler=sampler, pruner=pruner,
-                               direction="minimize" if lower_is_better else "maximize", load_if_exists=True)
+    return optuna.create_study(
+        study_name=STUDY_NAME,
+        storage=store,
+        sampler=sampler,
+        pruner=pruner,
+        direction="minimize" if lower_is_better else "maximize",
+        load_if_exists=True,
+    )
 
 
 def trial_seed(search_seed: int, number: int) -> int:
     """The sampler's seed for trial `number`: a resumed study draws its next trial as an uninterrupted one would,
     and two drivers sharing the study never draw alike."""
-    return hash((search_seed, number)) & 0xFFFFFFFF  # the hash of a tuple of ints is the same in every process
+    return (
+        hash((search_seed, number)) & 0xFFFFFFFF
+    )  # the hash of a tuple of ints is the same in every process

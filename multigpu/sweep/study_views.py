@@ -16,7 +16,8 @@ import io
 import os
 import tempfile
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from multigpu import safe_files
 from multigpu.monitoring.event_file import EventFile
@@ -25,20 +26,28 @@ from multigpu.sweep.space import Dimension
 from multigpu.sweep.study import trial_point
 
 HPARAMS_DIR = "hparams"
-PLOTS = ("optimization_history", "param_importances", "intermediate_values")  # optuna.visualization's plot_<name>
+PLOTS = (
+    "optimization_history",
+    "param_importances",
+    "intermediate_values",
+)  # optuna.visualization's plot_<name>
 EPOCHS_TRAINED = "epochs_trained"  # a metric of each session, beside the objective (not the --epochs setting)
 ENDED = [STATES[name] for name in ("COMPLETE", "PRUNED", "FAIL")]
 
 
-def write_hparams(sweep_dir: str, space: Sequence[Dimension], objective: str, rows: Sequence[TrialRow]) -> str:
+def write_hparams(
+    sweep_dir: str, space: Sequence[Dimension], objective: str, rows: Sequence[TrialRow]
+) -> str:
     """DIR/hparams: the study's settings (with their ranges) and metrics, and a session per ended trial, written
     with TensorBoard's hparams plugin API into a new folder that then replaces the old one. Returns its path."""
     from tensorboard.plugins.hparams import summary_v2 as hp
 
     settings = {dimension.name: hp.HParam(dimension.name, _domain(hp, dimension)) for dimension in space}
     state = hp.HParam("state", hp.Discrete(ENDED))
-    metrics = [hp.Metric(objective, display_name=f"{objective} (the trial's value)"),
-               hp.Metric(EPOCHS_TRAINED, display_name="epochs trained")]
+    metrics = [
+        hp.Metric(objective, display_name=f"{objective} (the trial's value)"),
+        hp.Metric(EPOCHS_TRAINED, display_name="epochs trained"),
+    ]
     final = os.path.join(sweep_dir, HPARAMS_DIR)
     folder = tempfile.mkdtemp(prefix=f".{HPARAMS_DIR}.", suffix=safe_files.TMP_SUFFIX, dir=sweep_dir)
     _write_events(folder, [hp.hparams_config_pb([*settings.values(), state], metrics)], {})
@@ -47,8 +56,11 @@ def write_hparams(sweep_dir: str, space: Sequence[Dimension], objective: str, ro
             continue
         values = {settings[name]: _shown(value) for name, value in row.params.items() if name in settings}
         session = hp.hparams_pb({**values, state: row.state}, trial_id=trial_point(row.number))
-        scalars = {name: value for name, value in ((objective, row.value), (EPOCHS_TRAINED, row.epochs))
-                   if value is not None}
+        scalars = {
+            name: value
+            for name, value in ((objective, row.value), (EPOCHS_TRAINED, row.epochs))
+            if value is not None
+        }
         _write_events(os.path.join(folder, trial_point(row.number)), [session], scalars, step=row.epochs or 0)
     safe_files.replace_folder(folder, final)
     return final
@@ -62,7 +74,9 @@ def _domain(hp: Any, dimension: Dimension) -> Any:
 
 
 def _shown(value: Any) -> Any:
-    return "" if value is None else value  # TensorBoard's hparams take no None: shown as '', as a run's own are
+    return (
+        "" if value is None else value
+    )  # TensorBoard's hparams take no None: shown as '', as a run's own are
 
 
 def _write_events(folder: str, summaries: list[Any], scalars: dict[str, float], step: int = 0) -> None:
@@ -100,8 +114,11 @@ def write_plots(sweep_dir: str, study: Any) -> str:
                 skipped.append(f"{name} ({_first_line(error)})")
                 continue
         # Optuna's word on a plot (few trials: importances drawn equal) goes into the line, not onto stderr.
-        notes += [f"{name}: {_first_line(w.message)}" for w in said
-                  if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)]  # said of every such plot
+        notes += [
+            f"{name}: {_first_line(w.message)}"
+            for w in said
+            if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)
+        ]  # said of every such plot
         image = io.BytesIO()
         axes.figure.savefig(image, format="png", dpi=100, bbox_inches="tight")
         plt.close(axes.figure)
@@ -109,7 +126,11 @@ def write_plots(sweep_dir: str, study: Any) -> str:
         safe_files.write_atomically(path, image.getvalue())  # never through a link planted in the sweep dir
         drawn.append(path)
     said_line = f"plots: {', '.join(drawn)}" if drawn else "plots: none drawn"
-    return said_line + "".join(f"; not drawn: {text}" for text in skipped) + "".join(f"; {text}" for text in notes)
+    return (
+        said_line
+        + "".join(f"; not drawn: {text}" for text in skipped)
+        + "".join(f"; {text}" for text in notes)
+    )
 
 
 def _first_line(message: Any) -> str:

@@ -14,17 +14,47 @@ import io
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from multigpu.sweep.plan import Plan
 from multigpu.sweep.records import write_text_atomic
 
 # t(0.975, df) for df = 1..30, to 4 decimals (any statistics table); above 30 the Cornish-Fisher
 # expansion below is within 1e-4 of it (tests/sweep/test_sweep_summary.py integrates the density to check).
-T_975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+T_975 = (
+    12.7062,
+    4.3027,
+    3.1824,
+    2.7764,
+    2.5706,
+    2.4469,
+    2.3646,
+    2.3060,
+    2.2622,
+    2.2281,
+    2.2010,
+    2.1788,
+    2.1604,
+    2.1448,
+    2.1314,
+    2.1199,
+    2.1098,
+    2.1009,
+    2.0930,
+    2.0860,
+    2.0796,
+    2.0739,
+    2.0687,
+    2.0639,
+    2.0595,
+    2.0555,
+    2.0518,
+    2.0484,
+    2.0452,
+    2.0423,
+)
 Z_975 = 1.959963984540054
 
 
@@ -35,10 +65,12 @@ def t_975(df: int) -> float:
     if df <= len(T_975):
         return T_975[df - 1]
     z = Z_975
-    terms = ((z ** 3 + z) / 4,
-             (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96,
-             (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384,
-             (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160)
+    terms = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
     return z + sum(term / df ** (power + 1) for power, term in enumerate(terms))
 
 
@@ -47,10 +79,10 @@ class Stats:
     """mean, std and the 95% interval of n values (std and interval need n >= 2)."""
 
     n: int
-    mean: Optional[float]
-    std: Optional[float]
-    low: Optional[float]
-    high: Optional[float]
+    mean: float | None
+    std: float | None
+    low: float | None
+    high: float | None
     clipped: bool = False  # the interval reached past the metric's range (few seeds) and was cut at its ends
 
 
@@ -66,14 +98,14 @@ def describe(values: Sequence[float]) -> Stats:
     return Stats(len(values), mean, std, mean - half, mean + half)
 
 
-def did_not_learn(record: dict[str, Any]) -> Optional[str]:
+def did_not_learn(record: dict[str, Any]) -> str | None:
     """Why a finished run did not learn, as its trainer said (its summary's `did_not_learn`: the loss did not fall
     or diverged, or the last validation accuracy stayed at chance for its number of classes, multigpu/monitoring/plan.py
     chance_accuracy); None when it learned, failed, or is from a trainer that did not say."""
     return record["metrics"].get("did_not_learn") if record.get("status") == "ok" else None
 
 
-def monitored(metrics: dict[str, Any]) -> tuple[str, Optional[float]]:
+def monitored(metrics: dict[str, Any]) -> tuple[str, float | None]:
     """The monitored metric's name and best value in a run's summary (older trainers: best val accuracy)."""
     name = metrics.get("monitor", "val_acc")
     return name, metrics.get("best", metrics.get("best_val_acc"))
@@ -100,10 +132,18 @@ def summarize(plan: Plan, records: dict[str, dict[str, Any]]) -> list[PointSumma
         experiments = [e for e in plan.experiments if e.point == point]
         finished = [records[e.name] for e in experiments if e.name in records]
         ok = [record for record in finished if record["status"] == "ok"]
-        rows.append(PointSummary(point, values, len(experiments), len(ok), len(finished) - len(ok),
-                                 sum(did_not_learn(record) is not None for record in ok),
-                                 _metric_stats([record["metrics"] for record in ok]),
-                                 describe([record["wall_time"] for record in ok])))
+        rows.append(
+            PointSummary(
+                point,
+                values,
+                len(experiments),
+                len(ok),
+                len(finished) - len(ok),
+                sum(did_not_learn(record) is not None for record in ok),
+                _metric_stats([record["metrics"] for record in ok]),
+                describe([record["wall_time"] for record in ok]),
+            )
+        )
     return rows
 
 
@@ -114,7 +154,9 @@ def _metric_stats(summaries: list[dict[str, Any]]) -> dict[str, Stats]:
         if best is not None:
             columns.setdefault(f"best {name}", []).append(best)
     for name in sorted({key for metrics in summaries for key in metrics if key.startswith("val_")}):
-        columns[name] = [metrics[name] for metrics in summaries if isinstance(metrics.get(name), (int, float))]
+        columns[name] = [
+            metrics[name] for metrics in summaries if isinstance(metrics.get(name), (int, float))
+        ]
     return {name: within_range(describe(values), name) for name, values in columns.items()}
 
 
@@ -154,8 +196,14 @@ def to_csv(rows: list[PointSummary], grid_fields: list[str]) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
     for row in rows:
-        cells: list[Any] = [row.point, *[row.values[field] for field in grid_fields], row.runs, row.done, row.failed,
-                            row.not_learned]
+        cells: list[Any] = [
+            row.point,
+            *[row.values[field] for field in grid_fields],
+            row.runs,
+            row.done,
+            row.failed,
+            row.not_learned,
+        ]
         for name in names:
             stats = row.metrics.get(name, describe([]))
             cells += [_blank(stats.mean), _blank(stats.std), _blank(stats.low), _blank(stats.high)]
@@ -167,14 +215,28 @@ def to_csv(rows: list[PointSummary], grid_fields: list[str]) -> str:
 def to_markdown(rows: list[PointSummary]) -> str:
     names = metric_names(rows)
     first_name = [f"{names[0]} (mean ± std)", "95% CI"] if names else []
-    header = ["grid point", "done", "failed", "did not learn", *first_name,
-              *[f"{name} (mean ± std)" for name in names[1:]], "wall time (s)"]
+    header = [
+        "grid point",
+        "done",
+        "failed",
+        "did not learn",
+        *first_name,
+        *[f"{name} (mean ± std)" for name in names[1:]],
+        "wall time (s)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         stats = [row.metrics.get(name, describe([])) for name in names]
         first = [_mean_std(stats[0]), _interval(stats[0])] if stats else []
-        cells = [row.point or "(no grid)", f"{row.done}/{row.runs}", str(row.failed), str(row.not_learned), *first,
-                 *[_mean_std(s) for s in stats[1:]], _mean_std(row.wall_time, digits=1)]
+        cells = [
+            row.point or "(no grid)",
+            f"{row.done}/{row.runs}",
+            str(row.failed),
+            str(row.not_learned),
+            *first,
+            *[_mean_std(s) for s in stats[1:]],
+            _mean_std(row.wall_time, digits=1),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -187,7 +249,7 @@ def write(sweep_dir: str, rows: list[PointSummary], grid_fields: list[str]) -> s
     return markdown
 
 
-def _blank(value: Optional[float]) -> Any:
+def _blank(value: float | None) -> Any:
     return "" if value is None else repr(value)
 
 
@@ -202,4 +264,6 @@ def _mean_std(stats: Stats, digits: int = 4) -> str:
 def _interval(stats: Stats) -> str:
     if stats.low is None:
         return "—"
-    return f"[{stats.low:.4f}, {stats.high:.4f}]" + (f" (clipped: {stats.n} seeds are too few)" if stats.clipped else "")
+    return f"[{stats.low:.4f}, {stats.high:.4f}]" + (
+        f" (clipped: {stats.n} seeds are too few)" if stats.clipped else ""
+    )

@@ -17,9 +17,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
@@ -37,15 +38,24 @@ class Task:
     experiment: Experiment
     attempt: int
     gpus_per_run: int = 1
-    fault: Optional[str] = None  # test-only: MULTIGPU_FAULT_INJECT for this attempt
+    fault: str | None = None  # test-only: MULTIGPU_FAULT_INJECT for this attempt
 
 
-def outcome(task: Task, status: str, exit_status: int, error: Optional[str], metrics: dict[str, Any],
-            wall_time: float) -> dict[str, Any]:
+def outcome(
+    task: Task, status: str, exit_status: int, error: str | None, metrics: dict[str, Any], wall_time: float
+) -> dict[str, Any]:
     """What a worker reports for an attempt; status is ok, pruned (a search's trial stopped it early), failed or
     stopped (by a signal: not finished)."""
-    return {"experiment": task.experiment.name, "status": status, "exit_status": exit_status, "error": error,
-            "metrics": metrics, "wall_time": wall_time, "attempt": task.attempt, "log": task.experiment.log_path}
+    return {
+        "experiment": task.experiment.name,
+        "status": status,
+        "exit_status": exit_status,
+        "error": error,
+        "metrics": metrics,
+        "wall_time": wall_time,
+        "attempt": task.attempt,
+        "log": task.experiment.log_path,
+    }
 
 
 def worker_main(conn: Connection, threads: int, parent_pid: int, in_process: bool) -> None:
@@ -98,12 +108,14 @@ def run_task(task: Task) -> dict[str, Any]:
             status, exit_status, error, metrics = _run_torchrun(task)
         else:
             status, exit_status, error, metrics = _run_in_process(task)
-    except UsageError as refusal:  # a link planted in the sweep dir (safe_files): this run is refused, not the sweep
+    except (
+        UsageError
+    ) as refusal:  # a link planted in the sweep dir (safe_files): this run is refused, not the sweep
         status, exit_status, error, metrics = "failed", refusal.exit_code, str(refusal), {}
     return outcome(task, status, exit_status, error, metrics, time.monotonic() - started)
 
 
-def _run_in_process(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
+def _run_in_process(task: Task) -> tuple[str, int, str | None, dict[str, Any]]:
     from multigpu.config import parse_config
     from multigpu.errors import TrainingStopped, UsageError
     from multigpu.launch.runner import run
@@ -135,14 +147,14 @@ def _reporter(experiment: Experiment) -> Any:
     return TrialReporter(experiment.report_to)
 
 
-def _finished(summary: dict[str, Any]) -> tuple[str, int, Optional[str], dict[str, Any]]:
+def _finished(summary: dict[str, Any]) -> tuple[str, int, str | None, dict[str, Any]]:
     """How a run that returned its summary ended: stopped by a signal (not finished), pruned, or ok."""
     if summary.get("stopped"):
         return "stopped", 0, "stopped by a signal; its checkpoint continues it", {}
     return "pruned" if summary.get("pruned") else "ok", 0, None, summary
 
 
-def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
+def _run_torchrun(task: Task) -> tuple[str, int, str | None, dict[str, Any]]:
     experiment = task.experiment
     summary_path = os.path.join(experiment.save_dir, SUMMARY_FILE)
     if os.path.exists(summary_path):
@@ -150,8 +162,19 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     link = [REPORT_TO, experiment.report_to.to_json()] if experiment.report_to else []
     # After "--" torchrun's parser reads no flag of the run's: before it, it takes an abbreviation of its own flags
     # for one (--monitor as its --monitor-interval), and refuses the run.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={task.gpus_per_run}",
-               "-m", "multigpu.sweep.child", "--", summary_path, *link, *experiment.argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={task.gpus_per_run}",
+        "-m",
+        "multigpu.sweep.child",
+        "--",
+        summary_path,
+        *link,
+        *experiment.argv,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     env.pop(_fault_env(), None)
     if task.fault:
@@ -159,8 +182,9 @@ def _run_torchrun(task: Task) -> tuple[str, int, Optional[str], dict[str, Any]]:
     with safe_files.open_no_follow(experiment.log_path, "ab") as log:
         log.write(f"--- sweep: {experiment.name}, attempt {task.attempt}: {' '.join(command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=_set_death_signal)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_set_death_signal
+        )
         try:
             code = process.wait()
         except KeyboardInterrupt:  # torchrun got the signal too: it stops its ranks, which save a checkpoint
@@ -180,7 +204,7 @@ def _fault_env() -> str:
 
 
 @contextlib.contextmanager
-def _fault_injected(spec: Optional[str]) -> Iterator[None]:
+def _fault_injected(spec: str | None) -> Iterator[None]:
     """Test-only: arm the trainer's fault injector (docs/checkpoints.md, "Testing it yourself") for this attempt."""
     name = _fault_env()
     previous = os.environ.pop(name, None)
@@ -223,7 +247,7 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _read_json(path: str) -> Optional[dict[str, Any]]:
+def _read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as file:
             return json.load(file)

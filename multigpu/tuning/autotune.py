@@ -30,7 +30,7 @@ import shutil
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -43,7 +43,9 @@ COMPILE_WARMUP = 3  # compiled steps not timed: the first compiles, the next may
 # at 32 px on 2 busy CPU cores compiled in 218 s cold and about 10 s with inductor's cache warm, while its eager
 # steps took 15-40 s instead of 0.8; compiled, it was x1.21 eager: docs/speed.md "--autotune").
 EXPECTED_COMPILE_SECONDS = {"cpu": 60.0, "cuda": 60.0}
-EXPECTED_GAIN = 0.10  # compiled steps this much faster: the saving a compile is weighed against before it is tried
+EXPECTED_GAIN = (
+    0.10  # compiled steps this much faster: the saving a compile is weighed against before it is tried
+)
 BETTER_BY = 0.03  # a setting replaces the one as given only when it is this much faster (not on noise)
 
 
@@ -54,16 +56,26 @@ class Setting:
     channels_last: bool
     threads: int
     compiled: bool = False
-    data_on_device: Optional[bool] = None  # --data-on-device auto: gathered on the device, or the loader's; None: as is
+    data_on_device: bool | None = (
+        None  # --data-on-device auto: gathered on the device, or the loader's; None: as is
+    )
 
     def words(self, only_data: bool = False) -> str:
-        data = ([] if self.data_on_device is None else
-                ["data on the device" if self.data_on_device else "data through the loader"])
+        data = (
+            []
+            if self.data_on_device is None
+            else ["data on the device" if self.data_on_device else "data through the loader"]
+        )
         if only_data:
             return ", ".join(data)
-        return ", ".join(["channels-last" if self.channels_last else "channels-first",
-                          f"{self.threads} thread{'' if self.threads == 1 else 's'}",
-                          *(["compiled"] if self.compiled else []), *data])
+        return ", ".join(
+            [
+                "channels-last" if self.channels_last else "channels-first",
+                f"{self.threads} thread{'' if self.threads == 1 else 's'}",
+                *(["compiled"] if self.compiled else []),
+                *data,
+            ]
+        )
 
 
 def can_compile(device: torch.device) -> bool:
@@ -78,13 +90,15 @@ def compile_worth_trying(steps_left: int, step_seconds: float, device: torch.dev
     time compiled steps EXPECTED_GAIN faster would save against EXPECTED_COMPILE_SECONDS."""
     saving, cost = steps_left * step_seconds * EXPECTED_GAIN, EXPECTED_COMPILE_SECONDS[device.type]
     enough = saving >= cost
-    return enough, (f"compile {'tried' if enough else 'not tried'}: the {steps_left:,} steps left at "
-                    f"{step_seconds * 1000:.1f} ms would save {saving:,.0f} s if compiled steps were "
-                    f"{EXPECTED_GAIN:.0%} faster, {'at least' if enough else 'less than'} the {cost:.0f} s a "
-                    f"compile is expected to take")
+    return enough, (
+        f"compile {'tried' if enough else 'not tried'}: the {steps_left:,} steps left at "
+        f"{step_seconds * 1000:.1f} ms would save {saving:,.0f} s if compiled steps were "
+        f"{EXPECTED_GAIN:.0%} faster, {'at least' if enough else 'less than'} the {cost:.0f} s a "
+        f"compile is expected to take"
+    )
 
 
-def why_not_compile(runtime: Runtime, given: frozenset) -> Optional[str]:
+def why_not_compile(runtime: Runtime, given: frozenset) -> str | None:
     """Why --autotune may not try compile on this run (`given`: the flags the user set; None: it may, if the
     run is long enough)."""
     if "compile" in given:
@@ -92,37 +106,59 @@ def why_not_compile(runtime: Runtime, given: frozenset) -> Optional[str]:
     if runtime.mode not in ("none", "ddp"):
         return f"compile not tried: not under {runtime.mode}"
     if not can_compile(runtime.device):
-        return (f"compile not tried: no {'Triton' if runtime.device.type == 'cuda' else 'C++ compiler (g++)'} "
-                f"here")
+        return (
+            f"compile not tried: no {'Triton' if runtime.device.type == 'cuda' else 'C++ compiler (g++)'} "
+            f"here"
+        )
     return None
 
 
-def candidates(given: Setting, convolutions: bool, tune_layout: bool, device: torch.device,
-               data: bool = False) -> list[Setting]:
+def candidates(
+    given: Setting, convolutions: bool, tune_layout: bool, device: torch.device, data: bool = False
+) -> list[Setting]:
     """The eager settings to try, the one as given first; `data`: each with the data on the device (the
     loader's way is tried after them, on the fastest)."""
     layouts = [given.channels_last] + ([not given.channels_last] if convolutions and tune_layout else [])
     threads = [given.threads]
-    if device.type == "cpu":  # oversubscribed cores (processes x threads > cores) slow every step several-fold
+    if (
+        device.type == "cpu"
+    ):  # oversubscribed cores (processes x threads > cores) slow every step several-fold
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         cores = len(os.sched_getaffinity(0)) // max(1, local_processes)
         threads += [max(1, cores)] if max(1, cores) != given.threads else []
-    return [Setting(layout, count, data_on_device=True if data else None) for count in threads for layout in layouts]
+    return [
+        Setting(layout, count, data_on_device=True if data else None)
+        for count in threads
+        for layout in layouts
+    ]
 
 
-def make_autotuner(config: TrainConfig, runtime: Runtime, model: torch.nn.Module, given: frozenset,
-                   apply: Callable[[Setting], None], say: Callable[[str], None], data: bool = False) -> Autotuner:
+def make_autotuner(
+    config: TrainConfig,
+    runtime: Runtime,
+    model: torch.nn.Module,
+    given: frozenset,
+    apply: Callable[[Setting], None],
+    say: Callable[[str], None],
+    data: bool = False,
+) -> Autotuner:
     """The run's autotuner: its settings as given first, then what may be tried for its model and mode
     (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a
     setting. `data`: --data-on-device auto measures the data on the device against the loader, alone without
     --autotune. Rank 0's list is every rank's, so all ranks switch at the same steps."""
     as_given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
     if not config.autotune:
-        return Autotuner([dataclasses.replace(as_given, data_on_device=True)], apply, runtime, say, only_data=True)
+        return Autotuner(
+            [dataclasses.replace(as_given, data_on_device=True)], apply, runtime, say, only_data=True
+        )
     convolutions = any(parameter.dim() == 4 for parameter in model.parameters())
     tune_layout = "channels_last" not in given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
-    trials, no_compile = gather_objects((candidates(as_given, convolutions, tune_layout, runtime.device, data),
-                                         why_not_compile(runtime, given)))[0]  # type: ignore[misc]
+    trials, no_compile = gather_objects(
+        (
+            candidates(as_given, convolutions, tune_layout, runtime.device, data),
+            why_not_compile(runtime, given),
+        )
+    )[0]  # type: ignore[misc]
     return Autotuner(trials, apply, runtime, say, no_compile)
 
 
@@ -130,15 +166,22 @@ class Autotuner:
     """Measures the trials from the trainer's step ends and applies settings through `apply` (the trainer's,
     which knows how to switch its model, loader and wrapper). `state_dict` is the checkpoint's "autotune"."""
 
-    def __init__(self, trials: list[Setting], apply: Callable[[Setting], None], runtime: Runtime,
-                 say: Callable[[str], None], no_compile: Optional[str] = None, only_data: bool = False):
+    def __init__(
+        self,
+        trials: list[Setting],
+        apply: Callable[[Setting], None],
+        runtime: Runtime,
+        say: Callable[[str], None],
+        no_compile: str | None = None,
+        only_data: bool = False,
+    ):
         self.trials, self.apply, self.runtime, self.say = trials, apply, runtime, say
         self.only_data = only_data  # --data-on-device auto without --autotune: the data's two ways alone
         self.tries_data = trials[0].data_on_device is not None  # the loader's way, after the settings above
         self.flag = "--data-on-device auto" if only_data else "--autotune"
         self.compile_allowed = no_compile is None and not only_data
         self.compile_note = no_compile or ""  # whether compile was tried and why, for the line
-        self.chosen: Optional[Setting] = None
+        self.chosen: Setting | None = None
         self.summary: dict[str, Any] = {}  # what the line said, for the checkpoint
         self.medians: list[float] = []  # of the trials done, in order
         self._times: list[float] = []
@@ -183,20 +226,26 @@ class Autotuner:
         steps_left, self._first_step = total_steps - done_steps, done_steps + 1
         if self.chosen is not None:
             self.apply(self.chosen)
-            self.say(f"{self.flag}: {self.words(self.chosen)}, as chosen at step {self.summary.get('at_step', '?')} "
-                     f"and saved in the checkpoint (not measured again)")
+            self.say(
+                f"{self.flag}: {self.words(self.chosen)}, as chosen at step {self.summary.get('at_step', '?')} "
+                f"and saved in the checkpoint (not measured again)"
+            )
             return False
         needed = STEPS_EACH * (len(self.trials) + self.tries_data)
         if len(self.trials) == 1 and not self.compile_allowed and not self.tries_data:
             self.chosen = self.trials[0]
-            self.say(f"--autotune: nothing to try for this model and device; training with {self.chosen.words()} "
-                     f"({self.compile_note})")
+            self.say(
+                f"--autotune: nothing to try for this model and device; training with {self.chosen.words()} "
+                f"({self.compile_note})"
+            )
             return False
         if steps_left < 2 * needed:
             if not self.only_data:  # the data alone stays on the device, as the plan said, without a word
-                self.say(f"--autotune: {steps_left} steps are too few to measure {needed // STEPS_EACH} settings of "
-                         f"{STEPS_EACH} steps each and still gain; training with the settings as given (compile not "
-                         f"tried)")
+                self.say(
+                    f"--autotune: {steps_left} steps are too few to measure {needed // STEPS_EACH} settings of "
+                    f"{STEPS_EACH} steps each and still gain; training with the settings as given (compile not "
+                    f"tried)"
+                )
             self.chosen = self.trials[0]
             return False
         self._begin(self.trials[0])
@@ -254,25 +303,37 @@ class Autotuner:
         best = min(eager, key=lambda pair: pair[1])
         return best if best[1] < eager[0][1] * (1 - BETTER_BY) else eager[0]
 
-    def _choose(self, trainer: Any, times: list[float], fastest: tuple[Setting, float], steps_left: int) -> None:
+    def _choose(
+        self, trainer: Any, times: list[float], fastest: tuple[Setting, float], steps_left: int
+    ) -> None:
         chosen, chosen_time = fastest
         if self.trials[-1].compiled:
             compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
             saved = (chosen_time - times[-1]) * steps_left
             if saved > compile_seconds:
                 chosen, chosen_time = self.trials[-1], times[-1]
-            self.compile_note += (f"; {'kept' if saved > compile_seconds else 'not kept'}: it "
-                                  f"{'saves' if saved > 0 else 'would save'} {max(saved, 0.0):,.0f} s over the "
-                                  f"{steps_left:,} steps left, its compile took {compile_seconds:,.0f} s")
+            self.compile_note += (
+                f"; {'kept' if saved > compile_seconds else 'not kept'}: it "
+                f"{'saves' if saved > 0 else 'would save'} {max(saved, 0.0):,.0f} s over the "
+                f"{steps_left:,} steps left, its compile took {compile_seconds:,.0f} s"
+            )
         self.chosen = chosen
         if chosen != self.trials[-1]:
             self.apply(chosen)
         self.finished()
         step = trainer.progress.global_step
-        tried = "; ".join(f"{self.words(setting)} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times))
-        self.summary = {"at_step": step, "gain": times[0] / chosen_time, "compile": self.compile_note,
-                        "tried": {self.words(setting): time_ for setting, time_ in zip(self.trials, times)}}
+        tried = "; ".join(
+            f"{self.words(setting)} {time_ * 1000:.1f}" for setting, time_ in zip(self.trials, times)
+        )
+        self.summary = {
+            "at_step": step,
+            "gain": times[0] / chosen_time,
+            "compile": self.compile_note,
+            "tried": {self.words(setting): time_ for setting, time_ in zip(self.trials, times)},
+        }
         as_given = "the data on the device" if self.only_data else "the settings as given"
-        self.say(f"{self.flag}: {self.words(chosen)}, x{times[0] / chosen_time:.2f} {as_given} (median step "
-                 f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
-                 f"measured, ms per step: {tried}){'; ' + self.compile_note if self.compile_note else ''}")
+        self.say(
+            f"{self.flag}: {self.words(chosen)}, x{times[0] / chosen_time:.2f} {as_given} (median step "
+            f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
+            f"measured, ms per step: {tried}){'; ' + self.compile_note if self.compile_note else ''}"
+        )

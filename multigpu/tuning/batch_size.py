@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,8 @@ DEFAULT_BATCH_SIZE: int = FIELDS["batch_size"].default  # without CUDA
 def is_out_of_memory(error: BaseException) -> bool:
     """A CUDA allocation failure (torch.cuda.OutOfMemoryError, or a RuntimeError saying "out of memory")."""
     return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error))
+        isinstance(error, RuntimeError) and "out of memory" in str(error)
+    )
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
@@ -69,13 +70,28 @@ def with_margin(largest: int, limit: int) -> int:
 class StepProbe:
     """One training step on `size` samples, reporting whether it fitted in memory, agreed over the ranks."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: ForwardFn, loss_fn: Any,
-                 amp: Amp, batch_of: Callable[[int], Any], device: torch.device, reserved_bytes: int = 0):
-        self.model, self.optimizer, self.forward, self.loss_fn, self.amp = model, optimizer, forward, loss_fn, amp
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        forward: ForwardFn,
+        loss_fn: Any,
+        amp: Amp,
+        batch_of: Callable[[int], Any],
+        device: torch.device,
+        reserved_bytes: int = 0,
+    ):
+        self.model, self.optimizer, self.forward, self.loss_fn, self.amp = (
+            model,
+            optimizer,
+            forward,
+            loss_fn,
+            amp,
+        )
         self.batch_of, self.device, self.reserved_bytes = batch_of, device, reserved_bytes
 
     def fits(self, size: int) -> bool:
-        failure: Optional[BaseException] = None
+        failure: BaseException | None = None
         try:
             self._step(size)
         except Exception as error:  # noqa: BLE001  (shared with the other ranks below, then raised)
@@ -87,13 +103,17 @@ class StepProbe:
             gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the next candidate starts from the same free memory
-        verdict = all_reduce_sum(torch.tensor([float(out_of_memory), float(failure is not None)], device=self.device))
+        verdict = all_reduce_sum(
+            torch.tensor([float(out_of_memory), float(failure is not None)], device=self.device)
+        )
         too_big, failed = verdict.tolist()
         if failure is not None:
             raise failure
         if failed:
-            raise TrainingStopped(f"--batch-size auto: another rank failed while trying a batch of {size} "
-                                  f"(its error is in its output)")
+            raise TrainingStopped(
+                f"--batch-size auto: another rank failed while trying a batch of {size} "
+                f"(its error is in its output)"
+            )
         return too_big == 0
 
     def _step(self, size: int) -> None:
@@ -114,20 +134,40 @@ def find_batch_size(probe: StepProbe, limit: int) -> tuple[int, int]:
     return largest, with_margin(largest, limit)
 
 
-def choose(model: torch.nn.Module, make_optimizer: Callable[[], torch.optim.Optimizer], forward: ForwardFn,
-           loss_fn: Any, amp: Amp, move: Callable[[Any], Any], dataset: Any, collate_fn: Optional[Callable],
-           runtime: Runtime, say: Callable[[str], None]) -> int:
+def choose(
+    model: torch.nn.Module,
+    make_optimizer: Callable[[], torch.optim.Optimizer],
+    forward: ForwardFn,
+    loss_fn: Any,
+    amp: Amp,
+    move: Callable[[Any], Any],
+    dataset: Any,
+    collate_fn: Callable | None,
+    runtime: Runtime,
+    say: Callable[[str], None],
+) -> int:
     """The per-device batch for --batch-size auto: `measure`d on CUDA, else the default batch (one line says so)."""
     if runtime.device.type != "cuda":
-        say(f"--batch-size auto needs a CUDA device (it measures GPU memory): using the default --batch-size "
-            f"{DEFAULT_BATCH_SIZE}")
+        say(
+            f"--batch-size auto needs a CUDA device (it measures GPU memory): using the default --batch-size "
+            f"{DEFAULT_BATCH_SIZE}"
+        )
         return DEFAULT_BATCH_SIZE
     return measure(model, make_optimizer(), forward, loss_fn, amp, move, dataset, collate_fn, runtime, say)
 
 
-def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: ForwardFn, loss_fn: Any, amp: Amp,
-            move: Callable[[Any], Any], dataset: Any, collate_fn: Optional[Callable], runtime: Runtime,
-            say: Callable[[str], None]) -> int:
+def measure(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    forward: ForwardFn,
+    loss_fn: Any,
+    amp: Amp,
+    move: Callable[[Any], Any],
+    dataset: Any,
+    collate_fn: Callable | None,
+    runtime: Runtime,
+    say: Callable[[str], None],
+) -> int:
     """The largest batch whose step fits, less the margin, said in one line; every rank must call it.
 
     `model` is the plain module on its device, before any DDP wrap; `optimizer`
@@ -135,30 +175,57 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, forward: F
     a rank gets per epoch: a bigger one would never be used.
     """
     sample = sample_batch(dataset, SAMPLES, collate_fn)
-    ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()) if runtime.mode == "ddp" else 0
-    probe = StepProbe(model, optimizer, forward, loss_fn, amp, lambda size: move(repeat_batch(sample, size)),
-                      runtime.device, ddp_buckets)
+    ddp_buckets = (
+        sum(p.numel() * p.element_size() for p in model.parameters()) if runtime.mode == "ddp" else 0
+    )
+    probe = StepProbe(
+        model,
+        optimizer,
+        forward,
+        loss_fn,
+        amp,
+        lambda size: move(repeat_batch(sample, size)),
+        runtime.device,
+        ddp_buckets,
+    )
     limit = max(1, len(dataset) // runtime.devices_per_step)  # DataParallel: each GPU gets its share too
     with uncompiled():  # eager memory is the larger: a batch that fits eagerly fits compiled
         largest, chosen = find_batch_size(probe, limit)
     if largest == 0:
-        raise TrainingStopped(f"--batch-size auto: not even a batch of 1 fits in the memory of {runtime.device}: "
-                              f"try --amp bf16, a smaller model, or free the GPU of other processes")
+        raise TrainingStopped(
+            f"--batch-size auto: not even a batch of 1 fits in the memory of {runtime.device}: "
+            f"try --amp bf16, a smaller model, or free the GPU of other processes"
+        )
     why = "all of a device's training data" if largest >= limit else f"{largest} fit, less {MARGIN:.0%}"
     say(f"--batch-size auto: {chosen} per device ({why})")
     return chosen
 
 
-def auto_batch_size(config: TrainConfig, model: torch.nn.Module, optimizer: OptimizerArg, forward: ForwardFn,
-                    loss_fn: Any, amp: Amp, move: Callable[[Any], Any], dataset: Any, collate_fn: Optional[Callable],
-                    runtime: Runtime, say: Callable[[str], None]) -> TrainConfig:
+def auto_batch_size(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: OptimizerArg,
+    forward: ForwardFn,
+    loss_fn: Any,
+    amp: Amp,
+    move: Callable[[Any], Any],
+    dataset: Any,
+    collate_fn: Callable | None,
+    runtime: Runtime,
+    say: Callable[[str], None],
+) -> TrainConfig:
     """--batch-size auto: the config with the largest batch whose step fits in GPU memory, measured on a probe
     optimizer of the same kind (a given one is restored after), or the default batch without CUDA. Measured
     before anything that depends on the batch is built."""
+
     def probe_optimizer() -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
-        return (build_optimizer(model, config, config.lr) if optimizer is None
-                else users_optimizer(optimizer, model, 1.0))
+        return (
+            build_optimizer(model, config, config.lr)
+            if optimizer is None
+            else users_optimizer(optimizer, model, 1.0)
+        )
+
     chosen = choose(model, probe_optimizer, forward, loss_fn, amp, move, dataset, collate_fn, runtime, say)
     return dataclasses.replace(config, batch_size=chosen)

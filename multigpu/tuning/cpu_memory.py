@@ -24,7 +24,7 @@ import contextlib
 import ctypes
 import os
 import platform
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -33,7 +33,7 @@ LARGEST_MMAP_THRESHOLD = 32 * 1024 * 1024  # the most older glibc accepts on 64-
 STARTING_THRESHOLD = 128 * 1024  # both thresholds' value when a process starts (mallopt(3))
 
 
-def _glibc() -> Optional[ctypes.CDLL]:
+def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -44,17 +44,21 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 def tuned_by_the_user() -> bool:
     """Whether malloc was tuned for this process through glibc's environment variables: then it is left alone."""
-    return (any(name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"))
-            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
+    return any(
+        name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+    ) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def keep_freed_memory() -> bool:
     """Raise glibc malloc's thresholds so freed memory stays with the process; False where the C library is not
     glibc, malloc was tuned by the user, or glibc refused."""
     libc = _glibc()
-    return bool(libc is not None and not tuned_by_the_user()
-                and libc.mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)
-                and libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+    return bool(
+        libc is not None
+        and not tuned_by_the_user()
+        and libc.mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)
+        and libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+    )
 
 
 def give_back_free_memory() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-from typing import Iterator
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -31,9 +30,17 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 CPU_STATUSES = {gpu_check.PASS, gpu_check.NOT_APPLICABLE, gpu_check.NO_CUDA}
 
 
-def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env or cli_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def run_script(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def table_rows(markdown: str) -> dict[str, str]:
@@ -74,9 +81,11 @@ def test_rows_side_by_side_are_for_the_dry_run_only() -> None:
     for args in (["--jobs", "2"], ["--jobs", "0", "--cpu-dry-run"]):
         result = run_script(*args, timeout=120)
         assert result.returncode == 2 and result.stdout == ""
-        assert result.stderr.splitlines() == [f"gpu_check: --jobs {args[1]}: give 1 or more, and more than 1 only "
-                                              f"with --cpu-dry-run (on GPUs the rows time themselves, so they run "
-                                              f"one at a time) (see --help)"]
+        assert result.stderr.splitlines() == [
+            f"gpu_check: --jobs {args[1]}: give 1 or more, and more than 1 only "
+            f"with --cpu-dry-run (on GPUs the rows time themselves, so they run "
+            f"one at a time) (see --help)"
+        ]
 
 
 def test_rows_run_side_by_side_come_back_in_their_order(tmp_path: Path) -> None:
@@ -98,15 +107,19 @@ def test_rows_run_side_by_side_come_back_in_their_order(tmp_path: Path) -> None:
     ctx = gpu_check.Context(True, False, 0, 0.0, tmp_path, time.monotonic() + 60)
     rows = gpu_check.check(ctx, [("a", a), ("b", b)], jobs=2)
     assert finished == ["b", "a"]
-    assert [(row.name, row.status, row.figure) for row in rows] == [("a", gpu_check.PASS, "a"),
-                                                                      ("b", gpu_check.PASS, "b")]
+    assert [(row.name, row.status, row.figure) for row in rows] == [
+        ("a", gpu_check.PASS, "a"),
+        ("b", gpu_check.PASS, "b"),
+    ]
 
 
 def test_an_unknown_row_is_refused_in_one_line_naming_the_rows() -> None:
     result = run_script("--only", "dp,warp-drive", "--cpu-dry-run", timeout=120)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines() == [f"gpu_check: --only: unknown row(s) warp-drive; rows are: "
-                                          f"{', '.join(gpu_check.row_names())} (see --help)"]
+    assert result.stderr.splitlines() == [
+        f"gpu_check: --only: unknown row(s) warp-drive; rows are: "
+        f"{', '.join(gpu_check.row_names())} (see --help)"
+    ]
 
 
 def test_a_row_that_raises_fails_in_one_line_and_the_next_row_still_runs(tmp_path: Path) -> None:
@@ -119,7 +132,9 @@ def test_a_row_that_raises_fails_in_one_line_and_the_next_row_still_runs(tmp_pat
     ctx = gpu_check.Context(True, False, 0, 0.0, tmp_path, time.monotonic() + 60)
     rows = gpu_check.check(ctx, [("broken", broken), ("working", working)])
     assert [(row.name, row.status, row.figure) for row in rows] == [
-        ("broken", gpu_check.FAIL, "ValueError: second line of the message"), ("working", gpu_check.PASS, "fine")]
+        ("broken", gpu_check.FAIL, "ValueError: second line of the message"),
+        ("working", gpu_check.PASS, "fine"),
+    ]
     assert gpu_check.exit_status(rows) == 1 and gpu_check.exit_status(rows[1:]) == 0
 
 
@@ -127,8 +142,10 @@ def test_a_row_that_raises_fails_in_one_line_and_the_next_row_still_runs(tmp_pat
 def test_a_run_past_its_time_limit_fails_and_its_whole_process_tree_is_killed(tmp_path: Path) -> None:
     # Like torchrun's workers, the grandchild has a session of its own, out of reach of a process-group kill.
     pid_file = tmp_path / "grandchild.pid"
-    child = (f"import subprocess; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
-             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); p.wait()")
+    child = (
+        f"import subprocess; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); p.wait()"
+    )
     ctx = gpu_check.Context(True, False, 0, 0.0, tmp_path, time.monotonic() + 60)
     rows = gpu_check.check(ctx, [("slow", lambda ctx: ctx.run([sys.executable, "-c", child], timeout=3))])
     assert rows[0].status == gpu_check.FAIL and rows[0].figure.startswith("timed out after 3s"), rows[0]
@@ -144,9 +161,11 @@ def fake_wheel(folder: Path, name: str) -> Path:
     """A minimal pure-Python wheel providing module `name`, whose import prints nothing."""
     path = folder / f"{name}-99.0-py3-none-any.whl"
     info = f"{name}-99.0.dist-info"
-    files = {f"{name}/__init__.py": "FAKE = True\n",
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 99.0\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{name}/__init__.py": "FAKE = True\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 99.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     with zipfile.ZipFile(path, "w") as wheel:
         for member, text in files.items():
             wheel.writestr(member, text)
@@ -162,21 +181,32 @@ def test_missing_requirements_come_from_carried_wheels_but_never_torch(tmp_path:
     (checkout / ".whl").mkdir()
     for name in ("tqdm", "torch"):
         fake_wheel(checkout / ".whl", name)
-    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True, timeout=120)  # no packages
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True, timeout=120
+    )  # no packages
     env = {**os.environ, "PYTHON": str(tmp_path / "bare" / "bin" / "python"), "TMPDIR": str(tmp_path)}
-    result = subprocess.run(["bash", str(checkout / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(checkout / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     installed, missing = result.stderr.strip().splitlines()[-2:]
     assert "missing torch torchvision tensorboard tqdm numpy; installing 1 wheel(s) from .whl/" in installed
     # tqdm now imports from the installed wheel; torch stays missing: only this machine's own build may be used.
     assert missing.startswith("gpu_check.sh: missing Python modules: torch torchvision tensorboard numpy;")
-    assert [site.name for site in (next(tmp_path.glob("gpu_check_site.*"))).iterdir()
-            if not site.name.endswith(".dist-info")] == ["tqdm"]
+    assert [
+        site.name
+        for site in (next(tmp_path.glob("gpu_check_site.*"))).iterdir()
+        if not site.name.endswith(".dist-info")
+    ] == ["tqdm"]
 
 
 @needs_shellcheck
 def test_gpu_check_sh_passes_shellcheck() -> None:
-    result = subprocess.run([shellcheck_path(), "--severity=style", str(SCRIPT)], text=True, capture_output=True,
-                            timeout=60)
+    result = subprocess.run(
+        [shellcheck_path(), "--severity=style", str(SCRIPT)], text=True, capture_output=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout

@@ -37,10 +37,22 @@ def test_mesh_memory_is_one_shard_group_and_only_the_replicas_all_reduce_crosses
     ddp = 16 * measured["ddp"][0]["parameters"]
     for shape, shard in (("1x4", 4), ("2x2", 2), ("4x1", 1)):
         # Each replica holds the model once, split over its shard group.
-        assert sum(rank["params"] for rank in measured[shape]) == 4 // shard * 4 * measured["ddp"][0]["parameters"]
+        assert (
+            sum(rank["params"] for rank in measured[shape])
+            == 4 // shard * 4 * measured["ddp"][0]["parameters"]
+        )
         for rank in measured[shape]:
-            assert sum(rank[key] for key in ("params", "grads", "optimizer")) <= ddp / shard * 1.1 + rank["largest_block"]
-            across = [rank["traffic"][name].get("dp_replicate") for name in ("none", "4 micro-steps, whole",
-                                                                             "4 micro-steps, sharded")]
-            assert across == [None] * 3 if shard == 4 else across[0] == across[1] == across[2] and across[0][0] > 0
+            assert (
+                sum(rank[key] for key in ("params", "grads", "optimizer"))
+                <= ddp / shard * 1.1 + rank["largest_block"]
+            )
+            across = [
+                rank["traffic"][name].get("dp_replicate")
+                for name in ("none", "4 micro-steps, whole", "4 micro-steps, sharded")
+            ]
+            assert (
+                across == [None] * 3
+                if shard == 4
+                else across[0] == across[1] == across[2] and across[0][0] > 0
+            )
     assert "| hybrid 2x2 | " in result.stdout and "| 2x2 | 4 micro-steps, sharded | " in result.stdout

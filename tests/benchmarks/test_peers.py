@@ -21,10 +21,14 @@ CONTENDERS = ["trainer", "autotune", "loop", "accelerate", "lightning"]
 @pytest.mark.slow
 def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_path: Path):
     output = tmp_path / "peers.md"
-    result, measured = run_benchmark("peers.py", tmp_path, "--tiny", "--contenders",
-                                     ",".join(CONTENDERS), "--output", str(output))
-    installed = [name for name in CONTENDERS if name not in ("accelerate", "lightning")
-                 or importlib.util.find_spec(name) is not None]
+    result, measured = run_benchmark(
+        "peers.py", tmp_path, "--tiny", "--contenders", ",".join(CONTENDERS), "--output", str(output)
+    )
+    installed = [
+        name
+        for name in CONTENDERS
+        if name not in ("accelerate", "lightning") or importlib.util.find_spec(name) is not None
+    ]
     [rounds] = measured.values()  # one length at one process count
     [only] = rounds  # --tiny: one round
     assert sorted(only) == sorted(installed)
@@ -35,7 +39,9 @@ def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_p
         assert f"{name.capitalize()}: not installed (pip install -e '.[peers]'): skipped" in result.stdout
     table = [line for line in output.read_text().splitlines() if line.startswith("| 24 steps")]
     assert len(table) == 1
-    assert len(table[0].split(" | ")) == 2 + (len(installed) - 1) + 2  # length, config, ratios, loop, accuracies
+    assert (
+        len(table[0].split(" | ")) == 2 + (len(installed) - 1) + 2
+    )  # length, config, ratios, loop, accuracies
     assert "--autotune chose: " in output.read_text()
 
 
@@ -46,5 +52,9 @@ def test_a_224_px_workload_repeats_a_pool_of_distinct_images_to_the_run_length()
     assert len(pooled) == 10
     images = torch.stack([pooled[index][0] for index in range(10)])
     labels = [pooled[index][1].item() for index in range(10)]
-    assert torch.equal(images[:4], whole.tensors[0]) and torch.equal(images[4:8], images[:4])  # the pool, again
-    assert torch.equal(images[8:], images[:2]) and labels == labels[:4] * 2 + labels[:2]  # cut at the run length
+    assert torch.equal(images[:4], whole.tensors[0]) and torch.equal(
+        images[4:8], images[:4]
+    )  # the pool, again
+    assert (
+        torch.equal(images[8:], images[:2]) and labels == labels[:4] * 2 + labels[:2]
+    )  # cut at the run length

@@ -21,8 +21,14 @@ pytest.importorskip("accelerate")  # transformers.Trainer needs it (pip install 
 def run_tiny(tmp_path: Path, nproc: str) -> list[list[str]]:
     """The tiny run at `nproc` processes: its table's rows, cells stripped."""
     output = tmp_path / "vs_hf.md"
-    done = subprocess.run([PYTHON, str(SCRIPT), "--tiny", "--nproc", nproc, "--output", str(output)],
-                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [PYTHON, str(SCRIPT), "--tiny", "--nproc", nproc, "--output", str(output)],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode in (0, 1), done.stderr[-3000:]
     verdict = done.stdout.strip().splitlines()[-1]
     assert verdict.startswith("target met") or "val loss" not in verdict  # a miss, if any, is the speed's
@@ -46,5 +52,7 @@ def test_one_process_trains_both_to_the_same_validation_loss(tmp_path: Path):
 
 @pytest.mark.parametrize("bad", [["--warmup", "0"], ["--nproc", "0"], ["--heads", "3"], ["--steps", "x"]])
 def test_bad_arguments_exit_2_before_anything_runs(bad: list[str]):
-    done = subprocess.run([PYTHON, str(SCRIPT), *bad], env=cli_env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [PYTHON, str(SCRIPT), *bad], env=cli_env(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "error:" in done.stderr

@@ -76,7 +76,9 @@ def test_imagefolder_reads_class_folders_resized_to_the_image_shape(tmp_path):
 
 
 def test_fake_data_has_the_requested_shape_and_classes():
-    data = build_datasets(TrainConfig(dataset="fake", train_size=8, val_size=4, image_shape="3,12,10", num_classes=5))
+    data = build_datasets(
+        TrainConfig(dataset="fake", train_size=8, val_size=4, image_shape="3,12,10", num_classes=5)
+    )
     image, label = data.train[0]
     assert image.shape == (3, 12, 10) and 0 <= label < 5
     assert (len(data.train), len(data.val), data.num_classes) == (8, 4, 5)
@@ -95,7 +97,10 @@ def test_text_windows_are_characters_and_their_targets_the_same_characters_shift
     for index in (0, 1, len(data.train) - 1):
         x, y = data.train[index]
         assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (32,)
-        assert decode(x) == text[32 * index:32 * index + 32] and decode(y) == text[32 * index + 1:32 * index + 33]
+        assert (
+            decode(x) == text[32 * index : 32 * index + 32]
+            and decode(y) == text[32 * index + 1 : 32 * index + 33]
+        )
     assert decode(data.val[0][0]) == text[1800:1832]
     with pytest.raises(IndexError):
         data.train[len(data.train)]

@@ -17,7 +17,17 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from conftest import TINY, assert_ok, blobs, config_for, image_folder, run_benchmark, run_cli, run_ranks, tiny_model
+from conftest import (
+    TINY,
+    assert_ok,
+    blobs,
+    config_for,
+    image_folder,
+    run_benchmark,
+    run_cli,
+    run_ranks,
+    tiny_model,
+)
 from multigpu.data import RandomCropFlip, SyntheticImages, device_data
 from multigpu.data.augment import crop_flip
 from multigpu.errors import UsageError
@@ -30,11 +40,14 @@ def weights(trainer: MultiGPUTrainer) -> dict[str, torch.Tensor]:
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[key], b[key]) for key in a), [key for key in a if not torch.equal(a[key], b[key])]
+    assert all(torch.equal(a[key], b[key]) for key in a), [
+        key for key in a if not torch.equal(a[key], b[key])
+    ]
 
 
-def train(tmp_path: Path, data: Dataset, model: torch.nn.Module, world_size: int = 1,
-          **overrides: Any) -> MultiGPUTrainer:
+def train(
+    tmp_path: Path, data: Dataset, model: torch.nn.Module, world_size: int = 1, **overrides: Any
+) -> MultiGPUTrainer:
     config = config_for(tmp_path, world_size, **{"epochs": 2, "grad_accum_steps": 2, **overrides})
     trainer = MultiGPUTrainer(model, data, None, config)
     trainer.fit()
@@ -53,8 +66,9 @@ def test_on_the_device_one_process_trains_bit_identically_to_the_loader(tmp_path
 
 def images_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(4 * 6 * 6, 10))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    )
 
 
 def test_a_set_whose_samples_never_change_is_read_once_and_trains_bit_identically(tmp_path: Path) -> None:
@@ -75,7 +89,9 @@ def test_a_set_whose_samples_never_change_is_read_once_and_trains_bit_identicall
 
 def _ddp_weights(rank: int, world_size: int, save_dir: str, mode: str) -> tuple[dict[str, torch.Tensor], Any]:
     # 4 epochs of 5 steps: long enough for auto to measure both ways (2 x 5 steps, and as many to gain)
-    trainer = train(Path(save_dir) / mode, blobs(138, 0), tiny_model(), world_size, data_on_device=mode, epochs=4)
+    trainer = train(
+        Path(save_dir) / mode, blobs(138, 0), tiny_model(), world_size, data_on_device=mode, epochs=4
+    )
     if mode != "auto":
         assert isinstance(trainer.train_loader, device_data.DeviceBatches) == (mode == "on")
     result = weights(trainer), trainer.autotune and trainer.autotune.chosen
@@ -90,11 +106,13 @@ def _three_ways(rank: int, world_size: int, save_dir: str) -> list[tuple[dict[st
 def test_under_ddp_two_ranks_on_the_device_train_bit_identically_to_the_loader(tmp_path: Path) -> None:
     """And auto, which switches between the two in its first steps, all ranks at the same steps."""
     ranks = run_ranks(_three_ways, 2, tmp_path, str(tmp_path))
-    for (loader, _), (device, _), (auto, chosen) in ranks:
+    for (loader, _), (device, _), (auto, _chosen) in ranks:
         assert_identical(loader, device)
         assert_identical(loader, auto)
     assert_identical(ranks[0][1][0], ranks[1][1][0])  # and the ranks agree
-    assert ranks[0][2][1] == ranks[1][2][1] and ranks[0][2][1].data_on_device is not None  # on their choice too
+    assert (
+        ranks[0][2][1] == ranks[1][2][1] and ranks[0][2][1].data_on_device is not None
+    )  # on their choice too
 
 
 class SlowRows(TensorDataset):
@@ -109,13 +127,15 @@ class SlowRows(TensorDataset):
 def slow_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches gathered on the device take 16 ms more each: the loader's way is the faster one."""
     gather = device_data.DeviceBatches._gather
-    monkeypatch.setattr(device_data.DeviceBatches, "_gather", lambda self, index: (time.sleep(0.016),
-                                                                                   gather(self, index))[1])
+    monkeypatch.setattr(
+        device_data.DeviceBatches, "_gather", lambda self, index: (time.sleep(0.016), gather(self, index))[1]
+    )
 
 
 @pytest.mark.parametrize("slower", ["the loader", "the device"])
-def test_auto_measures_both_ways_in_the_first_steps_and_keeps_the_faster(tmp_path: Path, capsys, monkeypatch,
-                                                                        slower: str) -> None:
+def test_auto_measures_both_ways_in_the_first_steps_and_keeps_the_faster(
+    tmp_path: Path, capsys, monkeypatch, slower: str
+) -> None:
     """auto put a TensorDataset on the device where the loader was faster (514 against 868 samples/s in one
     process): the first steps measure both ways on the training steps themselves, and the faster stays, with
     the same batches, saved in the checkpoint and kept on a resume."""
@@ -125,25 +145,44 @@ def test_auto_measures_both_ways_in_the_first_steps_and_keeps_the_faster(tmp_pat
     else:
         data = SlowRows(*data.tensors)
     auto = train(tmp_path / "auto", data, tiny_model(), data_on_device="auto", epochs=1, grad_accum_steps=1)
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("--data-on-device auto:"))
+    line = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("--data-on-device auto:")
+    )
     faster = "data through the loader" if slower == "the device" else "data on the device"
-    assert re.match(rf"--data-on-device auto: {faster}, x[\d.]+ the data on the device \(median step [\d.]+ ms vs "
-                    rf"[\d.]+ ms; steps 1-10 measured, ms per step: data on the device [\d.]+; data through the loader "
-                    rf"[\d.]+\)$", line), line
+    assert re.match(
+        rf"--data-on-device auto: {faster}, x[\d.]+ the data on the device \(median step [\d.]+ ms vs "
+        rf"[\d.]+ ms; steps 1-10 measured, ms per step: data on the device [\d.]+; data through the loader "
+        rf"[\d.]+\)$",
+        line,
+    ), line
     assert isinstance(auto.train_loader, device_data.DeviceBatches) == (slower == "the loader")
-    assert_identical(weights(auto), weights(train(tmp_path / "off", data, tiny_model(), data_on_device="off",
-                                                  epochs=1, grad_accum_steps=1)))
-    resumed = train(tmp_path / "auto", data, tiny_model(), data_on_device="auto", epochs=2, grad_accum_steps=1,
-                    resume="auto")
-    assert f"--data-on-device auto: {faster}, as chosen at step 10 and saved in the checkpoint (not measured " \
-           f"again)" in capsys.readouterr().out
+    assert_identical(
+        weights(auto),
+        weights(
+            train(tmp_path / "off", data, tiny_model(), data_on_device="off", epochs=1, grad_accum_steps=1)
+        ),
+    )
+    resumed = train(
+        tmp_path / "auto",
+        data,
+        tiny_model(),
+        data_on_device="auto",
+        epochs=2,
+        grad_accum_steps=1,
+        resume="auto",
+    )
+    assert (
+        f"--data-on-device auto: {faster}, as chosen at step 10 and saved in the checkpoint (not measured "
+        f"again)" in capsys.readouterr().out
+    )
     assert resumed.autotune.medians == [] and isinstance(resumed.train_loader, type(auto.train_loader))
 
 
 def cifar_like(size: int = 96) -> RandomCropFlip:
     generator = torch.Generator().manual_seed(5)
-    images = TensorDataset(torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, 10, (size,),
-                                                                                         generator=generator))
+    images = TensorDataset(
+        torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+    )
     return RandomCropFlip(images, padding=2, fill=[-1.0, 0.0, 1.0])
 
 
@@ -154,11 +193,13 @@ def test_crop_and_flip_on_a_batch_is_a_window_of_the_padded_image_mirrored_where
     replay = torch.Generator().manual_seed(7)  # the draws, in crop_flip's order
     offsets = torch.randint(0, 5, (2, 16), generator=replay)
     flipped = torch.randint(0, 2, (16, 1), generator=replay, dtype=torch.bool)
-    padded = torch.cat([torch.nn.functional.pad(images[:, c:c + 1], (2, 2, 2, 2), value=float(fill[c]))
-                        for c in range(3)], dim=1)
+    padded = torch.cat(
+        [torch.nn.functional.pad(images[:, c : c + 1], (2, 2, 2, 2), value=float(fill[c])) for c in range(3)],
+        dim=1,
+    )
     for i in range(16):
         top, left = int(offsets[0, i]), int(offsets[1, i])
-        window = padded[i, :, top:top + 6, left:left + 5]
+        window = padded[i, :, top : top + 6, left : left + 5]
         assert torch.equal(out[i], window.flip(-1) if flipped[i] else window), i
     assert flipped.any() and not flipped.all() and len(set(offsets[0].tolist())) > 1
 
@@ -168,8 +209,13 @@ def test_augmentation_on_the_device_repeats_on_a_rerun_and_across_a_resume_mid_e
     rerun = train(tmp_path / "rerun", cifar_like(), images_model(), data_on_device="on")
     assert_identical(weights(whole), weights(rerun))
     # 96 samples, 16 per step: 6 steps an epoch; step 9 is mid-epoch 2
-    resumed = train(tmp_path / "resumed", cifar_like(), images_model(), data_on_device="on",
-                    resume=str(tmp_path / "whole" / "ckpt" / "step-000000009.pt"))
+    resumed = train(
+        tmp_path / "resumed",
+        cifar_like(),
+        images_model(),
+        data_on_device="on",
+        resume=str(tmp_path / "whole" / "ckpt" / "step-000000009.pt"),
+    )
     assert resumed.progress.global_step == 12
     assert_identical(weights(whole), weights(resumed))
     plain = train(tmp_path / "plain", cifar_like().dataset, images_model(), data_on_device="on")
@@ -195,7 +241,9 @@ def test_the_batches_are_the_loaders_batches_in_structure_and_order() -> None:
     for data in (Vectors(), blobs(30, 0)):
         sampler = ResumableDistributedSampler(len(data), rank=1, world_size=2, seed=4)
         sampler.start_at(1, 8)  # mid-epoch, as after a resume
-        on = device_data.DeviceData(data, TrainConfig(data_on_device="on"), torch.device("cpu"), 2, None, False)
+        on = device_data.DeviceData(
+            data, TrainConfig(data_on_device="on"), torch.device("cpu"), 2, None, False
+        )
         gathered = list(on.batches(sampler, 4, seed=0))
         loaded = list(build_loader(data, torch.device("cpu"), 0, sampler=sampler, batch_size=4))
         assert len(gathered) == len(loaded) == 3  # (30 - 8) // 2 = 11 samples: 4 + 4 + 3
@@ -223,49 +271,98 @@ def test_auto_keeps_the_loader_with_one_line_saying_why(tmp_path: Path, monkeypa
     config = config_for(tmp_path, 1)
     with MultiGPUTrainer(tiny_model(), Unmarked(), None, config) as trainer:
         assert type(trainer.train_loader).__name__ == "DataLoader"
-        assert plan_data_line(trainer) == ("data: read by the loader: a Unmarked is neither a TensorDataset nor a "
-                                           "set whose samples never change (fixed_samples = True)")
+        assert plan_data_line(trainer) == (
+            "data: read by the loader: a Unmarked is neither a TensorDataset nor a "
+            "set whose samples never change (fixed_samples = True)"
+        )
     with MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config) as trainer:
-        assert plan_data_line(trainer) == ("data: the training set on the device (64 samples, 4.6 kB, already in "
-                                           "this process's memory, used as it is), batches gathered there; the "
-                                           "loader's instead if the first steps measure it faster "
-                                           "(--data-on-device auto)")
+        assert plan_data_line(trainer) == (
+            "data: the training set on the device (64 samples, 4.6 kB, already in "
+            "this process's memory, used as it is), batches gathered there; the "
+            "loader's instead if the first steps measure it faster "
+            "(--data-on-device auto)"
+        )
     monkeypatch.setattr(device_data, "DEVICE_SHARE", 1e-12)  # no memory to spare for data
     synthetic = SyntheticImages(64, (1, 4, 4), 4)
     with MultiGPUTrainer(tiny_model(), synthetic, None, config) as trainer:
         line = plan_data_line(trainer)
         assert type(trainer.train_loader).__name__ == "DataLoader"
-        assert line.startswith("data: read by the loader: its 4.6 kB are more than the 0.0 kB data may take on cpu")
-    with pytest.raises(UsageError, match=r"^--data-on-device on: its 4.6 kB are more than .*; use --data-on-device "
-                                         r"auto \(or off\) to read it with the loader$"):
+        assert line.startswith(
+            "data: read by the loader: its 4.6 kB are more than the 0.0 kB data may take on cpu"
+        )
+    with pytest.raises(
+        UsageError,
+        match=r"^--data-on-device on: its 4.6 kB are more than .*; use --data-on-device "
+        r"auto \(or off\) to read it with the loader$",
+    ):
         MultiGPUTrainer(tiny_model(), synthetic, None, config_for(tmp_path, 1, data_on_device="on"))
 
 
 @pytest.mark.slow
-def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_gathered(tmp_path: Path) -> None:
+def test_the_cli_says_where_the_data_comes_from_and_on_refuses_what_cannot_be_gathered(
+    tmp_path: Path,
+) -> None:
     result = run_cli([*TINY, "--epochs", "1", "--save-dir", str(tmp_path / "run")])
     assert_ok(result)
-    assert ("data: the training set on the device (512 samples, 1.6 MB, read once into this process's memory), "
-            "batches gathered there; the loader's instead if the first steps measure it faster (--data-on-device "
-            "auto)") in result.stdout.splitlines()
+    assert (
+        "data: the training set on the device (512 samples, 1.6 MB, read once into this process's memory), "
+        "batches gathered there; the loader's instead if the first steps measure it faster (--data-on-device "
+        "auto)"
+    ) in result.stdout.splitlines()
     folder = image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
-    refused = run_cli(["--dataset", "imagefolder", "--data-dir", str(folder), "--image-shape", "3,8,8",
-                       "--data-on-device", "on", "--epochs", "1", "--save-dir", str(tmp_path / "refused")])
+    refused = run_cli(
+        [
+            "--dataset",
+            "imagefolder",
+            "--data-dir",
+            str(folder),
+            "--image-shape",
+            "3,8,8",
+            "--data-on-device",
+            "on",
+            "--epochs",
+            "1",
+            "--save-dir",
+            str(tmp_path / "refused"),
+        ]
+    )
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "error: --data-on-device on: a ImageFolder is neither a TensorDataset nor a set whose samples never change "
-        "(fixed_samples = True); use --data-on-device auto (or off) to read it with the loader"]
+        "(fixed_samples = True); use --data-on-device auto (or off) to read it with the loader"
+    ]
     assert not (tmp_path / "refused" / "last.pt").exists()
 
 
 @pytest.mark.slow
-def test_the_benchmark_prints_both_ways_in_one_run_with_identical_weights_unless_augmented(tmp_path: Path) -> None:
+def test_the_benchmark_prints_both_ways_in_one_run_with_identical_weights_unless_augmented(
+    tmp_path: Path,
+) -> None:
     """benchmarks/data_on_device.py at toy sizes: the CIFAR-sized tensors, plain and cropped and flipped (the read-once
     sets' identity is the tests' above); the speeds are the benchmark's figures, not this test's."""
     output = tmp_path / "table.md"
-    result, raw = run_benchmark("data_on_device.py", tmp_path, "--rounds", "1", "--steps", "4", "--batch", "8",
-                                "--log-every", "2", "--cifar-size", "64", "--only", "3,4", "--output", str(output))
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in output.read_text().splitlines()
-            if line.startswith("| ") and "samples/s" not in line}
+    result, raw = run_benchmark(
+        "data_on_device.py",
+        tmp_path,
+        "--rounds",
+        "1",
+        "--steps",
+        "4",
+        "--batch",
+        "8",
+        "--log-every",
+        "2",
+        "--cifar-size",
+        "64",
+        "--only",
+        "3,4",
+        "--output",
+        str(output),
+    )
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")[1:]
+        for line in output.read_text().splitlines()
+        if line.startswith("| ") and "samples/s" not in line
+    }
     assert list(rows) == ["CIFAR-sized tensors, cnn", "CIFAR-sized tensors + crop and flip, cnn"]
     assert [cells[-1] for cells in rows.values()] == ["identical |", "differ |"]
     assert all(run["samples_per_sec"] > 0 for runs in raw.values() for run in runs) and len(raw) == 4

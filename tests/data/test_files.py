@@ -31,13 +31,19 @@ def test_image_headers_are_checked_by_content_not_name(tmp_path):
     for index, fmt in enumerate(["jpeg", "png", "bmp", "tiff", "gif", "webp", "ppm", "ico"]):
         paths.append(tmp_path / f"{index}.jpg")  # every one named .jpg, whatever it holds
         Image.new("RGB", (16, 16), (index, 0, 0)).save(paths[-1], format=fmt)
-    check_image_headers([str(path) for path in paths])  # ico has no known signature: PIL decides, and reads it
+    check_image_headers(
+        [str(path) for path in paths]
+    )  # ico has no known signature: PIL decides, and reads it
     (tmp_path / "notes.jpg").write_text("not an image")
     (tmp_path / "empty.png").write_bytes(b"")
     with pytest.raises(UsageError) as refused:
-        check_image_headers([str(path) for path in paths] + [str(tmp_path / "notes.jpg"), str(tmp_path / "empty.png")])
-    assert str(refused.value) == (f"--dataset imagefolder: {tmp_path / 'notes.jpg'} is not a readable image (not an "
-                                  f"image format PIL can read) (and 1 more such files); remove or replace it")
+        check_image_headers(
+            [str(path) for path in paths] + [str(tmp_path / "notes.jpg"), str(tmp_path / "empty.png")]
+        )
+    assert str(refused.value) == (
+        f"--dataset imagefolder: {tmp_path / 'notes.jpg'} is not a readable image (not an "
+        f"image format PIL can read) (and 1 more such files); remove or replace it"
+    )
 
 
 def test_idx_files_are_checked_against_their_header(tmp_path):
@@ -56,8 +62,11 @@ def test_idx_files_are_checked_against_their_header(tmp_path):
 
 
 def test_mnist_gz_files_that_are_complete_but_not_extracted_say_download_extracts_them(mnist_root):
-    with pytest.raises(UsageError, match=r"train-images-idx3-ubyte.gz is there but not extracted; pass --download "
-                                         r"to extract it \(nothing is fetched for complete files\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"train-images-idx3-ubyte.gz is there but not extracted; pass --download "
+        r"to extract it \(nothing is fetched for complete files\)",
+    ):
         build_datasets(TrainConfig(dataset="mnist", data_dir=str(mnist_root)))
     data = build_datasets(TrainConfig(dataset="mnist", data_dir=str(mnist_root), download=True))
     assert (len(data.train), len(data.val)) == (60000, 10000)
@@ -67,22 +76,37 @@ def test_mnist_gz_files_that_are_complete_but_not_extracted_say_download_extract
 def test_links_are_followed_once_and_a_link_back_up_is_refused(tmp_path):
     image_folder(tmp_path / "elsewhere", {"train": ["fox"]})
     image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
-    (tmp_path / "images" / "train" / "fox").symlink_to(tmp_path / "elsewhere" / "train" / "fox")  # a linked class
+    (tmp_path / "images" / "train" / "fox").symlink_to(
+        tmp_path / "elsewhere" / "train" / "fox"
+    )  # a linked class
     config = TrainConfig(dataset="imagefolder", data_dir=str(tmp_path / "images"), image_shape="3,8,8")
     assert len(build_datasets(config).train) == 6  # 3 classes x 2 images: the link read once
     (tmp_path / "images" / "train" / "dog" / "up").symlink_to(tmp_path / "images")
-    with pytest.raises(UsageError, match=f"{tmp_path}/images/train/dog/up is a symbolic link to {tmp_path}/images, "
-                                         f"a folder that holds it"):
+    with pytest.raises(
+        UsageError,
+        match=f"{tmp_path}/images/train/dog/up is a symbolic link to {tmp_path}/images, "
+        f"a folder that holds it",
+    ):
         build_datasets(config)  # torchvision alone read 324 samples from these 4 images (up/train/dog/up/...)
 
 
 def test_a_training_set_of_one_class_is_a_warning(tmp_path):
     image_folder(tmp_path, {"train": ["cat"], "val": ["cat"]})
     data = build_datasets(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), image_shape="3,8,8"))
-    assert data.warnings == ["warning: --dataset imagefolder has one class folder (cat): every label is the same, "
-                             "so the loss is 0 from the first step and the model learns nothing; add a sub-folder "
-                             "of train/ per class"]
-    assert build_datasets(TrainConfig(num_classes=1, train_size=8, val_size=8)).warnings[0].startswith(
-        "warning: --dataset synthetic has one class (--num-classes 1)")
+    assert data.warnings == [
+        "warning: --dataset imagefolder has one class folder (cat): every label is the same, "
+        "so the loss is 0 from the first step and the model learns nothing; add a sub-folder "
+        "of train/ per class"
+    ]
+    assert (
+        build_datasets(TrainConfig(num_classes=1, train_size=8, val_size=8))
+        .warnings[0]
+        .startswith("warning: --dataset synthetic has one class (--num-classes 1)")
+    )
     image_folder(tmp_path, {"train": ["dog"], "val": ["dog"]})
-    assert build_datasets(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), image_shape="3,8,8")).warnings == []
+    assert (
+        build_datasets(
+            TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), image_shape="3,8,8")
+        ).warnings
+        == []
+    )

@@ -8,7 +8,6 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -19,11 +18,24 @@ from multigpu.errors import UsageError
 BLOCK = 32
 
 
-def _spec(tiny_lm: Path, *flags: str, files: Optional[Path] = None):
+def _spec(tiny_lm: Path, *flags: str, files: Path | None = None):
     """The DataSpec of `files` (the tiny model's training text) at --block-size 32, and the config it was built
     from."""
-    config = parse_config(["--dataset", "hf", "--data-files", str(files or tiny_lm / "train.jsonl"), "--text-column",
-                           "text", "--model-path", str(tiny_lm / "model"), "--block-size", str(BLOCK), *flags])
+    config = parse_config(
+        [
+            "--dataset",
+            "hf",
+            "--data-files",
+            str(files or tiny_lm / "train.jsonl"),
+            "--text-column",
+            "text",
+            "--model-path",
+            str(tiny_lm / "model"),
+            "--block-size",
+            str(BLOCK),
+            *flags,
+        ]
+    )
     return build_datasets(config), config
 
 
@@ -36,7 +48,11 @@ def _token_stream(tiny_lm: Path) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm / "model")
-    return [i for text in _texts(tiny_lm / "train.jsonl") for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    return [
+        i
+        for text in _texts(tiny_lm / "train.jsonl")
+        for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    ]
 
 
 def test_packed_windows_are_the_token_stream_cut_into_block_size_windows(tiny_lm):
@@ -45,7 +61,7 @@ def test_packed_windows_are_the_token_stream_cut_into_block_size_windows(tiny_lm
     assert len(spec.train) == len(stream) // BLOCK  # the remainder dropped
     sample = spec.train[3]
     assert sorted(sample) == ["attention_mask", "input_ids", "labels"]
-    assert sample["input_ids"].tolist() == stream[3 * BLOCK:4 * BLOCK]
+    assert sample["input_ids"].tolist() == stream[3 * BLOCK : 4 * BLOCK]
     assert sample["labels"].tolist() == sample["input_ids"].tolist()  # the model shifts them itself
     assert sample["labels"].data_ptr() != sample["input_ids"].data_ptr()  # a copy
     assert sample["attention_mask"].tolist() == [1] * BLOCK
@@ -94,13 +110,27 @@ def test_a_stream_is_tokenized_and_packed_as_it_is_read(tiny_lm):
     assert len(padded.train) == 400  # a padded text is a sample: its length is the files' rows
 
 
-@pytest.mark.parametrize("rows, flags, message", [
-    ([{"text": "the fox ."}, {"text": "a dog ."}, {"text": 5}], [],
-     "row 3: column text holds int (5), not text; fix or remove it"),
-    ([{"text": "the fox ."}], [], "hold fewer tokens than one window of --block-size 32; give more text or a smaller"),
-    ([{"body": "the fox ."}], [], "--text-column text: the files' columns are body; name the column"),
-    ([{"text": "the fox .", "label": "fox"}], ["--label-column", "label"], "--label-column label holds str values"),
-])
+@pytest.mark.parametrize(
+    "rows, flags, message",
+    [
+        (
+            [{"text": "the fox ."}, {"text": "a dog ."}, {"text": 5}],
+            [],
+            "row 3: column text holds int (5), not text; fix or remove it",
+        ),
+        (
+            [{"text": "the fox ."}],
+            [],
+            "hold fewer tokens than one window of --block-size 32; give more text or a smaller",
+        ),
+        ([{"body": "the fox ."}], [], "--text-column text: the files' columns are body; name the column"),
+        (
+            [{"text": "the fox .", "label": "fox"}],
+            ["--label-column", "label"],
+            "--label-column label holds str values",
+        ),
+    ],
+)
 def test_bad_text_files_are_one_line_naming_what_to_change(tiny_lm, tmp_path, rows, flags, message):
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(UsageError, match=re.escape(message)):

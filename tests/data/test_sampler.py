@@ -59,8 +59,9 @@ class WorkerProbe(Dataset):
 def dropout_model(seed: int) -> torch.nn.Module:
     """Built like main_multi_gpu builds models: after torch.manual_seed(seed), so identical on every rank."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4)
+    )
 
 
 def train_recording(tmp_path: Path, world_size: int, seed: int) -> dict[str, Any]:
@@ -73,15 +74,24 @@ def train_recording(tmp_path: Path, world_size: int, seed: int) -> dict[str, Any
     model[2].register_forward_hook(lambda module, args, output: masks.append((output == 0) & (args[0] != 0)))
     trainer.fit()
     per_epoch = len(data.log) // EPOCHS
-    return {"order": [[index for index, _ in data.log[e * per_epoch:(e + 1) * per_epoch]] for e in range(EPOCHS)],
-            "noise": [value for _, value in data.log], "dropout": torch.stack(masks[:3]),
-            "weights": {name: tensor.clone() for name, tensor in model.state_dict().items()}}
+    return {
+        "order": [
+            [index for index, _ in data.log[e * per_epoch : (e + 1) * per_epoch]] for e in range(EPOCHS)
+        ],
+        "noise": [value for _, value in data.log],
+        "dropout": torch.stack(masks[:3]),
+        "weights": {name: tensor.clone() for name, tensor in model.state_dict().items()},
+    }
 
 
 def worker_draws(tmp_path: Path, world_size: int, seed: int) -> dict[int, list[float]]:
     """One epoch through the trainer's own loader with 2 workers: each worker's draws in serving order."""
-    trainer = MultiGPUTrainer(dropout_model(seed), WorkerProbe(), None,
-                              config_for(tmp_path, world_size, seed=seed, batch_size=BATCH, num_workers=2))
+    trainer = MultiGPUTrainer(
+        dropout_model(seed),
+        WorkerProbe(),
+        None,
+        config_for(tmp_path, world_size, seed=seed, batch_size=BATCH, num_workers=2),
+    )
     draws: dict[int, list[float]] = {}
     for values, workers in trainer.train_loader:
         for value, worker in zip(values.tolist(), workers.tolist()):
@@ -96,8 +106,10 @@ def _rank(rank: int, world_size: int, tmp_path: Path, seeds: tuple[int, ...]) ->
     results = {}
     for seed in seeds:
         where = tmp_path / f"seed{seed}-rank{rank}"
-        results[seed] = {**train_recording(where / "train", world_size, seed),
-                         "workers": worker_draws(where / "workers", world_size, seed)}
+        results[seed] = {
+            **train_recording(where / "train", world_size, seed),
+            "workers": worker_draws(where / "workers", world_size, seed),
+        }
     return results
 
 
@@ -105,8 +117,10 @@ def _rank(rank: int, world_size: int, tmp_path: Path, seeds: tuple[int, ...]) ->
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[int, dict[str, Any]]]]:
     """{"A": per-rank results for seeds 0 and 1, "B": per-rank results of a rerun with seed 0}."""
     tmp_path = tmp_path_factory.mktemp("streams")
-    return {name: run_ranks(_rank, WORLD, tmp_path, tmp_path / name, seeds)
-            for name, seeds in (("A", (0, 1)), ("B", (0,)))}
+    return {
+        name: run_ranks(_rank, WORLD, tmp_path, tmp_path / name, seeds)
+        for name, seeds in (("A", (0, 1)), ("B", (0,)))
+    }
 
 
 # ------------------------------------------------------------------ the sampler alone
@@ -126,13 +140,15 @@ def test_shards_are_equal_disjoint_and_w_ranks_see_what_one_process_sees(size, w
         sampler.set_epoch(1)
     shards = [list(sampler) for sampler in samplers]
     usable = size - size % world_size  # at most W-1 samples left out, so batch counts are equal (no hang)
-    assert [len(shard) for shard in shards] == [len(s) for s in samplers] == [usable // world_size] * world_size
+    assert (
+        [len(shard) for shard in shards] == [len(s) for s in samplers] == [usable // world_size] * world_size
+    )
     order = epoch_order(size, 5, 1)[:usable].tolist()
     assert sorted(sum(shards, [])) == sorted(order)  # disjoint and covering
     batch = 2
     for i in range(usable // world_size // batch):  # global batch i of W x B == batch i of 1 x W*B
-        ranks_batch = {index for shard in shards for index in shard[i * batch:(i + 1) * batch]}
-        assert ranks_batch == set(order[i * batch * world_size:(i + 1) * batch * world_size])
+        ranks_batch = {index for shard in shards for index in shard[i * batch : (i + 1) * batch]}
+        assert ranks_batch == set(order[i * batch * world_size : (i + 1) * batch * world_size])
 
 
 # ------------------------------------------------------------------ real DDP training
@@ -154,7 +170,9 @@ def test_augmentation_and_dropout_differ_per_rank_and_repeat_on_a_rerun(runs):
         rank0, rank1 = (first[rank][0][stream] for rank in range(WORLD))
         assert not _equal(rank0, rank1), f"{stream}: every rank drew the same randomness"
         for rank in range(WORLD):
-            assert _equal(first[rank][0][stream], rerun[rank][0][stream]), f"{stream}: rank {rank} did not repeat"
+            assert _equal(first[rank][0][stream], rerun[rank][0][stream]), (
+                f"{stream}: rank {rank} did not repeat"
+            )
 
 
 @pytest.mark.slow

@@ -10,21 +10,35 @@ import itertools
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import (DIST_TIMEOUT, PYTHON, REPO, SHARDS, CrashAt, IdModel, IdStream, SplitIds, cli_env, config_for,
-                      free_port, read_ids, run_ranks, write_id_files)
+from conftest import (
+    PYTHON,
+    REPO,
+    SHARDS,
+    CrashAt,
+    IdModel,
+    IdStream,
+    SplitIds,
+    cli_env,
+    config_for,
+    free_port,
+    read_ids,
+    run_ranks,
+    write_id_files,
+)
 from multigpu.data.streaming import StreamShard, TaggedCollate
 
 EPOCH = sum(SHARDS)
 
 
-def shard_ids(rank: int, world: int, workers: int, skip=None, batches=None) -> tuple[list[int], dict[int, int]]:
+def shard_ids(
+    rank: int, world: int, workers: int, skip=None, batches=None
+) -> tuple[list[int], dict[int, int]]:
     """The ids one rank's loader gives (all, or its first `batches` batches), and the samples per slot."""
     shard = StreamShard(IdStream(), rank, world)
     shard.skip = skip
@@ -49,8 +63,9 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
     for world, workers, batches in [(2, 2, 3), (3, 1, 4), (1, 2, None)]:
         counts = [0] * (world * max(1, workers))
         for rank in range(world):
-            ids, mine = shard_ids(rank, world, workers, skip=[dict(layer) for layer in layers] or None,
-                                  batches=batches)
+            ids, mine = shard_ids(
+                rank, world, workers, skip=[dict(layer) for layer in layers] or None, batches=batches
+            )
             seen += ids
             for slot, n in mine.items():
                 counts[slot] = n
@@ -68,15 +83,21 @@ def matrix_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
     """A stream of MATRIX_IDS of `kind`: SplitIds (the trainer has to find out what it splits), or a Hugging
     Face stream of the files in `folder`, raw or split by split_dataset_by_node as its documentation shows."""
     if not kind.startswith("hf"):
-        return SplitIds(len(MATRIX_IDS), workers=kind in ("splits workers", "splits both"),
-                        ranks={"splits ranks": "env", "splits both": "dist"}.get(kind))
+        return SplitIds(
+            len(MATRIX_IDS),
+            workers=kind in ("splits workers", "splits both"),
+            ranks={"splits ranks": "env", "splits both": "dist"}.get(kind),
+        )
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    stream = datasets.load_dataset("json", data_files=sorted(map(str, folder.glob("*.jsonl"))), split="train",
-                                   streaming=True)
+    stream = datasets.load_dataset(
+        "json", data_files=sorted(map(str, folder.glob("*.jsonl"))), split="train", streaming=True
+    )
     if kind == "hf split by node":
-        stream = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        stream = split_dataset_by_node(
+            stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
     return stream
 
 
@@ -102,10 +123,14 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
             stream = TrainStream(dataset, runtime, 4, 1, 0, workers, 0, None, build_loader)
             for pass_number in (0, 1):
                 stream.shard.pass_number = pass_number
-                ids[kind, workers, pass_number] = [i for _, _, batch in stream.loader for i in batch["id"].tolist()]
-    undetected = {"rank read in __init__": (SplitIds(len(MATRIX_IDS), ranks="init"), 0),
-                  "shards_itself but reads all": (SplitIds(len(MATRIX_IDS)), 2),
-                  "no __len__, shards_itself but reads all": (SplitIds(len(MATRIX_IDS), length=False), 2)}
+                ids[kind, workers, pass_number] = [
+                    i for _, _, batch in stream.loader for i in batch["id"].tolist()
+                ]
+    undetected = {
+        "rank read in __init__": (SplitIds(len(MATRIX_IDS), ranks="init"), 0),
+        "shards_itself but reads all": (SplitIds(len(MATRIX_IDS)), 2),
+        "no __len__, shards_itself but reads all": (SplitIds(len(MATRIX_IDS), length=False), 2),
+    }
     undetected["shards_itself but reads all"][0].shards_itself = True
     undetected["no __len__, shards_itself but reads all"][0].shards_itself = True
     said = {}
@@ -132,23 +157,30 @@ def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_worker
         assert sorted(i for rank in ranks for i in rank["ids"][case]) == MATRIX_IDS, case
     said = ranks[0]["said"]
     # What the probe cannot see, the counts show: each rank kept 1/world of its own 1/world.
-    assert said["rank read in __init__"] == ([] if world == 1 else [
-        f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
-        f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
-        f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
-        f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
-        f"\"Your own data\")"])
+    assert said["rank read in __init__"] == (
+        []
+        if world == 1
+        else [
+            f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
+            f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
+            f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
+            f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
+            f'"Your own data")'
+        ]
+    )
     if world == 1:  # 2 workers that both read everything: twice the length, or the same first batch
         assert said["shards_itself but reads all"] == [
             "warning: the first pass of the training stream gave 60 samples over 1 rank(s) x 2 worker(s), and its "
             "__len__ is 30: each sample read about 2 times, by several (rank, worker)s; the trainer took it as a "
             "stream that splits over ranks and workers by itself (its shards_itself attribute). Read the rank and "
-            "worker in __iter__, or set shards_itself (docs/data.md, \"Your own data\")"]
+            'worker in __iter__, or set shards_itself (docs/data.md, "Your own data")'
+        ]
         assert said["no __len__, shards_itself but reads all"] == [
             "warning: in the first pass of the training stream rank 0 worker 0 and rank 0 worker 1 read the same "
             "first batch: samples are read more than once; the trainer took it as a stream that splits over ranks "
             "and workers by itself (its shards_itself attribute). Read the rank and worker in __iter__, or set "
-            "shards_itself (docs/data.md, \"Your own data\")"]
+            'shards_itself (docs/data.md, "Your own data")'
+        ]
 
 
 @pytest.mark.parametrize("kind", ["splits workers", "hf"])
@@ -164,8 +196,16 @@ def test_a_stream_that_splits_over_workers_itself_trains_on_every_sample_once_pe
     if kind == "hf":
         dataset = dataset.with_format("torch")
     for epochs in (1, 2):
-        config = config_for(tmp_path / "ckpt", 1, num_workers=2, epochs=epochs, lr_schedule="constant", batch_size=4,
-                            resume="auto", log_every=1000)
+        config = config_for(
+            tmp_path / "ckpt",
+            1,
+            num_workers=2,
+            epochs=epochs,
+            lr_schedule="constant",
+            batch_size=4,
+            resume="auto",
+            log_every=1000,
+        )
         with MultiGPUTrainer(IdModel(tmp_path / f"ids{epochs}"), dataset, None, config) as trainer:
             trainer.fit()
         assert sorted(read_ids([tmp_path / f"ids{epochs}"])) == MATRIX_IDS, f"epoch {epochs}"
@@ -180,8 +220,10 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 
     config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, batch_size=16, **overrides)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), MultiGPUTrainer(IdModel(tmp / f"ids{rank}"), dataset, IdStream(),
-                                                          config) as trainer:
+    with (
+        contextlib.redirect_stdout(out),
+        MultiGPUTrainer(IdModel(tmp / f"ids{rank}"), dataset, IdStream(), config) as trainer,
+    ):
         summary = trainer.fit()
     return {"summary": summary, "out": out.getvalue(), "ids": read_ids([tmp / f"ids{rank}"])}
 
@@ -192,11 +234,15 @@ CASES = [(2, 2, True, [36, 0]), (3, 0, True, [52, 53, 0]), (1, 1, False, None)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, workers, by_shard, unused", CASES)
-def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(tmp_path, world, workers, by_shard,
-                                                                             unused):
+def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(
+    tmp_path, world, workers, by_shard, unused
+):
     dataset = IdStream(shards_itself=by_shard)
-    results = (run_ranks(train_stream, world, tmp_path, tmp_path, workers, dataset) if world > 1
-               else [train_stream(0, 1, tmp_path, workers, dataset)])  # one rank: in this process
+    results = (
+        run_ranks(train_stream, world, tmp_path, tmp_path, workers, dataset)
+        if world > 1
+        else [train_stream(0, 1, tmp_path, workers, dataset)]
+    )  # one rank: in this process
     trained = [i for result in results for i in result["ids"]]
     assert len(trained) == len(set(trained)), "a sample was trained on twice"
     assert {result["summary"]["global_step"] for result in results} == {results[0]["summary"]["global_step"]}
@@ -235,11 +281,23 @@ def run_stream_torchrun(out: Path, stream: str, fault: str = "") -> subprocess.C
     for MULTIGPU_FAULT_INJECT."""
     out.mkdir()
     script = out / "run.py"
-    script.write_text(STREAM_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), kill_step=KILL_STEP,
-                                        stream=stream))
+    script.write_text(
+        STREAM_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), kill_step=KILL_STEP, stream=stream)
+    )
     env = cli_env({"MULTIGPU_FAULT_INJECT": fault} if fault else None)
-    command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-               "--master-port", str(free_port()), str(script), str(out)]
+    command = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(out),
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -247,8 +305,11 @@ KILL_STEP = 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", ["IdStream()", "SplitIds(sum(SHARDS), workers=True)"],
-                         ids=["split by the trainer", "splits over workers itself"])
+@pytest.mark.parametrize(
+    "stream",
+    ["IdStream()", "SplitIds(sum(SHARDS), workers=True)"],
+    ids=["split by the trainer", "splits over workers itself"],
+)
 def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path, stream):
     """Rank 1 is SIGKILLed right after step 5's checkpoint (its first), mid-epoch; torchrun restarts both ranks
     with --resume auto: the ids trained before the kill and after the restart are exactly one epoch, and the
@@ -257,8 +318,12 @@ def test_sigkill_mid_epoch_then_resume_continues_each_stream_exactly(tmp_path, s
     killed = run_stream_torchrun(tmp_path / "killed", stream, fault=f"1:{KILL_STEP}")
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "resumed from" in killed.stdout + killed.stderr
-    before = [i for rank in (0, 1) for line in (tmp_path / "killed" / f"ids{rank}-0").read_text().splitlines()
-              [:KILL_STEP] for i in map(int, line.split())]  # steps after the checkpoint were never saved
+    before = [
+        i
+        for rank in (0, 1)
+        for line in (tmp_path / "killed" / f"ids{rank}-0").read_text().splitlines()[:KILL_STEP]
+        for i in map(int, line.split())
+    ]  # steps after the checkpoint were never saved
     after = read_ids([tmp_path / "killed" / f"ids{rank}-1" for rank in (0, 1)])
     assert sorted(before + after) == list(range(EPOCH))
     whole = run_stream_torchrun(tmp_path / "whole", stream)
@@ -293,7 +358,9 @@ def train_map(rank: int, world: int, tmp: Path, phase: str, stop_step: int) -> l
 
     config = config_for(tmp, world, epochs=1, log_every=stop_step or 50, resume="auto", batch_size=16)
     callbacks = [SigtermAt(stop_step)] if stop_step else []
-    with MultiGPUTrainer(IdModel(tmp / f"{phase}{rank}"), IdMap(), None, config, callbacks=callbacks) as trainer:
+    with MultiGPUTrainer(
+        IdModel(tmp / f"{phase}{rank}"), IdMap(), None, config, callbacks=callbacks
+    ) as trainer:
         trainer.fit()
     return read_ids([tmp / f"{phase}{rank}"])
 
@@ -303,7 +370,9 @@ def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order
     before = [i for ids in run_ranks(train_map, 2, tmp_path, tmp_path, "before", 2) for i in ids]
     after = [i for ids in run_ranks(train_map, 3, tmp_path, tmp_path, "after", 0) for i in ids]
     assert 0 < len(before) < EPOCH // 2  # stopped mid-epoch, at a sync point after step 2
-    assert sorted(before + after) == list(range(EPOCH))  # 238 - 64 = 174 splits evenly over 3: nothing trimmed
+    assert sorted(before + after) == list(
+        range(EPOCH)
+    )  # 238 - 64 = 174 splits evenly over 3: nothing trimmed
 
 
 class EndlessIds(IdStream):
@@ -326,40 +395,64 @@ def test_a_stream_without_a_length_trains_by_passes_with_a_bar_of_steps_and_no_t
 
     config = config_for(tmp_path, 1, lr_schedule="constant", progress=True, log_every=1000)
     console = Terminal()
-    with contextlib.redirect_stdout(console), MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None,
-                                                              config) as trainer:
+    with (
+        contextlib.redirect_stdout(console),
+        MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None, config) as trainer,
+    ):
         summary = trainer.fit()
     assert (summary["epochs"], summary["global_step"]) == (2, 60)
     assert collections.Counter(read_ids([tmp_path / "ids"])) == {i: 2 for i in range(EPOCH)}
     printed = console.getvalue()
-    assert "schedule constant, warm-up 0 steps (first step lr 0.01, peak 0.01), an epoch is one pass of the stream " \
-           "(no __len__: steps unknown), 2 epochs; amp" in printed
+    assert (
+        "schedule constant, warm-up 0 steps (first step lr 0.01, peak 0.01), an epoch is one pass of the stream "
+        "(no __len__: steps unknown), 2 epochs; amp" in printed
+    )
     assert re.search(r"epoch 2/2: 30step \[[0-9:]+, +[0-9.]+step/s", printed), printed  # no "30/N"
 
 
-@pytest.mark.parametrize("overrides, refusal", [
-    ({}, "--lr-schedule cosine needs the run's length in steps, and this training stream has no __len__"),
-    ({"lr_schedule": "constant", "warmup_epochs": 0.5}, "--warmup-epochs 0.5 counts steps in epochs, and this "
-                                                        "training stream has no __len__"),
-    ({"lr_schedule": "step"}, "--lr-schedule step needs the run's length in steps"),
-    ({"scheduler": lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps)},
-     "your scheduler takes total_steps, and this training stream has no __len__"),
-])
-def test_a_schedule_that_needs_the_length_of_a_stream_without_one_is_refused_naming_the_flags(tmp_path, overrides,
-                                                                                              refusal):
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        ({}, "--lr-schedule cosine needs the run's length in steps, and this training stream has no __len__"),
+        (
+            {"lr_schedule": "constant", "warmup_epochs": 0.5},
+            "--warmup-epochs 0.5 counts steps in epochs, and this training stream has no __len__",
+        ),
+        ({"lr_schedule": "step"}, "--lr-schedule step needs the run's length in steps"),
+        (
+            {
+                "scheduler": lambda optimizer, total_steps: torch.optim.lr_scheduler.OneCycleLR(
+                    optimizer, 0.1, total_steps
+                )
+            },
+            "your scheduler takes total_steps, and this training stream has no __len__",
+        ),
+    ],
+)
+def test_a_schedule_that_needs_the_length_of_a_stream_without_one_is_refused_naming_the_flags(
+    tmp_path, overrides, refusal
+):
     from multigpu.errors import UsageError
     from train_multi_gpu import MultiGPUTrainer
 
     scheduler = overrides.pop("scheduler", None)
-    with pytest.raises(UsageError, match="^" + re.escape(refusal) + ".*: give --steps-per-epoch N or --max-steps N "
-                                                                    r"\(steps_per_epoch=N, max_steps=N\)"):
-        MultiGPUTrainer(IdModel(), EndlessIds(), None, config_for(tmp_path, 1, **overrides), scheduler=scheduler)
+    with pytest.raises(
+        UsageError,
+        match="^" + re.escape(refusal) + ".*: give --steps-per-epoch N or --max-steps N "
+        r"\(steps_per_epoch=N, max_steps=N\)",
+    ):
+        MultiGPUTrainer(
+            IdModel(), EndlessIds(), None, config_for(tmp_path, 1, **overrides), scheduler=scheduler
+        )
 
 
-@pytest.mark.parametrize("flags, said", [
-    ({"steps_per_epoch": 20, "epochs": 2}, "10 steps into an epoch of --steps-per-epoch 20"),
-    ({"max_steps": 40, "epochs": 1}, "30 steps into an epoch of --max-steps 40"),
-])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        ({"steps_per_epoch": 20, "epochs": 2}, "10 steps into an epoch of --steps-per-epoch 20"),
+        ({"max_steps": 40, "epochs": 1}, "30 steps into an epoch of --max-steps 40"),
+    ],
+)
 def test_a_pass_that_runs_out_before_the_epoch_is_followed_by_the_next_and_said_once(tmp_path, flags, said):
     """30 steps of data a pass: --steps-per-epoch 20 x 2 epochs, or --max-steps 40 alone, train all 40 steps,
     pass 2 following pass 1 from the stream's start, and the cosine schedule reaches its end; one line says so."""
@@ -367,14 +460,20 @@ def test_a_pass_that_runs_out_before_the_epoch_is_followed_by_the_next_and_said_
 
     out = io.StringIO()
     config = config_for(tmp_path, 1, log_every=1000, **flags)
-    with contextlib.redirect_stdout(out), MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None,
-                                                          config) as trainer:
+    with (
+        contextlib.redirect_stdout(out),
+        MultiGPUTrainer(IdModel(tmp_path / "ids"), EndlessIds(), None, config) as trainer,
+    ):
         assert trainer.fit()["global_step"] == 40
         assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
-    assert sorted(read_ids([tmp_path / "ids"])) == sorted([*range(EPOCH), *range(10 * 8)])  # 29 x 8 + 6, 10 x 8
+    assert sorted(read_ids([tmp_path / "ids"])) == sorted(
+        [*range(EPOCH), *range(10 * 8)]
+    )  # 29 x 8 + 6, 10 x 8
     assert out.getvalue().count("the training stream ran out") == 1
-    assert f"the training stream ran out after 30 steps (pass 1), {said}: the epoch goes on with pass 2, from the " \
-           f"stream's start (said once)" in out.getvalue()
+    assert (
+        f"the training stream ran out after 30 steps (pass 1), {said}: the epoch goes on with pass 2, from the "
+        f"stream's start (said once)" in out.getvalue()
+    )
 
 
 def test_max_steps_alone_bounds_an_endless_stream_and_its_schedule(tmp_path):
@@ -395,9 +494,19 @@ def test_a_resume_reaches_max_steps_on_an_endless_stream_with_the_uninterrupted_
 
     def run(name: str, callbacks=(), **extra) -> MultiGPUTrainer:
         torch.manual_seed(0)
-        config = config_for(tmp_path / name, 1, max_steps=13, lr_schedule="cosine", warmup_epochs=0.2,
-                            save_every_steps=5, num_workers=1, **extra)
-        return MultiGPUTrainer(IdModel(tmp_path / f"ids-{name}"), EndlessIds(), None, config, callbacks=list(callbacks))
+        config = config_for(
+            tmp_path / name,
+            1,
+            max_steps=13,
+            lr_schedule="cosine",
+            warmup_epochs=0.2,
+            save_every_steps=5,
+            num_workers=1,
+            **extra,
+        )
+        return MultiGPUTrainer(
+            IdModel(tmp_path / f"ids-{name}"), EndlessIds(), None, config, callbacks=list(callbacks)
+        )
 
     with run("whole") as whole:
         assert whole.fit()["global_step"] == 13
@@ -407,7 +516,9 @@ def test_a_resume_reaches_max_steps_on_an_endless_stream_with_the_uninterrupted_
     (tmp_path / "ids-cut").write_text("\n".join(saved) + "\n")
     with run("cut", resume="auto") as resumed:
         assert resumed.fit()["global_step"] == 13
-        assert read_ids([tmp_path / "ids-cut"]) == read_ids([tmp_path / "ids-whole"])  # the same 13 steps' samples
+        assert read_ids([tmp_path / "ids-cut"]) == read_ids(
+            [tmp_path / "ids-whole"]
+        )  # the same 13 steps' samples
         for name, tensor in resumed.model.state_dict().items():
             assert torch.equal(tensor, whole.model.state_dict()[name]), name
 
@@ -424,11 +535,16 @@ def evaluate_stream(rank: int, world: int, tmp: Path, workers: int, by_shard: bo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, workers, by_shard", [(1, 2, True), (2, 2, False)])
-def test_evaluation_over_a_stream_counts_every_sample_once_over_ranks_and_workers(tmp_path, world, workers, by_shard):
+def test_evaluation_over_a_stream_counts_every_sample_once_over_ranks_and_workers(
+    tmp_path, world, workers, by_shard
+):
     """The ids the model evaluated, over all ranks and loader workers, are each sample of the pass once, and
     every rank reports the same result over all of them (uneven shards: ranks end at different batches)."""
-    results = (run_ranks(evaluate_stream, world, tmp_path, tmp_path, workers, by_shard) if world > 1
-               else [evaluate_stream(0, 1, tmp_path, workers, by_shard)])
+    results = (
+        run_ranks(evaluate_stream, world, tmp_path, tmp_path, workers, by_shard)
+        if world > 1
+        else [evaluate_stream(0, 1, tmp_path, workers, by_shard)]
+    )
     assert sorted(read_ids([tmp_path / f"eval{rank}" for rank in range(world)])) == list(range(EPOCH))
     assert all(result == results[0] for result in results) and results[0]["count"] == EPOCH
 
@@ -438,10 +554,20 @@ def test_a_self_sharding_streams_position_is_refused_at_another_layout_in_one_li
     from train_multi_gpu import MultiGPUTrainer
 
     with MultiGPUTrainer(IdModel(), IdStream(shards_itself=True), None, config_for(tmp_path, 1)) as trainer:
-        state = {"pass": 0, "steps_in_epoch": 3, "layers": [{"slots": 2, "counts": [24, 24]}], "world_size": 2,
-                 "workers": 1, "shards_itself": True, "batches_taken": [3, 3]}
-        with pytest.raises(UsageError, match=r"^the checkpoint holds the position of a stream that shards itself "
-                                             r"over 2 rank"):
+        state = {
+            "pass": 0,
+            "steps_in_epoch": 3,
+            "layers": [{"slots": 2, "counts": [24, 24]}],
+            "world_size": 2,
+            "workers": 1,
+            "shards_itself": True,
+            "batches_taken": [3, 3],
+        }
+        with pytest.raises(
+            UsageError,
+            match=r"^the checkpoint holds the position of a stream that shards itself "
+            r"over 2 rank",
+        ):
             trainer.stream.load_state_dict(state)
         with pytest.raises(UsageError, match=r"^the checkpoint holds no stream position"):
             trainer.stream.load_state_dict({})  # what a map-style run's checkpoint gives it

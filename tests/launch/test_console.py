@@ -33,7 +33,9 @@ def test_a_write_to_a_dead_pipe_goes_to_dev_null_and_so_does_everything_after_it
     stream = BestEffortStream(pipe)
     assert stream.write("checkpoint last.pt written\n") == len("checkpoint last.pt written\n")
     stream.flush()
-    assert is_dev_null(pipe.fileno())  # C code and child processes writing to the descriptor lose nothing either
+    assert is_dev_null(
+        pipe.fileno()
+    )  # C code and child processes writing to the descriptor lose nothing either
     print("more", file=stream, flush=True)
     pipe.close()
 
@@ -47,7 +49,9 @@ def test_other_write_errors_still_raise() -> None:
         BestEffortStream(FullDisk()).write("x")
 
 
-def test_best_effort_wraps_the_console_for_the_block_and_puts_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_best_effort_wraps_the_console_for_the_block_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pipe = dead_pipe()
     monkeypatch.setattr(sys, "stdout", pipe)
     with best_effort():

@@ -17,7 +17,8 @@ print(codes, "torch" in sys.modules, file=sys.stderr)
 
 
 def test_each_step_of_the_launchers_rules_runs_without_importing_torch(tmp_path: Path):
-    probe = subprocess.run([PYTHON, "-c", PROBE], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                           timeout=120)
+    probe = subprocess.run(
+        [PYTHON, "-c", PROBE], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stderr.strip().splitlines()[-1] == "[0, 0, 0] False", probe.stderr

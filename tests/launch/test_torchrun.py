@@ -34,10 +34,18 @@ def test_the_verdict_is_the_first_observed_failure_and_a_kill_reads_as_a_shell_s
     assert verdict({1: failure(-9, 100), 0: failure(HANG_EXIT_STATUS, 100)}) == (HANG_EXIT_STATUS, "rank 0")
 
 
-def test_a_killed_worker_is_named_with_its_status_and_torchruns_report_stays_in_the_log(tmp_path: Path) -> None:
+def test_a_killed_worker_is_named_with_its_status_and_torchruns_report_stays_in_the_log(
+    tmp_path: Path,
+) -> None:
     log = tmp_path / "torchrun.log"
-    result = subprocess.run(torchrun_command(log, "--save-dir", str(tmp_path / "ckpt")), cwd=tmp_path,
-                            env=cli_env({FAULT_ENV: "1:2"}), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    result = subprocess.run(
+        torchrun_command(log, "--save-dir", str(tmp_path / "ckpt")),
+        cwd=tmp_path,
+        env=cli_env({FAULT_ENV: "1:2"}),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert result.returncode == 137, result.stderr  # rank 1 died by SIGKILL, as the fault injector kills
     assert f"torchrun: rank 1 exited with status 137 (torchrun's report: {log})" in result.stderr
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
@@ -60,7 +68,13 @@ logging.getLogger("dill").warning("dill says")
 
 def test_torchruns_logs_go_to_the_file_whatever_handlers_other_libraries_installed(tmp_path: Path) -> None:
     log = tmp_path / "torchrun.log"
-    result = subprocess.run([PYTHON, "-c", DILL_THEN_REDIRECT, str(log)], cwd=REPO, env=cli_env(),
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    result = subprocess.run(
+        [PYTHON, "-c", DILL_THEN_REDIRECT, str(log)],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert log.read_text().splitlines() == ["the agent says", "dill says"]

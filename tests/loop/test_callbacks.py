@@ -56,21 +56,33 @@ def frozen(params: Any) -> torch.optim.Optimizer:
 
 def test_callbacks_are_called_at_their_points_and_their_state_survives_a_resume(tmp_path):
     first = Recorder()
-    MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config_for(tmp_path, 1, epochs=1),
-                    callbacks=[first]).fit()
+    MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), blobs(16, 1), config_for(tmp_path, 1, epochs=1), callbacks=[first]
+    ).fit()
     assert first.calls == [("fit_start", 0), ("epoch_end", 8), ("validation_end", 8), ("save", 8)]
     assert checkpoint.load(str(tmp_path / "ckpt" / "last.pt"))["callbacks"] == {"Recorder": {"steps": 8}}
     second, other = Recorder(), Recorder()  # two of a class: each keeps its own state
-    MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config_for(tmp_path, 1, epochs=2, resume="auto"),
-                    callbacks=[second, other]).fit()
-    assert second.steps == 16 and other.steps == 8  # the second one was not in the checkpoint: it started fresh
+    MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        blobs(16, 1),
+        config_for(tmp_path, 1, epochs=2, resume="auto"),
+        callbacks=[second, other],
+    ).fit()
+    assert (
+        second.steps == 16 and other.steps == 8
+    )  # the second one was not in the checkpoint: it started fresh
     assert second.calls[0] == ("fit_start", 8)
 
 
 def plateau(tmp_path: Path, patience: int, epochs: int, **config: Any) -> dict[str, Any]:
-    return MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1),
-                           config_for(tmp_path, 1, epochs=epochs, early_stop_patience=patience, **config),
-                           optimizer=frozen).fit()
+    return MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        blobs(16, 1),
+        config_for(tmp_path, 1, epochs=epochs, early_stop_patience=patience, **config),
+        optimizer=frozen,
+    ).fit()
 
 
 def test_early_stopping_stops_on_a_plateau_after_patience_epochs_and_keeps_the_best(tmp_path, capsys):
@@ -83,17 +95,37 @@ def test_early_stopping_stops_on_a_plateau_after_patience_epochs_and_keeps_the_b
 
 
 def test_a_resumed_run_continues_the_patience_counter(tmp_path):
-    assert "stopped_early" not in plateau(tmp_path, patience=3, epochs=2)  # one epoch without improvement so far
-    assert plateau(tmp_path, patience=3, epochs=10, resume="auto")["epochs"] == 4  # 5 if the counter restarted
-    again = plateau(tmp_path, patience=3, epochs=10, resume="auto")  # resumed after it stopped: nothing to train
+    assert "stopped_early" not in plateau(
+        tmp_path, patience=3, epochs=2
+    )  # one epoch without improvement so far
+    assert (
+        plateau(tmp_path, patience=3, epochs=10, resume="auto")["epochs"] == 4
+    )  # 5 if the counter restarted
+    again = plateau(
+        tmp_path, patience=3, epochs=10, resume="auto"
+    )  # resumed after it stopped: nothing to train
     assert again["epochs"] == 4 and "stopped_early" in again
 
 
 def test_early_stopping_flags_count_only_improvements_above_min_delta(tmp_path, capsys):
     save_dir = tmp_path / "run"
-    code = main_multi_gpu.main([*TINY, "--epochs", "5", "--mode", "flatten", "--image-shape", "1,4,4",
-                                "--early-stop-patience", "1", "--early-stop-min-delta", "100",
-                                "--save-dir", str(save_dir)])
+    code = main_multi_gpu.main(
+        [
+            *TINY,
+            "--epochs",
+            "5",
+            "--mode",
+            "flatten",
+            "--image-shape",
+            "1,4,4",
+            "--early-stop-patience",
+            "1",
+            "--early-stop-min-delta",
+            "100",
+            "--save-dir",
+            str(save_dir),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "val_acc has not improved by more than 100 for 1 epoch(s)" in out  # it trains, but not by 100
@@ -109,8 +141,13 @@ class StopOnOneRank:
 
 
 def _stop_on_one_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
-    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(16, 1), config_for(tmp_path, world_size, epochs=3),
-                              callbacks=[StopOnOneRank()])
+    trainer = MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        blobs(16, 1),
+        config_for(tmp_path, world_size, epochs=3),
+        callbacks=[StopOnOneRank()],
+    )
     summary = trainer.fit()
     return {"epochs": summary["epochs"], "why": summary.get("stopped_early")}
 
@@ -132,7 +169,9 @@ class LogsItsRank:
 
 def _log_scalars(rank: int, world_size: int, tmp_path: Path) -> None:
     config = config_for(tmp_path, world_size, epochs=2, log_every=3)
-    MultiGPUTrainer(tiny_model(), blobs(32 * world_size, 0), blobs(16, 1), config, callbacks=[LogsItsRank()]).fit()
+    MultiGPUTrainer(
+        tiny_model(), blobs(32 * world_size, 0), blobs(16, 1), config, callbacks=[LogsItsRank()]
+    ).fit()
 
 
 @pytest.mark.slow
@@ -158,14 +197,25 @@ class TrainedWeights:
 def _ema_run(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     model, record = tiny_model(), TrainedWeights()
     start = [p.detach().clone() for p in model.parameters()]
-    trainer = MultiGPUTrainer(model, blobs(32 * world_size, 0), blobs(16, 1),
-                              config_for(tmp_path, world_size, epochs=2, ema_decay=0.9), callbacks=[record])
+    trainer = MultiGPUTrainer(
+        model,
+        blobs(32 * world_size, 0),
+        blobs(16, 1),
+        config_for(tmp_path, world_size, epochs=2, ema_decay=0.9),
+        callbacks=[record],
+    )
     summary = trainer.fit()
     ema = trainer.callbacks.callbacks[0]
-    return {"start": start, "steps": record.steps, "ema": [p.detach().clone() for p in ema.model.parameters()],
-            "val_loss": summary["val_loss"], "ema_loss": trainer.evaluate()["loss"],
-            "trained_loss": trainer.evaluator.run(trainer.model, trainer.val_dataset, 8)["loss"],
-            "predicted": trainer.predict(), "ema_outputs": ema.model(trainer.val_dataset.tensors[0]).detach()}
+    return {
+        "start": start,
+        "steps": record.steps,
+        "ema": [p.detach().clone() for p in ema.model.parameters()],
+        "val_loss": summary["val_loss"],
+        "ema_loss": trainer.evaluate()["loss"],
+        "trained_loss": trainer.evaluator.run(trainer.model, trainer.val_dataset, 8)["loss"],
+        "predicted": trainer.predict(),
+        "ema_outputs": ema.model(trainer.val_dataset.tensors[0]).detach(),
+    }
 
 
 def hand_ema(start: list[torch.Tensor], steps: list[list[torch.Tensor]], decay: float) -> list[torch.Tensor]:
@@ -177,8 +227,10 @@ def hand_ema(start: list[torch.Tensor], steps: list[list[torch.Tensor]], decay: 
 
 @pytest.mark.slow
 def test_ema_weights_are_the_hand_computed_average_in_one_and_two_processes(tmp_path):
-    for world_size, ranks in ((1, [_ema_run(0, 1, tmp_path / "one")]),
-                              (2, run_ranks(_ema_run, 2, tmp_path / "two", tmp_path / "two"))):
+    for _world_size, ranks in (
+        (1, [_ema_run(0, 1, tmp_path / "one")]),
+        (2, run_ranks(_ema_run, 2, tmp_path / "two", tmp_path / "two")),
+    ):
         for run in ranks:
             assert len(run["steps"]) == 8
             for ema, expected in zip(run["ema"], hand_ema(run["start"], run["steps"], 0.9)):
@@ -188,8 +240,21 @@ def test_ema_weights_are_the_hand_computed_average_in_one_and_two_processes(tmp_
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["ema"], ranks[-1]["ema"]))
 
 
-EMA_ARGS = [*TINY, "--model", "mlp", "--mode", "flatten", "--image-shape", "1,4,4", "--epochs", "2",
-            "--save-every-steps", "5", "--ema-decay", "0.9"]
+EMA_ARGS = [
+    *TINY,
+    "--model",
+    "mlp",
+    "--mode",
+    "flatten",
+    "--image-shape",
+    "1,4,4",
+    "--epochs",
+    "2",
+    "--save-every-steps",
+    "5",
+    "--ema-decay",
+    "0.9",
+]
 
 
 @pytest.mark.slow
@@ -205,8 +270,12 @@ def test_ema_survives_a_sigkill_and_resume_bit_exactly(tmp_path):
         assert not torch.equal(tensor, whole["model"][name]) or not tensor.is_floating_point()
     assert whole["best_value"] == resumed["best_value"]
     # predict_multi_gpu.py predicts with the average
-    assert predict_multi_gpu.main(["--checkpoint", str(tmp_path / "whole" / "last.pt"),
-                                   "--output", str(tmp_path / "val.pt")]) == 0
+    assert (
+        predict_multi_gpu.main(
+            ["--checkpoint", str(tmp_path / "whole" / "last.pt"), "--output", str(tmp_path / "val.pt")]
+        )
+        == 0
+    )
     model = build_model("mlp", (16,), 10)
     model.load_state_dict(ema_weights(whole))
     val = build_datasets(TrainConfig.from_dict(whole["config"])).val

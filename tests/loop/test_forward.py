@@ -10,8 +10,14 @@ from torch.utils.data import Dataset
 
 from conftest import blobs, config_for, tiny_model
 from multigpu.data.batches import batch_size, concat, split, to_device
-from multigpu.loop.forward import (BatchMismatch, check_first_batch, compute_loss, default_forward, fitted_forward,
-                                   predictions)
+from multigpu.loop.forward import (
+    BatchMismatch,
+    check_first_batch,
+    compute_loss,
+    default_forward,
+    fitted_forward,
+    predictions,
+)
 from train_multi_gpu import MultiGPUTrainer
 
 Pair = namedtuple("Pair", "inputs targets")
@@ -20,7 +26,9 @@ Pair = namedtuple("Pair", "inputs targets")
 def test_every_tensor_of_a_nested_batch_is_moved_and_the_structure_kept():
     batch = {"a": (torch.ones(3, 2), [torch.zeros(3)]), "b": Pair(torch.ones(3), torch.zeros(3)), "name": "x"}
     moved = to_device(batch, torch.device("meta"))
-    assert moved["a"][0].device.type == moved["a"][1][0].device.type == moved["b"].targets.device.type == "meta"
+    assert (
+        moved["a"][0].device.type == moved["a"][1][0].device.type == moved["b"].targets.device.type == "meta"
+    )
     assert isinstance(moved["a"], tuple) and isinstance(moved["a"][1], list) and isinstance(moved["b"], Pair)
     assert moved["name"] == "x"
     assert batch_size(batch) == 3 and batch_size([{"x": torch.ones(5, 1)}]) == 5
@@ -47,8 +55,11 @@ class InputsOnly(Dataset):
 
 def test_a_batch_without_targets_is_one_clear_value_error_at_the_first_step(tmp_path):
     trainer = MultiGPUTrainer(tiny_model(), InputsOnly(), None, config_for(tmp_path, 1))
-    with pytest.raises(ValueError, match=r"a batch must be an \(inputs, targets\) pair or a dict, got a list of "
-                                             r"\(Tensor\); pass forward_fn="):
+    with pytest.raises(
+        ValueError,
+        match=r"a batch must be an \(inputs, targets\) pair or a dict, got a list of "
+        r"\(Tensor\); pass forward_fn=",
+    ):
         trainer.fit()
 
 
@@ -71,8 +82,13 @@ def test_forward_fn_says_how_any_batch_goes_through_the_model(tmp_path):
             inputs, target = data[index]
             return {"features": inputs, "weight": 1.0}, "ignored", target
 
-    trainer = MultiGPUTrainer(tiny_model(), Triples(), Triples(), config_for(tmp_path, 1, epochs=3),
-                              forward_fn=lambda model, batch: (model(batch[0]["features"]), batch[2]))
+    trainer = MultiGPUTrainer(
+        tiny_model(),
+        Triples(),
+        Triples(),
+        config_for(tmp_path, 1, epochs=3),
+        forward_fn=lambda model, batch: (model(batch[0]["features"]), batch[2]),
+    )
     assert trainer.fit()["val_acc"] > 0.9
 
 
@@ -99,12 +115,18 @@ class TakesTheDict(TakesInputIds):  # written for `for x, y in loader: model(x)`
 def test_without_a_forward_fn_the_models_forward_signature_decides_what_each_batch_passes():
     x, y = torch.randn(6, 16), torch.tensor([0, 1, 2, 3, 0, 1])
     model = TakesInputIds()  # a dict batch: only the keys forward accepts; the targets from its label key
-    outputs, targets = fitted_forward(model)(model, {"input_ids": x, "label": y, "attention_mask": torch.ones(6)})
+    outputs, targets = fitted_forward(model)(
+        model, {"input_ids": x, "label": y, "attention_mask": torch.ones(6)}
+    )
     assert torch.equal(outputs, model(x)) and targets is y
     model = NanoGPTStyle()
     forward = fitted_forward(torch.nn.DataParallel(model))  # read through the wrapper, from the plain module
-    outputs, targets = forward(model, (x, y))  # targets go in; the model's loss is the loss, its logits the metrics'
-    assert torch.equal(compute_loss(outputs, targets, None), torch.nn.functional.cross_entropy(model(x)[0], y))
+    outputs, targets = forward(
+        model, (x, y)
+    )  # targets go in; the model's loss is the loss, its logits the metrics'
+    assert torch.equal(
+        compute_loss(outputs, targets, None), torch.nn.functional.cross_entropy(model(x)[0], y)
+    )
     assert torch.equal(predictions(outputs), model(x)[0]) and torch.equal(predictions(model(x)), model(x)[0])
     model = TakesTheDict()  # a pair whose inputs is a dict: model(inputs), as a hand-written loop does
     outputs, _ = fitted_forward(model)(model, ({"x": x, "scale": torch.full((6, 1), 2.0)}, y))
@@ -115,12 +137,19 @@ def test_without_a_forward_fn_the_models_forward_signature_decides_what_each_bat
     seen = []
 
     def named_and_more(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
-        seen.append(sorted(kwargs))  # beside named parameters, **kwargs gets no other key (Hugging Face's rule)
+        seen.append(
+            sorted(kwargs)
+        )  # beside named parameters, **kwargs gets no other key (Hugging Face's rule)
         return input_ids
 
-    outputs, targets = fitted_forward(named_and_more)(named_and_more, {"input_ids": x, "label": y, "extra": x})
+    outputs, targets = fitted_forward(named_and_more)(
+        named_and_more, {"input_ids": x, "label": y, "extra": x}
+    )
     assert outputs is x and targets is y and seen == [[]]
-    assert fitted_forward(lambda **kwargs: kwargs)(lambda **kwargs: kwargs, {"a": x, "y": y})[0] == {"a": x, "y": y}
+    assert fitted_forward(lambda **kwargs: kwargs)(lambda **kwargs: kwargs, {"a": x, "y": y})[0] == {
+        "a": x,
+        "y": y,
+    }
 
 
 def test_what_no_signature_can_take_is_one_value_error_naming_batch_signature_and_forward_fn():
@@ -129,18 +158,27 @@ def test_what_no_signature_can_take_is_one_value_error_naming_batch_signature_an
             return x * mask
 
     model = TwoInputs()
-    with pytest.raises(BatchMismatch, match=r"forward needs mask, which model\(inputs\) does not give, got a tuple of "
-                                            r"\(Tensor, Tensor\); pass forward_fn=lambda model, batch: .* to fit the "
-                                            r"model's forward\(x, mask\) \("):
+    with pytest.raises(
+        BatchMismatch,
+        match=r"forward needs mask, which model\(inputs\) does not give, got a tuple of "
+        r"\(Tensor, Tensor\); pass forward_fn=lambda model, batch: .* to fit the "
+        r"model's forward\(x, mask\) \(",
+    ):
         fitted_forward(model)(model, (torch.ones(2), torch.ones(2)))
-    with pytest.raises(ValueError, match=r"forward needs mask, which the batch's keys do not give, got a dict with "
-                                         r"keys x, label; pass forward_fn="):
+    with pytest.raises(
+        ValueError,
+        match=r"forward needs mask, which the batch's keys do not give, got a dict with "
+        r"keys x, label; pass forward_fn=",
+    ):
         fitted_forward(model)(model, {"x": torch.ones(2), "label": torch.ones(2)})
 
 
 def test_split_cuts_every_tensor_in_consecutive_parts_and_concat_joins_them_back():
-    batch = {"a": (torch.arange(5.0), [torch.arange(10).reshape(5, 2)]), "b": Pair(torch.ones(5), torch.zeros(5)),
-             "name": "x"}
+    batch = {
+        "a": (torch.arange(5.0), [torch.arange(10).reshape(5, 2)]),
+        "b": Pair(torch.ones(5), torch.zeros(5)),
+        "name": "x",
+    }
     parts = split(batch, [2, 0, 3])
     assert [batch_size(part) for part in parts] == [2, 0, 3]
     assert parts[2]["a"][0].tolist() == [2.0, 3.0, 4.0] and isinstance(parts[1]["b"], Pair)

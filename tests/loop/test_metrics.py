@@ -38,10 +38,16 @@ def errors(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _evaluate(rank: int, world_size: int, tmp_path: Path) -> list[dict]:
-    classifier = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, world_size),
-                                 metrics=["accuracy", "top2", confidence, errors])
-    regression = MultiGPUTrainer(regression_model(), regression_set(64, 0), None, config_for(tmp_path, world_size),
-                                 loss_fn=F.mse_loss)
+    classifier = MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        None,
+        config_for(tmp_path, world_size),
+        metrics=["accuracy", "top2", confidence, errors],
+    )
+    regression = MultiGPUTrainer(
+        regression_model(), regression_set(64, 0), None, config_for(tmp_path, world_size), loss_fn=F.mse_loss
+    )
     return [classifier.evaluate(blobs(PRIME, 1)), regression.evaluate(regression_set(PRIME, 1))]
 
 
@@ -58,8 +64,9 @@ def test_every_metric_equals_the_single_process_value_exactly_on_1_2_and_3_ranks
 
 
 def test_metric_values_are_means_over_samples(tmp_path):
-    trainer = MultiGPUTrainer(regression_model(), regression_set(64, 0), None, config_for(tmp_path, 1),
-                              loss_fn=F.mse_loss)
+    trainer = MultiGPUTrainer(
+        regression_model(), regression_set(64, 0), None, config_for(tmp_path, 1), loss_fn=F.mse_loss
+    )
     data = regression_set(PRIME, 1)
     result = trainer.evaluate(data)
     with torch.no_grad():
@@ -67,8 +74,12 @@ def test_metric_values_are_means_over_samples(tmp_path):
     assert result["mse"] == pytest.approx(((outputs - data.tensors[1]) ** 2).mean().item(), rel=1e-12)
     assert result["mae"] == pytest.approx((outputs - data.tensors[1]).abs().mean().item(), rel=1e-12)
     assert result["loss"] == pytest.approx(result["mse"], rel=1e-6)
-    classes = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1)).evaluate(blobs(PRIME, 1))
-    assert set(classes) == {"loss", "acc", "count"} and 0 <= classes["acc"] <= 1  # a fraction, not a percentage
+    classes = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1)).evaluate(
+        blobs(PRIME, 1)
+    )
+    assert (
+        set(classes) == {"loss", "acc", "count"} and 0 <= classes["acc"] <= 1
+    )  # a fraction, not a percentage
 
 
 class Squeezed(torch.nn.Module):
@@ -83,15 +94,28 @@ class Squeezed(torch.nn.Module):
 
 
 def test_regression_outputs_of_either_shape_get_mse_and_mae(tmp_path):
-    flat = MultiGPUTrainer(Squeezed(), regression_set(64, 0, ()), None, config_for(tmp_path, 1), loss_fn=F.mse_loss)
-    column = MultiGPUTrainer(regression_model(), regression_set(64, 0), None, config_for(tmp_path, 1),
-                             loss_fn=F.mse_loss)
+    flat = MultiGPUTrainer(
+        Squeezed(), regression_set(64, 0, ()), None, config_for(tmp_path, 1), loss_fn=F.mse_loss
+    )
+    column = MultiGPUTrainer(
+        regression_model(), regression_set(64, 0), None, config_for(tmp_path, 1), loss_fn=F.mse_loss
+    )
     # (N, 1) outputs against (N,) targets are compared sample by sample, never broadcast to N x N.
-    mixed = MultiGPUTrainer(regression_model(), regression_set(64, 0, ()), None, config_for(tmp_path, 1),
-                            loss_fn=lambda outputs, targets: F.mse_loss(outputs.squeeze(1), targets))
-    results = [trainer.evaluate(data) for trainer, data in ((flat, regression_set(PRIME, 1, ())),
-                                                           (column, regression_set(PRIME, 1)),
-                                                           (mixed, regression_set(PRIME, 1, ())))]
+    mixed = MultiGPUTrainer(
+        regression_model(),
+        regression_set(64, 0, ()),
+        None,
+        config_for(tmp_path, 1),
+        loss_fn=lambda outputs, targets: F.mse_loss(outputs.squeeze(1), targets),
+    )
+    results = [
+        trainer.evaluate(data)
+        for trainer, data in (
+            (flat, regression_set(PRIME, 1, ())),
+            (column, regression_set(PRIME, 1)),
+            (mixed, regression_set(PRIME, 1, ())),
+        )
+    ]
     for result in results:
         assert set(result) == {"loss", "mse", "mae", "count"}
         assert result["mse"] == pytest.approx(results[0]["mse"], rel=1e-12)
@@ -123,14 +147,22 @@ class Jittered(torch.utils.data.Dataset):
 
 def test_the_start_check_of_names_leaves_no_trace(tmp_path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.5),
-                                torch.nn.Linear(32, 4))
-    trainer = MultiGPUTrainer(model, blobs(64, 0), Jittered(32), config_for(tmp_path, 1), metrics=["acc", confidence])
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4)
+    )
+    trainer = MultiGPUTrainer(
+        model, blobs(64, 0), Jittered(32), config_for(tmp_path, 1), metrics=["acc", confidence]
+    )
     rng, buffers = torch.get_rng_state(), {name: b.clone() for name, b in trainer.model.named_buffers()}
     trainer.evaluator.check_names(trainer.model, Jittered(32), metrics.Monitor("val_confidence"))
     assert torch.equal(torch.get_rng_state(), rng)  # the transform's draws were put back
-    assert all(torch.equal(b, buffers[name]) for name, b in trainer.model.named_buffers())  # BatchNorm statistics
+    assert all(
+        torch.equal(b, buffers[name]) for name, b in trainer.model.named_buffers()
+    )  # BatchNorm statistics
     assert trainer.model.training
-    with pytest.raises(Exception, match="--monitor val_conf is not a validation metric of this run; it has "
-                                        "val_loss, val_acc, val_confidence"):
+    with pytest.raises(
+        Exception,
+        match="--monitor val_conf is not a validation metric of this run; it has "
+        "val_loss, val_acc, val_confidence",
+    ):
         trainer.evaluator.check_names(trainer.model, Jittered(32), metrics.Monitor("val_conf"))

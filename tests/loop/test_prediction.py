@@ -109,7 +109,9 @@ def test_dataparallel_mode_on_the_cpu_and_amp_predict_through_the_trainers_own_p
     dp = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "dp", 1, multi_gpu="dp"))
     assert dp.runtime.mode == "none"  # no GPUs: DataParallel falls back to one device
     assert torch.equal(dp.predict(), one_device)
-    torch.testing.assert_close(dp.predict(batch_size=5), one_device)  # other batches, the same samples in order
+    torch.testing.assert_close(
+        dp.predict(batch_size=5), one_device
+    )  # other batches, the same samples in order
     bf16 = MultiGPUTrainer(tiny_model(), blobs(64, 0), data, config_for(tmp_path / "bf16", 1, amp="bf16"))
     outputs = bf16.predict()
     assert outputs.dtype == torch.bfloat16  # the training autocast
@@ -142,7 +144,9 @@ def test_batches_of_any_structure_give_their_per_sample_outputs(tmp_path):
     outputs = trainer.predict(DictSamples())  # the outputs' whole structure; the batch's loss is no output
     assert list(outputs) == ["logits"]
     with torch.no_grad():
-        torch.testing.assert_close(outputs["logits"], trainer.model.net(torch.arange(10.0)[:, None].expand(10, 16)))
+        torch.testing.assert_close(
+            outputs["logits"], trainer.model.net(torch.arange(10.0)[:, None].expand(10, 16))
+        )
     plain = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path / "inputs-only", 1))
     inputs = blobs(9, 2).tensors[0]
     assert torch.equal(plain.predict(TensorDataset(inputs)), plain.predict(blobs(9, 2)))  # no targets needed

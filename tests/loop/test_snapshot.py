@@ -12,8 +12,9 @@ from multigpu.loop.snapshot import kept
 
 def model_with_state() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
-                               torch.nn.Linear(8, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)
+    )
 
 
 def everything(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -23,7 +24,9 @@ def everything(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list
 
 
 def probe_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model(torch.randn(6, 4)).sum().backward()  # dropout draws random numbers, BatchNorm updates its statistics
+    model(
+        torch.randn(6, 4)
+    ).sum().backward()  # dropout draws random numbers, BatchNorm updates its statistics
     optimizer.step()
     random.random()
     np.random.rand()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -58,8 +58,12 @@ class OwnLossLM(torch.nn.Module):
         self.head = torch.nn.Linear(16, VOCAB)
         self.given: list[int] = []
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                num_items_in_batch: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         logits = self.head(torch.tanh(self.embed(input_ids)))
         if labels is None:
             return {"logits": logits}
@@ -85,8 +89,18 @@ class PairLM(torch.nn.Module):
 def gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -95,15 +109,34 @@ def model_of(kind: str) -> torch.nn.Module:
     return {"own_loss": OwnLossLM, "gpt2": gpt2, "default_loss": PairLM}[kind]()
 
 
-def train(tmp_path: Path, kind: str, world: int, batch: int, accumulate: int, weighting: str = "auto",
-          multi_gpu: Optional[str] = None) -> dict[str, torch.Tensor]:
+def train(
+    tmp_path: Path,
+    kind: str,
+    world: int,
+    batch: int,
+    accumulate: int,
+    weighting: str = "auto",
+    multi_gpu: str | None = None,
+) -> dict[str, torch.Tensor]:
     """The weights after 2 epochs of 4 steps, SGD without momentum: every step's gradient shows."""
     model = model_of(kind)
     data = UnevenTokens(SAMPLES, 0, as_pairs=kind == "default_loss")
-    config = config_for(tmp_path, world, batch_size=batch, grad_accum_steps=accumulate, optimizer="sgd", lr=0.5,
-                        momentum=0.0, weight_decay=0.0, lr_schedule="constant", max_steps=6, epochs=2,
-                        loss_weighting=weighting, checkpoint_format="file",
-                        **({"multi_gpu": multi_gpu} if multi_gpu else {}))
+    config = config_for(
+        tmp_path,
+        world,
+        batch_size=batch,
+        grad_accum_steps=accumulate,
+        optimizer="sgd",
+        lr=0.5,
+        momentum=0.0,
+        weight_decay=0.0,
+        lr_schedule="constant",
+        max_steps=6,
+        epochs=2,
+        loss_weighting=weighting,
+        checkpoint_format="file",
+        **({"multi_gpu": multi_gpu} if multi_gpu else {}),
+    )
     with MultiGPUTrainer(model, data, None, config) as trainer:
         trainer.fit()
         return full_weights(trainer)
@@ -115,15 +148,21 @@ def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tenso
 
 def ranks_train(rank: int, world: int, tmp_path: Path) -> dict[str, Any]:
     """Each kind under ddp and fsdp at 2 x 8, on every rank (rank 0's weights are the result)."""
-    return {(kind, mode): train(tmp_path / f"{kind}-{mode}", kind, world, 8, 1, multi_gpu=mode)
-            for kind in KINDS for mode in ("ddp", "fsdp")}
+    return {
+        (kind, mode): train(tmp_path / f"{kind}-{mode}", kind, world, 8, 1, multi_gpu=mode)
+        for kind in KINDS
+        for mode in ("ddp", "fsdp")
+    }
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("one")
-    return {(kind, shape): train(root / f"{kind}-{shape}", kind, 1, batch, accumulate)
-            for kind in KINDS for shape, batch, accumulate in (("16", 16, 1), ("8x2", 8, 2))}
+    return {
+        (kind, shape): train(root / f"{kind}-{shape}", kind, 1, batch, accumulate)
+        for kind in KINDS
+        for shape, batch, accumulate in (("16", 16, 1), ("8x2", 8, 2))
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -137,7 +176,9 @@ def test_weighting_by_samples_is_what_differs_on_uneven_tokens(one_process, tmp_
     assert max_difference(one_process[("own_loss", "16")], by_samples) > 1e-3
 
 
-def test_ddp_and_fsdp_over_two_ranks_train_the_weights_of_one_process_with_their_whole_batch(one_process, tmp_path):
+def test_ddp_and_fsdp_over_two_ranks_train_the_weights_of_one_process_with_their_whole_batch(
+    one_process, tmp_path
+):
     ranks = run_ranks(ranks_train, 2, tmp_path, tmp_path)
     for (kind, mode), weights in ranks[0].items():
         assert max_difference(one_process[(kind, "16")], weights) <= TOLERANCE, (kind, mode)
@@ -161,13 +202,20 @@ def test_a_model_that_takes_num_items_in_batch_gets_the_whole_steps_count(tmp_pa
 def test_a_loss_fn_that_takes_num_items_gets_the_steps_count(tmp_path):
     seen: list[int] = []
 
-    def summed_over_items(logits: torch.Tensor, targets: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+    def summed_over_items(
+        logits: torch.Tensor, targets: torch.Tensor, num_items: torch.Tensor
+    ) -> torch.Tensor:
         seen.append(int(num_items))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / num_items
 
     config = config_for(tmp_path, 1, batch_size=8, grad_accum_steps=2, max_steps=1, epochs=1)
-    with MultiGPUTrainer(model_of("default_loss"), UnevenTokens(SAMPLES, 0, as_pairs=True), None, config,
-                         loss_fn=summed_over_items) as trainer:
+    with MultiGPUTrainer(
+        model_of("default_loss"),
+        UnevenTokens(SAMPLES, 0, as_pairs=True),
+        None,
+        config,
+        loss_fn=summed_over_items,
+    ) as trainer:
         trainer.fit()
     assert len(seen) == 2 and seen[0] == seen[1] > 0
 
@@ -194,15 +242,20 @@ def ranks_evaluate(rank: int, world: int, tmp_path: Path) -> dict[tuple[str, int
         data = UnevenTokens(45, 1, as_pairs=kind == "default_loss")
         for batch in (1, 7, 16):
             config = config_for(tmp_path / f"{kind}-{batch}", world, eval_batch_size=batch)
-            with MultiGPUTrainer(model_of(kind), UnevenTokens(SAMPLES, 0, as_pairs=kind == "default_loss"), data,
-                                 config) as trainer:
+            with MultiGPUTrainer(
+                model_of(kind), UnevenTokens(SAMPLES, 0, as_pairs=kind == "default_loss"), data, config
+            ) as trainer:
                 results[(kind, batch)] = trainer.evaluate()
     return results
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_validation_is_the_per_token_mean_for_any_world_size_and_evaluation_batch(world, tmp_path):
-    results = run_ranks(ranks_evaluate, world, tmp_path, tmp_path)[0] if world > 1 else ranks_evaluate(0, 1, tmp_path)
+    results = (
+        run_ranks(ranks_evaluate, world, tmp_path, tmp_path)[0]
+        if world > 1
+        else ranks_evaluate(0, 1, tmp_path)
+    )
     for kind in KINDS:
         loss, accuracy = per_token_loss(kind, UnevenTokens(45, 1))
         for batch in (1, 7, 16):
@@ -243,8 +296,18 @@ class TokenStream(torch.utils.data.IterableDataset):
 def test_a_stream_is_weighted_by_tokens_from_its_first_batch(tmp_path):
     weights = {}
     for batch, accumulate in ((16, 1), (8, 2)):
-        config = config_for(tmp_path / str(batch), 1, batch_size=batch, grad_accum_steps=accumulate, optimizer="sgd",
-                            lr=0.5, momentum=0.0, weight_decay=0.0, lr_schedule="constant", epochs=1)
+        config = config_for(
+            tmp_path / str(batch),
+            1,
+            batch_size=batch,
+            grad_accum_steps=accumulate,
+            optimizer="sgd",
+            lr=0.5,
+            momentum=0.0,
+            weight_decay=0.0,
+            lr_schedule="constant",
+            epochs=1,
+        )
         with MultiGPUTrainer(model_of("own_loss"), TokenStream(), None, config) as trainer:
             assert trainer.weighting.mode is None  # undecided until the first window
             trainer.fit()

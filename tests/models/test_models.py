@@ -33,7 +33,9 @@ def test_mlp_takes_flattened_samples_and_image_models_refuse_them():
 
 
 def tiny_gpt(vocabulary: int = 11) -> GPT:
-    config = TrainConfig(dataset="text", data_file="unused.txt", n_layer=2, n_embd=32, n_head=2, block_size=16)
+    config = TrainConfig(
+        dataset="text", data_file="unused.txt", n_layer=2, n_embd=32, n_head=2, block_size=16
+    )
     torch.manual_seed(0)
     return build_model("gpt", (config.block_size,), vocabulary, config)  # type: ignore[return-value]
 
@@ -75,9 +77,23 @@ def test_gpt_trains_on_a_text_file_in_process_and_lowers_the_val_loss(tmp_path):
     text = tiny_text(tmp_path / "tiny.txt")
     vocabulary = len(set(text.read_text()))
     summaries = []
-    code = main_multi_gpu.main([*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "8",
-                                "--lr", "1e-2", "--no-progress", "--save-dir", str(tmp_path / "run")],
-                               on_summary=summaries.append)
+    code = main_multi_gpu.main(
+        [
+            *TINY_GPT,
+            "--data-file",
+            str(text),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--save-dir",
+            str(tmp_path / "run"),
+        ],
+        on_summary=summaries.append,
+    )
     assert code == 0
     # Untrained, the logits are near zero: the loss is that of a uniform guess, ln(vocabulary).
     assert summaries[0]["val_loss"] < math.log(vocabulary) - 0.5, (summaries[0], math.log(vocabulary))
@@ -87,9 +103,25 @@ def test_gpt_trains_on_a_text_file_in_process_and_lowers_the_val_loss(tmp_path):
 @pytest.mark.slow
 def test_gpt_trains_under_ddp_on_two_processes(tmp_path):
     text = tiny_text(tmp_path / "tiny.txt")
-    result = run_cli([*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "8", "--lr", "1e-2",
-                      "--no-progress", "--dist-timeout", str(DIST_TIMEOUT), "--save-dir", str(tmp_path / "run")],
-                     nproc=2)
+    result = run_cli(
+        [
+            *TINY_GPT,
+            "--data-file",
+            str(text),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--dist-timeout",
+            str(DIST_TIMEOUT),
+            "--save-dir",
+            str(tmp_path / "run"),
+        ],
+        nproc=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mode ddp" in result.stdout, result.stdout
     best = float(re.search(r"done: best val loss ([\d.]+)", result.stdout).group(1))

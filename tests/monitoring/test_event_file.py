@@ -57,16 +57,25 @@ def test_a_purge_step_drops_what_an_earlier_file_logged_from_that_step_on(tmp_pa
     for step in (30, 40, 50):
         resumed.scalars({"train/loss": -float(step)}, step)
     resumed.close()
-    accumulator = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})  # the directory, as TensorBoard
+    accumulator = EventAccumulator(
+        str(tmp_path), size_guidance={"scalars": 0}
+    )  # the directory, as TensorBoard
     accumulator.Reload()
     assert [(event.step, event.value) for event in accumulator.Scalars("train/loss")] == [
-        (10, 10.0), (20, 20.0), (30, -30.0), (40, -40.0), (50, -50.0)]
+        (10, 10.0),
+        (20, 20.0),
+        (30, -30.0),
+        (40, -40.0),
+        (50, -50.0),
+    ]
 
 
 def test_records_carry_the_checksums_tensorboard_computes(tmp_path: Path):
     import os
 
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import (
+        masked_crc32c as tensorboard_masked_crc32c,
+    )
 
     from multigpu.monitoring.event_file import crc32c, frame, masked_crc32c
 
@@ -75,4 +84,4 @@ def test_records_carry_the_checksums_tensorboard_computes(tmp_path: Path):
         data = os.urandom(length)
         assert masked_crc32c(data) == tensorboard_masked_crc32c(data), length
         record = frame(data)
-        assert len(record) == 8 + 4 + length + 4 and record[12:12 + length] == data
+        assert len(record) == 8 + 4 + length + 4 and record[12 : 12 + length] == data

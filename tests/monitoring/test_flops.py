@@ -9,15 +9,32 @@ from conftest import tiny_model
 from multigpu.monitoring import flops
 
 
-@pytest.mark.parametrize("name, row", [
-    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA A100-PCIE-40GB", "A100"),
-    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA L4", "L4"), ("Tesla T4", "T4"),
-    ("Tesla V100-SXM2-16GB", "V100 SXM2"), ("Tesla V100-PCIE-32GB", "V100 PCIe"), ("Tesla V100S-PCIE-32GB", "V100S PCIe"),
-    # Not guessed: other GPUs, look-alike names, an H100 whose form factor the name does not say.
-    ("NVIDIA L40S", None), ("NVIDIA L40", None), ("NVIDIA GH200 480GB", None), ("NVIDIA H100", None),
-    ("NVIDIA A10", None), ("NVIDIA GeForce RTX 4090", None), ("Tesla V100-SXM3-32GB", None),
-])
+@pytest.mark.parametrize(
+    "name, row",
+    [
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA L4", "L4"),
+        ("Tesla T4", "T4"),
+        ("Tesla V100-SXM2-16GB", "V100 SXM2"),
+        ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+        ("Tesla V100S-PCIE-32GB", "V100S PCIe"),
+        # Not guessed: other GPUs, look-alike names, an H100 whose form factor the name does not say.
+        ("NVIDIA L40S", None),
+        ("NVIDIA L40", None),
+        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA H100", None),
+        ("NVIDIA A10", None),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("Tesla V100-SXM3-32GB", None),
+    ],
+)
 def test_gpu_names_map_to_their_row_of_peaks_or_to_none(name, row):
     assert flops.gpu_row(name) == row
 

@@ -12,8 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, assert_ok, cli_command, cli_env, event_files, file_size_limit,
-                      read_scalars, run_cli)
+from conftest import (
+    PYTHON,
+    REPO,
+    RUN_TIMEOUT,
+    TINY,
+    assert_ok,
+    cli_command,
+    cli_env,
+    event_files,
+    file_size_limit,
+    read_scalars,
+    run_cli,
+)
 
 TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "val/loss", "val/acc"}
 
@@ -48,13 +59,42 @@ def wait_for_tags(base: str, server: subprocess.Popen, deadline_s: float = 90) -
 @pytest.mark.slow
 def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
     log_dir = tmp_path / "tb"
-    assert_ok(run_cli(["--mode", "flatten", "--epochs", "2", "--log-every", "4", *TINY,
-                       "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(log_dir)]))
+    assert_ok(
+        run_cli(
+            [
+                "--mode",
+                "flatten",
+                "--epochs",
+                "2",
+                "--log-every",
+                "4",
+                *TINY,
+                "--save-dir",
+                str(tmp_path / "ckpt"),
+                "--log-dir",
+                str(log_dir),
+            ]
+        )
+    )
     assert len(event_files(log_dir)) == 1
     port = free_port()
-    server = subprocess.Popen([PYTHON, "-m", "tensorboard.main", "--logdir", str(log_dir), "--host", "127.0.0.1",
-                               "--port", str(port), "--load_fast=false"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(log_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast=false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         tags = wait_for_tags(base, server)
@@ -65,8 +105,11 @@ def test_tensorboard_server_serves_the_runs_scalars(tmp_path: Path):
         assert len(served) == len(on_disk) == 8  # 512 samples / 32 = 16 steps, logged every 4
         assert [step for step, _ in served] == [step for step, _ in on_disk]
         assert [value for _, value in served] == [value for _, value in on_disk]
-        request = urllib.request.Request(f"{base}/data/plugin/hparams/experiment", data=b'{"experimentName": ""}',
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{base}/data/plugin/hparams/experiment",
+            data=b'{"experimentName": ""}',
+            headers={"Content-Type": "application/json"},
+        )
         experiment = json.load(urllib.request.urlopen(request, timeout=10))
         names = {info["name"] for info in experiment["hparamInfos"]}
         assert {"batch_size", "grad_accum_steps", "multi_gpu", "lr"} <= names  # the config, as hparams
@@ -79,17 +122,43 @@ def test_a_tensorboard_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path:
     log_dir = tmp_path / "tb"
     # Files may not grow past 66 KiB: the 64 KiB start-up probe passes, the event file outgrows it mid-run
     # (--allow-low-disk: a checkpoint would not fit either, which the start refuses otherwise).
-    result = subprocess.run(cli_command(["--mode", "flatten", "--epochs", "1", "--train-size", "16384", "--val-size",
-                                         "32", "--batch-size", "16", "--log-every", "1", "--no-progress",
-                                         "--allow-low-disk",
-                                         "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(log_dir)]),
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                            preexec_fn=file_size_limit(66 * 1024))
+    result = subprocess.run(
+        cli_command(
+            [
+                "--mode",
+                "flatten",
+                "--epochs",
+                "1",
+                "--train-size",
+                "16384",
+                "--val-size",
+                "32",
+                "--batch-size",
+                "16",
+                "--log-every",
+                "1",
+                "--no-progress",
+                "--allow-low-disk",
+                "--save-dir",
+                str(tmp_path / "ckpt"),
+                "--log-dir",
+                str(log_dir),
+            ]
+        ),
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        preexec_fn=file_size_limit(66 * 1024),
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert f"could not write TensorBoard logs to {log_dir}: File too large" in line
-    assert read_scalars(log_dir)["train/loss"][0][0] == 1  # what was written before the failure stays readable
+    assert (
+        read_scalars(log_dir)["train/loss"][0][0] == 1
+    )  # what was written before the failure stays readable
 
 
 @pytest.mark.slow
@@ -100,7 +169,11 @@ def test_a_redirected_log_gets_plain_lines_at_the_log_interval_not_the_bar(tmp_p
     assert_ok(result)
     assert "\r" not in result.stdout and "" not in result.stdout.splitlines()
     assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == [
-        "step 4", "step 8", "step 12", "step 16"]  # 512 samples / 32: 16 steps
+        "step 4",
+        "step 8",
+        "step 12",
+        "step 16",
+    ]  # 512 samples / 32: 16 steps
 
 
 # In a fresh interpreter (this one has imported TensorBoard already): the thread that imported the event file's
@@ -131,8 +204,13 @@ print("imported by:", importers)
 @pytest.mark.slow
 def test_tensorboard_is_imported_beside_the_first_steps_only_without_loader_workers():
     for workers, before, importer in ((0, True, "import TensorBoard"), (1, False, "MainThread")):
-        done = subprocess.run([PYTHON, "-c", BACKGROUND_IMPORT.format(repo=str(REPO), workers=workers)],
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=REPO)
+        done = subprocess.run(
+            [PYTHON, "-c", BACKGROUND_IMPORT.format(repo=str(REPO), workers=workers)],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            cwd=REPO,
+        )
         assert_ok(done)
         assert f"imported before the first sync point: {before}" in done.stdout, done.stdout[-800:]
         assert f"imported by: {[importer]!r}" in done.stdout, done.stdout[-800:]

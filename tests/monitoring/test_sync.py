@@ -69,11 +69,16 @@ def train_until_stopped(tmp_path: Path, world_size: int, rank: int, data: Poison
     with pytest.raises(TrainingStopped) as stopped:
         trainer.fit()
     save_dir = Path(trainer.config.save_dir)
-    last = checkpoint.load(str(save_dir / "last.pt")) if rank == 0 and (save_dir / "last.pt").exists() else None
-    return {"message": str(stopped.value), "save_dir": str(save_dir),
-            "files": sorted(p.name for p in save_dir.glob("*.pt")),
-            "last_step": last and last["global_step"],
-            "last_finite": last and all(t.isfinite().all() for t in last["model"].values())}
+    last = (
+        checkpoint.load(str(save_dir / "last.pt")) if rank == 0 and (save_dir / "last.pt").exists() else None
+    )
+    return {
+        "message": str(stopped.value),
+        "save_dir": str(save_dir),
+        "files": sorted(p.name for p in save_dir.glob("*.pt")),
+        "last_step": last and last["global_step"],
+        "last_finite": last and all(t.isfinite().all() for t in last["model"].values()),
+    }
 
 
 def train_fp16_with_scaler(tmp_path: Path, world_size: int, data: PoisonedSample) -> dict[str, Any]:
@@ -86,24 +91,32 @@ def train_fp16_with_scaler(tmp_path: Path, world_size: int, data: PoisonedSample
     with contextlib.redirect_stdout(printed):
         trainer.fit()
     logged = read_scalars(Path(trainer.config.tensorboard_dir)) if trainer.runtime.is_main else {}
-    return {"steps": trainer.progress.global_step, "optimizer_steps": len(taken),
-            "scale": trainer.scaler.get_scale(),
-            "logged_skips": sum(value for _, value in logged.get("train/skipped_steps", [])),
-            "finite": all(t.isfinite().all() for t in trainer.model.state_dict().values()),
-            "float16_forwards": forward_dtypes.count(torch.float16) == len(forward_dtypes) > 0,
-            "lines": [line for line in printed.getvalue().splitlines() if "loss scaler skipped" in line]}
+    return {
+        "steps": trainer.progress.global_step,
+        "optimizer_steps": len(taken),
+        "scale": trainer.scaler.get_scale(),
+        "logged_skips": sum(value for _, value in logged.get("train/skipped_steps", [])),
+        "finite": all(t.isfinite().all() for t in trainer.model.state_dict().values()),
+        "float16_forwards": forward_dtypes.count(torch.float16) == len(forward_dtypes) > 0,
+        "lines": [line for line in printed.getvalue().splitlines() if "loss scaler skipped" in line],
+    }
 
 
 def _rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     # The bad sample reaches rank 1 only, in the last step of epoch 2 (global step 16): that step is a sync
     # point followed by the epoch-end save, which must not happen.
-    stopped = train_until_stopped(tmp_path / "fp32", world_size, rank,
-                                  poisoned_at(epoch=1, step_in_epoch=8, rank=1, world_size=world_size,
-                                              value=float("nan")))
+    stopped = train_until_stopped(
+        tmp_path / "fp32",
+        world_size,
+        rank,
+        poisoned_at(epoch=1, step_in_epoch=8, rank=1, world_size=world_size, value=float("nan")),
+    )
     # fp16: rank 1 again, in step 3 of epoch 1.
-    fp16 = train_fp16_with_scaler(tmp_path / "fp16", world_size,
-                                  poisoned_at(epoch=0, step_in_epoch=3, rank=1, world_size=world_size,
-                                              value=float("nan")))
+    fp16 = train_fp16_with_scaler(
+        tmp_path / "fp16",
+        world_size,
+        poisoned_at(epoch=0, step_in_epoch=3, rank=1, world_size=world_size, value=float("nan")),
+    )
     return {"stopped": stopped, "fp16": fp16}
 
 
@@ -125,8 +138,9 @@ def test_nan_on_one_rank_stops_every_rank_naming_the_step_and_keeping_the_last_c
 
 
 def test_inf_loss_stops_a_single_process_before_any_checkpoint(tmp_path):
-    result = train_until_stopped(tmp_path, 1, 0, poisoned_at(epoch=0, step_in_epoch=3, rank=0, world_size=1,
-                                                             value=float("inf")))
+    result = train_until_stopped(
+        tmp_path, 1, 0, poisoned_at(epoch=0, step_in_epoch=3, rank=0, world_size=1, value=float("inf"))
+    )
     assert "loss became non-finite at step 3" in result["message"]
     assert "none written by this run" in result["message"]
     assert result["files"] == []
@@ -137,8 +151,10 @@ def test_fp16_scaler_skips_the_bad_step_counts_it_once_and_keeps_training(ranks)
         fp16 = result["fp16"]
         assert fp16["finite"] and fp16["float16_forwards"]
         assert fp16["steps"] == 16 and fp16["optimizer_steps"] == 15  # one step skipped on every rank
-        assert fp16["scale"] == 2.0 ** 9  # backed off once
+        assert fp16["scale"] == 2.0**9  # backed off once
     assert ranks[0]["fp16"]["logged_skips"] == 1  # one skip, not one per rank
-    assert ranks[0]["fp16"]["lines"] == ["steps 1-5: the fp16 loss scaler skipped 1 step(s) with inf/NaN gradients "
-                                         "(weights unchanged there); loss scale now 512"]
+    assert ranks[0]["fp16"]["lines"] == [
+        "steps 1-5: the fp16 loss scaler skipped 1 step(s) with inf/NaN gradients "
+        "(weights unchanged there); loss scale now 512"
+    ]
     assert ranks[1]["fp16"]["lines"] == []

@@ -16,7 +16,9 @@ from multigpu.monitoring import telemetry
 from multigpu.monitoring.telemetry import split_timeline
 from train_multi_gpu import MultiGPUTrainer
 
-FLOPS_PER_SAMPLE = 3 * (2 * 16 * 32 + 2 * 32 * 4) - 2 * 16 * 32  # tiny_model: forward, backward (no input gradient)
+FLOPS_PER_SAMPLE = (
+    3 * (2 * 16 * 32 + 2 * 32 * 4) - 2 * 16 * 32
+)  # tiny_model: forward, backward (no input gradient)
 
 
 def values(scalars: dict, tag: str) -> list[float]:
@@ -36,9 +38,12 @@ def test_time_split_and_flop_rate_are_logged_at_each_sync_point_with_sane_values
     # FLOPs counted once at start, exactly; the rate is FLOPs per sample x the interval's samples/s.
     assert trainer.telemetry.flops_per_sample == FLOPS_PER_SAMPLE
     rates = values(scalars, "train/samples_per_sec")
-    assert values(scalars, "perf/tflops_per_device") == pytest.approx([FLOPS_PER_SAMPLE * r / 1e12 for r in rates],
-                                                                       rel=1e-5)
-    assert not [tag for tag in scalars if tag.startswith("memory/") or tag == "perf/mfu"]  # CUDA, a known GPU only
+    assert values(scalars, "perf/tflops_per_device") == pytest.approx(
+        [FLOPS_PER_SAMPLE * r / 1e12 for r in rates], rel=1e-5
+    )
+    assert not [
+        tag for tag in scalars if tag.startswith("memory/") or tag == "perf/mfu"
+    ]  # CUDA, a known GPU only
     assert 0 <= summary["data_wait_frac"] <= 1 and "mfu" not in summary
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and done[0].endswith(f"; data wait {summary['data_wait_frac']:.0%}")
@@ -66,23 +71,43 @@ def test_waiting_for_data_shows_in_the_split_and_gets_one_hint(tmp_path: Path, c
     shares = values(read_scalars(tmp_path / "ckpt" / "tb"), "time/data_wait_frac")
     assert len(shares) == 4 and all(0 <= share <= 1 for share in shares) and summary["data_wait_frac"] > 0.5
     hints = [line for line in capsys.readouterr().out.splitlines() if "waiting for data" in line]
-    assert len(hints) == 1 and hints[0].startswith("steps 3-4: ")  # the first interval holds the loader's start-up
-    assert hints[0].endswith("of the time went to waiting for data: raise --num-workers (TrainConfig.num_workers from Python; now 0)")
+    assert len(hints) == 1 and hints[0].startswith(
+        "steps 3-4: "
+    )  # the first interval holds the loader's start-up
+    assert hints[0].endswith(
+        "of the time went to waiting for data: raise --num-workers (TrainConfig.num_workers from Python; now 0)"
+    )
 
 
 @pytest.mark.slow
 def test_under_fsdp_every_ranks_memory_is_logged_and_the_largest_named_at_the_end(tmp_path: Path):
     """2 real gloo processes under fsdp: one memory/rank<R>_peak_gb series per rank (the CPU's peak resident
     memory), gathered at each sync point, and the end-of-run line's range over the ranks."""
-    result = run_cli([*TINY, "--multi-gpu", "fsdp", "--epochs", "1", "--log-every", "4", "--save-dir",
-                      str(tmp_path / "ckpt")], nproc=2)
+    result = run_cli(
+        [
+            *TINY,
+            "--multi-gpu",
+            "fsdp",
+            "--epochs",
+            "1",
+            "--log-every",
+            "4",
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        nproc=2,
+    )
     assert_ok(result)
     scalars = read_scalars(tmp_path / "ckpt" / "tb")
     per_rank = [values(scalars, f"memory/rank{rank}_peak_gb") for rank in (0, 1)]
     steps = 512 // (32 * 2)
     assert [len(series) for series in per_rank] == [steps // 4] * 2
-    assert all(0.05 < figure < 8 for series in per_rank for figure in series)  # a process with torch: 50 MB..8 GB
-    assert all(later >= earlier for series in per_rank for earlier, later in zip(series, series[1:]))  # a peak
+    assert all(
+        0.05 < figure < 8 for series in per_rank for figure in series
+    )  # a process with torch: 50 MB..8 GB
+    assert all(
+        later >= earlier for series in per_rank for earlier, later in zip(series, series[1:])
+    )  # a peak
     done = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
     low, high = min(s[-1] for s in per_rank), max(s[-1] for s in per_rank)
     assert f"peak resident memory per rank {low:.2f}-{high:.2f} GiB" in done
@@ -90,13 +115,18 @@ def test_under_fsdp_every_ranks_memory_is_logged_and_the_largest_named_at_the_en
 
 def test_counting_flops_leaves_the_models_buffers_and_gradients_as_they_were(tmp_path: Path):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
-                                torch.nn.Linear(8, 4)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4)
+    ).eval()
     trainer = MultiGPUTrainer(model, blobs(64, 0), None, config_for(tmp_path, 1))
     statistics, random_state = model[1].running_mean.clone(), torch.get_rng_state()
     sample = sample_batch(blobs(64, 0), 8)
-    assert telemetry.flops_per_sample(trainer.telemetry, trainer.amp, model, trainer.forward, trainer.evaluator.move,
-                                      sample) > 0  # a forward and backward in training mode ...
+    assert (
+        telemetry.flops_per_sample(
+            trainer.telemetry, trainer.amp, model, trainer.forward, trainer.evaluator.move, sample
+        )
+        > 0
+    )  # a forward and backward in training mode ...
     assert torch.equal(model[1].running_mean, statistics)  # ... and the BatchNorm statistics put back,
     assert torch.equal(torch.get_rng_state(), random_state)  # the random state (dropout drew from it),
     assert all(p.grad is None for p in model.parameters()) and not model.training  # no gradient, eval mode

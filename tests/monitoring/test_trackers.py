@@ -64,6 +64,7 @@ def csv_scalars(path: Path) -> Scalars:
 def mlflow_scalars(store: Path) -> tuple[list[str], Scalars]:
     """Every run's metric histories, read by MLflow's own client from the database as it is."""
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     runs = client.search_runs(["0"])
     found: Scalars = {}
@@ -78,8 +79,13 @@ def wandb_scalars(folder: Path) -> tuple[list[str], Scalars]:
     ids: list[str] = []
     found: Scalars = {}
     for run_file in sorted(folder.glob("offline-run-*/run-*.wandb")):
-        records = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json",
-                                  str(run_file)], capture_output=True, text=True, timeout=60, check=True).stdout
+        records = subprocess.run(
+            [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run_file)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         for record in map(json.loads, records.splitlines()):
             if record["type"] == "run":
                 ids.append(record["run"]["run_id"])
@@ -96,10 +102,15 @@ def assert_same(ours: Scalars, tensorboard: Scalars, killed_runs_steps: tuple[in
     value the killed run logged stands (its samples/s differ from the resumed run's, which TensorBoard shows)."""
     assert sorted(ours) == sorted(tensorboard)
     for name, points in tensorboard.items():  # TensorBoard keeps float32
-        assert len(ours[name]) == len({step for step, _ in ours[name]}) == len(points), (name, sorted(ours[name]))
+        assert len(ours[name]) == len({step for step, _ in ours[name]}) == len(points), (
+            name,
+            sorted(ours[name]),
+        )
         for (step, value), (their_step, their_value) in zip(sorted(ours[name]), sorted(points)):
             assert step == their_step, name
-            assert step in killed_runs_steps or math.isclose(value, their_value, rel_tol=1e-6, abs_tol=1e-6), name
+            assert step in killed_runs_steps or math.isclose(
+                value, their_value, rel_tol=1e-6, abs_tol=1e-6
+            ), name
 
 
 def tensorboard_scalars(log_dir: Path) -> Scalars:
@@ -108,7 +119,9 @@ def tensorboard_scalars(log_dir: Path) -> Scalars:
 
     accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +131,13 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for library in ("mlflow", "sqlalchemy", "alembic", "wandb"):
         pytest.importorskip(library, reason="the [mlflow] and [wandb] extras are not installed")
     wandb_command = shutil.which("wandb", path=str(Path(sys.executable).parent))
-    if wandb_command is None or subprocess.run([wandb_command, "leet", "inspect", "--help"], capture_output=True,
-                                               timeout=60).returncode != 0:
+    if (
+        wandb_command is None
+        or subprocess.run(
+            [wandb_command, "leet", "inspect", "--help"], capture_output=True, timeout=60
+        ).returncode
+        != 0
+    ):
         pytest.skip("no `wandb leet inspect` beside this Python (wandb 0.31 reads its offline runs with it)")
     folder = tmp_path_factory.mktemp("tracked")
     script = folder / "run.py"
@@ -127,8 +145,14 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_dir = folder / "run"
     with pytest.MonkeyPatch.context() as env:  # the ranks inherit it
         env.setenv("WANDB_MODE", "offline")
-        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE", "WANDB_DIR",
-                     "WANDB_RUN_ID", "WANDB_PROJECT"):
+        for name in (
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_EXPERIMENT_NAME",
+            "MLFLOW_ALLOW_FILE_STORE",
+            "WANDB_DIR",
+            "WANDB_RUN_ID",
+            "WANDB_PROJECT",
+        ):
             env.delenv(name, raising=False)
         killed = run_cli_ranks([str(save_dir)], 2, env={FAULT_ENV: "0:7"}, script=script)
         resumed = run_cli_ranks([str(save_dir)], 2, script=script)
@@ -142,38 +166,55 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_tracker_holds_tensorboards_scalars_once_per_step_in_one_run_across_a_kill_and_resume(tracked):
     tensorboard = tensorboard_scalars(tracked / "tb")
     assert [step for step, _ in tensorboard["train/loss"]] == [2, 4, 6, 8]  # step 6 logged by both runs
-    assert [value for _, value in tensorboard["custom/rank"]] == [0.5] * 4  # trainer.log, averaged over the ranks
+    assert [value for _, value in tensorboard["custom/rank"]] == [
+        0.5
+    ] * 4  # trainer.log, averaged over the ranks
     assert {step for step, _ in tensorboard["val/loss"]} == {4, 8}  # both legs
     assert_same(csv_scalars(tracked / "metrics.csv"), tensorboard)
     run_ids, mlflow = mlflow_scalars(tracked / "mlflow.db")  # no MLFLOW_ALLOW_FILE_STORE needed
     assert len(run_ids) == 1  # rank 0's, continued by the resume
-    assert_same(mlflow, tensorboard, killed_runs_steps=(6,))  # MLflow and W&B cannot drop a point: theirs stands
+    assert_same(
+        mlflow, tensorboard, killed_runs_steps=(6,)
+    )  # MLflow and W&B cannot drop a point: theirs stands
     run_ids, wandb = wandb_scalars(tracked / "wandb")
     assert len(run_ids) == 2 and len(set(run_ids)) == 1  # one offline file per leg, of one run
-    assert_same(wandb, {name: points for name, points in tensorboard.items() if not name.startswith("hparam/")},
-                killed_runs_steps=(6,))
-    assert dict(mlflow["train/loss"])[6] == pytest.approx(dict(tensorboard["train/loss"])[6], rel=1e-6)  # the same step
+    assert_same(
+        wandb,
+        {name: points for name, points in tensorboard.items() if not name.startswith("hparam/")},
+        killed_runs_steps=(6,),
+    )
+    assert dict(mlflow["train/loss"])[6] == pytest.approx(
+        dict(tensorboard["train/loss"])[6], rel=1e-6
+    )  # the same step
 
 
 def test_a_missing_library_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # its import fails, as where it is not installed
     args = [*TINY, "--mode", "flatten", "--epochs", "1", "--save-dir", str(tmp_path / "run")]
     assert main_multi_gpu.main([*args, "--logger", "tensorboard,wandb"]) == 2
-    assert capsys.readouterr().err == ("error: --logger wandb needs the wandb library, which is not installed: pip "
-                                       "install '.[wandb]' (or leave wandb out of --logger)\n")
-    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # MLflow's database store needs it beyond mlflow-skinny
+    assert capsys.readouterr().err == (
+        "error: --logger wandb needs the wandb library, which is not installed: pip "
+        "install '.[wandb]' (or leave wandb out of --logger)\n"
+    )
+    monkeypatch.setitem(
+        sys.modules, "sqlalchemy", None
+    )  # MLflow's database store needs it beyond mlflow-skinny
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main_multi_gpu.main([*args, "--logger", "mlflow"]) == 2
     assert capsys.readouterr().err.startswith("error: --logger mlflow needs the ")
     monkeypatch.setitem(sys.modules, "mlflow", None)
     monkeypatch.setitem(sys.modules, "alembic", None)
     assert main_multi_gpu.main([*args, "--logger", "mlflow"]) == 2
-    assert capsys.readouterr().err == ("error: --logger mlflow needs the mlflow and sqlalchemy and alembic libraries, "
-                                       "which are not installed: pip install '.[mlflow]' (or leave mlflow out of "
-                                       "--logger)\n")
+    assert capsys.readouterr().err == (
+        "error: --logger mlflow needs the mlflow and sqlalchemy and alembic libraries, "
+        "which are not installed: pip install '.[mlflow]' (or leave mlflow out of "
+        "--logger)\n"
+    )
     assert main_multi_gpu.main([*args, "--logger", "tensorboard,comet"]) == 2
-    assert capsys.readouterr().err == ("error: --logger takes a comma list of tensorboard, csv, mlflow, wandb; got "
-                                       "'comet' in 'tensorboard,comet'\n")
+    assert capsys.readouterr().err == (
+        "error: --logger takes a comma list of tensorboard, csv, mlflow, wandb; got "
+        "'comet' in 'tensorboard,comet'\n"
+    )
 
 
 class BreakCsv:
@@ -193,6 +234,8 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, cap
     out = capsys.readouterr().out
     assert summary["global_step"] == 16 and (tmp_path / "ckpt" / "last.pt").exists()
     warnings = [line for line in out.splitlines() if "--logger csv" in line]
-    assert warnings == [f"warning: --logger csv failed mid-run ([Errno 21] Is a directory: "
-                        f"'{tmp_path / 'ckpt' / 'metrics.csv'}'); it logs nothing more in this run, training goes on"]
+    assert warnings == [
+        f"warning: --logger csv failed mid-run ([Errno 21] Is a directory: "
+        f"'{tmp_path / 'ckpt' / 'metrics.csv'}'); it logs nothing more in this run, training goes on"
+    ]
     assert [step for step, _ in read_scalars(tmp_path / "ckpt" / "tb")["train/loss"]] == list(range(1, 17))

@@ -25,17 +25,25 @@ def test_float8_without_a_capable_gpu_is_one_line_and_exit_2(tmp_path: Path) -> 
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "error: --float8 tensorwise needs a GPU of compute capability 8.9 or above (H100, H200, L4, RTX 4090 ...), "
-        "and this run trains on the CPU; drop --float8"]
+        "and this run trains on the CPU; drop --float8"
+    ]
 
 
 def net() -> torch.nn.Sequential:
     """Layers of every kind the filter meets: one large enough to gain (1040 outputs), small ones, one whose
     size is no multiple of 16, and an output layer `lm_head` large enough but kept."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(OrderedDict(wide=torch.nn.Linear(16, 1040), relu=torch.nn.ReLU(),
-                                           lm_head=torch.nn.Linear(1040, 1040), narrow=torch.nn.Linear(1040, 32),
-                                           odd=torch.nn.Linear(32, 1100), relu2=torch.nn.ReLU(),
-                                           out=torch.nn.Linear(1100, 4)))
+    return torch.nn.Sequential(
+        OrderedDict(
+            wide=torch.nn.Linear(16, 1040),
+            relu=torch.nn.ReLU(),
+            lm_head=torch.nn.Linear(1040, 1040),
+            narrow=torch.nn.Linear(1040, 32),
+            odd=torch.nn.Linear(32, 1100),
+            relu2=torch.nn.ReLU(),
+            out=torch.nn.Linear(1100, 4),
+        )
+    )
 
 
 def emulated(recipe: str = "tensorwise") -> torch.nn.Sequential:
@@ -67,8 +75,9 @@ def overlapping_blobs(size: int = 800) -> TensorDataset:
 
 
 def train(tmp_path: Path, model: torch.nn.Module, size: int = 800, **overrides) -> MultiGPUTrainer:
-    config = config_for(tmp_path, 1, **{"epochs": 1, "batch_size": 16, "amp": "bf16", "log_every": 5, "lr": 1e-3,
-                                        **overrides})
+    config = config_for(
+        tmp_path, 1, **{"epochs": 1, "batch_size": 16, "amp": "bf16", "log_every": 5, "lr": 1e-3, **overrides}
+    )
     trainer = MultiGPUTrainer(model, overlapping_blobs(size), None, config)
     trainer.fit()
     return trainer
@@ -87,12 +96,17 @@ def test_float8_trains_within_the_tolerance_of_bf16_over_50_steps(tmp_path: Path
     assert fp8_losses != bf16_losses  # float8 did compute something else
 
 
-def test_a_float8_checkpoint_has_plain_keys_and_resumes_without_float8_and_the_reverse(tmp_path: Path) -> None:
+def test_a_float8_checkpoint_has_plain_keys_and_resumes_without_float8_and_the_reverse(
+    tmp_path: Path,
+) -> None:
     fp8 = train(tmp_path / "fp8", emulated(), size=160)  # 10 steps an epoch
     keys = set(fp8.model.state_dict())
     assert keys == set(net().state_dict())
-    plain = train(tmp_path / "plain", net(), size=160, epochs=2, resume=str(tmp_path / "fp8" / "ckpt" / "last.pt"))
+    plain = train(
+        tmp_path / "plain", net(), size=160, epochs=2, resume=str(tmp_path / "fp8" / "ckpt" / "last.pt")
+    )
     assert plain.progress.global_step == 20 and set(plain.model.state_dict()) == keys
-    back = train(tmp_path / "back", emulated(), size=160, epochs=3,
-                 resume=str(tmp_path / "plain" / "ckpt" / "last.pt"))
+    back = train(
+        tmp_path / "back", emulated(), size=160, epochs=3, resume=str(tmp_path / "plain" / "ckpt" / "last.pt")
+    )
     assert back.progress.global_step == 30

@@ -32,12 +32,16 @@ def test_one_node_per_parameter_that_trains():
 
 
 def test_every_training_step_uses_the_nodes_the_trainer_holds(tmp_path):
-    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1, batch_size=16))
+    trainer = MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=1, batch_size=16)
+    )
     held = {id(node) for node in trainer.gradient_nodes}  # alive all along, so an equal id is the same node
     steps: list[set[int]] = []
     trainer.model.register_forward_hook(
-        lambda module, args, output: steps.append({id(node) for node in accumulate_grad_nodes(output)})
-        if module.training else None)
+        lambda module, args, output: (
+            steps.append({id(node) for node in accumulate_grad_nodes(output)}) if module.training else None
+        )
+    )
     trainer.fit()
     assert len(held) == 4 and len(steps) == 4  # 64 samples / 16: 4 steps
     assert all(step == held for step in steps)

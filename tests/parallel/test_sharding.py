@@ -20,20 +20,28 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 
 import main_multi_gpu
-from conftest import (REPO, StepRecorder, blobs, config_for, full_weights, global_steps, needs_compiler, run_ranks,
-                      tiny_model)
+from conftest import (
+    REPO,
+    StepRecorder,
+    blobs,
+    config_for,
+    full_weights,
+    global_steps,
+    needs_compiler,
+    run_ranks,
+    tiny_model,
+)
 from multigpu.checkpoints import sharded
-from multigpu.parallel import sharding
 from multigpu.config import parse_config
 from multigpu.errors import UsageError
-from multigpu.checkpoints.stateful import ModelState
+from multigpu.parallel import sharding
 from train_multi_gpu import MultiGPUTrainer
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -41,7 +49,10 @@ from bench_common import CollectiveTally, mesh_labels  # noqa: E402  (after the 
 
 TOLERANCE = 1e-5
 WORLD = 2
-SIZE, VAL_SIZE = 80, 21  # 80 samples at 16 per step: 5 steps; 21 = eval batches of 8, 8, 5: rank 1 has one fewer
+SIZE, VAL_SIZE = (
+    80,
+    21,
+)  # 80 samples at 16 per step: 5 steps; 21 = eval batches of 8, 8, 5: rank 1 has one fewer
 # Per-rank settings at 2 ranks; one process gets batch_size x 2.
 RUNS: dict[str, dict[str, Any]] = {
     "plain": dict(batch_size=8),
@@ -56,7 +67,7 @@ class CollectivesPerStep:
     fit (bench_common.CollectiveTally, the mesh's groups named by their dimensions)."""
 
     def __init__(self) -> None:
-        self.tally: Optional[CollectiveTally] = None
+        self.tally: CollectiveTally | None = None
         self.steps: list[dict] = []
 
     def on_fit_start(self, trainer: MultiGPUTrainer) -> None:
@@ -66,17 +77,27 @@ class CollectivesPerStep:
         self.steps.append(self.tally.reset())
 
 
-def train(tmp_path: Path, world_size: int, mode: str, epochs: int = 1, val_size: int = VAL_SIZE,
-          predict_batch: int = 8, count: bool = False, **overrides: Any) -> dict[str, Any]:
+def train(
+    tmp_path: Path,
+    world_size: int,
+    mode: str,
+    epochs: int = 1,
+    val_size: int = VAL_SIZE,
+    predict_batch: int = 8,
+    count: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
     """Train tiny_model for 5 AdamW steps an epoch; the full weights (rank 0), EMA weights, evaluation and
     predictions, the summary, each parameter's placements and mesh, and with `count` each step's collectives."""
-    config = config_for(tmp_path, world_size, multi_gpu=mode, optimizer="adamw", lr=3e-3, epochs=epochs,
-                        **overrides)
+    config = config_for(
+        tmp_path, world_size, multi_gpu=mode, optimizer="adamw", lr=3e-3, epochs=epochs, **overrides
+    )
     counter = CollectivesPerStep() if count else None
     model, dtypes = tiny_model(), set()
     model[0].register_forward_hook(lambda module, args, output: dtypes.add(output.dtype))
-    with MultiGPUTrainer(model, blobs(SIZE, 0), blobs(val_size, 1), config,
-                         callbacks=[counter] if counter else []) as trainer:
+    with MultiGPUTrainer(
+        model, blobs(SIZE, 0), blobs(val_size, 1), config, callbacks=[counter] if counter else []
+    ) as trainer:
         dtypes.clear()  # the construction's forwards (FLOP count, name checks) are not training's
         try:
             summary = trainer.fit()
@@ -84,12 +105,28 @@ def train(tmp_path: Path, world_size: int, mode: str, epochs: int = 1, val_size:
             if counter is not None and counter.tally is not None:
                 counter.tally.__exit__()
         ema = trainer.eval_model.state_dict() if trainer.eval_model is not None else None
-        meshes = {(str(p.placements), p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape),
-                   tuple(p.device_mesh.get_coordinate())) for p in trainer.model.parameters() if hasattr(p, "placements")}
-        return {"weights": full_weights(trainer), "ema": ema, "steps": summary["global_step"], "summary": summary,
-                "eval": trainer.evaluate(), "predict": trainer.predict(batch_size=predict_batch), "meshes": meshes,
-                "position": trainer.runtime.mesh_position, "collectives": counter.steps if counter else None,
-                "dtypes": dtypes}
+        meshes = {
+            (
+                str(p.placements),
+                p.device_mesh.mesh_dim_names,
+                tuple(p.device_mesh.shape),
+                tuple(p.device_mesh.get_coordinate()),
+            )
+            for p in trainer.model.parameters()
+            if hasattr(p, "placements")
+        }
+        return {
+            "weights": full_weights(trainer),
+            "ema": ema,
+            "steps": summary["global_step"],
+            "summary": summary,
+            "eval": trainer.evaluate(),
+            "predict": trainer.predict(batch_size=predict_batch),
+            "meshes": meshes,
+            "position": trainer.runtime.mesh_position,
+            "collectives": counter.steps if counter else None,
+            "dtypes": dtypes,
+        }
 
 
 def _clipped_norm(world_size: int) -> tuple[float, float]:
@@ -111,7 +148,9 @@ def _rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, settings in RUNS.items():
         for mode in ("fsdp", "ddp"):
-            results[f"{mode}/{name}"] = train(tmp_path / f"rank{rank}" / mode / name, world_size, mode, **settings)
+            results[f"{mode}/{name}"] = train(
+                tmp_path / f"rank{rank}" / mode / name, world_size, mode, **settings
+            )
     # Saved by fsdp at 2 ranks after epoch 1 (the parent resumes it at 1 process for epoch 2; a constant LR, as
     # a schedule's length depends on --epochs).
     train(tmp_path / "resume", world_size, "fsdp", lr_schedule="constant", ema_decay=0.5, **RUNS["plain"])
@@ -161,9 +200,12 @@ def test_clipping_sharded_gradients_returns_the_full_norm(two_ranks):
     assert sharded == pytest.approx(full, rel=1e-5)
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [("fsdp x 2", "fsdp"), ("fsdp x 2", "none"), ("none", "fsdp")])
-def test_a_checkpoint_resumes_across_fsdp_and_one_device_like_an_uninterrupted_run(two_ranks, tmp_path, saved_by,
-                                                                                    resumed_by):
+@pytest.mark.parametrize(
+    "saved_by, resumed_by", [("fsdp x 2", "fsdp"), ("fsdp x 2", "none"), ("none", "fsdp")]
+)
+def test_a_checkpoint_resumes_across_fsdp_and_one_device_like_an_uninterrupted_run(
+    two_ranks, tmp_path, saved_by, resumed_by
+):
     """Epoch 1 saved by fsdp at 2 processes (or one device), epoch 2 resumed in one process by fsdp (or one
     device): the same weights and EMA as 2 epochs uninterrupted. The full state is gathered into one file,
     so the model, optimizer and EMA state move between any world sizes and modes."""
@@ -206,23 +248,44 @@ class Stack(nn.Module):
 def test_blocks_are_the_outermost_large_children_of_containers_or_the_named_classes():
     stack = Stack()
     assert sharding.find_blocks(stack) == list(stack.blocks)  # not the Linear layers inside each block's mlp
-    assert sharding.find_blocks(stack, "Linear") == [stack.embed] + [b.mlp[i] for b in stack.blocks for i in (0, 2)]
+    assert sharding.find_blocks(stack, "Linear") == [stack.embed] + [
+        b.mlp[i] for b in stack.blocks for i in (0, 2)
+    ]
     sequential = tiny_model()
     assert sharding.find_blocks(sequential) == [sequential[0], sequential[2]]  # the ReLU has no parameters
-    with pytest.raises(UsageError, match=r"--fsdp-blocks Block,Nope: the model has no module of class Nope; "
-                                         r"name classes it has, e\.g\. Block"):
+    with pytest.raises(
+        UsageError,
+        match=r"--fsdp-blocks Block,Nope: the model has no module of class Nope; "
+        r"name classes it has, e\.g\. Block",
+    ):
         sharding.find_blocks(stack, "Block,Nope")
 
 
 def test_fsdp_flags_and_their_no_form():
     assert parse_config(["--multi-gpu", "fsdp"]).fsdp_reshard_after_forward is True
-    config = parse_config(["--multi-gpu", "fsdp", "--no-fsdp-reshard-after-forward", "--fsdp-blocks", "Block"])
+    config = parse_config(
+        ["--multi-gpu", "fsdp", "--no-fsdp-reshard-after-forward", "--fsdp-blocks", "Block"]
+    )
     assert (config.fsdp_reshard_after_forward, config.fsdp_blocks) == (False, "Block")
 
 
 def test_fsdp_in_one_process_trains_one_shard_and_says_so(tmp_path, capsys):
-    args = ["--multi-gpu", "fsdp", "--train-size", "64", "--val-size", "16", "--batch-size", "16", "--epochs", "1",
-            "--no-progress", "--save-dir", str(tmp_path / "run"), "--no-fsdp-reshard-after-forward"]
+    args = [
+        "--multi-gpu",
+        "fsdp",
+        "--train-size",
+        "64",
+        "--val-size",
+        "16",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--save-dir",
+        str(tmp_path / "run"),
+        "--no-fsdp-reshard-after-forward",
+    ]
     assert main_multi_gpu.main(args) == 0
     out = capsys.readouterr().out
     assert "mode fsdp: one process, one shard" in out
@@ -230,26 +293,40 @@ def test_fsdp_in_one_process_trains_one_shard_and_says_so(tmp_path, capsys):
     assert not torch.distributed.is_initialized()  # the one-process group is gone with the run
     assert (tmp_path / "run" / "last" / ".metadata").is_file()  # fsdp writes sharded folders (one shard here)
     state = sharded.load_whole(str(tmp_path / "run" / "last"))
-    assert all(type(tensor) is torch.Tensor for tensor in state["model"].values())  # whole tensors, not DTensors
-    assert main_multi_gpu.main(args + ["--checkpoint-format", "file", "--save-dir", str(tmp_path / "file")]) == 0
+    assert all(
+        type(tensor) is torch.Tensor for tensor in state["model"].values()
+    )  # whole tensors, not DTensors
+    assert (
+        main_multi_gpu.main(args + ["--checkpoint-format", "file", "--save-dir", str(tmp_path / "file")]) == 0
+    )
     state = torch.load(tmp_path / "file" / "last.pt", weights_only=True)  # or one file, gathered whole
     assert all(type(tensor) is torch.Tensor for tensor in state["model"].values())
 
 
 # ---------------------------------------------------------------- hybrid sharding (HSDP): a 2-D mesh, 4 processes
 FOUR = 4
-VAL_FOUR = 13  # evaluation batches of 3: rank 0 has 4 samples (2 batches), the others 3 (1): stand-in forwards
-MESHES = {"hsdp 2x2": dict(mode="fsdp", dp_replicate=2), "fsdp 1x4": dict(mode="fsdp", dp_replicate=1),
-          "ddp 4": dict(mode="ddp")}
+VAL_FOUR = (
+    13  # evaluation batches of 3: rank 0 has 4 samples (2 batches), the others 3 (1): stand-in forwards
+)
+MESHES = {
+    "hsdp 2x2": dict(mode="fsdp", dp_replicate=2),
+    "fsdp 1x4": dict(mode="fsdp", dp_replicate=1),
+    "ddp 4": dict(mode="ddp"),
+}
 RUNS_AT_FOUR: dict[str, dict[str, Any]] = {
     "plain": dict(batch_size=4),
     "accum+clip+ema": dict(batch_size=2, grad_accum_steps=2, clip_grad_norm=0.05, ema_decay=0.5),
     "accum sharded": dict(batch_size=2, grad_accum_steps=2, fsdp_accumulate="sharded"),  # hsdp only
 }
 # Shapes a checkpoint moves between: (replicate, shard) under fsdp, ddp, one device.
-SHAPES = {"2x2": dict(multi_gpu="fsdp", dp_replicate=2, dp_shard=2), "1x4": dict(multi_gpu="fsdp", dp_replicate=1),
-          "4x1": dict(multi_gpu="fsdp", dp_replicate=4, dp_shard=-1), "1x2": dict(multi_gpu="fsdp", dp_shard=2),
-          "ddp": dict(multi_gpu="ddp"), "one": dict(multi_gpu="none")}
+SHAPES = {
+    "2x2": dict(multi_gpu="fsdp", dp_replicate=2, dp_shard=2),
+    "1x4": dict(multi_gpu="fsdp", dp_replicate=1),
+    "4x1": dict(multi_gpu="fsdp", dp_replicate=4, dp_shard=-1),
+    "1x2": dict(multi_gpu="fsdp", dp_shard=2),
+    "ddp": dict(multi_gpu="ddp"),
+    "one": dict(multi_gpu="none"),
+}
 STEPS_EVERY = 16  # samples per optimizer step at any world size: 8 steps of the 128 samples
 
 
@@ -264,16 +341,34 @@ class SigtermAt:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def resumable(rank: int, world_size: int, save_dir: Path, shape: str, resume: Optional[str] = None,
-              checkpoint_format: str = "sharded", callbacks: tuple = ()) -> dict[str, Any]:
+def resumable(
+    rank: int,
+    world_size: int,
+    save_dir: Path,
+    shape: str,
+    resume: str | None = None,
+    checkpoint_format: str = "sharded",
+    callbacks: tuple = (),
+) -> dict[str, Any]:
     """8 AdamW steps (2 of warm-up, then cosine) at `shape`, a step checkpoint every 2 (in `save_dir`, every rank
     the same): each step's (loss, lr) this rank trained, the final weights and fit's summary."""
     recorder = StepRecorder(record_start=False)
-    config = config_for(save_dir, world_size, **SHAPES[shape], batch_size=STEPS_EVERY // world_size, epochs=1,
-                        warmup_epochs=0.25, save_every_steps=2, keep_last=5, checkpoint_format=checkpoint_format,
-                        resume=resume, log_every=100)
-    with MultiGPUTrainer(tiny_model(), blobs(128, 0), None, config, loss_fn=recorder,
-                         callbacks=[recorder, *callbacks]) as trainer:
+    config = config_for(
+        save_dir,
+        world_size,
+        **SHAPES[shape],
+        batch_size=STEPS_EVERY // world_size,
+        epochs=1,
+        warmup_epochs=0.25,
+        save_every_steps=2,
+        keep_last=5,
+        checkpoint_format=checkpoint_format,
+        resume=resume,
+        log_every=100,
+    )
+    with MultiGPUTrainer(
+        tiny_model(), blobs(128, 0), None, config, loss_fn=recorder, callbacks=[recorder, *callbacks]
+    ) as trainer:
         recorder.trainer = trainer
         summary = trainer.fit()
         return {"steps": recorder.steps, "final": full_weights(trainer), "summary": summary}
@@ -289,26 +384,51 @@ def _four(rank: int, world_size: int, tmp_path: Path, from_one: str, from_1x2: s
         for mesh, flags in MESHES.items():
             if name == "accum sharded" and mesh != "hsdp 2x2":
                 continue
-            results[f"{mesh}/{name}"] = train(tmp_path / f"rank{rank}" / mesh / name, world_size, **flags,
-                                              val_size=VAL_FOUR, eval_batch_size=3, predict_batch=3,
-                                              count=mesh == "hsdp 2x2", **settings)
+            results[f"{mesh}/{name}"] = train(
+                tmp_path / f"rank{rank}" / mesh / name,
+                world_size,
+                **flags,
+                val_size=VAL_FOUR,
+                eval_batch_size=3,
+                predict_batch=3,
+                count=mesh == "hsdp 2x2",
+                **settings,
+            )
     # Saved at 2x2 and resumed at the other shapes of 4 processes (ddp writes one-file .pt checkpoints), and from
     # their step 6 back at 2x2; from one device's .pt and from 1x2's folder at 2x2.
     results["2x2"] = resumable(rank, world_size, tmp_path / "2x2", "2x2")
     for shape in ("1x4", "4x1", "ddp"):
         file = shape == "ddp"
-        results[f"2x2 -> {shape}"] = resumable(rank, world_size, tmp_path / shape, shape,
-                                               step_checkpoint(tmp_path / "2x2", 4), "file" if file else "sharded")
-        results[f"{shape} -> 2x2"] = resumable(rank, world_size, tmp_path / f"{shape} back", "2x2",
-                                               step_checkpoint(tmp_path / shape, 6, ".pt" if file else ""))
+        results[f"2x2 -> {shape}"] = resumable(
+            rank,
+            world_size,
+            tmp_path / shape,
+            shape,
+            step_checkpoint(tmp_path / "2x2", 4),
+            "file" if file else "sharded",
+        )
+        results[f"{shape} -> 2x2"] = resumable(
+            rank,
+            world_size,
+            tmp_path / f"{shape} back",
+            "2x2",
+            step_checkpoint(tmp_path / shape, 6, ".pt" if file else ""),
+        )
     results["one .pt -> 2x2"] = resumable(rank, world_size, tmp_path / "one back", "2x2", from_one)
     results["1x2 -> 2x2"] = resumable(rank, world_size, tmp_path / "1x2 back", "2x2", from_1x2)
     # A SIGTERM on rank 3 after step 3: every rank stops at the next sync point (step 4) with a checkpoint, and
     # the same run with --resume auto continues.
-    results["stopped"] = resumable(rank, world_size, tmp_path / "stopped", "2x2", callbacks=(SigtermAt(3, 3),))
+    results["stopped"] = resumable(
+        rank, world_size, tmp_path / "stopped", "2x2", callbacks=(SigtermAt(3, 3),)
+    )
     results["stopped -> auto"] = resumable(rank, world_size, tmp_path / "stopped", "2x2", "auto")
-    results["bf16"] = train(tmp_path / f"rank{rank}" / "bf16", world_size, **MESHES["hsdp 2x2"], amp="bf16",
-                            **RUNS_AT_FOUR["plain"])
+    results["bf16"] = train(
+        tmp_path / f"rank{rank}" / "bf16",
+        world_size,
+        **MESHES["hsdp 2x2"],
+        amp="bf16",
+        **RUNS_AT_FOUR["plain"],
+    )
     return results
 
 
@@ -318,8 +438,14 @@ def four_ranks(two_ranks, tmp_path_factory: pytest.TempPathFactory) -> tuple[lis
     checkpoints of 2x2 resumed at other shapes and back (one device's .pt made here first, 1x2's by two_ranks)."""
     tmp_path = tmp_path_factory.mktemp("hsdp")
     resumable(0, 1, tmp_path / "one", "one", checkpoint_format="file")
-    ranks = run_ranks(_four, FOUR, tmp_path, tmp_path, step_checkpoint(tmp_path / "one", 4, ".pt"),
-                      step_checkpoint(two_ranks[1] / "1x2", 4))
+    ranks = run_ranks(
+        _four,
+        FOUR,
+        tmp_path,
+        tmp_path,
+        step_checkpoint(tmp_path / "one", 4, ".pt"),
+        step_checkpoint(two_ranks[1] / "1x2", 4),
+    )
     return ranks, tmp_path
 
 
@@ -329,18 +455,29 @@ def test_hsdp_places_parameters_replicated_over_replicas_and_sharded_within_each
     for rank, results in enumerate(ranks):
         replica, shard = divmod(rank, 2)
         assert results["hsdp 2x2/plain"]["position"] == (replica, shard)
-        assert results["hsdp 2x2/plain"]["meshes"] == {("(Replicate(), Shard(dim=0))", ("dp_replicate", "dp_shard"),
-                                                        (2, 2), (replica, shard))}
-        assert results["fsdp 1x4/plain"]["meshes"] == {("(Shard(dim=0),)", ("dp",), (4,), (rank,))}  # as before
-        assert len(results["hsdp 2x2/plain"]["summary"]["peak_memory_per_rank_gb"]) == FOUR  # telemetry: each rank
+        assert results["hsdp 2x2/plain"]["meshes"] == {
+            ("(Replicate(), Shard(dim=0))", ("dp_replicate", "dp_shard"), (2, 2), (replica, shard))
+        }
+        assert results["fsdp 1x4/plain"]["meshes"] == {
+            ("(Shard(dim=0),)", ("dp",), (4,), (rank,))
+        }  # as before
+        assert (
+            len(results["hsdp 2x2/plain"]["summary"]["peak_memory_per_rank_gb"]) == FOUR
+        )  # telemetry: each rank
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS_AT_FOUR)
 def test_hsdp_equals_fsdp_ddp_and_one_process_with_the_whole_batch(four_ranks, tmp_path, name):
     results = four_ranks[0][0]
-    single = one_process(tmp_path, world=FOUR, val_size=VAL_FOUR, eval_batch_size=3 * FOUR, predict_batch=3 * FOUR,
-                         **{key: value for key, value in RUNS_AT_FOUR[name].items() if key != "fsdp_accumulate"})
+    single = one_process(
+        tmp_path,
+        world=FOUR,
+        val_size=VAL_FOUR,
+        eval_batch_size=3 * FOUR,
+        predict_batch=3 * FOUR,
+        **{key: value for key, value in RUNS_AT_FOUR[name].items() if key != "fsdp_accumulate"},
+    )
     assert max_difference(single["weights"], tiny_model().state_dict()) > 1e-3  # training moved the weights
     for mesh in MESHES:
         other = results.get(f"{mesh}/{name}")
@@ -369,8 +506,10 @@ def test_accumulation_talks_across_replicas_once_per_optimizer_step(four_ranks):
     group carries one all-reduce of each unit's gradient shard, with or without --grad-accum-steps 2; the inner
     micro-step reduce-scatters within the shard group only with --fsdp-accumulate sharded."""
     for results in four_ranks[0]:
-        plain, whole, sharded = (results[f"hsdp 2x2/{name}"]["collectives"]
-                                 for name in ("plain", "accum+clip+ema", "accum sharded"))
+        plain, whole, sharded = (
+            results[f"hsdp 2x2/{name}"]["collectives"]
+            for name in ("plain", "accum+clip+ema", "accum sharded")
+        )
         assert len(plain) == len(whole) == len(sharded) == 5
         replica = per_group(plain[0])["dp_replicate"]
         assert replica == {"all_reduce": (2, replica["all_reduce"][1])}
@@ -381,24 +520,42 @@ def test_accumulation_talks_across_replicas_once_per_optimizer_step(four_ranks):
                 assert groups["dp_replicate"] == replica  # the same calls and bytes whatever the accumulation
                 assert groups["dp_shard"]["reduce_scatter_single"][0] == reduce_scatters
             # Forward and backward gather each unit once per micro-step (the first step also gathers at start).
-            assert [per_group(step)["dp_shard"]["all_gather_single"][0] for step in steps[1:]] == [gathers] * 4
-        assert per_group(whole[1])["dp_shard"]["all_reduce"][0] == 1  # clipping's norm: within the shard group
+            assert [per_group(step)["dp_shard"]["all_gather_single"][0] for step in steps[1:]] == [
+                gathers
+            ] * 4
+        assert (
+            per_group(whole[1])["dp_shard"]["all_reduce"][0] == 1
+        )  # clipping's norm: within the shard group
 
 
 @pytest.mark.slow
-def test_on_the_mesh_a_sigterm_saves_and_resume_auto_continues_and_bf16_computes_through_fsdps_policy(four_ranks):
+def test_on_the_mesh_a_sigterm_saves_and_resume_auto_continues_and_bf16_computes_through_fsdps_policy(
+    four_ranks,
+):
     ranks = four_ranks[0]
     assert [rank["stopped"]["summary"]["global_step"] for rank in ranks] == [4] * FOUR
     assert all(rank["stopped"]["summary"]["stopped"] for rank in ranks)
     assert_continues([rank["stopped -> auto"] for rank in ranks], [rank["2x2"] for rank in ranks], 4)
-    assert all(rank["bf16"]["dtypes"] == {torch.bfloat16} for rank in ranks)  # bf16 compute (FSDP's policy) ...
+    assert all(
+        rank["bf16"]["dtypes"] == {torch.bfloat16} for rank in ranks
+    )  # bf16 compute (FSDP's policy) ...
     bf16, fp32 = ranks[0]["bf16"]["weights"], ranks[0]["hsdp 2x2/plain"]["weights"]  # whole on rank 0
     assert {tensor.dtype for tensor in bf16.values()} == {torch.float32}  # ... on fp32 master weights
-    assert max_difference(bf16, fp32) < 0.5 * max_difference(fp32, tiny_model().state_dict())  # fp32's learning
+    assert max_difference(bf16, fp32) < 0.5 * max_difference(
+        fp32, tiny_model().state_dict()
+    )  # fp32's learning
 
 
-RESUMED = {"2x2 -> 1x4": 4, "2x2 -> 4x1": 4, "2x2 -> ddp": 4, "1x4 -> 2x2": 6, "4x1 -> 2x2": 6, "ddp -> 2x2": 6,
-           "one .pt -> 2x2": 4, "1x2 -> 2x2": 4}
+RESUMED = {
+    "2x2 -> 1x4": 4,
+    "2x2 -> 4x1": 4,
+    "2x2 -> ddp": 4,
+    "1x4 -> 2x2": 6,
+    "4x1 -> 2x2": 6,
+    "ddp -> 2x2": 6,
+    "one .pt -> 2x2": 4,
+    "1x2 -> 2x2": 4,
+}
 
 
 def assert_continues(resumed: list[dict[str, Any]], reference: list[dict[str, Any]], after: int) -> None:
@@ -431,13 +588,26 @@ def test_a_2x2_checkpoint_resumes_at_1x2_and_in_one_process(four_ranks, tmp_path
 def _compiled_on_a_mesh(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     runs = {}
     for compiled in (False, True):
-        config = config_for(tmp_path / str(compiled), world_size, multi_gpu="fsdp", dp_replicate=2, optimizer="adamw",
-                            lr=3e-3, epochs=1, lr_schedule="constant", compile=compiled, **RUNS["accum+clip+ema"])
+        config = config_for(
+            tmp_path / str(compiled),
+            world_size,
+            multi_gpu="fsdp",
+            dp_replicate=2,
+            optimizer="adamw",
+            lr=3e-3,
+            epochs=1,
+            lr_schedule="constant",
+            compile=compiled,
+            **RUNS["accum+clip+ema"],
+        )
         with MultiGPUTrainer(tiny_model(), blobs(SIZE, 0), blobs(VAL_SIZE, 1), config) as trainer:
             trainer.fit()
-            runs[compiled] = {"weights": full_weights(trainer), "eval": trainer.evaluate(),
-                              "compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
-                              "mesh": trainer.runtime.mesh_position}
+            runs[compiled] = {
+                "weights": full_weights(trainer),
+                "eval": trainer.evaluate(),
+                "compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
+                "mesh": trainer.runtime.mesh_position,
+            }
     return runs
 
 

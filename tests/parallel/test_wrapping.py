@@ -14,6 +14,7 @@ from multigpu.models import build_model
 from multigpu.parallel.wrapping import uncompiled
 from train_multi_gpu import MultiGPUTrainer
 
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["model"]
 
@@ -47,7 +48,9 @@ def _compiled_ddp(rank: int, world_size: int, tmp_path: Path) -> dict[str, torch
     config = config_for(tmp_path, world_size, epochs=2, batch_size=8, lr_schedule="constant", compile=True)
     trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config)
     assert isinstance(trainer.step.wrapped, torch.nn.parallel.DistributedDataParallel)
-    assert trainer.step.wrapped.module is trainer.model and trainer.model._compiled_call_impl is not None  # then wrapped
+    assert (
+        trainer.step.wrapped.module is trainer.model and trainer.model._compiled_call_impl is not None
+    )  # then wrapped
     trainer.fit()
     return {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
 
@@ -65,8 +68,9 @@ def test_compiled_under_ddp_two_ranks_train_as_one_process_with_their_whole_batc
 
 def images(size: int) -> torch.utils.data.TensorDataset:
     source = SyntheticImages(size, (3, 12, 12), 10, seed=0)
-    return torch.utils.data.TensorDataset(torch.stack([source[i][0] for i in range(size)]),
-                                          torch.tensor([source[i][1] for i in range(size)]))
+    return torch.utils.data.TensorDataset(
+        torch.stack([source[i][0] for i in range(size)]), torch.tensor([source[i][1] for i in range(size)])
+    )
 
 
 def test_channels_last_trains_to_the_same_weights_as_channels_first(tmp_path):
@@ -74,16 +78,28 @@ def test_channels_last_trains_to_the_same_weights_as_channels_first(tmp_path):
     for channels_last in (False, True):
         torch.manual_seed(0)
         model = build_model("cnn", (3, 12, 12), 10)
-        config = config_for(tmp_path / str(channels_last), 1, epochs=1, batch_size=16, optimizer="sgd", lr=0.05,
-                            channels_last=channels_last)  # SGD: no Adam division to magnify rounding
+        config = config_for(
+            tmp_path / str(channels_last),
+            1,
+            epochs=1,
+            batch_size=16,
+            optimizer="sgd",
+            lr=0.05,
+            channels_last=channels_last,
+        )  # SGD: no Adam division to magnify rounding
         trainer = MultiGPUTrainer(model, images(64), images(16), config)
-        trainer.model.register_forward_pre_hook(lambda module, args: layouts.append(
-            args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()))
+        trainer.model.register_forward_pre_hook(
+            lambda module, args: layouts.append(
+                args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()
+            )
+        )
         trainer.fit()
         conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
         assert conv.weight.is_contiguous(memory_format=torch.channels_last) == channels_last
         results[channels_last] = weights(tmp_path / str(channels_last) / "ckpt" / "last.pt")
-    assert layouts == [False] * 5 + [True] * 5  # 4 training batches and 1 evaluation batch, in the layout asked for
+    assert (
+        layouts == [False] * 5 + [True] * 5
+    )  # 4 training batches and 1 evaluation batch, in the layout asked for
     for key in results[False]:
         assert torch.allclose(results[True][key], results[False][key], atol=1e-5), key
 
@@ -92,7 +108,9 @@ def test_uncompiled_runs_a_compiled_module_eagerly_so_the_start_probes_compile_n
     import torch._dynamo
 
     model = torch.nn.Linear(4, 2)
-    model.compile(backend="eager")  # dynamo's capture without a C++ build: the counter still sees each compile
+    model.compile(
+        backend="eager"
+    )  # dynamo's capture without a C++ build: the counter still sees each compile
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with uncompiled():

@@ -33,13 +33,19 @@ def bn_model() -> nn.Module:
     return model
 
 
-def build_quietly(tmp_path: Path, world_size: int, model: nn.Module, runtime: Runtime | None = None,
-                  **overrides: Any) -> tuple[MultiGPUTrainer, list[str]]:
+def build_quietly(
+    tmp_path: Path, world_size: int, model: nn.Module, runtime: Runtime | None = None, **overrides: Any
+) -> tuple[MultiGPUTrainer, list[str]]:
     """A trainer and the start-up lines about BatchNorm it printed."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        trainer = MultiGPUTrainer(model, blobs(64, 0), None, config_for(tmp_path, world_size, epochs=1, **overrides),
-                                  runtime=runtime)
+        trainer = MultiGPUTrainer(
+            model,
+            blobs(64, 0),
+            None,
+            config_for(tmp_path, world_size, epochs=1, **overrides),
+            runtime=runtime,
+        )
     return trainer, [line for line in printed.getvalue().splitlines() if "BatchNorm" in line]
 
 
@@ -57,14 +63,22 @@ def _cpu_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, dict[str,
         trainer, lines = build_quietly(tmp_path / f"{name}-{rank}", world_size, make_model(), **overrides)
         if name == "sync-bn":
             trainer.fit()  # would raise if SyncBatchNorm had slipped in: it cannot train on the CPU
-        results[name] = {"lines": lines, "types": {type(m).__name__ for m in trainer.model.modules()
-                                                   if isinstance(m, nn.modules.batchnorm._BatchNorm)}}
+        results[name] = {
+            "lines": lines,
+            "types": {
+                type(m).__name__
+                for m in trainer.model.modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            },
+        }
     return results
 
 
 SYNC_BN_LINE = "--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm"
-SMALL_BATCH_LINE = ("warning: BatchNorm statistics come from 8 samples per device; results will depend on the "
-                    "device count (consider --sync-bn or a larger batch)")
+SMALL_BATCH_LINE = (
+    "warning: BatchNorm statistics come from 8 samples per device; results will depend on the "
+    "device count (consider --sync-bn or a larger batch)"
+)
 
 
 def test_sync_bn_on_the_cpu_says_so_once_keeps_batchnorm_and_small_batches_warn(tmp_path):
@@ -81,13 +95,19 @@ def train_bn(tmp_path: Path, world_size: int, runtime: Runtime, **overrides: Any
     """Train bn_model (one BatchNorm in eval mode at start) and report the conversion and the weights."""
     model = bn_model()
     model[1].eval()  # a flag the conversion must keep
-    trainer, _ = build_quietly(tmp_path, world_size, model, runtime, num_workers=0, optimizer="sgd", lr=0.05,
-                               **overrides)
-    converted = [(type(m).__name__, m.training, m.weight.detach().cpu().clone()) for m in trainer.model.modules()
-                 if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    trainer, _ = build_quietly(
+        tmp_path, world_size, model, runtime, num_workers=0, optimizer="sgd", lr=0.05, **overrides
+    )
+    converted = [
+        (type(m).__name__, m.training, m.weight.detach().cpu().clone())
+        for m in trainer.model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
     trainer.fit()
-    return {"converted": converted,
-            "state": {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}}
+    return {
+        "converted": converted,
+        "state": {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()},
+    }
 
 
 def _cuda_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
@@ -101,10 +121,11 @@ def _cuda_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
 def test_sync_bn_on_cuda_trains_like_one_process_with_the_whole_batch(tmp_path):
     rank0, _ = run_ranks(_cuda_rank, WORLD, tmp_path, tmp_path)
     single = train_bn(tmp_path / "single", 1, Runtime("none", torch.device("cuda:0")), batch_size=16)
-    (kind, training, weight), = rank0["converted"]
+    ((kind, training, weight),) = rank0["converted"]
     assert kind == "SyncBatchNorm" and training is False  # converted before the wrap, eval flag kept
     assert torch.equal(weight, bn_model()[1].weight.detach())  # affine weights kept
-    difference = max((rank0["state"][k].float() - single["state"][k].float()).abs().max().item()
-                     for k in single["state"])
+    difference = max(
+        (rank0["state"][k].float() - single["state"][k].float()).abs().max().item() for k in single["state"]
+    )
     print(f"SyncBatchNorm 2 ranks x 8 vs 1 process x 16: max abs difference {difference:.3g}")
     assert difference <= 1e-4  # weights and running statistics

@@ -38,8 +38,9 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 
 
 def test_each_fork_waits_for_the_thread_state_lock_last_on_python_before_3_12():
-    result = subprocess.run([PYTHON, "-c", FORK_AFTER_IMPORT], cwd=REPO, env=cli_env(), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-c", FORK_AFTER_IMPORT], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     if sys.version_info < (3, 12):
         # Registered once on import (a second call adds nothing), and run after the handlers registered since.
@@ -53,6 +54,12 @@ def test_the_wait_itself_returns_and_the_child_runs():
     from multigpu.resilience import fork_safety
 
     assert fork_safety.wait_for_thread_states_before_fork()  # registered by the import of multigpu already
-    result = subprocess.run([PYTHON, "-c", FORK_WITH_THE_WAIT], cwd=REPO, env=cli_env(), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-c", FORK_WITH_THE_WAIT],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.stdout.split() == ["child", "3"], result.stderr

@@ -34,11 +34,11 @@ def _survive_torchruns_sigterm_while_saving(rank: int, world_size: int, marker: 
 
 
 def test_a_survivors_save_after_losing_a_peer_is_not_cut_off_by_sigterm(tmp_path):
-    lost, signal_name, saved, handler_after = run_ranks(_survive_torchruns_sigterm_while_saving, 2, tmp_path,
-                                                        str(tmp_path / "marker"))[0]
+    lost, signal_name, saved, handler_after = run_ranks(
+        _survive_torchruns_sigterm_while_saving, 2, tmp_path, str(tmp_path / "marker")
+    )[0]
     assert (lost, signal_name, saved) == ([1], "SIGTERM", "saved")  # the signal only set the flag
     assert handler_after == signal.SIG_DFL  # and the handlers are put back afterwards
-
 
 
 def _lose_a_rank_while_another_waits_elsewhere(rank: int, world_size: int, save_dir: str) -> object:

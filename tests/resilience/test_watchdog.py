@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (HANG, HANG_RUN_LIMIT as LIMIT, TINY, busy_cpus, cli_env, run_cli, run_hang_scenario as scenario,
-                      torchrun_command)
+from conftest import HANG, TINY, busy_cpus, cli_env, run_cli, torchrun_command
+from conftest import HANG_RUN_LIMIT as LIMIT
+from conftest import run_hang_scenario as scenario
 from multigpu.errors import HANG_EXIT_STATUS
 from multigpu.resilience.faults import FAULT_ENV
 
@@ -24,16 +25,29 @@ def report(save_dir: Path) -> str:
 def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
     """Through multigpu/launch/torchrun.py, as the launcher and the SLURM script run it: exit status 3 and one line."""
     save_dir, log, started = tmp_path / "ckpt", tmp_path / "torchrun.log", time.monotonic()
-    result = subprocess.run(torchrun_command(log, *HANG, "--save-dir", str(save_dir)), cwd=tmp_path,
-                            env=cli_env({FAULT_ENV: "1:3:stop"}), capture_output=True, text=True, timeout=LIMIT)
+    result = subprocess.run(
+        torchrun_command(log, *HANG, "--save-dir", str(save_dir)),
+        cwd=tmp_path,
+        env=cli_env({FAULT_ENV: "1:3:stop"}),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+    )
     assert result.returncode == HANG_EXIT_STATUS, result.stderr
     assert time.monotonic() - started < LIMIT
-    assert f"torchrun: hang: see {save_dir / 'hang_report.txt'} (rank 0 stopped the run with status 3" in result.stderr
-    assert "exitcode  : -9" in log.read_text()  # rank 0's watchdog ended the stopped rank: torchrun did not wait
+    assert (
+        f"torchrun: hang: see {save_dir / 'hang_report.txt'} (rank 0 stopped the run with status 3"
+        in result.stderr
+    )
+    assert (
+        "exitcode  : -9" in log.read_text()
+    )  # rank 0's watchdog ended the stopped rank: torchrun did not wait
     text = report(save_dir)
     assert "rank 1 does not respond (stopped, frozen or dead)" in text.splitlines()[1]
     assert "rank 0 waits in DDP's gradient all-reduce (backward)" in text
-    assert "in _forward_backward" in text.split("--- rank 0")[1]  # rank 0's stack, from its own watchdog thread
+    assert (
+        "in _forward_backward" in text.split("--- rank 0")[1]
+    )  # rank 0's stack, from its own watchdog thread
     assert "(no answer: rank 1 does not respond" in text
     assert (save_dir / "step-000000003.pt").exists()  # rank 1 stopped after step 3: the last completed step
     assert "hang: checkpoint of the last completed step (3) written" in result.stderr
@@ -62,10 +76,15 @@ def test_on_a_hybrid_mesh_the_report_names_the_stuck_ranks_replica_and_shard(tmp
     lines = report(tmp_path).splitlines()
     assert "rank 1 (mesh replicate 1, shard 0) stuck in data loading" in lines[1]
     # Its peer waits in FSDP's gradient all-reduce across the replicas.
-    assert "rank 0 (mesh replicate 0, shard 0) waits in FSDP's torch.distributed.all_reduce (backward)" in lines[3]
+    assert (
+        "rank 0 (mesh replicate 0, shard 0) waits in FSDP's torch.distributed.all_reduce (backward)"
+        in lines[3]
+    )
     # Rank 0 holds a shard only: no checkpoint from its replica, the last sharded one stays the resume point.
-    assert "no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point" \
-        in ranks[0].stderr, ranks[0].stderr
+    assert (
+        "no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point"
+        in ranks[0].stderr
+    ), ranks[0].stderr
     assert not list(tmp_path.glob("step-*"))
 
 
@@ -88,7 +107,9 @@ def test_a_rank_that_dies_of_a_desync_is_named_by_its_peer_which_saves_the_last_
     assert "while this rank was in torch.distributed.all_reduce called at " in said[0]
     assert "hang_scenarios.py:" in said[0] and "not one of the trainer's collectives" in said[0]
     assert "the ranks desynchronised (a desync; --debug-collectives checks every collective)" in said[0]
-    assert said[1].startswith("rank 0: checkpoint of the last completed step (3) written from rank 0's replica: ")
+    assert said[1].startswith(
+        "rank 0: checkpoint of the last completed step (3) written from rank 0's replica: "
+    )
     assert [path.name for path in tmp_path.glob("step-*.pt")] == ["step-000000003.pt"]
     assert "Traceback" not in ranks[0].stderr
 

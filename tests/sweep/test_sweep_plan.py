@@ -19,15 +19,21 @@ def plan_of(sweep_argv, train_argv=(), sweep_dir="/tmp/sweep"):
 def test_grid_points_times_seeds_in_a_fixed_order():
     plan = plan_of(["--num-seeds", "2", "--grid", "lr=1e-3,0.003", "batch-size=16,32"], ["--epochs", "2"])
     names = [e.name for e in plan.experiments]
-    assert names[:3] == ["lr=0.001,batch_size=16/seed-0", "lr=0.001,batch_size=16/seed-1",
-                         "lr=0.001,batch_size=32/seed-0"]
+    assert names[:3] == [
+        "lr=0.001,batch_size=16/seed-0",
+        "lr=0.001,batch_size=16/seed-1",
+        "lr=0.001,batch_size=32/seed-0",
+    ]
     assert len(names) == 8 == len(set(names))
     assert [point for point, _ in plan.points][-1] == "lr=0.003,batch_size=32"
     last = plan.experiments[-1]
     config = parse_config(list(last.argv))  # exactly the flags main_multi_gpu.py gets
     assert (config.lr, config.batch_size, config.seed, config.epochs) == (0.003, 32, 1, 2)
-    assert (config.save_dir, config.resume, config.progress) == ("/tmp/sweep/lr=0.003,batch_size=32/seed-1", "auto",
-                                                                 False)
+    assert (config.save_dir, config.resume, config.progress) == (
+        "/tmp/sweep/lr=0.003,batch_size=32/seed-1",
+        "auto",
+        False,
+    )
 
 
 def test_without_a_grid_each_seed_is_a_directory():
@@ -43,8 +49,10 @@ def test_bools_and_values_with_commas():
 
 BAD_GRIDS = {
     "unknown key": (["--grid", "lrr=0.1"], "lrr is not a training setting (did you mean lr?)"),
-    "value TrainConfig refuses": (["--grid", "batch_size=8,0"],
-                                  "--grid batch_size=8,0: --batch-size must be at least 1"),
+    "value TrainConfig refuses": (
+        ["--grid", "batch_size=8,0"],
+        "--grid batch_size=8,0: --batch-size must be at least 1",
+    ),
     "not a number": (["--grid", "lr=fast"], "argument --lr: invalid float value"),
     "not a choice": (["--grid", "amp=fp8"], "--amp"),
     "same value twice": (["--grid", "lr=1e-3,0.001"], "the value 0.001 is given twice"),
@@ -70,7 +78,9 @@ def test_training_flags_the_sweep_sets_itself_are_refused(flag):
 
 
 def test_bad_input_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
-    result = run_sweep(["--sweep-dir", str(tmp_path / "sweep"), "--grid", "batch_size=0", "--", "--epochs", "1"])
+    result = run_sweep(
+        ["--sweep-dir", str(tmp_path / "sweep"), "--grid", "batch_size=0", "--", "--epochs", "1"]
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == ["error: --grid batch_size=0: --batch-size must be at least 1, got 0"]
@@ -88,18 +98,26 @@ def test_shards_split_the_list_without_overlap():
 
 def test_fingerprint_names_the_first_difference():
     base = plan_of(["--grid", "lr=0.1,0.2"], ["--epochs", "2"]).fingerprint
-    assert fingerprint_difference(base, plan_of(["--num-seeds", "9", "--grid", "lr=0.1,0.2"],
-                                                ["--epochs", "2"]).fingerprint) is None  # more seeds: same sweep
+    assert (
+        fingerprint_difference(
+            base, plan_of(["--num-seeds", "9", "--grid", "lr=0.1,0.2"], ["--epochs", "2"]).fingerprint
+        )
+        is None
+    )  # more seeds: same sweep
     changed = plan_of(["--grid", "lr=0.1,0.2"], ["--epochs", "3"]).fingerprint
     assert fingerprint_difference(base, changed) == "--epochs 2 (the sweep's) vs 3 (this command's)"
     regridded = plan_of(["--grid", "lr=0.1"], ["--epochs", "2"]).fingerprint
-    assert fingerprint_difference(base, regridded) == "--grid lr=0.1,0.2 (the sweep's) vs lr=0.1 (this command's)"
+    assert (
+        fingerprint_difference(base, regridded)
+        == "--grid lr=0.1,0.2 (the sweep's) vs lr=0.1 (this command's)"
+    )
     wider = plan_of(["--grid", "lr=0.1,0.2", "--gpus-per-run", "2"], ["--epochs", "2"]).fingerprint
     assert fingerprint_difference(base, wider) == "--gpus-per-run 1 (the sweep's) vs 2 (this command's)"
 
 
-def test_without_sweep_dir_each_setting_gets_its_own_numbered_folder_and_a_rerun_finds_its_own(tmp_path,
-                                                                                                 monkeypatch):
+def test_without_sweep_dir_each_setting_gets_its_own_numbered_folder_and_a_rerun_finds_its_own(
+    tmp_path, monkeypatch
+):
     from multigpu.sweep import records
 
     monkeypatch.chdir(tmp_path)
@@ -107,7 +125,9 @@ def test_without_sweep_dir_each_setting_gets_its_own_numbered_folder_and_a_rerun
     def claimed(sweep_argv, train_argv):
         options, _ = parse(sweep_argv, environ={})
         plan = build_plan(options, train_argv)
-        records.check_fingerprint(plan.sweep_dir, plan.fingerprint)  # what the sweep does before its first run
+        records.check_fingerprint(
+            plan.sweep_dir, plan.fingerprint
+        )  # what the sweep does before its first run
         return plan.sweep_dir
 
     first = claimed(["--num-seeds", "2", "--grid", "lr=1e-3,3e-3"], ["--epochs", "1"])

@@ -21,17 +21,21 @@ for i in range(300):
 
 def test_appends_from_several_processes_stay_whole_lines(tmp_path):
     path = tmp_path / "results.jsonl"
-    writers = [subprocess.Popen([PYTHON, "-c", APPENDER, str(path), name], cwd=REPO) for name in ("a", "b", "c")]
+    writers = [
+        subprocess.Popen([PYTHON, "-c", APPENDER, str(path), name], cwd=REPO) for name in ("a", "b", "c")
+    ]
     assert [writer.wait(timeout=60) for writer in writers] == [0, 0, 0]
     lines = path.read_text().splitlines()
     assert len(lines) == 900 and all(json.loads(line)["padding"] == "x" * 500 for line in lines)
 
 
 def test_the_latest_record_wins_over_every_shard_and_a_torn_line_is_skipped(tmp_path):
-    records.append_result(str(tmp_path / "results.shard-0-of-2.jsonl"),
-                          {"experiment": "e", "status": "failed", "finished": 1.0})
-    records.append_result(str(tmp_path / "results.shard-1-of-2.jsonl"), {"experiment": "e", "status": "ok",
-                                                                         "finished": 2.0})
+    records.append_result(
+        str(tmp_path / "results.shard-0-of-2.jsonl"), {"experiment": "e", "status": "failed", "finished": 1.0}
+    )
+    records.append_result(
+        str(tmp_path / "results.shard-1-of-2.jsonl"), {"experiment": "e", "status": "ok", "finished": 2.0}
+    )
     with open(tmp_path / "results.jsonl", "a") as file:
         file.write('{"experiment": "f", "status": "ok", "fini')  # a power cut mid-line
     latest = records.read_results(str(tmp_path))

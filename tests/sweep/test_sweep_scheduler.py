@@ -29,8 +29,13 @@ def test_without_gpus_the_slots_are_cpu_workers():
     assert len(slots) == 3 and "no GPU found, so --max-gpus 4 is not used" in line
 
 
-@pytest.mark.parametrize("argv, expected", [(["--max-gpus", "5"], r"--max-gpus 5: only 4 GPU\(s\) visible"),
-                                            (["--max-gpus", "1", "--gpus-per-run", "2"], "needs at least")])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--max-gpus", "5"], r"--max-gpus 5: only 4 GPU\(s\) visible"),
+        (["--max-gpus", "1", "--gpus-per-run", "2"], "needs at least"),
+    ],
+)
 def test_impossible_gpu_requests_are_refused(argv, expected):
     with pytest.raises(UsageError, match=expected):
         slots_of(argv, ["0", "1", "2", "3"])

@@ -11,16 +11,41 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, RUN_TIMEOUT, TINY_SWEEP_RUN, assert_ok, assert_one_line, cli_command, cli_env, contents, \
-    read_hparams, read_results, read_scalars, reference_sweep, run_sweep
+from conftest import (
+    REPO,
+    RUN_TIMEOUT,
+    TINY_SWEEP_RUN,
+    assert_ok,
+    assert_one_line,
+    cli_command,
+    cli_env,
+    contents,
+    read_hparams,
+    read_results,
+    read_scalars,
+    reference_sweep,
+    run_sweep,
+)
 
 optuna = pytest.importorskip("optuna", reason="the [search] extra (optuna) is not installed")
 
 # 3 trials of 2 seeds on one slot, so that every draw and every pruning decision repeats: a trial's value at an
 # epoch is reported once both its runs reached it (seed 1's run, seed 0's having ended), and ASHA's first rung is
 # epoch 1.
-SEARCH = ["--search", "optuna", "--trials", "3", "--space", "lr=log(1e-3,1)", "--prune", "asha", "--num-seeds", "2",
-          "--workers", "1"]
+SEARCH = [
+    "--search",
+    "optuna",
+    "--trials",
+    "3",
+    "--space",
+    "lr=log(1e-3,1)",
+    "--prune",
+    "asha",
+    "--num-seeds",
+    "2",
+    "--workers",
+    "1",
+]
 RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
 
 
@@ -33,13 +58,17 @@ def load_study(sweep_dir: Path):
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    return optuna.load_study(study_name=None, storage=JournalStorage(JournalFileBackend(str(sweep_dir / "study.journal"))))
+    return optuna.load_study(
+        study_name=None, storage=JournalStorage(JournalFileBackend(str(sweep_dir / "study.journal")))
+    )
 
 
 def decisions(sweep_dir: Path) -> list[tuple]:
     """Every trial's settings, state, value and values at each epoch end: what a repeated search must repeat."""
-    return [(trial.number, trial.state.name, trial.params, trial.value, trial.intermediate_values)
-            for trial in load_study(sweep_dir).trials]
+    return [
+        (trial.number, trial.state.name, trial.params, trial.value, trial.intermediate_values)
+        for trial in load_study(sweep_dir).trials
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +97,30 @@ def test_a_search_prunes_trials_and_shows_them(searched):
             last = torch.load(sweep_dir / f"trial-{trial.number}/seed-1/last.pt", weights_only=True)
             assert (last["epoch"], last["evaluated"]) == (1, True)  # it stopped after that epoch's checkpoint
     rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
-    assert [(row["trial"], row["state"]) for row in rows] == [(str(t.number), STATE[t.state.name]) for t in study.trials]
+    assert [(row["trial"], row["state"]) for row in rows] == [
+        (str(t.number), STATE[t.state.name]) for t in study.trials
+    ]
     best = study.best_trial
-    assert f"best: trial {best.number}, val_loss {best.value:.4f} (mean over 2 seeds); train it with: python " \
-           f"main_multi_gpu.py " in result.stdout and f"--lr {best.params['lr']!r}" in result.stdout
+    assert (
+        f"best: trial {best.number}, val_loss {best.value:.4f} (mean over 2 seeds); train it with: python "
+        f"main_multi_gpu.py "
+        in result.stdout
+        and f"--lr {best.params['lr']!r}" in result.stdout
+    )
     assert "search done: 3 trials ended" in result.stdout
     # TensorBoard's HParams: one session per trial with its settings, its value as a scalar
     sessions = read_hparams(sweep_dir / "hparams")
-    assert sessions == {f"trial-{t.number}": {"lr": t.params["lr"], "state": STATE[t.state.name]}
-                        for t in study.trials}
+    assert sessions == {
+        f"trial-{t.number}": {"lr": t.params["lr"], "state": STATE[t.state.name]} for t in study.trials
+    }
     scalars = read_scalars(sweep_dir / "hparams")
-    assert sorted(value for _, value in scalars["val_loss"]) == pytest.approx(sorted(t.value for t in study.trials),
-                                                                               rel=1e-6)  # TensorBoard's float32
-    plots = [sweep_dir / f"{name}.png" for name in ("optimization_history", "param_importances",
-                                                    "intermediate_values")]
+    assert sorted(value for _, value in scalars["val_loss"]) == pytest.approx(
+        sorted(t.value for t in study.trials), rel=1e-6
+    )  # TensorBoard's float32
+    plots = [
+        sweep_dir / f"{name}.png"
+        for name in ("optimization_history", "param_importances", "intermediate_values")
+    ]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -136,8 +175,10 @@ def test_bad_search_input_is_one_line_and_changes_nothing(tmp_path, capsys, monk
     for space, expected in cases.items():
         assert main([*search, "--space", space, "--", *RUN]) == 2
         assert_one_line(2, capsys.readouterr().err, f"--space {space}: {expected}")
-    for argv, expected in [(["--trials", "0"], "--trials must be at least 1, got 0"),
-                           (["--grid", "lr=0.1,0.2"], "give --grid (every point of a grid) or --search optuna")]:
+    for argv, expected in [
+        (["--trials", "0"], "--trials must be at least 1, got 0"),
+        (["--grid", "lr=0.1,0.2"], "give --grid (every point of a grid) or --search optuna"),
+    ]:
         assert main([*search[:-2], *argv, "--space", "lr=log(1e-4,1e-1)", "--", *RUN]) == 2
         assert_one_line(2, capsys.readouterr().err, expected)
     monkeypatch.setitem(sys.modules, "optuna", None)  # as where Optuna is not installed
@@ -149,9 +190,28 @@ def test_bad_search_input_is_one_line_and_changes_nothing(tmp_path, capsys, monk
 @pytest.mark.slow
 def test_a_trial_of_several_processes_reports_from_its_rank_0(tmp_path):
     """--gpus-per-run 2: each run of the trial is a DDP job under torchrun (gloo on the CPU), whose rank 0 reports."""
-    result = run_sweep(["--sweep-dir", str(tmp_path), "--search", "optuna", "--trials", "1", "--space",
-                        "lr=log(1e-3,1e-1)", "--prune", "median", "--gpus-per-run", "2", "--workers", "1", "--",
-                        *RUN, "--dist-timeout", "60"])
+    result = run_sweep(
+        [
+            "--sweep-dir",
+            str(tmp_path),
+            "--search",
+            "optuna",
+            "--trials",
+            "1",
+            "--space",
+            "lr=log(1e-3,1e-1)",
+            "--prune",
+            "median",
+            "--gpus-per-run",
+            "2",
+            "--workers",
+            "1",
+            "--",
+            *RUN,
+            "--dist-timeout",
+            "60",
+        ]
+    )
     assert_ok(result)
     (trial,) = load_study(tmp_path).trials
     assert trial.state.name == "COMPLETE" and list(trial.intermediate_values) == [1, 2]
@@ -163,16 +223,40 @@ def test_a_trial_of_several_processes_reports_from_its_rank_0(tmp_path):
 def test_two_drivers_share_one_study(tmp_path):
     """Two shards' drivers started together (as two SLURM array tasks would be) draw the study's trials between
     them, each trial once."""
-    args = ["--sweep-dir", str(tmp_path), "--search", "optuna", "--trials", "3", "--space", "lr=log(1e-3,1)",
-            "--prune", "asha", "--workers", "1"]
-    drivers = [subprocess.Popen(cli_command([*args, "--shard", f"{index}/2", "--", *TINY_SWEEP_RUN, "--epochs", "1"],
-                                            script=REPO / "sweep_multi_gpu.py"),
-                                cwd=REPO, env=cli_env({"CUDA_VISIBLE_DEVICES": ""}), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for index in range(2)]
+    args = [
+        "--sweep-dir",
+        str(tmp_path),
+        "--search",
+        "optuna",
+        "--trials",
+        "3",
+        "--space",
+        "lr=log(1e-3,1)",
+        "--prune",
+        "asha",
+        "--workers",
+        "1",
+    ]
+    drivers = [
+        subprocess.Popen(
+            cli_command(
+                [*args, "--shard", f"{index}/2", "--", *TINY_SWEEP_RUN, "--epochs", "1"],
+                script=REPO / "sweep_multi_gpu.py",
+            ),
+            cwd=REPO,
+            env=cli_env({"CUDA_VISIBLE_DEVICES": ""}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for index in range(2)
+    ]
     outputs = [driver.communicate(timeout=RUN_TIMEOUT)[0] for driver in drivers]
     assert [driver.returncode for driver in drivers] == [0, 0], outputs
     study = load_study(tmp_path)
     assert [trial.number for trial in study.trials] == [0, 1, 2]
     assert all(trial.state.name in ("COMPLETE", "PRUNED") for trial in study.trials)
-    lines = [line for path in tmp_path.glob("results.shard-*-of-2.jsonl") for line in path.read_text().splitlines()]
+    lines = [
+        line for path in tmp_path.glob("results.shard-*-of-2.jsonl") for line in path.read_text().splitlines()
+    ]
     assert sorted(json.loads(line)["experiment"] for line in lines) == [f"trial-{n}/seed-0" for n in range(3)]

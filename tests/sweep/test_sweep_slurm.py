@@ -17,13 +17,32 @@ SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
 RUN = [*TINY_SWEEP_RUN, "--epochs", "1"]
 
 
-def write_script(sweep_dir: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_sweep(["--sweep-dir", str(sweep_dir), "--num-seeds", "2", "--grid", "lr=1e-3,3e-3", "--slurm", *flags,
-                      "--", *RUN], env=env)
+def write_script(
+    sweep_dir: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return run_sweep(
+        [
+            "--sweep-dir",
+            str(sweep_dir),
+            "--num-seeds",
+            "2",
+            "--grid",
+            "lr=1e-3,3e-3",
+            "--slurm",
+            *flags,
+            "--",
+            *RUN,
+        ],
+        env=env,
+    )
 
 
 def sbatch_lines(script: Path) -> list[str]:
-    return [line.removeprefix("#SBATCH ") for line in script.read_text().splitlines() if line.startswith("#SBATCH ")]
+    return [
+        line.removeprefix("#SBATCH ")
+        for line in script.read_text().splitlines()
+        if line.startswith("#SBATCH ")
+    ]
 
 
 def test_cpu_array_script(tmp_path):
@@ -31,13 +50,23 @@ def test_cpu_array_script(tmp_path):
     assert_ok(result)
     script = tmp_path / "sweep.sbatch"
     assert f"wrote {script}: 4 experiments in 2 array tasks" in result.stdout
-    assert sbatch_lines(script) == ["--job-name=sweep-" + tmp_path.name, "--array=0-1", "--ntasks=1",
-                                    "--cpus-per-task=1", f"--output={tmp_path}/slurm/%A_%a.out", "--time=00:10:00"]
+    assert sbatch_lines(script) == [
+        "--job-name=sweep-" + tmp_path.name,
+        "--array=0-1",
+        "--ntasks=1",
+        "--cpus-per-task=1",
+        f"--output={tmp_path}/slurm/%A_%a.out",
+        "--time=00:10:00",
+    ]
     command = script.read_text().splitlines()[-1]
-    assert command.startswith(f"exec {PYTHON} {REPO / 'sweep_multi_gpu.py'} --sweep-dir {tmp_path} --seeds 0,1 ")
+    assert command.startswith(
+        f"exec {PYTHON} {REPO / 'sweep_multi_gpu.py'} --sweep-dir {tmp_path} --seeds 0,1 "
+    )
     assert '--workers 1 --shard "${SLURM_ARRAY_TASK_ID}/2" -- ' + " ".join(RUN) in command
     assert (tmp_path / "slurm").is_dir() and (tmp_path / "sweep.json").exists()  # SLURM does not create dirs
-    assert_ok(subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True))
+    assert_ok(
+        subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True)
+    )
 
 
 def test_gpu_array_script_keeps_within_max_gpus(tmp_path):
@@ -47,19 +76,34 @@ def test_gpu_array_script_keeps_within_max_gpus(tmp_path):
     assert "--array=0-3%2" in lines and "--gres=gpu:2" in lines  # one task per experiment, 2 x 2 GPUs at once
     command = script.read_text().splitlines()[-1]
     assert "--gpus-per-run 2" in command and "--max-gpus" not in command and "--workers" not in command
-    assert_ok(subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True))
+    assert_ok(
+        subprocess.run([str(SHELLCHECK), "--severity=style", str(script)], capture_output=True, text=True)
+    )
 
 
 @pytest.mark.slow
 def test_array_tasks_share_one_sweep_dir_and_merge_their_results(tmp_path):
     """Both tasks of a 2-task array at once, started the way SLURM starts them: the script, with the task id."""
     assert_ok(write_script(tmp_path, "--shards", "2", "--workers", "1"))
-    tasks = [subprocess.Popen(["bash", str(tmp_path / "sweep.sbatch")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=cli_env({"CUDA_VISIBLE_DEVICES": "", "SLURM_ARRAY_TASK_ID": str(task),
-                                                      "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0"}))
-             for task in range(2)]
+    tasks = [
+        subprocess.Popen(
+            ["bash", str(tmp_path / "sweep.sbatch")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(
+                {
+                    "CUDA_VISIBLE_DEVICES": "",
+                    "SLURM_ARRAY_TASK_ID": str(task),
+                    "SLURM_ARRAY_TASK_COUNT": "2",
+                    "SLURM_ARRAY_TASK_MIN": "0",
+                }
+            ),
+        )
+        for task in range(2)
+    ]
     outputs = [task.communicate(timeout=RUN_TIMEOUT) for task in tasks]
-    for task, (stdout, stderr) in zip(tasks, outputs):
+    for task, (_stdout, stderr) in zip(tasks, outputs):
         assert task.returncode == 0, stderr
     shards = {}
     for task in range(2):
@@ -74,8 +118,12 @@ def test_array_tasks_share_one_sweep_dir_and_merge_their_results(tmp_path):
 
 
 # Shell code a value could smuggle into the job script; each would create a file INJECTED if it ran.
-INJECTIONS = {"command substitution": "$(touch INJECTED)", "a second command": "; touch INJECTED",
-              "backquotes": "`touch INJECTED`", "a newline": "\ntouch INJECTED"}
+INJECTIONS = {
+    "command substitution": "$(touch INJECTED)",
+    "a second command": "; touch INJECTED",
+    "backquotes": "`touch INJECTED`",
+    "a newline": "\ntouch INJECTED",
+}
 
 
 @pytest.mark.parametrize("name", INJECTIONS)
@@ -96,8 +144,12 @@ def test_no_value_reaches_the_job_script_as_shell_code(name, tmp_path):
             assert len(result.stderr.splitlines()) == 1, result.stderr
         assert not sweep_dir.exists()
         sweep_dir, flags = tmp_path / "sweep", ["--sweep-dir", str(tmp_path / "sweep")]
-    assert_ok(run_sweep([*flags, "--grid", f"gpu_ids=0{text}", "--slurm", "--", *RUN, "--data-dir", f"d{text}"],
-                        cwd=workdir))
+    assert_ok(
+        run_sweep(
+            [*flags, "--grid", f"gpu_ids=0{text}", "--slurm", "--", *RUN, "--data-dir", f"d{text}"],
+            cwd=workdir,
+        )
+    )
     script = sweep_dir / "sweep.sbatch"
     assert_ok(subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True))
     # The words bash reads are the values as given: each value one quoted word.
@@ -105,12 +157,20 @@ def test_no_value_reaches_the_job_script_as_shell_code(name, tmp_path):
     assert words[words.index("cd") + 1] == str(workdir)
     assert words[words.index("--sweep-dir") + 1] == str(sweep_dir)
     assert words[words.index("--data-dir") + 1] == f"d{text}"
-    directives = [word for line in sbatch_lines(script) for word in shlex.split(line)]  # sbatch reads quotes so too
+    directives = [
+        word for line in sbatch_lines(script) for word in shlex.split(line)
+    ]  # sbatch reads quotes so too
     assert f"--output={sweep_dir}/slurm/%A_%a.out" in directives
     assert newline or f"--comment=c{text}" in directives
     # Run as an array task starts it: bash runs every line, the sweep starts and refuses task 99 (no such shard).
-    task = subprocess.run(["bash", str(script)], cwd=tmp_path, env=cli_env({"SLURM_ARRAY_TASK_ID": "99"}),
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    task = subprocess.run(
+        ["bash", str(script)],
+        cwd=tmp_path,
+        env=cli_env({"SLURM_ARRAY_TASK_ID": "99"}),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert task.returncode == 2 and "error: --shard must be I/N with 0 <= I < N" in task.stderr, task.stderr
     assert not list(tmp_path.rglob("INJECTED"))  # where bash started, nor where the script cds to
 
@@ -118,7 +178,9 @@ def test_no_value_reaches_the_job_script_as_shell_code(name, tmp_path):
 def test_submit_hands_the_script_to_sbatch(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    sbatch = bin_dir / "sbatch"  # stands in for SLURM's sbatch: records its arguments, answers like --parsable
+    sbatch = (
+        bin_dir / "sbatch"
+    )  # stands in for SLURM's sbatch: records its arguments, answers like --parsable
     sbatch.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\necho "4242;cluster"\n')
     sbatch.chmod(0o755)
     result = write_script(tmp_path / "sweep", "--submit", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
@@ -140,14 +202,34 @@ def test_a_real_slurm_job_array_runs_the_shards_into_one_merged_summary(tmp_path
     """The generated array script submitted to a real single-node SLURM (tests/slurm_cluster.py): 4 experiments
     in 2 array tasks, both writing into one sweep dir, whose summary merges them."""
     sweep_dir = tmp_path / "sweep"
-    assert_ok(run_sweep(["--sweep-dir", str(sweep_dir), "--num-seeds", "2", "--grid", "lr=1e-3,3e-3", "--slurm",
-                         "--shards", "2", "--workers", "1", "--", *RUN], env=slurm_cluster.env))
+    assert_ok(
+        run_sweep(
+            [
+                "--sweep-dir",
+                str(sweep_dir),
+                "--num-seeds",
+                "2",
+                "--grid",
+                "lr=1e-3,3e-3",
+                "--slurm",
+                "--shards",
+                "2",
+                "--workers",
+                "1",
+                "--",
+                *RUN,
+            ],
+            env=slurm_cluster.env,
+        )
+    )
     job = slurm_cluster.submit(sweep_dir / "sweep.sbatch", cwd=tmp_path)
     states = slurm_cluster.wait_array(job, RUN_TIMEOUT)
     outputs = "\n".join(path.read_text() for path in sorted((sweep_dir / "slurm").glob("*.out")))
     assert states == ["COMPLETED", "COMPLETED"], outputs[-3000:]
     rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
-    assert [(row["point"], row["done"], row["failed"]) for row in rows] == [("lr=0.001", "2", "0"),
-                                                                            ("lr=0.003", "2", "0")]
+    assert [(row["point"], row["done"], row["failed"]) for row in rows] == [
+        ("lr=0.001", "2", "0"),
+        ("lr=0.003", "2", "0"),
+    ]
     assert len((sweep_dir / "results.shard-0-of-2.jsonl").read_text().splitlines()) == 2
     assert len((sweep_dir / "results.shard-1-of-2.jsonl").read_text().splitlines()) == 2

@@ -19,20 +19,32 @@ STEPS = 48  # enough for 4 settings of 5 steps, twice over
 
 def conv_net() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(4 * 6 * 6, 3))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3)
+    )
 
 
 def images(size: int = STEPS * 8) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(size, 2, 8, 8, generator=generator),
-                                          torch.randint(0, 3, (size,), generator=generator))
+    return torch.utils.data.TensorDataset(
+        torch.randn(size, 2, 8, 8, generator=generator), torch.randint(0, 3, (size,), generator=generator)
+    )
 
 
 def train(tmp_path: Path, name: str, world_size: int = 1, **overrides) -> MultiGPUTrainer:
     # The data on the device as given: --data-on-device auto's own trial is data/test_device_data.py's
-    config = config_for(tmp_path / name, world_size, **{"epochs": 1, "batch_size": 8 // world_size, "log_every": 7,
-                                                        "optimizer": "sgd", "data_on_device": "on", **overrides})
+    config = config_for(
+        tmp_path / name,
+        world_size,
+        **{
+            "epochs": 1,
+            "batch_size": 8 // world_size,
+            "log_every": 7,
+            "optimizer": "sgd",
+            "data_on_device": "on",
+            **overrides,
+        },
+    )
     trainer = MultiGPUTrainer(conv_net(), images(), None, config)
     trainer.fit()
     return trainer
@@ -56,22 +68,35 @@ def threads_kept():
 
 
 def test_autotune_tries_the_settings_on_training_steps_and_prints_saves_and_reuses_its_choice(
-        tmp_path, capsys, threads_kept):
+    tmp_path, capsys, threads_kept
+):
     tuned = train(tmp_path, "tuned", autotune=True)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("--autotune:"))
     tuner = tuned.autotune
-    assert tuner.trials[:2] == [autotune.Setting(False, tuner.trials[0].threads),
-                                autotune.Setting(True, tuner.trials[0].threads)]  # as given first, then NHWC
+    assert tuner.trials[:2] == [
+        autotune.Setting(False, tuner.trials[0].threads),
+        autotune.Setting(True, tuner.trials[0].threads),
+    ]  # as given first, then NHWC
     assert len(tuner.medians) == len(tuner.trials) and tuner.chosen in tuner.trials
-    assert re.match(rf"--autotune: {re.escape(tuner.chosen.words())}, x\d+\.\d\d the settings as given \(median "
-                    rf"step [\d.]+ ms vs [\d.]+ ms; steps 1-{5 * len(tuner.trials)} measured", line), line
+    assert re.match(
+        rf"--autotune: {re.escape(tuner.chosen.words())}, x\d+\.\d\d the settings as given \(median "
+        rf"step [\d.]+ ms vs [\d.]+ ms; steps 1-{5 * len(tuner.trials)} measured",
+        line,
+    ), line
     # whether compile was tried and why: steps of milliseconds could never repay a compile
-    assert re.search(rf"\); compile not tried: (the {STEPS - 5 * len(tuner.trials)} steps left at [\d.]+ ms would "
-                     rf"save [\d,]+ s if compiled steps were 10% faster, less than the 60 s a compile is expected "
-                     rf"to take|no C\+\+ compiler \(g\+\+\) here)$", line), line
-    assert tuned.model[0].weight.is_contiguous(memory_format=torch.channels_last) == tuner.chosen.channels_last
+    assert re.search(
+        rf"\); compile not tried: (the {STEPS - 5 * len(tuner.trials)} steps left at [\d.]+ ms would "
+        rf"save [\d,]+ s if compiled steps were 10% faster, less than the 60 s a compile is expected "
+        rf"to take|no C\+\+ compiler \(g\+\+\) here)$",
+        line,
+    ), line
+    assert (
+        tuned.model[0].weight.is_contiguous(memory_format=torch.channels_last) == tuner.chosen.channels_last
+    )
     assert torch.get_num_threads() == tuner.chosen.threads
-    assert tuned.amp.dtype is None and all(p.dtype == torch.float32 for p in tuned.model.parameters())  # fp32 stays
+    assert tuned.amp.dtype is None and all(
+        p.dtype == torch.float32 for p in tuned.model.parameters()
+    )  # fp32 stays
 
     saved = torch.load(tmp_path / "tuned" / "ckpt" / "last.pt", weights_only=True)["autotune"]
     assert autotune.Setting(**saved["setting"]) == tuner.chosen and saved["at_step"] == 5 * len(tuner.trials)
@@ -82,8 +107,10 @@ def test_autotune_tries_the_settings_on_training_steps_and_prints_saves_and_reus
 
     resumed = train(tmp_path, "tuned", autotune=True, resume="auto", epochs=2)
     out = capsys.readouterr().out
-    assert f"--autotune: {tuner.chosen.words()}, as chosen at step {saved['at_step']} and saved in the " \
-           f"checkpoint (not measured again)" in out
+    assert (
+        f"--autotune: {tuner.chosen.words()}, as chosen at step {saved['at_step']} and saved in the "
+        f"checkpoint (not measured again)" in out
+    )
     assert resumed.autotune.medians == [] and resumed.autotune.chosen == tuner.chosen
 
 
@@ -119,8 +146,14 @@ def _ddp_tuned_then_direct(rank: int, world_size: int, tmp_path: Path) -> dict:
     chosen = tuned.autotune.chosen
     torch.set_num_threads(chosen.threads)  # then the chosen settings, given directly
     direct = train(tmp_path, "direct", world_size, channels_last=chosen.channels_last)
-    return {"tuned": weights(tuned), "direct": weights(direct), "trials": tuned.autotune.trials, "chosen": chosen,
-            "measured": len(tuned.autotune.medians), "wrapped": type(tuned.step.wrapped).__name__}
+    return {
+        "tuned": weights(tuned),
+        "direct": weights(direct),
+        "trials": tuned.autotune.trials,
+        "chosen": chosen,
+        "measured": len(tuned.autotune.medians),
+        "wrapped": type(tuned.step.wrapped).__name__,
+    }
 
 
 @pytest.mark.slow
@@ -130,7 +163,9 @@ def test_under_ddp_the_layout_switch_rewraps_the_model_and_both_ranks_train_as_a
     settings from the start."""
     ranks = run_ranks(_ddp_tuned_then_direct, 2, tmp_path, tmp_path)
     assert {setting.channels_last for setting in ranks[0]["trials"]} == {False, True}
-    assert ranks[0]["measured"] == len(ranks[0]["trials"]) and ranks[0]["wrapped"] == "DistributedDataParallel"
+    assert (
+        ranks[0]["measured"] == len(ranks[0]["trials"]) and ranks[0]["wrapped"] == "DistributedDataParallel"
+    )
     assert ranks[0]["chosen"] == ranks[1]["chosen"]
     for key in ranks[0]["tuned"]:
         assert torch.equal(ranks[0]["tuned"][key], ranks[1]["tuned"][key]), key
@@ -138,25 +173,35 @@ def test_under_ddp_the_layout_switch_rewraps_the_model_and_both_ranks_train_as_a
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not autotune.can_compile(torch.device("cpu")), reason="torch.compile on the CPU needs g++")
-def test_on_a_run_long_enough_compile_is_tried_last_and_kept_only_if_it_repays_itself(tmp_path, monkeypatch,
-                                                                                       capsys, threads_kept):
+@pytest.mark.skipif(
+    not autotune.can_compile(torch.device("cpu")), reason="torch.compile on the CPU needs g++"
+)
+def test_on_a_run_long_enough_compile_is_tried_last_and_kept_only_if_it_repays_itself(
+    tmp_path, monkeypatch, capsys, threads_kept
+):
     """With the bar for a long enough run lowered to 0 s, the compiled form of the fastest eager setting is the
     last trial; whether kept or not, the module is compiled exactly when the choice says so, and the run ends
     where one given the chosen settings directly ends."""
     monkeypatch.setitem(autotune.EXPECTED_COMPILE_SECONDS, "cpu", 0.0)
-    tuned = train(tmp_path, "tuned", autotune=True, channels_last=False)  # given: only threads and compile tried
+    tuned = train(
+        tmp_path, "tuned", autotune=True, channels_last=False
+    )  # given: only threads and compile tried
     tuner = tuned.autotune
     assert tuner.trials[-1].compiled and not any(setting.compiled for setting in tuner.trials[:-1])
     assert len(tuner.medians) == len(tuner.trials)
     assert (tuned.model._compiled_call_impl is not None) == tuner.chosen.compiled
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("--autotune:"))
-    assert "compiled " in line  # the compiled trial's time is in the line, and why it was tried and kept or not
+    assert (
+        "compiled " in line
+    )  # the compiled trial's time is in the line, and why it was tried and kept or not
     kept = "kept" if tuner.chosen.compiled else "not kept"
     left = STEPS - 5 * (len(tuner.trials) - 1)  # at the decision; the compiled trial then takes 7 steps
-    assert re.search(rf"; compile tried: the {left} steps left at [\d.]+ ms would save [\d,]+ s if compiled steps "
-                     rf"were 10% faster, at least the 0 s a compile is expected to take; {kept}: it (saves|would "
-                     rf"save) [\d,]+ s over the {left - 7} steps left, its compile took [\d,]+ s$", line), line
+    assert re.search(
+        rf"; compile tried: the {left} steps left at [\d.]+ ms would save [\d,]+ s if compiled steps "
+        rf"were 10% faster, at least the 0 s a compile is expected to take; {kept}: it (saves|would "
+        rf"save) [\d,]+ s over the {left - 7} steps left, its compile took [\d,]+ s$",
+        line,
+    ), line
     torch.set_num_threads(tuner.chosen.threads)
     direct = train(tmp_path, "direct", channels_last=False, compile=tuner.chosen.compiled)
     assert_close(weights(tuned), weights(direct))
@@ -166,9 +211,13 @@ def test_compile_is_tried_only_where_the_planned_steps_left_could_repay_it():
     """resnet18 at 32 px on 2 CPU cores, about 0.8 s a step: 60 steps cannot repay a compile, 2,000 can."""
     cpu = torch.device("cpu")
     assert autotune.compile_worth_trying(50, 0.8, cpu) == (
-        False, "compile not tried: the 50 steps left at 800.0 ms would save 4 s if compiled steps were 10% faster, "
-               "less than the 60 s a compile is expected to take")
+        False,
+        "compile not tried: the 50 steps left at 800.0 ms would save 4 s if compiled steps were 10% faster, "
+        "less than the 60 s a compile is expected to take",
+    )
     assert autotune.compile_worth_trying(1990, 0.8, cpu) == (
-        True, "compile tried: the 1,990 steps left at 800.0 ms would save 159 s if compiled steps were 10% faster, "
-              "at least the 60 s a compile is expected to take")
+        True,
+        "compile tried: the 1,990 steps left at 800.0 ms would save 159 s if compiled steps were 10% faster, "
+        "at least the 60 s a compile is expected to take",
+    )
     assert not autotune.compile_worth_trying(100_000, 0.005, cpu)[0]  # the cnn's steps: never worth a compile

@@ -44,13 +44,29 @@ def search(capacity: int, runtime: Runtime, data_size: int = 4000) -> tuple[int,
     optimizer.step()  # the optimizer has state: moments and a step count
     before, rng_before = checksum(model, optimizer), torch.get_rng_state()
     lines: list[str] = []
-    chosen = batch_size.measure(model, optimizer, default_forward, torch.nn.CrossEntropyLoss(), Amp(None, "cpu"),
-                                lambda batch: batch, blobs(data_size, 0), None, runtime, lines.append)
+    chosen = batch_size.measure(
+        model,
+        optimizer,
+        default_forward,
+        torch.nn.CrossEntropyLoss(),
+        Amp(None, "cpu"),
+        lambda batch: batch,
+        blobs(data_size, 0),
+        None,
+        runtime,
+        lines.append,
+    )
     after = checksum(model, optimizer)
-    unchanged = (len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
-                 and torch.equal(torch.get_rng_state(), rng_before))
-    assert len(lines) == 1 and lines[0].startswith(f"--batch-size auto: {chosen} per device (") \
-        and lines[0].endswith(" fit, less 10%)"), lines
+    unchanged = (
+        len(before) == len(after)
+        and all(torch.equal(a, b) for a, b in zip(before, after))
+        and torch.equal(torch.get_rng_state(), rng_before)
+    )
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"--batch-size auto: {chosen} per device (")
+        and lines[0].endswith(" fit, less 10%)")
+    ), lines
     return chosen, model.sizes, unchanged
 
 
@@ -70,8 +86,9 @@ def test_largest_fitting_halves_when_the_first_try_fails_and_stops_at_the_data()
 
 
 def _search_on_rank(rank: int, world_size: int) -> tuple[int, bool]:
-    chosen, _, unchanged = search(200 if rank == 0 else 70, Runtime("ddp", torch.device("cpu"), rank, rank, world_size,
-                                                                     "gloo"))
+    chosen, _, unchanged = search(
+        200 if rank == 0 else 70, Runtime("ddp", torch.device("cpu"), rank, rank, world_size, "gloo")
+    )
     return chosen, unchanged
 
 
@@ -86,16 +103,26 @@ def test_an_error_that_is_not_out_of_memory_is_raised_not_taken_for_a_full_gpu()
         raise ValueError("shape mismatch")
 
     with pytest.raises(ValueError, match="shape mismatch"):
-        batch_size.measure(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1), broken, None,
-                           Amp(None, "cpu"), lambda batch: batch, blobs(64, 0), None,
-                           Runtime("none", torch.device("cpu")), print)
+        batch_size.measure(
+            tiny_model(),
+            torch.optim.SGD(tiny_model().parameters(), lr=0.1),
+            broken,
+            None,
+            Amp(None, "cpu"),
+            lambda batch: batch,
+            blobs(64, 0),
+            None,
+            Runtime("none", torch.device("cpu")),
+            print,
+        )
 
 
 def test_without_cuda_auto_says_so_in_one_line_and_trains_with_the_default_batch(tmp_path: Path, capsys):
     config = config_for(tmp_path, 1, batch_size="auto", epochs=1, lr_scaling="linear")
     trainer = MultiGPUTrainer(tiny_model(), blobs(128, 0), None, config)
-    assert capsys.readouterr().out.splitlines()[0] == ("--batch-size auto needs a CUDA device (it measures GPU "
-                                                       "memory): using the default --batch-size 64")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "--batch-size auto needs a CUDA device (it measures GPU memory): using the default --batch-size 64"
+    )
     assert trainer.config.batch_size == 64 and trainer.loader_batch == 64
     assert trainer.lr == pytest.approx(0.01 * 64 / 32)  # LR scaling applies to the batch chosen
     trainer.fit()

@@ -15,7 +15,9 @@ import pytest
 
 from conftest import REPO, cli_env
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting applies to glibc's malloc")
+pytestmark = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="the setting applies to glibc's malloc"
+)
 
 # Page faults per step of a small convolution net (6 MB of activations per step), after two steps of warm-up.
 CONV_STEPS = """
@@ -52,7 +54,9 @@ libc.mallinfo2.restype = Mallinfo2
 # The same count inside the trainer's fit, from a callback at each step's end (steps 4 to 10); and after the last
 # step's count, how much of a live 24 MiB block malloc mapped on its own (bigger than any block the cnn frees, so
 # above glibc's own threshold; below the raised one). Last: freeing a mapped block raises glibc's own thresholds.
-TRAINER_STEPS = MALLINFO + """
+TRAINER_STEPS = (
+    MALLINFO
+    + """
 import json, resource, sys, tempfile
 from torch.utils.data import TensorDataset
 from models import build_model
@@ -73,11 +77,14 @@ faults = Faults()
 MultiGPUTrainer(build_model("cnn", (1, 28, 28), 10), data, None, config, callbacks=[faults]).fit()
 print(json.dumps([(faults.counts[-1] - faults.counts[2]) / (len(faults.counts) - 3), faults.mapped]))
 """
+)
 
 
 # The free memory malloc holds after a 16 MiB block is dropped, in a fresh process (the block is mapped and unmapped)
 # and then inside the block (kept); and the process's resident memory inside the block and after it (given back).
-HELD_AFTER_A_FREE = MALLINFO + """
+HELD_AFTER_A_FREE = (
+    MALLINFO
+    + """
 import json, os
 from multigpu.tuning import cpu_memory
 def held_after_a_free():
@@ -93,15 +100,23 @@ with cpu_memory.kept_for_the_next_step(True):
     resident_inside = resident()
 print(json.dumps([before, inside, resident_inside - resident()]))
 """
+)
 MIB = 1024 * 1024
 # What would tune malloc before the test does, and so spoil the comparison.
-MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+MALLOC_SETTINGS = (
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
+)
 
 
 def run_script(script: str, *args: str) -> object:
     env = {name: value for name, value in cli_env().items() if name not in MALLOC_SETTINGS}
-    done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -127,15 +142,21 @@ def test_the_block_holds_freed_memory_and_gives_it_back_after():
 @pytest.mark.slow
 def test_the_block_keeps_what_a_step_frees_for_the_next():
     given_back, kept = run_script(CONV_STEPS, "off"), run_script(CONV_STEPS, "on")
-    skip_unless_steps_fault(given_back)  # type: ignore[arg-type]  (the activations come back as fresh pages)
+    skip_unless_steps_fault(given_back)  # type: ignore[arg-type]  # the activations come back as fresh pages
     assert kept * 4 < given_back, (kept, given_back)  # type: ignore[operator]
 
 
 @pytest.mark.slow
 def test_fit_on_the_cpu_keeps_freed_memory_unless_told_not_to():
     skip_without_mallinfo2()
-    (kept, mapped_on), (given_back, mapped_off) = run_script(TRAINER_STEPS, "on"), run_script(TRAINER_STEPS, "off")
-    assert mapped_off >= 24 * MIB > mapped_on, (mapped_on, mapped_off)  # the switch: a block of its own, or not
+    (kept, mapped_on), (given_back, mapped_off) = (
+        run_script(TRAINER_STEPS, "on"),
+        run_script(TRAINER_STEPS, "off"),
+    )
+    assert mapped_off >= 24 * MIB > mapped_on, (
+        mapped_on,
+        mapped_off,
+    )  # the switch: a block of its own, or not
     skip_unless_steps_fault(given_back)
     assert kept * 4 < given_back, (kept, given_back)
 

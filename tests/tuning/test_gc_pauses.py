@@ -19,7 +19,9 @@ def test_the_block_freezes_what_is_alive_and_unfreezes_it_after():
     alive = [[] for _ in range(10)]  # tracked objects made before the block
     with long_lived_objects_frozen():
         assert gc.get_freeze_count() >= len(alive)
-        assert gc.is_tracked(alive[0]) and not any(item is alive[0] for item in gc.get_objects())  # out of sight
+        assert gc.is_tracked(alive[0]) and not any(
+            item is alive[0] for item in gc.get_objects()
+        )  # out of sight
     assert gc.get_freeze_count() == 0
     assert any(item is alive[0] for item in gc.get_objects())  # collectable again
 
@@ -46,8 +48,9 @@ def test_fit_trains_with_the_objects_of_its_start_frozen(tmp_path):
         seen.append(gc.get_freeze_count())
         return default_forward(model, batch)
 
-    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config_for(tmp_path, 1, epochs=1),
-                              forward_fn=forward)
+    trainer = MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), blobs(32, 1), config_for(tmp_path, 1, epochs=1), forward_fn=forward
+    )
     seen.clear()  # the start-up FLOP count's forward
     assert gc.get_freeze_count() == 0
     trainer.fit()
@@ -66,8 +69,14 @@ print("frozen before exit:", gc.get_freeze_count() > 0, flush=True)
 
 
 def run_and_report(body: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-c", REPORT_AT_EXIT.format(body=body), *args], cwd=REPO,
-                            env=cli_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", REPORT_AT_EXIT.format(body=body), *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -78,7 +87,11 @@ from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 before = atexit._ncallbacks()
 skip_the_collection_at_exit(); skip_the_collection_at_exit()
 print("handlers added:", atexit._ncallbacks() - before)""")
-    assert registered.splitlines() == ["handlers added: 1", "frozen before exit: False", "frozen at exit: True"]
+    assert registered.splitlines() == [
+        "handlers added: 1",
+        "frozen before exit: False",
+        "frozen at exit: True",
+    ]
     assert run_and_report("pass").splitlines() == ["frozen before exit: False", "frozen at exit: False"]
 
 
