@@ -28,7 +28,7 @@ from multigpu.data import streaming
 from multigpu.data.batches import batch_mover
 from multigpu.data.device_data import DeviceData
 from multigpu.data.feed import batch_sizes, training_data
-from multigpu.engine import build, state, summary
+from multigpu.engine import build, replicas, state, summary
 from multigpu.loop.amp import Amp
 from multigpu.loop.evaluation import Evaluator
 from multigpu.loop.forward import ForwardFn, fitted_forward
@@ -247,7 +247,11 @@ class MultiGPUTrainer:
             self.stop,
             self.checkpointer.newest,
         )
-        rng.seed_all(config.seed + rt.rank)  # dropout and augmentation differ per rank, repeat on a rerun
+        # --fault-tolerance: torchft's replica groups around the step (multigpu/engine/replicas.py); None without it
+        self.replicas = replicas.join(self)
+        rng.seed_all(
+            config.seed + rt.data_rank
+        )  # dropout and augmentation differ per rank, repeat on a rerun
 
     @property
     def train_loader(self) -> Any:
@@ -325,7 +329,7 @@ class MultiGPUTrainer:
         self.meter.started = time.perf_counter()  # evaluation and saving are not training time
         for batches, window, sizes, last in self.data.windows(self.report.line):
             self.step(batches, window, sizes)  # forward, backward and the optimizer (multigpu/loop/step.py)
-            progress.samples_in_epoch += window * self.runtime.world_size
+            progress.samples_in_epoch += window * self.runtime.data_ranks  # every replica group's share
             progress.global_step += 1
             BEAT.step, BEAT.phase = (
                 progress.global_step,
@@ -463,7 +467,7 @@ class MultiGPUTrainer:
                 raise state.refuse_another_fit(self.config)
             return False
         self._resumed = True
-        return state.resume(self)
+        return state.resume(self) if self.replicas is None else self.replicas.resume()
 
     def _stop_for_signal(self) -> dict[str, Any]:
         state.stop_for_signal(self)

@@ -31,7 +31,7 @@ def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
     return BatchSizes(
         config.batch_size * per_step,
         (config.eval_batch_size or config.batch_size) * per_step,
-        effective_batch(config, runtime.devices_per_step),
+        effective_batch(config, runtime.devices_per_step * runtime.replica_groups),
     )
 
 
@@ -122,7 +122,8 @@ def training_data(
         return TrainingData(
             stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate
         )
-    sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
+    # Each process's share of every step; with --fault-tolerance each replica group's processes read their own.
+    sampler = ResumableDistributedSampler(len(dataset), runtime.data_rank, runtime.data_ranks, config.seed)
     ways = {}
     if on_device.on:
         ways[True] = on_device.batches(sampler, loader_batch, config.seed)
@@ -131,7 +132,7 @@ def training_data(
             dataset,
             runtime.device,
             config.num_workers,
-            config.seed + runtime.rank,
+            config.seed + runtime.data_rank,
             sampler=sampler,
             batch_size=loader_batch,
             collate_fn=collate_fn,

@@ -121,6 +121,32 @@ class TrainConfig:
         "(slower: a store round trip each)",
         group="devices",
     )
+    fault_tolerance: bool = _opt(
+        False,
+        "train as one of --ft-replica-groups replica groups that outlive each other's loss (torchft): each "
+        "step commits with the groups alive, a lost group's share of the data is skipped until it rejoins "
+        "and heals from a live peer, without a checkpoint read (docs/fault-tolerance.md; needs torchft: "
+        "pip install '.[ft]', and its Lighthouse)",
+        group="devices",
+    )
+    ft_replica_groups: int | None = _opt(
+        None,
+        "--fault-tolerance: how many replica groups train the model, each on its own 1/N of every step's "
+        "data (the effective batch and the LR are set for all of them)",
+        group="devices",
+    )
+    ft_replica_id: int | None = _opt(
+        None, "--fault-tolerance: this process's replica group, 0 to --ft-replica-groups - 1", group="devices"
+    )
+    ft_min_replicas: int = _opt(
+        1, "--fault-tolerance: the fewest live replica groups a step may commit with", group="devices"
+    )
+    ft_lighthouse: str | None = _opt(
+        None,
+        "--fault-tolerance: the address of torchft's Lighthouse, which keeps the quorum of live groups, "
+        "e.g. http://node0:29510 (default: $TORCHFT_LIGHTHOUSE)",
+        group="devices",
+    )
     # --- data ----------------------------------------------------------
     dataset: str = _opt(
         "synthetic",
@@ -526,6 +552,7 @@ class TrainConfig:
             if value is not None and value not in choices:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
         self._check_text_pairing()
+        self._check_fault_tolerance()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
             raise UsageError(
@@ -570,6 +597,59 @@ class TrainConfig:
                 "--async-checkpoint writes sharded checkpoints in the background, and this run writes "
                 "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint"
             )
+
+    def _check_fault_tolerance(self) -> None:
+        """UsageError where the --ft-* flags come without --fault-tolerance, or it lacks what every replica group
+        needs: how many groups, which one this is, and one --save-dir they share (docs/fault-tolerance.md)."""
+        ft_flags = [name for name in FT_FLAGS if getattr(self, name) != FIELDS[name].default]
+        if not self.fault_tolerance:
+            if ft_flags:
+                raise UsageError(
+                    f"--{flag(ft_flags[0])} is for --fault-tolerance; add --fault-tolerance "
+                    f"(or drop --{flag(ft_flags[0])})"
+                )
+            return
+        if self.ft_replica_groups is None or self.ft_replica_id is None:
+            raise UsageError(
+                "--fault-tolerance needs --ft-replica-groups N (how many replica groups train) and "
+                "--ft-replica-id I (which of them this is, 0 to N-1); bash launch_multi_gpu.sh "
+                "--fault-tolerance --replica-groups N starts them all"
+            )
+        if self.ft_replica_id >= self.ft_replica_groups:
+            raise UsageError(
+                f"--ft-replica-id {self.ft_replica_id} must be below --ft-replica-groups "
+                f"{self.ft_replica_groups} (the groups are numbered from 0)"
+            )
+        if self.ft_min_replicas > self.ft_replica_groups:
+            raise UsageError(
+                f"--ft-min-replicas {self.ft_min_replicas} can never be met by --ft-replica-groups "
+                f"{self.ft_replica_groups}: give at most {self.ft_replica_groups}"
+            )
+        refused = {
+            "save_dir": self.save_dir is None,
+            "overwrite": self.overwrite,
+            "streaming": self.streaming,
+            "autotune": self.autotune,
+            "batch_size": self.batch_size == AUTO,
+            "checkpoint_format": self.sharded_checkpoints(),
+        }
+        why = {
+            "save_dir": "needs --save-dir: every replica group resumes and saves there (storage every node "
+            "shares)",
+            "overwrite": "continues the run in --save-dir (a restarted group must find it), which --overwrite "
+            "would set aside: start a new run in an empty --save-dir instead",
+            "streaming": "splits a map-style data set over the replica groups; a stream (--streaming) is not "
+            "split over them",
+            "autotune": "needs every replica group to train alike, and --autotune tries settings in each group "
+            "on its own: leave it out",
+            "batch_size": "needs the same --batch-size in every replica group, and --batch-size auto measures "
+            "each group's own: give a number",
+            "checkpoint_format": "writes one-file checkpoints from the leading replica group: drop "
+            "--checkpoint-format sharded (and --async-checkpoint)",
+        }
+        for name, is_refused in refused.items():
+            if is_refused:
+                raise UsageError(f"--fault-tolerance {why[name]}")
 
     def _check_hf_model(self) -> None:
         """UsageError where --model hf and what it reads are not given together: a transformers model, from
@@ -738,6 +818,8 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# --fault-tolerance's own settings: given without it, they would do nothing.
+FT_FLAGS = ("ft_replica_groups", "ft_replica_id", "ft_min_replicas", "ft_lighthouse")
 
 
 @dataclass(frozen=True)
@@ -819,6 +901,9 @@ RANGES = {
         0
     ),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
     "dp_replicate": Range(1),
+    "ft_replica_groups": Range(1),
+    "ft_replica_id": Range(0),
+    "ft_min_replicas": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
     "ema_decay": Range(0, 1),

@@ -146,7 +146,7 @@ class Checkpointer:
         existing = run_folders.resumable_files(self.save_dir) + run_folders.checkpoint_files(self.save_dir)
         if preemption.restart_count() > 0 or not existing or self.claimed:
             return None
-        if config.resume is not None and not config.overwrite:
+        if (config.resume is not None or config.fault_tolerance) and not config.overwrite:
             return None  # it continues the run here, or (--resume PATH from elsewhere) replaces its files as it saves
         if config.resume is not None and self._resumes_from_save_dir():
             return (f"--resume {config.resume} continues the run in --save-dir {self.save_dir}, which --overwrite "
@@ -191,7 +191,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ resume
     def find(self) -> Optional[tuple[str, dict[str, Any]]]:
         """(path, state) to continue from, the same on every rank; None to start from scratch."""
-        if self.runtime.is_main:
+        # With --fault-tolerance another replica group may be saving right now: its temporary file is no leftover.
+        if self.runtime.is_main and not self.config.fault_tolerance:
             removed = checkpoint.remove_unfinished(self.save_dir)
             if removed:
                 self.report.line(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
@@ -208,16 +209,19 @@ class Checkpointer:
 
     def _find_here(self) -> Optional[tuple[str, dict[str, Any]]]:
         """After a torchrun restart the newest checkpoint in --save-dir wins, even over --resume PATH:
-        it holds the work done since PATH was loaded (docs/checkpoints.md, "Elastic restarts under torchrun")."""
+        it holds the work done since PATH was loaded (docs/checkpoints.md, "Elastic restarts under torchrun").
+        With --fault-tolerance a replica group started again continues the run as --resume auto does, when no live
+        peer healed it (docs/fault-tolerance.md)."""
         config = self.config
         restarted = preemption.restart_count() > 0
-        if config.resume is None and not restarted:
+        resume = config.resume or ("auto" if config.fault_tolerance else None)
+        if resume is None and not restarted:
             return None
-        if restarted or config.resume == "auto":
+        if restarted or resume == "auto":
             found = self._newest_in(self.save_dir, "--resume auto")
             if found is not None:
                 return found
-            if config.resume in (None, "auto"):
+            if resume in (None, "auto"):
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
@@ -285,7 +289,7 @@ class Checkpointer:
         state = {name: thing.state_dict() for name, thing in stateful.items()}
         return {"format_version": checkpoint.FORMAT_VERSION,
                 "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-                **state.pop(PROGRESS, {}), **state, "world_size": self.runtime.world_size,
+                **state.pop(PROGRESS, {}), **state, "world_size": self.runtime.data_ranks,
                 "config": self.config.to_dict()}
 
     def load_into(self, stateful: dict[str, Any], state: dict[str, Any], path: str) -> None:

@@ -80,7 +80,9 @@ def hang_watchdog(
     """--hang-timeout's watchdog, started (None with 0): rank 0's saves the last completed step through
     `save_last_step` when it decides (docs/hangs.md, "When a run hangs")."""
     seconds = config.watchdog_seconds
-    if not seconds:
+    # --fault-tolerance with one process per group: a step that waits for a lost group is torchft's to end (its
+    # process-group timeout, then a quorum without it), not a hang to stop this group for.
+    if not seconds or runtime.replica_groups > 1 and runtime.world_size == 1:
         return None
     BEAT.restart()
     BEAT.step = global_step

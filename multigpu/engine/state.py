@@ -338,11 +338,11 @@ def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
         run.builtin_optimizer,
         schedule_rule(run.config, run.steps_per_epoch, ahead),
     )
-    if saved["world_size"] != run.runtime.world_size:
+    if saved["world_size"] != run.runtime.data_ranks:  # the data's shares, over every replica group too
         run.report.line(
             other_world_size(
                 saved["world_size"],
-                run.runtime.world_size,
+                run.runtime.data_ranks,
                 run.builtin_schedule,
                 run.scheduler_interval,
                 max_steps_end(run.config, run.steps_per_epoch, run.progress, ahead),

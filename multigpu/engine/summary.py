@@ -102,6 +102,7 @@ def plan_facts(run: Any) -> plan.PlanFacts:
         run.steps_done_in_epoch(),
         run.on_device.line,
         loss_line(run.weighting),
+        run.replicas.plan_line() if run.replicas is not None else "",
     )
 
 
@@ -118,6 +119,7 @@ def finish(run: Any, started: float) -> dict[str, Any]:
     TensorBoard's hparams, and what fit returns."""
     if run.stop_reason:
         run.report.line(run.stop_reason)
+    replicas = run.replicas.summary() if run.replicas is not None else {}  # --fault-tolerance's account
     result = summary(
         run.metrics,
         run.monitor.name,
@@ -127,6 +129,7 @@ def finish(run: Any, started: float) -> dict[str, Any]:
         run.telemetry,
         wall_time=time.perf_counter() - started,
         **({"stopped_early": run.stop_reason} if run.stop_reason else {}),
+        **replicas,
     )
     samples_per_epoch = getattr(run.sampler, "usable", None)  # a stream's epoch has no known length
     epoch_share = run.progress.samples_in_epoch / samples_per_epoch if samples_per_epoch else None

@@ -47,6 +47,7 @@ class PlanFacts:
     loss: str = (
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
+    replicas: str = ""  # --fault-tolerance: the replica groups and what a lost one costs
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -60,6 +61,10 @@ def plan_lines(run: PlanFacts) -> list[str]:
         if rt.mode in ("ddp", "fsdp")
         else "one device"
     )
+    if rt.replica_groups > 1:
+        batch_rule = (
+            f"--fault-tolerance: --batch-size is per process of each of {rt.replica_groups} replica groups"
+        )
     steps_left: int | None = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
     if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
         steps_left = min(steps_left, config.max_steps - progress.global_step)
@@ -85,7 +90,9 @@ def plan_lines(run: PlanFacts) -> list[str]:
     )
     return [
         rt.describe(),
-        f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
+        *([run.replicas] if run.replicas else []),
+        f"batch {config.batch_size} per device x {rt.devices_per_step * rt.replica_groups} devices x "
+        f"{config.grad_accum_steps} "
         f"accumulation = {run.effective_batch} effective ({batch_rule})",
         f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
         *_frozen(run),

@@ -43,14 +43,31 @@ class Runtime:
         None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
     )
     nodes: int = 1  # torchrun's nodes (agents), when each runs the same number of processes
+    # --fault-tolerance (multigpu/parallel/fault_tolerance.py): the replica groups that train the same model, each
+    # a process group of its own as above, and this process's group. `leads`: this group is the lowest live one,
+    # whose rank 0 writes the run's files; set at each step from the groups alive (docs/fault-tolerance.md).
+    replica_groups: int = 1
+    replica_id: int = 0
+    leads: bool = True
+    replicas: Any = None  # fault_tolerance.ReplicaGroups: torchft's Manager over the groups
 
     def __post_init__(self) -> None:
         self.mesh_shape = self.mesh_shape or (1, self.world_size)
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that prints, logs and writes files."""
-        return self.rank == 0
+        """Rank 0 (of the leading replica group): the one process that prints, logs and writes files."""
+        return self.rank == 0 and self.leads
+
+    @property
+    def data_rank(self) -> int:
+        """This process's share of every step's data: its rank, numbered on through the replica groups."""
+        return self.replica_id * self.world_size + self.rank
+
+    @property
+    def data_ranks(self) -> int:
+        """The shares every step's data is split into: the processes of all replica groups together."""
+        return self.replica_groups * self.world_size
 
     @property
     def devices_per_step(self) -> int:
@@ -141,11 +158,20 @@ def parse_gpu_ids(text: str | None) -> list[int]:
 
 def setup(config: TrainConfig) -> Runtime:
     """Resolve the mode and, under DDP or FSDP, join torchrun's process group (fsdp without torchrun: a group of
-    one process, which FSDP's device mesh needs).
+    one process, which FSDP's device mesh needs); with --fault-tolerance, join the replica groups too.
 
     The process-group timeout is --dist-timeout: a rank that died makes the others
     fail after that long instead of hanging forever.
     """
+    runtime = _devices_and_group(config)
+    if config.fault_tolerance:
+        from multigpu.parallel import fault_tolerance  # torchft is imported there, only for such a run
+
+        fault_tolerance.join(config, runtime)
+    return runtime
+
+
+def _devices_and_group(config: TrainConfig) -> Runtime:
     mode = resolve_mode(config)
     if mode in ("dp", "none"):
         runtime = _one_process(mode, config.gpu_ids)
