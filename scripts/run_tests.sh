@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
 # --float8's emulation ([float8]), the guide's site ([docs]), the side-by-side with transformers' Trainer
-# ([hf-trainer]) and the sweep's --search with its plots ([search], [plots]).
-bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots
+# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]) and --fault-tolerance ([ft]).
+bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec .venv/bin/python -m pytest -q -m "not slow" --durations=10 "$@"
