@@ -86,6 +86,17 @@ SLURM (writes <save-dir>/launch_slurm.sbatch and prints it):
   --account A             account to charge
   --cpus-per-task C       CPUs per node (default: 5 per GPU, 1 per CPU process)
   --submit                also submit it with sbatch and print the job id
+Fault tolerance (torchft; docs/fault-tolerance.md):
+  --fault-tolerance       train as replica groups that outlive each other's loss:
+                          a torchft Lighthouse and --replica-groups groups of one
+                          process each (on GPUs one GPU each) on this machine, or
+                          with --slurm one group per node, the Lighthouse on the
+                          first; a lost group's share of the data is skipped until
+                          torchrun restarts it (--max-restarts, default 3) and it
+                          heals from a live peer
+  --replica-groups N      how many replica groups (default 2)
+  --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
+                          from there upward)
 Behaviour:
   -y, --yes               ask nothing: defaults for what no flag sets, no confirmation
   --dry-run               print the command (or script) and exit; writes nothing
@@ -143,6 +154,7 @@ parse_args() {
             --dry-run) DRY_RUN=1; continue ;;
             --submit) SUBMIT=1; continue ;;
             --slurm) SET[slurm]=1; continue ;;
+            --fault-tolerance) SET[fault-tolerance]=1; continue ;;
             --oversubscribe) SET[oversubscribe]=1; continue ;;
         esac
         # Every other option takes a value, as "--opt value" or "--opt=value".
@@ -152,7 +164,8 @@ parse_args() {
             --scale-lr) key=lr-scaling ;;
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
-                --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task) key=${name#--} ;;
+                --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | \
+                --replica-groups | --lighthouse-port) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -506,7 +519,7 @@ main() {
     rules check || die_usage "${RULES[error]}"
     decide_asking
     show_devices
-    if [[ -z ${SET[slurm]:-} ]]; then
+    if [[ -z ${SET[slurm]:-} && -z ${SET[fault-tolerance]:-} ]]; then  # fault tolerance: one process per group
         [[ -n ${SET[multi-gpu]:-} ]] || ask_mode
         ask_devices
     fi

@@ -1105,3 +1105,25 @@ class TokenDicts(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+@pytest.fixture(scope="session")
+def lighthouse() -> Iterator[str]:
+    """One torchft Lighthouse for the --fault-tolerance tests, which share it (docs/fault-tolerance.md): torchft's
+    own server, run in this process (its program would import torch again first, seconds here); a group is left
+    out of the quorum 1 s after its last heartbeat, quorums are checked every 100 ms. Its address."""
+    pytest.importorskip("torchft", reason="the [ft] extra is not installed: bash scripts/ensure_env.sh ft")
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=1000,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_MS,
+    )
+    yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    server.shutdown()
+
+
+LIGHTHOUSE_HEARTBEAT_MS = 1000  # the shared Lighthouse's heartbeat timeout

@@ -81,6 +81,11 @@ class Settings:
     account: str | None = None
     cpus_per_task: str | None = None
     oversubscribe: str | None = None  # "1": more CPU processes than cores, as the user asked
+    fault_tolerance: str | None = (
+        None  # "1": replica groups under torchft (multigpu/launch/replica_groups.py)
+    )
+    replica_groups: str | None = None
+    lighthouse_port: str | None = None
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable

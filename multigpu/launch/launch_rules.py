@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
+from multigpu.launch import replica_groups
 from multigpu.launch.answers import (
     PROCESS_PER_DEVICE,
     TRAINING,
@@ -61,12 +62,17 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     """Validate what is known so far; give the normalised settings ("set:" records) and the questions' defaults."""
     mode = mode_of(s)
     apply_gpu_choice(s)
-    nodes = nodes_of(s, mode)
-    devices = slurm_devices(s) if s.slurm else devices_of(s, mode)
-    config = training_config(s)
+    config_of = training_config
+    if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
+        devices, nodes = replica_groups.settle(s)
+        config_of = replica_groups.group_config
+    else:
+        nodes = nodes_of(s, mode)
+        devices = slurm_devices(s) if s.slurm else devices_of(s, mode)
+    config = config_of(s)
     if not (s.slurm and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
         yield from settle_save_dir(s, config)
-        config = training_config(s)
+        config = config_of(s)
     if s.slurm:
         check_slurm_job(s, nodes, config)
     check_save_dir(config.save_dir)
@@ -148,6 +154,12 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
 
 
 STEPS = {"check": check, "plan": plan, "slurm": slurm}
+# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py)
+FAULT_TOLERANT_STEPS = {
+    "check": check,
+    "plan": lambda s: replica_groups.plan(s, settle_save_dir),
+    "slurm": replica_groups.slurm,
+}
 
 
 def parse(argv: Sequence[str]) -> tuple[str, Settings]:
@@ -168,7 +180,7 @@ def parse(argv: Sequence[str]) -> tuple[str, Settings]:
 
 
 def records(step: str, s: Settings) -> Iterator[str]:
-    for key, value in STEPS[step](s):
+    for key, value in (FAULT_TOLERANT_STEPS if s.fault_tolerance else STEPS)[step](s):
         yield f"{key}={value}"
 
 
