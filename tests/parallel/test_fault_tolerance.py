@@ -19,12 +19,12 @@ from conftest import (
     cli_env,
     config_for,
     free_port,
-    tiny_model,
 )
+from multigpu.data.device_data import DeviceData
+from multigpu.data.feed import batch_sizes, training_data
 from multigpu.engine.replicas import Ledger
 from multigpu.errors import UsageError
-from multigpu.loop.step import TrainStep
-from train_multi_gpu import MultiGPUTrainer
+from multigpu.parallel.distributed import Runtime
 
 DIST_TIMEOUT = 10.0  # seconds: a step whose all-reduce hangs waits this long before torchft gives up on it
 
@@ -128,15 +128,20 @@ def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_
     assert not (tmp_path / "run" / "last.pt").exists() and "step" not in missing_out + unreachable_out
 
 
-def test_without_fault_tolerance_the_trainer_is_the_plain_one(tmp_path):
-    """No --fault-tolerance: no replica groups, the step is TrainStep itself, each rank's data is its own share."""
-    data = TensorDataset(torch.randn(32, 16), torch.randint(4, (32,)))
-    trainer = MultiGPUTrainer(tiny_model(), data, None, config_for(tmp_path, 1, epochs=1))
-    runtime = trainer.runtime
-    assert trainer.replicas is None and runtime.replicas is None and type(trainer.step) is TrainStep
-    assert (runtime.data_rank, runtime.data_ranks, runtime.is_main) == (0, 1, True)
-    assert (trainer.sampler.rank, trainer.sampler.num_replicas) == (0, 1)
-    trainer.close()
+def test_each_process_reads_its_own_share_over_every_group_and_without_groups_its_rank_share(tmp_path):
+    """The sampler is sharded over groups x ranks (group 1's rank 1 of 2 is data rank 3 of 4), and without
+    --fault-tolerance a rank's share is its rank's, as it always was; the effective batch counts every group."""
+    data = TensorDataset(torch.randn(64, 16), torch.randint(4, (64,)))
+    config = config_for(tmp_path, 2, data_on_device="off")
+    plain = Runtime("ddp", torch.device("cpu"), rank=1, local_rank=1, world_size=2)
+    grouped = Runtime("ddp", torch.device("cpu"), 1, 1, 2, replica_groups=2, replica_id=1, leads=False)
+    shares = {}
+    for name, runtime in (("plain", plain), ("grouped", grouped)):
+        on_device = DeviceData(data, config, runtime.device, runtime.world_size, None, False)
+        sampler = training_data(data, config, runtime, 8, None, on_device).sampler
+        shares[name] = (sampler.rank, sampler.num_replicas, batch_sizes(config, runtime).effective)
+    assert shares == {"plain": (1, 2, 16), "grouped": (3, 4, 32)}
+    assert (plain.is_main, grouped.is_main, plain.replicas) == (False, False, None)
 
 
 def test_the_ledger_says_each_absence_once_and_counts_what_it_cost():
