@@ -1109,21 +1109,17 @@ class TokenDicts(torch.utils.data.Dataset):
 
 @pytest.fixture(scope="session")
 def lighthouse() -> Iterator[str]:
-    """One torchft Lighthouse for the --fault-tolerance tests, which share it (docs/fault-tolerance.md): torchft's
-    own server, run in this process (its program would import torch again first, seconds here); a group is left
-    out of the quorum 1 s after its last heartbeat, quorums are checked every 100 ms. Its address."""
+    """One torchft Lighthouse on this machine for the --fault-tolerance tests, which share it (docs/fault-tolerance.md):
+    a group is left out of the quorum 1 s after its last heartbeat, quorums are checked every 100 ms. Its address."""
     pytest.importorskip("torchft", reason="the [ft] extra is not installed: bash scripts/ensure_env.sh ft")
-    from torchft._torchft import LighthouseServer
+    from multigpu.launch.replica_groups import start_lighthouse
 
-    server = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=1,
-        join_timeout_ms=1000,
-        quorum_tick_ms=100,
-        heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_MS,
+    process, address = start_lighthouse(
+        0, 1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_MS, quorum_tick_ms=100, join_timeout_ms=1000
     )
-    yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    server.shutdown()
+    yield address
+    process.terminate()
+    process.wait()
 
 
 LIGHTHOUSE_HEARTBEAT_MS = 1000  # the shared Lighthouse's heartbeat timeout

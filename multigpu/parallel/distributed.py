@@ -50,24 +50,27 @@ class Runtime:
     replica_id: int = 0
     leads: bool = True
     replicas: Any = None  # fault_tolerance.ReplicaGroups: torchft's Manager over the groups
+    # This process's share of every step's data, its rank numbered on through the replica groups, and the shares
+    # every step's data is split into (the processes of all groups): plain attributes, read each step.
+    data_rank: int = field(init=False)
+    data_ranks: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.mesh_shape = self.mesh_shape or (1, self.world_size)
+        self.join_replica_groups(self.replica_groups, self.replica_id, self.replicas)
+
+    def join_replica_groups(self, groups: int, replica_id: int, replicas: Any) -> None:
+        """This process's group is `replica_id` of `groups` (--fault-tolerance), with torchft's `replicas`; it leads
+        until the first quorum says which groups are alive."""
+        self.replica_groups, self.replica_id, self.replicas = groups, replica_id, replicas
+        self.leads = self.leads and replica_id == 0
+        self.data_rank = replica_id * self.world_size + self.rank
+        self.data_ranks = groups * self.world_size
 
     @property
     def is_main(self) -> bool:
         """Rank 0 (of the leading replica group): the one process that prints, logs and writes files."""
         return self.rank == 0 and self.leads
-
-    @property
-    def data_rank(self) -> int:
-        """This process's share of every step's data: its rank, numbered on through the replica groups."""
-        return self.replica_id * self.world_size + self.rank
-
-    @property
-    def data_ranks(self) -> int:
-        """The shares every step's data is split into: the processes of all replica groups together."""
-        return self.replica_groups * self.world_size
 
     @property
     def devices_per_step(self) -> int:

@@ -231,9 +231,7 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
         store,  # type: ignore[arg-type]
     )
     atexit.register(replicas.close)
-    runtime.replica_groups, runtime.replica_id = replicas.groups, replicas.replica_id
-    runtime.leads = replicas.replica_id == 0  # until the first quorum says which groups are alive
-    runtime.replicas = replicas
+    runtime.join_replica_groups(replicas.groups, replicas.replica_id, replicas)
     return replicas
 
 
