@@ -22,7 +22,8 @@ From the bottom up (a subpackage's own docstring says what it owns and may impor
 - launch/:      starting runs: the runner and its exit status, torchrun, the launcher's rules
 - sweep/:       experiment sweeps over device slots
 
-Old import paths of the flat package (`multigpu.distributed`, `python -m multigpu.export`, ...) still work: multigpu/moved.py.
+Old import paths of the flat package (`multigpu.distributed`, `python -m multigpu.export`, ...) still work:
+multigpu/moved.py.
 """
 
 import os as _os

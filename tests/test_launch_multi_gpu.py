@@ -117,7 +117,8 @@ def dry_run_save_dir() -> str:
 
 
 def ddp_head(nproc: int, port: int, ids: str | None = None, log: str | None = None) -> str:
-    """The start of the launcher's ddp command: torchrun (through multigpu/launch/torchrun.py) with its threads per worker."""
+    """The start of the launcher's ddp command: torchrun (through multigpu/launch/torchrun.py) with its threads per
+    worker."""
     cores = len(os.sched_getaffinity(0))
     env = f"CUDA_VISIBLE_DEVICES={ids} " if ids else ""
     log = log or f"{dry_run_save_dir()}/torchrun.log"

@@ -142,6 +142,10 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     ]
     restarts = f" --max_restarts={nodes.max_restarts}" if nodes.max_restarts is not None else ""
     port = str(nodes.port) if nodes.port else "$((20000 + SLURM_JOB_ID % 20000))"
+    processes = plural(gpus, "GPU") if gpus else plural(procs, "CPU process")
+    shape = f"{plural(nodes.count, 'node')} x {processes}, {(mode_of(s) or 'ddp').upper()} under torchrun"
+    # torchrun's c10d rendezvous is hosted by the allocation's first node.
+    host = "--rdzv_conf=is_host=$((SLURM_NODEID == 0))"
     gpu_check = (
         ""
         if not gpus
@@ -166,7 +170,7 @@ rm -f "$marker"
     restart_env = " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" if nodes.count > 1 and nodes.max_restarts else ""
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}:
-# {plural(nodes.count, "node")} x {plural(gpus, "GPU") if gpus else plural(procs, "CPU process")}, {(mode_of(s) or "ddp").upper()} under torchrun, c10d rendezvous on the allocation's first node.
+# {shape}, c10d rendezvous on the allocation's first node.
 # Submit: sbatch {shlex.quote(os.path.join(config.save_dir, "launch_slurm.sbatch"))}
 # Submitting it again, or a requeue, continues from the newest checkpoint (--resume auto).
 {chr(10).join("#SBATCH " + d for d in directives)}
@@ -194,7 +198,7 @@ run_node() {{
     exec env OMP_NUM_THREADS=$((threads > 0 ? threads : 1)){restart_env} \\
         {shlex.quote(s.python)} {shlex.quote(TORCHRUN)} --log-file "$SAVE_DIR/torchrun-$(hostname).log" \\
         --nnodes="$SLURM_NNODES" --nproc_per_node="$PROCS_PER_NODE" --rdzv_backend=c10d \\
-        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" --rdzv_conf=is_host=$((SLURM_NODEID == 0)){restarts} \\
+        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" {host}{restarts} \\
         {quoted(trainer)}
 }}
 export -f run_node

@@ -209,9 +209,9 @@ def keep_run_settings(
     "Resume").
 
     Weight decay is this run's in every group (no scheduler changes it). The built-in schedule moves to `step`
-    from this run's base LRs (following `rule`, where given), and the built-in SGD takes this run's --momentum. A scheduler of the user's
-    continues the checkpoint's LR, which cannot be given another base: a base LR other than the checkpoint's
-    is refused in one line.
+    from this run's base LRs (following `rule`, where given), and the built-in SGD takes this run's --momentum.
+    A scheduler of the user's continues the checkpoint's LR, which cannot be given another base: a base LR other
+    than the checkpoint's is refused in one line.
     """
     if not builtin_schedule:
         for ours, group in zip(built, optimizer.param_groups):

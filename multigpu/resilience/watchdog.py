@@ -241,7 +241,8 @@ class Watchdog:
         if not self.answered:
             self.store.set(f"{PREFIX}stack/{self.rank}", main_thread_stack())
         print(
-            f"rank {self.rank}: stopped by the hang watchdog (see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
+            f"rank {self.rank}: stopped by the hang watchdog "
+            f"(see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
             file=sys.stderr,
             flush=True,
         )

@@ -162,7 +162,8 @@ def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_worker
         if world == 1
         else [
             f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
-            f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
+            f"worker(s), and its __len__ is 30: about 1/{world} of them: "
+            f"the stream is split twice, by itself and by the "
             f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
             f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
             f'"Your own data")'

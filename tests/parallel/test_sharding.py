@@ -1,4 +1,5 @@
-"""--multi-gpu fsdp (multigpu/parallel/sharding.py): which blocks are sharded, and that sharded training is the same training.
+"""--multi-gpu fsdp (multigpu/parallel/sharding.py): which blocks are sharded, and that sharded training is the
+same training.
 
 Equivalence (issue 22): fsdp at 2 processes = ddp at 2 processes = one process at twice the batch, within 1e-5
 of every parameter after 5 AdamW steps (fp32), with and without gradient accumulation and clipping. All 2-rank

@@ -1,5 +1,5 @@
-"""A survivor of a lost peer (multigpu/resilience/preemption.py), in real gloo processes. The double SIGTERM and Ctrl-C cases
-are in test_resume.py."""
+"""A survivor of a lost peer (multigpu/resilience/preemption.py), in real gloo processes. The double SIGTERM and
+Ctrl-C cases are in test_resume.py."""
 
 from __future__ import annotations
 
