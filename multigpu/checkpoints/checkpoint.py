@@ -72,7 +72,8 @@ class _RecordingWriter:
     """
 
     def __init__(self, file: Any):
-        self.file, self.error = file, None
+        self.file = file
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -88,7 +89,7 @@ class _RecordingWriter:
 def _save_to(state: dict[str, Any], file: Any) -> None:
     writer = _RecordingWriter(file)
     try:
-        torch.save(state, writer)
+        torch.save(state, writer)  # type: ignore[arg-type]  # torch.save takes any object with write and flush
     except RuntimeError:
         if writer.error is not None:
             raise writer.error from None

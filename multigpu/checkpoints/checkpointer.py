@@ -81,7 +81,7 @@ class Checkpointer:
         made = cls(config, runtime, report)
         made.check_folders(
             checkpoint.estimate_size(model, optimizer, model_copies=2 if config.ema_decay else 1), total_steps
-        )  # type: ignore[arg-type]
+        )
         return made
 
     @property
@@ -90,7 +90,7 @@ class Checkpointer:
         return self.set_aside is not None
 
     # ------------------------------------------------------------------ owning the save-dir
-    def check_folders(self, checkpoint_bytes: int, total_steps: int) -> None:
+    def check_folders(self, checkpoint_bytes: int, total_steps: float) -> None:
         """At start, before anything is trained: the save-dir and --log-dir take real bytes on every rank, and
         rank 0's save-dir has room for the checkpoints this run keeps (`total_steps` long, each about
         `checkpoint_bytes`), else refused unless --allow-low-disk. Every rank gets the same verdict."""
@@ -119,7 +119,7 @@ class Checkpointer:
         if refusal:
             raise UsageError(refusal)
 
-    def _room_shortfall(self, checkpoint_bytes: int, total_steps: int) -> tuple[str, str] | None:
+    def _room_shortfall(self, checkpoint_bytes: int, total_steps: float) -> tuple[str, str] | None:
         """Rank 0: why the checkpoints will not fit in the save-dir and what would make them, or None.
 
         At the most, a run keeps last.pt, best.pt and --keep-last step checkpoints
@@ -129,8 +129,11 @@ class Checkpointer:
         the first save, which writes last.pt and best.pt beside it.
         """
         config = self.config
+        # A whole number: total_steps is math.inf only for a stream without a length, where keep_last is the least.
         steps = (
-            min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
+            int(min(config.keep_last, total_steps // config.save_every_steps))
+            if config.save_every_steps
+            else 0
         )
         files = 2 + steps + 1
         there = sum(checkpoint.size_of(path) for path in run_folders.checkpoint_files(self.save_dir))
@@ -151,7 +154,8 @@ class Checkpointer:
         never replaces another run's checkpoints: refused, or with --overwrite
         kept aside until this run's first save. Every rank learns the verdict.
         """
-        refusal, lines = None, []
+        refusal: str | None = None
+        lines: list[str] = []
         if self.runtime.is_main and not self.lock.held:
             try:
                 self.lock.acquire(lines.append)
@@ -199,6 +203,7 @@ class Checkpointer:
     def _resumes_from_save_dir(self) -> bool:
         """Whether --resume names the save-dir's own run: auto, the save-dir itself, or a file in it."""
         resume = self.config.resume
+        assert resume is not None  # asked only where --resume is given
         here = os.path.realpath(self.save_dir)
         return resume == "auto" or here in (
             os.path.realpath(resume),
@@ -268,6 +273,7 @@ class Checkpointer:
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
+        assert config.resume is not None  # without --resume, returned above
         if os.path.isdir(config.resume) and not checkpoint.is_sharded(config.resume):
             found = self._newest_in(config.resume, f"--resume {config.resume}")
             if found is None:
@@ -394,9 +400,8 @@ class Checkpointer:
                 stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"), step
             )
         state = self.state_of(stateful)
-        name, also_as = (
-            None if each is None else each.removesuffix(".pt") + self.suffix for each in (name, also_as)
-        )
+        name = name.removesuffix(".pt") + self.suffix
+        also_as = None if also_as is None else also_as.removesuffix(".pt") + self.suffix
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
             for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):

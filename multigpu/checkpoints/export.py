@@ -271,8 +271,9 @@ def transformers_module(what: str) -> Any:
         ) from None
 
 
-def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The transformers model a checkpoint's ModelInfo describes, holding `weights`."""
+def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> Any:
+    """The transformers model (a PreTrainedModel, its class imported by name) a checkpoint's ModelInfo describes,
+    holding `weights`."""
     transformers_module("--format hf")
     try:
         model_class = getattr(importlib.import_module(info["module"]), info["class"])

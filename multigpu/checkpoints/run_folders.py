@@ -117,13 +117,15 @@ def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, str 
 
     if config.save_dir is not None:
         return config, None
-    choice = None
+    choice: tuple[str, str | None, str | None] | None = None
     if runtime.is_main:
         try:
             choice = (*choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
         except UsageError as error:  # runs are there, none with these settings: every rank stops
             choice = ("", "", str(error))
-    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
+    main_choice = gather_objects(choice)[0]
+    assert main_choice is not None  # rank 0's, made above
+    path, line, refusal = main_choice
     if refusal:
         raise UsageError(refusal)
     return dataclasses.replace(config, save_dir=path), line
@@ -354,5 +356,5 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        for signum in caught:
-            signal.raise_signal(signum)
+        for number in caught:
+            signal.raise_signal(number)

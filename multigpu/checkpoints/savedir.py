@@ -197,6 +197,7 @@ class SaveDirLock:
 
     def _beat(self) -> None:
         fd = self._fd
+        assert fd is not None  # the heartbeat starts once the lock file is open
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
             try:
                 os.utime(fd)  # through the descriptor: opening and closing the file would drop our lock

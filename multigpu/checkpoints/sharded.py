@@ -79,7 +79,7 @@ def _dying_writer(folder: str) -> Any:
     """Test-only: DCP's writer that SIGKILLs its process once its shard files are written (a save killed in
     the middle: no `.metadata`, no rename)."""
 
-    class DyingWriter(_dcp().FileSystemWriter):
+    class DyingWriter(_dcp().FileSystemWriter):  # type: ignore[misc]  # DCP is imported when first used
         def write_data(self, plan: Any, planner: Any) -> Any:
             written = super().write_data(plan, planner)
             written.wait()
@@ -166,7 +166,7 @@ def _verified_reader(path: str, metadata: Any) -> Any:
     """DCP's file system reader of `path` that hands DCP `metadata`, already read safely and checked, in
     place of unpickling `.metadata` (or a rank's own `__N.metadata`) itself."""
 
-    class VerifiedReader(_dcp().FileSystemReader):
+    class VerifiedReader(_dcp().FileSystemReader):  # type: ignore[misc]  # DCP is imported when first used
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -184,7 +184,9 @@ def _data_only_planner(path: str, keys: list[str] | None = None) -> Any:
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-    class DataOnlyPlanner(DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner):
+    base = DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner
+
+    class DataOnlyPlanner(base):  # type: ignore[misc,valid-type]  # a base chosen at run time, by `keys`
         def load_bytes(
             self, read_item: Any, value: Any
         ) -> None:  # DefaultLoadPlanner.load_bytes, weights only

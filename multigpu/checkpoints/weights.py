@@ -292,7 +292,11 @@ def _dcp_source(path: str) -> Source:
         for key, entry in metadata.items()
         if key.startswith("model.") and hasattr(entry, "size")
     }
-    source = Source(path, shapes, lambda name, index=None: torch.empty(0), "a sharded checkpoint")
+
+    def unread(name: str, index: Any = None) -> torch.Tensor:
+        return torch.empty(0)  # its tensors are read through DCP (dcp_folder), not by name
+
+    source = Source(path, shapes, unread, "a sharded checkpoint")
     source.dcp_folder = path
     return source
 

@@ -78,6 +78,9 @@ def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
             f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
             f"global rank 0, which writes the checkpoints, may be on any node"
         )
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     if re.search(r"\s", config.save_dir):
         raise UsageError(
             f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
@@ -94,6 +97,9 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     mesh = settle_mesh(s, devices, nodes)
     config = training_config(s, devices)
     check_slurm_job(s, nodes, config)
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
     settle_training(s, config)
     what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
@@ -119,6 +125,9 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     Every $SLURM_* variable stays literal, read when the job runs; those that differ
     between nodes ($SLURM_NODEID) are read inside run_node, on each node.
     """
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     directives = ["--job-name=multigpu", f"--nodes={nodes.count}", "--ntasks-per-node=1"]
     if gpus:
         directives.append(f"--gpus-per-node={gpus}")

@@ -24,7 +24,9 @@ from multigpu.errors import UsageError
 from multigpu.lr_scaling import scaled_lr
 
 OptimizerArg = Union[None, Optimizer, Callable[[Iterable[torch.nn.Parameter]], Optimizer]]
-SchedulerArg = Union[None, LRScheduler, Callable[[Optimizer], Any]]
+# A scheduler, or a function that builds one: `optimizer -> scheduler`, or `(optimizer, total_steps) -> scheduler`
+# (users_scheduler tells them apart by the parameter's name).
+SchedulerArg = Union[None, LRScheduler, Callable[..., Any]]
 INTERVALS = ("step", "epoch")
 
 
@@ -99,10 +101,12 @@ def schedule_config(
     return config
 
 
-def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str, total_steps: int) -> Any:
+def users_scheduler(
+    scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str, total_steps: float
+) -> Any:
     """The user's scheduler: built here from `optimizer -> scheduler` (or `(optimizer, total_steps) ->
-    scheduler`, for OneCycleLR and the like: the times the trainer will step it), or given built (then on
-    `optimizer`)."""
+    scheduler`, for OneCycleLR and the like: the times the trainer will step it; math.inf for a stream without
+    a length, where such a schedule is refused before), or given built (then on `optimizer`)."""
     if callable(scheduler) and not hasattr(scheduler, "step"):
         if takes_total_steps(scheduler):
             return scheduler(optimizer, total_steps=total_steps)

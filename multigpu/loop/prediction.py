@@ -68,9 +68,14 @@ class Predictor:
             with written_whole(output_path) if self.runtime.is_main else contextlib.nullcontext() as file:
                 if file is not None:
                     file.write(FILE_MAGIC)
-                self.each_chunk(
-                    model, dataset, batch_size, lambda chunk: _append(file, chunk), everywhere=False
-                )
+
+                def append(chunk: Any) -> None:
+                    assert (
+                        file is not None
+                    )  # chunks come to rank 0 only (everywhere=False), which has the file
+                    _append(file, chunk)
+
+                self.each_chunk(model, dataset, batch_size, append, everywhere=False)
             return None
         chunks: list[Any] = []
         self.each_chunk(model, dataset, batch_size, chunks.append, everywhere=True)

@@ -19,7 +19,7 @@ checkpoint or as each rank's shards for a sharded folder (multigpu/checkpoints/s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
@@ -175,7 +175,10 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     them. Meanwhile each rank sums the whole gradients with no collective at all, or with `keep_sharded`
     (--fsdp-accumulate sharded) each micro-step reduce-scatters within its shard group and the rank sums 1/S of
     them (docs/sharding.md, "Hybrid sharding")."""
-    setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync  # type: ignore
+    from torch.distributed.fsdp import FSDPModule  # see the imports' note: loaded only where used
+
+    assert isinstance(model, FSDPModule)  # shard made it one
+    setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync
 
     @contextlib.contextmanager
     def context() -> Iterator[None]:
@@ -188,7 +191,7 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     return context
 
 
-def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's shard on this rank (a plain tensor is itself): what per-element updates run on."""
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 

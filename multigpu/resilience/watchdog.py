@@ -56,7 +56,8 @@ def published(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
 def group_sequence_number() -> int | None:
     """How many collectives the default process group has issued (DDP's and the user's included), or None."""
     try:
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        group = dist.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]  # private, not in stubs
     except Exception:  # no group, or a backend that does not count
         return None
 
