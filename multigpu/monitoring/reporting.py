@@ -142,7 +142,11 @@ class Reporter:
         if not self.enabled:
             return
         per_sec = interval.samples / max(interval.seconds, 1e-9)
-        fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
+        fp16: dict[str, float] = (
+            {}
+            if skipped is None or loss_scale is None  # set together, under fp16
+            else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
+        )
         self.scalars(
             {
                 "train/loss": loss,

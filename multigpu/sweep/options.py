@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from multigpu.config import OneLineParser
@@ -216,7 +216,7 @@ def parse(
     return _options(args, os.environ if environ is None else environ), rest
 
 
-def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
+def _options(args: argparse.Namespace, environ: Mapping[str, str]) -> SweepOptions:
     if args.num_seeds is not None and args.seeds is not None:
         raise UsageError("give --num-seeds N or --seeds S1,S2, not both")
     positive = {
@@ -344,7 +344,7 @@ def _seeds(text: str | None, count: int | None) -> list[int]:
     return seeds
 
 
-def _shard(text: str | None, environ: dict[str, str]) -> tuple[int, int]:
+def _shard(text: str | None, environ: Mapping[str, str]) -> tuple[int, int]:
     """--shard I/N, else SLURM's array task (its id counted from the array's first id), else 0/1."""
     if text is None and "SLURM_ARRAY_TASK_ID" in environ:
         if "SLURM_ARRAY_TASK_COUNT" not in environ:
@@ -367,7 +367,8 @@ def _shard(text: str | None, environ: dict[str, str]) -> tuple[int, int]:
 
 def to_argv(options: SweepOptions, *, for_task: bool) -> list[str]:
     """Sweep flags that reproduce `options`; `for_task`: those an array task of --slurm needs."""
-    argv = ["--sweep-dir", options.sweep_dir, "--seeds", ",".join(map(str, options.seeds))]
+    argv = ["--sweep-dir", options.sweep_dir] if options.sweep_dir is not None else []
+    argv += ["--seeds", ",".join(map(str, options.seeds))]
     if options.grid:
         argv += ["--grid", *options.grid]
     argv += [

@@ -78,6 +78,7 @@ class TrialReporter:
         import optuna
 
         self._connect()
+        assert self._trial_id is not None  # found by _connect
         return optuna.trial.Trial(self._study, self._trial_id)
 
     def _frozen(self) -> Any:

@@ -91,6 +91,7 @@ def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> Searc
     if base.monitor is None:
         train_argv += ["--monitor", DEFAULT_OBJECTIVE]
         base = parse_config(train_argv)
+    assert base.monitor is not None  # given, or set just above
     space = parse_space(options.space, train_argv)
     epochs = [max(dimension.values) for dimension in space if dimension.name == "epochs"]
     search = {

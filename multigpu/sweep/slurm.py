@@ -41,7 +41,9 @@ def script(plan: Plan, options: SweepOptions, train_argv: list[str], workdir: st
     tasks, parallel = array_size(plan, options)
     limit = f"%{parallel}" if parallel else ""
     on_cpu = options.workers is not None
-    per_task = options.workers * options.gpus_per_run * options.threads_per_run if on_cpu else 0
+    per_task = (
+        options.workers * options.gpus_per_run * options.threads_per_run if options.workers is not None else 0
+    )
     resources = f"--cpus-per-task={per_task}" if on_cpu else f"--gres=gpu:{options.gpus_per_run}"
     sweep_flags = shlex.join([sys.executable, ENTRY, *to_argv(options, for_task=True)])
     # The shard count is written here, not read from SLURM_ARRAY_TASK_COUNT: resubmitting only some
