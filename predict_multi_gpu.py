@@ -326,7 +326,9 @@ class TensorOutput:
     """Rank 0's outputs in memory, saved as one tensor in dataset order (when all went well)."""
 
     def __init__(self, path: str):
-        self.path, self.chunks, self.count = path, [], 0
+        self.path = path
+        self.chunks: list[torch.Tensor] = []  # the outputs, in dataset order
+        self.count = 0
 
     def __enter__(self) -> TensorOutput:
         return self
@@ -405,7 +407,9 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
         evaluator = Evaluator(
             runtime, amp, fitted_forward(model), nn.CrossEntropyLoss(), num_workers=config.num_workers
         )
-        say(metrics_line(evaluator.run(model, data.data, batch), args, state))
+        result = evaluator.run(model, data.data, batch)
+        assert result is not None  # None only where a stop request ends it, and none is given
+        say(metrics_line(result, args, state))
 
 
 def metrics_line(result: dict[str, float], args: argparse.Namespace, state: dict[str, Any]) -> str:

@@ -130,6 +130,7 @@ class MultiGPUTrainer:
                 rt,
                 say,
             )
+        assert isinstance(config.batch_size, int)  # auto is resolved just above
         sizes = batch_sizes(config, rt)
         self.loader_batch, self.eval_batch, self.effective_batch = (
             sizes.loader,
@@ -216,6 +217,8 @@ class MultiGPUTrainer:
         self.eval_model: nn.Module | None = None  # a callback's module to evaluate and predict with (EMA's)
         # Every name evaluation looks up (metrics, --monitor, targets) tried on a few samples: seconds, not an epoch
         self.evaluator.check_names(self._eval_model(), val_dataset, self.monitor)
+        self.metrics: dict[str, float]  # the last validation's
+        self.buffers_at_start: list[tuple[int, int]]
         self.progress, self.metrics, self._resumed = Progress(), {}, False
         self.rng_state, self.buffers_at_start = stateful.RngState(rt), []  # fit() notes the buffers' versions
         self.stop, self.die_at_step = StopRequest(), faults.fault_step(rt.rank)

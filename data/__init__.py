@@ -71,6 +71,8 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     `download_allowed` is False on every rank but 0, so one process downloads.
     """
     name = config.dataset
+    train: Dataset  # each branch's own kind of set
+    val: Dataset | None
     if name == "text":  # windows of character ids: nothing to flatten
         train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
         return DataSpec(train, val, (config.block_size,), vocabulary)
@@ -101,9 +103,10 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
 
         shape, classes = config.image_dims(), config.num_classes
         to_tensor = torchvision.transforms.ToTensor()
-        train = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
+        fake = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
+        fake.fixed_samples = True  # each image drawn from a generator seeded by its index (device_data.py)
+        train = fake
         val = torchvision.datasets.FakeData(config.val_size, shape, classes, to_tensor, random_offset=10**6)
-        train.fixed_samples = True  # each image drawn from a generator seeded by its index (device_data.py)
     elif name == "imagefolder":
         train, val, shape, classes = _image_folder(config)
     else:

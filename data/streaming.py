@@ -73,10 +73,9 @@ class StreamShard(IterableDataset):
         self.rotate = (
             0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
         )
-        self.pass_number, self.skip = (
-            0,
-            None,
-        )  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
+        self.pass_number = 0
+        # A resumed pass's layers [{"slots": S, "counts": [...]}, ...].
+        self.skip: list[dict[str, Any]] | None = None
 
     @property
     def pass_number(self) -> int:
@@ -207,7 +206,8 @@ class TrainStream:
         self.next_worker = 0  # the worker whose batch this rank takes next: DataLoader takes them in turn
         self.steps_in_epoch = self.steps_in_pass = 0
         self.ranks_checked, self.warned, self.counted, self.said_wrap = False, False, False, False
-        self.first_batches: dict[int, str] = {}  # slot -> its first batch's digest, in the first whole pass
+        # slot -> its first batch's digest (None: no tensor in it), in the first whole pass
+        self.first_batches: dict[int, str | None] = {}
         self._batches: Iterator[Any] | None = None  # the pass's loader, kept across --steps-per-epoch epochs
 
     # --- what the trainer reads of a sampler ---
@@ -238,6 +238,7 @@ class TrainStream:
                         f"pass {ran_out[0] + 1}, from the stream's start (said once)"
                     )
                 window = self._next_window()
+            assert window is not None  # _all_have: every rank has a full window
             self.steps_in_epoch += 1
             yield self._step(window, report, last=self.steps_in_epoch >= self.fixed_steps)
         self.steps_in_epoch = 0

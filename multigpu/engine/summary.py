@@ -19,7 +19,7 @@ def summary(
     metrics: dict[str, float],
     monitor: str | None,
     progress: Progress,
-    samples: int,
+    samples: float,
     seconds: float,
     telemetry: Telemetry,
     **extra: Any,

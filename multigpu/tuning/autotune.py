@@ -209,7 +209,7 @@ class Autotuner:
         return setting.words(only_data=self.only_data)
 
     # ------------------------------------------------------------------ the trials
-    def start(self, done_steps: int, total_steps: int, step_hooks: list[Callable[[Any], None]]) -> bool:
+    def start(self, done_steps: int, total_steps: float, step_hooks: list[Callable[[Any], None]]) -> bool:
         """Before the first step of this start: True when trials follow. Then `on_step_end` runs last among
         the run's `step_hooks` (its on_step_end list) until the choice is made, and leaves it then: no per-step
         cost after. Last, because it leaves the list while the trainer goes through it: a hook after it would be
@@ -222,7 +222,7 @@ class Autotuner:
             return True
         return False
 
-    def _start(self, done_steps: int, total_steps: int) -> bool:
+    def _start(self, done_steps: int, total_steps: float) -> bool:
         steps_left, self._first_step = total_steps - done_steps, done_steps + 1
         if self.chosen is not None:
             self.apply(self.chosen)
