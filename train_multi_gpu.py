@@ -484,7 +484,7 @@ class MultiGPUTrainer:
         self.stop_reason = self.stop_reason or reason
 
     def _stopping_early(self) -> bool:
-        self.stop_reason = next(filter(None, gather_objects(self.stop_reason)), None)  # type: ignore[arg-type]
+        self.stop_reason = next(filter(None, gather_objects(self.stop_reason)), None)
         return self.stop_reason is not None
 
     # ------------------------------------------------------------------ the plan, the end

@@ -58,7 +58,7 @@ class Flattened(Dataset):
         self.fixed_samples = getattr(dataset, "fixed_samples", False)  # flattening changes nothing of that
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
 
     def __getitem__(self, index: int):
         image, target = self.dataset[index]
@@ -74,7 +74,8 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     train: Dataset  # each branch's own kind of set
     val: Dataset | None
     if name == "text":  # windows of character ids: nothing to flatten
-        train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
+        assert config.data_file is not None  # --dataset text without it is refused in TrainConfig
+        train, val, vocabulary = text_datasets(config.data_file, config.block_size)
         return DataSpec(train, val, (config.block_size,), vocabulary)
     if (
         name == "hf" and config.text_column is not None
@@ -121,7 +122,7 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
 def one_class_warning(config: TrainConfig, train: Dataset) -> str:
     """The warning for a training set of one class: every label is the same, so there is nothing to learn."""
     if config.dataset == "imagefolder":
-        which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore
+        which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore[attr-defined]  # an ImageFolder
     else:
         which, fix = "one class (--num-classes 1)", "use --num-classes 2 or more"
     return (

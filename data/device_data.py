@@ -80,7 +80,7 @@ class DeviceData:
             else "no loader"
         )
         self.line = (
-            f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
+            f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]  # map-style
             f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
             f"{loader}"
         )
@@ -92,7 +92,7 @@ class DeviceData:
             self.line = f"data: read by the loader: {str(error).split(': ', 1)[1].split('; give')[0]}"
             return
         self.on, self.measured = True, config.data_on_device == AUTO
-        self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]
+        self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]  # a wrapper's
         self.device = device
 
     def batches(self, sampler: Any, batch_size: int, seed: int) -> DeviceBatches:
@@ -209,7 +209,7 @@ def _read_once(
     number, or changes shape."""
     from multigpu.data import build_loader
 
-    size = len(dataset)  # type: ignore[arg-type]
+    size = len(dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
     loader = build_loader(dataset, device, num_workers, batch_size=READ_BATCH, persistent_workers=False)
     stored: list[torch.Tensor] = []
     start, bare = 0, False
@@ -268,7 +268,7 @@ class DeviceBatches:
             if self.augment is not None:
                 # Seeded by where the batch is in the epoch: a rerun and a resume draw the same crops and flips.
                 place = consumed + first * sampler.world_size
-                self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]
+                self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]  # set with augment
                 batch[0] = self.augment(batch[0], self.generator)
             yield batch[0] if self.bare else batch
 

@@ -304,7 +304,7 @@ class TrainStream:
         unused = sum(samples for _, samples, _ in window or ())
         unused += sum(samples for _, samples, _ in (self._batches if self._batches is not None else ()))
         facts = gather_objects((unused, sum(self.counts.values()), self.first_batches if whole else {}))
-        held = [rank_unused for rank_unused, _, _ in facts]  # type: ignore[misc]
+        held = [rank_unused for rank_unused, _, _ in facts]
         if any(held):
             report(
                 f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
@@ -392,7 +392,7 @@ class TrainStream:
         """The position of the stream (every rank must call it: the ranks' counts are gathered)."""
         slots = self.workers * self.runtime.world_size
         counts, ranks = [0] * slots, gather_objects((self.counts, self.next_worker))
-        for rank_counts, _ in ranks:  # type: ignore[misc]
+        for rank_counts, _ in ranks:
             for slot, n in rank_counts.items():
                 counts[slot] = n
         layers = [dict(layer) for layer in self.shard.skip or []]
@@ -406,7 +406,7 @@ class TrainStream:
             "steps_in_pass": self.steps_in_pass,
             "layers": layers,
             "next_worker": [turn for _, turn in ranks],
-            "world_size": self.runtime.world_size,  # type: ignore[misc]
+            "world_size": self.runtime.world_size,
             "workers": self.workers,
             "shards_itself": not self.shard.split_by_trainer,
         }
@@ -441,7 +441,7 @@ class TrainStream:
 def _agree_on(split: Split) -> None:
     """Every rank must take the stream alike (the first-batch check is a collective): UsageError if not."""
     splits = gather_objects((split.ranks, split.workers))
-    if len(set(splits)) > 1:  # type: ignore[arg-type]
+    if len(set(splits)) > 1:
         raise UsageError(
             "the ranks see the training stream split differently ("
             + ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits))

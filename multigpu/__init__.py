@@ -42,7 +42,7 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(
     _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "data")
 ) and _os.path.isfile(_os.path.join(_checkout, "data", "__init__.py")):
-    __path__.append(_checkout)  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(_checkout)  # noqa: F821
 
 # The modules of the flat package of version 0.2 moved into the subpackages: their old import paths still work.
 from multigpu import moved as _moved  # noqa: E402

@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NoReturn
 
 from multigpu.errors import UsageError
 
@@ -903,7 +903,7 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
 
 

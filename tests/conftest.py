@@ -727,7 +727,7 @@ def image_folder(root: Path, classes: dict[str, Sequence[str]], per_class: int =
     return root
 
 
-def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Module:
+def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Sequential:
     """A small model without BatchNorm or dropout, identical on every rank for a given seed."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(input_dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
@@ -775,7 +775,7 @@ def tiny_text(path: Path, characters: int = 6000) -> Path:
 
 def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig:
     """A small, quiet TrainConfig for in-process trainer tests: ddp when world_size > 1, short dist timeout."""
-    values = dict(
+    values: dict[str, Any] = dict(
         multi_gpu="ddp" if world_size > 1 else "none",
         save_dir=str(tmp_path / "ckpt"),
         batch_size=8,

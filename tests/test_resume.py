@@ -180,6 +180,7 @@ def sigterm_rank_at(save_dir: Path, rank: int, line_start: str, *extra: str) -> 
         watchdog = threading.Timer(RUN_TIMEOUT, process.kill)  # a hang fails the test instead of stalling CI
         watchdog.start()
         lines = []
+        assert process.stdout is not None  # a pipe
         for line in process.stdout:
             lines.append(line)
             if line.startswith(line_start):

@@ -350,6 +350,7 @@ class LogitsWatcher(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self.layers[1](self.layers[0](inputs))
+        logits: weakref.ref[torch.Tensor]  # set below, read in the backward
         if (
             hidden.requires_grad
         ):  # training: its gradient arrives after the loss's and the last layer's backward

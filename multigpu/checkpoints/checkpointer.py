@@ -165,7 +165,7 @@ class Checkpointer:
                 refusal = self._refuse_fresh_start_over_checkpoints()
             except UsageError as error:
                 refusal = str(error)
-        refusal, self.set_aside = gather_objects((refusal, self.set_aside))[0]  # type: ignore[misc]
+        refusal, self.set_aside = gather_objects((refusal, self.set_aside))[0]
         for line in lines:
             self.report.line(line)
         if refusal:

@@ -59,7 +59,7 @@ def is_safetensors(path: str) -> bool:
 
 def header(path: str) -> dict[str, str]:
     """The string metadata in the header of the safetensors file `path` (empty when it has none)."""
-    with library("reading safetensors").safe_open(path, framework="pt") as file:  # type: ignore[attr-defined]
+    with library("reading safetensors").safe_open(path, framework="pt") as file:
         return dict(file.metadata() or {})
 
 

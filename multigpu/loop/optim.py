@@ -41,7 +41,8 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, lr: float) -> O
 def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_: float) -> Optimizer:
     """The user's optimizer (built, or built here from `params -> Optimizer`), its LRs times the scaling factor."""
     if not isinstance(optimizer, Optimizer):
-        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])  # type: ignore[misc]
+        assert optimizer is not None  # None builds the built-in one instead (build_optimizer)
+        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or a function params -> Optimizer, "

@@ -93,7 +93,7 @@ class Predictor:
         """Call `receive(outputs)` for consecutive runs of samples from the first to the last, on every rank
         (`everywhere`) or on rank 0 only; `receive((outputs, targets))` `with_targets`. Every rank must call it."""
         rt = self.runtime
-        size = len(dataset)  # type: ignore[arg-type]
+        size = len(dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
         if size == 0:
             raise ValueError("predict() got an empty data set")
         batches = ShardedBatchSampler(size, batch_size, rt.rank, rt.world_size)
@@ -188,7 +188,7 @@ def _tensors_only(value: Any) -> Any:
 
 def _exchange(mine: list[Any], everywhere: bool) -> list[list[Any]] | None:
     """Every rank's list of outputs, in rank order: on every rank, or on rank 0 (None elsewhere)."""
-    return gather_objects(mine) if everywhere else gather_objects_to_main(mine)  # type: ignore[return-value]
+    return gather_objects(mine) if everywhere else gather_objects_to_main(mine)
 
 
 # ---------------------------------------------------------------- the streamed file

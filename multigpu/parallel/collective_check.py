@@ -127,7 +127,7 @@ def install(
     check = CollectiveCheck(rank, world_size, give_up_after)
     BEAT.check = check
 
-    def checked_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations, not strings
+    def checked_allreduce(state, bucket):  # DDP reads real annotations, not strings
         """(state, dist.GradBucket) -> Future, as DDP's default hook."""
         buffer = bucket.buffer()
         check(DDP_ALL_REDUCE, tuple(buffer.shape), str(buffer.dtype).removeprefix("torch."))

@@ -240,13 +240,13 @@ class AveragedShards(nn.Module):
         self._trained[0].train(mode)
         return super().train(mode)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # the average's
         with self.swapped_in() as model:
             # Copies: with one shard on the CPU the gathered tensors are the parameters themselves, which get
             # the trained weights back when the swap ends.
             return {name: tensor.clone() for name, tensor in module_state_dict(model).items()}
 
-    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
         with self.swapped_in() as model:
             load_module_state_dict(model, state)
 
@@ -255,7 +255,7 @@ def _reshard(model: nn.Module) -> None:
     """Free every FSDP unit's gathered parameters (a no-op for those already sharded)."""
     for module in model.modules():
         if is_sharded(module):
-            module.reshard()  # type: ignore[operator]
+            module.reshard()  # type: ignore[operator]  # an FSDP unit (is_sharded)
 
 
 def _state_dict_api() -> Any:

@@ -158,7 +158,7 @@ def make_autotuner(
             candidates(as_given, convolutions, tune_layout, runtime.device, data),
             why_not_compile(runtime, given),
         )
-    )[0]  # type: ignore[misc]
+    )[0]
     return Autotuner(trials, apply, runtime, say, no_compile)
 
 
@@ -294,7 +294,7 @@ class Autotuner:
     def _slowest_rank(self) -> list[float]:
         """Each trial's step time on the slowest rank: a DDP step waits for all of them."""
         per_rank = gather_objects(self.medians)
-        return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]  # type: ignore[index]
+        return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]
 
     def _fastest(self, times: list[float]) -> tuple[Setting, float]:
         """The fastest eager trial at `times` (the slowest rank's); the setting as given unless another is
@@ -308,7 +308,7 @@ class Autotuner:
     ) -> None:
         chosen, chosen_time = fastest
         if self.trials[-1].compiled:
-            compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
+            compile_seconds = max(gather_objects(self._compile_seconds))
             saved = (chosen_time - times[-1]) * steps_left
             if saved > compile_seconds:
                 chosen, chosen_time = self.trials[-1], times[-1]

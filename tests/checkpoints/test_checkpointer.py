@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,9 +137,13 @@ def nonfinite_at_step_1(save_dir: Path) -> None:
 def interrupt_at_first_step(trainer: MultiGPUTrainer) -> None:
     """A real SIGINT to this process at the first optimizer step, once (a second one exits at once)."""
     sent: list[bool] = []
-    trainer.optimizer.register_step_post_hook(
-        lambda *args: sent or sent.append(True) or os.kill(os.getpid(), signal.SIGINT)
-    )
+
+    def interrupt(*args: Any) -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer.optimizer.register_step_post_hook(interrupt)
 
 
 def sigint_before_the_first_save(save_dir: Path) -> None:

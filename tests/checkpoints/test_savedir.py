@@ -263,7 +263,7 @@ def test_a_restart_continues_its_own_jobs_run_folder(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- --overwrite
-def old_run(save_dir: Path) -> dict[str, bytes]:
+def old_run(save_dir: Path) -> dict[Path, bytes]:
     """A previous run's files: checkpoints, TensorBoard logs and the launcher's command; returns their bytes."""
     for name in ("last.pt", "best.pt", "step-000000005.pt"):
         (save_dir / name).write_bytes(name.encode() * 100)
