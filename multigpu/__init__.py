@@ -16,8 +16,8 @@ From the bottom up (a subpackage's own docstring says what it owns and may impor
 - monitoring/:  what the user sees: plan lines, console, progress bar, TensorBoard and other trackers,
                 telemetry
 - tuning/:      settings for speed: --autotune, --batch-size auto, memory and garbage-collector settings
-- engine/:      MultiGPUTrainer's parts that span concerns (build), what its checkpoint adds (state), a run's end
-                (summary); every other part is made by a factory beside it
+- engine/:      MultiGPUTrainer's parts that span concerns (build), those made from many others (parts), what
+                its checkpoint adds (state), a run's end (summary); every other part is made by a factory beside it
 - train_multi_gpu.py (the checkout's top): MultiGPUTrainer, the training loop, built from the parts above
 - launch/:      starting runs: the runner and its exit status, torchrun, the launcher's rules
 - sweep/:       experiment sweeps over device slots
