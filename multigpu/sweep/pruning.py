@@ -77,7 +77,15 @@ class TrialReporter:
             seconds = rungs.patience(
                 time.monotonic() - self.started, config.watchdog_seconds, config.dist_timeout
             )
-            rungs.wait_for_company(self._study, self.link.trial, epoch, self.link.quorum, seconds)
+            stop = getattr(trainer, "stop", None)  # the trainer's StopRequest: SIGINT/SIGTERM ends the wait
+            rungs.wait_for_company(
+                self._study,
+                self.link.trial,
+                epoch,
+                self.link.quorum,
+                seconds,
+                stopped=lambda: stop is not None and stop.requested,
+            )
         return trial.should_prune()
 
     def outcome(self) -> dict[str, Any]:

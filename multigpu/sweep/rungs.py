@@ -12,8 +12,8 @@ first trial promoted to epoch 4 too). Here the trials that run at once (the swee
 the first wave: a trial at the first rung waits until `quorum` trials have reported there, so that the wave is judged
 together and its bad trials stop at epoch 1. It waits only while a trial that can still come is on its way (one
 running that has not reached the rung, or one not yet drawn while the study holds fewer than `quorum`), and for a
-bounded time (`patience`): so a slot is never held for long, --trials below the quorum never waits for trials that
-will not come, and later trials, which find the quorum met, never wait. Later rungs decide at once, as Optuna's do.
+bounded time (`patience`): so a slot is never held for long, the quorum is never more trials than --trials, and
+later trials, which find the quorum met, never wait. Later rungs decide at once, as Optuna's do.
 
 Decisions are made once per trial and rung: the run that reports the trial's value at an epoch asks the pruner
 (multigpu/sweep/pruning.py).
@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 POLL_SECONDS = 0.2  # how often a waiting trial reads the journal again
-MIN_PATIENCE = (
-    30.0  # seconds a trial may always wait at the first rung (its company's start may lag by that much)
-)
+# Seconds a trial may always wait at the first rung: its company's start may lag by that much.
+MIN_PATIENCE = 30.0
 
 
 class SuccessiveHalving(optuna.pruners.BasePruner):
@@ -88,11 +88,22 @@ def patience(elapsed: float, watchdog_seconds: float, dist_timeout: float) -> fl
     return min([max(elapsed, MIN_PATIENCE), *limits])
 
 
-def wait_for_company(study: optuna.Study, number: int, epoch: int, quorum: int, seconds: float) -> None:
+def wait_for_company(
+    study: optuna.Study,
+    number: int,
+    epoch: int,
+    quorum: int,
+    seconds: float,
+    stopped: Callable[[], bool] = lambda: False,
+) -> None:
     """Wait until `quorum` trials of the study have a value at `epoch` (trial `number`'s included), while another
-    can still come, for at most `seconds`."""
+    can still come, for at most `seconds`, and not once `stopped()` (Ctrl-C: the run saves and stops at once)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and _coming(study.get_trials(deepcopy=False), number, epoch, quorum):
+    while (
+        time.monotonic() < deadline
+        and not stopped()
+        and _coming(study.get_trials(deepcopy=False), number, epoch, quorum)
+    ):
         time.sleep(
             POLL_SECONDS
         )  # the others report from other processes (other machines): read the journal again

@@ -65,6 +65,9 @@ def test_the_first_rung_waits_for_company_only_while_some_can_come_and_not_for_l
         study, first.number, 1, quorum=3, seconds=0.5
     )  # the second runs, a third is to come
     assert 0.5 <= time.monotonic() - started < 5  # it waited, as long as it may
+    started = time.monotonic()
+    rungs.wait_for_company(study, first.number, 1, quorum=3, seconds=120.0, stopped=lambda: True)
+    assert time.monotonic() - started < 30  # Ctrl-C (the trainer's stop request) ends the wait
     # The second, running, reports from another process: the first hears it through the journal and goes on.
     waiter = threading.Thread(
         target=rungs.wait_for_company, args=(study_of(tmp_path), first.number, 1, 2, 120.0)

@@ -206,17 +206,17 @@ def test_a_trial_of_several_processes_reports_from_its_rank_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_array_tasks_of_a_search_drive_one_study(tmp_path):
+def test_the_array_tasks_of_a_search_drive_one_study(tmp_path, capsys):
     """--slurm --search writes a job array whose tasks are drivers of the one study; its two tasks started together,
     the way SLURM starts them (the script, with the task's id), as two processes on one journal file: the study
     holds exactly --trials trials, each run once, and the first rung judged the first wave (a trial of each task,
     started together) together: the worse at epoch 1 stopped there whichever got there first."""
-    written = run_sweep(
-        ["--sweep-dir", str(tmp_path), *STUDY, "--slurm", "--shards", "2", "--workers", "1", "--", *RUN]
-    )
-    assert_ok(written)
+    from multigpu.sweep.cli import main
+
+    argv = ["--sweep-dir", str(tmp_path), *STUDY, "--slurm", "--shards", "2", "--workers", "1", "--", *RUN]
+    assert main(argv) == 0  # in this process: writing the script starts no run
     script = tmp_path / "sweep.sbatch"
-    assert f"wrote {script}: 3 trials in 2 array tasks" in written.stdout
+    assert f"wrote {script}: 3 trials in 2 array tasks" in capsys.readouterr().out
     assert not (tmp_path / "study.journal").exists()  # the tasks start the study
     command = script.read_text().splitlines()[-1]
     assert "--search optuna --trials 3 --space 'lr=log(1e-3,1)' --sampler tpe --prune asha" in command
@@ -251,3 +251,27 @@ def test_the_array_tasks_of_a_search_drive_one_study(tmp_path):
         ("PRUNED", [1]),
     ]
     assert {t.user_attrs["sweep shard"] for t in wave} == {"0/2", "1/2"}
+
+
+def test_the_objective_is_the_runs_monitor_and_main_multi_gpu_takes_the_search_flags(tmp_path):
+    """val_loss (lower is better) unless --monitor names another: --monitor val_acc searches for the highest; the
+    design notes' form, main_multi_gpu.py with the sweep flags mixed in, reads the search's flags too."""
+    from multigpu.sweep.options import parse, requested
+    from multigpu.sweep.search import build_search_plan
+
+    argv = ["--sweep-dir", str(tmp_path), *STUDY, "--epochs", "2", "--monitor", "val_acc"]
+    assert requested(argv)
+    options, train_argv = parse(argv, mixed=True)
+    assert (options.search, options.trials, options.space, options.prune) == (
+        "optuna",
+        3,
+        ["lr=log(1e-3,1)"],
+        "asha",
+    )
+    assert train_argv == ["--epochs", "2", "--monitor", "val_acc"]
+    plan = build_search_plan(options, train_argv)
+    assert (plan.objective, plan.lower_is_better) == ("val_acc", False)
+    plan = build_search_plan(options, ["--epochs", "2"])
+    assert (plan.objective, plan.lower_is_better) == ("val_loss", True)
+    assert plan.train_argv[-2:] == ["--monitor", "val_loss"]  # the runs' best.pt follows the objective
+    assert list(tmp_path.iterdir()) == []  # planning writes nothing
