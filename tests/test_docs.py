@@ -222,9 +222,10 @@ def serve_tensorboard(command: str, folder: Path, env: dict[str, str]) -> str | 
 
 
 def accuracies(output: str) -> list[float]:
-    """Every final validation accuracy a command reported: its runs' `done:` lines, and a sweep's results."""
+    """Every final validation accuracy a command reported: its runs' `done:` lines, and a sweep's (a search's)
+    results."""
     found = [float(value) for value in re.findall(r"^done: best val acc ([\d.]+)", output, re.M)]
-    for sweep_dir in re.findall(r"^sweep done: .* summary (\S+)/summary\.md", output, re.M):
+    for sweep_dir in re.findall(r"^(?:sweep|search) done: .* summary (\S+)/summary\.md", output, re.M):
         for results in Path(sweep_dir).glob("results*.jsonl"):
             found += [json.loads(line)["metrics"]["val_acc"] for line in results.read_text().splitlines()]
     return found

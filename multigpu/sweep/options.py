@@ -121,7 +121,9 @@ FLAGS: dict[str, dict] = {
         action="store_true", help="write DIR/sweep.sbatch, a SLURM job array that runs the shards"
     ),
     "--submit": dict(action="store_true", help="with --slurm: also submit it with sbatch"),
-    "--shards": dict(type=int, metavar="N", help="with --slurm: array tasks (default: one per experiment)"),
+    "--shards": dict(
+        type=int, metavar="N", help="with --slurm: array tasks (default: one per experiment, or per trial)"
+    ),
     "--sbatch-arg": dict(
         action="append",
         default=[],
@@ -314,11 +316,6 @@ def _check_search(args: argparse.Namespace) -> None:
         raise UsageError(
             "--retry-failed with --search: a failed trial is final in the study; give a larger "
             "--trials to sample more, or --retries R to retry a failed run before its trial ends"
-        )
-    if args.slurm:
-        raise UsageError(
-            "--slurm with --search: no job script is written for a search; run its drivers as array "
-            "tasks of your own (each takes SLURM_ARRAY_TASK_ID as its --shard and shares the study)"
         )
 
 
