@@ -28,6 +28,7 @@ class BatchSizes:
 
 def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
     per_step = max(1, len(runtime.dp_device_ids))
+    assert isinstance(config.batch_size, int), "--batch-size auto is resolved before"
     return BatchSizes(
         config.batch_size * per_step,
         (config.eval_batch_size or config.batch_size) * per_step,

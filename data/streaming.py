@@ -73,10 +73,9 @@ class StreamShard(IterableDataset):
         self.rotate = (
             0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
         )
-        self.pass_number, self.skip = (
-            0,
-            None,
-        )  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
+        self.pass_number = 0
+        # A resumed pass's layers [{"slots": S, "counts": [...]}, ...].
+        self.skip: list[dict[str, Any]] | None = None
 
     @property
     def pass_number(self) -> int:
@@ -207,7 +206,8 @@ class TrainStream:
         self.next_worker = 0  # the worker whose batch this rank takes next: DataLoader takes them in turn
         self.steps_in_epoch = self.steps_in_pass = 0
         self.ranks_checked, self.warned, self.counted, self.said_wrap = False, False, False, False
-        self.first_batches: dict[int, str] = {}  # slot -> its first batch's digest, in the first whole pass
+        # slot -> its first batch's digest (None: no tensor in it), in the first whole pass
+        self.first_batches: dict[int, str | None] = {}
         self._batches: Iterator[Any] | None = None  # the pass's loader, kept across --steps-per-epoch epochs
 
     # --- what the trainer reads of a sampler ---
@@ -238,6 +238,7 @@ class TrainStream:
                         f"pass {ran_out[0] + 1}, from the stream's start (said once)"
                     )
                 window = self._next_window()
+            assert window is not None  # _all_have: every rank has a full window
             self.steps_in_epoch += 1
             yield self._step(window, report, last=self.steps_in_epoch >= self.fixed_steps)
         self.steps_in_epoch = 0
@@ -303,7 +304,7 @@ class TrainStream:
         unused = sum(samples for _, samples, _ in window or ())
         unused += sum(samples for _, samples, _ in (self._batches if self._batches is not None else ()))
         facts = gather_objects((unused, sum(self.counts.values()), self.first_batches if whole else {}))
-        held = [rank_unused for rank_unused, _, _ in facts]  # type: ignore[misc]
+        held = [rank_unused for rank_unused, _, _ in facts]
         if any(held):
             report(
                 f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
@@ -391,7 +392,7 @@ class TrainStream:
         """The position of the stream (every rank must call it: the ranks' counts are gathered)."""
         slots = self.workers * self.runtime.world_size
         counts, ranks = [0] * slots, gather_objects((self.counts, self.next_worker))
-        for rank_counts, _ in ranks:  # type: ignore[misc]
+        for rank_counts, _ in ranks:
             for slot, n in rank_counts.items():
                 counts[slot] = n
         layers = [dict(layer) for layer in self.shard.skip or []]
@@ -405,7 +406,7 @@ class TrainStream:
             "steps_in_pass": self.steps_in_pass,
             "layers": layers,
             "next_worker": [turn for _, turn in ranks],
-            "world_size": self.runtime.world_size,  # type: ignore[misc]
+            "world_size": self.runtime.world_size,
             "workers": self.workers,
             "shards_itself": not self.shard.split_by_trainer,
         }
@@ -440,7 +441,7 @@ class TrainStream:
 def _agree_on(split: Split) -> None:
     """Every rank must take the stream alike (the first-batch check is a collective): UsageError if not."""
     splits = gather_objects((split.ranks, split.workers))
-    if len(set(splits)) > 1:  # type: ignore[arg-type]
+    if len(set(splits)) > 1:
         raise UsageError(
             "the ranks see the training stream split differently ("
             + ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits))

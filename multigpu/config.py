@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NoReturn
 
 from multigpu.errors import UsageError
 
@@ -737,14 +737,16 @@ class TrainConfig:
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
         if replicate is None or shard is None:
             given, name = (replicate, "replicate") if shard is None else (shard, "shard")
-            if world_size % given:  # type: ignore[operator]
+            assert given is not None  # neither given returned above
+            if world_size % given:
                 divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
                 raise UsageError(
                     f"--dp-{name} {given} does not divide this run's {processes} into equal groups: give "
                     f"one of {divisors}"
                 )
-            other = world_size // given  # type: ignore[operator]
+            other = world_size // given
             replicate, shard = (given, other) if shard is None else (other, given)
+        assert replicate is not None and shard is not None  # both given, or one filled in above
         if replicate * shard != world_size:
             raise UsageError(
                 f"--dp-replicate {replicate} x --dp-shard {shard} = {replicate * shard} processes, but "
@@ -774,7 +776,7 @@ class TrainConfig:
             raise UsageError(
                 f"--image-shape must be C,H,W with positive integers, e.g. 3,32,32; got {self.image_shape!r}"
             )
-        return dims  # type: ignore[return-value]
+        return dims[0], dims[1], dims[2]
 
     @property
     def model_name(self) -> str:
@@ -986,7 +988,7 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
 
 
@@ -1011,6 +1013,7 @@ class _BooleanAction(argparse.BooleanOptionalAction):
         if values is None:
             super().__call__(parser, namespace, None, option_string)
             return
+        assert option_string is not None  # argparse calls a flag's action with the flag as given
         if option_string.startswith("--no-") or values.lower() not in _BOOLEAN_WORDS:
             allowed = "no value" if option_string.startswith("--no-") else "no value, or true or false"
             raise UsageError(f"{option_string} takes {allowed}, got {values!r} (see --help)")
@@ -1089,7 +1092,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     args = vars(build_parser().parse_args(shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv))
     args.pop("local_rank")
     config = TrainConfig(**args)
-    config.given = given_fields(argv)  # the user's flags, not the test harness's
+    # The user's flags, not the test harness's; `given` is a ClassVar only to keep it out of the fields.
+    config.given = given_fields(argv)  # type: ignore[misc]  # set per instance on purpose
     return config
 
 

@@ -253,7 +253,10 @@ def save_from_replica(
     checkpointer, step = replica.checkpointer, replica.step
     newest = checkpointer.newest()
     if replica.sharded:
-        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+        return (
+            "no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: "
+            f"{newest}"
+        )
     if replica.streaming:
         return (
             f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"

@@ -75,6 +75,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
         config = config_of(s)
     if s.slurm:
         check_slurm_job(s, nodes, config)
+    assert config.save_dir is not None  # settled above, or refused by check_slurm_job
     check_save_dir(config.save_dir)
     settle_mesh(s, devices, nodes)
     if not s.slurm and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
@@ -125,6 +126,7 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     mesh = settle_mesh(s, devices, nodes)
     yield from settle_save_dir(s, training_config(s, devices))
     config = training_config(s, devices)
+    assert config.save_dir is not None  # settled just above
     check_save_dir(config.save_dir)
     settle_training(s, config)
     port, note = rendezvous_port(s, nodes) if devices.mode in PROCESS_PER_DEVICE else (0, "")

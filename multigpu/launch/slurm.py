@@ -78,6 +78,9 @@ def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
             f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
             f"global rank 0, which writes the checkpoints, may be on any node"
         )
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     if re.search(r"\s", config.save_dir):
         raise UsageError(
             f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
@@ -94,6 +97,9 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     mesh = settle_mesh(s, devices, nodes)
     config = training_config(s, devices)
     check_slurm_job(s, nodes, config)
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
     settle_training(s, config)
     what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
@@ -119,6 +125,9 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     Every $SLURM_* variable stays literal, read when the job runs; those that differ
     between nodes ($SLURM_NODEID) are read inside run_node, on each node.
     """
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     directives = ["--job-name=multigpu", f"--nodes={nodes.count}", "--ntasks-per-node=1"]
     if gpus:
         directives.append(f"--gpus-per-node={gpus}")
@@ -142,6 +151,10 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     ]
     restarts = f" --max_restarts={nodes.max_restarts}" if nodes.max_restarts is not None else ""
     port = str(nodes.port) if nodes.port else "$((20000 + SLURM_JOB_ID % 20000))"
+    processes = plural(gpus, "GPU") if gpus else plural(procs, "CPU process")
+    shape = f"{plural(nodes.count, 'node')} x {processes}, {(mode_of(s) or 'ddp').upper()} under torchrun"
+    # torchrun's c10d rendezvous is hosted by the allocation's first node.
+    host = "--rdzv_conf=is_host=$((SLURM_NODEID == 0))"
     gpu_check = (
         ""
         if not gpus
@@ -166,7 +179,7 @@ rm -f "$marker"
     restart_env = " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" if nodes.count > 1 and nodes.max_restarts else ""
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}:
-# {plural(nodes.count, "node")} x {plural(gpus, "GPU") if gpus else plural(procs, "CPU process")}, {(mode_of(s) or "ddp").upper()} under torchrun, c10d rendezvous on the allocation's first node.
+# {shape}, c10d rendezvous on the allocation's first node.
 # Submit: sbatch {shlex.quote(os.path.join(config.save_dir, "launch_slurm.sbatch"))}
 # Submitting it again, or a requeue, continues from the newest checkpoint (--resume auto).
 {chr(10).join("#SBATCH " + d for d in directives)}
@@ -194,7 +207,7 @@ run_node() {{
     exec env OMP_NUM_THREADS=$((threads > 0 ? threads : 1)){restart_env} \\
         {shlex.quote(s.python)} {shlex.quote(TORCHRUN)} --log-file "$SAVE_DIR/torchrun-$(hostname).log" \\
         --nnodes="$SLURM_NNODES" --nproc_per_node="$PROCS_PER_NODE" --rdzv_backend=c10d \\
-        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" --rdzv_conf=is_host=$((SLURM_NODEID == 0)){restarts} \\
+        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" {host}{restarts} \\
         {quoted(trainer)}
 }}
 export -f run_node

@@ -158,6 +158,7 @@ class TrainStep:
         self.applied_lr = self.optimizer.param_groups[0]["lr"]
         if self.amp.scaling:
             scaler = self.amp.scaler
+            assert scaler._scale is not None  # set by scale() in the step's backward
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()

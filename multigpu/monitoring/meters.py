@@ -144,7 +144,7 @@ class LoggedScalars:
 
     def reduce(self) -> dict[str, float]:
         """{name: mean over every rank's values} since the last reduce; every rank must call it."""
-        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})  # type: ignore[attr-defined]
+        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})
         if not names:
             return {}
         sums_and_counts = torch.stack(

@@ -15,7 +15,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,9 +86,11 @@ class Runtime:
     @property
     def mesh_position(self) -> tuple[int, int]:
         """This rank's (replicate, shard) coordinates in fsdp's mesh: its rows are consecutive ranks."""
+        assert self.mesh_shape is not None  # __post_init__ fills it
         return divmod(self.rank, self.mesh_shape[1])
 
     def describe(self) -> str:
+        assert self.mesh_shape is not None  # __post_init__ fills it
         if self.mode == "fsdp" and self.mesh_shape[0] > 1:
             replicate, shard = self.mesh_shape
             nodes = (
@@ -377,21 +379,24 @@ def barrier() -> None:
             dist.barrier()
 
 
-def gather_objects(obj: object) -> list[object]:
+T = TypeVar("T")
+
+
+def gather_objects(obj: T) -> list[T]:
     """Every rank's `obj`, in rank order, on every rank."""
     if not is_distributed():
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     with BEAT.recorded("all_gather_object"):
         dist.all_gather_object(gathered, obj)
     return gathered
 
 
-def gather_objects_to_main(obj: object) -> list[object] | None:
+def gather_objects_to_main(obj: T) -> list[T] | None:
     """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
     if not is_distributed():
         return [obj]
-    gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     with BEAT.recorded("gather_object"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered

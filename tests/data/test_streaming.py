@@ -43,7 +43,8 @@ def shard_ids(
     shard = StreamShard(IdStream(), rank, world)
     shard.skip = skip
     loader = DataLoader(shard, batch_size=5, num_workers=workers, collate_fn=TaggedCollate(None))
-    ids, counts = [], {}
+    ids: list[int] = []
+    counts: dict[int, int] = {}
     for slot, samples, batch in itertools.islice(loader, batches):
         ids += batch["id"].tolist()
         counts[slot] = counts.get(slot, 0) + samples
@@ -118,7 +119,7 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     for kind in KINDS:
         dataset = matrix_stream(kind, folder)
         if kind.startswith("hf"):
-            dataset = dataset.select_columns(["id"])  # the ids are what is checked
+            dataset = dataset.select_columns(["id"])  # type: ignore[attr-defined]  # an HF stream: the ids checked
         for workers in (0, 1, 2):
             stream = TrainStream(dataset, runtime, 4, 1, 0, workers, 0, None, build_loader)
             for pass_number in (0, 1):
@@ -131,8 +132,9 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
         "shards_itself but reads all": (SplitIds(len(MATRIX_IDS)), 2),
         "no __len__, shards_itself but reads all": (SplitIds(len(MATRIX_IDS), length=False), 2),
     }
-    undetected["shards_itself but reads all"][0].shards_itself = True
-    undetected["no __len__, shards_itself but reads all"][0].shards_itself = True
+    # Set on these two only: a class attribute False would be an answer too (absent is none).
+    undetected["shards_itself but reads all"][0].shards_itself = True  # type: ignore[attr-defined]  # see above
+    undetected["no __len__, shards_itself but reads all"][0].shards_itself = True  # type: ignore[attr-defined]  # see above
     said = {}
     for name, (dataset, workers) in undetected.items():
         lines: list[str] = []
@@ -162,7 +164,8 @@ def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_worker
         if world == 1
         else [
             f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
-            f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
+            f"worker(s), and its __len__ is 30: about 1/{world} of them: "
+            f"the stream is split twice, by itself and by the "
             f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
             f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
             f'"Your own data")'
@@ -378,7 +381,7 @@ def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order
 class EndlessIds(IdStream):
     """A stream without __len__."""
 
-    __len__ = None  # type: ignore[assignment]
+    __len__ = None  # type: ignore[assignment]  # none at all, as a stream has
 
 
 class Terminal(io.StringIO):

@@ -11,7 +11,11 @@ from conftest import PYTHON, cli_env
 PROBE = """
 import sys
 from multigpu.launch import launch_rules
-codes = [launch_rules.main(["check"]), launch_rules.main(["plan"]), launch_rules.main(["slurm", "--save-dir", "shared"])]
+codes = [
+    launch_rules.main(["check"]),
+    launch_rules.main(["plan"]),
+    launch_rules.main(["slurm", "--save-dir", "shared"]),
+]
 print(codes, "torch" in sys.modules, file=sys.stderr)
 """
 
