@@ -346,8 +346,8 @@ class TrainStream:
         per step for streams only: the price of never hanging at an uneven end."""
         full = window is not None and len(window) == self.grad_accum
         world = self.runtime.world_size
-        if not is_distributed():
-            return Agreed(world if full else 0, True)
+        if not is_distributed():  # one process: a short window is a step as any other, as map-style's last
+            return Agreed(world if window is not None else 0, True)
         # Through the project's own all-reduce, so the hang watchdog and --debug-collectives see it too.
         flags = torch.tensor([float(full), float(window is not None)], device=self.runtime.device)
         full_ranks, holding = (round(count) for count in all_reduce_sum(flags).tolist())

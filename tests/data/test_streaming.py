@@ -74,6 +74,15 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
     assert sorted(seen) == list(range(EPOCH))
 
 
+def fork_loader_workers() -> None:
+    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
+    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
+    machine longer than the hang watchdog's 30 s."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+
+
 # ---------------------------------------------------------------- what a stream splits by itself
 MATRIX_SHARDS = (12, 11, 7)  # 30 ids; as files, the 3 shards of a Hugging Face stream
 MATRIX_IDS = list(range(sum(MATRIX_SHARDS)))
@@ -114,15 +123,11 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     """On each rank: for each kind x 0, 1 and 2 loader workers, the ids the trainer's own loader gives this rank
     in its first two passes; then the lines the first pass of streams that misstate their split makes the trainer
     say."""
-    import multiprocessing
-
     from multigpu.data import build_loader
     from multigpu.data.streaming import TrainStream
     from multigpu.parallel.distributed import Runtime
 
-    # Loader workers fork, as they do under torchrun (a rank started by spawn would spawn them too: 50 times
-    # importing torch and datasets afresh).
-    multiprocessing.set_start_method("fork", force=True)
+    fork_loader_workers()  # 50 loaders: each importing torch and datasets afresh otherwise
     runtime = Runtime("ddp" if world > 1 else "none", torch.device("cpu"), rank, rank, world)
     ids = {}
     for kind in KINDS:
@@ -216,6 +221,9 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 
     from train_multi_gpu import MultiGPUTrainer
 
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
+
     config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, batch_size=16, **overrides)
     out = io.StringIO()
     with (
@@ -304,12 +312,10 @@ def unequal_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
 def train_two_passes(rank: int, world: int, tmp: Path, cases: list[tuple[str, int, str]]) -> dict:
     """On each rank, for each (stream kind, loader workers, --multi-gpu): 2 epochs, each one pass; the ids this
     rank trained in each epoch and what the run said."""
-    import multiprocessing
-
     from train_multi_gpu import MultiGPUTrainer
 
-    if world > 1:  # loader workers fork, as under torchrun (a forkserver would import torch afresh for each loader)
-        multiprocessing.set_start_method("fork", force=True)
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
     results = {}
     for kind, workers, mode in cases:
         run = tmp / f"{kind}-{workers}-{mode}".replace(" ", "_")
