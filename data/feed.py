@@ -96,6 +96,20 @@ class _Batches:
         return next(self.iterator)
 
 
+def why_ranks_cannot_join(config: TrainConfig, runtime: Runtime) -> str | None:
+    """Why the ranks that run out of a stream cannot join the others' steps (data/streaming.py, "Uneven ends");
+    None where they can: DDP, whose gradient all-reduce the step can take over (multigpu/loop/join.py)."""
+    if runtime.world_size == 1:
+        return ""
+    if runtime.mode == "fsdp":
+        return "fsdp: a rank without a batch cannot take part in the others' sharded forward and backward"
+    if runtime.mode != "ddp":
+        return f"--multi-gpu {runtime.mode}"
+    if config.sync_bn and runtime.device.type == "cuda":  # what multigpu/parallel/wrapping.py converts
+        return "--sync-bn: each forward gathers the batch statistics of every rank"
+    return None
+
+
 def training_data(
     dataset: Any,
     config: TrainConfig,
@@ -119,6 +133,7 @@ def training_data(
             collate_fn,
             build_loader,
             config.max_steps,
+            why_ranks_cannot_join(config, runtime),
         )
         return TrainingData(
             stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate

@@ -245,12 +245,18 @@ class HFTable(Dataset):
 
 class HFStream(IterableDataset):
     """A streaming HF IterableDataset as the trainer's samples: this rank's part (split_dataset_by_node, by the
-    RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself."""
+    RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself.
+    Where the ranks that run out cannot join the others' steps (`ranks_join`, which the trainer sets: fsdp), and
+    the files are not all of one length, every rank keeps one example in world-size of its workers' files instead
+    of whole files: whole files of unequal length would leave the longer ranks' tails untrained."""
 
     shards_itself = True  # data/streaming.py takes what each (rank, worker) yields
 
-    def __init__(self, stream: Any, samples: SampleOf, length: int | None, files: Files):
-        self.stream, self.samples, self.length, self.files = stream, samples, length, files
+    def __init__(self, stream: Any, samples: SampleOf, rows: list[int | None], files: Files):
+        self.stream, self.samples, self.files = stream, samples, files
+        self.length = None if None in rows else sum(rows)  # type: ignore[arg-type]
+        self.equal_files = None not in rows and len(set(rows)) == 1
+        self.ranks_join = True  # set by the trainer (data/stream_split.py) before it reads the stream
 
     def __len__(self) -> int:
         if self.length is None:
@@ -261,7 +267,15 @@ class HFStream(IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        by_example = world_size > 1 and not self.ranks_join and not self.equal_files
         try:
+            if (
+                by_example
+            ):  # every worker's files are read by each rank: ranks keep every world-size-th example
+                for index, example in enumerate(self.stream):
+                    if index % world_size == rank:
+                        yield self.samples(example)
+                return
             for example in split_dataset_by_node(self.stream, rank=rank, world_size=world_size):
                 yield self.samples(example)
         except Exception as error:  # in a loader worker too: UnreadableFile reaches the rank as its one line
@@ -286,7 +300,7 @@ def hf_datasets(
 
     def wrap(table: Any, of: Files) -> Dataset:  # each flag's files counted in their own format
         if config.streaming:
-            return HFStream(table, samples, count_rows(of.kind, of.paths), of)
+            return HFStream(table, samples, [count_rows(of.kind, [path]) for path in of.paths], of)
         return HFTable(table, samples, of)
 
     val = None

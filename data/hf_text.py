@@ -173,9 +173,8 @@ def _token_samples(
         raise UsageError(files.bad_row(None, error)) from None
     samples = TokenSamples(tokenize.packed)
     if config.streaming:  # a padded text is one sample; packed windows are not counted before they are read
-        return HFStream(
-            tokens, samples, None if tokenize.packed else count_rows(files.kind, files.paths), files
-        ), table
+        rows = [None if tokenize.packed else count_rows(files.kind, [path]) for path in files.paths]
+        return HFStream(tokens, samples, rows, files), table
     if len(tokens) == 0:
         raise UsageError(
             f"{flag}: {', '.join(files.paths)} hold fewer tokens than one window of --block-size "

@@ -100,7 +100,7 @@ def plan_facts(run: Any) -> plan.PlanFacts:
         run.amp.name,
         run.progress,
         run.steps_done_in_epoch(),
-        run.on_device.line,
+        run.stream.plan_line() if run.stream is not None else run.on_device.line,  # a stream: how it is split
         loss_line(run.weighting),
         run.replicas.plan_line() if run.replicas is not None else "",
     )

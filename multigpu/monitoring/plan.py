@@ -43,7 +43,7 @@ class PlanFacts:
     amp: str  # the precision's name
     progress: Any  # epoch and global_step to start from
     steps_done_in_epoch: int
-    data: str = ""  # where the training batches come from (data/device_data.py)
+    data: str = ""  # where the training batches come from (data/device_data.py; a stream: data/streaming.py)
     loss: str = (
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
