@@ -237,8 +237,8 @@ class ReplicatedStep(TrainStep):
     def __init__(self, step: TrainStep, replicas: Replicas):
         self.__dict__.update(vars(step))  # the same step, as the trainer built it
         groups = replicas.groups
-        self.wrapped = groups.wrap(self.model)
-        self.no_sync = self.wrapped.no_sync
+        wrapped = groups.wrap(self.model)
+        self.wrapped, self.no_sync = wrapped, wrapped.no_sync  # torchft's DDP; its no_sync is DDP's
         self.optimizer = groups.gated(self.optimizer)
         self.replicas = replicas
 

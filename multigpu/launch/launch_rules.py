@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
@@ -62,7 +62,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     """Validate what is known so far; give the normalised settings ("set:" records) and the questions' defaults."""
     mode = mode_of(s)
     apply_gpu_choice(s)
-    config_of = training_config
+    config_of: Callable[[Settings], TrainConfig] = training_config
     if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
         devices, nodes = replica_groups.settle(s)
         config_of = replica_groups.group_config

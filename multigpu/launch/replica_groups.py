@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable, 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from multigpu.checkpoints import run_folders  # noqa: E402
-from multigpu.config import DEFAULT_SAVE_ROOT, flag, parse_config  # noqa: E402
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config  # noqa: E402
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.launch.answers import (  # noqa: E402
     TORCHRUN,
@@ -298,7 +298,7 @@ def group_argv(s: Settings, devices: Devices, groups: int) -> list[str]:
     ]
 
 
-def group_config(s: Settings) -> Any:
+def group_config(s: Settings) -> TrainConfig:
     """The TrainConfig of group 0, by the trainer's own parser: --fault-tolerance's refusals included (before the
     save-dir is settled, as if it were the default root)."""
     devices, nodes = settle(s)
@@ -341,7 +341,8 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
     devices, nodes = settle(s)
     yield from settle_save_dir(s, group_config(s))
     config = group_config(s)
-    check_save_dir(config.save_dir)
+    save_dir = _named(config)
+    check_save_dir(save_dir)
     settle_training(s, config)
     argv = group_argv(s, devices, nodes.count)
     port, note = lighthouse_port(s)
@@ -350,7 +351,7 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         shown(s.python),
         shown(TORCHRUN),
         "--log-file",
-        os.path.join(config.save_dir, "torchrun.log"),
+        os.path.join(save_dir, "torchrun.log"),
         "--standalone",
         "--nproc_per_node=1",
         f"--max_restarts={restarts}",
@@ -365,7 +366,7 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         "--min-replicas",
         str(config.ft_min_replicas),
         "--save-dir",
-        config.save_dir,
+        save_dir,
         "--lighthouse-port",
         str(port),
         "--threads",
@@ -378,8 +379,14 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         yield "plan", line
     if note:
         yield "plan", f"  {note}"
-    yield "save-dir", config.save_dir
+    yield "save-dir", save_dir
     yield "command", quoted(supervisor)
+
+
+def _named(config: TrainConfig) -> str:
+    """The save-dir of a group's config: always named (--fault-tolerance needs it; group_config names one)."""
+    assert config.save_dir is not None
+    return config.save_dir
 
 
 def slurm(s: Settings) -> Any:
@@ -393,7 +400,8 @@ def slurm(s: Settings) -> Any:
             f"--fault-tolerance --slurm needs --save-dir on storage every node shares (e.g. /shared/run1): the "
             f"{nodes.count} groups resume from and write to it"
         )
-    check_save_dir(config.save_dir)
+    save_dir = _named(config)
+    check_save_dir(save_dir)
     settle_training(s, config)
     argv = group_argv(s, devices, nodes.count)
     port = whole("lighthouse_port", s.lighthouse_port, 1, 65535) or LIGHTHOUSE_PORT
@@ -401,9 +409,9 @@ def slurm(s: Settings) -> Any:
         s, devices, nodes, config, f"one per node, the Lighthouse on the first (port {port})"
     ):
         yield "plan", line
-    script = os.path.join(config.save_dir, "launch_slurm.sbatch")
-    yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
-    yield "save-dir", config.save_dir
+    script = os.path.join(save_dir, "launch_slurm.sbatch")
+    yield "plan", f"  job script {script}; its output in {save_dir}/slurm-<job id>.out"
+    yield "save-dir", save_dir
     yield "script-file", script
     yield "script", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
 

@@ -72,7 +72,7 @@ def lighthouse_address(config: TrainConfig) -> str:
 def _quorum_recorder(base: type) -> type:
     """torchft's process group `base`, also noting the live groups of each quorum it is configured for."""
 
-    class Recorded(base):  # type: ignore[misc, valid-type]
+    class Recorded(base):  # a class made at run time, from torchft's
         quorum_ranks: list[int] = []
 
         def configure(
@@ -123,7 +123,7 @@ class ReplicaGroups:
         """The groups of the current quorum, ascending (this one included once it is in)."""
         return sorted({rank // self.group_size for rank in self.process_group.quorum_ranks})
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
         """torchft's DDP around the module: its gradients averaged over the quorum's groups in backward."""
         return DistributedDataParallel(self.manager, model)
 
@@ -222,14 +222,9 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
             f"--replica-groups N start it with the groups; or give its address with --ft-lighthouse or "
             f"{LIGHTHOUSE_ENV}"
         ) from None
-    replicas = ReplicaGroups(
-        manager,
-        process_group,
-        config.ft_replica_groups,
-        config.ft_replica_id,
-        1,
-        store,  # type: ignore[arg-type]
-    )
+    groups, replica_id = config.ft_replica_groups, config.ft_replica_id
+    assert groups is not None and replica_id is not None  # TrainConfig refuses --fault-tolerance without them
+    replicas = ReplicaGroups(manager, process_group, groups, replica_id, 1, store)
     atexit.register(replicas.close)
     runtime.join_replica_groups(replicas.groups, replicas.replica_id, replicas)
     return replicas
