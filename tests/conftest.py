@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -154,6 +155,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def torchruns_variables(rank: int, nproc: int, port: int | str) -> dict[str, str]:
+    """The variables torchrun gives worker `rank` of `nproc` on this machine, its store at `port`."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def run_cli_ranks(
     args: Sequence[str],
     nproc: int,
@@ -172,17 +185,7 @@ def run_cli_ranks(
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=cli_env(
-                {
-                    **(env or {}),
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                }
-            ),
+            env=cli_env({**(env or {}), **torchruns_variables(rank, nproc, port)}),
         )
         for rank in range(nproc)
     ]
@@ -264,12 +267,7 @@ def _torchrun_worker(
     os.dup2(output, 2)
     sys.stdout = sys.stderr = open(output, "w", buffering=1, closefd=False)  # not pytest's capture
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        torchruns_variables(rank, nproc, port),
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_RESTART_COUNT=str(attempt),
         OMP_NUM_THREADS="1",
@@ -689,6 +687,80 @@ def run_ranks(
                 process.kill()
     assert not errors, "\n".join(errors)
     return [results[rank] for rank in range(world_size)]
+
+
+def run_forked_workers(
+    main: Callable[[list[str]], int],
+    argv: Sequence[str],
+    nproc: int,
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.CompletedProcess]:
+    """A script's `main(argv)` (its exit status) as `nproc` workers with the environment torchrun gives them, as
+    run_cli_ranks runs the script, but forked from run_ranks' preloaded server: no Python start of its own each.
+    A worker ends as a process does: its at-exit handlers run, then it exits with main's status. Returns each
+    worker's exit status (-N: killed by signal N), output and errors, in rank order. `main` must be a
+    module-level function."""
+    context = preloaded_context()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="workers-", dir=tmp_path))
+    outputs = [(folder / f"rank{rank}.out", folder / f"rank{rank}.err") for rank in range(nproc)]
+    parent = {"environ": cli_env(env), "port": str(free_port()), "path": list(sys.path)}
+    workers = [
+        context.Process(target=_worker_entry, args=(main, list(argv), rank, nproc, outputs[rank], parent))
+        for rank in range(nproc)
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        assert not any(worker.is_alive() for worker in workers), (
+            f"workers still running after {RUN_TIMEOUT} s"
+        )
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    return [
+        subprocess.CompletedProcess(argv, worker.exitcode, out.read_text(), err.read_text())
+        for worker, (out, err) in zip(workers, outputs)
+    ]
+
+
+def _worker_entry(
+    main: Callable[[list[str]], int],
+    argv: list[str],
+    rank: int,
+    nproc: int,
+    output: tuple[Path, Path],
+    parent: dict[str, Any],
+) -> None:
+    import atexit
+
+    atexit._clear()  # the server's own handlers are not this worker's
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    os.environ.update(torchruns_variables(rank, nproc, parent["port"]))
+    os.chdir(REPO)
+    sys.path[:] = parent["path"]
+    for fd, path in zip((1, 2), output):
+        with open(path, "w") as file:
+            os.dup2(file.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line by line, as PYTHONUNBUFFERED writes
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    status = 1
+    try:
+        status = main(argv)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter does at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def shellcheck_path() -> str | None:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,14 @@ from conftest import (
     free_port,
     preloaded_context,
     run_cli,
-    run_cli_ranks,
+    run_forked_workers,
     run_ranks,
     tiny_model,
 )
 from multigpu.checkpoints import checkpoint
 from multigpu.config import TrainConfig
 from multigpu.data import build_datasets
+from multigpu.launch.runner import main_guarded
 from multigpu.models import build_model
 from multigpu.resilience.faults import FAULT_ENV
 from multigpu.resilience.preemption import StopRequest
@@ -608,51 +610,60 @@ def test_a_resume_at_fewer_processes_with_max_steps_trains_every_step_asked_for_
 # A user's RMSprop and per-step ExponentialLR, given as functions; the model has dropout (random numbers each
 # step) or BatchNorm (buffers each forward updates). 160 samples: 10 steps an epoch at 2 ranks x 8. With a
 # forward to die in, rank 1 is SIGKILLed inside it (as by the OOM killer), after DDP's broadcast of the buffers.
-REPLICA_RUN = """
-import os, signal, sys, torch
-sys.path[:0] = [{repo!r}, {tests!r}]
-from pathlib import Path
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-from conftest import blobs, config_for
-from multigpu.launch.runner import main_guarded
-from train_multi_gpu import MultiGPUTrainer
-
 class DieInForward(torch.nn.Module):
-    def __init__(self, step):
+    """Passes its input on; rank 1 SIGKILLs itself inside training forward number `step` (0: never)."""
+
+    def __init__(self, step: int) -> None:
         super().__init__()
         self.step, self.forwards = step, 0
-    def forward(self, x):
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
         if self.training and _get_current_dispatch_mode() is None:  # not the trainer's FLOP count
             self.forwards += 1
             if self.forwards == self.step and os.environ["RANK"] == "1":
                 os.kill(os.getpid(), signal.SIGKILL)
         return x
 
-def train(argv):
-    out, layer = Path(argv[0]), {{"dropout": torch.nn.Dropout(0.3), "batchnorm": torch.nn.BatchNorm1d(32)}}[argv[1]]
+
+def replica_train(argv: Sequence[str] | None) -> None:
+    """A user's script: OUT, LAYER (dropout or batchnorm), the forward rank 1 dies in."""
+    assert argv is not None
+    out = Path(argv[0])
+    layer = {"dropout": torch.nn.Dropout(0.3), "batchnorm": torch.nn.BatchNorm1d(32)}[argv[1]]
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), layer, torch.nn.ReLU(), DieInForward(int(argv[2])),
-                                torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), layer, torch.nn.ReLU(), DieInForward(int(argv[2])), torch.nn.Linear(32, 4)
+    )
     config = config_for(out, 2, epochs=2, save_every_steps=5, keep_last=5, log_every=1000, resume="auto")
-    with MultiGPUTrainer(model, blobs(160, 0), None, config,
-                         optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
-                         scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(
-                             optimizer, 0.99)) as trainer:
+    with MultiGPUTrainer(
+        model,
+        blobs(160, 0),
+        None,
+        config,
+        optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99),
+    ) as trainer:
         trainer.fit()
-sys.exit(main_guarded(train, sys.argv[1:]))
-"""
+
+
+def replica_main(argv: list[str]) -> int:
+    return main_guarded(replica_train, argv)
 
 
 def run_replica_case(
     out: Path, layer: str, fault: str = "", die_in_forward: int = 0
 ) -> list[subprocess.CompletedProcess]:
-    """REPLICA_RUN as 2 ranks into out/ckpt (continuing what is there): rank:step of the fault injector, or the
-    forward rank 1 dies in, if given."""
+    """replica_train as 2 ranks into out/ckpt (continuing what is there), workers forked as run_forked_workers
+    forks them: rank:step of the fault injector, or the forward rank 1 dies in, if given."""
     out.mkdir(exist_ok=True)
-    script = out / "run.py"
-    script.write_text(REPLICA_RUN.format(repo=str(REPO), tests=str(REPO / "tests")))
-    return run_cli_ranks(
-        [str(out), layer, str(die_in_forward)], 2, env={FAULT_ENV: fault} if fault else None, script=script
+    return run_forked_workers(
+        replica_main,
+        [str(out), layer, str(die_in_forward)],
+        2,
+        out,
+        env={FAULT_ENV: fault} if fault else None,
     )
 
 
