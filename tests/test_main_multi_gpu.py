@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import main_multi_gpu
 from conftest import TINY, assert_ok, event_files, read_scalars, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,56 +111,23 @@ def test_resume_continues_from_a_checkpoint(ddp_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_single_device_and_dp_fallback_train(tmp_path):
-    single = run_cli(
-        [
-            "--multi-gpu",
-            "none",
-            "--mode",
-            "flatten",
-            "--epochs",
-            "2",
-            *TINY,
-            "--save-dir",
-            str(tmp_path / "single"),
-        ]
-    )
+def test_single_device_and_dp_fallback_train_alike_and_another_seed_does_not(tmp_path):
+    """Same seed (the default, 0), same data, same device: the dp fallback trains exactly what single-device mode
+    trains, in a process of its own (so the same seed gives identical weights run after run); seed 1 does not."""
+    flags = ["--mode", "flatten", "--epochs", "2", *TINY]
+    single = run_cli(["--multi-gpu", "none", *flags, "--save-dir", str(tmp_path / "single")])
     assert_ok(single)
     assert "mode none: one device, cpu" in single.stdout
-    dp = run_cli(
-        ["--multi-gpu", "dp", "--mode", "flatten", "--epochs", "2", *TINY, "--save-dir", str(tmp_path / "dp")]
-    )
+    dp = run_cli(["--multi-gpu", "dp", *flags, "--save-dir", str(tmp_path / "dp")])
     assert_ok(dp)
     assert "--multi-gpu dp needs 2 or more GPUs, found 0: training on the single device cpu" in dp.stdout
-    # Same seed, same data, same device: the fallback trains exactly what single-device mode trains.
-    weights = [
-        torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in ("single", "dp")
-    ]
-    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
-
-
-@pytest.mark.slow
-def test_same_seed_gives_identical_weights_and_another_seed_does_not(tmp_path):
-    runs = {"a": "0", "b": "0", "c": "1"}
-    for name, seed in runs.items():
-        assert_ok(
-            run_cli(
-                [
-                    "--mode",
-                    "flatten",
-                    "--epochs",
-                    "1",
-                    *TINY,
-                    "--seed",
-                    seed,
-                    "--save-dir",
-                    str(tmp_path / name),
-                ]
-            )
-        )
-    weights = {name: torch.load(tmp_path / name / "last.pt", weights_only=True)["model"] for name in runs}
-    assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
-    assert not all(torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
+    assert_ok(run_cli([*flags, "--seed", "1", "--save-dir", str(tmp_path / "seed-1")]))
+    weights = {
+        name: torch.load(tmp_path / name / "last.pt", weights_only=True)["model"]
+        for name in ("single", "dp", "seed-1")
+    }
+    assert all(torch.equal(weights["single"][key], weights["dp"][key]) for key in weights["single"])
+    assert not all(torch.equal(weights["single"][key], weights["seed-1"][key]) for key in weights["single"])
 
 
 @pytest.mark.slow
@@ -203,13 +171,24 @@ BAD_INPUT = {
 }
 
 
+IN_A_PROCESS = "ddp without torchrun"  # its hint quotes the script's own command line
+
+
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
+    """One case as a process of its own, the others through the same entry point in this process (a Python
+    start each saved): the exit status is what main() returns."""
     args, expected = BAD_INPUT[case]
-    result = run_cli([*args, "--save-dir", str(tmp_path / "ckpt")])
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    argv = [*args, "--save-dir", str(tmp_path / "ckpt")]
+    if case == IN_A_PROCESS:
+        result = run_cli(argv)
+        code, stderr = result.returncode, result.stderr
+    else:
+        monkeypatch.chdir(tmp_path)  # default folders stay in the test's directory
+        code, stderr = main_multi_gpu.main(argv), capsys.readouterr().err
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
     assert expected in lines[0]
     assert not (tmp_path / "ckpt" / "last.pt").exists()
 
