@@ -575,6 +575,14 @@ def _received_fd(passed: Any) -> int:
     return passed.detach()
 
 
+def threads_as_the_environment_says() -> None:
+    """torch's threads as OMP_NUM_THREADS says, as a fresh process reads it: the server imported torch under its
+    own environment, so a forked rank ran 2 threads, not the 1 its variable asks for, and two ranks' spinning
+    threads on 2 busy cores made their steps 4-10 times slower."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _rank_entry(
     rank: int,
     fn: Callable,
@@ -595,6 +603,7 @@ def _rank_entry(
         os.dup2(received, fd)
         os.close(received)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    threads_as_the_environment_says()
     skip_the_collection_at_exit()  # as the trainer's commands do: a second less per rank at exit
     try:
         if world_size > 1 and join_group:
@@ -692,60 +701,83 @@ def run_ranks(
 def run_forked_workers(
     main: Callable[[list[str]], int],
     argv: Sequence[str],
-    nproc: int,
+    nproc: int | None,
     tmp_path: Path,
     env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    script: Path = REPO / "main_multi_gpu.py",
+    timeout: float = RUN_TIMEOUT,
 ) -> list[subprocess.CompletedProcess]:
     """A script's `main(argv)` (its exit status) as `nproc` workers with the environment torchrun gives them, as
-    run_cli_ranks runs the script, but forked from run_ranks' preloaded server: no Python start of its own each.
-    A worker ends as a process does: its at-exit handlers run, then it exits with main's status. Returns each
-    worker's exit status (-N: killed by signal N), output and errors, in rank order. `main` must be a
-    module-level function."""
+    run_cli_ranks runs the script (`nproc` None: one process without them, as `python SCRIPT ARGV` runs), but
+    forked from run_ranks' preloaded server: no Python start of its own each. A worker ends as a process does
+    (its threads joined, its at-exit handlers run, then main's status). Returns each worker's exit status (-N:
+    killed by signal N), output and errors, in rank order. `main` must be a module-level function."""
     context = preloaded_context()
     tmp_path.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="workers-", dir=tmp_path))
-    outputs = [(folder / f"rank{rank}.out", folder / f"rank{rank}.err") for rank in range(nproc)]
-    parent = {"environ": cli_env(env), "port": str(free_port()), "path": list(sys.path)}
+    ranks = range(nproc or 1)
+    outputs = [(folder / f"rank{rank}.out", folder / f"rank{rank}.err") for rank in ranks]
+    command = [str(script), *argv]
+    parent = {"environ": cli_env(env), "port": str(free_port()), "path": list(sys.path), "cwd": str(cwd)}
     workers = [
-        context.Process(target=_worker_entry, args=(main, list(argv), rank, nproc, outputs[rank], parent))
-        for rank in range(nproc)
+        context.Process(target=_worker_entry, args=(main, command, rank, nproc, outputs[rank], parent))
+        for rank in ranks
     ]
     for worker in workers:
         worker.start()
-    deadline = time.monotonic() + RUN_TIMEOUT
+    deadline = time.monotonic() + timeout
     try:
         for worker in workers:
             worker.join(max(0.0, deadline - time.monotonic()))
-        assert not any(worker.is_alive() for worker in workers), (
-            f"workers still running after {RUN_TIMEOUT} s"
-        )
+        if any(worker.is_alive() for worker in workers):
+            raise subprocess.TimeoutExpired(command, timeout)
     finally:
         for worker in workers:
             if worker.is_alive():
                 worker.kill()
                 worker.join()
     return [
-        subprocess.CompletedProcess(argv, worker.exitcode, out.read_text(), err.read_text())
+        subprocess.CompletedProcess(command, worker.exitcode, _text(out), _text(err))
         for worker, (out, err) in zip(workers, outputs)
     ]
 
 
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""  # a worker that died before it opened its output
+
+
+def run_cli_forked(
+    args: Sequence[str], env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float = RUN_TIMEOUT
+) -> subprocess.CompletedProcess:
+    """run_cli's `python main_multi_gpu.py ARGS`, forked from the preloaded server (run_forked_workers): for the
+    tests of what the command does, not of how a Python process starts or ends."""
+    import main_multi_gpu
+
+    with tempfile.TemporaryDirectory(prefix="cli-") as folder:
+        return run_forked_workers(main_multi_gpu.main, args, None, Path(folder), env, cwd, timeout=timeout)[0]
+
+
 def _worker_entry(
     main: Callable[[list[str]], int],
-    argv: list[str],
+    command: list[str],
     rank: int,
-    nproc: int,
+    nproc: int | None,
     output: tuple[Path, Path],
     parent: dict[str, Any],
 ) -> None:
     import atexit
+    import threading
 
     atexit._clear()  # the server's own handlers are not this worker's
     os.environ.clear()
     os.environ.update(parent["environ"])
-    os.environ.update(torchruns_variables(rank, nproc, parent["port"]))
-    os.chdir(REPO)
+    if nproc is not None:
+        os.environ.update(torchruns_variables(rank, nproc, parent["port"]))
+    threads_as_the_environment_says()
+    os.chdir(parent["cwd"])
     sys.path[:] = parent["path"]
+    sys.argv = command
     for fd, path in zip((1, 2), output):
         with open(path, "w") as file:
             os.dup2(file.fileno(), fd)
@@ -753,11 +785,12 @@ def _worker_entry(
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     status = 1
     try:
-        status = main(argv)
+        status = main(sys.argv[1:])
     except BaseException:
         traceback.print_exc()
     finally:
-        atexit._run_exitfuncs()  # as the interpreter does at exit
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter does at exit: threads first,
+        atexit._run_exitfuncs()  # then the at-exit handlers
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
