@@ -42,7 +42,6 @@ class Ledger:
     uncommitted_steps: int = 0  # steps no group applied (an all-reduce a lost peer broke)
     uncommitted_samples: int = 0
     rejoins: int = 0  # lost groups that came back (each healed from a live peer)
-    said: list[str] = field(default_factory=list)  # what the run said of it, for the summary
 
     def observe(self, live: list[int], step: int, group_samples: int) -> list[str]:
         """The quorum of `step`: who is lost since when, who is back; the lines that say so. `group_samples`: one
@@ -88,12 +87,10 @@ class Ledger:
 
     def _absence(self, group: int, step: int, until: str) -> str:
         since = self.missing_since.pop(group)
-        line = (
+        return (
             f"replica group {group} lost at step {since}: its 1/{self.groups} of the data skipped until {until} "
             f"({step - since} steps)"
         )
-        self.said.append(line)
-        return line
 
 
 class Replicas:
