@@ -368,13 +368,16 @@ def train_on_worker(job: dict[str, Any]) -> None:
     from multigpu.launch.runner import train_from_argv
 
     rank = dist.get_rank()
-    if not os.path.isdir(job["cwd"]):
-        print(
-            f"error: rank {rank}: the driver's folder {job['cwd']} is not on this node: run the driver from a "
-            f"folder every node has",
-            file=sys.stderr,
-            flush=True,
-        )
+    missing: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, not os.path.isdir(job["cwd"]))  # every rank stops, or none
+    if any(missing):
+        if missing[rank]:
+            print(
+                f"error: rank {rank}: the driver's folder {job['cwd']} is not on this node: run the driver from "
+                f"a folder every node has",
+                file=sys.stderr,
+                flush=True,
+            )
         _record(job["run_dir"], rank, UsageError.exit_code)
         return
     os.chdir(job["cwd"])  # relative paths (--save-dir, --data-dir) mean what they meant to the driver

@@ -11,8 +11,9 @@ from conftest import PYTHON, cli_env
 PROBE = """
 import sys
 from multigpu.launch import launch_rules
-codes = [launch_rules.main(["check"]), launch_rules.main(["plan"]), launch_rules.main(["slurm", "--save-dir", "shared"]),
-         launch_rules.main(["k8s", "--save-dir", "shared"]), launch_rules.main(["ray", "--gpus", "0"])]
+steps = [["check"], ["plan"], ["slurm", "--save-dir", "shared"], ["k8s", "--save-dir", "shared"]]
+steps.append(["ray", "--gpus", "0"])
+codes = [launch_rules.main(step) for step in steps]
 print(codes, "torch" in sys.modules, file=sys.stderr)
 """
 
