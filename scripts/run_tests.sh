@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
 # --float8's emulation ([float8]), the guide's site ([docs]), the side-by-side with transformers' Trainer
-# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]) and --fault-tolerance ([ft]).
-bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft
+# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]), --fault-tolerance ([ft]), --ray-workers
+# ([ray]) and the TrainJob of --k8s read through Kubeflow Trainer's API model ([k8s]).
+bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft,ray,k8s
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec .venv/bin/python -m pytest -q -m "not slow" --durations=10 "$@"

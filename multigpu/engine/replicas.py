@@ -24,6 +24,7 @@ from typing import Any
 from multigpu.engine import state
 from multigpu.errors import TrainingStopped
 from multigpu.loop.step import TrainStep
+from multigpu.parallel.wrapping import as_ddp
 
 # Where the trainer's state travels among torchft's state callbacks.
 STATE_KEY = "multigpu"
@@ -238,7 +239,7 @@ class ReplicatedStep(TrainStep):
         self.__dict__.update(vars(step))  # the same step, as the trainer built it
         groups = replicas.groups
         self.wrapped = groups.wrap(self.model)
-        self.no_sync = self.wrapped.no_sync
+        self.no_sync = as_ddp(self.wrapped).no_sync  # torchft's DDP is torch's, averaging over the quorum
         self.optimizer = groups.gated(self.optimizer)
         self.replicas = replicas
 

@@ -33,6 +33,7 @@ from multigpu.checkpoints import run_folders  # noqa: E402
 from multigpu.config import DEFAULT_SAVE_ROOT, flag, parse_config  # noqa: E402
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.launch.answers import (  # noqa: E402
+    SLURM,
     TORCHRUN,
     TRAINER,
     Devices,
@@ -40,6 +41,7 @@ from multigpu.launch.answers import (  # noqa: E402
     Settings,
     check_save_dir,
     cores_here,
+    engine_of,
     given_trainer_options,
     omp_threads,
     plural,
@@ -253,6 +255,12 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
     if not s.fault_tolerance:
         named = "--replica-groups" if s.replica_groups is not None else "--lighthouse-port"
         raise UsageError(f"{named} is for --fault-tolerance; add --fault-tolerance (or drop {named})")
+    engine = engine_of(s)
+    if engine is not None and engine is not SLURM:  # Kubernetes and Ray restart lost workers themselves
+        raise UsageError(
+            f"--fault-tolerance with {engine.flag}: the replica groups run on this machine or as a SLURM job "
+            f"(--slurm); {engine.name} restarts lost workers itself, from the newest checkpoint: drop one of the two"
+        )
     groups = whole("replica_groups", s.replica_groups, 1) or DEFAULT_GROUPS
     whole("lighthouse_port", s.lighthouse_port, 1, 65535)
     owned = [name for name in FT_OWNED if name in given_trainer_options(s.trainer_args)]
@@ -404,8 +412,8 @@ def slurm(s: Settings) -> Any:
     script = os.path.join(config.save_dir, "launch_slurm.sbatch")
     yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
     yield "save-dir", config.save_dir
-    yield "script-file", script
-    yield "script", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
+    yield "job-file", script
+    yield "job-text", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
 
 
 def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[str], config: Any) -> str:

@@ -72,7 +72,7 @@ def lighthouse_address(config: TrainConfig) -> str:
 def _quorum_recorder(base: type) -> type:
     """torchft's process group `base`, also noting the live groups of each quorum it is configured for."""
 
-    class Recorded(base):  # type: ignore[misc, valid-type]
+    class Recorded(base):
         quorum_ranks: list[int] = []
 
         def configure(
@@ -222,14 +222,9 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
             f"--replica-groups N start it with the groups; or give its address with --ft-lighthouse or "
             f"{LIGHTHOUSE_ENV}"
         ) from None
-    replicas = ReplicaGroups(
-        manager,
-        process_group,
-        config.ft_replica_groups,
-        config.ft_replica_id,
-        1,
-        store,  # type: ignore[arg-type]
-    )
+    # Both given with --fault-tolerance: TrainConfig refuses it without them.
+    assert config.ft_replica_groups is not None and config.ft_replica_id is not None
+    replicas = ReplicaGroups(manager, process_group, config.ft_replica_groups, config.ft_replica_id, 1, store)
     atexit.register(replicas.close)
     runtime.join_replica_groups(replicas.groups, replicas.replica_id, replicas)
     return replicas
