@@ -203,7 +203,7 @@ def worker_lines(output: str) -> dict[str, list[str]]:
         (["--ray-workers", "0"], "--ray-workers must be at least 1, got 0"),
         (["--ray-workers", "two"], "--ray-workers must be a whole number, got 'two'"),
         (["--ray-address", "head:6379"], "--ray-address is for a run on Ray: add --ray-workers N"),
-        (["--ray-workers", "2", "--ray-gpus-per-worker", "2"], "--ray-gpus-per-worker must be 0 or 1, got 2"),
+        (["--ray-workers", "2", "--ray-gpus-per-worker", "2"], "--ray-gpus-per-worker must be at most 1, got 2"),
         (["--ray-workers", "2", "--ray-max-failures", "-1"], "--ray-max-failures must be at least 0, got -1"),
         (
             ["--ray-workers", "2", "--ray-address", "head"],
