@@ -314,7 +314,7 @@ class CsvOutput:
                 cells.append(int(labels[row]))
             cells += [int(predicted[row]), f"{float(probabilities[row, predicted[row]]):.6g}"]
             for k in range(self.topk):
-                cells += [int(top.indices[row, k]), f"{float(top.values[row, k]):.6g}"]  # type: ignore[union-attr]
+                cells += [int(top.indices[row, k]), f"{float(top.values[row, k]):.6g}"]  # type: ignore[union-attr]  # topk > 0
             self.writer.writerow(cells)
         self.count += len(logits)
 
@@ -326,7 +326,9 @@ class TensorOutput:
     """Rank 0's outputs in memory, saved as one tensor in dataset order (when all went well)."""
 
     def __init__(self, path: str):
-        self.path, self.chunks, self.count = path, [], 0
+        self.path = path
+        self.chunks: list[torch.Tensor] = []  # the outputs, in dataset order
+        self.count = 0
 
     def __enter__(self) -> TensorOutput:
         return self
@@ -337,7 +339,7 @@ class TensorOutput:
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
         if kind is None:
-            checkpoint.atomic_save(torch.cat(self.chunks), self.path)  # type: ignore[arg-type]
+            checkpoint.atomic_save(torch.cat(self.chunks), self.path)  # type: ignore[arg-type]  # any torch.save object
 
 
 class Counter(TensorOutput):
@@ -389,7 +391,8 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
         raise UsageError(f"--topk {args.topk} is more than the model's {data.num_classes} classes")
     model = load_model(config, data, state, args.checkpoint, runtime)
     amp = Amp(resolve_dtype(config.amp, runtime.device, say), runtime.device.type)
-    batch = config.eval_batch_size * max(1, len(runtime.dp_device_ids))  # type: ignore[operator]
+    assert config.eval_batch_size is not None  # --batch-size, else the checkpoint's (prediction_config)
+    batch = config.eval_batch_size * max(1, len(runtime.dp_device_ids))
     say(
         f"{runtime.describe()}; checkpoint {args.checkpoint} (epoch {state['epoch']}), model {config.model_name}, "
         f"{len(data.data)} samples, batch {config.eval_batch_size} per device, amp {amp.name}"
@@ -405,7 +408,9 @@ def _predict(args: argparse.Namespace, config: TrainConfig, state: dict[str, Any
         evaluator = Evaluator(
             runtime, amp, fitted_forward(model), nn.CrossEntropyLoss(), num_workers=config.num_workers
         )
-        say(metrics_line(evaluator.run(model, data.data, batch), args, state))
+        result = evaluator.run(model, data.data, batch)
+        assert result is not None  # None only where a stop request ends it, and none is given
+        say(metrics_line(result, args, state))
 
 
 def metrics_line(result: dict[str, float], args: argparse.Namespace, state: dict[str, Any]) -> str:

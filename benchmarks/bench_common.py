@@ -1,4 +1,5 @@
-"""What the benchmarks share: their common flags, the machine they ran on, and writing their tables (Markdown and CSV)."""
+"""What the benchmarks share: their common flags, the machine they ran on, and writing their tables (Markdown and
+CSV)."""
 
 from __future__ import annotations
 

@@ -1030,7 +1030,8 @@ def row_fsdp(ctx: Context) -> Verdict:
             ),
             (
                 held["fsdp"] > held["ddp"] / nproc * 1.1 + largest_block,
-                f"fsdp holds {held['fsdp'] / 1e6:.1f} MB per rank, not about 1/{nproc} of ddp's {held['ddp'] / 1e6:.1f} MB",
+                f"fsdp holds {held['fsdp'] / 1e6:.1f} MB per rank, "
+                f"not about 1/{nproc} of ddp's {held['ddp'] / 1e6:.1f} MB",
             ),
         ]
         if failed

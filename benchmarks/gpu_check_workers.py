@@ -84,7 +84,8 @@ class RepeatedImages(Dataset):
 
 
 def small_net(channels: int, classes: int, batchnorm: bool = False) -> nn.Module:
-    """A small conv net, the same initial weights in every process; with `batchnorm`, one BatchNorm2d and one BatchNorm1d."""
+    """A small conv net, the same initial weights in every process; with `batchnorm`, one BatchNorm2d and one
+    BatchNorm1d."""
     torch.manual_seed(0)
     norm2d: list[nn.Module] = [nn.BatchNorm2d(16)] if batchnorm else []
     norm1d: list[nn.Module] = [nn.BatchNorm1d(32)] if batchnorm else []

@@ -9,7 +9,8 @@ under fsdp about 1/N of it. Beside it, the rank's peak resident memory (VmHWM, r
 which also holds torch itself, DDP's gradient buckets and fsdp's gathered blocks.
 
     python benchmarks/memory_scaling.py                 # 50M parameters, N = 1, 2, 3 (CPU, gloo)
-    python benchmarks/memory_scaling.py --small         # a tiny model: what CI runs (tests/benchmarks/test_memory_scaling.py)
+    python benchmarks/memory_scaling.py --small         # a tiny model: what CI runs
+                                                        # (tests/benchmarks/test_memory_scaling.py)
     python benchmarks/memory_scaling.py --device cuda --processes 1,2   # GPUs, NCCL (gpu_check.sh's fsdp row)
     python benchmarks/memory_scaling.py --mesh          # ddp and the meshes 1x4, 2x2, 4x1 at 4 processes
 

@@ -58,7 +58,7 @@ class Flattened(Dataset):
         self.fixed_samples = getattr(dataset, "fixed_samples", False)  # flattening changes nothing of that
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
 
     def __getitem__(self, index: int):
         image, target = self.dataset[index]
@@ -71,8 +71,11 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
     `download_allowed` is False on every rank but 0, so one process downloads.
     """
     name = config.dataset
+    train: Dataset  # each branch's own kind of set
+    val: Dataset | None
     if name == "text":  # windows of character ids: nothing to flatten
-        train, val, vocabulary = text_datasets(config.data_file, config.block_size)  # type: ignore[arg-type]
+        assert config.data_file is not None  # --dataset text without it is refused in TrainConfig
+        train, val, vocabulary = text_datasets(config.data_file, config.block_size)
         return DataSpec(train, val, (config.block_size,), vocabulary)
     if (
         name == "hf" and config.text_column is not None
@@ -101,9 +104,10 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
 
         shape, classes = config.image_dims(), config.num_classes
         to_tensor = torchvision.transforms.ToTensor()
-        train = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
+        fake = torchvision.datasets.FakeData(config.train_size, shape, classes, to_tensor, random_offset=0)
+        fake.fixed_samples = True  # each image drawn from a generator seeded by its index (device_data.py)
+        train = fake
         val = torchvision.datasets.FakeData(config.val_size, shape, classes, to_tensor, random_offset=10**6)
-        train.fixed_samples = True  # each image drawn from a generator seeded by its index (device_data.py)
     elif name == "imagefolder":
         train, val, shape, classes = _image_folder(config)
     else:
@@ -118,7 +122,7 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
 def one_class_warning(config: TrainConfig, train: Dataset) -> str:
     """The warning for a training set of one class: every label is the same, so there is nothing to learn."""
     if config.dataset == "imagefolder":
-        which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore
+        which, fix = f"one class folder ({train.classes[0]})", "add a sub-folder of train/ per class"  # type: ignore[attr-defined]  # an ImageFolder
     else:
         which, fix = "one class (--num-classes 1)", "use --num-classes 2 or more"
     return (

@@ -55,7 +55,7 @@ class RandomCropFlip(Dataset):
         )  # the fill where the batches are, made once: no host-to-device copy per batch
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
         image, *rest = self.dataset[index]

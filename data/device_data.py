@@ -48,7 +48,10 @@ class DeviceData:
         collate_fn: Callable | None,
         stream: bool,
     ):
-        self.on, self.columns, self.augment, self.bare = False, [], None, False
+        self.on = False
+        self.columns: list[torch.Tensor] = []  # one tensor per field of the samples, on the device
+        self.augment: Callable | None = None
+        self.bare = False
         self.measured = False  # auto: the first steps measure it against the loader, and the faster way stays
         if config.data_on_device == "off":
             self.line = "data: read by the loader (--data-on-device off)"
@@ -77,7 +80,7 @@ class DeviceData:
             else "no loader"
         )
         self.line = (
-            f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]
+            f"data: the training set on the device ({len(dataset):,} samples, "  # type: ignore[arg-type]  # map-style
             f"{_megabytes(_set_bytes(dataset))}, {source}{ranks}), batches gathered there{augmented}; "
             f"{loader}"
         )
@@ -89,7 +92,7 @@ class DeviceData:
             self.line = f"data: read by the loader: {str(error).split(': ', 1)[1].split('; give')[0]}"
             return
         self.on, self.measured = True, config.data_on_device == AUTO
-        self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]
+        self.augment = dataset.augment if _inner(dataset) is not dataset else None  # type: ignore[attr-defined]  # a wrapper's
         self.device = device
 
     def batches(self, sampler: Any, batch_size: int, seed: int) -> DeviceBatches:
@@ -132,11 +135,12 @@ def _why_not(
         and isinstance(config.batch_size, int)
     ):
         planned = config.max_steps * config.batch_size * config.grad_accum_steps  # this rank's, at most
-        if planned * world_size < len(dataset):  # type: ignore[arg-type]
+        size = len(dataset)  # type: ignore[arg-type]  # a map-style set (not a stream): it has __len__
+        if planned * world_size < size:
             return (
                 f"--max-steps {config.max_steps} reads {planned:,} samples per rank, fewer than the set's "
-                f"{len(dataset):,}, which would all be read once first"
-            )  # type: ignore[arg-type]
+                f"{size:,}, which would all be read once first"
+            )
     return None
 
 
@@ -159,12 +163,10 @@ def _set_bytes(dataset: Dataset) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in inner.tensors)
     fields = inner[0]
     fields = fields if isinstance(fields, (tuple, list)) else (fields,)
-    return len(inner) * sum(
-        field.numel() * field.element_size()
-        if isinstance(field, torch.Tensor)  # type: ignore
-        else 8
-        for field in fields
+    per_sample = sum(
+        field.numel() * field.element_size() if isinstance(field, torch.Tensor) else 8 for field in fields
     )
+    return len(inner) * per_sample  # type: ignore[arg-type]  # a map-style set (not a stream): it has __len__
 
 
 def _new_bytes(dataset: Dataset, device: torch.device) -> int:
@@ -188,7 +190,9 @@ def _megabytes(count: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the set on the device
-def columns(dataset: Dataset, device: torch.device, num_workers: int) -> tuple[list[torch.Tensor], bool]:
+def columns(
+    dataset: Dataset, device: torch.device, num_workers: int | None
+) -> tuple[list[torch.Tensor], bool]:
     """The training set as one tensor per field of its samples, on `device` (row i of each is sample i's), and
     whether a sample is one bare tensor rather than a tuple of fields (its batches are then one tensor too)."""
     inner = _inner(dataset)
@@ -197,13 +201,15 @@ def columns(dataset: Dataset, device: torch.device, num_workers: int) -> tuple[l
     return _read_once(inner, device, num_workers)
 
 
-def _read_once(dataset: Dataset, device: torch.device, num_workers: int) -> tuple[list[torch.Tensor], bool]:
+def _read_once(
+    dataset: Dataset, device: torch.device, num_workers: int | None
+) -> tuple[list[torch.Tensor], bool]:
     """Every sample read once, in order, through a loader (its workers, its collate: the dtypes the training
     loader's batches have), into preallocated tensors on `device`; UsageError where a field is not a tensor or
     number, or changes shape."""
     from multigpu.data import build_loader
 
-    size = len(dataset)  # type: ignore[arg-type]
+    size = len(dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
     loader = build_loader(dataset, device, num_workers, batch_size=READ_BATCH, persistent_workers=False)
     stored: list[torch.Tensor] = []
     start, bare = 0, False
@@ -262,7 +268,7 @@ class DeviceBatches:
             if self.augment is not None:
                 # Seeded by where the batch is in the epoch: a rerun and a resume draw the same crops and flips.
                 place = consumed + first * sampler.world_size
-                self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]
+                self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]  # set with augment
                 batch[0] = self.augment(batch[0], self.generator)
             yield batch[0] if self.bare else batch
 

@@ -28,10 +28,11 @@ class BatchSizes:
 
 def batch_sizes(config: TrainConfig, runtime: Runtime) -> BatchSizes:
     per_step = max(1, len(runtime.dp_device_ids))
+    assert isinstance(config.batch_size, int), "--batch-size auto is resolved before"
     return BatchSizes(
         config.batch_size * per_step,
         (config.eval_batch_size or config.batch_size) * per_step,
-        effective_batch(config, runtime.devices_per_step),
+        effective_batch(config, runtime.devices_per_step * runtime.replica_groups),
     )
 
 
@@ -95,6 +96,20 @@ class _Batches:
         return next(self.iterator)
 
 
+def why_ranks_cannot_join(config: TrainConfig, runtime: Runtime) -> str | None:
+    """Why the ranks that run out of a stream cannot join the others' steps (data/streaming.py, "Uneven ends");
+    None where they can: DDP, whose gradient all-reduce the step can take over (multigpu/loop/join.py)."""
+    if runtime.world_size == 1:
+        return ""
+    if runtime.mode == "fsdp":
+        return "fsdp: a rank without a batch cannot take part in the others' sharded forward and backward"
+    if runtime.mode != "ddp":
+        return f"--multi-gpu {runtime.mode}"
+    if config.sync_bn and runtime.device.type == "cuda":  # what multigpu/parallel/wrapping.py converts
+        return "--sync-bn: each forward gathers the batch statistics of every rank"
+    return None
+
+
 def training_data(
     dataset: Any,
     config: TrainConfig,
@@ -118,11 +133,13 @@ def training_data(
             collate_fn,
             build_loader,
             config.max_steps,
+            why_ranks_cannot_join(config, runtime),
         )
         return TrainingData(
             stream, stream, stream.loader, stream.steps_per_epoch or 0, loader_batch, accumulate
         )
-    sampler = ResumableDistributedSampler(len(dataset), runtime.rank, runtime.world_size, config.seed)
+    # Each process's share of every step; with --fault-tolerance each replica group's processes read their own.
+    sampler = ResumableDistributedSampler(len(dataset), runtime.data_rank, runtime.data_ranks, config.seed)
     ways = {}
     if on_device.on:
         ways[True] = on_device.batches(sampler, loader_batch, config.seed)
@@ -131,7 +148,7 @@ def training_data(
             dataset,
             runtime.device,
             config.num_workers,
-            config.seed + runtime.rank,
+            config.seed + runtime.data_rank,
             sampler=sampler,
             batch_size=loader_batch,
             collate_fn=collate_fn,

@@ -205,7 +205,7 @@ def idx_problem(path: str) -> str | None:
 
 
 def _file_states(
-    dataset_class: type, root: str
+    dataset_class: type[Any], root: str
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[str], list[str]]:
     """(unreadable files with why, corrupt files with why, missing files, compressed files not yet extracted)
     of a torchvision set."""

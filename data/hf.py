@@ -27,7 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -128,6 +128,10 @@ def count_rows(kind: str, files: list[str]) -> int | None:
     return rows
 
 
+# A row (a dict of columns) made the trainer's sample: HFSamples below, or data/hf_text.py's TokenSamples.
+SampleOf = Callable[[dict[str, Any]], dict[str, Any]]
+
+
 class HFSamples:
     """Turns one HF example (a dict of columns) into the trainer's sample: {"x": input, "y": class}, plus the
     `keep` columns as they are (an id a model records, say)."""
@@ -170,7 +174,7 @@ class Files:
     def __init__(self, flag: str, kind: str, paths: list[str], rows: Any | None = None):
         self.flag, self.kind, self.paths, self.rows = flag, kind, paths, rows
 
-    def bad_row(self, samples: HFSamples | None, error: BaseException) -> str:
+    def bad_row(self, samples: SampleOf | None, error: BaseException) -> str:
         """One line for `error`, met reading these files: the first row of them that cannot be read or made a
         sample, by file and row (1 = the first data row; a JSON Lines file's row is its line), and how to go on.
         Found by reading the files again, one at a time: only on this error's path."""
@@ -179,7 +183,7 @@ class Files:
             f"{self.flag}: {where}; fix or remove it (--resume auto then continues from the last checkpoint)"
         )
 
-    def _first_bad_row(self, samples: HFSamples | None) -> str | None:
+    def _first_bad_row(self, samples: SampleOf | None) -> str | None:
         datasets, samples = import_datasets(), self.rows or samples
         for path in self.paths:
             broken = _broken_json(path) if self.kind == "json" else None
@@ -226,7 +230,7 @@ def last_line(error: BaseException) -> str:
 class HFTable(Dataset):
     """A map-style HF Dataset as the trainer's samples (the sampler splits it over ranks)."""
 
-    def __init__(self, table: Any, samples: HFSamples, files: Files):
+    def __init__(self, table: Any, samples: SampleOf, files: Files):
         self.table, self.samples, self.files = table, samples, files
 
     def __len__(self) -> int:
@@ -241,12 +245,18 @@ class HFTable(Dataset):
 
 class HFStream(IterableDataset):
     """A streaming HF IterableDataset as the trainer's samples: this rank's part (split_dataset_by_node, by the
-    RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself."""
+    RANK and WORLD_SIZE torchrun sets, which DataLoader workers inherit), split over the workers by HF itself.
+    Where the ranks that run out cannot join the others' steps (`ranks_join`, which the trainer sets: fsdp), and
+    the files are not all of one length, every rank keeps one example in world-size of its workers' files instead
+    of whole files: whole files of unequal length would leave the longer ranks' tails untrained."""
 
     shards_itself = True  # data/streaming.py takes what each (rank, worker) yields
 
-    def __init__(self, stream: Any, samples: HFSamples, length: int | None, files: Files):
-        self.stream, self.samples, self.length, self.files = stream, samples, length, files
+    def __init__(self, stream: Any, samples: SampleOf, rows: list[int | None], files: Files):
+        self.stream, self.samples, self.files = stream, samples, files
+        self.length = None if None in rows else sum(rows)  # type: ignore[arg-type]
+        self.equal_files = None not in rows and len(set(rows)) == 1
+        self.ranks_join = True  # set by the trainer (data/stream_split.py) before it reads the stream
 
     def __len__(self) -> int:
         if self.length is None:
@@ -257,7 +267,15 @@ class HFStream(IterableDataset):
         from datasets.distributed import split_dataset_by_node
 
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        by_example = world_size > 1 and not self.ranks_join and not self.equal_files
         try:
+            if (
+                by_example
+            ):  # every worker's files are read by each rank: ranks keep every world-size-th example
+                for index, example in enumerate(self.stream):
+                    if index % world_size == rank:
+                        yield self.samples(example)
+                return
             for example in split_dataset_by_node(self.stream, rank=rank, world_size=world_size):
                 yield self.samples(example)
         except Exception as error:  # in a loader worker too: UnreadableFile reaches the rank as its one line
@@ -282,7 +300,7 @@ def hf_datasets(
 
     def wrap(table: Any, of: Files) -> Dataset:  # each flag's files counted in their own format
         if config.streaming:
-            return HFStream(table, samples, count_rows(of.kind, of.paths), of)
+            return HFStream(table, samples, [count_rows(of.kind, [path]) for path in of.paths], of)
         return HFTable(table, samples, of)
 
     val = None
@@ -351,7 +369,7 @@ def check_label(config: TrainConfig, example: dict[str, Any]) -> None:
 
 def class_count(config: TrainConfig, table: Any) -> int:
     """The classes of --label-column: the names of its ClassLabel feature, else --num-classes."""
-    label_feature = (table.features or {}).get(config.label_column)
+    label_feature: Any = (table.features or {}).get(config.label_column)
     return len(label_feature.names) if hasattr(label_feature, "names") else config.num_classes
 
 

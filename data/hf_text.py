@@ -66,6 +66,7 @@ def hf_text_datasets(
     packed = not config.text_classification and not config.pad_to_batch
     collate_fn = None if packed else PadBatch(padding_id(config, tokenizer))
     tokenize = Tokenize(tokenizer, config, packed)
+    assert config.data_files is not None  # --dataset hf without it is refused in TrainConfig
     train, table = _token_samples(datasets, "--data-files", config.data_files, config, tokenize)
     val = (
         _token_samples(datasets, "--val-files", config.val_files, config, tokenize)[0]
@@ -83,6 +84,7 @@ def model_config(config: TrainConfig) -> Any:
     flag, path = (
         ("--model-path", config.model_path) if config.model_path else ("--model-config", config.model_config)
     )
+    assert path is not None  # --model hf without either is refused in TrainConfig
     if not os.path.exists(path):
         raise UsageError(
             f"{flag} {path}: no such file or folder; give a folder that a transformers model's "
@@ -171,9 +173,8 @@ def _token_samples(
         raise UsageError(files.bad_row(None, error)) from None
     samples = TokenSamples(tokenize.packed)
     if config.streaming:  # a padded text is one sample; packed windows are not counted before they are read
-        return HFStream(
-            tokens, samples, None if tokenize.packed else count_rows(files.kind, files.paths), files
-        ), table
+        rows = [None if tokenize.packed else count_rows(files.kind, [path]) for path in files.paths]
+        return HFStream(tokens, samples, rows, files), table
     if len(tokens) == 0:
         raise UsageError(
             f"{flag}: {', '.join(files.paths)} hold fewer tokens than one window of --block-size "
@@ -215,6 +216,7 @@ class TextRows:
     --label-column); a ValueError saying what it holds instead (Files.bad_row names the row)."""
 
     def __init__(self, config: TrainConfig):
+        assert config.text_column is not None  # data/hf_text.py serves --text-column only
         self.column = config.text_column
         self.label_column = config.label_column if config.text_classification else None
 
@@ -234,6 +236,7 @@ class Tokenize:
     a padded one keeps at most --block-size tokens, a classifier's keeps its class as "labels"."""
 
     def __init__(self, tokenizer: Any, config: TrainConfig, packed: bool):
+        assert config.text_column is not None  # data/hf_text.py serves --text-column only
         self.tokenizer, self.column, self.packed = tokenizer, config.text_column, packed
         self.max_length = None if packed else config.block_size
         self.end = (

@@ -46,7 +46,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self, dataset_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True
     ):
         super().__init__(
-            range(dataset_size),
+            range(dataset_size),  # type: ignore[arg-type]  # it reads only the length of what it is given
             num_replicas=world_size,
             rank=rank,
             shuffle=shuffle,

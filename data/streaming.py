@@ -15,11 +15,17 @@ without one the steps are unknown until the pass ends), or `--steps-per-epoch`
 steps (`--max-steps` alone on a stream without `__len__`: one epoch of them),
 passes following one another: a pass that runs out mid-epoch is said once.
 
-Uneven ends. A step happens only if every rank has a full window of
-micro-batches: one all-reduce (MIN) of a 1-element flag per step, for streams
-only. When some rank runs out, all end the pass at the same step, and the
-samples the others still held are counted and reported. A pass that gives not
-even one step is refused in one line.
+Uneven ends. Before each step the ranks count, in one all-reduce of two
+numbers (streams only), those with a full window of micro-batches and those
+with any batch left. Every rank full: a step as any other. Under DDP the ranks
+that ran out then join the others' steps (`joins`): each step of the uneven end
+is taken by every rank, those with batches training them and those without
+adding zero gradients (multigpu/loop/join.py), until no rank holds a batch:
+every sample of the pass is trained once. Where ranks cannot join (fsdp: a rank
+without a batch cannot take part in the others' sharded forward), all end the
+pass at the first step some rank lacks a full window, and the samples the
+others still held are counted and reported. A pass that gives some rank no
+batch at all (no step, where ranks cannot join) is refused in one line.
 
 Resume. The checkpoint's "stream_state" holds the pass, the steps of the epoch,
 the samples each slot has handed to training and which worker gives each rank
@@ -33,6 +39,7 @@ worker count; any other skips each slot's count and needs the same layout.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Iterator
@@ -48,6 +55,35 @@ from multigpu.parallel.distributed import all_reduce_sum, gather_objects, is_dis
 Window = tuple[
     Iterator[Any], int, list[int], bool
 ]  # (micro-batches, samples, their sizes, last of the epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on before a step: how many train it (0 ends the pass), and whether every rank has a
+    full window (even: a step as any other)."""
+
+    ranks: int
+    even: bool
+
+    def __bool__(self) -> bool:
+        return self.ranks > 0
+
+
+class JoinedWindow:
+    """The micro-batches of a step at a stream's uneven end on this rank (none, where it ran out): `training` of
+    the `world_size` ranks hold batches. The step sums the gradients over every rank itself, those that ran out
+    adding zeros (multigpu/loop/join.py)."""
+
+    def __init__(self, batches: list[Any], training: int, world_size: int):
+        self._batches = iter(batches)
+        self.training = training
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
 
 
 def is_stream(dataset: Any) -> bool:
@@ -67,16 +103,17 @@ class StreamShard(IterableDataset):
     """What one rank reads of `dataset`: its (rank, worker) share, as (slot, sample) pairs, minus what a
     resumed run already trained on (`skip`: the saved stream state of this pass)."""
 
-    def __init__(self, dataset: Any, rank: int, world_size: int, tagged: bool = True):
-        self.dataset, self.split = find_split(dataset, rank, world_size)
+    def __init__(
+        self, dataset: Any, rank: int, world_size: int, tagged: bool = True, joins: bool | None = None
+    ):
+        self.dataset, self.split = find_split(dataset, rank, world_size, joins)
         self.rank, self.world_size, self.tagged = rank, world_size, tagged
         self.rotate = (
             0  # a resumed pass: the worker whose turn it was gives the first batch (the module docstring)
         )
-        self.pass_number, self.skip = (
-            0,
-            None,
-        )  # skip: a resumed pass's layers [{"slots": S, "counts": [...]}, ...]
+        self.pass_number = 0
+        # A resumed pass's layers [{"slots": S, "counts": [...]}, ...].
+        self.skip: list[dict[str, Any]] | None = None
 
     @property
     def pass_number(self) -> int:
@@ -177,11 +214,16 @@ class TrainStream:
         collate_fn: Callable | None,
         build_loader: Callable,
         max_steps: int = 0,
+        cannot_join: str | None = "",
     ):
+        """`cannot_join`: why ranks that run out cannot join the others' steps (fsdp, say); None where they can
+        ("": one rank, nothing to join)."""
         self.runtime, self.loader_batch, self.grad_accum = runtime, loader_batch, grad_accum
         self.length = length = stream_length(dataset)
         self.seed, self.dataset_size = seed, length if length is not None else -1
-        self.shard = StreamShard(dataset, runtime.rank, runtime.world_size)
+        self.joins = cannot_join is None and runtime.world_size > 1
+        self.cannot_join = cannot_join or ""
+        self.shard = StreamShard(dataset, runtime.rank, runtime.world_size, joins=self.joins)
         _agree_on(self.shard.split)
         self.loader: DataLoader = build_loader(
             self.shard,
@@ -206,9 +248,30 @@ class TrainStream:
         self.counts: dict[int, int] = {}  # samples each of this rank's slots handed to training, this pass
         self.next_worker = 0  # the worker whose batch this rank takes next: DataLoader takes them in turn
         self.steps_in_epoch = self.steps_in_pass = 0
+        self.uneven_in_pass = 0  # steps of this pass where some rank lacked a full window (the ranks joined)
         self.ranks_checked, self.warned, self.counted, self.said_wrap = False, False, False, False
-        self.first_batches: dict[int, str] = {}  # slot -> its first batch's digest, in the first whole pass
+        # slot -> its first batch's digest (None: no tensor in it), in the first whole pass
+        self.first_batches: dict[int, str | None] = {}
         self._batches: Iterator[Any] | None = None  # the pass's loader, kept across --steps-per-epoch epochs
+
+    def plan_line(self) -> str:
+        """The plan's line on the stream: who splits it over ranks and workers and how that was found, and what
+        happens at its uneven ends."""
+        split, world = self.shard.split, self.runtime.world_size
+        ranks = f"ranks {'by itself' if split.ranks else 'by the trainer'}, " if world > 1 else ""
+        workers = "by itself" if split.workers else "by the trainer"
+        if self.joins:
+            ends = "ranks that run out join the others' steps, every sample trained once a pass"
+        elif world > 1:
+            ends = (
+                f"the ranks end each pass together at the first that runs out, what the others hold counted as "
+                f"unused ({self.cannot_join})"
+            )
+        else:
+            ends = ""
+        return f"data: a stream, split over {ranks}workers {workers} ({split.found})" + (
+            f"; uneven ends: {ends}" if ends else ""
+        )
 
     # --- what the trainer reads of a sampler ---
     def start_at(self, epoch: int, consumed: int) -> None:
@@ -227,7 +290,8 @@ class TrainStream:
         mid-epoch is followed by the next, from the stream's start, and that is said once."""
         while self.steps_in_epoch < self.fixed_steps:
             window = self._next_window()
-            while not self._all_have(window):
+            training = self._ranks_training(window, self._at_start())
+            while not training:
                 ran_out = (self.shard.pass_number + 1, self.steps_in_pass) if self.steps_in_epoch else None
                 self._end_of_pass(window, report)
                 if ran_out and not self.said_wrap:
@@ -238,24 +302,25 @@ class TrainStream:
                         f"pass {ran_out[0] + 1}, from the stream's start (said once)"
                     )
                 window = self._next_window()
+                training = self._ranks_training(window, self._at_start())
             self.steps_in_epoch += 1
-            yield self._step(window, report, last=self.steps_in_epoch >= self.fixed_steps)
+            yield self._step(window, report, self.steps_in_epoch >= self.fixed_steps, training)
         self.steps_in_epoch = 0
 
     def _rest_of_pass(self, report: Callable[[str], None]) -> Iterator[Window]:
         """An epoch is the rest of the pass (the next pass, when the epoch starts where one ended)."""
         window = self._next_window()
-        agreed = self._all_have(window)
-        if not agreed and not self.steps_in_epoch:
+        training = self._ranks_training(window, self._at_start())
+        if not training and not self.steps_in_epoch:
             self._end_of_pass(window, report)
             window = self._next_window()
-            agreed = self._all_have(window)
-        while agreed:
+            training = self._ranks_training(window, self._at_start())
+        while training:
             following = self._next_window()
-            following_agreed = self._all_have(following)
+            following_training = self._ranks_training(following, False)
             self.steps_in_epoch += 1
-            yield self._step(window, report, last=not following_agreed)  # type: ignore[arg-type]
-            window, agreed = following, following_agreed
+            yield self._step(window, report, not following_training, training)
+            window, training = following, following_training
         self._end_of_pass(window, report)
         self.steps_in_epoch = 0
 
@@ -267,34 +332,59 @@ class TrainStream:
             window.append(item)
             if len(window) == self.grad_accum:
                 return window
-        return window or None  # a short window still counts toward the unused samples
+        self._batches = iter(())  # ran out: a rank that joins the others asks again, and gets nothing
+        return window or None  # a short window: trained by a joined step, or counted as unused
 
-    def _all_have(self, window: list | None) -> bool:
-        """Whether every rank has a full window: one MIN all-reduce of a 1-element flag (a host sync per step,
-        for streams only: the price of never hanging at an uneven end)."""
-        mine = window is not None and len(window) == self.grad_accum
-        if not is_distributed():
-            return mine
-        # Through the project's own all-reduce, so the hang watchdog and --debug-collectives see it too:
-        # every rank has a full window exactly when the flags sum to the world size.
-        flag = all_reduce_sum(torch.tensor([float(mine)], device=self.runtime.device))
-        return bool(flag.item() == self.runtime.world_size)
+    def _at_start(self) -> bool:
+        """Whether the next step is the first of a pass this run reads from its start."""
+        return not self.steps_in_pass and self.shard.skip is None
 
-    def _step(self, window: list[tuple[int, int, Any]], report: Callable[[str], None], last: bool) -> Window:
-        """Count a window as trained (its samples per slot, the worker whose turn is next) and hand it over."""
+    def _ranks_training(self, window: list | None, at_start: bool) -> Agreed:
+        """Which ranks train the next step. All of them when every rank has a full window; where ranks join,
+        every rank with a batch left (an uneven step), unless some rank has none at the start of a pass (it
+        would never train: refused); else none, which ends the pass. One all-reduce of two numbers, a host sync
+        per step for streams only: the price of never hanging at an uneven end."""
+        full = window is not None and len(window) == self.grad_accum
+        world = self.runtime.world_size
+        if not is_distributed():  # one process: a short window is a step as any other, as map-style's last
+            return Agreed(world if window is not None else 0, True)
+        # Through the project's own all-reduce, so the hang watchdog and --debug-collectives see it too.
+        flags = torch.tensor([float(full), float(window is not None)], device=self.runtime.device)
+        full_ranks, holding = (round(count) for count in all_reduce_sum(flags).tolist())
+        if full_ranks == world:
+            return Agreed(world, True)
+        if not self.joins or (at_start and holding < world):
+            return Agreed(0, True)
+        return Agreed(holding, False)
+
+    def _step(
+        self,
+        window: list[tuple[int, int, Any]] | None,
+        report: Callable[[str], None],
+        last: bool,
+        training: Agreed,
+    ) -> Window:
+        """Count a window as trained (its samples per slot, the worker whose turn is next) and hand it over: as a
+        JoinedWindow in an uneven step (this rank's window may then be short, or None)."""
         self.steps_in_pass += 1
-        for slot, samples, batch in window:
+        items = window or []
+        for slot, samples, batch in items:
             self.counts[slot] = self.counts.get(slot, 0) + samples
             if self.length is None and not self.counted and slot not in self.first_batches:
                 self.first_batches[slot] = _digest(
                     batch
                 )  # once per slot, in the first pass (None: no tensor)
-        self.next_worker = (window[-1][0] // self.runtime.world_size + 1) % self.workers
+        if items:
+            self.next_worker = (items[-1][0] // self.runtime.world_size + 1) % self.workers
         if not self.ranks_checked and self.shard.split.ranks:
             self.ranks_checked = True
-            self._check_ranks(window, report)
-        sizes = [samples for _, samples, _ in window]
-        return iter([batch for _, _, batch in window]), sum(sizes), sizes, last
+            self._check_ranks(items, report)
+        sizes = [samples for _, samples, _ in items]
+        batches = [batch for _, _, batch in items]
+        if not training.even:
+            self.uneven_in_pass += 1
+            return JoinedWindow(batches, training.ranks, self.runtime.world_size), sum(sizes), sizes, last
+        return iter(batches), sum(sizes), sizes, last
 
     def _end_of_pass(self, window: list | None, report: Callable[[str], None]) -> None:
         """Count what this rank still held, tell the user, check the first whole pass's counts, and start the
@@ -303,7 +393,7 @@ class TrainStream:
         unused = sum(samples for _, samples, _ in window or ())
         unused += sum(samples for _, samples, _ in (self._batches if self._batches is not None else ()))
         facts = gather_objects((unused, sum(self.counts.values()), self.first_batches if whole else {}))
-        held = [rank_unused for rank_unused, _, _ in facts]  # type: ignore[misc]
+        held = [rank_unused for rank_unused, _, _ in facts]
         if any(held):
             report(
                 f"end of the stream's pass {self.shard.pass_number + 1}: ranks ran out at different steps and "
@@ -317,10 +407,27 @@ class TrainStream:
             line = self._count_line(facts)  # type: ignore[arg-type]
             if line and not self.warned:
                 report(line)
+            longer = self._longer_line([rank_unused + trained for rank_unused, trained, _ in facts])
+            if longer:
+                report(longer)
         self.shard.pass_number += 1
         self.shard.skip, self.shard.rotate = None, 0
-        self.counts, self.next_worker, self.steps_in_pass = {}, 0, 0
+        self.counts, self.next_worker, self.steps_in_pass, self.uneven_in_pass = {}, 0, 0, 0
         self._batches, self.first_batches = None, {}
+
+    def _longer_line(self, samples: list[int]) -> str | None:
+        """Once: a first pass whose uneven end made it longer than the steps `__len__` plans an epoch (the ranks'
+        shares differ), which the LR schedule and the progress bar count."""
+        planned, steps = self.steps_per_epoch, self.steps_in_pass
+        if self.fixed_steps or not planned or not self.uneven_in_pass or steps <= planned:
+            return None
+        return (
+            f"the training stream's first pass took {steps} steps, not the {planned} its __len__ plans: the "
+            f"ranks' shares were "
+            + ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples))
+            + f" samples, and the ranks that ran out joined the others' last {self.uneven_in_pass} steps; the LR "
+            f"schedule and progress bar count {planned} steps an epoch (--steps-per-epoch {steps} plans by the pass)"
+        )
 
     def _too_few(self, samples: list[int]) -> str:
         if not any(samples):
@@ -329,10 +436,15 @@ class TrainStream:
                 "__iter__ yields"
             )
         world = self.runtime.world_size
+        counts = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples))
+        if self.joins:
+            return (
+                f"the training stream is too small for {world} ranks: a whole pass gave {counts} sample(s), "
+                f"and every rank needs at least one batch; use fewer ranks, or more data"
+            )
         return (
-            f"the training stream is too small for {world} ranks: a whole pass gave "
-            + ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(samples))
-            + f" sample(s), and every step needs {self.grad_accum} batch(es) on every rank; use fewer ranks"
+            f"the training stream is too small for {world} ranks: a whole pass gave {counts} sample(s), "
+            f"and every step needs {self.grad_accum} batch(es) on every rank; use fewer ranks"
             f"{' or a smaller --grad-accum-steps' if self.grad_accum > 1 else ''}, or more data"
         )
 
@@ -373,10 +485,10 @@ class TrainStream:
                 firsts[digest] = slot
         return None
 
-    def _check_ranks(self, window: list, report: Callable[[str], None]) -> None:
+    def _check_ranks(self, window: list[tuple[int, int, Any]], report: Callable[[str], None]) -> None:
         """Once: a stream that splits over ranks itself whose ranks all read the same first batch reads
         everything everywhere."""
-        digests = gather_objects(_digest(window[0][2]))
+        digests = gather_objects(_digest(window[0][2]) if window else None)
         if len(digests) > 1 and len(set(digests)) == 1 and digests[0] is not None:
             self.warned = True
             report(
@@ -391,7 +503,7 @@ class TrainStream:
         """The position of the stream (every rank must call it: the ranks' counts are gathered)."""
         slots = self.workers * self.runtime.world_size
         counts, ranks = [0] * slots, gather_objects((self.counts, self.next_worker))
-        for rank_counts, _ in ranks:  # type: ignore[misc]
+        for rank_counts, _ in ranks:
             for slot, n in rank_counts.items():
                 counts[slot] = n
         layers = [dict(layer) for layer in self.shard.skip or []]
@@ -405,7 +517,7 @@ class TrainStream:
             "steps_in_pass": self.steps_in_pass,
             "layers": layers,
             "next_worker": [turn for _, turn in ranks],
-            "world_size": self.runtime.world_size,  # type: ignore[misc]
+            "world_size": self.runtime.world_size,
             "workers": self.workers,
             "shards_itself": not self.shard.split_by_trainer,
         }
@@ -440,7 +552,7 @@ class TrainStream:
 def _agree_on(split: Split) -> None:
     """Every rank must take the stream alike (the first-batch check is a collective): UsageError if not."""
     splits = gather_objects((split.ranks, split.workers))
-    if len(set(splits)) > 1:  # type: ignore[arg-type]
+    if len(set(splits)) > 1:
         raise UsageError(
             "the ranks see the training stream split differently ("
             + ", ".join(f"rank {rank}: ranks {r}, workers {w}" for rank, (r, w) in enumerate(splits))

@@ -16,13 +16,15 @@ From the bottom up (a subpackage's own docstring says what it owns and may impor
 - monitoring/:  what the user sees: plan lines, console, progress bar, TensorBoard and other trackers,
                 telemetry
 - tuning/:      settings for speed: --autotune, --batch-size auto, memory and garbage-collector settings
-- engine/:      MultiGPUTrainer's parts that span concerns (build), what its checkpoint adds (state), a run's end
-                (summary); every other part is made by a factory beside it
+- engine/:      MultiGPUTrainer's parts that span concerns (build), those made from many others (parts), what
+                its checkpoint adds (state), a run's end (summary); every other part is made by a factory beside it
 - train_multi_gpu.py (the checkout's top): MultiGPUTrainer, the training loop, built from the parts above
 - launch/:      starting runs: the runner and its exit status, torchrun, the launcher's rules
 - sweep/:       experiment sweeps over device slots
 
-Old import paths of the flat package (`multigpu.distributed`, `python -m multigpu.export`, ...) still work: multigpu/moved.py.
+Public names kept at short paths, as plain modules: `python -m multigpu.export` (export.py) and
+`multigpu.inference.BatchParallel` (inference.py); `multigpu.config.TrainConfig` and `multigpu.data.build_datasets`
+are where they live.
 """
 
 import os as _os
@@ -41,9 +43,4 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(
     _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "data")
 ) and _os.path.isfile(_os.path.join(_checkout, "data", "__init__.py")):
-    __path__.append(_checkout)  # type: ignore[name-defined]  # noqa: F821
-
-# The modules of the flat package of version 0.2 moved into the subpackages: their old import paths still work.
-from multigpu import moved as _moved  # noqa: E402
-
-_moved.install()
+    __path__.append(_checkout)  # noqa: F821

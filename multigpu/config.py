@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NoReturn
 
 from multigpu.errors import UsageError
 
@@ -119,6 +119,32 @@ class TrainConfig:
         "check before each of the trainer's collectives and each DDP gradient "
         "all-reduce that all ranks call the same operation with the same shapes "
         "(slower: a store round trip each)",
+        group="devices",
+    )
+    fault_tolerance: bool = _opt(
+        False,
+        "train as one of --ft-replica-groups replica groups that outlive each other's loss (torchft): each "
+        "step commits with the groups alive, a lost group's share of the data is skipped until it rejoins "
+        "and heals from a live peer, without a checkpoint read (docs/fault-tolerance.md; needs torchft: "
+        "pip install '.[ft]', and its Lighthouse)",
+        group="devices",
+    )
+    ft_replica_groups: int | None = _opt(
+        None,
+        "--fault-tolerance: how many replica groups train the model, each on its own 1/N of every step's "
+        "data (the effective batch and the LR are set for all of them)",
+        group="devices",
+    )
+    ft_replica_id: int | None = _opt(
+        None, "--fault-tolerance: this process's replica group, 0 to --ft-replica-groups - 1", group="devices"
+    )
+    ft_min_replicas: int = _opt(
+        1, "--fault-tolerance: the fewest live replica groups a step may commit with", group="devices"
+    )
+    ft_lighthouse: str | None = _opt(
+        None,
+        "--fault-tolerance: the address of torchft's Lighthouse, which keeps the quorum of live groups, "
+        "e.g. http://node0:29510 (default: $TORCHFT_LIGHTHOUSE)",
         group="devices",
     )
     # --- data ----------------------------------------------------------
@@ -526,6 +552,7 @@ class TrainConfig:
             if value is not None and value not in choices:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
         self._check_text_pairing()
+        self._check_fault_tolerance()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
             raise UsageError(
@@ -570,6 +597,59 @@ class TrainConfig:
                 "--async-checkpoint writes sharded checkpoints in the background, and this run writes "
                 "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint"
             )
+
+    def _check_fault_tolerance(self) -> None:
+        """UsageError where the --ft-* flags come without --fault-tolerance, or it lacks what every replica group
+        needs: how many groups, which one this is, and one --save-dir they share (docs/fault-tolerance.md)."""
+        ft_flags = [name for name in FT_FLAGS if getattr(self, name) != FIELDS[name].default]
+        if not self.fault_tolerance:
+            if ft_flags:
+                raise UsageError(
+                    f"--{flag(ft_flags[0])} is for --fault-tolerance; add --fault-tolerance "
+                    f"(or drop --{flag(ft_flags[0])})"
+                )
+            return
+        if self.ft_replica_groups is None or self.ft_replica_id is None:
+            raise UsageError(
+                "--fault-tolerance needs --ft-replica-groups N (how many replica groups train) and "
+                "--ft-replica-id I (which of them this is, 0 to N-1); bash launch_multi_gpu.sh "
+                "--fault-tolerance --replica-groups N starts them all"
+            )
+        if self.ft_replica_id >= self.ft_replica_groups:
+            raise UsageError(
+                f"--ft-replica-id {self.ft_replica_id} must be below --ft-replica-groups "
+                f"{self.ft_replica_groups} (the groups are numbered from 0)"
+            )
+        if self.ft_min_replicas > self.ft_replica_groups:
+            raise UsageError(
+                f"--ft-min-replicas {self.ft_min_replicas} can never be met by --ft-replica-groups "
+                f"{self.ft_replica_groups}: give at most {self.ft_replica_groups}"
+            )
+        refused = {
+            "save_dir": self.save_dir is None,
+            "overwrite": self.overwrite,
+            "streaming": self.streaming,
+            "autotune": self.autotune,
+            "batch_size": self.batch_size == AUTO,
+            "checkpoint_format": self.sharded_checkpoints(),
+        }
+        why = {
+            "save_dir": "needs --save-dir: every replica group resumes and saves there (storage every node "
+            "shares)",
+            "overwrite": "continues the run in --save-dir (a restarted group must find it), which --overwrite "
+            "would set aside: start a new run in an empty --save-dir instead",
+            "streaming": "splits a map-style data set over the replica groups; a stream (--streaming) is not "
+            "split over them",
+            "autotune": "needs every replica group to train alike, and --autotune tries settings in each group "
+            "on its own: leave it out",
+            "batch_size": "needs the same --batch-size in every replica group, and --batch-size auto measures "
+            "each group's own: give a number",
+            "checkpoint_format": "writes one-file checkpoints from the leading replica group: drop "
+            "--checkpoint-format sharded (and --async-checkpoint)",
+        }
+        for name, is_refused in refused.items():
+            if is_refused:
+                raise UsageError(f"--fault-tolerance {why[name]}")
 
     def _check_hf_model(self) -> None:
         """UsageError where --model hf and what it reads are not given together: a transformers model, from
@@ -657,14 +737,16 @@ class TrainConfig:
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
         if replicate is None or shard is None:
             given, name = (replicate, "replicate") if shard is None else (shard, "shard")
-            if world_size % given:  # type: ignore[operator]
+            assert given is not None  # neither given returned above
+            if world_size % given:
                 divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
                 raise UsageError(
                     f"--dp-{name} {given} does not divide this run's {processes} into equal groups: give "
                     f"one of {divisors}"
                 )
-            other = world_size // given  # type: ignore[operator]
+            other = world_size // given
             replicate, shard = (given, other) if shard is None else (other, given)
+        assert replicate is not None and shard is not None  # both given, or one filled in above
         if replicate * shard != world_size:
             raise UsageError(
                 f"--dp-replicate {replicate} x --dp-shard {shard} = {replicate * shard} processes, but "
@@ -694,7 +776,7 @@ class TrainConfig:
             raise UsageError(
                 f"--image-shape must be C,H,W with positive integers, e.g. 3,32,32; got {self.image_shape!r}"
             )
-        return dims  # type: ignore[return-value]
+        return dims[0], dims[1], dims[2]
 
     @property
     def model_name(self) -> str:
@@ -738,6 +820,8 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# --fault-tolerance's own settings: given without it, they would do nothing.
+FT_FLAGS = ("ft_replica_groups", "ft_replica_id", "ft_min_replicas", "ft_lighthouse")
 
 
 @dataclass(frozen=True)
@@ -819,6 +903,9 @@ RANGES = {
         0
     ),  # 0: a frozen run, to measure throughput or evaluate (the plan says the weights will not change)
     "dp_replicate": Range(1),
+    "ft_replica_groups": Range(1),
+    "ft_replica_id": Range(0),
+    "ft_min_replicas": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
     "ema_decay": Range(0, 1),
@@ -901,7 +988,7 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
 
 
@@ -926,6 +1013,7 @@ class _BooleanAction(argparse.BooleanOptionalAction):
         if values is None:
             super().__call__(parser, namespace, None, option_string)
             return
+        assert option_string is not None  # argparse calls a flag's action with the flag as given
         if option_string.startswith("--no-") or values.lower() not in _BOOLEAN_WORDS:
             allowed = "no value" if option_string.startswith("--no-") else "no value, or true or false"
             raise UsageError(f"{option_string} takes {allowed}, got {values!r} (see --help)")
@@ -1004,7 +1092,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     args = vars(build_parser().parse_args(shlex.split(os.environ.get(TEST_ARGS_ENV, "")) + argv))
     args.pop("local_rank")
     config = TrainConfig(**args)
-    config.given = given_fields(argv)  # the user's flags, not the test harness's
+    # The user's flags, not the test harness's; `given` is a ClassVar only to keep it out of the fields.
+    config.given = given_fields(argv)  # type: ignore[misc]  # set per instance on purpose
     return config
 
 

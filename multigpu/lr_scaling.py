@@ -30,6 +30,7 @@ def scaled_lr(lr: float, rule: str, effective_batch: int, base_batch: int) -> fl
 
 def effective_batch(config: TrainConfig, devices_per_step: int) -> int:
     """Samples in one optimizer step: --batch-size x devices x --grad-accum-steps."""
+    assert isinstance(config.batch_size, int), "--batch-size auto is resolved before"
     return config.batch_size * devices_per_step * config.grad_accum_steps
 
 

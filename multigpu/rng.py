@@ -20,6 +20,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's RNG states: torch CPU, CUDA (of `device`), Python and NumPy."""
     python_version, python_state, python_gauss = random.getstate()
     numpy_state = np.random.get_state()
+    assert isinstance(numpy_state, tuple)  # the legacy form, get_state's default
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,

@@ -152,12 +152,8 @@ def _temporary(path: str) -> tuple[int, str]:
 
 def write_atomically(path: str, data: bytes | str, perms: int | None = None) -> None:
     """Replace `path` with `data` (text is UTF-8) through `replacing`: whole, never through a link."""
-    with replacing(
-        path,
-        "w" if isinstance(data, str) else "wb",
-        perms,
-        **({"encoding": "utf-8"} if isinstance(data, str) else {}),
-    ) as file:
+    open_args: dict[str, Any] = {"encoding": "utf-8"} if isinstance(data, str) else {}
+    with replacing(path, "w" if isinstance(data, str) else "wb", perms, **open_args) as file:
         file.write(data)
 
 

@@ -335,7 +335,8 @@ def busy_cpus(count: int) -> Iterator[None]:
 
 
 def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
-    """multigpu/launch/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer on TINY."""
+    """multigpu/launch/torchrun.py (torchrun ending with the workers' verdict) running 2 ddp ranks of the trainer
+    on TINY."""
     return [
         PYTHON,
         str(REPO / "multigpu" / "launch" / "torchrun.py"),
@@ -351,7 +352,8 @@ def torchrun_command(log: Path, *trainer_args: str) -> list[str]:
     ]
 
 
-# A hang the watchdog must catch quickly (tests/resilience/test_watchdog.py): it stops the run 3 s after no rank advanced.
+# A hang the watchdog must catch quickly (tests/resilience/test_watchdog.py): it stops the run 3 s after no rank
+# advanced.
 HANG = ["--hang-timeout", "3", "--log-every", "1", "--epochs", "2"]
 HANG_RUN_LIMIT = (
     90  # seconds per run: start-up, a few steps, the timeout and the report; a missed hang fails here
@@ -726,7 +728,7 @@ def image_folder(root: Path, classes: dict[str, Sequence[str]], per_class: int =
     return root
 
 
-def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Module:
+def tiny_model(input_dim: int = 16, classes: int = 4) -> torch.nn.Sequential:
     """A small model without BatchNorm or dropout, identical on every rank for a given seed."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(input_dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
@@ -774,7 +776,7 @@ def tiny_text(path: Path, characters: int = 6000) -> Path:
 
 def config_for(tmp_path: Path, world_size: int, **overrides: Any) -> TrainConfig:
     """A small, quiet TrainConfig for in-process trainer tests: ddp when world_size > 1, short dist timeout."""
-    values = dict(
+    values: dict[str, Any] = dict(
         multi_gpu="ddp" if world_size > 1 else "none",
         save_dir=str(tmp_path / "ckpt"),
         batch_size=8,
@@ -1085,8 +1087,8 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/tiny_language_model.py's folder, made offline once per session: model/ (a transformers GPT-2 of 1
     layer, width 32 and 64 positions, untrained, with a BPE tokenizer of 150 tokens that has an end-of-text token
-    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line. Read it, never
-    change it: copy what a test changes. Skips where the [hf] extra is not installed."""
+    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line.
+    Read it, never change it: copy what a test changes. Skips where the [hf] extra is not installed."""
     for library in ("transformers", "tokenizers", "datasets"):
         pytest.importorskip(library, reason="the [hf] extra is not installed: bash scripts/ensure_env.sh hf")
     from examples.tiny_language_model import write_tiny_language_model
@@ -1106,3 +1108,21 @@ class TokenDicts(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+@pytest.fixture(scope="session")
+def lighthouse() -> Iterator[str]:
+    """One torchft Lighthouse on this machine for the --fault-tolerance tests, which share it (docs/fault-tolerance.md):
+    a group is left out of the quorum 1 s after its last heartbeat, quorums are checked every 100 ms. Its address."""
+    pytest.importorskip("torchft", reason="the [ft] extra is not installed: bash scripts/ensure_env.sh ft")
+    from multigpu.launch.replica_groups import start_lighthouse
+
+    process, address = start_lighthouse(
+        0, 1, heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_MS, quorum_tick_ms=100, join_timeout_ms=1000
+    )
+    yield address
+    process.terminate()
+    process.wait()
+
+
+LIGHTHOUSE_HEARTBEAT_MS = 1000  # the shared Lighthouse's heartbeat timeout

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 tests/hang_scenarios.py SCENARIO [main_multi_gpu.py flags]
 
 SCENARIO: getitem (rank 1's data set blocks forever in __getitem__), extra-all-reduce and extra-barrier (rank 0's
-model calls one collective more than rank 1's, a data-dependent branch), callback (a training hook deadlocks on rank 0 on a lock
-never released), plain (nothing misbehaves).
+model calls one collective more than rank 1's, a data-dependent branch), callback (a training hook deadlocks on
+rank 0 on a lock never released), plain (nothing misbehaves).
 """
 
 from __future__ import annotations

@@ -104,8 +104,13 @@ def text_file(tmp_path: Path) -> str:
     return str(tmp_path / "notes.txt")
 
 
+def remove(*paths: Path) -> None:
+    for path in paths:
+        path.unlink()
+
+
 def imagefolder(
-    tmp_path: Path, classes: dict, spoil: Callable[[Path], None] = lambda root: None
+    tmp_path: Path, classes: dict, spoil: Callable[[Path], object] = lambda root: None
 ) -> list[str]:
     spoil(image_folder(tmp_path / "images", classes))
     return ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "images"), "--image-shape", "3,8,8"]
@@ -411,9 +416,7 @@ CLI = {
         lambda tmp, ckpt: imagefolder(
             tmp,
             {"train": ["cat", "dog"], "val": ["cat"]},
-            lambda root: (
-                (root / "train" / "dog" / "0.png").unlink() or (root / "train" / "dog" / "1.png").unlink()
-            ),
+            lambda root: remove(root / "train" / "dog" / "0.png", root / "train" / "dog" / "1.png"),
         ),
     ),
     "imagefolder with a symlink loop": Case(
@@ -845,18 +848,22 @@ API = {
         "TrainConfig batch_size (--batch-size) must be an int or 'auto', got '64' (str)",
     ),
     "fractional max_steps": api(
-        lambda tmp: TrainConfig(max_steps=2.5),
+        lambda tmp: TrainConfig(max_steps=2.5),  # type: ignore[arg-type]  # the wrong type, on purpose
         UsageError,
         "TrainConfig max_steps (--max-steps) must be an int, got 2.5 (float)",
     ),
     "fractional epochs": api(
-        lambda tmp: TrainConfig(epochs=1.5),
+        lambda tmp: TrainConfig(epochs=1.5),  # type: ignore[arg-type]  # the wrong type, on purpose
         UsageError,
         "TrainConfig epochs (--epochs) must be an int, got 1.5 (float)",
     ),
-    "lr as text": api(lambda tmp: TrainConfig(lr="0.1"), UsageError, "TrainConfig lr (--lr) must be a float"),
+    "lr as text": api(
+        lambda tmp: TrainConfig(lr="0.1"),  # type: ignore[arg-type]  # the wrong type, on purpose
+        UsageError,
+        "TrainConfig lr (--lr) must be a float",
+    ),
     "progress as a number": api(
-        lambda tmp: TrainConfig(progress=1),
+        lambda tmp: TrainConfig(progress=1),  # type: ignore[arg-type]  # the wrong type, on purpose
         UsageError,
         "TrainConfig progress (--progress) must be a bool, got 1 (int)",
     ),
@@ -864,7 +871,9 @@ API = {
         lambda tmp: TrainConfig(train_size=True), UsageError, "must be an int, got True (bool)"
     ),
     "save_dir as a number": api(
-        lambda tmp: TrainConfig(save_dir=3), UsageError, "TrainConfig save_dir (--save-dir) must be a str"
+        lambda tmp: TrainConfig(save_dir=3),  # type: ignore[arg-type]  # the wrong type, on purpose
+        UsageError,
+        "TrainConfig save_dir (--save-dir) must be a str",
     ),
     "momentum nan": api(
         lambda tmp: TrainConfig(momentum=float("nan")), UsageError, "--momentum must be a finite"
@@ -893,7 +902,7 @@ API = {
         "--monitor val_f1 is not a validation metric of this run; it has val_loss, val_acc",
     ),
     "early stopping without a validation set": api(
-        lambda tmp: api_build(tmp, None, config=dict(early_stop_patience=2)),
+        lambda tmp: api_build(tmp, None, config=dict(early_stop_patience=2)),  # type: ignore[arg-type]  # no validation set: refused
         UsageError,
         "--early-stop-patience watches a validation metric, and this run has no validation set",
     ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,12 +210,15 @@ def test_the_launchers_command_with_every_default_answer_gets_no_warning(tmp_pat
         for key, value in launch_rules.check(Settings())
         if key.startswith("default-")
     }
-    answers = {name: value for name, value in defaults.items() if name in TRAINING and value != "None"}
+    answers: dict[str, Any] = {
+        name: value for name, value in defaults.items() if name in TRAINING and value != "None"
+    }
     records = dict(launch_rules.plan(Settings(**answers)))
     argv = shlex.split(records["command"])
     trainer_args = argv[argv.index(str(REPO / "main_multi_gpu.py")) + 1 :]
     assert "--lr-scaling" in trainer_args  # the launcher gives its answers explicitly, defaults included
     config = parse_config(trainer_args)
+    assert config.given is not None  # parse_config notes the flags given
     assert ignored_flags(config, config.given, RunFacts()) == []
 
 

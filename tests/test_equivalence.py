@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from conftest import blobs, config_for, run_ranks, tiny_model
 from multigpu.parallel.distributed import Runtime
+from multigpu.parallel.wrapping import as_ddp
 from train_multi_gpu import MultiGPUTrainer
 
 TOLERANCE = 1e-5
@@ -61,7 +62,8 @@ def counting_allreduce_hook(
     state: AllReduceCount, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     state.calls += 1
-    return default_hooks.allreduce_hook(None, bucket)  # None: the default (whole-world) group
+    # None: the default (whole-world) group, as DDP itself passes it.
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # torch's stub wants a group
 
 
 def train(
@@ -72,7 +74,7 @@ def train(
     trainer = MultiGPUTrainer(tiny_model(), blobs(size, 0), None, config, runtime=runtime)
     count = AllReduceCount()
     if world_size > 1:
-        trainer.step.wrapped.register_comm_hook(count, counting_allreduce_hook)
+        as_ddp(trainer.step.wrapped).register_comm_hook(count, counting_allreduce_hook)
     forwards = []
     trainer.step.wrapped.register_forward_pre_hook(lambda module, args: forwards.append(1))
     trainer.fit()

@@ -117,7 +117,8 @@ def dry_run_save_dir() -> str:
 
 
 def ddp_head(nproc: int, port: int, ids: str | None = None, log: str | None = None) -> str:
-    """The start of the launcher's ddp command: torchrun (through multigpu/launch/torchrun.py) with its threads per worker."""
+    """The start of the launcher's ddp command: torchrun (through multigpu/launch/torchrun.py) with its threads per
+    worker."""
     cores = len(os.sched_getaffinity(0))
     env = f"CUDA_VISIBLE_DEVICES={ids} " if ids else ""
     log = log or f"{dry_run_save_dir()}/torchrun.log"
@@ -129,7 +130,7 @@ def ddp_head(nproc: int, port: int, ids: str | None = None, log: str | None = No
 
 def training_flags(
     epochs: int = DEFAULTS.epochs,
-    batch: int = DEFAULTS.batch_size,
+    batch: int | str = DEFAULTS.batch_size,
     lr: str = repr(DEFAULTS.lr),
     scaling: str = DEFAULTS.lr_scaling,
     save_dir: str | None = None,
@@ -178,11 +179,13 @@ class Launcher:
         self.output[name] = stream.read()
 
     def send(self, text: str, close: bool) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe
         try:
-            self.proc.stdin.write(text)
-            self.proc.stdin.flush()
+            stdin.write(text)
+            stdin.flush()
             if close:
-                self.proc.stdin.close()
+                stdin.close()
         except BrokenPipeError:
             pass  # it stopped reading (or never read); wait() reports how it ended
 
@@ -197,8 +200,10 @@ class Launcher:
             self._stop()
         for reader in self.readers:
             reader.join(timeout=10)
-        if not self.proc.stdin.closed:
-            self.proc.stdin.close()
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe
+        if not stdin.closed:
+            stdin.close()
         result = subprocess.CompletedProcess(
             self.proc.args, self.proc.returncode, self.output["stdout"], self.output["stderr"]
         )
@@ -755,7 +760,9 @@ def test_piped_answers_drive_a_cpu_ddp_run_on_a_free_port_when_the_default_is_bu
     expected_lr = scaled_lr(DEFAULTS.lr, "sqrt", 64, DEFAULTS.lr_base_batch)
     assert f"lr {expected_lr!r} = {DEFAULTS.lr!r} x sqrt(64/{DEFAULTS.lr_base_batch})" in result.stderr
     command = result.stdout.splitlines()[0]  # then the trainer's output
-    chosen = int(re.search(r"--master_port=(\d+) ", command).group(1))
+    found = re.search(r"--master_port=(\d+) ", command)
+    assert found, command
+    chosen = int(found.group(1))
     assert chosen != port
     assert f"Port {port} is busy: using port {chosen} for the rendezvous." in result.stderr
     # From another directory the trainer is named by its full path.
@@ -913,6 +920,7 @@ def test_ctrl_c_with_the_output_piped_into_a_reader_that_died_still_checkpoints_
         "1",
     ]
     launcher = Launcher(args, launcher_env(), tmp_path, read_stdout=False)  # read here, as tee reads it
+    assert launcher.proc.stdout is not None  # a pipe
     first_step = next(
         (line for line in iter(launcher.proc.stdout.readline, "") if line.startswith("step ")), None
     )
@@ -1087,8 +1095,10 @@ def test_launcher_and_the_other_shell_scripts_pass_shellcheck() -> None:
         REPO / ".ci" / "run",
         *sorted((REPO / "scripts").glob("*.sh")),
     ]
+    shellcheck = shellcheck_path()
+    assert shellcheck is not None  # needs_shellcheck
     result = subprocess.run(
-        [shellcheck_path(), "--severity=style", *map(str, scripts)],
+        [shellcheck, "--severity=style", *map(str, scripts)],
         text=True,
         capture_output=True,
         timeout=DRY_TIMEOUT,

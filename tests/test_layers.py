@@ -26,11 +26,10 @@ LAYERS = (
     "entry",
 )
 ENTRY_SCRIPTS = ("main_multi_gpu", "predict_multi_gpu", "sweep_multi_gpu")
-PACKAGE_PLUMBING = (
-    "multigpu",
-    "multigpu.moved",
-    "multigpu.torchrun",
-)  # the package's own set-up and old paths
+# The package's own set-up, and the path torchrun.py had before 0.3 (a saved launch_command.sh still runs).
+PACKAGE_PLUMBING = ("multigpu", "multigpu.torchrun")
+# Short public paths (python -m multigpu.export, multigpu.inference.BatchParallel): nothing inside imports them.
+PUBLIC_DOORWAYS = ("multigpu.export", "multigpu.inference")
 
 
 def modules() -> dict[str, Path]:
@@ -50,7 +49,7 @@ def modules() -> dict[str, Path]:
 
 
 def layer(module: str) -> str | None:
-    if module in ENTRY_SCRIPTS:
+    if module in ENTRY_SCRIPTS or module in PUBLIC_DOORWAYS:
         return "entry"
     if module == "train_multi_gpu":
         return module

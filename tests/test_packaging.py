@@ -106,8 +106,8 @@ def test_installed_package_trains_a_user_script_with_its_own_data_py(tmp_path):
 
 
 def test_the_package_never_imports_an_entry_script():
-    """The sweep's workers train through multigpu.launch.runner, below main_multi_gpu.py and the sweep's own command line,
-    so no import goes round a circle through the scripts at the top of the checkout."""
+    """The sweep's workers train through multigpu.launch.runner, below main_multi_gpu.py and the sweep's own command
+    line, so no import goes round a circle through the scripts at the top of the checkout."""
     import ast
 
     entries = {path.stem for path in REPO.glob("*_multi_gpu.py")} - {

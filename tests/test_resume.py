@@ -180,6 +180,7 @@ def sigterm_rank_at(save_dir: Path, rank: int, line_start: str, *extra: str) -> 
         watchdog = threading.Timer(RUN_TIMEOUT, process.kill)  # a hang fails the test instead of stalling CI
         watchdog.start()
         lines = []
+        assert process.stdout is not None  # a pipe
         for line in process.stdout:
             lines.append(line)
             if line.startswith(line_start):
@@ -310,7 +311,8 @@ def test_resume_allows_and_logs_changed_epochs_lr_and_log_dir(reference, tmp_pat
 def test_hung_rank_outside_torchrun_ends_its_peer_after_dist_timeout_naming_it(tmp_path):
     """Two ranks started by hand (no torchrun to clean up): rank 1 freezes, rank 0 must not wait forever."""
     env = cli_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
-    # --hang-timeout 0: without the watchdog (tests/resilience/test_watchdog.py), the collective's timeout is what tells.
+    # --hang-timeout 0: without the watchdog (tests/resilience/test_watchdog.py), the collective's timeout is what
+    # tells.
     command = cli_command([*ARGS, "--save-dir", str(tmp_path), "--dist-timeout", "3", "--hang-timeout", "0"])
     ranks = [
         subprocess.Popen(
@@ -634,7 +636,8 @@ def train(argv):
     config = config_for(out, 2, epochs=2, save_every_steps=5, keep_last=5, log_every=1000, resume="auto")
     with MultiGPUTrainer(model, blobs(160, 0), None, config,
                          optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01),
-                         scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99)) as trainer:
+                         scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(
+                             optimizer, 0.99)) as trainer:
         trainer.fit()
 sys.exit(main_guarded(train, sys.argv[1:]))
 """

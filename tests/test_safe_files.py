@@ -266,8 +266,9 @@ def test_every_write_in_the_project_goes_through_safe_files():
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if writes.search(line) and "os.devnull" not in line
     ]  # /dev/null is no file a run creates
-    # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in multigpu/checkpoints/sharded.py
-    # only, and only inside the temporary folder that safe_files.make_folder made for that save (renamed into
+    # The one exemption: DCP's FileSystemWriter writes a sharded checkpoint's files itself, in
+    # multigpu/checkpoints/sharded.py only, and only inside the temporary folder that safe_files.make_folder made
+    # for that save (renamed into
     # place by safe_files.replace_folder), a folder of the project's own naming where no link was planted.
     dcp_writers = [
         line

@@ -237,7 +237,8 @@ inputs, targets = torch.randn(48, 8), torch.randint(0, 3, (48,))
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 config = TrainConfig(save_dir=sys.argv[1], epochs=1, batch_size=8, progress=False, dist_timeout=60)
 if sys.argv[2] == "fit":
-    MultiGPUTrainer(model, TensorDataset(inputs, targets), TensorDataset(inputs[:16], targets[:16]), config=config).fit()
+    validation = TensorDataset(inputs[:16], targets[:16])
+    MultiGPUTrainer(model, TensorDataset(inputs, targets), validation, config=config).fit()
 else:  # a trainer built only to predict, kept to the end of the script
     trainer = MultiGPUTrainer(model, TensorDataset(inputs, targets), None, config=config)
     trainer.predict(TensorDataset(inputs[:16], targets[:16]))
@@ -349,6 +350,7 @@ class LogitsWatcher(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self.layers[1](self.layers[0](inputs))
+        logits: weakref.ref[torch.Tensor]  # set below, read in the backward
         if (
             hidden.requires_grad
         ):  # training: its gradient arrives after the loss's and the last layer's backward

@@ -17,7 +17,7 @@ import resource
 import stat
 import tempfile
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -30,14 +30,23 @@ from multigpu.errors import CheckpointError, UsageError
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2
 TMP_SUFFIX = safe_files.TMP_SUFFIX  # unfinished saves: never loaded, removed at the next start
-REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "scaler", "epoch", "global_step", "config")
-# A sharded checkpoint folder (multigpu/checkpoints/sharded.py): DCP's shards and its metadata, written last, and rank 0's
-# file of the rest (every key above but the model's and optimizer's).
+REQUIRED_KEYS = (
+    "format_version",
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "global_step",
+    "config",
+)
+# A sharded checkpoint folder (multigpu/checkpoints/sharded.py): DCP's shards and its metadata, written last, and
+# rank 0's file of the rest (every key above but the model's and optimizer's).
 MARKER = run_folders.SHARDED_MARKER
 STATE_FILE = run_folders.SHARDED_STATE_FILE
 
 
-def atomic_save(state: dict[str, Any], path: str, before_rename: Optional[Callable[[], None]] = None) -> None:
+def atomic_save(state: dict[str, Any], path: str, before_rename: Callable[[], None] | None = None) -> None:
     """Write `state` to `path` so that a crash at any instant leaves the old file intact.
 
     Temporary file in the same directory (same file system, so the rename is
@@ -63,7 +72,8 @@ class _RecordingWriter:
     """
 
     def __init__(self, file: Any):
-        self.file, self.error = file, None
+        self.file = file
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -79,7 +89,7 @@ class _RecordingWriter:
 def _save_to(state: dict[str, Any], file: Any) -> None:
     writer = _RecordingWriter(file)
     try:
-        torch.save(state, writer)
+        torch.save(state, writer)  # type: ignore[arg-type]  # torch.save takes any object with write and flush
     except RuntimeError:
         if writer.error is not None:
             raise writer.error from None
@@ -89,8 +99,11 @@ def _save_to(state: dict[str, Any], file: Any) -> None:
 def is_sharded(path: str) -> bool:
     """Whether `path` names a sharded checkpoint folder (complete or not), not a folder of checkpoints."""
     name = os.path.basename(os.path.normpath(path))
-    return os.path.isdir(path) and (name in ("last", "best") or fnmatch.fnmatch(name, "step-[0-9]*[0-9]")
-                                    or any(os.path.exists(os.path.join(path, part)) for part in (MARKER, STATE_FILE)))
+    return os.path.isdir(path) and (
+        name in ("last", "best")
+        or fnmatch.fnmatch(name, "step-[0-9]*[0-9]")
+        or any(os.path.exists(os.path.join(path, part)) for part in (MARKER, STATE_FILE))
+    )
 
 
 def load(path: str) -> dict[str, Any]:
@@ -98,8 +111,11 @@ def load(path: str) -> dict[str, Any]:
     folder, everything but the model's and optimizer's shards (multigpu/checkpoints/sharded.py reads those)."""
     if is_sharded(path):
         check_complete(path)
-        return _load_file(os.path.join(path, STATE_FILE), path, [key for key in REQUIRED_KEYS
-                                                                 if key not in ("model", "optimizer")])
+        return _load_file(
+            os.path.join(path, STATE_FILE),
+            path,
+            [key for key in REQUIRED_KEYS if key not in ("model", "optimizer")],
+        )
     return _load_file(path, path, REQUIRED_KEYS)
 
 
@@ -120,7 +136,9 @@ def _load_file(path: str, name: str, required: Any) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {name} does not exist") from None
     except OSError as error:
         if error.errno == errno.EINVAL:  # torch's reader seeking past the end of a file cut short
-            raise CheckpointError(f"checkpoint {name} refused: truncated or corrupt ({error.strerror})") from None
+            raise CheckpointError(
+                f"checkpoint {name} refused: truncated or corrupt ({error.strerror})"
+            ) from None
         raise CheckpointError(f"checkpoint {name} cannot be read: {error.strerror or error}") from None
     except CheckpointError:
         raise
@@ -132,8 +150,10 @@ def _load_file(path: str, name: str, required: Any) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint {name} lacks {', '.join(missing)}: not written by this trainer")
     if state["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {name} has format {state['format_version']}, newer than this code "
-                              f"({FORMAT_VERSION}): update the code")
+        raise CheckpointError(
+            f"checkpoint {name} has format {state['format_version']}, newer than this code "
+            f"({FORMAT_VERSION}): update the code"
+        )
     return _upgrade(state)
 
 
@@ -141,9 +161,14 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     """A format-1 checkpoint in today's terms: it trained a built-in optimizer and schedule, best by val_acc."""
     if state["format_version"] == 1:
         best = state.pop("best_val_acc", -1.0)
-        state.update(format_version=2, monitor="val_acc", best_value=None if best < 0 else best,
-                     optimizer_class={"sgd": "SGD"}.get(state["config"].get("optimizer"), "AdamW"),
-                     scheduler_class="LambdaLR", scheduler_interval="step")
+        state.update(
+            format_version=2,
+            monitor="val_acc",
+            best_value=None if best < 0 else best,
+            optimizer_class={"sgd": "SGD"}.get(state["config"].get("optimizer"), "AdamW"),
+            scheduler_class="LambdaLR",
+            scheduler_interval="step",
+        )
     return state
 
 
@@ -155,11 +180,15 @@ SAFETENSORS_KIND = "a safetensors file"  # what _file_kind says of one: a checkp
 # safetensors) when its header holds the trainer's state
 
 
-_SPECIAL_FILES = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
-                  stat.S_IFBLK: "a block device"}
+_SPECIAL_FILES = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
 
-def _file_kind(path: str) -> Optional[str]:
+def _file_kind(path: str) -> str | None:
     """None for what may be a torch.save file; SAFETENSORS_KIND for a safetensors file; else what the file is
     instead, in a few words.
 
@@ -194,7 +223,13 @@ def load_failure(error: Exception) -> str:
     torch's messages run over many lines and suggest weights_only=False, which
     would run whatever code the file holds: never repeat that advice.
     """
-    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
+    boilerplate = (
+        "Weights only load failed",
+        "Please file an issue",
+        "Check the documentation",
+        "(1)",
+        "(2)",
+    )
     lines = [line.replace("WeightsUnpickler error:", "").strip() for line in str(error).splitlines()]
     telling = [line for line in lines if line and not line.startswith(boilerplate)]
     detail = (telling or [type(error).__name__])[0]
@@ -214,7 +249,7 @@ def step_checkpoint_path(save_dir: str, global_step: int, suffix: str = ".pt") -
     return os.path.join(save_dir, step_checkpoint_name(global_step, suffix))
 
 
-def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[str, dict[str, Any]]]:
+def load_newest(save_dir: str, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
     """The most recently written checkpoint in `save_dir` that loads and validates, or None.
 
     A broken newer file (truncated by a full disk, overwritten by something
@@ -232,8 +267,11 @@ def load_newest(save_dir: str, warn: Callable[[str], None]) -> Optional[tuple[st
 def prune_step_checkpoints(save_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` step checkpoints, files or folders (called only after a new one is in
     place)."""
-    for path in newest_first(run_folders.matching(save_dir, tuple(f"step-*{suffix}" for suffix in run_folders.FILE_SUFFIXES),
-                                                  ("step-[0-9]*[0-9]",)))[keep:]:
+    for path in newest_first(
+        run_folders.matching(
+            save_dir, tuple(f"step-*{suffix}" for suffix in run_folders.FILE_SUFFIXES), ("step-[0-9]*[0-9]",)
+        )
+    )[keep:]:
         safe_files.remove(path)
 
 
@@ -244,11 +282,13 @@ def remove_unfinished(save_dir: str) -> list[str]:
     Only one run may use a save dir at a time, so no other process is writing them.
     """
     for old in glob.glob(os.path.join(save_dir, "*" + safe_files.OLD_SUFFIX)):
-        if not os.path.lexists(old[:-len(safe_files.OLD_SUFFIX)]):
-            os.rename(old, old[:-len(safe_files.OLD_SUFFIX)])
-    unfinished = run_folders.matching(save_dir, (*(f"*{suffix}.*{TMP_SUFFIX}" for suffix in run_folders.FILE_SUFFIXES),
-                                             "*" + safe_files.OLD_SUFFIX),
-                                  tuple(folder + TMP_SUFFIX for folder in run_folders.CHECKPOINT_FOLDERS))
+        if not os.path.lexists(old[: -len(safe_files.OLD_SUFFIX)]):
+            os.rename(old, old[: -len(safe_files.OLD_SUFFIX)])
+    unfinished = run_folders.matching(
+        save_dir,
+        (*(f"*{suffix}.*{TMP_SUFFIX}" for suffix in run_folders.FILE_SUFFIXES), "*" + safe_files.OLD_SUFFIX),
+        tuple(folder + TMP_SUFFIX for folder in run_folders.CHECKPOINT_FOLDERS),
+    )
     for path in unfinished:
         safe_files.remove(path)
     return [os.path.basename(path) for path in unfinished]
@@ -265,7 +305,7 @@ PROBE_BYTES = 64 * 1024  # real bytes: an empty file can be created on a full di
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def check_writable(directory: str, flag: str = "--save-dir", inside: Optional[str] = None) -> None:
+def check_writable(directory: str, flag: str = "--save-dir", inside: str | None = None) -> None:
     """Fail at start, not after an epoch of training, when files cannot be written to `directory`.
 
     Creates the directory (`safe_files.make_folder`: a symbolic link planted
@@ -280,11 +320,15 @@ def check_writable(directory: str, flag: str = "--save-dir", inside: Optional[st
             probe.flush()
             os.fsync(probe.fileno())
     except OSError as error:
-        fix = "free some space or choose another directory" if error.errno in _NO_ROOM else "choose another directory"
+        fix = (
+            "free some space or choose another directory"
+            if error.errno in _NO_ROOM
+            else "choose another directory"
+        )
         raise UsageError(f"{flag} {directory} is not writable ({error.strerror or error}); {fix}") from None
 
 
-def room_shortfall(directory: str, need_bytes: int, file_bytes: int, what: str) -> Optional[tuple[str, str]]:
+def room_shortfall(directory: str, need_bytes: int, file_bytes: int, what: str) -> tuple[str, str] | None:
     """Why `need_bytes` of checkpoints (`what` they are), each file about `file_bytes`, will not fit in
     `directory`, its free space or the file size limit (ulimit -f) against the need, and what would make
     them fit, both in words; None when they fit."""
@@ -292,11 +336,16 @@ def room_shortfall(directory: str, need_bytes: int, file_bytes: int, what: str) 
     free = stats.f_bavail * stats.f_frsize
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if free < need_bytes:
-        return (f"has {megabytes(free)} free, but this run's checkpoints need about {megabytes(need_bytes)} ({what})",
-                f"free some space, choose another directory")
+        return (
+            f"has {megabytes(free)} free, but this run's checkpoints need about {megabytes(need_bytes)} ({what})",
+            "free some space, choose another directory",
+        )
     if limit != resource.RLIM_INFINITY and limit < file_bytes:
-        return (f"is under a file size limit (ulimit -f) of {megabytes(limit)}, but one checkpoint needs about "
-                f"{megabytes(file_bytes)}", "raise the limit (ulimit -f unlimited)")
+        return (
+            f"is under a file size limit (ulimit -f) of {megabytes(limit)}, but one checkpoint needs about "
+            f"{megabytes(file_bytes)}",
+            "raise the limit (ulimit -f unlimited)",
+        )
     return None
 
 
@@ -305,8 +354,9 @@ def megabytes(count: int) -> str:
     return f"{count / 1e6:.1f} MB"
 
 
-def estimate_size(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                  model_copies: int = 1) -> int:
+def estimate_size(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, model_copies: int = 1
+) -> int:
     """About how many bytes one checkpoint of `model` takes: its state (`model_copies` times: 2 with an EMA's
     average), plus the optimizer's per-parameter state (created at the first step, so counted from the
     optimizer's kind: 2 tensors for Adam-like optimizers, 1 for SGD with momentum), plus a little for the rest."""

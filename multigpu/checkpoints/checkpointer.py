@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,8 +25,16 @@ from multigpu.resilience import faults, preemption
 # The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
 PROGRESS = "progress"
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
-MUST_MATCH_ON_RESUME = ("model", "mode", "dataset", "image_shape", "num_classes", "train_size", "optimizer_class",
-                        "scheduler_class")
+MUST_MATCH_ON_RESUME = (
+    "model",
+    "mode",
+    "dataset",
+    "image_shape",
+    "num_classes",
+    "train_size",
+    "optimizer_class",
+    "scheduler_class",
+)
 
 
 class Says(Protocol):
@@ -42,26 +50,38 @@ class Checkpointer:
         self.config, self.runtime, self.report = config, runtime, report
         self.save_dir: str = config.save_dir  # type: ignore[assignment]  # chosen by run_folders.run_folder
         self.lock = savedir.SaveDirLock(self.save_dir)
-        self.last_saved: Optional[str] = None  # the checkpoint to fall back on (set by saves and resume)
-        self.saved_step: Optional[int] = None  # its optimizer step
+        self.last_saved: str | None = None  # the checkpoint to fall back on (set by saves and resume)
+        self.saved_step: int | None = None  # its optimizer step
         # --overwrite's copy of the previous run, known on every rank (rank 0 moves the files): dropped at this
         # run's first save, put back if the run ends before it.
-        self.set_aside: Optional[str] = None
+        self.set_aside: str | None = None
         # Set by the first fit()'s claim: the checkpoints there are then this trainer's own run, which a later
         # fit() of the same trainer continues, not another run's to refuse or set aside.
         self.claimed = False
-        self.sharded = config.sharded_checkpoints()  # the writer: one file from rank 0, or every rank's shards
-        self.suffix = ".safetensors" if config.checkpoint_format == "safetensors" else ".pt"  # one file's kind
+        self.sharded = (
+            config.sharded_checkpoints()
+        )  # the writer: one file from rank 0, or every rank's shards
+        self.suffix = (
+            ".safetensors" if config.checkpoint_format == "safetensors" else ".pt"
+        )  # one file's kind
         self.background = sharded.AsyncSaves()  # --async-checkpoint's save in flight
 
     @classmethod
-    def at_start(cls, config: TrainConfig, runtime: Runtime, report: Says, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, total_steps: float) -> "Checkpointer":
+    def at_start(
+        cls,
+        config: TrainConfig,
+        runtime: Runtime,
+        report: Says,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        total_steps: float,
+    ) -> Checkpointer:
         """The run's checkpointer, its save-dir (and --log-dir) checked at start, before anything is trained:
         writable, with room for what this run keeps."""
         made = cls(config, runtime, report)
-        made.check_folders(checkpoint.estimate_size(model, optimizer, model_copies=2 if config.ema_decay else 1),
-                           total_steps)  # type: ignore[arg-type]
+        made.check_folders(
+            checkpoint.estimate_size(model, optimizer, model_copies=2 if config.ema_decay else 1), total_steps
+        )
         return made
 
     @property
@@ -70,7 +90,7 @@ class Checkpointer:
         return self.set_aside is not None
 
     # ------------------------------------------------------------------ owning the save-dir
-    def check_folders(self, checkpoint_bytes: int, total_steps: int) -> None:
+    def check_folders(self, checkpoint_bytes: int, total_steps: float) -> None:
         """At start, before anything is trained: the save-dir and --log-dir take real bytes on every rank, and
         rank 0's save-dir has room for the checkpoints this run keeps (`total_steps` long, each about
         `checkpoint_bytes`), else refused unless --allow-low-disk. Every rank gets the same verdict."""
@@ -79,21 +99,27 @@ class Checkpointer:
             checkpoint.check_writable(self.save_dir)
             shortfall = self._room_shortfall(checkpoint_bytes, total_steps) if self.runtime.is_main else None
             if shortfall and not self.config.allow_low_disk:
-                raise UsageError(f"--save-dir {self.save_dir} {shortfall[0]}: {shortfall[1]}, or pass "
-                                 f"--allow-low-disk to start anyway")
+                raise UsageError(
+                    f"--save-dir {self.save_dir} {shortfall[0]}: {shortfall[1]}, or pass "
+                    f"--allow-low-disk to start anyway"
+                )
             if shortfall:
-                self.report.line(f"warning: --save-dir {self.save_dir} {shortfall[0]}; starting anyway "
-                                 f"(--allow-low-disk): a save that does not fit stops the run")
-            checkpoint.check_writable(self.config.tensorboard_dir,
-                                      flag="--log-dir" if self.config.log_dir else "--save-dir",
-                                      inside=self.config.tensorboard_root)
+                self.report.line(
+                    f"warning: --save-dir {self.save_dir} {shortfall[0]}; starting anyway "
+                    f"(--allow-low-disk): a save that does not fit stops the run"
+                )
+            checkpoint.check_writable(
+                self.config.tensorboard_dir,
+                flag="--log-dir" if self.config.log_dir else "--save-dir",
+                inside=self.config.tensorboard_root,
+            )
         except UsageError as error:
             refusal = str(error)
         refusal = next(filter(None, gather_objects(refusal)), None)
         if refusal:
             raise UsageError(refusal)
 
-    def _room_shortfall(self, checkpoint_bytes: int, total_steps: int) -> Optional[tuple[str, str]]:
+    def _room_shortfall(self, checkpoint_bytes: int, total_steps: float) -> tuple[str, str] | None:
         """Rank 0: why the checkpoints will not fit in the save-dir and what would make them, or None.
 
         At the most, a run keeps last.pt, best.pt and --keep-last step checkpoints
@@ -103,13 +129,20 @@ class Checkpointer:
         the first save, which writes last.pt and best.pt beside it.
         """
         config = self.config
-        steps = min(config.keep_last, total_steps // config.save_every_steps) if config.save_every_steps else 0
+        # A whole number: total_steps is math.inf only for a stream without a length, where keep_last is the least.
+        steps = (
+            int(min(config.keep_last, total_steps // config.save_every_steps))
+            if config.save_every_steps
+            else 0
+        )
         files = 2 + steps + 1
         there = sum(checkpoint.size_of(path) for path in run_folders.checkpoint_files(self.save_dir))
         need = max(files * checkpoint_bytes - there, (2 if config.overwrite else 1) * checkpoint_bytes)
-        what = (f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
-                f"about {checkpoint.megabytes(checkpoint_bytes)} each"
-                f"{f', less the {checkpoint.megabytes(there)} of the checkpoints there' if there else ''}")
+        what = (
+            f"last.pt, best.pt, {f'{steps} step checkpoint(s), ' if steps else ''}and the one being written, "
+            f"about {checkpoint.megabytes(checkpoint_bytes)} each"
+            f"{f', less the {checkpoint.megabytes(there)} of the checkpoints there' if there else ''}"
+        )
         return checkpoint.room_shortfall(self.save_dir, need, checkpoint_bytes, what)
 
     def claim(self) -> None:
@@ -121,7 +154,8 @@ class Checkpointer:
         never replaces another run's checkpoints: refused, or with --overwrite
         kept aside until this run's first save. Every rank learns the verdict.
         """
-        refusal, lines = None, []
+        refusal: str | None = None
+        lines: list[str] = []
         if self.runtime.is_main and not self.lock.held:
             try:
                 self.lock.acquire(lines.append)
@@ -131,7 +165,7 @@ class Checkpointer:
                 refusal = self._refuse_fresh_start_over_checkpoints()
             except UsageError as error:
                 refusal = str(error)
-        refusal, self.set_aside = gather_objects((refusal, self.set_aside))[0]  # type: ignore[misc]
+        refusal, self.set_aside = gather_objects((refusal, self.set_aside))[0]
         for line in lines:
             self.report.line(line)
         if refusal:
@@ -139,32 +173,42 @@ class Checkpointer:
             raise UsageError(refusal)
         self.claimed = True
 
-    def _refuse_fresh_start_over_checkpoints(self) -> Optional[str]:
+    def _refuse_fresh_start_over_checkpoints(self) -> str | None:
         """Rank 0: the refusal of a run that would replace the checkpoints in the save-dir, or None (after
         --overwrite's set-aside)."""
         config = self.config
         existing = run_folders.resumable_files(self.save_dir) + run_folders.checkpoint_files(self.save_dir)
         if preemption.restart_count() > 0 or not existing or self.claimed:
             return None
-        if config.resume is not None and not config.overwrite:
+        if (config.resume is not None or config.fault_tolerance) and not config.overwrite:
             return None  # it continues the run here, or (--resume PATH from elsewhere) replaces its files as it saves
         if config.resume is not None and self._resumes_from_save_dir():
-            return (f"--resume {config.resume} continues the run in --save-dir {self.save_dir}, which --overwrite "
-                    f"would set aside: give one of them")
+            return (
+                f"--resume {config.resume} continues the run in --save-dir {self.save_dir}, which --overwrite "
+                f"would set aside: give one of them"
+            )
         if not config.overwrite:
-            return (f"--save-dir {self.save_dir} holds another run's checkpoints "
-                    f"({os.path.basename(existing[0])}): continue it with --resume auto, choose another --save-dir, "
-                    f"or start afresh with --overwrite (the old files are kept aside until this run saves)")
+            return (
+                f"--save-dir {self.save_dir} holds another run's checkpoints "
+                f"({os.path.basename(existing[0])}): continue it with --resume auto, choose another --save-dir, "
+                f"or start afresh with --overwrite (the old files are kept aside until this run saves)"
+            )
         self.set_aside = run_folders.set_aside(self.save_dir, extra=(os.path.join(self.save_dir, "tb"),))
-        self.report.line(f"--overwrite: the previous run's files are kept in {self.set_aside} until this run's "
-                         f"first checkpoint is written, and put back if it ends before")
+        self.report.line(
+            f"--overwrite: the previous run's files are kept in {self.set_aside} until this run's "
+            f"first checkpoint is written, and put back if it ends before"
+        )
         return None
 
     def _resumes_from_save_dir(self) -> bool:
         """Whether --resume names the save-dir's own run: auto, the save-dir itself, or a file in it."""
         resume = self.config.resume
+        assert resume is not None  # asked only where --resume is given
         here = os.path.realpath(self.save_dir)
-        return resume == "auto" or here in (os.path.realpath(resume), os.path.dirname(os.path.realpath(resume)))
+        return resume == "auto" or here in (
+            os.path.realpath(resume),
+            os.path.dirname(os.path.realpath(resume)),
+        )
 
     def release(self) -> None:
         """Give the save-dir up (rank 0 holds the lock; a no-op elsewhere and when not held). A run that ends
@@ -179,57 +223,72 @@ class Checkpointer:
         folder, self.set_aside = self.set_aside, None
         if folder and self.runtime.is_main:
             if preemption.restarts_left() > 0:
-                self.report.line(f"--overwrite: the previous run's files stay in {folder} while torchrun may restart "
-                                 f"this run; a run started later in --save-dir {self.save_dir} puts them back")
+                self.report.line(
+                    f"--overwrite: the previous run's files stay in {folder} while torchrun may restart "
+                    f"this run; a run started later in --save-dir {self.save_dir} puts them back"
+                )
             else:
                 run_folders.put_back(folder)
-                self.report.line(f"--overwrite: this run ended before its first checkpoint, so the previous run's "
-                                 f"files are back in --save-dir {self.save_dir} (this run's own logs there removed)")
+                self.report.line(
+                    f"--overwrite: this run ended before its first checkpoint, so the previous run's "
+                    f"files are back in --save-dir {self.save_dir} (this run's own logs there removed)"
+                )
         if self.lock.held:
             self.lock.release()
 
     # ------------------------------------------------------------------ resume
-    def find(self) -> Optional[tuple[str, dict[str, Any]]]:
+    def find(self) -> tuple[str, dict[str, Any]] | None:
         """(path, state) to continue from, the same on every rank; None to start from scratch."""
-        if self.runtime.is_main:
+        # With --fault-tolerance another replica group may be saving right now: its temporary file is no leftover.
+        if self.runtime.is_main and not self.config.fault_tolerance:
             removed = checkpoint.remove_unfinished(self.save_dir)
             if removed:
-                self.report.line(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
+                self.report.line(
+                    f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}"
+                )
         found = self._find_here()
         # Every rank reads --save-dir itself: on nodes without a shared file system they could
         # silently continue from different points (or from scratch), so they must agree.
         steps = gather_objects(None if found is None else found[1]["global_step"])
         if len(set(steps)) > 1:
-            raise CheckpointError(f"ranks found different checkpoints to resume (steps by rank: {steps}); "
-                                  f"put --save-dir on storage that every node shares")
+            raise CheckpointError(
+                f"ranks found different checkpoints to resume (steps by rank: {steps}); "
+                f"put --save-dir on storage that every node shares"
+            )
         if found is not None:
             self.last_saved, self.saved_step = found[0], found[1]["global_step"]
         return found
 
-    def _find_here(self) -> Optional[tuple[str, dict[str, Any]]]:
+    def _find_here(self) -> tuple[str, dict[str, Any]] | None:
         """After a torchrun restart the newest checkpoint in --save-dir wins, even over --resume PATH:
-        it holds the work done since PATH was loaded (docs/checkpoints.md, "Elastic restarts under torchrun")."""
+        it holds the work done since PATH was loaded (docs/checkpoints.md, "Elastic restarts under torchrun").
+        With --fault-tolerance a replica group started again continues the run as --resume auto does, when no live
+        peer healed it (docs/fault-tolerance.md)."""
         config = self.config
         restarted = preemption.restart_count() > 0
-        if config.resume is None and not restarted:
+        resume = config.resume or ("auto" if config.fault_tolerance else None)
+        if resume is None and not restarted:
             return None
-        if restarted or config.resume == "auto":
+        if restarted or resume == "auto":
             found = self._newest_in(self.save_dir, "--resume auto")
             if found is not None:
                 return found
-            if config.resume in (None, "auto"):
+            if resume in (None, "auto"):
                 self.report.line(f"no checkpoint to resume in {self.save_dir}: starting from scratch")
                 return None
             # restarted before this run saved anything: what --resume PATH named is still the newest
+        assert config.resume is not None  # without --resume, returned above
         if os.path.isdir(config.resume) and not checkpoint.is_sharded(config.resume):
             found = self._newest_in(config.resume, f"--resume {config.resume}")
             if found is None:
-                raise CheckpointError(f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) "
-                                      f"or sharded ones (last/): name a checkpoint file, or a folder that holds one")
+                raise CheckpointError(
+                    f"--resume {config.resume} is a folder without checkpoints (last.pt, step-*.pt) "
+                    f"or sharded ones (last/): name a checkpoint file, or a folder that holds one"
+                )
             return found
         return config.resume, checkpoint.load(config.resume)
 
-    def _newest_in(self, folder: str, flag: str) -> Optional[tuple[str, dict[str, Any]]]:
+    def _newest_in(self, folder: str, flag: str) -> tuple[str, dict[str, Any]] | None:
         """The newest checkpoint in `folder` that loads (each newer one refused said in a line); None when there
         is none; CheckpointError when there are some and none loads: never a silent fresh start over them."""
         reasons: list[str] = []
@@ -246,19 +305,30 @@ class Checkpointer:
         """Refuse a checkpoint of another model, data set or optimizer in one line naming the field;
         log the settings that changed."""
         saved = state["config"]
-        theirs = {**saved, "model": _model_name(saved),
-                  **{key: state.get(key) for key in ("train_size", "optimizer_class", "scheduler_class")}}
+        theirs = {
+            **saved,
+            "model": _model_name(saved),
+            **{key: state.get(key) for key in ("train_size", "optimizer_class", "scheduler_class")},
+        }
         for name in MUST_MATCH_ON_RESUME:
             if theirs.get(name) is not None and ours[name] != theirs[name]:
-                what = {"train_size": "a training set of", "optimizer_class": "optimizer",
-                        "scheduler_class": "LR scheduler"}.get(name, f"--{name.replace('_', '-')}")
-                raise CheckpointError(f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): "
-                                      f"resume with the same one or start a new --save-dir")
+                what = {
+                    "train_size": "a training set of",
+                    "optimizer_class": "optimizer",
+                    "scheduler_class": "LR scheduler",
+                }.get(name, f"--{name.replace('_', '-')}")
+                raise CheckpointError(
+                    f"{what} {ours[name]} contradicts checkpoint {path} (saved with {theirs[name]}): "
+                    f"resume with the same one or start a new --save-dir"
+                )
         self._refuse_past_epochs(path, state)
         changed = run_settings.changes(saved, self.config)
         if changed:
-            keeps_seed = "; data order and random state continue the checkpoint's" if self.config.seed != \
-                saved.get("seed", self.config.seed) else ""
+            keeps_seed = (
+                "; data order and random state continue the checkpoint's"
+                if self.config.seed != saved.get("seed", self.config.seed)
+                else ""
+            )
             self.report.line(f"resuming with changed settings: {'; '.join(changed)}{keeps_seed}")
 
     def _refuse_past_epochs(self, path: str, state: dict[str, Any]) -> None:
@@ -266,15 +336,19 @@ class Checkpointer:
         with a negative number of steps left would be a lie."""
         steps, limit = state.get("global_step", 0), self.config.max_steps
         if limit and steps >= limit:
-            raise CheckpointError(f"checkpoint {path} has trained {steps} optimizer steps, already at --max-steps "
-                                  f"{limit} (the total, not steps more): nothing to train; pass a larger --max-steps "
-                                  f"to train on")
+            raise CheckpointError(
+                f"checkpoint {path} has trained {steps} optimizer steps, already at --max-steps "
+                f"{limit} (the total, not steps more): nothing to train; pass a larger --max-steps "
+                f"to train on"
+            )
         epochs, partial = state["epoch"], state["samples_in_epoch"] > 0
         if epochs > self.config.epochs or (epochs == self.config.epochs and partial):
             part = " and part of the next" if partial else ""
-            raise CheckpointError(f"checkpoint {path} has trained {epochs} epoch(s){part}, already past --epochs "
-                                  f"{self.config.epochs} (the total, not epochs more): nothing to train; pass --epochs "
-                                  f"{epochs + 1} or more to train on")
+            raise CheckpointError(
+                f"checkpoint {path} has trained {epochs} epoch(s){part}, already past --epochs "
+                f"{self.config.epochs} (the total, not epochs more): nothing to train; pass --epochs "
+                f"{epochs + 1} or more to train on"
+            )
 
     # ------------------------------------------------------------------ what a checkpoint holds
     def state_of(self, stateful: dict[str, Any]) -> dict[str, Any]:
@@ -283,17 +357,26 @@ class Checkpointer:
         keys since version 1). Every rank must call it (the RNG states are gathered; rank 0 gets the whole
         model). Saves happen between optimizer steps only, so no gradient accumulation is ever in flight."""
         state = {name: thing.state_dict() for name, thing in stateful.items()}
-        return {"format_version": checkpoint.FORMAT_VERSION,
-                "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
-                **state.pop(PROGRESS, {}), **state, "world_size": self.runtime.world_size,
-                "config": self.config.to_dict()}
+        return {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "torch_version": str(torch.__version__),  # a str subclass that weights_only refuses
+            **state.pop(PROGRESS, {}),
+            **state,
+            "world_size": self.runtime.data_ranks,  # the data's shares, over every replica group too
+            "config": self.config.to_dict(),
+        }
 
     def load_into(self, stateful: dict[str, Any], state: dict[str, Any], path: str) -> None:
         """Load checkpoint `state` into each of `stateful`'s things, in the dict's order; one that does not
         fit (another model, optimizer or scheduler) is refused in one line naming `path`. From a sharded folder
         each rank reads the model's and optimizer's shards it holds, at any world size."""
         folder = checkpoint.is_sharded(path)
-        errors = (RuntimeError, ValueError, KeyError, IndexError)  # a damaged folder is sharded's CheckpointError
+        errors = (
+            RuntimeError,
+            ValueError,
+            KeyError,
+            IndexError,
+        )  # a damaged folder is sharded's CheckpointError
         try:
             if folder:
                 sharded.load_shards(stateful, path)
@@ -302,11 +385,12 @@ class Checkpointer:
                     thing.load_state_dict(state if name == PROGRESS else state.get(name, {}))
         except errors as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
-            raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: "
-                                  f"{lines[min(1, len(lines) - 1)][:300]}") from None
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model/optimizer: {lines[min(1, len(lines) - 1)][:300]}"
+            ) from None
 
     # ------------------------------------------------------------------ save
-    def save(self, stateful: dict[str, Any], name: str, also_as: Optional[str] = None) -> str:
+    def save(self, stateful: dict[str, Any], name: str, also_as: str | None = None) -> str:
         """Write the checkpoint of `stateful` to <save-dir>/name (and also_as); every rank must call this.
         The sharded format drops the names' .pt: `last.pt` is the folder `last/` there.
 
@@ -316,10 +400,12 @@ class Checkpointer:
         """
         step = stateful[PROGRESS].state_dict()["global_step"]
         if self.sharded:
-            return self._save_sharded(stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"),
-                                      step)
+            return self._save_sharded(
+                stateful, name.removesuffix(".pt"), also_as and also_as.removesuffix(".pt"), step
+            )
         state = self.state_of(stateful)
-        name, also_as = (None if each is None else each.removesuffix(".pt") + self.suffix for each in (name, also_as))
+        name = name.removesuffix(".pt") + self.suffix
+        also_as = None if also_as is None else also_as.removesuffix(".pt") + self.suffix
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
             for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
@@ -338,9 +424,15 @@ class Checkpointer:
         """Every rank learns whether rank 0's writing for `path` failed (`error`), and then stops in one line."""
         failed = all_reduce_sum(torch.tensor([float(bool(error))], device=self.runtime.device)).item()
         if failed:
-            kept = "the previous checkpoint is kept" if failed_path in ("", path) else "the newest checkpoint is kept"
-            raise TrainingStopped(f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
-                                  f"stopped at step {step}, {kept}: {self.newest()}")
+            kept = (
+                "the previous checkpoint is kept"
+                if failed_path in ("", path)
+                else "the newest checkpoint is kept"
+            )
+            raise TrainingStopped(
+                f"could not write checkpoint {failed_path or path}: {error or 'failed on rank 0'}; "
+                f"stopped at step {step}, {kept}: {self.newest()}"
+            )
 
     def _saved(self, path: str, step: int) -> None:
         """`path` (of optimizer step `step`) is in place: the newest checkpoint, and --overwrite's set-aside run
@@ -350,7 +442,7 @@ class Checkpointer:
         if folder and self.runtime.is_main:
             run_folders.drop_set_aside(folder)  # our first checkpoint is safely written
 
-    def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: Optional[str], step: int) -> str:
+    def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: str | None, step: int) -> str:
         """Every rank writes its shards into `<name>.tmp/`, rank 0 the rest; renamed to `name` (and linked as
         `also_as`) once complete, after the writing in the background with --async-checkpoint."""
         started = time.perf_counter()
@@ -372,8 +464,10 @@ class Checkpointer:
         try:
             pending = sharded.start_save(stateful, folder, background, die_midway=bool(fault and background))
         except Exception as failure:  # DCP raises on every rank when one failed: the ranks stop together
-            raise TrainingStopped(f"could not write checkpoint {path}: {str(failure).strip()[:300]}; stopped at "
-                                  f"step {step}, the previous checkpoint is kept: {self.newest()}") from None
+            raise TrainingStopped(
+                f"could not write checkpoint {path}: {str(failure).strip()[:300]}; stopped at "
+                f"step {step}, the previous checkpoint is kept: {self.newest()}"
+            ) from None
 
         def finish() -> None:  # on every rank, once every rank's shards are written: rank 0 renames
             error = ""
@@ -389,15 +483,19 @@ class Checkpointer:
 
         if pending is None:
             finish()
-            self.report.line(f"checkpoint {path}/ saved in {time.perf_counter() - started:.2f}s "
-                             f"({checkpoint.megabytes(checkpoint.size_of(path)) if self.runtime.is_main else ''})")
+            self.report.line(
+                f"checkpoint {path}/ saved in {time.perf_counter() - started:.2f}s "
+                f"({checkpoint.megabytes(checkpoint.size_of(path)) if self.runtime.is_main else ''})"
+            )
         else:
             self.background.pending = (pending, finish)
-            self.report.line(f"checkpoint {path}/ being written in the background: training blocked "
-                             f"{time.perf_counter() - started:.2f}s")
+            self.report.line(
+                f"checkpoint {path}/ being written in the background: training blocked "
+                f"{time.perf_counter() - started:.2f}s"
+            )
         return path
 
-    def _put_in_place(self, folder: str, path: str, also_as: Optional[str]) -> None:
+    def _put_in_place(self, folder: str, path: str, also_as: str | None) -> None:
         """Rank 0: the complete `folder` becomes `path` (and `also_as`, linked), then old step folders go."""
         safe_files.replace_folder(folder, path)
         if also_as:
@@ -417,12 +515,16 @@ class Checkpointer:
         except TrainingStopped:  # its renaming failed: said already
             raise
         except Exception as failure:  # every rank's future fails alike: DCP's collective reports it to each
-            raise TrainingStopped(f"could not write a checkpoint in the background: {str(failure).strip()[:300]}; "
-                                  f"the previous checkpoint is kept: {self.newest()}") from None
+            raise TrainingStopped(
+                f"could not write a checkpoint in the background: {str(failure).strip()[:300]}; "
+                f"the previous checkpoint is kept: {self.newest()}"
+            ) from None
 
     def save_step(self, stateful: dict[str, Any], global_step: int) -> None:
         """A step checkpoint, then the oldest ones beyond --keep-last go (only once the new one is in place)."""
-        self.save(stateful, checkpoint.step_checkpoint_name(global_step))  # .pt: save() gives it the run's suffix
+        self.save(
+            stateful, checkpoint.step_checkpoint_name(global_step)
+        )  # .pt: save() gives it the run's suffix
         if self.runtime.is_main and not self.sharded:  # a sharded one prunes once it is in place
             checkpoint.prune_step_checkpoints(self.save_dir, self.config.keep_last)
 
@@ -435,7 +537,7 @@ class Checkpointer:
         return faults.kill_self if faults.save_fault_step(self.runtime.rank) == step else None
 
 
-def _model_name(saved_config: dict[str, Any]) -> Optional[str]:
+def _model_name(saved_config: dict[str, Any]) -> str | None:
     """The model a checkpoint's config built (its --model, or the default of its --mode)."""
     try:
         return TrainConfig.from_dict(saved_config).model_name

@@ -13,7 +13,7 @@ import math
 import os
 import pickle
 import stat
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,8 +27,10 @@ def check_complete(path: str) -> Any:
     unless the folder holds that metadata, its state file, and every shard file the metadata names, whole."""
     missing = [part for part in (MARKER, STATE_FILE) if not os.path.isfile(os.path.join(path, part))]
     if missing:
-        raise CheckpointError(f"checkpoint {path} refused: an incomplete sharded checkpoint (no "
-                              f"{' or '.join(missing)}: its save did not finish)")
+        raise CheckpointError(
+            f"checkpoint {path} refused: an incomplete sharded checkpoint (no "
+            f"{' or '.join(missing)}: its save did not finish)"
+        )
     metadata = read_metadata(path)
     damage = _storage_problem(metadata) or _shard_files_problem(path, metadata)
     if damage:
@@ -43,12 +45,31 @@ def check_complete(path: str) -> Any:
 # its own shards").
 _DCP = "torch.distributed.checkpoint."
 METADATA_GLOBALS = frozenset(
-    {(_DCP + "metadata", name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-                                            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                            "_MEM_FORMAT_ENCODING")}
-    | {(_DCP + "filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
-       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")})
+    {
+        (_DCP + "metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        (_DCP + "filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib._local", "PosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
 
 
 class _Refused(pickle.UnpicklingError):
@@ -58,7 +79,9 @@ class _Refused(pickle.UnpicklingError):
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # vars(), not getattr(): torch's module __getattr__ imports submodules by name
-        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
+        if (module, name) in METADATA_GLOBALS or (
+            module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}"[:100])
 
@@ -75,45 +98,74 @@ def read_metadata(path: str) -> Any:
     except CheckpointError:
         raise
     except _Refused as refused:
-        raise CheckpointError(f"checkpoint {path} refused: its {MARKER} names {refused}, which DCP's metadata never "
-                              f"holds and loading would call; nothing in it was run") from None
+        raise CheckpointError(
+            f"checkpoint {path} refused: its {MARKER} names {refused}, which DCP's metadata never "
+            f"holds and loading would call; nothing in it was run"
+        ) from None
     except Exception as error:  # garbage, cut short: whatever the unpickler met first
-        raise CheckpointError(f"checkpoint {path} refused: its {MARKER} is not DCP's metadata, truncated or corrupt "
-                              f"({type(error).__name__}: {str(error)[:120]})") from None
+        raise CheckpointError(
+            f"checkpoint {path} refused: its {MARKER} is not DCP's metadata, truncated or corrupt "
+            f"({type(error).__name__}: {str(error)[:120]})"
+        ) from None
     from torch.distributed.checkpoint.metadata import Metadata
+
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path} refused: its {MARKER} holds a {type(metadata).__name__}, not DCP's "
-                              f"metadata")
+        raise CheckpointError(
+            f"checkpoint {path} refused: its {MARKER} holds a {type(metadata).__name__}, not DCP's metadata"
+        )
     return metadata
 
 
-def _storage_problem(metadata: Any) -> Optional[str]:
+def _storage_problem(metadata: Any) -> str | None:
     """What in DCP's `metadata` DCP would fail on (an entry DCP does not write, a tensor without its stored
     bytes), in words; None when every tensor piece and value has its place in a shard file."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
     where, entries, paths = metadata.storage_data, metadata.state_dict_metadata, metadata.planner_data
     malformed = f"its {MARKER} is malformed (entries DCP does not write)"
     if not (isinstance(where, dict) and isinstance(entries, dict) and isinstance(paths, (dict, type(None)))):
         return malformed
-    if not all(isinstance(key, MetadataIndex) and isinstance(info, _StorageInfo) and _counts(info.offset, info.length)
-               and isinstance(info.relative_path, str) and info.relative_path not in ("", ".", "..")
-               and os.path.basename(info.relative_path) == info.relative_path for key, info in where.items()):
+    if not all(
+        isinstance(key, MetadataIndex)
+        and isinstance(info, _StorageInfo)
+        and _counts(info.offset, info.length)
+        and isinstance(info.relative_path, str)
+        and info.relative_path not in ("", ".", "..")
+        and os.path.basename(info.relative_path) == info.relative_path
+        for key, info in where.items()
+    ):
         return malformed
     # An export rebuilds each value where these paths say: an index past the entries would grow a list for good.
-    if not all(isinstance(path, tuple) and all(isinstance(part, str) or _counts(part) and part < len(entries)
-                                               for part in path) for path in (paths or {}).values()):
+    if not all(
+        isinstance(path, tuple)
+        and all(isinstance(part, str) or _counts(part) and part < len(entries) for part in path)
+        for path in (paths or {}).values()
+    ):
         return malformed
     for name, entry in entries.items():
         try:  # each piece's offsets in the tensor and bytes of data; an entry of other types fails here
-            pieces = [(None, 0)] if isinstance(entry, BytesStorageMetadata) else [
-                (chunk.offsets, math.prod(chunk.sizes) * entry.properties.dtype.itemsize)
-                for chunk in entry.chunks if _counts(*entry.size, *chunk.offsets, *chunk.sizes)
-                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)]
+            pieces = (
+                [(None, 0)]
+                if isinstance(entry, BytesStorageMetadata)
+                else [
+                    (chunk.offsets, math.prod(chunk.sizes) * entry.properties.dtype.itemsize)
+                    for chunk in entry.chunks
+                    if _counts(*entry.size, *chunk.offsets, *chunk.sizes)
+                    and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                ]
+            )
         except (AttributeError, TypeError, ValueError):
             return malformed
-        if not isinstance(name, str) or not isinstance(entry, (BytesStorageMetadata, TensorStorageMetadata)) \
-                or len(pieces) != len(getattr(entry, "chunks", [None])):
+        if (
+            not isinstance(name, str)
+            or not isinstance(entry, (BytesStorageMetadata, TensorStorageMetadata))
+            or len(pieces) != len(getattr(entry, "chunks", [None]))
+        ):
             return malformed
         for offsets, data_bytes in pieces:
             info = where.get(MetadataIndex(name, offsets))
@@ -129,7 +181,7 @@ def _counts(*numbers: Any) -> bool:
     return all(isinstance(number, int) and number >= 0 for number in numbers)
 
 
-def _shard_files_problem(path: str, metadata: Any) -> Optional[str]:
+def _shard_files_problem(path: str, metadata: Any) -> str | None:
     """Which shard files of the folder `path` are missing or cut short, against the offsets and lengths its
     `metadata` gives them; None when every one is there, whole."""
     needed: dict[str, int] = {}
@@ -145,6 +197,7 @@ def _shard_files_problem(path: str, metadata: Any) -> Optional[str]:
         if not stat.S_ISREG(there.st_mode):
             problems.append(f"shard file {name} is not a regular file")
         elif there.st_size < size:
-            problems.append(f"shard file {name} is cut short ({there.st_size} bytes of the {size} its {MARKER} "
-                            f"names)")
+            problems.append(
+                f"shard file {name} is cut short ({there.st_size} bytes of the {size} its {MARKER} names)"
+            )
     return f"its {', '.join(problems)}" if problems else None

@@ -24,7 +24,8 @@ import json
 import os
 import re
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ FORMATS = ("pt", "safetensors", "hf")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
 
 
-def format_of(out: str, given: Optional[str]) -> str:
+def format_of(out: str, given: str | None) -> str:
     """The format `--format` gives, else the one OUT's name says: .pt, .safetensors, or a folder (hf)."""
     if given:
         return given
@@ -50,19 +51,30 @@ def format_of(out: str, given: Optional[str]) -> str:
         return "safetensors"
     if os.path.isdir(out) or out.endswith("/") or not os.path.splitext(out)[1]:
         return "hf"
-    raise UsageError(f"cannot tell the format from OUT {out}: name it .pt, .safetensors or a folder (hf), or give "
-                     f"--format {'|'.join(FORMATS)}")
+    raise UsageError(
+        f"cannot tell the format from OUT {out}: name it .pt, .safetensors or a folder (hf), or give "
+        f"--format {'|'.join(FORMATS)}"
+    )
 
 
-def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-           dtype: Optional[str] = None, tokenizer: Optional[str] = None, overwrite: bool = False) -> str:
+def export(
+    source: str,
+    out: str,
+    kind: str | None = None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    overwrite: bool = False,
+) -> str:
     """Write checkpoint `source`'s weights (or, `pt`, its whole state) to `out`; the line that says so.
     `tokenizer`: hf only, a folder whose tokenizer is saved beside the weights. `overwrite`: replace what is at
     `out` (else refused), once the new export is complete."""
     kind = format_of(out, kind)
     max_bytes = parse_size(max_shard_size)
     if tokenizer and kind != "hf":
-        raise UsageError(f"--tokenizer is saved beside the weights of --format hf, and this export writes {kind}")
+        raise UsageError(
+            f"--tokenizer is saved beside the weights of --format hf, and this export writes {kind}"
+        )
     earlier = check_output(source, out, kind, overwrite)
     if kind == "pt":
         return _export_pt(source, out, dtype) + replaced(earlier)
@@ -73,19 +85,28 @@ def export(source: str, out: str, kind: Optional[str] = None, max_shard_size: st
     checkpoint.check_writable(os.path.dirname(os.path.abspath(out.rstrip("/"))), flag="OUT")
     if kind == "hf":
         if not info.get("hf"):
-            raise UsageError(f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
-                             f"another model (or was saved before it recorded its class): use --format safetensors")
-        written = write_hf(info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer)
+            raise UsageError(
+                f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
+                f"another model (or was saved before it recorded its class): use --format safetensors"
+            )
+        written = write_hf(
+            info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer
+        )
     else:
         if not out.endswith(tensor_files.SUFFIX):
-            raise UsageError(f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, "
-                             f"got {out}")
+            raise UsageError(
+                f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, got {out}"
+            )
         written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
-        remove_stale(earlier, written)  # the other layout's files (one file, or shards) would shadow the new one
+        remove_stale(
+            earlier, written
+        )  # the other layout's files (one file, or shards) would shadow the new one
     size = sum(os.path.getsize(path) for path in written if os.path.isfile(path))
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
-    return (f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
-            f"{checkpoint.megabytes(size)}{replaced(earlier)}")
+    return (
+        f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
+        f"{checkpoint.megabytes(size)}{replaced(earlier)}"
+    )
 
 
 def existing_outputs(out: str, kind: str) -> list[str]:
@@ -105,12 +126,15 @@ def check_output(source: str, out: str, kind: str, overwrite: bool) -> list[str]
     """The files an export to `out` replaces; UsageError (one line) when there are any and not `overwrite`, and
     always when `out` is the checkpoint being read (its training state would be lost)."""
     if os.path.exists(out) and os.path.exists(source) and os.path.samefile(out, source):
-        raise UsageError(f"OUT {out} is the checkpoint being read; refused even with --overwrite: choose another "
-                         f"name")
+        raise UsageError(
+            f"OUT {out} is the checkpoint being read; refused even with --overwrite: choose another name"
+        )
     earlier = existing_outputs(out, kind)
     if earlier and not overwrite:
-        raise UsageError(f"OUT {earlier[0]} exists; add --overwrite to replace it (only once the export is "
-                         f"complete), or choose another name")
+        raise UsageError(
+            f"OUT {earlier[0]} exists; add --overwrite to replace it (only once the export is "
+            f"complete), or choose another name"
+        )
     return earlier
 
 
@@ -127,19 +151,25 @@ def replaced(earlier: list[str]) -> str:
     return f" (replaced the earlier {earlier[0]})" if earlier else ""
 
 
-def _export_pt(source: str, out: str, dtype: Optional[str]) -> str:
+def _export_pt(source: str, out: str, dtype: str | None) -> str:
     """The sharded folder (or safetensors checkpoint) `source` as one .pt checkpoint file."""
     if dtype:
-        raise UsageError("--dtype converts weights for --format safetensors or hf; a .pt checkpoint keeps the "
-                         "run's own, to resume from")
+        raise UsageError(
+            "--dtype converts weights for --format safetensors or hf; a .pt checkpoint keeps the "
+            "run's own, to resume from"
+        )
     if not checkpoint.is_sharded(source) and not tensor_files.is_safetensors(source):
-        raise UsageError(f"{source} is not a sharded checkpoint folder (last/, best/, step-N/ of a run with "
-                         f"--checkpoint-format sharded): name one")
+        raise UsageError(
+            f"{source} is not a sharded checkpoint folder (last/, best/, step-N/ of a run with "
+            f"--checkpoint-format sharded): name one"
+        )
     state = sharded.load_whole(source)
     checkpoint.check_writable(os.path.dirname(os.path.abspath(out)), flag="OUT.pt")
     checkpoint.atomic_save(state, out)
-    return (f"exported {source} (step {state['global_step']}, {len(state['model'])} tensors) to {out}: "
-            f"{checkpoint.megabytes(os.path.getsize(out))}")
+    return (
+        f"exported {source} (step {state['global_step']}, {len(state['model'])} tensors) to {out}: "
+        f"{checkpoint.megabytes(os.path.getsize(out))}"
+    )
 
 
 END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --export-on-end's, in the save-dir
@@ -147,8 +177,17 @@ END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --ex
 
 # ---------------------------------------------------------------- writing weights
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -159,13 +198,15 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
-def in_dtype(weights: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+def in_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Floating-point tensors in `dtype` (integer buffers, such as BatchNorm's counts, as they are)."""
     if dtype is None:
         return weights
     converted: dict[int, torch.Tensor] = {}  # tied names keep one tensor
-    return {name: converted.setdefault(id(t), t.to(dtype)) if t.is_floating_point() else t
-            for name, t in weights.items()}
+    return {
+        name: converted.setdefault(id(t), t.to(dtype)) if t.is_floating_point() else t
+        for name, t in weights.items()
+    }
 
 
 def shard_names(out: str, count: int) -> list[str]:
@@ -188,7 +229,9 @@ def _shards(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return groups
 
 
-def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]) -> list[str]:
+def write_safetensors(
+    weights: dict[str, torch.Tensor], out: str, max_bytes: int, tied: dict[str, str]
+) -> list[str]:
     """`weights` as the safetensors file `out`, or above `max_bytes` as shards beside it and their index
     (`<out>.index.json`, Hugging Face's layout, written last); the files written.
 
@@ -210,8 +253,10 @@ def write_safetensors(weights: dict[str, torch.Tensor], out: str, max_bytes: int
         safe_files.remove(index_path)
     for name in names:
         os.replace(name + safe_files.TMP_SUFFIX, name)
-    index = {"metadata": {"total_size": total, **header},
-             "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group}}
+    index = {
+        "metadata": {"total_size": total, **header},
+        "weight_map": {key: os.path.basename(name) for name, group in zip(names, groups) for key in group},
+    }
     safe_files.write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [*names, index_path]
 
@@ -221,31 +266,42 @@ def transformers_module(what: str) -> Any:
     try:
         return importlib.import_module("transformers")
     except ImportError:
-        raise UsageError(f"{what} needs the transformers library, which is not installed: pip install '.[hf]'") \
-            from None
+        raise UsageError(
+            f"{what} needs the transformers library, which is not installed: pip install '.[hf]'"
+        ) from None
 
 
-def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The transformers model a checkpoint's ModelInfo describes, holding `weights`."""
+def rebuild_hf(info: dict[str, Any], weights: dict[str, torch.Tensor]) -> Any:
+    """The transformers model (a PreTrainedModel, its class imported by name) a checkpoint's ModelInfo describes,
+    holding `weights`."""
     transformers_module("--format hf")
     try:
         model_class = getattr(importlib.import_module(info["module"]), info["class"])
     except (ImportError, AttributeError):
-        raise UsageError(f"--format hf: the model class {info['module']}.{info['class']} cannot be imported "
-                         f"here") from None
+        raise UsageError(
+            f"--format hf: the model class {info['module']}.{info['class']} cannot be imported here"
+        ) from None
     model = model_class(model_class.config_class.from_dict(info["config"]))
     model.load_state_dict(weights, strict=True)
     return model
 
 
-def write_hf(info: dict[str, Any], weights: dict[str, torch.Tensor], out: str, max_bytes: int,
-             dtype: Optional[torch.dtype], tokenizer: Optional[str] = None) -> list[str]:
+def write_hf(
+    info: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    out: str,
+    max_bytes: int,
+    dtype: torch.dtype | None,
+    tokenizer: str | None = None,
+) -> list[str]:
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
     files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
     model = rebuild_hf(info, weights)
     transformers = transformers_module("--format hf")
     transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
-    saved_tokenizer = _tokenizer_of(transformers, tokenizer) if tokenizer else None  # refused before any write
+    saved_tokenizer = (
+        _tokenizer_of(transformers, tokenizer) if tokenizer else None
+    )  # refused before any write
     if dtype is not None:
         model.to(dtype)
     tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
@@ -263,8 +319,9 @@ def _tokenizer_of(transformers: Any, folder: str) -> Any:
     try:
         return transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 -- whatever keeps the folder from being a tokenizer
-        raise UsageError(f"--tokenizer {folder} holds no tokenizer that transformers reads "
-                         f"({last_line(error)[:200]})") from None
+        raise UsageError(
+            f"--tokenizer {folder} holds no tokenizer that transformers reads ({last_line(error)[:200]})"
+        ) from None
 
 
 class ExportOnEnd:
@@ -273,66 +330,112 @@ class ExportOnEnd:
     tokenizer with them (--tokenizer, else --model-path's). A transformers model is required for hf: checked at
     the start, not after the training."""
 
-    def __init__(self, kind: str, tokenizer: Optional[str] = None):
+    def __init__(self, kind: str, tokenizer: str | None = None):
         self.kind, self.tokenizer = kind, tokenizer if kind == "hf" else None
 
     def on_fit_start(self, trainer: Any) -> None:
         if self.kind == "hf" and weights.hf_model(trainer.model) is None:
-            raise UsageError("--export-on-end hf writes a transformers model's own folder, and this model is not a "
-                             "transformers PreTrainedModel: use --export-on-end safetensors")
+            raise UsageError(
+                "--export-on-end hf writes a transformers model's own folder, and this model is not a "
+                "transformers PreTrainedModel: use --export-on-end safetensors"
+            )
         # Rank 0 writes the export, so it looks; every rank learns its verdict and stops alike.
         refusal = gather_objects(self._refusal(trainer) if trainer.runtime.is_main else None)[0]
         if refusal:
             raise UsageError(str(refusal))
 
-    def _refusal(self, trainer: Any) -> Optional[str]:
+    def _refusal(self, trainer: Any) -> str | None:
         """The refusal of a run whose end would replace an earlier export in its save-dir; None where there is
         none, or where this run may replace it: --overwrite, or the run continues the save-dir's own run (whose
         best only ever gets better)."""
         save_dir = trainer.checkpointer.save_dir
         earlier = existing_outputs(os.path.join(save_dir, END_NAMES[self.kind]), self.kind)
         resumed = trainer.checkpointer.last_saved
-        continued = resumed is not None and os.path.samefile(os.path.dirname(os.path.abspath(resumed)), save_dir)
+        continued = resumed is not None and os.path.samefile(
+            os.path.dirname(os.path.abspath(resumed)), save_dir
+        )
         if not earlier or trainer.config.overwrite or continued:
             return None
-        return (f"--export-on-end {self.kind} would replace {earlier[0]}, an earlier export, when this run ends: add "
-                f"--overwrite to replace it then, move it away, or choose another --save-dir")
+        return (
+            f"--export-on-end {self.kind} would replace {earlier[0]}, an earlier export, when this run ends: add "
+            f"--overwrite to replace it then, move it away, or choose another --save-dir"
+        )
 
     def on_fit_end(self, trainer: Any) -> None:
         trainer.checkpointer.finish_saves()  # best/ may still be written in the background
         if not trainer.runtime.is_main:
             return
         save_dir = trainer.checkpointer.save_dir
-        source = next((path for name in ("best", "last") for path in run_folders.matching(
-            save_dir, tuple(name + suffix for suffix in run_folders.FILE_SUFFIXES), (name,))), None)
+        source = next(
+            (
+                path
+                for name in ("best", "last")
+                for path in run_folders.matching(
+                    save_dir, tuple(name + suffix for suffix in run_folders.FILE_SUFFIXES), (name,)
+                )
+            ),
+            None,
+        )
         if source is None:
             raise TrainingStopped(f"--export-on-end: no best or last checkpoint in {save_dir} to export")
         try:  # an earlier export here was refused at the start, unless this run may replace it (on_fit_start)
-            trainer.report.line(export(source, os.path.join(save_dir, END_NAMES[self.kind]), self.kind,
-                                       tokenizer=self.tokenizer, overwrite=True))
+            trainer.report.line(
+                export(
+                    source,
+                    os.path.join(save_dir, END_NAMES[self.kind]),
+                    self.kind,
+                    tokenizer=self.tokenizer,
+                    overwrite=True,
+                )
+            )
         except (UsageError, OSError) as error:
-            raise TrainingStopped(f"--export-on-end {self.kind} failed ({error}); the checkpoints are kept") from None
+            raise TrainingStopped(
+                f"--export-on-end {self.kind} failed ({error}); the checkpoints are kept"
+            ) from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Bad input is one line on stderr and exit 2."""
     parser = OneLineParser(prog="python -m multigpu.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ...")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ..."
+    )
     parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf)")
     parser.add_argument("--format", choices=FORMATS, help="default: from OUT's name")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                        help="larger weights are written as shards and an index, as Hugging Face does "
-                             "(default: %(default)s)")
-    parser.add_argument("--dtype", choices=sorted(weights.DTYPES), help="the floating-point weights in this "
-                        "type (default: as trained)")
-    parser.add_argument("--tokenizer", metavar="FOLDER", help="hf: also save the tokenizer of this folder (a model "
-                        "folder, or a tokenizer's save_pretrained folder) into OUT")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT, once the new export is "
-                        "complete (never the checkpoint being read)")
+    parser.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="larger weights are written as shards and an index, as Hugging Face does (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(weights.DTYPES),
+        help="the floating-point weights in this type (default: as trained)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="FOLDER",
+        help="hf: also save the tokenizer of this folder (a model "
+        "folder, or a tokenizer's save_pretrained folder) into OUT",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUT, once the new export is complete (never the checkpoint being read)",
+    )
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        print(export(args.checkpoint, args.out, args.format, args.max_shard_size, args.dtype, args.tokenizer,
-                     args.overwrite))
+        print(
+            export(
+                args.checkpoint,
+                args.out,
+                args.format,
+                args.max_shard_size,
+                args.dtype,
+                args.tokenizer,
+                args.overwrite,
+            )
+        )
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code

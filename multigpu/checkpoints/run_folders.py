@@ -31,7 +31,8 @@ import shutil
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from multigpu.checkpoints import run_settings
 from multigpu.checkpoints.savedir import read_owner, restart_count
@@ -61,15 +62,18 @@ def folder_numbers(root: str, prefix: str) -> list[int]:
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(int(m.group(1)) for m in map(pattern.match, names)
-                  if m and os.path.isdir(os.path.join(root, m.group(0))))
+    return sorted(
+        int(m.group(1))
+        for m in map(pattern.match, names)
+        if m and os.path.isdir(os.path.join(root, m.group(0)))
+    )
 
 
 def _run_numbers(root: str) -> list[int]:
     return folder_numbers(root, RUN_PREFIX)
 
 
-def newest_run_dir(root: str) -> Optional[str]:
+def newest_run_dir(root: str) -> str | None:
     """`root/run-N` with the highest N, or None when `root` holds no run folder."""
     numbers = _run_numbers(root)
     return os.path.join(root, f"{RUN_PREFIX}{numbers[-1]}") if numbers else None
@@ -101,7 +105,7 @@ def new_run_dir(root: str) -> str:
             number += 1
 
 
-def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Optional[str]]:
+def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, str | None]:
     """`config` with its save-dir chosen when --save-dir was not given, and the line that says so.
 
     Each run then gets a folder of its own under checkpoints/ (run-1, run-2, ...),
@@ -113,13 +117,15 @@ def run_folder(config: TrainConfig, runtime: Runtime) -> tuple[TrainConfig, Opti
 
     if config.save_dir is not None:
         return config, None
-    choice = None
+    choice: tuple[str, str | None, str | None] | None = None
     if runtime.is_main:
         try:
             choice = (*choose_run_dir(DEFAULT_SAVE_ROOT, config), None)
         except UsageError as error:  # runs are there, none with these settings: every rank stops
             choice = ("", "", str(error))
-    path, line, refusal = gather_objects(choice)[0]  # type: ignore[misc]
+    main_choice = gather_objects(choice)[0]
+    assert main_choice is not None  # rank 0's, made above
+    path, line, refusal = main_choice
     if refusal:
         raise UsageError(refusal)
     return dataclasses.replace(config, save_dir=path), line
@@ -148,42 +154,57 @@ def choose_run_dir(root: str, config: TrainConfig) -> tuple[str, str]:
     if continued is not None:
         return continued
     path = new_run_dir(root)
-    return path, (f"--save-dir not given: this run writes to {path} (a new folder per run; "
-                  f"--resume auto continues the newest with the same settings)")
+    return path, (
+        f"--save-dir not given: this run writes to {path} (a new folder per run; "
+        f"--resume auto continues the newest with the same settings)"
+    )
 
 
-def run_to_continue(root: str, config: TrainConfig) -> Optional[tuple[str, str]]:
+def run_to_continue(root: str, config: TrainConfig) -> tuple[str, str] | None:
     """(folder, line): the newest run folder under `root` whose checkpoints were trained with `config`'s
     settings (--epochs may differ), for --resume auto without --save-dir; None when no folder holds a
     checkpoint. UsageError naming the newest run and how it differs when none matches."""
-    newest_other: Optional[tuple[str, list[str]]] = None
+    newest_other: tuple[str, list[str]] | None = None
     for number in reversed(_run_numbers(root)):
         folder = os.path.join(root, f"{RUN_PREFIX}{number}")
         # A folder with no checkpoint but a killed --overwrite run's set-aside copy gets it back when it is taken.
-        files = resumable_files(folder) or [path for aside in set_aside_folders(folder)
-                                            for path in resumable_files(aside)]
+        files = resumable_files(folder) or [
+            path for aside in set_aside_folders(folder) for path in resumable_files(aside)
+        ]
         saved = next(filter(None, (run_settings.saved_settings(settings_file(path)) for path in files)), None)
         if saved is None:
             continue  # nothing to continue there
         differing = run_settings.differences(saved, config)
         if not differing:
             skipped = f" ({newest_other[0]} has other settings)" if newest_other else ""
-            return folder, f"--save-dir not given: continuing {folder}, the newest run with these settings{skipped}"
+            return (
+                folder,
+                f"--save-dir not given: continuing {folder}, the newest run with these settings{skipped}",
+            )
         newest_other = newest_other or (folder, differing)
     if newest_other is None:
         return None
     folder, differing = newest_other
-    raise UsageError(f"--resume auto without --save-dir: no run under {root} has this command's settings; the newest, "
-                     f"{folder}, differs in {'; '.join(differing)}: continue it with these settings by naming it "
-                     f"(--save-dir {folder} --resume auto), or drop --resume auto to start a new run")
+    raise UsageError(
+        f"--resume auto without --save-dir: no run under {root} has this command's settings; the newest, "
+        f"{folder}, differs in {'; '.join(differing)}: continue it with these settings by naming it "
+        f"(--save-dir {folder} --resume auto), or drop --resume auto to start a new run"
+    )
 
 
 def newest_first(paths: list[str]) -> list[str]:
     """Most recently written first (a sharded folder when its marker was written). On an equal mtime (coarse
     file-system clocks) last.pt, written after the step checkpoint of the same step, and then the higher step
     count as newer."""
-    return sorted(paths, key=lambda path: (written_at(path), os.path.basename(path).split(".")[0] == "last",
-                                           os.path.basename(path)), reverse=True)
+    return sorted(
+        paths,
+        key=lambda path: (
+            written_at(path),
+            os.path.basename(path).split(".")[0] == "last",
+            os.path.basename(path),
+        ),
+        reverse=True,
+    )
 
 
 def written_at(path: str) -> float:
@@ -208,7 +229,12 @@ def matching(save_dir: str, files: tuple[str, ...], folders: tuple[str, ...] = (
     """The paths in `save_dir` that match one of the glob patterns `files`, or one of `folders` and are folders
     (no file a pattern of sharded checkpoint folders happens to match)."""
     found = {path for pattern in files for path in glob.glob(os.path.join(save_dir, pattern))}
-    found |= {path for pattern in folders for path in glob.glob(os.path.join(save_dir, pattern)) if os.path.isdir(path)}
+    found |= {
+        path
+        for pattern in folders
+        for path in glob.glob(os.path.join(save_dir, pattern))
+        if os.path.isdir(path)
+    }
     return sorted(found)
 
 
@@ -218,7 +244,7 @@ def checkpoint_files(save_dir: str) -> list[str]:
     return matching(save_dir, CHECKPOINT_FILES, CHECKPOINT_FOLDERS)
 
 
-def set_aside(save_dir: str, extra: tuple[str, ...] = ()) -> Optional[str]:
+def set_aside(save_dir: str, extra: tuple[str, ...] = ()) -> str | None:
     """Move the checkpoints (and the `extra` paths inside save_dir, e.g. its TensorBoard folder) into
     `<save-dir>/.replaced-<time>/`; return that folder, or None when there was nothing to move.
 
@@ -247,7 +273,7 @@ def set_aside_folders(save_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(save_dir, SET_ASIDE_PREFIX + "*")))
 
 
-def drop_set_aside(folder: Optional[str]) -> None:
+def drop_set_aside(folder: str | None) -> None:
     """Delete a set-aside folder: call it once the new run's first checkpoint is written (by all ranks' agreement)."""
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -276,14 +302,18 @@ def put_back(folder: str) -> None:
 def put_back_command(folder: str) -> str:
     """The shell command that does what `put_back` does, for a user to run."""
     save_dir, names = os.path.dirname(folder), sorted(os.listdir(folder))
-    folders_in_the_way = [os.path.join(save_dir, name) for name in names if os.path.isdir(os.path.join(save_dir, name))]
+    folders_in_the_way = [
+        os.path.join(save_dir, name) for name in names if os.path.isdir(os.path.join(save_dir, name))
+    ]
     steps = [f"rm -rf {' '.join(map(shlex.quote, folders_in_the_way))}"] if folders_in_the_way else []
-    steps.append(f"mv -f {' '.join(shlex.quote(os.path.join(folder, name)) for name in names)} "
-                 f"{shlex.quote(save_dir + os.sep)}")
+    steps.append(
+        f"mv -f {' '.join(shlex.quote(os.path.join(folder, name)) for name in names)} "
+        f"{shlex.quote(save_dir + os.sep)}"
+    )
     return " && ".join([*steps, f"rmdir {shlex.quote(folder)}"])
 
 
-def leftovers(save_dir: str, adopt: bool) -> tuple[Optional[str], list[str]]:
+def leftovers(save_dir: str, adopt: bool) -> tuple[str | None, list[str]]:
     """What to do with the set-aside folders that runs killed before their first checkpoint left in `save_dir`
     (the caller owns it). Newest first: one with no checkpoint beside it goes back where it came from (`put_back`),
     or, with `adopt` (a torchrun restart of an --overwrite run: its own earlier attempt set it aside), stays as this
@@ -292,16 +322,22 @@ def leftovers(save_dir: str, adopt: bool) -> tuple[Optional[str], list[str]]:
     adopted, lines = None, []
     for folder in reversed(set_aside_folders(save_dir)):
         if checkpoint_files(save_dir) or adopted:
-            lines.append(f"--save-dir {save_dir} still holds {folder}, checkpoints an --overwrite run set aside before "
-                         f"newer ones were written (left as they are); to go back to them: {put_back_command(folder)}")
+            lines.append(
+                f"--save-dir {save_dir} still holds {folder}, checkpoints an --overwrite run set aside before "
+                f"newer ones were written (left as they are); to go back to them: {put_back_command(folder)}"
+            )
         elif adopt:
             adopted = folder
-            lines.append(f"torchrun restart {restart_count()}: the previous run's files stay in {folder} until this "
-                         f"run's first checkpoint is written")
+            lines.append(
+                f"torchrun restart {restart_count()}: the previous run's files stay in {folder} until this "
+                f"run's first checkpoint is written"
+            )
         else:
             put_back(folder)
-            lines.append(f"--save-dir {save_dir}: put the previous run's files back from {folder}, where an "
-                         f"--overwrite run that ended before its first checkpoint had left them")
+            lines.append(
+                f"--save-dir {save_dir}: put the previous run's files back from {folder}, where an "
+                f"--overwrite run that ended before its first checkpoint had left them"
+            )
     return adopted, lines
 
 
@@ -320,5 +356,5 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        for signum in caught:
-            signal.raise_signal(signum)
+        for number in caught:
+            signal.raise_signal(number)

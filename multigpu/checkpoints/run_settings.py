@@ -17,7 +17,7 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Optional
+from typing import Any
 
 from multigpu.config import AUTO, FIELDS, TrainConfig
 
@@ -25,8 +25,17 @@ from multigpu.config import AUTO, FIELDS, TrainConfig
 RUN_GROUPS = ("data", "model", "optimisation")
 # Those that may still differ in a command that continues the run: --epochs is the total, so continuing a run
 # to more epochs is the point; the others change where data is read from, or how fast, not what is learned.
-MAY_DIFFER = ("epochs", "data_dir", "download", "num_workers", "eval_batch_size", "compile", "channels_last",
-              "autotune", "data_on_device")
+MAY_DIFFER = (
+    "epochs",
+    "data_dir",
+    "download",
+    "num_workers",
+    "eval_batch_size",
+    "compile",
+    "channels_last",
+    "autotune",
+    "data_on_device",
+)
 # How one start of a run goes, never a setting of the run: a resume does not report them as changed.
 START_ONLY = ("resume", "overwrite", "allow_low_disk")
 
@@ -63,7 +72,7 @@ def _safetensors_state(path: str) -> Any:
         return json.loads(json.loads(file.read(length))["__metadata__"][TRAINER_STATE_KEY])
 
 
-def saved_settings(path: str) -> Optional[dict[str, Any]]:
+def saved_settings(path: str) -> dict[str, Any] | None:
     """The `config` a checkpoint was saved with (TrainConfig.to_dict), or None when the file has none or cannot be
     read that way (not a torch.save zip archive nor a safetensors checkpoint, truncated, not written by this
     trainer)."""
@@ -78,8 +87,19 @@ def saved_settings(path: str) -> Optional[dict[str, Any]]:
             name = next(entry for entry in archive.namelist() if entry.endswith("/data.pkl"))
             with archive.open(name) as data:
                 state = _SettingsUnpickler(data).load()
-    except (OSError, StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError,
-            AttributeError, IndexError, KeyError, struct.error):
+    except (
+        OSError,
+        StopIteration,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        struct.error,
+    ):
         return None
     config = state.get("config") if isinstance(state, dict) else None
     return config if isinstance(config, dict) else None
@@ -88,7 +108,9 @@ def saved_settings(path: str) -> Optional[dict[str, Any]]:
 def differences(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     """The settings that decide what a run learns where `config` differs from the run's `saved` ones, as
     "name: saved -> command"; empty when the command continues that run (epochs may differ)."""
-    names = [name for name, f in FIELDS.items() if f.metadata["group"] in RUN_GROUPS and name not in MAY_DIFFER]
+    names = [
+        name for name, f in FIELDS.items() if f.metadata["group"] in RUN_GROUPS and name not in MAY_DIFFER
+    ]
     if config.batch_size == AUTO:  # found at start: any batch the run settled on may be what auto finds again
         names.remove("batch_size")
     return _changes(saved, config, names)
@@ -101,5 +123,8 @@ def changes(saved: dict[str, Any], config: TrainConfig) -> list[str]:
 
 def _changes(saved: dict[str, Any], config: TrainConfig, names: list[str]) -> list[str]:
     # A name the saved config lacks was added after that run: nothing to compare.
-    return [f"{name}: {saved[name]} -> {getattr(config, name)}" for name in names
-            if name in saved and saved[name] != getattr(config, name)]
+    return [
+        f"{name}: {saved[name]} -> {getattr(config, name)}"
+        for name in names
+        if name in saved and saved[name] != getattr(config, name)
+    ]

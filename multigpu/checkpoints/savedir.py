@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from multigpu import safe_files
 from multigpu.errors import UsageError
@@ -63,15 +63,19 @@ class Owner:
     pid: int
     host: str
     started: str  # local time, for people
-    job: Optional[str] = None  # TORCHELASTIC_RUN_ID: the same for every attempt of one torchrun job
+    job: str | None = None  # TORCHELASTIC_RUN_ID: the same for every attempt of one torchrun job
     restart: int = 0  # TORCHELASTIC_RESTART_COUNT of the attempt that wrote the record
     released: bool = False
 
     @classmethod
-    def this_process(cls) -> "Owner":
-        return cls(pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
-                   job=os.environ.get("TORCHELASTIC_RUN_ID"),
-                   restart=restart_count())
+    def this_process(cls) -> Owner:
+        return cls(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started=time.strftime("%Y-%m-%d %H:%M:%S"),
+            job=os.environ.get("TORCHELASTIC_RUN_ID"),
+            restart=restart_count(),
+        )
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, started {self.started}"
@@ -92,20 +96,20 @@ class SaveDirLock:
     nothing. A second `acquire` of a held save-dir in the same process is refused too.
     """
 
-    _held_here: dict[str, "SaveDirLock"] = {}  # POSIX locks do not exclude the process that holds them
+    _held_here: dict[str, SaveDirLock] = {}  # POSIX locks do not exclude the process that holds them
 
     def __init__(self, save_dir: str):
         self.save_dir = save_dir
         self.path = os.path.join(save_dir, LOCK_NAME)
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
         self._stop_heartbeat = threading.Event()
-        self._heartbeat: Optional[threading.Thread] = None
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self, report: Callable[[str], None] = print) -> "SaveDirLock":
+    def acquire(self, report: Callable[[str], None] = print) -> SaveDirLock:
         """Own the save-dir, or raise UsageError (one line naming it and its owner) having changed nothing.
 
         `report` gets one line when a stale lock (dead owner) or an earlier
@@ -113,14 +117,17 @@ class SaveDirLock:
         """
         key = os.path.realpath(self.path)
         if key in self._held_here:
-            raise UsageError(f"--save-dir {self.save_dir} is already used by this process "
-                             f"({self._held_here[key].save_dir}); give each trainer its own --save-dir")
+            raise UsageError(
+                f"--save-dir {self.save_dir} is already used by this process "
+                f"({self._held_here[key].save_dir}); give each trainer its own --save-dir"
+            )
         try:
             os.makedirs(self.save_dir, exist_ok=True)
             fd = safe_files.open_fd(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # a planted link is refused
         except OSError as error:
-            raise UsageError(f"--save-dir {self.save_dir} is not writable ({error.strerror}); "
-                             f"choose another directory") from None
+            raise UsageError(
+                f"--save-dir {self.save_dir} is not writable ({error.strerror}); choose another directory"
+            ) from None
         try:
             line = self._take(fd)
         except BaseException:
@@ -134,7 +141,7 @@ class SaveDirLock:
             report(line)
         return self
 
-    def _take(self, fd: int) -> Optional[str]:
+    def _take(self, fd: int) -> str | None:
         """Lock `fd` and judge the previous record; the take-over line, or None. Raises UsageError if owned."""
         locked = _try_lock(fd)
         if locked is False:
@@ -150,22 +157,31 @@ class SaveDirLock:
         if previous is None or previous.released:
             return None
         if previous.is_earlier_attempt_of_this_job():
-            return (f"torchrun restart {Owner.this_process().restart}: continuing in --save-dir {self.save_dir} "
-                    f"(taken over from this job's attempt {previous.restart}, {previous.describe()})")
+            return (
+                f"torchrun restart {Owner.this_process().restart}: continuing in --save-dir {self.save_dir} "
+                f"(taken over from this job's attempt {previous.restart}, {previous.describe()})"
+            )
         same_host = previous.host == socket.gethostname()
         age = time.time() - os.fstat(fd).st_mtime
         if not (locked and same_host) and age < STALE_SECONDS:
             # Another node's run (locks may be node-local), or no locks at all: the heartbeat decides.
-            raise self._refusal(previous, f"its heartbeat is {age:.0f} s old; a run counts as gone "
-                                          f"{STALE_SECONDS:.0f} s after its last one")
-        return (f"--save-dir {self.save_dir}: taking over from a run that ended without releasing it "
-                f"({previous.describe()})")
+            raise self._refusal(
+                previous,
+                f"its heartbeat is {age:.0f} s old; a run counts as gone "
+                f"{STALE_SECONDS:.0f} s after its last one",
+            )
+        return (
+            f"--save-dir {self.save_dir}: taking over from a run that ended without releasing it "
+            f"({previous.describe()})"
+        )
 
-    def _refusal(self, owner: Optional[Owner], why: str) -> UsageError:
+    def _refusal(self, owner: Owner | None, why: str) -> UsageError:
         """The one line of a refused run: the save-dir, and the owner (None: it is just starting)."""
         who = f" ({owner.describe()}; {why})" if owner else " that is just starting"
-        return UsageError(f"--save-dir {self.save_dir} is in use by another run{who}: wait for it to finish, "
-                          f"or choose another --save-dir")
+        return UsageError(
+            f"--save-dir {self.save_dir} is in use by another run{who}: wait for it to finish, "
+            f"or choose another --save-dir"
+        )
 
     def _write_record(self, owner: Owner) -> None:
         assert self._fd is not None
@@ -181,6 +197,7 @@ class SaveDirLock:
 
     def _beat(self) -> None:
         fd = self._fd
+        assert fd is not None  # the heartbeat starts once the lock file is open
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
             try:
                 os.utime(fd)  # through the descriptor: opening and closing the file would drop our lock
@@ -195,8 +212,9 @@ class SaveDirLock:
         if self._heartbeat is not None:
             self._heartbeat.join()
         try:
-            self._write_record(Owner(**{**asdict(_read_record(self._fd) or Owner.this_process()),
-                                        "released": True}))
+            self._write_record(
+                Owner(**{**asdict(_read_record(self._fd) or Owner.this_process()), "released": True})
+            )
         except OSError:
             pass  # the lock itself goes with the descriptor; a record left unreleased is judged stale later
         finally:
@@ -204,8 +222,10 @@ class SaveDirLock:
             self._fd = None
             self._held_here.pop(os.path.realpath(self.path), None)
 
-    def __enter__(self) -> "SaveDirLock":
-        return self  # acquire() is explicit (only rank 0 calls it); the block's end releases what was acquired
+    def __enter__(self) -> SaveDirLock:
+        return (
+            self  # acquire() is explicit (only rank 0 calls it); the block's end releases what was acquired
+        )
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
@@ -215,7 +235,7 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _try_lock(fd: int) -> Optional[bool]:
+def _try_lock(fd: int) -> bool | None:
     """True when locked, False when another process holds the lock, None when the file system has no locks."""
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -228,7 +248,7 @@ def _try_lock(fd: int) -> Optional[bool]:
         raise
 
 
-def _wait_for_lock(fd: int, seconds: float) -> Optional[bool]:
+def _wait_for_lock(fd: int, seconds: float) -> bool | None:
     deadline = time.monotonic() + seconds
     while True:
         locked = _try_lock(fd)
@@ -237,7 +257,7 @@ def _wait_for_lock(fd: int, seconds: float) -> Optional[bool]:
         time.sleep(0.2)  # polling a lock held by a process that is exiting
 
 
-def _read_record(fd: int) -> Optional[Owner]:
+def _read_record(fd: int) -> Owner | None:
     """The owner record in the lock file, or None when empty or unreadable (a run that is just starting)."""
     try:
         data = os.pread(fd, 4096, 0)
@@ -246,7 +266,7 @@ def _read_record(fd: int) -> Optional[Owner]:
         return None
 
 
-def read_owner(save_dir: str) -> Optional[Owner]:
+def read_owner(save_dir: str) -> Owner | None:
     """The owner record of `save_dir` (None if it never had one). Not for the holder itself:
     opening and closing the lock file in the holding process would drop its POSIX lock."""
     try:

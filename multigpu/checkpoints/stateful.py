@@ -12,7 +12,7 @@ unsharded model keeps torch's own format in a one-file checkpoint: see Optimizer
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +25,7 @@ def _api() -> Any:
     """torch.distributed.checkpoint.state_dict, imported at its first use: it costs half as much again as
     torch's own import (0.7 s here), which a run with an unsharded model never needs (see ModelState)."""
     import torch.distributed.checkpoint.state_dict as api
+
     return api
 
 
@@ -43,7 +44,7 @@ class ModelState:
         self.model, self.full = getattr(model, "_orig_mod", model), full
         self.plain = full and not sharding.is_sharded(self.model)
 
-    def as_shards(self) -> "ModelState":
+    def as_shards(self) -> ModelState:
         """The same model, as each rank's shards (for DCP)."""
         return ModelState(self.model, full=False)
 
@@ -73,7 +74,7 @@ class OptimizerState:
         self.model, self.optimizer, self.full = getattr(model, "_orig_mod", model), optimizer, full
         self.sharded = sharding.is_sharded(self.model)
 
-    def as_shards(self) -> "OptimizerState":
+    def as_shards(self) -> OptimizerState:
         return OptimizerState(self.model, self.optimizer, full=False)
 
     def state_dict(self) -> dict[str, Any]:
@@ -85,8 +86,12 @@ class OptimizerState:
         if not self.sharded:
             self.optimizer.load_state_dict(self._keyed(state, by_name=False))
         else:
-            _api().set_optimizer_state_dict(self.model, self.optimizer, self._keyed(state, by_name=True),
-                                            options=_api().StateDictOptions(full_state_dict=self.full))
+            _api().set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                self._keyed(state, by_name=True),
+                options=_api().StateDictOptions(full_state_dict=self.full),
+            )
 
     def _keyed(self, state: dict[str, Any], by_name: bool) -> dict[str, Any]:
         """`state` keyed by parameter name (`by_name`) or by number, whichever it was keyed by."""
@@ -96,12 +101,18 @@ class OptimizerState:
         names = {id(param): name for name, param in self.model.named_parameters()}
         ordered = [names[id(param)] for group in self.optimizer.param_groups for param in group["params"]]
         if len(ordered) != len(keys):
-            raise ValueError(f"the checkpoint's optimizer has {len(keys)} parameters, this one {len(ordered)}")
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(keys)} parameters, this one {len(ordered)}"
+            )
         # By position: the k-th parameter of the checkpoint's groups is the k-th of ours.
         new_key = dict(zip(keys, ordered if by_name else range(len(ordered))))
-        return {"state": {new_key[key]: value for key, value in state["state"].items()},
-                "param_groups": [{**group, "params": [new_key[key] for key in group["params"]]}
-                                 for group in state["param_groups"]]}
+        return {
+            "state": {new_key[key]: value for key, value in state["state"].items()},
+            "param_groups": [
+                {**group, "params": [new_key[key] for key in group["params"]]}
+                for group in state["param_groups"]
+            ],
+        }
 
 
 class ScalerState:
@@ -129,7 +140,7 @@ class RngState:
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.gathered: Optional[list[dict[str, Any]]] = None
+        self.gathered: list[dict[str, Any]] | None = None
 
     def state_dict(self) -> list[dict[str, Any]]:
         self.gathered = gather_objects(rng.rng_state(self.runtime.device))
@@ -139,7 +150,7 @@ class RngState:
         if len(states) == self.runtime.world_size:
             rng.set_rng_state(states[self.runtime.rank], self.runtime.device)
 
-    def still_gathered(self) -> Optional["Saved"]:
+    def still_gathered(self) -> Saved | None:
         """Every rank's states as last gathered, if this rank has drawn no random number since; else None.
 
         The ranks run the same code, so where this rank drew nothing, no rank did (no dropout, no random

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -25,7 +25,9 @@ from multigpu.errors import UsageError
 
 SUFFIX = ".safetensors"
 TIED_KEY = "multigpu.tied_weights"  # header entry: JSON {alias: the name its tensor is stored under}
-STATE_KEY = run_settings.TRAINER_STATE_KEY  # header entry of a checkpoint: its state as JSON, tensors as references
+STATE_KEY = (
+    run_settings.TRAINER_STATE_KEY
+)  # header entry of a checkpoint: its state as JSON, tensors as references
 _TENSOR, _TUPLE, _PAIRS = "__tensor__", "__tuple__", "__pairs__"  # JSON markers of what JSON has no type for
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 
@@ -35,8 +37,9 @@ def library(what: str) -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise UsageError(f"{what} needs the safetensors library, which is not installed: "
-                         f"pip install '.[hf]'") from None
+        raise UsageError(
+            f"{what} needs the safetensors library, which is not installed: pip install '.[hf]'"
+        ) from None
     return safetensors.torch
 
 
@@ -56,12 +59,13 @@ def is_safetensors(path: str) -> bool:
 
 def header(path: str) -> dict[str, str]:
     """The string metadata in the header of the safetensors file `path` (empty when it has none)."""
-    with library("reading safetensors").safe_open(path, framework="pt") as file:  # type: ignore[attr-defined]
+    with library("reading safetensors").safe_open(path, framework="pt") as file:
         return dict(file.metadata() or {})
 
 
-def stored_once(tensors: dict[str, torch.Tensor], tied: Optional[dict[str, str]] = None
-                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def stored_once(
+    tensors: dict[str, torch.Tensor], tied: dict[str, str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """`tensors` as safetensors can hold them: each storage once. A name whose tensor is another's (the same
     storage, shape and strides: tied weights), or that `tied` names an alias, becomes an alias of the first
     name; one that only overlaps another's storage (a view) is copied; each is made contiguous."""
@@ -74,8 +78,17 @@ def stored_once(tensors: dict[str, torch.Tensor], tied: Optional[dict[str, str]]
         if name in tied:
             aliases[name] = tied[name]
             continue
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                    tuple(tensor.stride()), tensor.dtype) if tensor.device.type != "meta" else None
+        identity = (
+            (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.dtype,
+            )
+            if tensor.device.type != "meta"
+            else None
+        )
         if identity is not None and identity in seen and tensor.numel():
             aliases[name] = seen[identity]
             continue
@@ -102,14 +115,24 @@ def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> d
     return {**tensors, **{alias: tensors[source] for alias, source in aliases.items() if source in tensors}}
 
 
-def save(tensors: dict[str, torch.Tensor], path: str, metadata: Optional[dict[str, str]] = None,
-         tied: Optional[dict[str, str]] = None, before_rename: Any = None) -> None:
+def save(
+    tensors: dict[str, torch.Tensor],
+    path: str,
+    metadata: dict[str, str] | None = None,
+    tied: dict[str, str] | None = None,
+    before_rename: Any = None,
+) -> None:
     """Write `tensors` (each storage once, aliases in the header) to `path` atomically: the old file, or the
     new one whole, whatever happens (safe_files.replacing)."""
     kept, aliases = stored_once(tensors, tied)
-    header_entries = {"format": "pt", **(metadata or {}), **({TIED_KEY: json.dumps(aliases)} if aliases else {})}
-    data = library("writing safetensors").save({name: tensor.detach().cpu() for name, tensor in kept.items()},
-                                              metadata=header_entries)
+    header_entries = {
+        "format": "pt",
+        **(metadata or {}),
+        **({TIED_KEY: json.dumps(aliases)} if aliases else {}),
+    }
+    data = library("writing safetensors").save(
+        {name: tensor.detach().cpu() for name, tensor in kept.items()}, metadata=header_entries
+    )
     with safe_files.replacing(path, "wb", sync_folder=True, before_rename=before_rename) as file:
         file.write(data)
 
@@ -133,22 +156,29 @@ def split_state(state: Any) -> tuple[str, dict[str, torch.Tensor]]:
         if isinstance(value, dict):
             if all(isinstance(key, str) and not key.startswith("__") for key in value):
                 return {key: encode(item, f"{path}/{key}") for key, item in value.items()}
-            return {_PAIRS: [[encode(key, f"{path}/{index}k"), encode(item, f"{path}/{index}")]
-                             for index, (key, item) in enumerate(value.items())]}
+            return {
+                _PAIRS: [
+                    [encode(key, f"{path}/{index}k"), encode(item, f"{path}/{index}")]
+                    for index, (key, item) in enumerate(value.items())
+                ]
+            }
         if isinstance(value, tuple):
             return {_TUPLE: [encode(item, f"{path}/{index}") for index, item in enumerate(value)]}
         if isinstance(value, list):
             return [encode(item, f"{path}/{index}") for index, item in enumerate(value)]
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        raise TypeError(f"{path or 'the state'} holds a {type(value).__name__}, which a safetensors checkpoint "
-                        f"cannot hold (tensors, numbers, strings, lists and dicts only)")
+        raise TypeError(
+            f"{path or 'the state'} holds a {type(value).__name__}, which a safetensors checkpoint "
+            f"cannot hold (tensors, numbers, strings, lists and dicts only)"
+        )
 
     return json.dumps(encode(state, "")), tensors
 
 
 def join_state(text: str, tensors: dict[str, torch.Tensor]) -> Any:
     """The nested state `split_state` split, with its tensors back in place."""
+
     def decode(value: Any) -> Any:
         if isinstance(value, dict):
             if _TENSOR in value:

@@ -17,7 +17,7 @@ import os
 import pickle
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -58,15 +58,18 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- what a checkpoint records of its model
-def hf_model(model: torch.nn.Module) -> Optional[dict[str, Any]]:
+def hf_model(model: torch.nn.Module) -> dict[str, Any] | None:
     """A transformers model's class and config (plain JSON), what `--format hf` rebuilds it from; None for
     any other model."""
     model = getattr(model, "_orig_mod", model)
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
-    return {"module": type(model).__module__, "class": type(model).__name__,
-            "config": json.loads(model.config.to_json_string(use_diff=False))}
+    return {
+        "module": type(model).__module__,
+        "class": type(model).__name__,
+        "config": json.loads(model.config.to_json_string(use_diff=False)),
+    }
 
 
 class ModelInfo:
@@ -97,10 +100,15 @@ class Source:
     `shapes` maps each plain name (tied aliases included) to its shape; `read` gives a tensor or a slice of it,
     reading no more of the file than asked."""
 
-    def __init__(self, path: str, shapes: dict[str, tuple[int, ...]], read: Callable[[str, Any], torch.Tensor],
-                 describe: str):
+    def __init__(
+        self,
+        path: str,
+        shapes: dict[str, tuple[int, ...]],
+        read: Callable[[str, Any], torch.Tensor],
+        describe: str,
+    ):
         self.path, self.shapes, self.read, self.describe = path, shapes, read, describe
-        self.dcp_folder: Optional[str] = None  # a sharded checkpoint's: read through DCP, each rank its shards
+        self.dcp_folder: str | None = None  # a sharded checkpoint's: read through DCP, each rank its shards
         self.closers: list[Callable[[], None]] = []
 
     def close(self) -> None:
@@ -116,8 +124,11 @@ def open_source(path: str) -> Source:
     """The weights at `path`, or UsageError (one line) when there are none: no such path, a file that holds
     no weights, or one that holds pickled code."""
     if not os.path.exists(path):
-        raise _refusal(path, "does not exist: name a .safetensors file or index, a Hugging Face folder, a .pt "
-                             "weights file or a checkpoint")
+        raise _refusal(
+            path,
+            "does not exist: name a .safetensors file or index, a Hugging Face folder, a .pt "
+            "weights file or a checkpoint",
+        )
     if os.path.isdir(path):
         return _folder_source(path)
     if path.endswith(".json"):
@@ -134,7 +145,9 @@ def _folder_source(path: str) -> Source:
         inside = os.path.join(path, name)
         if os.path.isfile(inside):
             return _index_source(inside) if name.endswith(".json") else open_source(inside)
-    raise _refusal(path, f"is a folder without weights (no {', '.join(HF_WEIGHTS)}, nor a sharded checkpoint)")
+    raise _refusal(
+        path, f"is a folder without weights (no {', '.join(HF_WEIGHTS)}, nor a sharded checkpoint)"
+    )
 
 
 def _index_source(path: str) -> Source:
@@ -154,6 +167,7 @@ def _index_source(path: str) -> Source:
 def _safetensors_source(path: str, files: list[str]) -> Source:
     tensor_files.library("--init-from")  # the extra's one line when it is missing
     from safetensors import safe_open
+
     where: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}
@@ -164,7 +178,9 @@ def _safetensors_source(path: str, files: list[str]) -> Source:
             handle = stack.enter_context(safe_open(name, framework="pt"))
             metadata = handle.metadata() or {}
             aliases.update(json.loads(metadata.get(tensor_files.TIED_KEY, "{}")))
-            if tensor_files.STATE_KEY in metadata:  # a checkpoint (--checkpoint-format safetensors): its weights
+            if (
+                tensor_files.STATE_KEY in metadata
+            ):  # a checkpoint (--checkpoint-format safetensors): its weights
                 prefix, describe = _checkpoint_weights(json.loads(metadata[tensor_files.STATE_KEY]))
             for key in handle.keys():
                 where[key] = handle
@@ -201,8 +217,11 @@ def _torch_file_source(path: str) -> Source:
     """A torch.save file: a checkpoint, or a state_dict (or a dict holding one under "state_dict"/"model")."""
     kind = checkpoint._file_kind(path)
     if kind is not None:
-        raise _refusal(path, f"holds no weights ({kind}): name a .safetensors file or index, a Hugging Face "
-                             f"folder, a .pt weights file or a checkpoint")
+        raise _refusal(
+            path,
+            f"holds no weights ({kind}): name a .safetensors file or index, a Hugging Face "
+            f"folder, a .pt weights file or a checkpoint",
+        )
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="torch._weights_only_unpickler")
@@ -213,22 +232,33 @@ def _torch_file_source(path: str) -> Source:
                     raise
                 loaded = torch.load(path, map_location="cpu", weights_only=True)  # the legacy format
     except pickle.UnpicklingError as error:
-        raise _refusal(path, f"refused: {checkpoint.load_failure(error)}; it is not loaded, since that would "
-                             f"run code from the file") from None
+        raise _refusal(
+            path,
+            f"refused: {checkpoint.load_failure(error)}; it is not loaded, since that would "
+            f"run code from the file",
+        ) from None
     except Exception as error:
         raise _refusal(path, f"refused: {checkpoint.load_failure(error)}") from None
     if isinstance(loaded, dict) and all(key in loaded for key in checkpoint.REQUIRED_KEYS):
         return _checkpoint_source(path, loaded, sharded=False)
     tensors = _state_dict_in(loaded)
     if tensors is None:
-        raise _refusal(path, "holds no weights (no dict of tensors, nor one under \"state_dict\" or \"model\")")
+        raise _refusal(path, 'holds no weights (no dict of tensors, nor one under "state_dict" or "model")')
     return _dict_source(path, tensors, {}, "a .pt weights file")
 
 
-def _state_dict_in(loaded: Any) -> Optional[dict[str, torch.Tensor]]:
-    for candidate in (loaded, *(loaded.get(key) for key in ("state_dict", "model") if isinstance(loaded, dict))):
-        if isinstance(candidate, dict) and candidate and all(isinstance(key, str) and isinstance(value, torch.Tensor)
-                                                              for key, value in candidate.items()):
+def _state_dict_in(loaded: Any) -> dict[str, torch.Tensor] | None:
+    for candidate in (
+        loaded,
+        *(loaded.get(key) for key in ("state_dict", "model") if isinstance(loaded, dict)),
+    ):
+        if (
+            isinstance(candidate, dict)
+            and candidate
+            and all(
+                isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in candidate.items()
+            )
+        ):
             return candidate
     return None
 
@@ -243,7 +273,9 @@ def _checkpoint_source(path: str, state: dict[str, Any], sharded: bool) -> Sourc
 def _dict_source(path: str, tensors: dict[str, torch.Tensor], tied: dict[str, str], describe: str) -> Source:
     names = plain_names(list(tensors))
     full = {plain: tensors[name] for plain, name in names.items()}
-    full = tensor_files.with_aliases(full, {alias: source for alias, source in tied.items() if alias not in full})
+    full = tensor_files.with_aliases(
+        full, {alias: source for alias, source in tied.items() if alias not in full}
+    )
 
     def read(plain: str, index: Any = None) -> torch.Tensor:
         return full[plain] if index is None else full[plain][index]
@@ -253,17 +285,26 @@ def _dict_source(path: str, tensors: dict[str, torch.Tensor], tied: dict[str, st
 
 def _dcp_source(path: str) -> Source:
     from multigpu.checkpoints.dcp_metadata import check_complete
+
     metadata = check_complete(path).state_dict_metadata  # read without running code, its shard files checked
-    shapes = {key.removeprefix("model."): tuple(entry.size) for key, entry in metadata.items()
-              if key.startswith("model.") and hasattr(entry, "size")}
-    source = Source(path, shapes, lambda name, index=None: torch.empty(0), "a sharded checkpoint")
+    shapes = {
+        key.removeprefix("model."): tuple(entry.size)
+        for key, entry in metadata.items()
+        if key.startswith("model.") and hasattr(entry, "size")
+    }
+
+    def unread(name: str, index: Any = None) -> torch.Tensor:
+        return torch.empty(0)  # its tensors are read through DCP (dcp_folder), not by name
+
+    source = Source(path, shapes, unread, "a sharded checkpoint")
     source.dcp_folder = path
     return source
 
 
 # ---------------------------------------------------------------- --init-from: into a live model
-def _match(model: torch.nn.Module, targets: dict[str, torch.Tensor], source: Source
-           ) -> tuple[dict[str, str], list[str], list[str], list[str]]:
+def _match(
+    model: torch.nn.Module, targets: dict[str, torch.Tensor], source: Source
+) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     """({model's name: the source's name} to load, missing, unexpected, of another shape). A name tied to
     another in the model is found under either."""
     groups: dict[str, list[str]] = {}
@@ -282,7 +323,12 @@ def _match(model: torch.nn.Module, targets: dict[str, torch.Tensor], source: Sou
     used = set(found.values()) | {member for name in found for member in group_of.get(name, [])}
     unexpected = [name for name in source.shapes if name not in targets and name not in used]
     mismatched = [name for name, match in found.items() if tuple(targets[name].shape) != source.shapes[match]]
-    return {name: match for name, match in found.items() if name not in mismatched}, missing, unexpected, mismatched
+    return (
+        {name: match for name, match in found.items() if name not in mismatched},
+        missing,
+        unexpected,
+        mismatched,
+    )
 
 
 def _names(names: list[str]) -> str:
@@ -300,14 +346,20 @@ def load_initial(model: torch.nn.Module, path: str, strict: bool, say: Callable[
         targets = model.state_dict()
         found, missing, unexpected, mismatched = _match(model, targets, source)
         if targets and not found:  # strict or not: a fine-tune from nothing would be a run from scratch
-            raise _refusal(path, f"has no tensor of this model's names and shapes (its first keys: "
-                                 f"{_names(list(source.shapes))}; the model's: {_names(list(targets))}): nothing "
-                                 f"would load, and the run would train from scratch; name weights of this model, or "
-                                 f"drop --init-from to train from scratch")
+            raise _refusal(
+                path,
+                f"has no tensor of this model's names and shapes (its first keys: "
+                f"{_names(list(source.shapes))}; the model's: {_names(list(targets))}): nothing "
+                f"would load, and the run would train from scratch; name weights of this model, or "
+                f"drop --init-from to train from scratch",
+            )
         if strict and (missing or unexpected or mismatched):
-            raise _refusal(path, f"does not fit this model: {len(missing)} missing key(s) ({_names(missing)}), "
-                                 f"{len(unexpected)} unexpected ({_names(unexpected)}), {len(mismatched)} of another "
-                                 f"shape ({_names(mismatched)}); pass --init-strict false to load what fits")
+            raise _refusal(
+                path,
+                f"does not fit this model: {len(missing)} missing key(s) ({_names(missing)}), "
+                f"{len(unexpected)} unexpected ({_names(unexpected)}), {len(mismatched)} of another "
+                f"shape ({_names(mismatched)}); pass --init-strict false to load what fits",
+            )
         with torch.no_grad():
             if source.dcp_folder is not None:
                 _load_through_dcp(source.dcp_folder, {name: targets[name] for name in found}, found)
@@ -316,23 +368,33 @@ def load_initial(model: torch.nn.Module, path: str, strict: bool, say: Callable[
                     _copy_into(targets[name], source, match)
     finally:
         source.close()
-    say(f"--init-from {path}: {len(found)} tensors loaded from {source.describe} (weights only: the optimizer, "
-        f"schedule and progress start afresh)")
+    say(
+        f"--init-from {path}: {len(found)} tensors loaded from {source.describe} (weights only: the optimizer, "
+        f"schedule and progress start afresh)"
+    )
     if not strict:
         say(f"--init-from: {len(missing)} missing key(s), left as initialised: {_names(missing)}")
         say(f"--init-from: {len(unexpected)} unexpected key(s), not loaded: {_names(unexpected)}")
-        say(f"--init-from: {len(mismatched)} key(s) of another shape, left as initialised: {_names(mismatched)}")
+        say(
+            f"--init-from: {len(mismatched)} key(s) of another shape, left as initialised: {_names(mismatched)}"
+        )
 
 
 def _copy_into(target: torch.Tensor, source: Source, name: str) -> None:
     """The source's tensor `name` into `target`: whole, or (a DTensor's) this rank's part of it only."""
     from torch.distributed.tensor import DTensor
+
     if isinstance(target, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+
+        shape, offset = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
         local = target.to_local()  # FSDP's own storage of this rank's shard (no autograd here)
         if local.numel():
-            local.copy_(source.read(name, tuple(slice(start, start + size) for start, size in zip(offset, shape))))
+            local.copy_(
+                source.read(name, tuple(slice(start, start + size) for start, size in zip(offset, shape)))
+            )
         return
     target.copy_(source.read(name, None))
 
@@ -340,6 +402,7 @@ def _copy_into(target: torch.Tensor, source: Source, name: str) -> None:
 def _load_through_dcp(folder: str, targets: dict[str, torch.Tensor], found: dict[str, str]) -> None:
     """A sharded checkpoint's model tensors into `targets` with DCP: each rank reads the shards it holds."""
     from multigpu.checkpoints.sharded import load_entries
+
     load_entries({"model": {found[name]: tensor for name, tensor in targets.items()}}, folder)
 
 
@@ -356,8 +419,10 @@ class InitFrom:
             return
         self.done = True
         if trainer.checkpointer.last_saved is not None:  # resumed: the checkpoint's weights go on training
-            trainer.report.line(f"--init-from {self.path} not loaded: this run resumed from "
-                                f"{trainer.checkpointer.last_saved}, whose weights it continues")
+            trainer.report.line(
+                f"--init-from {self.path} not loaded: this run resumed from "
+                f"{trainer.checkpointer.last_saved}, whose weights it continues"
+            )
             return
         load_initial(trainer.model, self.path, self.strict, trainer.report.line)
 

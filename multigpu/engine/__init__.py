@@ -1,7 +1,8 @@
 """The engine's parts: the few of MultiGPUTrainer's (train_multi_gpu.py) that span concerns (build: the
-built-in callbacks, --hang-timeout's watchdog, --autotune's switch of settings; every other part's factory
-lives beside it), what its checkpoint holds beyond its parts' own state and the words of a resume (state), and
-what it says and returns at the end of a run (summary).
+built-in callbacks, --hang-timeout's watchdog, --autotune's switch of settings), the parts made from many of
+its others (parts: the step, the evaluator, telemetry, sync points, --batch-size auto, --autotune; every other
+part's factory lives beside it), what its checkpoint holds beyond its parts' own state and the words of a
+resume (state), and what it says and returns at the end of a run (summary).
 
 Owns: the composition of the parts below; no training logic of its own.
 May import: every subpackage below it (the root, resilience, parallel, data, loop, checkpoints, monitoring,

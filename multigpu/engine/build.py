@@ -24,7 +24,7 @@ from multigpu.loop.callbacks import EMA, Callbacks, EarlyStopping
 from multigpu.loop.optim import INTERVALS
 from multigpu.loop.step import TrainStep
 from multigpu.parallel.distributed import Runtime
-from multigpu.parallel.wrapping import wrap_model
+from multigpu.parallel.wrapping import as_ddp, wrap_model
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import Watchdog
 from multigpu.tuning import autotune
@@ -80,10 +80,13 @@ def hang_watchdog(
     """--hang-timeout's watchdog, started (None with 0): rank 0's saves the last completed step through
     `save_last_step` when it decides (docs/hangs.md, "When a run hangs")."""
     seconds = config.watchdog_seconds
-    if not seconds:
+    # --fault-tolerance with one process per group: a step that waits for a lost group is torchft's to end (its
+    # process-group timeout, then a quorum without it), not a hang to stop this group for.
+    if not seconds or runtime.replica_groups > 1 and runtime.world_size == 1:
         return None
     BEAT.restart()
     BEAT.step = global_step
+    assert runtime.mesh_shape is not None  # Runtime.__post_init__ fills it
     mesh = runtime.mesh_shape if runtime.mode == "fsdp" and runtime.mesh_shape[0] > 1 else None
     return Watchdog(
         runtime.rank, runtime.world_size, seconds, save_dir, runtime.backend, save_last_step, mesh=mesh
@@ -122,11 +125,11 @@ def use_setting(run: Tunable, setting: autotune.Setting) -> None:
         run.channels_last = setting.channels_last
         run.step.move = run.evaluator.move = batch_mover(run.runtime.device, setting.channels_last)
         if run.runtime.mode == "ddp":  # DDP's gradient buckets take the weights' layout when it is built
-            run.step.wrapped._remove_autograd_hooks()
+            as_ddp(run.step.wrapped)._remove_autograd_hooks()
             run.step.wrapped = wrap_model(
                 run.model, run.config, run.runtime, lambda line: None, run.amp.dtype
             )
-            run.step.no_sync = run.step.wrapped.no_sync
+            run.step.no_sync = as_ddp(run.step.wrapped).no_sync
     if setting.compiled and run.model._compiled_call_impl is None:
         run.model.compile()  # in place, inside DDP's wrapper: as --compile, plain state_dict keys
     elif not setting.compiled:

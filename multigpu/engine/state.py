@@ -253,7 +253,10 @@ def save_from_replica(
     checkpointer, step = replica.checkpointer, replica.step
     newest = checkpointer.newest()
     if replica.sharded:
-        return f"no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: {newest}"
+        return (
+            "no checkpoint written: under fsdp the last complete sharded checkpoint stays the resume point: "
+            f"{newest}"
+        )
     if replica.streaming:
         return (
             f"no checkpoint written: a stream's position needs every rank; the newest checkpoint is {newest}"
@@ -338,11 +341,11 @@ def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
         run.builtin_optimizer,
         schedule_rule(run.config, run.steps_per_epoch, ahead),
     )
-    if saved["world_size"] != run.runtime.world_size:
+    if saved["world_size"] != run.runtime.data_ranks:  # the data's shares, over every replica group too
         run.report.line(
             other_world_size(
                 saved["world_size"],
-                run.runtime.world_size,
+                run.runtime.data_ranks,
                 run.builtin_schedule,
                 run.scheduler_interval,
                 max_steps_end(run.config, run.steps_per_epoch, run.progress, ahead),

@@ -19,7 +19,7 @@ def summary(
     metrics: dict[str, float],
     monitor: str | None,
     progress: Progress,
-    samples: int,
+    samples: float,
     seconds: float,
     telemetry: Telemetry,
     **extra: Any,
@@ -100,8 +100,9 @@ def plan_facts(run: Any) -> plan.PlanFacts:
         run.amp.name,
         run.progress,
         run.steps_done_in_epoch(),
-        run.on_device.line,
+        run.stream.plan_line() if run.stream is not None else run.on_device.line,  # a stream: how it is split
         loss_line(run.weighting),
+        run.replicas.plan_line() if run.replicas is not None else "",
     )
 
 
@@ -113,21 +114,27 @@ def loss_line(weighting: Any) -> str:
     return weighting.describe()
 
 
-def finish(run: Any, started: float) -> dict[str, Any]:
-    """The end of a run that trained to its end (or stopped early on a callback's word): the lines that say so,
-    TensorBoard's hparams, and what fit returns."""
-    if run.stop_reason:
-        run.report.line(run.stop_reason)
-    result = summary(
+def run_summary(run: Any, **extra: Any) -> dict[str, Any]:
+    """`summary` of a MultiGPUTrainer as it stands."""
+    return summary(
         run.metrics,
         run.monitor.name,
         run.progress,
         run.sync.samples,
         run.sync.seconds,
         run.telemetry,
-        wall_time=time.perf_counter() - started,
-        **({"stopped_early": run.stop_reason} if run.stop_reason else {}),
+        **extra,
     )
+
+
+def finish(run: Any, started: float) -> dict[str, Any]:
+    """The end of a run that trained to its end (or stopped early on a callback's word): the lines that say so,
+    TensorBoard's hparams, and what fit returns."""
+    if run.stop_reason:
+        run.report.line(run.stop_reason)
+    stopped_early = {"stopped_early": run.stop_reason} if run.stop_reason else {}
+    replicas = run.replicas.summary() if run.replicas is not None else {}  # --fault-tolerance's account
+    result = run_summary(run, wall_time=time.perf_counter() - started, **stopped_early, **replicas)
     samples_per_epoch = getattr(run.sampler, "usable", None)  # a stream's epoch has no known length
     epoch_share = run.progress.samples_in_epoch / samples_per_epoch if samples_per_epoch else None
     report_done(

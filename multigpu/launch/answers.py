@@ -87,6 +87,11 @@ class Settings:
     ray_address: str | None = None
     ray_max_failures: str | None = None
     oversubscribe: str | None = None  # "1": more CPU processes than cores, as the user asked
+    fault_tolerance: str | None = (
+        None  # "1": replica groups under torchft (multigpu/launch/replica_groups.py)
+    )
+    replica_groups: str | None = None
+    lighthouse_port: str | None = None
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable
@@ -291,6 +296,10 @@ def engine_of(s: Settings) -> Engine | None:
     if len(named) > 1:
         raise UsageError(
             f"give one of {named[0].flag} and {named[1].flag}: each starts the run on its own cluster"
+        )
+    if named and named[0] is not SLURM and s.fault_tolerance:
+        raise UsageError(
+            f"--fault-tolerance runs its replica groups here or with --slurm, not with {named[0].flag}"
         )
     return named[0] if named else None
 

@@ -48,6 +48,7 @@ def command(s: Settings, devices: Devices, nodes: Nodes, port: int, config: Trai
     trainer = shown(TRAINER)
     if devices.mode in PROCESS_PER_DEVICE:
         env.append(f"OMP_NUM_THREADS={omp_threads(cores_here(), devices.count)}")
+        assert config.save_dir is not None  # the launcher settles it before the command (launch_rules)
         words = [
             shown(s.python),
             shown(TORCHRUN),
@@ -87,9 +88,11 @@ def devices_per_step(devices: Devices, nodes: Nodes) -> int:
 def per_device_batch(config: TrainConfig, devices: Devices) -> int | None:
     """--batch-size as the run will use it: None where --batch-size auto will find it on the GPUs at start, the
     trainer's default where auto has no CUDA to measure (the trainer says so too)."""
-    if config.batch_size != AUTO:
+    if isinstance(config.batch_size, int):  # else AUTO
         return config.batch_size
-    return None if devices.on_gpu else FIELDS["batch_size"].default
+    default = FIELDS["batch_size"].default
+    assert isinstance(default, int)  # the field's default is a number
+    return None if devices.on_gpu else default
 
 
 def effective_batch_text(config: TrainConfig, devices: Devices, nodes: Nodes) -> str:

@@ -71,6 +71,7 @@ def k8s_devices(s: Settings) -> Devices:
 def check_k8s_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a TrainJob needs beyond a run here: its own resuming, and with several pods a volume they share."""
     check_job(s, nodes, config, KUBERNETES)
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     if nodes.count > 1 and s.k8s_pvc is None:
         raise UsageError(
             f"--nnodes {nodes.count} needs --k8s-pvc NAME: a volume every pod mounts at --save-dir (ReadWriteMany), "
@@ -94,22 +95,22 @@ def kubernetes(s: Settings) -> Iterator[tuple[str, str]]:
         f"{job.what}, {job.layout}; torchrun's rendezvous from the pods' PET_* variables",
     )
     yield from training_plan(s, config, job.devices, job.nodes)
-    file = os.path.join(config.save_dir, FILE_NAME)
-    yield "plan", f"  image {s.image or DEFAULT_IMAGE}; TrainJob {job_name(config.save_dir)} in {file}"
+    file = os.path.join(job.save_dir, FILE_NAME)
+    yield "plan", f"  image {s.image or DEFAULT_IMAGE}; TrainJob {job_name(job.save_dir)} in {file}"
     if s.k8s_pvc:
         yield (
             "plan",
-            f"  checkpoints in {config.save_dir} on the volume {s.k8s_pvc}; a restarted pod resumes there",
+            f"  checkpoints in {job.save_dir} on the volume {s.k8s_pvc}; a restarted pod resumes there",
         )
     else:
         yield (
             "plan",
             "  no --k8s-pvc: the checkpoints stay in the pod and go with it; a restarted pod starts over",
         )
-    yield "save-dir", config.save_dir
-    yield "job-file", file
-    yield "job-name", job_name(config.save_dir)
-    yield "job-text", trainjob_yaml(s, job)
+    yield "save-dir", job.save_dir
+    yield "script-file", file
+    yield "job-name", job_name(job.save_dir)
+    yield "script", trainjob_yaml(s, job)
 
 
 def job_name(save_dir: str) -> str:
@@ -126,7 +127,7 @@ def literal(word: str) -> str:
 def container_command(s: Settings, job: Job) -> list[str]:
     """torchrun (multigpu/launch/torchrun.py) with the trainer and its flags, in the image's working directory:
     nodes, processes, node rank and rendezvous come from the PET_* variables."""
-    log = literal(os.path.join(job.config.save_dir, "torchrun-node")) + "$(PET_NODE_RANK).log"
+    log = literal(os.path.join(job.save_dir, "torchrun-node")) + "$(PET_NODE_RANK).log"
     restarts = [f"--max_restarts={job.nodes.max_restarts}"] if job.nodes.max_restarts is not None else []
     trainer = trainer_flags(s, job.devices)
     words = [*trainer, "--resume", "auto", *s.trainer_args]
@@ -150,11 +151,11 @@ def trainjob(s: Settings, job: Job) -> dict[str, Any]:
     }
     spec: dict[str, Any] = {"runtimeRef": {"name": RUNTIME}, "trainer": trainer}
     if s.k8s_pvc:
-        spec["runtimePatches"] = [save_dir_volume(s.k8s_pvc, job.config.save_dir)]
+        spec["runtimePatches"] = [save_dir_volume(s.k8s_pvc, job.save_dir)]
     return {
         "apiVersion": API_VERSION,
         "kind": "TrainJob",
-        "metadata": {"name": job_name(job.config.save_dir)},
+        "metadata": {"name": job_name(job.save_dir)},
         "spec": spec,
     }
 
@@ -174,7 +175,7 @@ def save_dir_volume(claim: str, save_dir: str) -> dict[str, Any]:
 
 def trainjob_yaml(s: Settings, job: Job) -> str:
     """The TrainJob's YAML, after comment lines that say what it runs and how to submit it."""
-    file = shlex.quote(os.path.join(job.config.save_dir, FILE_NAME))
+    file = shlex.quote(os.path.join(job.save_dir, FILE_NAME))
     head = [
         f"# Kubeflow Trainer TrainJob written by launch_multi_gpu.sh on {time.strftime('%Y-%m-%d %H:%M:%S')}:",
         f"# {plural(job.nodes.count, 'pod')} x {job.what}, {job.devices.mode.upper()} under torchrun.",

@@ -24,11 +24,12 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
+from multigpu.launch import replica_groups
 from multigpu.launch.answers import (
     KUBERNETES,
     PROCESS_PER_DEVICE,
@@ -71,18 +72,24 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     mode = mode_of(s)
     apply_gpu_choice(s)
     engine = engine_of(s)
-    nodes = nodes_of(s, mode)
-    devices = job_devices_of(s, engine) if engine else devices_of(s, mode)
-    config = training_config(s)
+    config_of: Callable[[Settings], TrainConfig] = training_config
+    if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
+        devices, nodes = replica_groups.settle(s)
+        config_of = replica_groups.group_config
+    else:
+        nodes = nodes_of(s, mode)
+        devices = job_devices_of(s, engine) if engine else devices_of(s, mode)
+    config = config_of(s)
     if not (engine and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
         yield from settle_save_dir(s, config)
-        config = training_config(s)
+        config = config_of(s)
     if engine is SLURM:
         check_slurm_job(s, nodes, config)
     elif engine is KUBERNETES:
         check_k8s_job(s, nodes, config)
     elif engine is RAY:
         check_ray_job(s, nodes, config)
+    assert config.save_dir is not None  # settled above, or refused by the job's check
     check_save_dir(config.save_dir)
     settle_mesh(s, devices, nodes)
     if not engine and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
@@ -142,6 +149,7 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     mesh = settle_mesh(s, devices, nodes)
     yield from settle_save_dir(s, training_config(s, devices))
     config = training_config(s, devices)
+    assert config.save_dir is not None  # settled just above
     check_save_dir(config.save_dir)
     settle_training(s, config)
     port, note = rendezvous_port(s, nodes) if devices.mode in PROCESS_PER_DEVICE else (0, "")
@@ -178,6 +186,7 @@ def ray_plan(s: Settings) -> Iterator[tuple[str, str]]:
     yield from settle_save_dir(s, training_config(s, devices))
     config = training_config(s, devices)
     check_ray_job(s, nodes, config)
+    assert config.save_dir is not None  # settled just above
     settle_training(s, config)
     each = "1 GPU each" if devices.on_gpu else "1 CPU each, gloo"
     yield (
@@ -199,6 +208,13 @@ def ray_plan(s: Settings) -> Iterator[tuple[str, str]]:
 
 
 STEPS = {"check": check, "plan": plan, "slurm": slurm, "k8s": kubernetes, "ray": ray_plan}
+# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py); not on Kubernetes
+# or Ray (engine_of says so)
+FAULT_TOLERANT_STEPS = {
+    **STEPS,
+    "plan": lambda s: replica_groups.plan(s, settle_save_dir),
+    "slurm": replica_groups.slurm,
+}
 
 
 def parse(argv: Sequence[str]) -> tuple[str, Settings]:
@@ -219,7 +235,7 @@ def parse(argv: Sequence[str]) -> tuple[str, Settings]:
 
 
 def records(step: str, s: Settings) -> Iterator[str]:
-    for key, value in STEPS[step](s):
+    for key, value in (FAULT_TOLERANT_STEPS if s.fault_tolerance else STEPS)[step](s):
         yield f"{key}={value}"
 
 

@@ -48,6 +48,7 @@ def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a SLURM job needs beyond a run here: its own resuming, a --save-dir every node sees, and one its
     output path can name."""
     check_job(s, nodes, config, SLURM)
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     if re.search(r"\s", config.save_dir):
         raise UsageError(
             f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
@@ -65,11 +66,11 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
         f"the first node",
     )
     yield from training_plan(s, config, job.devices, job.nodes)
-    script = os.path.join(config.save_dir, "launch_slurm.sbatch")
-    yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
-    yield "save-dir", config.save_dir
-    yield "job-file", script
-    yield "job-text", slurm_script(s, job.nodes, job.gpus, job.procs, job.cpus, config)
+    script = os.path.join(job.save_dir, "launch_slurm.sbatch")
+    yield "plan", f"  job script {script}; its output in {job.save_dir}/slurm-<job id>.out"
+    yield "save-dir", job.save_dir
+    yield "script-file", script
+    yield "script", slurm_script(s, job.nodes, job.gpus, job.procs, job.cpus, config)
 
 
 def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, config: TrainConfig) -> str:
@@ -78,6 +79,9 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     Every $SLURM_* variable stays literal, read when the job runs; those that differ
     between nodes ($SLURM_NODEID) are read inside run_node, on each node.
     """
+    assert (
+        config.save_dir is not None
+    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
     directives = ["--job-name=multigpu", f"--nodes={nodes.count}", "--ntasks-per-node=1"]
     if gpus:
         directives.append(f"--gpus-per-node={gpus}")
@@ -101,6 +105,10 @@ def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, co
     ]
     restarts = f" --max_restarts={nodes.max_restarts}" if nodes.max_restarts is not None else ""
     port = str(nodes.port) if nodes.port else "$((20000 + SLURM_JOB_ID % 20000))"
+    processes = plural(gpus, "GPU") if gpus else plural(procs, "CPU process")
+    shape = f"{plural(nodes.count, 'node')} x {processes}, {(mode_of(s) or 'ddp').upper()} under torchrun"
+    # torchrun's c10d rendezvous is hosted by the allocation's first node.
+    host = "--rdzv_conf=is_host=$((SLURM_NODEID == 0))"
     gpu_check = (
         ""
         if not gpus
@@ -125,7 +133,7 @@ rm -f "$marker"
     restart_env = " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" if nodes.count > 1 and nodes.max_restarts else ""
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}:
-# {plural(nodes.count, "node")} x {plural(gpus, "GPU") if gpus else plural(procs, "CPU process")}, {(mode_of(s) or "ddp").upper()} under torchrun, c10d rendezvous on the allocation's first node.
+# {shape}, c10d rendezvous on the allocation's first node.
 # Submit: sbatch {shlex.quote(os.path.join(config.save_dir, "launch_slurm.sbatch"))}
 # Submitting it again, or a requeue, continues from the newest checkpoint (--resume auto).
 {chr(10).join("#SBATCH " + d for d in directives)}
@@ -153,7 +161,7 @@ run_node() {{
     exec env OMP_NUM_THREADS=$((threads > 0 ? threads : 1)){restart_env} \\
         {shlex.quote(s.python)} {shlex.quote(TORCHRUN)} --log-file "$SAVE_DIR/torchrun-$(hostname).log" \\
         --nnodes="$SLURM_NNODES" --nproc_per_node="$PROCS_PER_NODE" --rdzv_backend=c10d \\
-        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" --rdzv_conf=is_host=$((SLURM_NODEID == 0)){restarts} \\
+        --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$SLURM_JOB_ID" {host}{restarts} \\
         {quoted(trainer)}
 }}
 export -f run_node

@@ -25,6 +25,7 @@ The launcher (launch_multi_gpu.sh) and its SLURM script run DDP through this.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -147,6 +148,7 @@ def run(argv: Sequence[str]) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     # Left open until the process ends: torch may still log while Python shuts down.
     log = safe_files.open_no_follow(log_path, "a", buffering=1)
+    assert isinstance(log, io.TextIOWrapper)  # opened in text mode
     _say(
         log, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: torchrun {' '.join(torchrun_argv)}"
     )

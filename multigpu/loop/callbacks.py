@@ -167,6 +167,11 @@ class EMA:
         self.decay = decay
         self.model: torch.nn.Module | None = None  # the average, a copy of the trained module
         self.loaded: dict[str, torch.Tensor] | None = None  # from a checkpoint, until fit starts
+        self._averaged: list[torch.Tensor] = []  # the average's floating-point parameters (or shards)
+        self._trained: list[torch.Tensor] = []  # the trained ones they follow
+        self._buffers: tuple[
+            list[torch.Tensor], ...
+        ] = ()  # (the average's, the trained model's); () under fsdp
 
     def on_fit_start(self, trainer: Trainer) -> None:
         trained = _plain(trainer.model)
@@ -192,10 +197,9 @@ class EMA:
         if self.loaded is not None:
             self.model.load_state_dict(self.loaded)
             self.loaded = None
-        self._averaged, self._buffers = (
-            self.model.shards,
-            (),
-        )  # buffers: the trained model's own, used as they are
+        assert isinstance(self.model, sharding.AveragedShards)  # made above, or by an earlier fit
+        self._averaged = self.model.shards
+        self._buffers = ()  # buffers: the trained model's own, used as they are
         trainer.eval_model = self.model
 
     def on_step_end(self, trainer: Trainer) -> None:
@@ -204,7 +208,8 @@ class EMA:
         )
         torch._foreach_lerp_(self._averaged, trained, 1.0 - self.decay)
         if self._buffers:  # kept equal at every step, so a resume from any checkpoint evaluates alike
-            torch._foreach_copy_(*self._buffers)
+            averaged_buffers, trained_buffers = self._buffers
+            torch._foreach_copy_(averaged_buffers, trained_buffers)
 
     def state_dict(self) -> dict[str, Any]:
         weights = self.model.state_dict() if self.model is not None else self.loaded

@@ -83,7 +83,7 @@ class Evaluator:
         trace: the RNG states (a random transform), the model's buffers and its mode are restored, and the
         training data order is not touched.
         """
-        if dataset is None or is_stream(dataset) or len(dataset) == 0:  # type: ignore[arg-type]
+        if dataset is None or is_stream(dataset) or len(dataset) == 0:  # type: ignore[arg-type]  # map-style
             return  # a stream is checked at its first evaluation: reading it here would use up a pass
         with snapshot.kept(model, self.runtime.device), torch.no_grad(), uncompiled():
             try:
@@ -112,7 +112,7 @@ class Evaluator:
         rt = self.runtime
         if is_stream(dataset):
             return self._run_stream(model, dataset, batch_size_)
-        batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]
+        batches = ShardedBatchSampler(len(dataset), batch_size_, rt.rank, rt.world_size)  # type: ignore[arg-type]  # map-style
         loader = iter(
             build_loader(
                 dataset, rt.device, self.num_workers, batch_sampler=batches, collate_fn=self.collate_fn
@@ -189,7 +189,7 @@ class Evaluator:
     def _resolve_metrics(self, scores: Any, targets: Any) -> dict[str, metric_lib.Metric]:
         """The metrics asked for, or the defaults: over tokens, the accuracy of the counted tokens."""
         if self.spec is None and self.by_tokens and isinstance(scores, torch.Tensor) and scores.dim() >= 3:
-            return {"acc": token_accuracy(self.weighting.shift)}  # type: ignore[union-attr]
+            return {"acc": token_accuracy(self.weighting.shift)}  # type: ignore[union-attr]  # by_tokens: one is set
         return metric_lib.resolve(self.spec, scores, targets)
 
     def _loss_and_counts(self, outputs: Any, targets: Any, batch: Any, samples: int) -> list[torch.Tensor]:
@@ -199,7 +199,7 @@ class Evaluator:
         if not self.by_tokens:
             return [self._loss_sum(outputs, targets, samples), count, torch.zeros((), dtype=torch.float64)]
         weighting: LossWeighting = self.weighting  # type: ignore[assignment]  # by_tokens: there is one
-        counted = weighting.counted(targets_in(batch))  # type: ignore[arg-type]
+        counted = weighting.counted(targets_in(batch))  # type: ignore[arg-type]  # a batch over tokens holds them
         loss_sum = token_loss_sum(_float(outputs), targets, self.loss_fn, counted, weighting.shift)
         return [loss_sum, count, counted.double()]
 

@@ -136,8 +136,8 @@ class BatchParallel:
         """The batch size from which this input is split."""
         if len(self.devices) == 1:
             return math.inf
-        if self.min_per_device != "auto":
-            return self.min_per_device * len(self.devices)  # type: ignore[operator]
+        if isinstance(self.min_per_device, int):  # else "auto"
+            return self.min_per_device * len(self.devices)
         key = (_shape_key((inputs, kwargs)), tuple(self.devices))
         measured = CROSSOVERS.setdefault(self.module, {})
         if key not in measured:

@@ -90,7 +90,7 @@ def resolve(spec: MetricsSpec, outputs: Any, targets: Any) -> dict[str, Metric]:
             if metric == "loss":
                 continue  # always computed
             name, metric = name or key_of(metric), builtin(metric)
-        chosen[name or getattr(metric, "__name__", f"metric{len(chosen)}")] = metric
+        chosen[name or str(getattr(metric, "__name__", f"metric{len(chosen)}"))] = metric
     return chosen
 
 

@@ -24,7 +24,9 @@ from multigpu.errors import UsageError
 from multigpu.lr_scaling import scaled_lr
 
 OptimizerArg = Union[None, Optimizer, Callable[[Iterable[torch.nn.Parameter]], Optimizer]]
-SchedulerArg = Union[None, LRScheduler, Callable[[Optimizer], Any]]
+# A scheduler, or a function that builds one: `optimizer -> scheduler`, or `(optimizer, total_steps) -> scheduler`
+# (users_scheduler tells them apart by the parameter's name).
+SchedulerArg = Union[None, LRScheduler, Callable[..., Any]]
 INTERVALS = ("step", "epoch")
 
 
@@ -39,7 +41,8 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, lr: float) -> O
 def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_: float) -> Optimizer:
     """The user's optimizer (built, or built here from `params -> Optimizer`), its LRs times the scaling factor."""
     if not isinstance(optimizer, Optimizer):
-        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])  # type: ignore[misc]
+        assert optimizer is not None  # None builds the built-in one instead (build_optimizer)
+        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or a function params -> Optimizer, "
@@ -99,10 +102,12 @@ def schedule_config(
     return config
 
 
-def users_scheduler(scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str, total_steps: int) -> Any:
+def users_scheduler(
+    scheduler: SchedulerArg, optimizer: Optimizer, lr_scaling: str, total_steps: float
+) -> Any:
     """The user's scheduler: built here from `optimizer -> scheduler` (or `(optimizer, total_steps) ->
-    scheduler`, for OneCycleLR and the like: the times the trainer will step it), or given built (then on
-    `optimizer`)."""
+    scheduler`, for OneCycleLR and the like: the times the trainer will step it; math.inf for a stream without
+    a length, where such a schedule is refused before), or given built (then on `optimizer`)."""
     if callable(scheduler) and not hasattr(scheduler, "step"):
         if takes_total_steps(scheduler):
             return scheduler(optimizer, total_steps=total_steps)
@@ -209,9 +214,9 @@ def keep_run_settings(
     "Resume").
 
     Weight decay is this run's in every group (no scheduler changes it). The built-in schedule moves to `step`
-    from this run's base LRs (following `rule`, where given), and the built-in SGD takes this run's --momentum. A scheduler of the user's
-    continues the checkpoint's LR, which cannot be given another base: a base LR other than the checkpoint's
-    is refused in one line.
+    from this run's base LRs (following `rule`, where given), and the built-in SGD takes this run's --momentum.
+    A scheduler of the user's continues the checkpoint's LR, which cannot be given another base: a base LR other
+    than the checkpoint's is refused in one line.
     """
     if not builtin_schedule:
         for ours, group in zip(built, optimizer.param_groups):

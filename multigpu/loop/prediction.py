@@ -68,9 +68,14 @@ class Predictor:
             with written_whole(output_path) if self.runtime.is_main else contextlib.nullcontext() as file:
                 if file is not None:
                     file.write(FILE_MAGIC)
-                self.each_chunk(
-                    model, dataset, batch_size, lambda chunk: _append(file, chunk), everywhere=False
-                )
+
+                def append(chunk: Any) -> None:
+                    assert (
+                        file is not None
+                    )  # chunks come to rank 0 only (everywhere=False), which has the file
+                    _append(file, chunk)
+
+                self.each_chunk(model, dataset, batch_size, append, everywhere=False)
             return None
         chunks: list[Any] = []
         self.each_chunk(model, dataset, batch_size, chunks.append, everywhere=True)
@@ -88,7 +93,7 @@ class Predictor:
         """Call `receive(outputs)` for consecutive runs of samples from the first to the last, on every rank
         (`everywhere`) or on rank 0 only; `receive((outputs, targets))` `with_targets`. Every rank must call it."""
         rt = self.runtime
-        size = len(dataset)  # type: ignore[arg-type]
+        size = len(dataset)  # type: ignore[arg-type]  # a map-style set: it has __len__
         if size == 0:
             raise ValueError("predict() got an empty data set")
         batches = ShardedBatchSampler(size, batch_size, rt.rank, rt.world_size)
@@ -183,7 +188,7 @@ def _tensors_only(value: Any) -> Any:
 
 def _exchange(mine: list[Any], everywhere: bool) -> list[list[Any]] | None:
     """Every rank's list of outputs, in rank order: on every rank, or on rank 0 (None elsewhere)."""
-    return gather_objects(mine) if everywhere else gather_objects_to_main(mine)  # type: ignore[return-value]
+    return gather_objects(mine) if everywhere else gather_objects_to_main(mine)
 
 
 # ---------------------------------------------------------------- the streamed file

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from multigpu import rng
 from multigpu.data.batches import map_tensors
 
 
-def _cpu_copy(state: object) -> object:
+def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of `state` (a state_dict) with its tensors on the CPU: kept aside without taking device memory."""
     return map_tensors(lambda tensor: tensor.detach().to("cpu", copy=True), state)
 
@@ -51,9 +52,10 @@ def kept(
                 model.load_state_dict(saved)
             else:
                 for name, buffer in model.named_buffers():
-                    buffer.copy_(saved[name])  # type: ignore[index]
+                    buffer.copy_(saved[name])
         if optimizer is not None:
-            optimizer.load_state_dict(optimizer_state)  # type: ignore[arg-type]
+            assert optimizer_state is not None  # saved above with the optimizer
+            optimizer.load_state_dict(optimizer_state)
         for parameter, gradient in zip(model.parameters(), gradients):
             parameter.grad = gradient
         model.train(training)

@@ -14,8 +14,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from multigpu.data.streaming import JoinedWindow
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, check_first_batch, compute_loss
+from multigpu.loop.join import joined_step
 from multigpu.loop.tokens import LossWeighting, TokenLoss, WindowTokens
 from multigpu.resilience import heartbeat
 from multigpu.resilience.heartbeat import BEAT
@@ -66,11 +68,15 @@ class TrainStep:
         self.batch_checked = False
         self.weighting = weighting
         self.token_loss = None if weighting is None or weighting.mode == "samples" else token_loss
+        self.uneven_steps = 0  # steps of a stream's uneven ends, where ranks that ran out joined the others
 
     def __call__(self, batches: Iterator, window_samples: int, sizes: list[int]) -> None:
         """One optimizer step over the micro-batches holding this rank's next `window_samples` samples (`sizes`:
         each micro-batch's). DDP all-reduces (fsdp reduce-scatters) only in the last micro-batch's backward: the
         others run in no_sync (docs/scaling.md, "The effective-batch rule")."""
+        if isinstance(batches, JoinedWindow):  # a stream's uneven end, where some ranks ran out
+            joined_step(self, batches, window_samples, sizes)
+            return
         if self.token_loss is not None:
             self._token_step(batches, window_samples, sizes)
             return
@@ -158,6 +164,7 @@ class TrainStep:
         self.applied_lr = self.optimizer.param_groups[0]["lr"]
         if self.amp.scaling:
             scaler = self.amp.scaler
+            assert scaler._scale is not None  # set by scale() in the step's backward
             scale_before = scaler._scale.clone()  # private, but get_scale() would sync the host
             scaler.step(self.optimizer)
             scaler.update()

@@ -76,7 +76,8 @@ def shifts_labels(model: torch.nn.Module) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    named = LOSS_MAPPING.get(getattr(module, "loss_type", None)) is ForCausalLMLoss
+    loss_type = getattr(module, "loss_type", None)
+    named = loss_type is not None and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
     listed = any(cls.__name__ in causal_names for cls in type(module).__mro__)
     return (named or listed) and not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
 
@@ -145,15 +146,20 @@ class LossWeighting:
         )
 
 
+def _present(targets: torch.Tensor | None) -> torch.Tensor:
+    assert targets is not None  # weighted by tokens: every batch holds its targets
+    return targets
+
+
 class WindowTokens:
     """The counted tokens of one step's micro-batches on this rank, and their sum over the ranks, whose
     all-reduce starts here and is waited for at the first `step_total()`."""
 
     def __init__(self, weighting: LossWeighting, window: list[Any]):
-        targets = [targets_in(batch) for batch in window]
-        self.each = [weighting.counted(found) for found in targets]  # type: ignore[arg-type]
+        targets = [_present(targets_in(batch)) for batch in window]
+        self.each = [weighting.counted(found) for found in targets]
         self.local = self.each[0] if len(self.each) == 1 else torch.stack(self.each).sum()
-        self.positions = sum(found.numel() for found in targets)  # type: ignore[union-attr]  # padding included
+        self.positions = sum(found.numel() for found in targets)  # padding included
         self._total = self.local.clone()
         self._work = start_all_reduce_sum(self._total)
         if self._work is None:  # one process: nothing to wait for
@@ -192,7 +198,8 @@ class TokenLoss:
     def __call__(self, model: torch.nn.Module, batch: Any, tokens: WindowTokens, index: int) -> torch.Tensor:
         total = tokens.step_total() if self.num_items_to_model else None
         if total is not None:  # the model divides by the step's count itself (transformers' loss functions)
-            model = functools.partial(model, num_items_in_batch=total)
+            # Only the built-in ModelForward gets the partial (num_items_to_model), and it only calls it.
+            model = functools.partial(model, num_items_in_batch=total)  # type: ignore[assignment]  # see above
         outputs, targets = self.forward(model, batch)
         if not self.checked:  # once: a mismatch is one clear line, not an error deep in the loss
             check_first_batch(outputs, targets, self.loss_fn)

@@ -78,8 +78,13 @@ class IntervalMeter:
         self.micro.append(loss_sum.detach())
 
     def end_step(self, samples: int) -> None:
+        """The end of a step of `samples` samples on this rank (none: a rank that joined the others' step at a
+        stream's uneven end adds a loss of 0, so that every rank reduces as many steps)."""
         micro, self.micro = self.micro, []
-        self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
+        if not micro:
+            self.step_losses.append(torch.zeros((), device=self.device))
+        else:
+            self.step_losses.append(micro[0] if len(micro) == 1 else torch.stack(micro).float().sum())
         self.samples += samples
         self.first_samples = self.first_samples or samples
 
@@ -144,7 +149,7 @@ class LoggedScalars:
 
     def reduce(self) -> dict[str, float]:
         """{name: mean over every rank's values} since the last reduce; every rank must call it."""
-        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})  # type: ignore[attr-defined]
+        names = sorted({name for names in gather_objects(sorted(self.values)) for name in names})
         if not names:
             return {}
         sums_and_counts = torch.stack(

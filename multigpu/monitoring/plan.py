@@ -43,10 +43,11 @@ class PlanFacts:
     amp: str  # the precision's name
     progress: Any  # epoch and global_step to start from
     steps_done_in_epoch: int
-    data: str = ""  # where the training batches come from (data/device_data.py)
+    data: str = ""  # where the training batches come from (data/device_data.py; a stream: data/streaming.py)
     loss: str = (
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
+    replicas: str = ""  # --fault-tolerance: the replica groups and what a lost one costs
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -60,7 +61,12 @@ def plan_lines(run: PlanFacts) -> list[str]:
         if rt.mode in ("ddp", "fsdp")
         else "one device"
     )
-    steps_left: int | None = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
+    if rt.replica_groups > 1:
+        batch_rule = (
+            f"--fault-tolerance: --batch-size is per process of each of {rt.replica_groups} replica groups"
+        )
+    steps_left: int | None  # None for a stream without __len__, below
+    steps_left = (config.epochs - progress.epoch) * run.steps_per_epoch - run.steps_done_in_epoch
     if config.max_steps:  # --max-steps counts optimizer steps in all, whichever end comes first
         steps_left = min(steps_left, config.max_steps - progress.global_step)
     length = (
@@ -85,8 +91,9 @@ def plan_lines(run: PlanFacts) -> list[str]:
     )
     return [
         rt.describe(),
-        f"batch {config.batch_size} per device x {rt.devices_per_step} devices x {config.grad_accum_steps} "
-        f"accumulation = {run.effective_batch} effective ({batch_rule})",
+        *([run.replicas] if run.replicas else []),
+        f"batch {config.batch_size} per device x {rt.devices_per_step * rt.replica_groups} devices x "
+        f"{config.grad_accum_steps} accumulation = {run.effective_batch} effective ({batch_rule})",
         f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
         *_frozen(run),
         *([run.data] if run.data else []),
@@ -124,6 +131,7 @@ def _lr_range(run: PlanFacts, steps_left: int | None) -> str:
     ):  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
         warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
         steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
+    assert steps is not None  # unknown returned above, or found just above
     peak = peak_lr(run.scheduler, max(1, steps))
     return f" (first step lr {first:g}, peak {'unknown' if peak is None else f'{peak:g}'})"
 
@@ -182,23 +190,32 @@ def chance_accuracy(classes: int | None) -> float | None:
 
 def at_chance(report: Reporter, classes: int | None) -> str | None:
     """The last validation accuracy as a sign, when it is at chance (`chance_accuracy`); else None."""
-    acc, below = (report.last_val or {}).get("acc"), chance_accuracy(classes)
-    if acc is None or below is None or acc >= below:
+    acc = (report.last_val or {}).get("acc")
+    below = chance_accuracy(classes)
+    if acc is None or below is None or classes is None or acc >= below:  # classes: None gives below None too
         return None
-    return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"  # type: ignore[operator]
+    return f"val acc {acc:.4f}, chance for {classes} classes is {1 / classes:.4f}"
 
 
 def no_better_than_chance(report: Reporter, classes: int | None) -> bool:
     """Whether the last validation accuracy is at most chance (1/classes): nothing learned that guessing lacks."""
     acc = (report.last_val or {}).get("acc")
-    return acc is not None and chance_accuracy(classes) is not None and acc <= 1 / classes  # type: ignore[operator]
+    # chance_accuracy is None where classes is (or is below 2).
+    return (
+        acc is not None
+        and classes is not None
+        and chance_accuracy(classes) is not None
+        and acc <= 1 / classes
+    )
 
 
 def divergence_signs(report: Reporter) -> list[str]:
     """Evidence that this run diverged: its training loss, or its last validation loss, ended `DIVERGED` times
     above its first step's training loss (the same loss on the same kind of samples; a positive one only)."""
-    start, last, signs = report.start_loss, report.last_val or {}, []
-    if start is None or not start > 0:
+    start = report.start_loss
+    last = report.last_val or {}
+    signs: list[str] = []
+    if start is None or report.last_loss is None or not start > 0:  # the last loss is set with the start
         return signs
     if report.last_loss > DIVERGED * start:  # NaN never gets here
         signs.append(f"training loss grew from {start:.4g} to {report.last_loss:.4g}")
@@ -218,7 +235,15 @@ def no_learning_signs(report: Reporter, classes: int | None) -> list[str]:
     validation loss that rose while the training loss fell (overfitting)."""
     first, last, signs = report.first_val or {}, report.last_val or {}, divergence_signs(report)
     chance = at_chance(report, classes)
-    training_flat = report.loss_intervals > 1 and not report.last_loss < NOT_FALLEN * report.first_loss
+    first_loss = report.first_loss
+    last_loss = report.last_loss
+    # Both losses are set from the first interval on.
+    training_flat = (
+        report.loss_intervals > 1
+        and first_loss is not None
+        and last_loss is not None
+        and not last_loss < NOT_FALLEN * first_loss
+    )
     if last is not first and "loss" in last:  # two evaluations, of the same samples: no noise between them
         if not last["loss"] < NOT_FALLEN * first["loss"] and (chance or training_flat):
             signs.append(f"val loss {first['loss']:.4g} -> {last['loss']:.4g} since the first epoch")

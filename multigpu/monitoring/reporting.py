@@ -33,8 +33,8 @@ class Reporter:
         self.bar: Any = None
         self._writer: Any = None
         self.tensorboard = "tensorboard" in config.loggers
-        # The other trackers get every scalar TensorBoard gets (multigpu/monitoring/trackers.py); their run ids are checkpoint
-        # state, so they open at the first scalars, after a resume has loaded them.
+        # The other trackers get every scalar TensorBoard gets (multigpu/monitoring/trackers.py); their run ids are
+        # checkpoint state, so they open at the first scalars, after a resume has loaded them.
         self.trackers = Trackers(config, enabled, self.line)
         self._importing: threading.Thread | None = None  # import_writer_in_background's
         # A resumed run sets this: TensorBoard then drops the events a crashed run logged
@@ -142,7 +142,11 @@ class Reporter:
         if not self.enabled:
             return
         per_sec = interval.samples / max(interval.seconds, 1e-9)
-        fp16 = {} if skipped is None else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
+        fp16: dict[str, float] = (
+            {}
+            if skipped is None or loss_scale is None  # set together, under fp16
+            else {"train/skipped_steps": skipped, "train/loss_scale": loss_scale}
+        )
         self.scalars(
             {
                 "train/loss": loss,

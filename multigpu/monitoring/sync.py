@@ -43,7 +43,9 @@ class SyncPoints:
             report,
         )
         self.telemetry, self.amp, self.stop, self.newest_checkpoint = telemetry, amp, stop, newest_checkpoint
-        self.samples, self.seconds = 0, 0.0  # trained, over the whole run: its throughput
+        # Trained, over the whole run: its throughput.
+        self.samples: float = 0
+        self.seconds = 0.0
 
     def due(self, step: int, epoch_end: bool) -> bool:
         """Whether `step` ends an interval: log steps, epoch ends and save steps. Only conditions that are the

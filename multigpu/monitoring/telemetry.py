@@ -269,11 +269,13 @@ class Telemetry:
             self.say(text)
 
     # ------------------------------------------------------------------ at the end
-    def summary(self) -> dict[str, float | None]:
+    def summary(self) -> dict[str, float | list[float] | None]:
         """Run totals for fit()'s result: data_wait_frac; on CUDA also max_memory_allocated_gb and mfu
         (None where not measured)."""
         total = sum(self.seconds.values())
-        result: dict[str, float | None] = {"data_wait_frac": self.seconds["data"] / total if total else None}
+        result: dict[str, float | list[float] | None] = {
+            "data_wait_frac": self.seconds["data"] / total if total else None
+        }
         if self.rank_peaks:
             result["peak_memory_per_rank_gb"] = self.rank_peaks
         if self.cuda:

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from multigpu import safe_files
 from multigpu.config import TrainConfig
@@ -184,7 +184,7 @@ class WandbTracker:
     def __init__(self, config: TrainConfig, run_id: str | None, purge_step: int | None):
         import wandb
 
-        settings = {
+        settings: dict[str, Any] = {
             key: value
             for key, value in (("console", "off"), ("silent", True))
             if f"WANDB_{key.upper()}" not in os.environ
@@ -223,7 +223,23 @@ class WandbTracker:
         self.run.finish()
 
 
-TRACKERS = {"csv": CsvTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
+class Tracker(Protocol):
+    """What every tracker above offers Trackers: its run's id (kept in the checkpoint), scalars, the summary."""
+
+    run_id: str
+
+    def scalars(self, values: dict[str, float], step: int) -> None: ...
+
+    def summary(self, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+TRACKERS: dict[str, Callable[[TrainConfig, str | None, int | None], Tracker]] = {
+    "csv": CsvTracker,
+    "mlflow": MlflowTracker,
+    "wandb": WandbTracker,
+}
 
 
 def _run_name(config: TrainConfig) -> str:
@@ -294,7 +310,8 @@ class Trackers:
 
     def _open(self, name: str, resumed: str | None, purge_step: int | None) -> None:
         tracker = TRACKERS[name](self.config, resumed, purge_step)
-        self.open[name] = tracker  # type: ignore[index]
+        assert self.open is not None  # start() made it
+        self.open[name] = tracker
         self.ids[name] = tracker.run_id  # kept even if it fails later: a resume continues its run
 
     def scalars(self, values: dict[str, float], step: int) -> None:

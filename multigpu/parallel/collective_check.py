@@ -114,7 +114,12 @@ def _call(call: dict[str, Any]) -> str:
     return f"{call['op']} of shape {list(call['shape'])} {call['dtype']}"
 
 
-def install(ddp_model: torch.nn.Module | None, rank: int, world_size: int, give_up_after: float) -> None:
+def install(
+    ddp_model: torch.nn.parallel.DistributedDataParallel | None,
+    rank: int,
+    world_size: int,
+    give_up_after: float,
+) -> None:
     """Check every trainer collective (through BEAT.recorded) and, on `ddp_model`, every gradient bucket's
     all-reduce (a DDP communication hook that checks, then all-reduces as DDP does by default)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -122,7 +127,7 @@ def install(ddp_model: torch.nn.Module | None, rank: int, world_size: int, give_
     check = CollectiveCheck(rank, world_size, give_up_after)
     BEAT.check = check
 
-    def checked_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations, not strings
+    def checked_allreduce(state, bucket):  # DDP reads real annotations, not strings
         """(state, dist.GradBucket) -> Future, as DDP's default hook."""
         buffer = bucket.buffer()
         check(DDP_ALL_REDUCE, tuple(buffer.shape), str(buffer.dtype).removeprefix("torch."))

@@ -15,7 +15,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,34 @@ class Runtime:
         None  # fsdp: (replicate, shard), replicate > 1 hybrid; None: (1, all)
     )
     nodes: int = 1  # torchrun's nodes (agents), when each runs the same number of processes
+    # --fault-tolerance (multigpu/parallel/fault_tolerance.py): the replica groups that train the same model, each
+    # a process group of its own as above, and this process's group. `leads`: this group is the lowest live one,
+    # whose rank 0 writes the run's files; set at each step from the groups alive (docs/fault-tolerance.md).
+    replica_groups: int = 1
+    replica_id: int = 0
+    leads: bool = True
+    replicas: Any = None  # fault_tolerance.ReplicaGroups: torchft's Manager over the groups
+    # This process's share of every step's data, its rank numbered on through the replica groups, and the shares
+    # every step's data is split into (the processes of all groups): plain attributes, read each step.
+    data_rank: int = field(init=False)
+    data_ranks: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.mesh_shape = self.mesh_shape or (1, self.world_size)
+        self.join_replica_groups(self.replica_groups, self.replica_id, self.replicas)
+
+    def join_replica_groups(self, groups: int, replica_id: int, replicas: Any) -> None:
+        """This process's group is `replica_id` of `groups` (--fault-tolerance), with torchft's `replicas`; it leads
+        until the first quorum says which groups are alive."""
+        self.replica_groups, self.replica_id, self.replicas = groups, replica_id, replicas
+        self.leads = self.leads and replica_id == 0
+        self.data_rank = replica_id * self.world_size + self.rank
+        self.data_ranks = groups * self.world_size
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that prints, logs and writes files."""
-        return self.rank == 0
+        """Rank 0 (of the leading replica group): the one process that prints, logs and writes files."""
+        return self.rank == 0 and self.leads
 
     @property
     def devices_per_step(self) -> int:
@@ -66,9 +86,11 @@ class Runtime:
     @property
     def mesh_position(self) -> tuple[int, int]:
         """This rank's (replicate, shard) coordinates in fsdp's mesh: its rows are consecutive ranks."""
+        assert self.mesh_shape is not None  # __post_init__ fills it
         return divmod(self.rank, self.mesh_shape[1])
 
     def describe(self) -> str:
+        assert self.mesh_shape is not None  # __post_init__ fills it
         if self.mode == "fsdp" and self.mesh_shape[0] > 1:
             replicate, shard = self.mesh_shape
             nodes = (
@@ -141,11 +163,20 @@ def parse_gpu_ids(text: str | None) -> list[int]:
 
 def setup(config: TrainConfig) -> Runtime:
     """Resolve the mode and, under DDP or FSDP, join torchrun's process group (fsdp without torchrun: a group of
-    one process, which FSDP's device mesh needs).
+    one process, which FSDP's device mesh needs); with --fault-tolerance, join the replica groups too.
 
     The process-group timeout is --dist-timeout: a rank that died makes the others
     fail after that long instead of hanging forever.
     """
+    runtime = _devices_and_group(config)
+    if config.fault_tolerance:
+        from multigpu.parallel import fault_tolerance  # torchft is imported there, only for such a run
+
+        fault_tolerance.join(config, runtime)
+    return runtime
+
+
+def _devices_and_group(config: TrainConfig) -> Runtime:
     mode = resolve_mode(config)
     if mode in ("dp", "none"):
         runtime = _one_process(mode, config.gpu_ids)
@@ -348,21 +379,24 @@ def barrier() -> None:
             dist.barrier()
 
 
-def gather_objects(obj: object) -> list[object]:
+T = TypeVar("T")
+
+
+def gather_objects(obj: T) -> list[T]:
     """Every rank's `obj`, in rank order, on every rank."""
     if not is_distributed():
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     with BEAT.recorded("all_gather_object"):
         dist.all_gather_object(gathered, obj)
     return gathered
 
 
-def gather_objects_to_main(obj: object) -> list[object] | None:
+def gather_objects_to_main(obj: T) -> list[T] | None:
     """Every rank's `obj`, in rank order, on rank 0 only (None on the others)."""
     if not is_distributed():
         return [obj]
-    gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     with BEAT.recorded("gather_object"):
         dist.gather_object(obj, gathered, dst=0)
     return gathered

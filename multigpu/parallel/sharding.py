@@ -19,7 +19,7 @@ checkpoint or as each rank's shards for a sharded folder (multigpu/checkpoints/s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
@@ -175,7 +175,10 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     them. Meanwhile each rank sums the whole gradients with no collective at all, or with `keep_sharded`
     (--fsdp-accumulate sharded) each micro-step reduce-scatters within its shard group and the rank sums 1/S of
     them (docs/sharding.md, "Hybrid sharding")."""
-    setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync  # type: ignore
+    from torch.distributed.fsdp import FSDPModule  # see the imports' note: loaded only where used
+
+    assert isinstance(model, FSDPModule)  # shard made it one
+    setter = model.set_requires_all_reduce if keep_sharded else model.set_requires_gradient_sync
 
     @contextlib.contextmanager
     def context() -> Iterator[None]:
@@ -188,7 +191,7 @@ def no_gradient_sync(model: nn.Module, keep_sharded: bool = False) -> Callable[[
     return context
 
 
-def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def local_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's shard on this rank (a plain tensor is itself): what per-element updates run on."""
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
@@ -237,13 +240,13 @@ class AveragedShards(nn.Module):
         self._trained[0].train(mode)
         return super().train(mode)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # the average's
         with self.swapped_in() as model:
             # Copies: with one shard on the CPU the gathered tensors are the parameters themselves, which get
             # the trained weights back when the swap ends.
             return {name: tensor.clone() for name, tensor in module_state_dict(model).items()}
 
-    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
         with self.swapped_in() as model:
             load_module_state_dict(model, state)
 
@@ -252,7 +255,7 @@ def _reshard(model: nn.Module) -> None:
     """Free every FSDP unit's gathered parameters (a no-op for those already sharded)."""
     for module in model.modules():
         if is_sharded(module):
-            module.reshard()  # type: ignore[operator]
+            module.reshard()  # type: ignore[operator]  # an FSDP unit (is_sharded)
 
 
 def _state_dict_api() -> Any:

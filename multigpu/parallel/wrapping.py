@@ -77,7 +77,7 @@ def wrapped_for_training(
     nodes = hold_gradient_nodes(model) if runtime.mode in ("none", "dp") else []
     wrapped = wrap_model(model, config, runtime, say, amp_dtype)
     no_sync = (
-        wrapped.no_sync
+        as_ddp(wrapped).no_sync
         if runtime.mode == "ddp"
         else contextlib.nullcontext
         if runtime.mode != "fsdp"
@@ -105,6 +105,7 @@ def wrap_model(
         has_batchnorm
         and not _syncs_batchnorm(config, runtime)
         and runtime.devices_per_step > 1
+        and isinstance(config.batch_size, int)  # resolved from auto before
         and config.batch_size < 16
     ):
         say(
@@ -113,6 +114,7 @@ def wrap_model(
         )
     BEAT.check = None  # until --debug-collectives installs its check (a process may build several trainers)
     if runtime.mode == "fsdp":
+        assert runtime.mesh_shape is not None  # Runtime.__post_init__ fills it
         model, blocks = sharding.shard(
             model,
             runtime.device,
@@ -142,6 +144,12 @@ def wrap_model(
             model, device_ids=runtime.dp_device_ids, output_device=runtime.dp_device_ids[0]
         )
     return model
+
+
+def as_ddp(wrapped: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+    """What wrap_model made under ddp, typed as the DDP it is (its no_sync, its hooks)."""
+    assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+    return wrapped
 
 
 def _syncs_batchnorm(config: TrainConfig, runtime: Runtime) -> bool:

@@ -1,8 +1,9 @@
 """The test-only fault injector: MULTIGPU_FAULT_INJECT='rank:step[:save|:stop]' makes a rank die by SIGKILL
 (or, with :stop, freeze by SIGSTOP: alive but silent, as a hung rank is).
 
-It proves crash-safe resume for real (docs/checkpoints.md, "Testing it yourself"): a rank killed after a step, or inside a save between writing and
-renaming, as a preempted or OOM-killed worker dies. Off unless the variable is set.
+It proves crash-safe resume for real (docs/checkpoints.md, "Testing it yourself"): a rank killed after a step, or
+inside a save between writing and renaming, as a preempted or OOM-killed worker dies. Off unless the variable is
+set.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def dump_nccl_trace(backend: str | None, save_dir: str, rank: int) -> None:
     try:
         import torch
 
-        trace = torch._C._distributed_c10d._dump_nccl_trace()
+        trace = torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]  # NCCL builds only
         with open(os.path.join(save_dir, f"{NCCL_TRACE_PREFIX}{rank}"), "wb") as dump:
             dump.write(trace)
     except Exception:  # a torch without it: NCCL's own dump on timeout still comes

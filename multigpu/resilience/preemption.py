@@ -302,7 +302,7 @@ def stops_handled(
     except RuntimeError as error:
         if world_size == 1 or not is_peer_failure(error):
             raise
-        BEAT.hang_declared and BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
+        BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
         missing = lost_ranks(rank, world_size, wait_seconds)
         if missing == []:  # every rank answered the roll call: the collective failed for another reason
             raise

@@ -56,7 +56,8 @@ def published(store: Any, world_size: int) -> dict[int, dict[str, Any]]:
 def group_sequence_number() -> int | None:
     """How many collectives the default process group has issued (DDP's and the user's included), or None."""
     try:
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        group = dist.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]  # private, not in stubs
     except Exception:  # no group, or a backend that does not count
         return None
 
@@ -241,7 +242,8 @@ class Watchdog:
         if not self.answered:
             self.store.set(f"{PREFIX}stack/{self.rank}", main_thread_stack())
         print(
-            f"rank {self.rank}: stopped by the hang watchdog (see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
+            f"rank {self.rank}: stopped by the hang watchdog "
+            f"(see {os.path.join(self.save_dir, hang_report.FILE_NAME)})",
             file=sys.stderr,
             flush=True,
         )

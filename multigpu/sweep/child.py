@@ -1,6 +1,7 @@
 """The torchrun entry of an experiment that is a K-process DDP run (--gpus-per-run K > 1).
 
-    torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child -- SUMMARY.json [--report-to TRIAL] [training flags]
+    torchrun --standalone --nproc_per_node=K -m multigpu.sweep.child -- SUMMARY.json [--report-to TRIAL] \
+        [training flags]
 
 It trains as main_multi_gpu.py does (multigpu.launch.runner: same flags, same messages, same exit status), except
 that rank 0 also writes the run's final metrics to SUMMARY.json for the worker that started it. A search's run

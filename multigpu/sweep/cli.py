@@ -21,6 +21,7 @@ from multigpu.sweep.plan import Experiment, Plan, build_plan
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 
 if TYPE_CHECKING:  # imported where a search runs: a grid sweep loads neither
+    from multigpu.sweep.scheduler import Slot
     from multigpu.sweep.search import Search, SearchPlan
     from multigpu.sweep.search_summary import TrialRow
 
@@ -68,7 +69,7 @@ def run(options: SweepOptions, train_argv: list[str]) -> int:
     options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
     records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
     if options.slurm:
-        return _write_slurm_script(plan, options, train_argv)
+        return _write_slurm_script(plan.sweep_dir, options, train_argv, len(plan.experiments), "experiments")
     mine = plan.shard(*options.shard)
     with records.exclusive(plan.sweep_dir, options.shard):
         earlier = records.read_results(plan.sweep_dir)
@@ -129,13 +130,15 @@ def _schedule(
     said: str,
     show_bar: bool,
     shown: dict[str, Any],
+    found: tuple[list[Slot], str] | None = None,
     **more: Any,
 ) -> str | None:
-    """Run `to_run` (and what the scheduler's `more` gives) on this machine's slots, after a line that says
-    `said` and names the slots; `shown`: what progress.json holds beside the scheduler's own state."""
-    from multigpu.sweep.scheduler import Scheduler, find_slots
+    """Run `to_run` (and what the scheduler's `more` gives) on this machine's slots (`found`, else found here),
+    after a line that says `said` and names the slots; `shown`: what progress.json holds beside the scheduler's
+    own state."""
+    from multigpu.sweep.scheduler import Scheduler
 
-    slots, slot_line = find_slots(options, _visible_gpus())
+    slots, slot_line = found or _slots(options)
     print(f"{said}; {slot_line}", flush=True)
     progress_file = records.progress_path(sweep_dir, options.shard)
     static = {"sweep_dir": sweep_dir, "shard": f"{options.shard[0]}/{options.shard[1]}", **shown}
@@ -153,6 +156,13 @@ def _schedule(
         **more,
     )
     return scheduler.run()
+
+
+def _slots(options: SweepOptions) -> tuple[list[Slot], str]:
+    """This machine's device slots and the line that names them."""
+    from multigpu.sweep.scheduler import find_slots
+
+    return find_slots(options, _visible_gpus())
 
 
 def _visible_gpus() -> list[str]:
@@ -230,8 +240,11 @@ def _run_search(options: SweepOptions, train_argv: list[str]) -> int:
     plan = build_search_plan(options, train_argv)
     options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
     records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
+    if options.slurm:
+        return _write_slurm_script(plan.sweep_dir, options, train_argv, options.trials, "trials")
     with records.exclusive(plan.sweep_dir, options.shard):
-        search = Search(plan, options, records.read_results(plan.sweep_dir))
+        found = _slots(options)
+        search = Search(plan, options, records.read_results(plan.sweep_dir), len(found[0]))
         resumed = search.resume()
         print(_search_line(plan, options), flush=True)
         trials = search.study.get_trials(deepcopy=False)
@@ -248,6 +261,7 @@ def _run_search(options: SweepOptions, train_argv: list[str]) -> int:
             said,
             plan.base.progress,
             {"trials": options.trials, "ended_before": ended},
+            found,
             more=search.more,
             recorded=search.recorded,
             total=len(resumed) + new * len(plan.seeds),
@@ -331,18 +345,21 @@ def _best_line(plan: SearchPlan, rows: list[TrialRow]) -> str:
     return f"best: trial {best.number}, {plan.objective} {best.value:.4f}{over}; train it with: {command}"
 
 
-def _write_slurm_script(plan: Plan, options: SweepOptions, train_argv: list[str]) -> int:
-    path = slurm.write_script(plan, options, train_argv)
-    tasks, parallel = slurm.array_size(plan, options)
+def _write_slurm_script(
+    sweep_dir: str, options: SweepOptions, train_argv: list[str], count: int, what: str
+) -> int:
+    """--slurm: write the job array of a sweep of `count` `what` (experiments of a grid, trials of a search)."""
+    path = slurm.write_script(sweep_dir, count, what, options, train_argv)
+    tasks, parallel = slurm.array_size(count, options)
     at_once = f", at most {parallel} at a time" if parallel else ""
-    print(f"wrote {path}: {len(plan.experiments)} experiments in {tasks} array tasks{at_once}", flush=True)
+    print(f"wrote {path}: {count} {what} in {tasks} array tasks{at_once}", flush=True)
     if not options.submit:
         print(f"submit it with: sbatch {path}", flush=True)
         return 0
     job = slurm.submit(path)
     print(
-        f"submitted job array {job}; task output in {os.path.join(plan.sweep_dir, 'slurm')}; the merged summary "
-        f"is {os.path.join(plan.sweep_dir, 'summary.md')} once the tasks end",
+        f"submitted job array {job}; task output in {os.path.join(sweep_dir, 'slurm')}; the merged summary "
+        f"is {os.path.join(sweep_dir, 'summary.md')} once the tasks end",
         flush=True,
     )
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from multigpu.config import OneLineParser
@@ -121,7 +121,9 @@ FLAGS: dict[str, dict] = {
         action="store_true", help="write DIR/sweep.sbatch, a SLURM job array that runs the shards"
     ),
     "--submit": dict(action="store_true", help="with --slurm: also submit it with sbatch"),
-    "--shards": dict(type=int, metavar="N", help="with --slurm: array tasks (default: one per experiment)"),
+    "--shards": dict(
+        type=int, metavar="N", help="with --slurm: array tasks (default: one per experiment, or per trial)"
+    ),
     "--sbatch-arg": dict(
         action="append",
         default=[],
@@ -216,7 +218,7 @@ def parse(
     return _options(args, os.environ if environ is None else environ), rest
 
 
-def _options(args: argparse.Namespace, environ: dict[str, str]) -> SweepOptions:
+def _options(args: argparse.Namespace, environ: Mapping[str, str]) -> SweepOptions:
     if args.num_seeds is not None and args.seeds is not None:
         raise UsageError("give --num-seeds N or --seeds S1,S2, not both")
     positive = {
@@ -315,11 +317,6 @@ def _check_search(args: argparse.Namespace) -> None:
             "--retry-failed with --search: a failed trial is final in the study; give a larger "
             "--trials to sample more, or --retries R to retry a failed run before its trial ends"
         )
-    if args.slurm:
-        raise UsageError(
-            "--slurm with --search: no job script is written for a search; run its drivers as array "
-            "tasks of your own (each takes SLURM_ARRAY_TASK_ID as its --shard and shares the study)"
-        )
 
 
 def check_sweep_dir(path: str) -> None:
@@ -344,7 +341,7 @@ def _seeds(text: str | None, count: int | None) -> list[int]:
     return seeds
 
 
-def _shard(text: str | None, environ: dict[str, str]) -> tuple[int, int]:
+def _shard(text: str | None, environ: Mapping[str, str]) -> tuple[int, int]:
     """--shard I/N, else SLURM's array task (its id counted from the array's first id), else 0/1."""
     if text is None and "SLURM_ARRAY_TASK_ID" in environ:
         if "SLURM_ARRAY_TASK_COUNT" not in environ:
@@ -367,7 +364,8 @@ def _shard(text: str | None, environ: dict[str, str]) -> tuple[int, int]:
 
 def to_argv(options: SweepOptions, *, for_task: bool) -> list[str]:
     """Sweep flags that reproduce `options`; `for_task`: those an array task of --slurm needs."""
-    argv = ["--sweep-dir", options.sweep_dir, "--seeds", ",".join(map(str, options.seeds))]
+    argv = ["--sweep-dir", options.sweep_dir] if options.sweep_dir is not None else []
+    argv += ["--seeds", ",".join(map(str, options.seeds))]
     if options.grid:
         argv += ["--grid", *options.grid]
     argv += [

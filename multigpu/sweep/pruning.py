@@ -5,11 +5,16 @@ Rank 0 alone talks to the study, at every epoch end (after the evaluation, befor
 stops after that epoch's checkpoint, all its ranks together (trainer.stop_training). A trial of several seeds
 reports the mean of its runs at an epoch once every run has reached it, and a pruning heard by one of its runs
 is written into the trial, so that the others stop at their next epoch end.
+
+The run that reports the trial's value at an epoch asks the pruner, once: not at the run's last epoch (stopping
+there would save nothing, and the trial completes), and, with --prune asha at its first rung, only once the
+trials that started with it have reported there too (multigpu/sweep/rungs.py).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from multigpu.sweep.study import PRUNED_ATTR, STUDY_NAME, TrialLink, make_pruner, storage
@@ -20,6 +25,7 @@ class TrialReporter:
 
     def __init__(self, link: TrialLink):
         self.link = link
+        self.started = time.monotonic()  # how long it took to reach the first rung bounds the wait there
         self.pruned: str | None = None
         self._storage: Any = None
         self._study: Any = None
@@ -45,16 +51,42 @@ class TrialReporter:
         trial = self._trial()
         mean = self._mean_over_seeds(trial, trainer.config.seed, progress.epoch, value)
         frozen = self._frozen()
-        if mean is not None and progress.epoch not in frozen.intermediate_values:  # not again after a resume
-            trial.report(mean, progress.epoch)
-        if PRUNED_ATTR in frozen.user_attrs or trial.should_prune():
-            if PRUNED_ATTR not in frozen.user_attrs:
+        pruned = PRUNED_ATTR in frozen.user_attrs  # by the pruner, as another run of the trial heard
+        if not pruned and mean is not None and progress.epoch not in frozen.intermediate_values:
+            trial.report(mean, progress.epoch)  # once: not again after a resume
+            pruned = progress.epoch < trainer.config.epochs and self._should_prune(
+                trial, trainer, progress.epoch
+            )
+            if pruned:
                 trial.set_user_attr(PRUNED_ATTR, progress.epoch)
+        if pruned:
             self._stop(
                 trainer,
                 f"pruned by the search ({self.link.prune}) after epoch {progress.epoch}: "
                 f"{self.link.objective} {value:.4g}",
             )
+
+    def _should_prune(self, trial: Any, trainer: Any, epoch: int) -> bool:
+        """The pruner's answer at `epoch`; at asha's first rung, once the trials that started with this one are
+        there too (or cannot come)."""
+        from multigpu.sweep import rungs  # imports Optuna: a grid's torchrun child imports this module too
+
+        pruner = self._study.pruner
+        if isinstance(pruner, rungs.SuccessiveHalving) and epoch == pruner.first_rung:
+            config = trainer.config
+            seconds = rungs.patience(
+                time.monotonic() - self.started, config.watchdog_seconds, config.dist_timeout
+            )
+            stop = getattr(trainer, "stop", None)  # the trainer's StopRequest: SIGINT/SIGTERM ends the wait
+            rungs.wait_for_company(
+                self._study,
+                self.link.trial,
+                epoch,
+                self.link.quorum,
+                seconds,
+                stopped=lambda: stop is not None and stop.requested,
+            )
+        return trial.should_prune()
 
     def outcome(self) -> dict[str, Any]:
         """What the run's summary gains: why it was pruned, if it was."""
@@ -78,6 +110,7 @@ class TrialReporter:
         import optuna
 
         self._connect()
+        assert self._trial_id is not None  # found by _connect
         return optuna.trial.Trial(self._study, self._trial_id)
 
     def _frozen(self) -> Any:

@@ -276,13 +276,14 @@ class Scheduler:
         left = self.total - done
         running = [
             {
-                "experiment": w.task.experiment.name,
+                "experiment": task.experiment.name,
                 "slot": w.slot.label,
                 "pid": w.process.pid,
-                "attempt": w.task.attempt,
+                "attempt": task.attempt,
                 "seconds": round(now - w.started, 1),
             }
             for w in self._busy()
+            if (task := w.task) is not None  # every busy worker has one
         ]
         self.write_progress(
             {

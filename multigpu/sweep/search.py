@@ -10,16 +10,16 @@ numbers (their runs continue from their checkpoints) and asks for new ones until
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from multigpu.config import TrainConfig, parse_config
 from multigpu.errors import UsageError
 from multigpu.loop.metrics import Monitor
-from multigpu.sweep import records
 from multigpu.sweep.options import SweepOptions
 from multigpu.sweep.plan import (
     Experiment,
@@ -44,7 +44,8 @@ from multigpu.sweep.study import (
 )
 
 DEFAULT_OBJECTIVE = "val_loss"  # without --monitor: the runs' best.pt follows the search's objective
-ASK_LOCK = ".ask.lock"  # drivers sharing the study count its trials and ask for one under it, one at a time
+# Drivers sharing the study count its trials and ask for one under DIR/.ask.lock (Optuna's link lock), one at a time.
+ASK_LOCK = ".ask"
 
 
 @dataclass
@@ -75,9 +76,11 @@ class SearchPlan:
         parse_config([*self.train_argv, *flags])  # each value was checked alone; together too
         return flags
 
-    def runs(self, number: int, flags: Sequence[str], prune: str) -> list[Experiment]:
+    def runs(self, number: int, flags: Sequence[str], prune: str, quorum: int) -> list[Experiment]:
         """Trial `number`'s runs, one per seed, each reporting its epochs to the trial."""
-        link = TrialLink(self.journal, number, tuple(self.seeds), self.objective, prune, self.max_epochs)
+        link = TrialLink(
+            self.journal, number, tuple(self.seeds), self.objective, prune, self.max_epochs, quorum
+        )
         return experiments_of(
             self.sweep_dir, trial_point(number), [*self.train_argv, *flags], self.seeds, link
         )
@@ -91,6 +94,7 @@ def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> Searc
     if base.monitor is None:
         train_argv += ["--monitor", DEFAULT_OBJECTIVE]
         base = parse_config(train_argv)
+    assert base.monitor is not None  # given, or set just above
     space = parse_space(options.space, train_argv)
     epochs = [max(dimension.values) for dimension in space if dimension.name == "epochs"]
     search = {
@@ -118,9 +122,12 @@ def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> Searc
 class Search:
     """One driver's side of the study: the trials of its shard, asked, resumed and told."""
 
-    def __init__(self, plan: SearchPlan, options: SweepOptions, results: dict[str, dict[str, Any]]):
+    def __init__(
+        self, plan: SearchPlan, options: SweepOptions, results: dict[str, dict[str, Any]], slots: int
+    ):
         self.plan, self.options = plan, options
         self.shard = f"{options.shard[0]}/{options.shard[1]}"
+        self.quorum = quorum(options, slots, len(plan.seeds))
         self.storage = storage(plan.journal)
         self.study = self._study(options.search_seed)
         self.results = dict(results)  # every run's latest record, this driver's new ones added
@@ -168,7 +175,7 @@ class Search:
     def more(self) -> list[Experiment]:
         """The runs of the next trial the study draws; none once the study holds --trials trials."""
         while True:
-            with records.shared_lock(self.plan.sweep_dir, ASK_LOCK):
+            with _ask_lock(self.plan.sweep_dir):
                 number = len(self.study.get_trials(deepcopy=False))
                 if number >= self.options.trials:
                     return []
@@ -188,7 +195,7 @@ class Search:
             trial.set_user_attr(ERROR_ATTR, str(error))
             self.study.tell(trial.number, state=_state("FAIL"))
             return []
-        self.trials[trial.number] = self.plan.runs(trial.number, flags, self.options.prune)
+        self.trials[trial.number] = self.plan.runs(trial.number, flags, self.options.prune, self.quorum)
         return self.trials[trial.number]
 
     def recorded(self, record: dict[str, Any]) -> str | None:
@@ -214,6 +221,27 @@ class Search:
             for name, value in trial.params.items()
         )
         return f"trial {number} {STATES[state]}{said} ({settings})"
+
+
+def quorum(options: SweepOptions, slots: int, seeds: int) -> int:
+    """The trials that run at once, over every driver (each assumed to have this one's slots): a trial takes
+    one slot per seed, at least one. asha's first rung waits for as many (multigpu/sweep/rungs.py)."""
+    return min(options.trials, options.shard[1] * max(1, slots // seeds))
+
+
+@contextlib.contextmanager
+def _ask_lock(sweep_dir: str) -> Iterator[None]:
+    """DIR/.ask.lock, held while a driver counts the study's trials and asks for one: a symbolic link, as the
+    journal's lock is (it works on NFS, where drivers on several machines share the sweep dir; one left by a
+    killed driver is broken after 30 s unchanged, and asking takes well under a second)."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    lock = JournalFileSymlinkLock(os.path.join(sweep_dir, ASK_LOCK))
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _ending(outcomes: list[dict[str, Any]]) -> tuple[str, float | None, str | None]:

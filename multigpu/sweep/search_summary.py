@@ -76,7 +76,12 @@ def best(rows: Sequence[TrialRow], lower_is_better: bool) -> TrialRow | None:
     complete = [row for row in rows if row.state == "complete" and row.value is not None]
     if not complete:
         return None
-    return (min if lower_is_better else max)(complete, key=lambda row: row.value)
+    return (min if lower_is_better else max)(complete, key=_value)
+
+
+def _value(row: TrialRow) -> float:
+    assert row.value is not None  # a complete trial's
+    return row.value
 
 
 def command(train_argv: Sequence[str], flags: Sequence[str], seeds: Sequence[int]) -> str:

@@ -50,6 +50,9 @@ class TrialLink:
     objective: str  # the --monitor metric reported
     prune: str  # --prune
     max_epochs: int  # the largest number of epochs a trial may train (hyperband's budget)
+    quorum: int = (
+        1  # the trials that run at once: asha's first rung waits for as many (multigpu/sweep/rungs.py)
+    )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -66,11 +69,13 @@ def trial_point(number: int) -> str:
 
 
 def storage(journal: str) -> Any:
-    """The study's storage: Optuna's journal in one file, its appends locked by a link, which works over NFS."""
+    """The study's storage: Optuna's journal in one file, its appends locked by a symbolic link (Optuna's
+    JournalFileSymlinkLock: creating a link is atomic on NFS of any version, where O_EXCL needs NFSv3 and fcntl
+    locks are often broken)."""
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
-    return JournalStorage(JournalFileBackend(journal))
+    return JournalStorage(JournalFileBackend(journal, lock_obj=JournalFileSymlinkLock(journal)))
 
 
 def make_sampler(name: str, seed: int) -> Any:
@@ -85,14 +90,17 @@ def make_sampler(name: str, seed: int) -> Any:
 
 
 def make_pruner(name: str, max_epochs: int) -> Any:
-    """--prune: Optuna's pruner, its steps being epochs. asha is successive halving from the first epoch on
-    (rungs at epochs 1, 4, 16, ...: Optuna's reduction factor 4); hyperband runs brackets of it up to `max_epochs`."""
+    """--prune: the pruner, its steps being epochs. asha is successive halving from the first epoch on (rungs at
+    epochs 1, 4, 16, ...: Optuna's reduction factor 4), its first rung waiting for the trials that started together
+    (multigpu/sweep/rungs.py); median and hyperband are Optuna's, hyperband's brackets running up to `max_epochs`."""
     import optuna
 
     if name == "median":
         return optuna.pruners.MedianPruner()
     if name == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1)
+        from multigpu.sweep.rungs import SuccessiveHalving
+
+        return SuccessiveHalving(min_resource=1, reduction_factor=4)
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max_epochs)
     return optuna.pruners.NopPruner()

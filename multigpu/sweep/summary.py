@@ -172,7 +172,7 @@ def metric_range(name: str) -> tuple[float, float]:
 def within_range(stats: Stats, name: str) -> Stats:
     """The interval cut to the metric's range: an accuracy interval of [-0.4993, 1.9160] says only "few seeds"."""
     low, high = metric_range(name)
-    if stats.low is None or (low <= stats.low and stats.high <= high):
+    if stats.low is None or stats.high is None or (low <= stats.low and stats.high <= high):  # None together
         return stats
     return replace(stats, low=max(low, stats.low), high=min(high, stats.high), clipped=True)
 

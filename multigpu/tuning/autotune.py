@@ -158,7 +158,7 @@ def make_autotuner(
             candidates(as_given, convolutions, tune_layout, runtime.device, data),
             why_not_compile(runtime, given),
         )
-    )[0]  # type: ignore[misc]
+    )[0]
     return Autotuner(trials, apply, runtime, say, no_compile)
 
 
@@ -209,7 +209,7 @@ class Autotuner:
         return setting.words(only_data=self.only_data)
 
     # ------------------------------------------------------------------ the trials
-    def start(self, done_steps: int, total_steps: int, step_hooks: list[Callable[[Any], None]]) -> bool:
+    def start(self, done_steps: int, total_steps: float, step_hooks: list[Callable[[Any], None]]) -> bool:
         """Before the first step of this start: True when trials follow. Then `on_step_end` runs last among
         the run's `step_hooks` (its on_step_end list) until the choice is made, and leaves it then: no per-step
         cost after. Last, because it leaves the list while the trainer goes through it: a hook after it would be
@@ -222,7 +222,7 @@ class Autotuner:
             return True
         return False
 
-    def _start(self, done_steps: int, total_steps: int) -> bool:
+    def _start(self, done_steps: int, total_steps: float) -> bool:
         steps_left, self._first_step = total_steps - done_steps, done_steps + 1
         if self.chosen is not None:
             self.apply(self.chosen)
@@ -294,7 +294,7 @@ class Autotuner:
     def _slowest_rank(self) -> list[float]:
         """Each trial's step time on the slowest rank: a DDP step waits for all of them."""
         per_rank = gather_objects(self.medians)
-        return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]  # type: ignore[index]
+        return [max(times[trial] for times in per_rank) for trial in range(len(self.medians))]
 
     def _fastest(self, times: list[float]) -> tuple[Setting, float]:
         """The fastest eager trial at `times` (the slowest rank's); the setting as given unless another is
@@ -308,7 +308,7 @@ class Autotuner:
     ) -> None:
         chosen, chosen_time = fastest
         if self.trials[-1].compiled:
-            compile_seconds = max(gather_objects(self._compile_seconds))  # type: ignore[type-var]
+            compile_seconds = max(gather_objects(self._compile_seconds))
             saved = (chosen_time - times[-1]) * steps_left
             if saved > compile_seconds:
                 chosen, chosen_time = self.trials[-1], times[-1]

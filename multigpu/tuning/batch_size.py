@@ -32,7 +32,7 @@ MARGIN = 0.10  # taken off the largest batch that fitted
 FIRST_TRY = 16
 PRECISION = 1 / 32  # bisection stops when the gap is this share of the batch (well inside the margin)
 SAMPLES = 64  # distinct samples in a probe batch, repeated to its size
-DEFAULT_BATCH_SIZE: int = FIELDS["batch_size"].default  # without CUDA
+DEFAULT_BATCH_SIZE: int = FIELDS["batch_size"].default  # type: ignore[assignment]  # an int; used without CUDA
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -206,7 +206,9 @@ def test_missing_requirements_come_from_carried_wheels_but_never_torch(tmp_path:
 
 @needs_shellcheck
 def test_gpu_check_sh_passes_shellcheck() -> None:
+    shellcheck = shellcheck_path()
+    assert shellcheck is not None  # needs_shellcheck
     result = subprocess.run(
-        [shellcheck_path(), "--severity=style", str(SCRIPT)], text=True, capture_output=True, timeout=60
+        [shellcheck, "--severity=style", str(SCRIPT)], text=True, capture_output=True, timeout=60
     )
     assert result.returncode == 0, result.stdout

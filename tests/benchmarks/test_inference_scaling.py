@@ -1,4 +1,5 @@
-"""benchmarks/inference_scaling.py on tiny sizes: every CPU device set measured, outputs checked, table and plot written."""
+"""benchmarks/inference_scaling.py on tiny sizes: every CPU device set measured, outputs checked, table and plot
+written."""
 
 from __future__ import annotations
 

@@ -14,8 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, RUN_TIMEOUT, TINY, blobs, cli_command, cli_env, config_for, file_size_limit,
-                      tiny_model)
+from conftest import (
+    PYTHON,
+    REPO,
+    RUN_TIMEOUT,
+    TINY,
+    blobs,
+    cli_command,
+    cli_env,
+    config_for,
+    file_size_limit,
+    tiny_model,
+)
 from multigpu import rng
 from multigpu.checkpoints import checkpoint
 from multigpu.data import build_datasets
@@ -27,8 +37,16 @@ from train_multi_gpu import MultiGPUTrainer
 
 def plain_state(step: int) -> dict:
     """The smallest dict `checkpoint.load` accepts, marked with `step`."""
-    return {"format_version": checkpoint.FORMAT_VERSION, "model": {"w": torch.full((3,), float(step))},
-            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 0, "global_step": step, "config": {}}
+    return {
+        "format_version": checkpoint.FORMAT_VERSION,
+        "model": {"w": torch.full((3,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "scaler": {},
+        "epoch": 0,
+        "global_step": step,
+        "config": {},
+    }
 
 
 class RunsCode:
@@ -69,21 +87,26 @@ def test_broken_file_is_refused_in_one_line_without_running_code(tmp_path, kind)
         checkpoint.load(str(path))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"checkpoint {path} refused: ")
-    assert "weights_only=False" not in message and "weights_only` set to `False" not in message  # never advise it
+    assert (
+        "weights_only=False" not in message and "weights_only` set to `False" not in message
+    )  # never advise it
     assert not marker.exists()
 
 
 def test_load_newest_skips_broken_newer_files_for_the_previous_good_one(tmp_path):
     checkpoint.atomic_save(plain_state(5), str(tmp_path / "step-000000005.pt"))
     set_age(tmp_path / "step-000000005.pt", 60)
-    for age, (name, kind) in enumerate(zip(["step-000000010.pt", "step-000000015.pt", "last.pt"], BROKEN_KINDS)):
+    for age, (name, kind) in enumerate(
+        zip(["step-000000010.pt", "step-000000015.pt", "last.pt"], BROKEN_KINDS)
+    ):
         write_broken(tmp_path / name, kind, tmp_path / "code-ran")
         set_age(tmp_path / name, 30 - age)
     warnings: list[str] = []
     path, state = checkpoint.load_newest(str(tmp_path), warnings.append)
     assert (Path(path).name, state["global_step"]) == ("step-000000005.pt", 5)
-    assert [w.split(" refused")[0] for w in warnings] == [f"checkpoint {tmp_path / n}" for n in
-                                                          ("last.pt", "step-000000015.pt", "step-000000010.pt")]
+    assert [w.split(" refused")[0] for w in warnings] == [
+        f"checkpoint {tmp_path / n}" for n in ("last.pt", "step-000000015.pt", "step-000000010.pt")
+    ]
     assert not (tmp_path / "code-ran").exists()
 
 
@@ -113,7 +136,9 @@ def test_prune_keeps_the_newest_step_checkpoints(tmp_path):
 
 def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
     rng.seed_all(123)
-    checkpoint.atomic_save({**plain_state(0), "rng": rng.rng_state(torch.device("cpu"))}, str(tmp_path / "r.pt"))
+    checkpoint.atomic_save(
+        {**plain_state(0), "rng": rng.rng_state(torch.device("cpu"))}, str(tmp_path / "r.pt")
+    )
     expected = (torch.rand(3).tolist(), random.random(), np.random.rand())
     rng.seed_all(0)
     rng.set_rng_state(checkpoint.load(str(tmp_path / "r.pt"))["rng"], torch.device("cpu"))
@@ -132,7 +157,9 @@ def test_resume_auto_in_a_trainer_uses_the_previous_good_checkpoint(tmp_path, ca
     good.fit()  # 8 steps: last.pt at step 8
     for age, kind in enumerate(BROKEN_KINDS):
         write_broken(tmp_path / "ckpt" / f"step-00000001{age}.pt", kind, tmp_path / "code-ran")
-    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto"))
+    resumed = MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=2, resume="auto")
+    )
     assert resumed.progress.global_step == 0  # resuming is fit()'s first step, not the constructor's
     assert resumed.fit()["global_step"] == 16  # continued at step 8, so one more epoch of 8 steps
     out = capsys.readouterr().out
@@ -142,43 +169,79 @@ def test_resume_auto_in_a_trainer_uses_the_previous_good_checkpoint(tmp_path, ca
 
 def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     save_dir = tmp_path / "ckpt"
-    args = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1", "--save-every-steps", "2",
-            "--save-dir", str(save_dir)]
+    args = [
+        *TINY,
+        "--model",
+        "mlp",
+        "--mode",
+        "flatten",
+        "--epochs",
+        "1",
+        "--save-every-steps",
+        "2",
+        "--save-dir",
+        str(save_dir),
+    ]
     config = config_for(tmp_path, 1, model="mlp", mode="flatten", train_size=512, val_size=100, batch_size=32)
     data = build_datasets(config)
-    MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val,
-                    config).save_checkpoint("last.pt")  # 3.2 MB: larger than the limit below
+    MultiGPUTrainer(
+        build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config
+    ).save_checkpoint("last.pt")  # 3.2 MB: larger than the limit below
     before = (save_dir / "last.pt").read_bytes()
     # Refused at start without --allow-low-disk (tests/test_bad_input.py); with it, the first save fails.
-    result = subprocess.run(cli_command([*args, "--resume", "auto", "--allow-low-disk"]), cwd=REPO, env=cli_env(),
-                            text=True, capture_output=True, timeout=RUN_TIMEOUT, preexec_fn=file_size_limit(2**20))
+    result = subprocess.run(
+        cli_command([*args, "--resume", "auto", "--allow-low-disk"]),
+        cwd=REPO,
+        env=cli_env(),
+        text=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+        preexec_fn=file_size_limit(2**20),
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"warning: --save-dir {save_dir} is under a file size limit (ulimit -f) of 1.0 MB" in result.stdout
     assert result.stderr.strip().splitlines() == [
         f"error: could not write checkpoint {save_dir / 'step-000000002.pt'}: File too large; stopped at step 2, "
-        f"the previous checkpoint is kept: {save_dir / 'last.pt'}"]
+        f"the previous checkpoint is kept: {save_dir / 'last.pt'}"
+    ]
     assert (save_dir / "last.pt").read_bytes() == before
-    assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == [".run.lock", "last.pt"]  # no temporary file
+    assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == [
+        ".run.lock",
+        "last.pt",
+    ]  # no temporary file
 
 
 def test_a_checkpoint_written_before_format_2_still_resumes(tmp_path):
     MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(20, 1), config_for(tmp_path, 1, epochs=1)).fit()
     path = tmp_path / "ckpt" / "last.pt"
     state = checkpoint.load(str(path))
-    new_keys = ("optimizer_class", "scheduler_class", "scheduler_interval", "monitor", "best_value", "steps_per_epoch")
+    new_keys = (
+        "optimizer_class",
+        "scheduler_class",
+        "scheduler_interval",
+        "monitor",
+        "best_value",
+        "steps_per_epoch",
+    )
     old = {key: value for key, value in state.items() if key not in new_keys}
-    torch.save({**old, "format_version": 1, "best_val_acc": state["best_value"]}, path)  # as the old trainer wrote it
-    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(20, 1), config_for(tmp_path, 1, epochs=2,
-                                                                                     resume="auto"))
+    torch.save(
+        {**old, "format_version": 1, "best_val_acc": state["best_value"]}, path
+    )  # as the old trainer wrote it
+    resumed = MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), blobs(20, 1), config_for(tmp_path, 1, epochs=2, resume="auto")
+    )
     assert resumed.resume()
     assert (resumed.monitor.name, resumed.progress.best_value) == ("val_acc", state["best_value"])
     assert resumed.fit()["global_step"] == 16
 
 
-@pytest.mark.parametrize("content, why", [
-    (b"epoch 3: val acc 0.97\n", "it holds text; a checkpoint is what torch.save writes"),
-    (b"", "the file is empty"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"epoch 3: val acc 0.97\n", "it holds text; a checkpoint is what torch.save writes"),
+        (b"", "the file is empty"),
+    ],
+)
 def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, content, why):
     (tmp_path / "notes.txt").write_bytes(content)
     with pytest.raises(checkpoint.CheckpointError) as refused:
@@ -188,21 +251,36 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, content, why):
 
 @pytest.mark.slow
 def test_the_start_probe_writes_real_bytes_so_a_full_disk_is_refused(tmp_path):
-    probe = ("import sys; from multigpu import checkpoint; checkpoint.check_writable(sys.argv[1]); "
-             "print(checkpoint.room_shortfall(sys.argv[1], 2 * 2**20, 2 * 2**20, 'one checkpoint'))")
-    run = functools.partial(subprocess.run, [PYTHON, "-c", probe, str(tmp_path)], cwd=REPO, env=cli_env(),
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    probe = (
+        "import sys; from multigpu import checkpoint; checkpoint.check_writable(sys.argv[1]); "
+        "print(checkpoint.room_shortfall(sys.argv[1], 2 * 2**20, 2 * 2**20, 'one checkpoint'))"
+    )
+    run = functools.partial(
+        subprocess.run,
+        [PYTHON, "-c", probe, str(tmp_path)],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     full = run(preexec_fn=file_size_limit(checkpoint.PROBE_BYTES // 2))  # an empty file would still fit
     assert full.returncode == 1 and full.stderr.strip().splitlines()[-1] == (
         f"multigpu.errors.UsageError: --save-dir {tmp_path} is not writable (File too large); "
-        f"free some space or choose another directory")
+        f"free some space or choose another directory"
+    )
     small = run(preexec_fn=file_size_limit(2**20))  # room for the probe, not for a 2 MB checkpoint
-    assert small.stdout.strip() == ("('is under a file size limit (ulimit -f) of 1.0 MB, but one checkpoint needs "
-                                    "about 2.1 MB', 'raise the limit (ulimit -f unlimited)')")
+    assert small.stdout.strip() == (
+        "('is under a file size limit (ulimit -f) of 1.0 MB, but one checkpoint needs "
+        "about 2.1 MB', 'raise the limit (ulimit -f unlimited)')"
+    )
     assert checkpoint.room_shortfall(str(tmp_path), 2 * 2**20, 2**20, "two checkpoints") is None
     too_much = checkpoint.room_shortfall(str(tmp_path), 10**18, 10**17, "ten checkpoints")
-    assert too_much is not None and "MB free, but this run's checkpoints need about 1000000000000.0 MB (ten " \
-        "checkpoints)" in too_much[0]
+    assert (
+        too_much is not None
+        and "MB free, but this run's checkpoints need about 1000000000000.0 MB (ten checkpoints)"
+        in too_much[0]
+    )
     assert list(tmp_path.iterdir()) == []  # the probe is gone
 
 
@@ -215,7 +293,9 @@ def test_an_unwritable_log_dir_names_its_flag(tmp_path):
 def test_the_size_estimate_is_close_to_a_real_checkpoint(tmp_path):
     config = config_for(tmp_path, 1, model="mlp", mode="flatten", train_size=64, val_size=16, epochs=1)
     data = build_datasets(config)
-    trainer = MultiGPUTrainer(build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config)
+    trainer = MultiGPUTrainer(
+        build_model("mlp", data.input_shape, data.num_classes), data.train, data.val, config
+    )
     estimate = checkpoint.estimate_size(trainer.model, trainer.optimizer)
     trainer.fit()  # AdamW's state exists after the first step
     real = (tmp_path / "ckpt" / "last.pt").stat().st_size

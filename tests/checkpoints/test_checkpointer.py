@@ -12,14 +12,29 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import main_multi_gpu
-from conftest import (REPO, RUN_TIMEOUT, TINY, assert_ok, assert_untouched, blobs, cli_command, cli_env, config_for,
-                      contents, image_folder, run_cli, run_ranks, tiny_model)
+from conftest import (
+    REPO,
+    RUN_TIMEOUT,
+    TINY,
+    assert_ok,
+    assert_untouched,
+    blobs,
+    cli_command,
+    cli_env,
+    config_for,
+    contents,
+    image_folder,
+    run_cli,
+    run_ranks,
+    tiny_model,
+)
 from multigpu.checkpoints import checkpoint
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.resilience.faults import FAULT_ENV
@@ -30,21 +45,30 @@ QUICK = [*TINY, "--model", "mlp", "--mode", "flatten", "--epochs", "1"]
 
 @pytest.mark.slow
 def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues_the_newest_with_its_settings(
-        tmp_path):
+    tmp_path,
+):
     # README's first command, then one with another LR.
     first, second = run_cli(QUICK, cwd=tmp_path), run_cli([*QUICK, "--lr", "0.01"], cwd=tmp_path)
     assert_ok(first)
     assert_ok(second)
     # Said in the first lines (after the model line), before anything is trained.
-    assert "--save-dir not given: this run writes to checkpoints/run-1" in "".join(first.stdout.splitlines()[:2])
+    assert "--save-dir not given: this run writes to checkpoints/run-1" in "".join(
+        first.stdout.splitlines()[:2]
+    )
     assert "checkpoints/run-2" in "".join(second.stdout.splitlines()[:2])
     runs = tmp_path / "checkpoints"
-    assert all((runs / run / name).exists() for run in ("run-1", "run-2") for name in ("last.pt", "best.pt", "tb"))
+    assert all(
+        (runs / run / name).exists() for run in ("run-1", "run-2") for name in ("last.pt", "best.pt", "tb")
+    )
     other = contents(runs / "run-2")
-    resumed = run_cli([*QUICK[:-1], "2", "--resume", "auto"], cwd=tmp_path)  # run-1's command, 2 epochs in all
+    resumed = run_cli(
+        [*QUICK[:-1], "2", "--resume", "auto"], cwd=tmp_path
+    )  # run-1's command, 2 epochs in all
     assert_ok(resumed)
-    assert ("--save-dir not given: continuing checkpoints/run-1, the newest run with these settings "
-            "(checkpoints/run-2 has other settings)") in resumed.stdout
+    assert (
+        "--save-dir not given: continuing checkpoints/run-1, the newest run with these settings "
+        "(checkpoints/run-2 has other settings)"
+    ) in resumed.stdout
     assert "resumed from checkpoints/run-1/last.pt" in resumed.stdout
     assert checkpoint.load(str(runs / "run-1" / "last.pt"))["epoch"] == 2
     assert contents(runs / "run-2") == other  # the other run is untouched
@@ -61,13 +85,18 @@ def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_nex
     # The next start puts it back before anything else, and --resume auto continues the old run (here finished).
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"]) == 0
     out = capsys.readouterr().out
-    assert f"--save-dir {save_dir}: put the previous run's files back from {kept}, where an --overwrite run that " \
-           f"ended before its first checkpoint had left them" in out
+    assert (
+        f"--save-dir {save_dir}: put the previous run's files back from {kept}, where an --overwrite run that "
+        f"ended before its first checkpoint had left them" in out
+    )
     assert f"run in {save_dir} is already complete: 1 epochs, best val_acc " in out
     assert_untouched(save_dir, before)
     # An --overwrite run that saves drops its own set-aside copy.
     assert main_multi_gpu.main([*QUICK, "--save-dir", str(save_dir), "--overwrite", "--seed", "1"]) == 0
-    assert not list(save_dir.glob(".replaced-*")) and (save_dir / "best.pt").read_bytes() != before[Path("best.pt")]
+    assert (
+        not list(save_dir.glob(".replaced-*"))
+        and (save_dir / "best.pt").read_bytes() != before[Path("best.pt")]
+    )
 
 
 # ---------------------------------------------------------------- --overwrite that ends before its first save
@@ -75,8 +104,9 @@ def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_nex
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The save-dir of a finished one-epoch run: last.pt, best.pt and tb/."""
     save_dir = tmp_path_factory.mktemp("finished") / "ckpt"
-    MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config_for(save_dir, 1, save_dir=str(save_dir),
-                                                                         epochs=1)).fit()
+    MultiGPUTrainer(
+        tiny_model(), blobs(64, 0), blobs(32, 1), config_for(save_dir, 1, save_dir=str(save_dir), epochs=1)
+    ).fit()
     return save_dir
 
 
@@ -87,7 +117,12 @@ def previous(finished: Path, tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-def overwrite_run(save_dir: Path, data: Dataset = blobs(64, 0), world_size: int = 1, **changes) -> MultiGPUTrainer:
+OVERWRITE_DATA = blobs(64, 0)
+
+
+def overwrite_run(
+    save_dir: Path, data: Dataset = OVERWRITE_DATA, world_size: int = 1, **changes
+) -> MultiGPUTrainer:
     """A fresh run over the previous one: 8 steps an epoch, the first checkpoint at the end of the epoch."""
     config = config_for(save_dir, world_size, save_dir=str(save_dir), overwrite=True, **changes)
     return MultiGPUTrainer(tiny_model(), data, blobs(32, 1), config)
@@ -102,8 +137,13 @@ def nonfinite_at_step_1(save_dir: Path) -> None:
 def interrupt_at_first_step(trainer: MultiGPUTrainer) -> None:
     """A real SIGINT to this process at the first optimizer step, once (a second one exits at once)."""
     sent: list[bool] = []
-    trainer.optimizer.register_step_post_hook(
-        lambda *args: sent or sent.append(True) or os.kill(os.getpid(), signal.SIGINT))
+
+    def interrupt(*args: Any) -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer.optimizer.register_step_post_hook(interrupt)
 
 
 def sigint_before_the_first_save(save_dir: Path) -> None:
@@ -117,13 +157,24 @@ def test_an_overwrite_run_that_ends_before_its_first_save_puts_the_previous_run_
     before = contents(previous)
     fail(previous)
     out = capsys.readouterr().out
-    assert contents(previous) == before and not list(previous.glob(".replaced-*"))  # byte for byte, and only them
-    assert f"--overwrite: this run ended before its first checkpoint, so the previous run's files are back in " \
-           f"--save-dir {previous} (this run's own logs there removed)" in out
-    resumed = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1),
-                              config_for(previous, 1, save_dir=str(previous), resume="auto", epochs=2))
+    assert contents(previous) == before and not list(
+        previous.glob(".replaced-*")
+    )  # byte for byte, and only them
+    assert (
+        f"--overwrite: this run ended before its first checkpoint, so the previous run's files are back in "
+        f"--save-dir {previous} (this run's own logs there removed)" in out
+    )
+    resumed = MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        blobs(32, 1),
+        config_for(previous, 1, save_dir=str(previous), resume="auto", epochs=2),
+    )
     assert resumed.fit()["global_step"] == 16
-    assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch" in capsys.readouterr().out
+    assert (
+        f"resumed from {previous / 'last.pt'}: epoch 2, step 8, 0 samples into the epoch"
+        in capsys.readouterr().out
+    )
 
 
 def test_an_overwrite_run_refused_mid_epoch_puts_the_previous_run_back(tmp_path, capsys):
@@ -131,8 +182,21 @@ def test_an_overwrite_run_refused_mid_epoch_puts_the_previous_run_back(tmp_path,
     image cut short after its header, which the checks at start pass."""
     images = image_folder(tmp_path / "images", {"train": ["cat", "dog"], "val": ["cat", "dog"]})
     save_dir = tmp_path / "ckpt"
-    run = ["--dataset", "imagefolder", "--data-dir", str(images), "--image-shape", "3,8,8", "--batch-size", "2",
-           "--epochs", "1", "--no-progress", "--save-dir", str(save_dir)]
+    run = [
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        str(images),
+        "--image-shape",
+        "3,8,8",
+        "--batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--save-dir",
+        str(save_dir),
+    ]
     assert main_multi_gpu.main(run) == 0
     before, image = contents(save_dir), images / "train" / "dog" / "1.png"
     whole = image.read_bytes()
@@ -140,13 +204,18 @@ def test_an_overwrite_run_refused_mid_epoch_puts_the_previous_run_back(tmp_path,
     capsys.readouterr()
     assert main_multi_gpu.main([*run, "--overwrite"]) == 2
     out, err = capsys.readouterr()
-    assert err.splitlines() == [f"error: --dataset imagefolder: {image} cannot be read (image file is truncated); "
-                                f"remove or replace it (--resume auto then continues from the last checkpoint)"]
+    assert err.splitlines() == [
+        f"error: --dataset imagefolder: {image} cannot be read (image file is truncated); "
+        f"remove or replace it (--resume auto then continues from the last checkpoint)"
+    ]
     assert "the previous run's files are back" in out
     assert contents(save_dir) == before and not list(save_dir.glob(".replaced-*"))
     image.write_bytes(whole)
     assert main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"]) == 0
-    assert f"resumed from {save_dir / 'last.pt'}: epoch 2, step 2, 0 samples into the epoch" in capsys.readouterr().out
+    assert (
+        f"resumed from {save_dir / 'last.pt'}: epoch 2, step 2, 0 samples into the epoch"
+        in capsys.readouterr().out
+    )
 
 
 def _interrupted_overwrite(rank: int, world_size: int, save_dir: Path) -> dict:
@@ -160,41 +229,62 @@ def _interrupted_overwrite(rank: int, world_size: int, save_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_every_rank_skips_the_stop_checkpoint_of_an_overwrite_run_and_rank_0_puts_the_old_files_back(previous):
+def test_every_rank_skips_the_stop_checkpoint_of_an_overwrite_run_and_rank_0_puts_the_old_files_back(
+    previous,
+):
     before = contents(previous)
     ranks = run_ranks(_interrupted_overwrite, 2, previous.parent / "ranks", previous)
     # Step 4, the first sync point: the epoch's end on 2 ranks, before its save.
     assert [(r["stopped"], r["step"]) for r in ranks] == [(True, 4), (True, 4)]
-    assert "stopped by SIGINT at step 4, before this run's first checkpoint: nothing of it is saved" in ranks[0]["out"]
+    assert (
+        "stopped by SIGINT at step 4, before this run's first checkpoint: nothing of it is saved"
+        in ranks[0]["out"]
+    )
     assert contents(previous) == before and not list(previous.glob(".replaced-*"))
 
 
-def test_under_torchrun_with_restarts_left_the_set_aside_copy_waits_for_the_restart(previous, capsys, monkeypatch):
+def test_under_torchrun_with_restarts_left_the_set_aside_copy_waits_for_the_restart(
+    previous, capsys, monkeypatch
+):
     before = contents(previous)
-    for name, value in (("TORCHELASTIC_RUN_ID", "job"), ("TORCHELASTIC_MAX_RESTARTS", "1"),
-                        ("TORCHELASTIC_RESTART_COUNT", "0")):
+    for name, value in (
+        ("TORCHELASTIC_RUN_ID", "job"),
+        ("TORCHELASTIC_MAX_RESTARTS", "1"),
+        ("TORCHELASTIC_RESTART_COUNT", "0"),
+    ):
         monkeypatch.setenv(name, value)
-    nonfinite_at_step_1(previous)  # torchrun would restart it: the restart must start afresh, not continue the old run
+    nonfinite_at_step_1(
+        previous
+    )  # torchrun would restart it: the restart must start afresh, not continue the old run
     (kept,) = previous.glob(".replaced-*")
-    assert f"--overwrite: the previous run's files stay in {kept} while torchrun may restart this run" in \
-        capsys.readouterr().out
+    assert (
+        f"--overwrite: the previous run's files stay in {kept} while torchrun may restart this run"
+        in capsys.readouterr().out
+    )
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     nonfinite_at_step_1(previous)  # the restart fails too, and is the last attempt: the old files go back
     out = capsys.readouterr().out
-    assert f"torchrun restart 1: the previous run's files stay in {kept} until this run's first checkpoint" in out
+    assert (
+        f"torchrun restart 1: the previous run's files stay in {kept} until this run's first checkpoint"
+        in out
+    )
     assert f"no checkpoint to resume in {previous}: starting from scratch" in out
     assert "the previous run's files are back" in out and contents(previous) == before
 
 
 def test_resume_from_a_folder_continues_its_newest_checkpoint(previous, tmp_path, capsys):
-    trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1),
-                              config_for(tmp_path, 1, save_dir=str(tmp_path / "next"), resume=str(previous)))
+    trainer = MultiGPUTrainer(
+        tiny_model(),
+        blobs(64, 0),
+        blobs(32, 1),
+        config_for(tmp_path, 1, save_dir=str(tmp_path / "next"), resume=str(previous)),
+    )
     assert trainer.resume()
     assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8" in capsys.readouterr().out
 
 
 # A user's script whose validation set sends SIGTERM to torchrun while rank 0 evaluates epoch 1 (once).
-STOPPED_IN_EVALUATION = '''
+STOPPED_IN_EVALUATION = """
 import os, signal, sys, torch
 from torch.utils.data import TensorDataset
 from main_multi_gpu import main_guarded
@@ -220,26 +310,58 @@ def train(argv):
         trainer.fit()
 
 sys.exit(main_guarded(train, sys.argv[2:]))
-'''
+"""
 
 
 @pytest.mark.slow
 def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(STOPPED_IN_EVALUATION)
-    args = ["--batch-size", "8", "--eval-batch-size", "4", "--epochs", "2", "--no-progress", "--dist-timeout", "60"]
+    args = [
+        "--batch-size",
+        "8",
+        "--eval-batch-size",
+        "4",
+        "--epochs",
+        "2",
+        "--no-progress",
+        "--dist-timeout",
+        "60",
+    ]
 
     def start(marker: str, save_dir: Path) -> subprocess.Popen:
-        return subprocess.Popen(cli_command([marker, *args, "--save-dir", str(save_dir)], nproc=2, script=script),
-                                cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            cli_command([marker, *args, "--save-dir", str(save_dir)], nproc=2, script=script),
+            cwd=REPO,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     whole = start("/dev/null", tmp_path / "whole")  # the marker exists: never stopped
     assert whole.wait(RUN_TIMEOUT) == 0, whole.stdout.read()
     # Through the launcher's torchrun (multigpu/launch/torchrun.py), whose exit status is the workers'.
-    stopped = subprocess.Popen([sys.executable, str(REPO / "multigpu" / "launch" / "torchrun.py"), "--log-file",
-                                str(tmp_path / "torchrun.log"), "--standalone", "--nproc_per_node=2", str(script),
-                                str(tmp_path / "marker"), *args, "--save-dir", str(tmp_path / "stopped")],
-                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "multigpu" / "launch" / "torchrun.py"),
+            "--log-file",
+            str(tmp_path / "torchrun.log"),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(tmp_path / "marker"),
+            *args,
+            "--save-dir",
+            str(tmp_path / "stopped"),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output, signalled = [], None
     for line in stopped.stdout:
         output.append(line)
@@ -252,9 +374,18 @@ def test_a_stop_during_evaluation_saves_at_once_and_resumes_to_the_same_weights(
     assert signalled and "at step 8;" in signalled, text  # 128 samples / (2 x 8): the end of epoch 1
     state = checkpoint.load(str(tmp_path / "stopped" / "last.pt"))
     assert (state["epoch"], state["evaluated"], state["metrics"]) == (1, False, {})
-    resumed = subprocess.run(cli_command([str(tmp_path / "marker"), *args, "--save-dir", str(tmp_path / "stopped"),
-                                          "--resume", "auto"], nproc=2, script=script), cwd=REPO, env=cli_env(),
-                             capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    resumed = subprocess.run(
+        cli_command(
+            [str(tmp_path / "marker"), *args, "--save-dir", str(tmp_path / "stopped"), "--resume", "auto"],
+            nproc=2,
+            script=script,
+        ),
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert_ok(resumed)
     assert "epoch 1/2: val loss" in resumed.stdout  # the interrupted evaluation runs first
     ours, theirs = (checkpoint.load(str(tmp_path / run / "last.pt")) for run in ("stopped", "whole"))
@@ -269,9 +400,12 @@ def test_a_second_fit_of_the_same_trainer_is_its_own_run_and_says_what_to_do_for
     trainer = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1))
     trainer.fit()
     before = contents(tmp_path / "ckpt")
-    with pytest.raises(UsageError, match=r"^fit\(\) already trained this run to its 2 epochs \(epochs is the total, "
-                                         r"not epochs per call\): nothing to train; to train further, build a trainer "
-                                         r"with more epochs and resume='auto' \(it continues from .*ckpt\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^fit\(\) already trained this run to its 2 epochs \(epochs is the total, "
+        r"not epochs per call\): nothing to train; to train further, build a trainer "
+        r"with more epochs and resume='auto' \(it continues from .*ckpt\)$",
+    ):
         trainer.fit()
     assert_untouched(tmp_path / "ckpt", before)
     more = MultiGPUTrainer(tiny_model(), blobs(64, 0), None, config_for(tmp_path, 1, epochs=3, resume="auto"))
@@ -292,5 +426,6 @@ def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_n
     assert_ok(again)
     assert again.stdout.splitlines()[1:] == [
         f"run in {save_dir} is already complete: 1 epochs, best val_acc {best:.4f}; nothing to train (raise "
-        f"--epochs to train further)"], again.stdout  # after the model line: no plan, no "first step lr 0"
+        f"--epochs to train further)"
+    ], again.stdout  # after the model line: no plan, no "first step lr 0"
     assert contents(save_dir) == before

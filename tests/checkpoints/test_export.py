@@ -1,7 +1,8 @@
-"""python -m multigpu.export and --init-from (multigpu/checkpoints/export.py, multigpu/checkpoints/weights.py): a checkpoint's weights as
-safetensors (one file, or shards and an index; bf16), read back by safetensors alone with the tied weight
-restored; a 2-process fsdp run's sharded folder exported, then loaded with --init-from's code into a model
-sharded over 2 processes (each reading its part only) and into one process: the source model's logits exactly.
+"""python -m multigpu.export and --init-from (multigpu/checkpoints/export.py, multigpu/checkpoints/weights.py): a
+checkpoint's weights as safetensors (one file, or shards and an index; bf16), read back by safetensors alone with
+the tied weight restored; a 2-process fsdp run's sharded folder exported, then loaded with --init-from's code into
+a model sharded over 2 processes (each reading its part only) and into one process: the source model's logits
+exactly.
 """
 
 from __future__ import annotations
@@ -58,15 +59,24 @@ class _Reads:
                 tensor = read(name, index)
                 reads.shapes.append((name, tuple(tensor.shape)))
                 return tensor
+
             original(source, path, shapes, recorded, describe)
-        weights.Source.__init__ = init  # type: ignore[method-assign]
+
+        weights.Source.__init__ = init  # type: ignore[method-assign,assignment]  # a recording stand-in
 
 
 def _fsdp_train_export_and_init(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     """fsdp at 2 processes: 2 steps saved as a sharded folder; rank 0 exports it to safetensors; then a model of
     other weights, sharded the same way, loads the export and then the folder itself with --init-from's code."""
-    config = config_for(tmp_path, world_size, multi_gpu="fsdp", checkpoint_format="sharded", epochs=1, max_steps=2,
-                        batch_size=4)
+    config = config_for(
+        tmp_path,
+        world_size,
+        multi_gpu="fsdp",
+        checkpoint_format="sharded",
+        epochs=1,
+        max_steps=2,
+        batch_size=4,
+    )
     with MultiGPUTrainer(gpt(0), tokens(16, 0), tokens(8, 1), config) as trainer:
         trainer.fit()
     out = tmp_path / "model.safetensors"
@@ -135,8 +145,10 @@ def test_init_from_in_one_process_loads_the_export_strictly_with_the_tied_weight
     weights.load_initial(model, str(tmp_path / "model.safetensors"), strict=True, say=lines.append)
     assert model.lm_head.weight is model.token_embedding.weight  # still tied, not two copies
     torch.testing.assert_close(logits(model, tokens(8, 1)), logits(source, tokens(8, 1)), rtol=0, atol=0)
-    assert lines == [f"--init-from {tmp_path / 'model.safetensors'}: {len(source.state_dict())} tensors loaded "
-                     f"from safetensors (weights only: the optimizer, schedule and progress start afresh)"]
+    assert lines == [
+        f"--init-from {tmp_path / 'model.safetensors'}: {len(source.state_dict())} tensors loaded "
+        f"from safetensors (weights only: the optimizer, schedule and progress start afresh)"
+    ]
 
 
 @pytest.mark.slow
@@ -144,17 +156,23 @@ def test_shards_and_their_index_above_max_shard_size_and_bf16(fsdp_run, tmp_path
     folder, _ = fsdp_run
     out = tmp_path / "small" / "model.safetensors"
     out.parent.mkdir()
-    assert export.main([str(folder / "ckpt" / "last"), str(out), "--max-shard-size", "2KB", "--dtype", "bf16"]) == 0
+    assert (
+        export.main([str(folder / "ckpt" / "last"), str(out), "--max-shard-size", "2KB", "--dtype", "bf16"])
+        == 0
+    )
     line = capsys.readouterr().out
     index = json.loads((out.parent / "model.safetensors.index.json").read_text())
     files = sorted(path.name for path in out.parent.iterdir() if path.name != "model.safetensors.index.json")
     assert len(files) > 1 and files == sorted(set(index["weight_map"].values())) and not out.exists()
     assert f"to {out} ({len(files) + 1} files)" in line
     shards = {name: safetensors.load_file(str(out.parent / name)) for name in files}
-    assert all(sum(t.numel() * t.element_size() for t in shard.values()) <= 2000 or len(shard) == 1
-               for shard in shards.values())
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for s in shards.values()
-                                                   for t in s.values())
+    assert all(
+        sum(t.numel() * t.element_size() for t in shard.values()) <= 2000 or len(shard) == 1
+        for shard in shards.values()
+    )
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for s in shards.values() for t in s.values()
+    )
     whole = sharded.load_whole(str(folder / "ckpt" / "last"))["model"]
     for name, file in index["weight_map"].items():
         assert shards[file][name].dtype == torch.bfloat16
@@ -169,8 +187,9 @@ def test_shards_and_their_index_above_max_shard_size_and_bf16(fsdp_run, tmp_path
 def one_file_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The save-dir of a 2-step run in one process, with one-file checkpoints."""
     tmp_path = tmp_path_factory.mktemp("one-file")
-    with MultiGPUTrainer(gpt(0), tokens(16, 0), tokens(8, 1), config_for(tmp_path, 1, epochs=1, max_steps=2,
-                                                                         batch_size=4)) as trainer:
+    with MultiGPUTrainer(
+        gpt(0), tokens(16, 0), tokens(8, 1), config_for(tmp_path, 1, epochs=1, max_steps=2, batch_size=4)
+    ) as trainer:
         trainer.fit()
     return tmp_path / "ckpt"
 
@@ -179,34 +198,51 @@ def test_a_one_file_checkpoint_exports_its_plain_state_dict(one_file_run, tmp_pa
     trained = checkpoint.load(str(one_file_run / "best.pt"))["model"]  # the trainer's plain state_dict
     out = tmp_path / "weights.safetensors"
     assert export.main([str(one_file_run / "best.pt"), str(out)]) == 0  # the format from the name
-    assert capsys.readouterr().out.startswith(f"exported the trained weights of {one_file_run / 'best.pt'} "
-                                              f"(step 2, {len(trained)} tensors) to {out}: ")
+    assert capsys.readouterr().out.startswith(
+        f"exported the trained weights of {one_file_run / 'best.pt'} "
+        f"(step 2, {len(trained)} tensors) to {out}: "
+    )
     stored = safetensors.load_file(str(out))
     assert set(stored) == set(trained) - {"lm_head.weight"}
     assert all(torch.equal(stored[name], trained[name]) for name in stored)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{ckpt}/best.pt", "{tmp}/out.bin"], "cannot tell the format from OUT {tmp}/out.bin: name it .pt, "
-                                          ".safetensors or a folder (hf), or give --format pt|safetensors|hf"),
-    (["{ckpt}/best.pt", "{tmp}/hf"], "--format hf writes a transformers model's own folder, and checkpoint "
-                                     "{ckpt}/best.pt holds another model (or was saved before it recorded its "
-                                     "class): use --format safetensors"),
-    (["{ckpt}/best.pt", "{tmp}/w.safetensors", "--max-shard-size", "lots"],
-     "--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got 'lots'"),
-    (["{tmp}/nothing.pt", "{tmp}/w.safetensors"], "checkpoint {tmp}/nothing.pt does not exist"),
-    (["{ckpt}/best.pt", "{tmp}/w.safetensors", "--tokenizer", "{tmp}"],
-     "--tokenizer is saved beside the weights of --format hf, and this export writes safetensors"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["{ckpt}/best.pt", "{tmp}/out.bin"],
+            "cannot tell the format from OUT {tmp}/out.bin: name it .pt, "
+            ".safetensors or a folder (hf), or give --format pt|safetensors|hf",
+        ),
+        (
+            ["{ckpt}/best.pt", "{tmp}/hf"],
+            "--format hf writes a transformers model's own folder, and checkpoint "
+            "{ckpt}/best.pt holds another model (or was saved before it recorded its "
+            "class): use --format safetensors",
+        ),
+        (
+            ["{ckpt}/best.pt", "{tmp}/w.safetensors", "--max-shard-size", "lots"],
+            "--max-shard-size must be a size such as 5GB, 500MB or 2GiB, got 'lots'",
+        ),
+        (["{tmp}/nothing.pt", "{tmp}/w.safetensors"], "checkpoint {tmp}/nothing.pt does not exist"),
+        (
+            ["{ckpt}/best.pt", "{tmp}/w.safetensors", "--tokenizer", "{tmp}"],
+            "--tokenizer is saved beside the weights of --format hf, and this export writes safetensors",
+        ),
+    ],
+)
 def test_export_refuses_bad_input_in_one_line(one_file_run, tmp_path, capsys, args, message):
     names = {"ckpt": one_file_run, "tmp": tmp_path}
     assert export.main([arg.format(**names) for arg in args]) == 2
     assert capsys.readouterr().err == f"error: {message.format(**names)}\n"
 
 
-def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loads_with_the_same_logits(tmp_path,
-                                                                                                       capsys):
+def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loads_with_the_same_logits(
+    tmp_path, capsys
+):
     from conftest import TokenDicts, tiny_gpt2
+
     transformers = pytest.importorskip("transformers")
 
     config = config_for(tmp_path, 1, epochs=1, batch_size=4, export_on_end="hf")
@@ -219,8 +255,15 @@ def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loa
     for folder in (tmp_path / "ckpt" / "best-hf", tmp_path / "gpt2"):
         assert {"config.json", "model.safetensors"} <= {path.name for path in folder.iterdir()}
         model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"] and not info["error_msgs"], info
-        assert type(model).__name__ == "GPT2LMHeadModel" and model.lm_head.weight is model.transformer.wte.weight
+        assert (
+            not info["missing_keys"]
+            and not info["unexpected_keys"]
+            and not info["mismatched_keys"]
+            and not info["error_msgs"]
+        ), info
+        assert (
+            type(model).__name__ == "GPT2LMHeadModel" and model.lm_head.weight is model.transformer.wte.weight
+        )
         with torch.no_grad():
             torch.testing.assert_close(model.eval()(inputs).logits, expected, rtol=0, atol=0)
     # And back: --init-from the folder (its file lacks the tied lm_head.weight, found under the embedding's name).
@@ -231,17 +274,33 @@ def test_a_transformers_model_exports_as_its_own_folder_that_from_pretrained_loa
 
 
 def test_export_on_end_hf_of_another_model_is_refused_before_training(tmp_path, capsys):
-    args = ["--train-size", "16", "--val-size", "8", "--mode", "flatten", "--epochs", "1", "--no-progress",
-            "--save-dir", str(tmp_path / "run"), "--export-on-end", "hf"]
+    args = [
+        "--train-size",
+        "16",
+        "--val-size",
+        "8",
+        "--mode",
+        "flatten",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--save-dir",
+        str(tmp_path / "run"),
+        "--export-on-end",
+        "hf",
+    ]
     assert main_multi_gpu.main(args) == 2
     captured = capsys.readouterr()
     assert "step 1" not in captured.out and captured.err == (
         "error: --export-on-end hf writes a transformers model's own folder, and this model is not a transformers "
-        "PreTrainedModel: use --export-on-end safetensors\n")
+        "PreTrainedModel: use --export-on-end safetensors\n"
+    )
 
 
 @pytest.mark.parametrize("out, kind", [("w.safetensors", "safetensors"), ("w.pt", "pt"), ("folder", "hf")])
-def test_an_existing_out_is_refused_in_one_line_without_overwrite_and_kept(one_file_run, tmp_path, capsys, out, kind):
+def test_an_existing_out_is_refused_in_one_line_without_overwrite_and_kept(
+    one_file_run, tmp_path, capsys, out, kind
+):
     path = tmp_path / out
     if kind == "hf":
         path.mkdir()
@@ -250,42 +309,75 @@ def test_an_existing_out_is_refused_in_one_line_without_overwrite_and_kept(one_f
         path.write_text("other data\n")
     before = contents(tmp_path)
     assert export.main([str(one_file_run / "best.pt"), str(path), "--format", kind]) == 2
-    assert capsys.readouterr().err == (f"error: OUT {path} exists; add --overwrite to replace it (only once the "
-                                       f"export is complete), or choose another name\n")
+    assert capsys.readouterr().err == (
+        f"error: OUT {path} exists; add --overwrite to replace it (only once the "
+        f"export is complete), or choose another name\n"
+    )
     assert_untouched(tmp_path, before)
 
 
-def test_overwrite_replaces_an_export_whole_and_never_the_checkpoint_being_read(one_file_run, tmp_path, capsys):
+def test_overwrite_replaces_an_export_whole_and_never_the_checkpoint_being_read(
+    one_file_run, tmp_path, capsys
+):
     out = tmp_path / "w.safetensors"
     out.write_text("other data\n")
-    stale = [tmp_path / "w-00001-of-00002.safetensors", tmp_path / "w.safetensors.index.json"]  # a sharded one
+    stale = [
+        tmp_path / "w-00001-of-00002.safetensors",
+        tmp_path / "w.safetensors.index.json",
+    ]  # a sharded one
     for path in stale:
         path.write_text("an earlier sharded export\n")
     assert export.main([str(one_file_run / "best.pt"), str(out), "--overwrite"]) == 0
     assert capsys.readouterr().out.endswith(f" (replaced the earlier {out})\n")
-    assert set(safetensors.load_file(str(out))) == set(checkpoint.load(str(one_file_run / "best.pt"))["model"]) - {
-        "lm_head.weight"}
-    assert not any(path.exists() for path in stale)  # they would shadow the new file for a loader of the index
+    assert set(safetensors.load_file(str(out))) == set(
+        checkpoint.load(str(one_file_run / "best.pt"))["model"]
+    ) - {"lm_head.weight"}
+    assert not any(
+        path.exists() for path in stale
+    )  # they would shadow the new file for a loader of the index
     assert [path.name for path in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary file left
     best = one_file_run / "best.pt"
     before = best.read_bytes()
     assert export.main([str(best), str(best), "--overwrite"]) == 2
-    assert capsys.readouterr().err == (f"error: OUT {best} is the checkpoint being read; refused even with "
-                                       f"--overwrite: choose another name\n")
+    assert capsys.readouterr().err == (
+        f"error: OUT {best} is the checkpoint being read; refused even with "
+        f"--overwrite: choose another name\n"
+    )
     assert best.read_bytes() == before
 
 
-def test_export_on_end_over_an_earlier_export_is_refused_unless_overwrite_or_the_run_continues(tmp_path, capfd):
+def test_export_on_end_over_an_earlier_export_is_refused_unless_overwrite_or_the_run_continues(
+    tmp_path, capfd
+):
     save_dir = tmp_path / "run"
     save_dir.mkdir()
     earlier = save_dir / "best-weights.safetensors"
     earlier.write_text("an earlier run's export\n")
-    args = ["--train-size", "16", "--val-size", "8", "--mode", "flatten", "--model", "mlp", "--image-shape", "1,4,4",
-            "--batch-size", "8", "--no-progress", "--save-dir", str(save_dir), "--export-on-end", "safetensors"]
+    args = [
+        "--train-size",
+        "16",
+        "--val-size",
+        "8",
+        "--mode",
+        "flatten",
+        "--model",
+        "mlp",
+        "--image-shape",
+        "1,4,4",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--save-dir",
+        str(save_dir),
+        "--export-on-end",
+        "safetensors",
+    ]
     assert main_multi_gpu.main([*args, "--max-steps", "1"]) == 2
     err = capfd.readouterr().err
-    assert err == (f"error: --export-on-end safetensors would replace {earlier}, an earlier export, when this run ends: "
-                   f"add --overwrite to replace it then, move it away, or choose another --save-dir\n")
+    assert err == (
+        f"error: --export-on-end safetensors would replace {earlier}, an earlier export, when this run ends: "
+        f"add --overwrite to replace it then, move it away, or choose another --save-dir\n"
+    )
     assert earlier.read_text() == "an earlier run's export\n" and not (save_dir / "last.pt").exists()
     assert main_multi_gpu.main([*args, "--max-steps", "1", "--overwrite"]) == 0
     assert f"to {earlier}: " in capfd.readouterr().out

@@ -1,4 +1,5 @@
-"""Save-dir ownership, run folders and --overwrite's set-aside copy (multigpu/checkpoints/savedir.py), with real processes."""
+"""Save-dir ownership, run folders and --overwrite's set-aside copy (multigpu/checkpoints/savedir.py), with real
+processes."""
 
 from __future__ import annotations
 
@@ -13,8 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, RUN_TIMEOUT, SAVE_DIR_HOLDER, TINY, cli_command, cli_env, contents, hold_save_dir,
-                      run_cli)
+from conftest import (
+    PYTHON,
+    REPO,
+    RUN_TIMEOUT,
+    SAVE_DIR_HOLDER,
+    TINY,
+    cli_command,
+    cli_env,
+    contents,
+    hold_save_dir,
+    run_cli,
+)
 from multigpu.checkpoints import checkpoint, run_folders, savedir
 from multigpu.checkpoints.savedir import SaveDirLock
 from multigpu.config import TrainConfig
@@ -34,8 +45,10 @@ def test_a_second_run_is_refused_in_one_line_naming_the_owner_and_touches_nothin
         acquire_in_process(tmp_path / "ckpt")
     message = str(refused.value)
     assert "\n" not in message
-    assert f"--save-dir {tmp_path / 'ckpt'} is in use by another run (pid {holder.pid} on {socket.gethostname()}, " \
-           f"started " in message
+    assert (
+        f"--save-dir {tmp_path / 'ckpt'} is in use by another run (pid {holder.pid} on {socket.gethostname()}, "
+        f"started " in message
+    )
     assert (lock_file.read_bytes(), sorted(os.listdir(tmp_path / "ckpt"))) == before
     holder.communicate("", timeout=RUN_TIMEOUT)  # the first run ends normally: the save-dir is free again
     assert holder.returncode == 0
@@ -75,16 +88,31 @@ def test_one_process_cannot_own_a_save_dir_twice(tmp_path):
 def test_a_torchrun_restart_of_the_same_job_keeps_the_save_dir(tmp_path):
     # Attempt 0 takes the save-dir and dies by SIGKILL; torchrun restarts it; attempt 1 must own it again.
     script = tmp_path / "job.py"
-    script.write_text("import os, signal, sys\n"
-                      "from multigpu.checkpoints.savedir import SaveDirLock\n"
-                      "lock = SaveDirLock(sys.argv[1]).acquire(lambda line: print('line:', line, flush=True))\n"
-                      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "lock.release()\n")
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                             "--max-restarts=1", str(script), str(tmp_path / "ckpt")], cwd=REPO,
-                            env=cli_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT)
+    script.write_text(
+        "import os, signal, sys\n"
+        "from multigpu.checkpoints.savedir import SaveDirLock\n"
+        "lock = SaveDirLock(sys.argv[1]).acquire(lambda line: print('line:', line, flush=True))\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "lock.release()\n"
+    )
+    result = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "--max-restarts=1",
+            str(script),
+            str(tmp_path / "ckpt"),
+        ],
+        cwd=REPO,
+        env=cli_env({"PYTHONPATH": str(REPO)}),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("line:")]
     assert len(lines) == 1 and "torchrun restart 1: continuing in --save-dir" in lines[0], result.stdout
@@ -93,13 +121,25 @@ def test_a_torchrun_restart_of_the_same_job_keeps_the_save_dir(tmp_path):
 
 def test_a_restart_waits_for_its_earlier_attempt_but_another_job_is_refused(tmp_path):
     holder = hold_save_dir(tmp_path, {"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "0"})
-    other_job = subprocess.run([PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)], cwd=REPO, input="", text=True,
-                               capture_output=True, timeout=RUN_TIMEOUT,
-                               env=cli_env({"TORCHELASTIC_RUN_ID": "job-b", "TORCHELASTIC_RESTART_COUNT": "1"}))
+    other_job = subprocess.run(
+        [PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)],
+        cwd=REPO,
+        input="",
+        text=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+        env=cli_env({"TORCHELASTIC_RUN_ID": "job-b", "TORCHELASTIC_RESTART_COUNT": "1"}),
+    )
     assert other_job.returncode != 0 and f"in use by another run (pid {holder.pid}" in other_job.stderr
-    restarted = subprocess.Popen([PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)], cwd=REPO, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 env=cli_env({"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "1"}))
+    restarted = subprocess.Popen(
+        [PYTHON, "-c", SAVE_DIR_HOLDER, str(tmp_path)],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env({"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "1"}),
+    )
     holder.kill()  # as torchrun stops the earlier attempt's workers
     holder.wait(RUN_TIMEOUT)
     out, err = restarted.communicate("", timeout=RUN_TIMEOUT)
@@ -118,8 +158,11 @@ def write_record(save_dir: Path, age_seconds: float, **fields) -> None:
 
 def test_another_nodes_run_with_a_fresh_heartbeat_is_refused(tmp_path):
     write_record(tmp_path, age_seconds=1)
-    with pytest.raises(UsageError, match=r"in use by another run \(pid 4242 on other-node, started 2024-01-01 "
-                                         r"00:00:00; its heartbeat is \d+ s old"):
+    with pytest.raises(
+        UsageError,
+        match=r"in use by another run \(pid 4242 on other-node, started 2024-01-01 "
+        r"00:00:00; its heartbeat is \d+ s old",
+    ):
         acquire_in_process(tmp_path)
 
 
@@ -127,8 +170,10 @@ def test_a_lost_nodes_run_is_stale_once_its_heartbeat_is_old(tmp_path):
     write_record(tmp_path, age_seconds=savedir.STALE_SECONDS + 5)
     lock, lines = acquire_in_process(tmp_path)
     lock.release()
-    assert len(lines) == 1 and "taking over from a run that ended without releasing it (pid 4242 on other-node" \
-        in lines[0]
+    assert (
+        len(lines) == 1
+        and "taking over from a run that ended without releasing it (pid 4242 on other-node" in lines[0]
+    )
 
 
 def test_a_restart_on_another_node_takes_over_its_jobs_fresh_record(tmp_path, monkeypatch):
@@ -174,25 +219,33 @@ def trained_with(folder: Path, **settings) -> TrainConfig:
 
 
 def test_choose_run_dir_starts_a_new_folder_and_resume_auto_continues_the_newest_run_with_its_settings(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     root = tmp_path / "checkpoints"
-    path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto"))  # nothing to continue: a new one
+    path, line = run_folders.choose_run_dir(
+        str(root), TrainConfig(resume="auto")
+    )  # nothing to continue: a new one
     assert path == str(root / "run-1") and line.startswith(f"--save-dir not given: this run writes to {path}")
     trained_with(root / "run-1", lr=0.01)
     trained_with(root / "run-2", lr=0.1, epochs=5)
     (root / "run-3").mkdir()  # a run that saved nothing: nothing to continue there
-    path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.1))  # epochs may differ
-    assert path == str(root / "run-2") and line == (f"--save-dir not given: continuing {path}, the newest run with "
-                                                    f"these settings")
+    path, line = run_folders.choose_run_dir(
+        str(root), TrainConfig(resume="auto", lr=0.1)
+    )  # epochs may differ
+    assert path == str(root / "run-2") and line == (
+        f"--save-dir not given: continuing {path}, the newest run with these settings"
+    )
     path, line = run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.01, num_workers=2))
     assert path == str(root / "run-1") and line.endswith(f"({root / 'run-2'} has other settings)")
     with pytest.raises(UsageError) as refused:
         run_folders.choose_run_dir(str(root), TrainConfig(resume="auto", lr=0.05, seed=3))
-    assert str(refused.value) == (f"--resume auto without --save-dir: no run under {root} has this command's "
-                                  f"settings; the newest, {root / 'run-2'}, differs in lr: 0.1 -> 0.05; seed: 0 -> 3: "
-                                  f"continue it with these settings by naming it (--save-dir {root / 'run-2'} "
-                                  f"--resume auto), or drop --resume auto to start a new run")
+    assert str(refused.value) == (
+        f"--resume auto without --save-dir: no run under {root} has this command's "
+        f"settings; the newest, {root / 'run-2'}, differs in lr: 0.1 -> 0.05; seed: 0 -> 3: "
+        f"continue it with these settings by naming it (--save-dir {root / 'run-2'} "
+        f"--resume auto), or drop --resume auto to start a new run"
+    )
     assert sorted(os.listdir(root)) == ["run-1", "run-2", "run-3"]  # the refusal created nothing
     path, _ = run_folders.choose_run_dir(str(root), TrainConfig(lr=0.1))  # no --resume: always a new folder
     assert path == str(root / "run-4")
@@ -210,7 +263,7 @@ def test_a_restart_continues_its_own_jobs_run_folder(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- --overwrite
-def old_run(save_dir: Path) -> dict[str, bytes]:
+def old_run(save_dir: Path) -> dict[Path, bytes]:
     """A previous run's files: checkpoints, TensorBoard logs and the launcher's command; returns their bytes."""
     for name in ("last.pt", "best.pt", "step-000000005.pt"):
         (save_dir / name).write_bytes(name.encode() * 100)
@@ -251,8 +304,10 @@ def test_a_killed_overwrite_runs_set_aside_files_go_back_at_the_next_start(tmp_p
     (tmp_path / "tb").mkdir()  # the killed run's logs
     adopted, lines = run_folders.leftovers(str(tmp_path), adopt=False)
     assert adopted is None and contents(tmp_path) == before
-    assert lines == [f"--save-dir {tmp_path}: put the previous run's files back from {folder}, where an --overwrite "
-                     f"run that ended before its first checkpoint had left them"]
+    assert lines == [
+        f"--save-dir {tmp_path}: put the previous run's files back from {folder}, where an --overwrite "
+        f"run that ended before its first checkpoint had left them"
+    ]
 
 
 def test_a_set_aside_folder_beside_newer_checkpoints_is_named_with_the_command_that_puts_it_back(tmp_path):
@@ -262,8 +317,10 @@ def test_a_set_aside_folder_beside_newer_checkpoints_is_named_with_the_command_t
     (tmp_path / "last.pt").write_bytes(b"a newer run's checkpoint")
     adopted, (line,) = run_folders.leftovers(str(tmp_path), adopt=False)
     assert adopted is None and (tmp_path / "last.pt").read_bytes() == b"a newer run's checkpoint"
-    prefix = (f"--save-dir {tmp_path} still holds {folder}, checkpoints an --overwrite run set aside before newer "
-              f"ones were written (left as they are); to go back to them: ")
+    prefix = (
+        f"--save-dir {tmp_path} still holds {folder}, checkpoints an --overwrite run set aside before newer "
+        f"ones were written (left as they are); to go back to them: "
+    )
     assert line.startswith(prefix)
     subprocess.run(["bash", "-c", line.removeprefix(prefix)], check=True)  # the command, as a user runs it
     assert contents(tmp_path) == before and run_folders.set_aside_folders(str(tmp_path)) == []
@@ -275,17 +332,26 @@ def test_a_torchrun_restart_of_an_overwrite_run_keeps_its_own_set_aside_copy(tmp
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     adopted, lines = run_folders.leftovers(str(tmp_path), adopt=True)
     assert adopted == folder and run_folders.checkpoint_files(str(tmp_path)) == []
-    assert lines == [f"torchrun restart 1: the previous run's files stay in {folder} until this run's first "
-                     f"checkpoint is written"]
+    assert lines == [
+        f"torchrun restart 1: the previous run's files stay in {folder} until this run's first "
+        f"checkpoint is written"
+    ]
 
 
 # ---------------------------------------------------------------- through the command line
 @pytest.mark.slow
 def test_a_second_cli_run_is_refused_while_the_first_trains_on_untouched(tmp_path):
     save_dir = tmp_path / "ckpt"
-    first = subprocess.Popen(cli_command([*TINY, "--epochs", "1000", "--log-every", "1", "--seed", "1", "--save-dir",
-                                          str(save_dir)]), cwd=REPO, env=cli_env(), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = subprocess.Popen(
+        cli_command(
+            [*TINY, "--epochs", "1000", "--log-every", "1", "--seed", "1", "--save-dir", str(save_dir)]
+        ),
+        cwd=REPO,
+        env=cli_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         for line in first.stdout:  # the plan is printed once the run owns its save-dir
             if "steps/epoch" in line:
@@ -296,6 +362,8 @@ def test_a_second_cli_run_is_refused_while_the_first_trains_on_untouched(tmp_pat
     finally:
         first.kill()
     assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
-    assert second.stderr.startswith(f"error: --save-dir {save_dir} is in use by another run (pid {first.pid} on ")
+    assert second.stderr.startswith(
+        f"error: --save-dir {save_dir} is in use by another run (pid {first.pid} on "
+    )
     assert first.returncode == 0, err
     assert checkpoint.load(str(save_dir / "last.pt"))["config"]["seed"] == 1  # the first run's own file

@@ -75,11 +75,16 @@ def test_a_set_whose_samples_never_change_is_read_once_and_trains_bit_identicall
     synthetic = SyntheticImages(100, (3, 8, 8), 10, seed=3)
     read = []
     original = SyntheticImages.__getitem__
-    SyntheticImages.__getitem__ = lambda self, index: (read.append(index), original(self, index))[1]  # type: ignore
+
+    def recorded(self: Any, index: int) -> Any:
+        read.append(index)
+        return original(self, index)
+
+    SyntheticImages.__getitem__ = recorded
     try:
         device = train(tmp_path / "device", synthetic, images_model(), data_on_device="auto")
     finally:
-        SyntheticImages.__getitem__ = original  # type: ignore[method-assign]
+        SyntheticImages.__getitem__ = original
     assert isinstance(device.train_loader, device_data.DeviceBatches)
     # the first sample once to size the set, then each sample once; FLOP counting reads a few more
     assert read[0] == 0 and sorted(set(read)) == list(range(100)) and read.count(57) == 1, read
@@ -127,9 +132,12 @@ class SlowRows(TensorDataset):
 def slow_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches gathered on the device take 16 ms more each: the loader's way is the faster one."""
     gather = device_data.DeviceBatches._gather
-    monkeypatch.setattr(
-        device_data.DeviceBatches, "_gather", lambda self, index: (time.sleep(0.016), gather(self, index))[1]
-    )
+
+    def slower(self: Any, index: Any) -> Any:
+        time.sleep(0.016)
+        return gather(self, index)
+
+    monkeypatch.setattr(device_data.DeviceBatches, "_gather", slower)
 
 
 @pytest.mark.parametrize("slower", ["the loader", "the device"])
@@ -175,6 +183,7 @@ def test_auto_measures_both_ways_in_the_first_steps_and_keeps_the_faster(
         f"--data-on-device auto: {faster}, as chosen at step 10 and saved in the checkpoint (not measured "
         f"again)" in capsys.readouterr().out
     )
+    assert resumed.autotune is not None  # --data-on-device auto's choice
     assert resumed.autotune.medians == [] and isinstance(resumed.train_loader, type(auto.train_loader))
 
 

@@ -53,10 +53,12 @@ class WorkerProbe(Dataset):
         return SIZE
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return torch.rand(()), get_worker_info().id
+        worker = get_worker_info()
+        assert worker is not None  # read by a loader's workers only
+        return torch.rand(()), worker.id
 
 
-def dropout_model(seed: int) -> torch.nn.Module:
+def dropout_model(seed: int) -> torch.nn.Sequential:
     """Built like main_multi_gpu builds models: after torch.manual_seed(seed), so identical on every rank."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(

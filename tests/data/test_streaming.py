@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import io
 import itertools
 import os
@@ -43,7 +44,8 @@ def shard_ids(
     shard = StreamShard(IdStream(), rank, world)
     shard.skip = skip
     loader = DataLoader(shard, batch_size=5, num_workers=workers, collate_fn=TaggedCollate(None))
-    ids, counts = [], {}
+    ids: list[int] = []
+    counts: dict[int, int] = {}
     for slot, samples, batch in itertools.islice(loader, batches):
         ids += batch["id"].tolist()
         counts[slot] = counts.get(slot, 0) + samples
@@ -73,10 +75,27 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
     assert sorted(seen) == list(range(EPOCH))
 
 
+def fork_loader_workers() -> None:
+    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
+    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
+    machine longer than the hang watchdog's 30 s."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+
+
 # ---------------------------------------------------------------- what a stream splits by itself
 MATRIX_SHARDS = (12, 11, 7)  # 30 ids; as files, the 3 shards of a Hugging Face stream
 MATRIX_IDS = list(range(sum(MATRIX_SHARDS)))
-KINDS = ("naive", "splits workers", "splits ranks", "splits both", "hf", "hf split by node")
+KINDS = (
+    "naive",
+    "splits workers",
+    "splits ranks",
+    "splits both",
+    "rank in __init__",
+    "hf",
+    "hf split by node",
+)
 
 
 def matrix_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
@@ -86,7 +105,7 @@ def matrix_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
         return SplitIds(
             len(MATRIX_IDS),
             workers=kind in ("splits workers", "splits both"),
-            ranks={"splits ranks": "env", "splits both": "dist"}.get(kind),
+            ranks={"splits ranks": "env", "splits both": "dist", "rank in __init__": "init"}.get(kind),
         )
     import datasets
     from datasets.distributed import split_dataset_by_node
@@ -103,22 +122,19 @@ def matrix_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
 
 def read_every_kind(rank: int, world: int, folder: Path) -> dict:
     """On each rank: for each kind x 0, 1 and 2 loader workers, the ids the trainer's own loader gives this rank
-    in its first two passes; then the lines the first pass of streams the probe cannot see makes the trainer say."""
-    import multiprocessing
-
+    in its first two passes; then the lines the first pass of streams that misstate their split makes the trainer
+    say."""
     from multigpu.data import build_loader
     from multigpu.data.streaming import TrainStream
     from multigpu.parallel.distributed import Runtime
 
-    # Loader workers fork, as they do under torchrun (a rank started by spawn would spawn them too: 50 times
-    # importing torch and datasets afresh).
-    multiprocessing.set_start_method("fork", force=True)
+    fork_loader_workers()  # 50 loaders: each importing torch and datasets afresh otherwise
     runtime = Runtime("ddp" if world > 1 else "none", torch.device("cpu"), rank, rank, world)
     ids = {}
     for kind in KINDS:
         dataset = matrix_stream(kind, folder)
         if kind.startswith("hf"):
-            dataset = dataset.select_columns(["id"])  # the ids are what is checked
+            dataset = dataset.select_columns(["id"])  # type: ignore[attr-defined]  # an HF stream: the ids checked
         for workers in (0, 1, 2):
             stream = TrainStream(dataset, runtime, 4, 1, 0, workers, 0, None, build_loader)
             for pass_number in (0, 1):
@@ -127,12 +143,12 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
                     i for _, _, batch in stream.loader for i in batch["id"].tolist()
                 ]
     undetected = {
-        "rank read in __init__": (SplitIds(len(MATRIX_IDS), ranks="init"), 0),
         "shards_itself but reads all": (SplitIds(len(MATRIX_IDS)), 2),
         "no __len__, shards_itself but reads all": (SplitIds(len(MATRIX_IDS), length=False), 2),
     }
-    undetected["shards_itself but reads all"][0].shards_itself = True
-    undetected["no __len__, shards_itself but reads all"][0].shards_itself = True
+    # Set on these two only: a class attribute False would be an answer too (absent is none).
+    undetected["shards_itself but reads all"][0].shards_itself = True  # type: ignore[attr-defined]  # see above
+    undetected["no __len__, shards_itself but reads all"][0].shards_itself = True  # type: ignore[attr-defined]  # see above
     said = {}
     for name, (dataset, workers) in undetected.items():
         lines: list[str] = []
@@ -147,27 +163,16 @@ def read_every_kind(rank: int, world: int, folder: Path) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_kind_of_stream_gives_every_id_once_per_pass_over_ranks_and_workers(tmp_path, world):
     """A naive stream, one that splits over workers (PyTorch's documented pattern), one that splits over ranks
-    (RANK and WORLD_SIZE), one that splits over both (torch.distributed's rank), and a Hugging Face stream raw
-    and after split_dataset_by_node, each with 0, 1 and 2 loader workers, in one process group per world size:
-    the trainer's loaders give every id exactly once in each of two passes."""
+    (RANK and WORLD_SIZE), one that splits over both (torch.distributed's rank), one that reads its rank in
+    __init__ (which no probe of __iter__ sees: found by what the ranks read), and a Hugging Face stream raw and
+    after split_dataset_by_node, each with 0, 1 and 2 loader workers, in one process group per world size: the
+    trainer's loaders give every id exactly once in each of two passes."""
     pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
     folder = write_id_files(tmp_path / "files", "jsonl", MATRIX_SHARDS)
     ranks = run_ranks(read_every_kind, world, tmp_path, folder)
     for case in ranks[0]["ids"]:
         assert sorted(i for rank in ranks for i in rank["ids"][case]) == MATRIX_IDS, case
     said = ranks[0]["said"]
-    # What the probe cannot see, the counts show: each rank kept 1/world of its own 1/world.
-    assert said["rank read in __init__"] == (
-        []
-        if world == 1
-        else [
-            f"warning: the first pass of the training stream gave {30 // world} samples over {world} rank(s) x 1 "
-            f"worker(s), and its __len__ is 30: about 1/{world} of them: the stream is split twice, by itself and by the "
-            f"trainer; the trainer took it as a stream that does not split itself (its first sample read as rank 0 and "
-            f"1, worker 0 and 1). Read the rank and worker in __iter__, or set shards_itself (docs/data.md, "
-            f'"Your own data")'
-        ]
-    )
     if world == 1:  # 2 workers that both read everything: twice the length, or the same first batch
         assert said["shards_itself but reads all"] == [
             "warning: the first pass of the training stream gave 60 samples over 1 rank(s) x 2 worker(s), and its "
@@ -218,6 +223,9 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
 
     from train_multi_gpu import MultiGPUTrainer
 
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
+
     config = config_for(tmp, world, num_workers=workers, epochs=1, log_every=1000, batch_size=16, **overrides)
     out = io.StringIO()
     with (
@@ -228,15 +236,23 @@ def train_stream(rank: int, world: int, tmp: Path, workers: int, dataset: IdStre
     return {"summary": summary, "out": out.getvalue(), "ids": read_ids([tmp / f"ids{rank}"])}
 
 
-# (ranks, workers, the stream shards itself by whole shards, samples each rank leaves unused at the uneven end)
-CASES = [(2, 2, True, [36, 0]), (3, 0, True, [52, 53, 0]), (1, 1, False, None)]
+# (ranks, workers, the stream shards itself by whole shards, the first pass's longer line: each rank's samples,
+# the steps the ranks that ran out joined, the pass's steps, the steps __len__ plans)
+CASES = [
+    (2, 2, True, ([137, 101], 3, 10, 8)),
+    (3, 0, True, ([100, 101, 37], 4, 7, 5)),
+    (1, 1, False, None),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, workers, by_shard, unused", CASES)
+@pytest.mark.parametrize("world, workers, by_shard, longer", CASES)
 def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(
-    tmp_path, world, workers, by_shard, unused
+    tmp_path, world, workers, by_shard, longer
 ):
+    """Whole shards of 100, 101 and 37 per (rank, worker): under ddp the ranks that run out join the others'
+    last steps, so every sample is trained once (before, 36 and 105 were left unused), all ranks end at the same
+    step, and the longer first pass is said once."""
     dataset = IdStream(shards_itself=by_shard)
     results = (
         run_ranks(train_stream, world, tmp_path, tmp_path, workers, dataset)
@@ -244,15 +260,157 @@ def test_training_on_a_stream_sees_every_sample_once_and_ranks_end_together(
         else [train_stream(0, 1, tmp_path, workers, dataset)]
     )  # one rank: in this process
     trained = [i for result in results for i in result["ids"]]
-    assert len(trained) == len(set(trained)), "a sample was trained on twice"
+    assert sorted(trained) == list(range(EPOCH))
     assert {result["summary"]["global_step"] for result in results} == {results[0]["summary"]["global_step"]}
     out = results[0]["out"]
     assert "val acc" in out and "(238 samples)" in out  # evaluation over the stream: every sample once
-    if unused is None:
-        assert sorted(trained) == list(range(EPOCH)) and "unused" not in out
-    else:
-        assert "samples left unused: " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(unused)) in out
-        assert len(trained) + sum(unused) == EPOCH
+    assert "unused" not in out
+    if longer is not None:
+        shares, joined, steps, planned = longer
+        assert (
+            f"the training stream's first pass took {steps} steps, not the {planned} its __len__ plans: the ranks' "
+            f"shares were {', '.join(f'rank {r}: {n}' for r, n in enumerate(shares))} samples, and the ranks that "
+            f"ran out joined the others' last {joined} steps; the LR schedule and progress bar count {planned} "
+            f"steps an epoch (--steps-per-epoch {steps} plans by the pass)" in out
+        ), out
+
+
+# ---------------------------------------------------------------- ranks known outside __iter__, unequal files
+UNEQUAL_FILES = (53, 71, 9, 40)  # 4 JSONL files of 173 rows: whole files per rank leave a rank's tail over
+UNEQUAL_IDS = list(range(sum(UNEQUAL_FILES)))
+
+
+class EpochMark:
+    """A callback that ends each epoch's ids in IdModel's file with a line "end"."""
+
+    def __init__(self, ids_file: Path) -> None:
+        self.ids_file = ids_file
+
+    def on_epoch_end(self, trainer) -> None:
+        with open(self.ids_file, "a") as out:
+            out.write("end\n")
+
+
+def unequal_stream(kind: str, folder: Path) -> torch.utils.data.IterableDataset:
+    """Made on the rank: SplitIds that reads its rank in __init__ ("rank in __init__"), a Hugging Face stream of
+    the UNEQUAL_FILES raw ("hf") or split_dataset_by_node ("hf split by node"), or IdStream's own split by whole
+    shards of those lengths ("shards itself")."""
+    if kind == "rank in __init__":
+        return SplitIds(len(UNEQUAL_IDS), ranks="init")
+    if kind == "shards itself":
+        return IdStream(UNEQUAL_FILES, shards_itself=True)
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.load_dataset(
+        "json", data_files=sorted(map(str, folder.glob("*.jsonl"))), split="train", streaming=True
+    )
+    if kind == "hf split by node":
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        stream = split_dataset_by_node(stream, rank=rank, world_size=world)
+    return stream.with_format("torch")
+
+
+def train_two_passes(rank: int, world: int, tmp: Path, cases: list[tuple[str, int, str]]) -> dict:
+    """On each rank, for each (stream kind, loader workers, --multi-gpu): 2 epochs, each one pass; the ids this
+    rank trained in each epoch and what the run said."""
+    from train_multi_gpu import MultiGPUTrainer
+
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
+    results = {}
+    for kind, workers, mode in cases:
+        run = tmp / f"{kind}-{workers}-{mode}".replace(" ", "_")
+        ids_file = run / f"ids{rank}"
+        config = config_for(
+            run,
+            world,
+            multi_gpu=mode,
+            num_workers=workers,
+            epochs=2,
+            batch_size=16,
+            lr_schedule="constant",
+            log_every=1000,
+        )
+        out = io.StringIO()
+        dataset = unequal_stream(kind, tmp / "files")
+        callbacks = [EpochMark(ids_file)]
+        with (
+            contextlib.redirect_stdout(out),
+            MultiGPUTrainer(IdModel(ids_file), dataset, None, config, callbacks=callbacks) as trainer,
+        ):
+            trainer.fit()
+        epochs = [[int(i) for i in part.split()] for part in ids_file.read_text().split("end\n")[:2]]
+        results[kind, workers, mode] = {"epochs": epochs, "out": out.getvalue()}
+    return results
+
+
+def each_pass(ranks: list[dict], case: tuple[str, int, str]) -> list[list[int]]:
+    """The ids trained in each of the two passes, over all ranks, sorted."""
+    return [sorted(i for rank in ranks for i in rank[case]["epochs"][epoch]) for epoch in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_stream_that_knows_its_rank_outside_iter_and_unequal_files_train_every_sample_once_per_pass(
+    tmp_path, world
+):
+    """Under ddp, at 1, 2 and 3 ranks x 0 and 2 loader workers, two epochs each: a stream that reads its rank in
+    __init__ (which no probe of __iter__ sees) is found split by rank from what the ranks read, and not split
+    again; 4 JSONL files of 53, 71, 9 and 40 rows through Hugging Face streaming (raw, and after
+    split_dataset_by_node), whose whole files per rank are unequal, train every row: the ranks that run out join
+    the others' steps. Every id is trained exactly once in each pass. (Before: 2 ranks trained 1/2 of the
+    first stream, and left 43 rows of the files unused every pass.)"""
+    hf = importlib.util.find_spec("datasets") is not None  # the [hf] extra: the files are read only with it
+    write_id_files(tmp_path / "files", "jsonl", UNEQUAL_FILES)
+    mode = "ddp" if world > 1 else "none"
+    cases = [("rank in __init__", 0, mode), ("rank in __init__", 2, mode)]
+    cases += [("hf", 0, mode), ("hf split by node", 2, mode)] if hf else []
+    ranks = (
+        run_ranks(train_two_passes, world, tmp_path, tmp_path, cases)
+        if world > 1
+        else [train_two_passes(0, 1, tmp_path, cases)]
+    )
+    for case in cases:
+        assert each_pass(ranks, case) == [UNEQUAL_IDS, UNEQUAL_IDS], case
+        assert "samples left unused" not in ranks[0][case]["out"], case
+    if world > 1:
+        said = ranks[0][("rank in __init__", 0, mode)]["out"]
+        assert (
+            "data: a stream, split over ranks by itself, workers by the trainer (the ranks read different first "
+            "samples; its first sample read as worker 0 and 1 for the workers); uneven ends: ranks that run out "
+            "join the others' steps, every sample trained once a pass" in said
+        ), said
+
+
+@pytest.mark.slow
+def test_under_fsdp_unequal_files_are_split_by_example_and_what_cannot_be_trained_is_said(tmp_path):
+    """fsdp, 2 ranks: a rank that ran out cannot take part in the others' sharded steps, so ranks cannot join.
+    A Hugging Face stream of the unequal files is split over ranks by example instead of by whole files (raw, 2
+    loader workers): every id once per pass. A stream that splits by whole files itself cannot be re-split:
+    the rows it leaves on the longer rank are said in one line each pass, and every other id trained once."""
+    pytest.importorskip("datasets", reason="the [hf] extra is not installed: pip install '.[hf]'")
+    write_id_files(tmp_path / "files", "jsonl", UNEQUAL_FILES)
+    cases = [("hf", 2, "fsdp"), ("shards itself", 0, "fsdp")]
+    ranks = run_ranks(train_two_passes, 2, tmp_path, tmp_path, cases)
+    hf = ranks[0][cases[0]]["out"]
+    assert each_pass(ranks, cases[0]) == [UNEQUAL_IDS, UNEQUAL_IDS]
+    assert "samples left unused" not in hf
+    assert (
+        "data: a stream, split over ranks by the trainer, workers by itself (a Hugging Face stream of 4 shard(s), "
+        "split over ranks by example (ranks cannot join here: whole files per rank would leave the longer files' "
+        "tails untrained)); uneven ends: the ranks end each pass together at the first that runs out, what the "
+        "others hold counted as unused (fsdp: a rank without a batch cannot take part in the others' sharded "
+        "forward and backward)" in hf
+    ), hf
+    # Shards 0 and 2 (62 rows, 4 batches of 16) on rank 0, 1 and 3 (111 rows, 7 batches) on rank 1.
+    by_files = ranks[0][cases[1]]["out"]
+    for number, trained in enumerate(each_pass(ranks, cases[1]), start=1):
+        assert len(trained) == len(set(trained)) == 62 + 4 * 16
+        assert (
+            f"end of the stream's pass {number}: ranks ran out at different steps and ended it together; "
+            f"samples left unused: rank 0: 0, rank 1: 47" in by_files
+        ), by_files
 
 
 def test_a_stream_that_claims_to_shard_itself_but_reads_everything_gets_one_warning(tmp_path):
@@ -378,7 +536,7 @@ def test_map_style_resume_from_2_to_3_ranks_mid_epoch_continues_the_epochs_order
 class EndlessIds(IdStream):
     """A stream without __len__."""
 
-    __len__ = None  # type: ignore[assignment]
+    __len__ = None  # type: ignore[assignment]  # none at all, as a stream has
 
 
 class Terminal(io.StringIO):

@@ -110,6 +110,7 @@ def ray_head() -> Iterator[str]:
     said: list[str] = []
 
     def read() -> None:
+        assert head.stdout is not None  # a pipe
         for line in head.stdout:
             said.append(line)
             if "Ray runtime started" in line:
@@ -203,7 +204,10 @@ def worker_lines(output: str) -> dict[str, list[str]]:
         (["--ray-workers", "0"], "--ray-workers must be at least 1, got 0"),
         (["--ray-workers", "two"], "--ray-workers must be a whole number, got 'two'"),
         (["--ray-address", "head:6379"], "--ray-address is for a run on Ray: add --ray-workers N"),
-        (["--ray-workers", "2", "--ray-gpus-per-worker", "2"], "--ray-gpus-per-worker must be at most 1, got 2"),
+        (
+            ["--ray-workers", "2", "--ray-gpus-per-worker", "2"],
+            "--ray-gpus-per-worker must be at most 1, got 2",
+        ),
         (["--ray-workers", "2", "--ray-max-failures", "-1"], "--ray-max-failures must be at least 0, got -1"),
         (
             ["--ray-workers", "2", "--ray-address", "head"],
@@ -264,7 +268,7 @@ def uninterrupted(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> tu
     save_dir = tmp_path_factory.mktemp("ray") / "run"
     args = ["--ray", "--yes", "--gpus", "0", "--nproc", "2", "--ray-address", ray_head, "--epochs", "1"]
     args += ["--batch-size", "32", "--save-dir", str(save_dir), "--", *TRAINING]
-    result = launch(args, launcher_env(**RAY_ENV), cwd=REPO, timeout=RUN_TIMEOUT)
+    result = launch(args, {**launcher_env(), **RAY_ENV}, cwd=REPO, timeout=RUN_TIMEOUT)
     output = ANSI.sub("", result.stdout + result.stderr)
     assert result.returncode == 0, output[-4000:]
     # What the launcher printed, saved and ran: main_multi_gpu.py --ray-workers 2 with the run's flags.

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 import main_multi_gpu
 import predict_multi_gpu
@@ -206,15 +207,19 @@ def _ema_run(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     )
     summary = trainer.fit()
     ema = trainer.callbacks.callbacks[0]
+    validation = trainer.val_dataset
+    assert isinstance(validation, TensorDataset)  # blobs'
+    trained = trainer.evaluator.run(trainer.model, validation, 8)
+    assert trained is not None  # no stop request given
     return {
         "start": start,
         "steps": record.steps,
         "ema": [p.detach().clone() for p in ema.model.parameters()],
         "val_loss": summary["val_loss"],
         "ema_loss": trainer.evaluate()["loss"],
-        "trained_loss": trainer.evaluator.run(trainer.model, trainer.val_dataset, 8)["loss"],
+        "trained_loss": trained["loss"],
         "predicted": trainer.predict(),
-        "ema_outputs": ema.model(trainer.val_dataset.tensors[0]).detach(),
+        "ema_outputs": ema.model(validation.tensors[0]).detach(),
     }
 
 

@@ -102,13 +102,13 @@ class TakesInputIds(torch.nn.Module):  # Hugging Face-style, without labels: for
 
 
 class NanoGPTStyle(TakesInputIds):  # forward(idx, targets=None) -> (logits, loss)
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         logits = self.net(idx)
         return logits, (None if targets is None else torch.nn.functional.cross_entropy(logits, targets))
 
 
 class TakesTheDict(TakesInputIds):  # written for `for x, y in loader: model(x)` with dict x
-    def forward(self, batch: dict) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, batch: dict) -> torch.Tensor:  # type: ignore[override]  # the whole dict batch
         return self.net(batch["x"] * batch["scale"])
 
 

@@ -325,7 +325,7 @@ def test_a_users_scheduler_refuses_a_resume_at_another_lr_in_one_line_and_keeps_
             resume="auto" if resume else None,
             **schedule,
         )
-        own = (
+        own: dict[str, Any] = (
             {}
             if schedule
             else {"scheduler": lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)}

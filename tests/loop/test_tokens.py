@@ -146,7 +146,7 @@ def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tenso
     return max((first[name] - second[name]).abs().max().item() for name in first)
 
 
-def ranks_train(rank: int, world: int, tmp_path: Path) -> dict[str, Any]:
+def ranks_train(rank: int, world: int, tmp_path: Path) -> dict[tuple[str, str], Any]:
     """Each kind under ddp and fsdp at 2 x 8, on every rank (rank 0's weights are the result)."""
     return {
         (kind, mode): train(tmp_path / f"{kind}-{mode}", kind, world, 8, 1, multi_gpu=mode)
@@ -228,7 +228,7 @@ def per_token_loss(kind: str, data: UnevenTokens) -> tuple[float, float]:
             logits = model(input_ids=data.ids).logits[:, :-1]
             labels = torch.nn.functional.pad(data.labels, (0, 1), value=IGNORE_INDEX)[:, 1:-1]
         else:
-            logits = model.head(torch.tanh(model.embed(data.ids)))
+            logits = model.head(torch.tanh(model.embed(data.ids)))  # type: ignore[operator]  # submodules
             labels = data.labels
     losses = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), reduction="sum")
     counted = labels != IGNORE_INDEX

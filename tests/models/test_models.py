@@ -37,7 +37,7 @@ def tiny_gpt(vocabulary: int = 11) -> GPT:
         dataset="text", data_file="unused.txt", n_layer=2, n_embd=32, n_head=2, block_size=16
     )
     torch.manual_seed(0)
-    return build_model("gpt", (config.block_size,), vocabulary, config)  # type: ignore[return-value]
+    return build_model("gpt", (config.block_size,), vocabulary, config)
 
 
 def test_gpt_gives_logits_per_position_from_blocks_in_a_module_list_with_tied_weights():

@@ -1,4 +1,5 @@
-"""The plan lines a run prints before its first step, their warnings, and the done line (multigpu/monitoring/plan.py)."""
+"""The plan lines a run prints before its first step, their warnings, and the done line
+(multigpu/monitoring/plan.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def wait_for_tags(base: str, server: subprocess.Popen, deadline_s: float = 90) -
     deadline = time.monotonic() + deadline_s
     last_error = None
     while time.monotonic() < deadline:
-        assert server.poll() is None, f"tensorboard exited: {server.stderr.read()}"
+        assert server.poll() is None, f"tensorboard exited: {server.stderr.read() if server.stderr else ''}"
         try:
             tags = get_json(f"{base}/data/plugin/scalars/tags")
             if any(TAGS <= set(run_tags) for run_tags in tags.values()):

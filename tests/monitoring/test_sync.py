@@ -68,6 +68,7 @@ def train_until_stopped(tmp_path: Path, world_size: int, rank: int, data: Poison
     trainer = trainer_on(data, tmp_path, world_size)
     with pytest.raises(TrainingStopped) as stopped:
         trainer.fit()
+    assert trainer.config.save_dir is not None  # the run folder, chosen at construction
     save_dir = Path(trainer.config.save_dir)
     last = (
         checkpoint.load(str(save_dir / "last.pt")) if rank == 0 and (save_dir / "last.pt").exists() else None

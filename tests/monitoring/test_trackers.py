@@ -222,6 +222,7 @@ class BreakCsv:
 
     def on_step_end(self, trainer: MultiGPUTrainer) -> None:
         if trainer.progress.global_step == 3:
+            assert trainer.config.save_dir is not None  # the run folder, chosen at construction
             path = Path(trainer.config.save_dir) / "metrics.csv"
             path.unlink()
             path.mkdir()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from conftest import blobs, config_for, tiny_model
@@ -11,7 +13,8 @@ from train_multi_gpu import MultiGPUTrainer
 
 def accumulate_grad_nodes(output: torch.Tensor) -> list:
     """The AccumulateGrad nodes of the graph that produced `output`."""
-    found, stack = [], [output.grad_fn]
+    found = []
+    stack: list[Any] = [output.grad_fn]
     while stack:
         for node, _ in stack.pop().next_functions:
             if node is None:

@@ -1,4 +1,5 @@
-"""--multi-gpu fsdp (multigpu/parallel/sharding.py): which blocks are sharded, and that sharded training is the same training.
+"""--multi-gpu fsdp (multigpu/parallel/sharding.py): which blocks are sharded, and that sharded training is the
+same training.
 
 Equivalence (issue 22): fsdp at 2 processes = ddp at 2 processes = one process at twice the batch, within 1e-5
 of every parameter after 5 AdamW steps (fp32), with and without gradient accumulation and clipping. All 2-rank
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import main_multi_gpu
 from conftest import (
@@ -71,9 +73,12 @@ class CollectivesPerStep:
         self.steps: list[dict] = []
 
     def on_fit_start(self, trainer: MultiGPUTrainer) -> None:
-        self.tally = CollectiveTally(mesh_labels(next(trainer.model.parameters()).device_mesh)).__enter__()
+        first = next(trainer.model.parameters())
+        assert isinstance(first, DTensor)  # sharded
+        self.tally = CollectiveTally(mesh_labels(first.device_mesh)).__enter__()
 
     def on_step_end(self, trainer: MultiGPUTrainer) -> None:
+        assert self.tally is not None  # counting since on_fit_start
         self.steps.append(self.tally.reset())
 
 
@@ -110,10 +115,10 @@ def train(
                 str(p.placements),
                 p.device_mesh.mesh_dim_names,
                 tuple(p.device_mesh.shape),
-                tuple(p.device_mesh.get_coordinate()),
+                tuple(p.device_mesh.get_coordinate()),  # type: ignore[arg-type]  # None off the mesh only
             )
             for p in trainer.model.parameters()
-            if hasattr(p, "placements")
+            if isinstance(p, DTensor)  # those with placements
         }
         return {
             "weights": full_weights(trainer),
@@ -308,7 +313,7 @@ FOUR = 4
 VAL_FOUR = (
     13  # evaluation batches of 3: rank 0 has 4 samples (2 batches), the others 3 (1): stand-in forwards
 )
-MESHES = {
+MESHES: dict[str, dict[str, Any]] = {
     "hsdp 2x2": dict(mode="fsdp", dp_replicate=2),
     "fsdp 1x4": dict(mode="fsdp", dp_replicate=1),
     "ddp 4": dict(mode="ddp"),
@@ -319,7 +324,7 @@ RUNS_AT_FOUR: dict[str, dict[str, Any]] = {
     "accum sharded": dict(batch_size=2, grad_accum_steps=2, fsdp_accumulate="sharded"),  # hsdp only
 }
 # Shapes a checkpoint moves between: (replicate, shard) under fsdp, ddp, one device.
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "2x2": dict(multi_gpu="fsdp", dp_replicate=2, dp_shard=2),
     "1x4": dict(multi_gpu="fsdp", dp_replicate=1),
     "4x1": dict(multi_gpu="fsdp", dp_replicate=4, dp_shard=-1),
@@ -585,7 +590,7 @@ def test_a_2x2_checkpoint_resumes_at_1x2_and_in_one_process(four_ranks, tmp_path
     assert_continues([resumable(0, 1, tmp_path / "one", "one", step_4)], reference, 4)
 
 
-def _compiled_on_a_mesh(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+def _compiled_on_a_mesh(rank: int, world_size: int, tmp_path: Path) -> dict[bool, dict[str, Any]]:
     runs = {}
     for compiled in (False, True):
         config = config_for(

@@ -25,11 +25,12 @@ from train_multi_gpu import MultiGPUTrainer
 WORLD = 2
 
 
-def bn_model() -> nn.Module:
+def bn_model() -> nn.Sequential:
     """A model with BatchNorm whose affine weights are not the defaults, so keeping them is visible."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
-    nn.init.uniform_(model[1].weight, 0.5, 1.5)
+    norm = nn.BatchNorm1d(32)
+    model = nn.Sequential(nn.Linear(16, 32), norm, nn.ReLU(), nn.Linear(32, 4))
+    nn.init.uniform_(norm.weight, 0.5, 1.5)
     return model
 
 

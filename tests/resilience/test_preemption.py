@@ -1,5 +1,5 @@
-"""A survivor of a lost peer (multigpu/resilience/preemption.py), in real gloo processes. The double SIGTERM and Ctrl-C cases
-are in test_resume.py."""
+"""A survivor of a lost peer (multigpu/resilience/preemption.py), in real gloo processes. The double SIGTERM and
+Ctrl-C cases are in test_resume.py."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def _lose_a_rank_while_another_waits_elsewhere(rank: int, world_size: int, save_
         return None  # this rank leaves: its connections close under rank 0's collective
     try:
         if rank == 2:
+            assert isinstance(with_2, dist.ProcessGroup)  # rank 2 is in it
             dist.all_reduce(torch.ones(1), group=with_2)  # until rank 0 joins it, after its roll call
             return None
+        assert isinstance(with_1, dist.ProcessGroup) and isinstance(with_2, dist.ProcessGroup)  # rank 0: both
         started = time.monotonic()
         try:
             with stops_handled(StopRequest(), rank, world_size, wait_seconds=10.0):

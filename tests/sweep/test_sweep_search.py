@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from conftest import (
-    REPO,
     RUN_TIMEOUT,
     TINY_SWEEP_RUN,
     assert_ok,
     assert_one_line,
-    cli_command,
     cli_env,
     contents,
     read_hparams,
@@ -32,20 +30,8 @@ optuna = pytest.importorskip("optuna", reason="the [search] extra (optuna) is no
 # 3 trials of 2 seeds on one slot, so that every draw and every pruning decision repeats: a trial's value at an
 # epoch is reported once both its runs reached it (seed 1's run, seed 0's having ended), and ASHA's first rung is
 # epoch 1.
-SEARCH = [
-    "--search",
-    "optuna",
-    "--trials",
-    "3",
-    "--space",
-    "lr=log(1e-3,1)",
-    "--prune",
-    "asha",
-    "--num-seeds",
-    "2",
-    "--workers",
-    "1",
-]
+STUDY = ["--search", "optuna", "--trials", "3", "--space", "lr=log(1e-3,1)", "--prune", "asha"]
+SEARCH = [*STUDY, "--num-seeds", "2", "--workers", "1"]
 RUN = [*TINY_SWEEP_RUN, "--epochs", "2"]
 
 
@@ -220,43 +206,72 @@ def test_a_trial_of_several_processes_reports_from_its_rank_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_drivers_share_one_study(tmp_path):
-    """Two shards' drivers started together (as two SLURM array tasks would be) draw the study's trials between
-    them, each trial once."""
-    args = [
-        "--sweep-dir",
-        str(tmp_path),
-        "--search",
-        "optuna",
-        "--trials",
-        "3",
-        "--space",
-        "lr=log(1e-3,1)",
-        "--prune",
-        "asha",
-        "--workers",
-        "1",
-    ]
-    drivers = [
+def test_the_array_tasks_of_a_search_drive_one_study(tmp_path, capsys):
+    """--slurm --search writes a job array whose tasks are drivers of the one study; its two tasks started together,
+    the way SLURM starts them (the script, with the task's id), as two processes on one journal file: the study
+    holds exactly --trials trials, each run once, and the first rung judged the first wave (a trial of each task,
+    started together) together: the worse at epoch 1 stopped there whichever got there first."""
+    from multigpu.sweep.cli import main
+
+    argv = ["--sweep-dir", str(tmp_path), *STUDY, "--slurm", "--shards", "2", "--workers", "1", "--", *RUN]
+    assert main(argv) == 0  # in this process: writing the script starts no run
+    script = tmp_path / "sweep.sbatch"
+    assert f"wrote {script}: 3 trials in 2 array tasks" in capsys.readouterr().out
+    assert not (tmp_path / "study.journal").exists()  # the tasks start the study
+    command = script.read_text().splitlines()[-1]
+    assert "--search optuna --trials 3 --space 'lr=log(1e-3,1)' --sampler tpe --prune asha" in command
+    assert '--shard "${SLURM_ARRAY_TASK_ID}/2"' in command
+    tasks = [
         subprocess.Popen(
-            cli_command(
-                [*args, "--shard", f"{index}/2", "--", *TINY_SWEEP_RUN, "--epochs", "1"],
-                script=REPO / "sweep_multi_gpu.py",
-            ),
-            cwd=REPO,
-            env=cli_env({"CUDA_VISIBLE_DEVICES": ""}),
+            ["bash", str(script)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=cli_env({"CUDA_VISIBLE_DEVICES": "", "SLURM_ARRAY_TASK_ID": str(task)}),
         )
-        for index in range(2)
+        for task in range(2)
     ]
-    outputs = [driver.communicate(timeout=RUN_TIMEOUT)[0] for driver in drivers]
-    assert [driver.returncode for driver in drivers] == [0, 0], outputs
+    outputs = [task.communicate(timeout=RUN_TIMEOUT)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
     study = load_study(tmp_path)
     assert [trial.number for trial in study.trials] == [0, 1, 2]
     assert all(trial.state.name in ("COMPLETE", "PRUNED") for trial in study.trials)
-    lines = [
-        line for path in tmp_path.glob("results.shard-*-of-2.jsonl") for line in path.read_text().splitlines()
+    ran = {
+        index: [json.loads(line)["experiment"] for line in path.read_text().splitlines()]
+        for index, path in enumerate(sorted(tmp_path.glob("results.shard-*-of-2.jsonl")))
+    }
+    assert sorted(ran[0] + ran[1]) == [f"trial-{n}/seed-0" for n in range(3)]  # each trial once, by one task
+    for index in range(2):
+        assert {
+            f"trial-{t.number}/seed-0" for t in study.trials if t.user_attrs["sweep shard"] == f"{index}/2"
+        } == set(ran[index])
+    wave = sorted(study.trials[:2], key=lambda trial: trial.intermediate_values[1])
+    assert [(t.state.name, list(t.intermediate_values)) for t in wave] == [
+        ("COMPLETE", [1, 2]),
+        ("PRUNED", [1]),
     ]
-    assert sorted(json.loads(line)["experiment"] for line in lines) == [f"trial-{n}/seed-0" for n in range(3)]
+    assert {t.user_attrs["sweep shard"] for t in wave} == {"0/2", "1/2"}
+
+
+def test_the_objective_is_the_runs_monitor_and_main_multi_gpu_takes_the_search_flags(tmp_path):
+    """val_loss (lower is better) unless --monitor names another: --monitor val_acc searches for the highest; the
+    design notes' form, main_multi_gpu.py with the sweep flags mixed in, reads the search's flags too."""
+    from multigpu.sweep.options import parse, requested
+    from multigpu.sweep.search import build_search_plan
+
+    argv = ["--sweep-dir", str(tmp_path), *STUDY, "--epochs", "2", "--monitor", "val_acc"]
+    assert requested(argv)
+    options, train_argv = parse(argv, mixed=True)
+    assert (options.search, options.trials, options.space, options.prune) == (
+        "optuna",
+        3,
+        ["lr=log(1e-3,1)"],
+        "asha",
+    )
+    assert train_argv == ["--epochs", "2", "--monitor", "val_acc"]
+    plan = build_search_plan(options, train_argv)
+    assert (plan.objective, plan.lower_is_better) == ("val_acc", False)
+    plan = build_search_plan(options, ["--epochs", "2"])
+    assert (plan.objective, plan.lower_is_better) == ("val_loss", True)
+    assert plan.train_argv[-2:] == ["--monitor", "val_loss"]  # the runs' best.pt follows the objective
+    assert list(tmp_path.iterdir()) == []  # planning writes nothing

@@ -105,8 +105,8 @@ def test_rows_per_grid_point_in_both_tables():
 
 
 def test_a_run_that_ended_at_chance_is_ok_but_marked_as_not_learned(tmp_path):
-    """The trainer says why a run did not learn (its summary's did_not_learn, multigpu/monitoring/plan.py); the sweep's line
-    for the run, its closing line and both tables say it, and the run still counts as done."""
+    """The trainer says why a run did not learn (its summary's did_not_learn, multigpu/monitoring/plan.py); the
+    sweep's line for the run, its closing line and both tables say it, and the run still counts as done."""
     learned = {"monitor": "val_acc", "best": 0.91, "best_val_acc": 0.91, "val_acc": 0.91, "epochs": 2}
     why = "val acc 0.1470, chance for 10 classes is 0.1000"
     at_chance = {**learned, "best": 0.147, "best_val_acc": 0.147, "val_acc": 0.147, "did_not_learn": why}

@@ -143,15 +143,17 @@ def test_every_callback_runs_at_every_step_the_step_of_the_choice_too(tmp_path, 
 
 def _ddp_tuned_then_direct(rank: int, world_size: int, tmp_path: Path) -> dict:
     tuned = train(tmp_path, "tuned", world_size, autotune=True)
-    chosen = tuned.autotune.chosen
+    autotune = tuned.autotune
+    assert autotune is not None and autotune.chosen is not None  # --autotune, done choosing
+    chosen = autotune.chosen
     torch.set_num_threads(chosen.threads)  # then the chosen settings, given directly
     direct = train(tmp_path, "direct", world_size, channels_last=chosen.channels_last)
     return {
         "tuned": weights(tuned),
         "direct": weights(direct),
-        "trials": tuned.autotune.trials,
+        "trials": autotune.trials,
         "chosen": chosen,
-        "measured": len(tuned.autotune.medians),
+        "measured": len(autotune.medians),
         "wrapped": type(tuned.step.wrapped).__name__,
     }
 

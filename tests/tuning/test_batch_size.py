@@ -21,7 +21,9 @@ class OutOfMemoryAbove(torch.nn.Module):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.net, self.capacity, self.sizes = tiny_model(), capacity, []
+        self.net = tiny_model()
+        self.capacity = capacity
+        self.sizes: list[int] = []
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         self.sizes.append(inputs.shape[0])

@@ -133,7 +133,7 @@ def skip_without_mallinfo2() -> None:
 
 def test_the_block_holds_freed_memory_and_gives_it_back_after():
     skip_without_mallinfo2()
-    before, inside, given_back = run_script(HELD_AFTER_A_FREE)  # type: ignore[misc]
+    before, inside, given_back = run_script(HELD_AFTER_A_FREE)
     assert before < 16 * MIB  # a fresh process maps the block and unmaps it when it is freed
     assert inside >= 16 * MIB  # kept, for the next step
     assert given_back >= 15 * MIB  # the process's resident memory fell by the block once the block was left
@@ -142,8 +142,8 @@ def test_the_block_holds_freed_memory_and_gives_it_back_after():
 @pytest.mark.slow
 def test_the_block_keeps_what_a_step_frees_for_the_next():
     given_back, kept = run_script(CONV_STEPS, "off"), run_script(CONV_STEPS, "on")
-    skip_unless_steps_fault(given_back)  # type: ignore[arg-type]  # the activations come back as fresh pages
-    assert kept * 4 < given_back, (kept, given_back)  # type: ignore[operator]
+    skip_unless_steps_fault(given_back)  # the activations come back as fresh pages
+    assert kept * 4 < given_back, (kept, given_back)
 
 
 @pytest.mark.slow

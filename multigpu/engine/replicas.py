@@ -1,0 +1,259 @@
+"""The trainer's side of --fault-tolerance (docs/fault-tolerance.md): what a healing replica group is sent, the
+step that joins each quorum and commits only what every live group computed, and the run's account of the data
+a lost group did not train.
+
+torchft's Manager, its process group and the Lighthouse are multigpu/parallel/fault_tolerance.py's. Here:
+
+- `ReplicatedStep`: the run's TrainStep, with the quorum joined at each step's start (the first step's at fit
+  start, where a group behind its peers heals) and torchft's DDP and optimizer wrapper in place of the module's
+  own, so the optimizer steps only when the step may commit.
+- A heal sends what a checkpoint holds (model, optimizer, schedule, step, data position, callbacks' state), read
+  between two steps and copied, in the checkpoint's own format; each group keeps its own random stream (seeded
+  by its data rank), so the groups' dropout and augmentation stay independent.
+- `Ledger`: which groups each quorum lacked from which step; said once when a group rejoins (or at the end) and
+  totalled in the summary. The writer of the run's files is the lowest live group's rank 0 (`Runtime.leads`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from multigpu.engine import state
+from multigpu.errors import TrainingStopped
+from multigpu.loop.step import TrainStep
+
+# Where the trainer's state travels among torchft's state callbacks.
+STATE_KEY = "multigpu"
+
+
+@dataclass
+class Ledger:
+    """The groups each quorum lacked, from which step, and what that cost: the same on every live group (each
+    sees the same quorums), and sent to a healing group with the rest of the state."""
+
+    groups: int
+    missing_since: dict[int, int] = field(default_factory=dict)  # group: the first step trained without it
+    skipped_samples: int = 0  # the lost groups' shares of the steps they missed
+    skipped_group_steps: int = 0
+    uncommitted_steps: int = 0  # steps no group applied (an all-reduce a lost peer broke)
+    uncommitted_samples: int = 0
+    rejoins: int = 0  # lost groups that came back (each healed from a live peer)
+    said: list[str] = field(default_factory=list)  # what the run said of it, for the summary
+
+    def observe(self, live: list[int], step: int, group_samples: int) -> list[str]:
+        """The quorum of `step`: who is lost since when, who is back; the lines that say so. `group_samples`: one
+        group's share of this step."""
+        lines = []
+        for group in range(self.groups):
+            if group not in live and group not in self.missing_since:
+                self.missing_since[group] = step
+                lines.append(
+                    f"replica group {group} is not in the quorum of step {step}: training on with {len(live)} of "
+                    f"{self.groups} groups"
+                )
+            elif group in live and group in self.missing_since:
+                lines.append(self._absence(group, step, f"it rejoined at step {step}"))
+                self.rejoins += 1
+        self.skipped_samples += group_samples * len(self.missing_since)
+        self.skipped_group_steps += len(self.missing_since)
+        return lines
+
+    def uncommitted(self, step: int, samples: int, why: Exception | None) -> str:
+        """A step whose all-reduce failed: no group applied it, and its samples are skipped."""
+        self.uncommitted_steps += 1
+        self.uncommitted_samples += samples
+        reason = str(why).strip().splitlines()[0][:160] if why else "fewer live groups than --ft-min-replicas"
+        return f"step {step} not committed ({reason}): the weights stay as they were, its data is skipped"
+
+    def at_end(self, last_step: int) -> list[str]:
+        """The absences still open when the run ends, and the totals."""
+        lines = [
+            self._absence(group, last_step + 1, f"the run's end at step {last_step}")
+            for group in list(self.missing_since)
+        ]
+        if self.skipped_group_steps or self.uncommitted_steps or self.rejoins:
+            lines.append(f"fault tolerance: {self.summary_text()}")
+        return lines
+
+    def summary_text(self) -> str:
+        return (
+            f"{self.skipped_group_steps} group-steps of a lost group skipped ({self.skipped_samples} samples not "
+            f"trained), {self.uncommitted_steps} steps not committed ({self.uncommitted_samples} samples), "
+            f"{self.rejoins} rejoined"
+        )
+
+    def _absence(self, group: int, step: int, until: str) -> str:
+        since = self.missing_since.pop(group)
+        line = (
+            f"replica group {group} lost at step {since}: its 1/{self.groups} of the data skipped until {until} "
+            f"({step - since} steps)"
+        )
+        self.said.append(line)
+        return line
+
+
+class Replicas:
+    """The run's replica groups as the trainer sees them: the quorum at each step, heals, and the ledger."""
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.runtime = trainer, trainer.runtime
+        self.groups = trainer.runtime.replicas  # multigpu/parallel/fault_tolerance.py's ReplicaGroups
+        self.ledger = Ledger(self.groups.groups)
+        self.quorum_joined = False  # the coming step's quorum was joined already (at fit start)
+        self.healed_from: int | None = None  # the peer group whose state the last quorum loaded, if any
+        self.healed_at: int | None = None  # the step this group joined the run at by healing, if it did
+        self.committed = False  # whether the last step committed
+        self.committed_before = 0
+        self.groups.share_state(STATE_KEY, self._send, self._receive)
+
+    # ------------------------------------------------------------------ heals
+    def _send(self) -> dict[str, Any]:
+        """What a healing peer takes: the checkpoint's contents less this group's random stream, copied (torchft
+        serves it while this group trains on), and the ledger."""
+        trainer = self.trainer
+        things = {name: thing for name, thing in trainer.stateful().items() if name != "rng"}
+        return copy.deepcopy(
+            {
+                "trainer": trainer.checkpointer.state_of(things),
+                "ledger": asdict(self.ledger),
+                "from_group": self.groups.replica_id,
+            }
+        )
+
+    def _receive(self, sent: dict[str, Any]) -> None:
+        """A live peer's state, loaded into this group's live objects (in the quorum, between two steps)."""
+        saved = sent["trainer"]
+        if saved["global_step"] == 0:  # torchft's first sync of a fresh run: the same start for every group
+            self.trainer.model.load_state_dict(saved["model"])
+            return
+        state.load(self.trainer, saved, f"the state of replica group {sent['from_group']}")
+        self.ledger = Ledger(**sent["ledger"])
+        self.healed_from = sent["from_group"]
+
+    def resume(self) -> bool:
+        """Fit's start: join the first quorum, taking a live peer's state where the others are ahead (no checkpoint
+        read); else resume from the newest checkpoint in --save-dir as --resume auto does. True if state was
+        loaded either way."""
+        started = time.perf_counter()
+        self._join_quorum(self.trainer.progress.global_step + 1)
+        self.quorum_joined = True
+        self._lead(self.groups.live_groups())
+        if self.healed_from is not None:
+            progress = self.trainer.progress
+            print(
+                f"replica group {self.groups.replica_id} joined at step {progress.global_step + 1}: healed from "
+                f"replica group {self.healed_from} in {time.perf_counter() - started:.2f}s (model, optimizer, LR "
+                f"schedule, data position; no checkpoint read)",
+                flush=True,
+            )
+            self.trainer.report.purge_step = self.healed_at = progress.global_step + 1
+            return True
+        resumed = state.resume(self.trainer)
+        self.groups.set_committed_steps(self.trainer.progress.global_step)
+        return resumed
+
+    # ------------------------------------------------------------------ each step
+    def step_starts(self, group_samples: int) -> None:
+        """Join the quorum of the coming step (unless fit's start did), say who was lost or is back, and let the
+        lowest live group lead (its rank 0 writes the run's files). `group_samples`: one group's share of it."""
+        step = self.trainer.progress.global_step + 1
+        if not self.quorum_joined:
+            self._join_quorum(step)
+            if self.healed_from is not None:
+                raise TrainingStopped(
+                    f"replica group {self.groups.replica_id} fell behind its peers at step {step} (they committed "
+                    f"a step it did not) and took a live peer's state mid-epoch: start it again with the same "
+                    f"command, and it heals at its start"
+                )
+        self.quorum_joined = False
+        self.committed_before = self.groups.committed_steps
+        live = self.groups.live_groups()
+        lines = self.ledger.observe(live, step, group_samples)
+        self._lead(live)
+        for line in lines:
+            self.trainer.report.line(line)
+
+    def _lead(self, live: list[int]) -> None:
+        """The lowest live group leads: its rank 0 prints, logs and writes the run's files."""
+        self.runtime.leads = bool(live) and live[0] == self.groups.replica_id
+        self.trainer.report.enabled = self.runtime.is_main
+
+    def step_ends(self, group_samples: int) -> None:
+        """After the optimizer: a step that did not commit is said, its data counted as skipped."""
+        self.committed = self.groups.committed_steps > self.committed_before
+        if self.committed:
+            return
+        live = len(self.groups.live_groups())
+        step = self.trainer.progress.global_step + 1
+        self.trainer.report.line(self.ledger.uncommitted(step, group_samples * live, self.groups.error()))
+
+    def _join_quorum(self, step: int) -> None:
+        """torchft's quorum for `step` (a heal included); a quorum that cannot form ends the run in one line."""
+        self.healed_from = None
+        try:
+            self.groups.start_quorum()
+        except Exception as error:  # the Lighthouse is gone, or too few groups are alive for too long
+            detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise TrainingStopped(
+                f"replica group {self.groups.replica_id}: no quorum of live replica groups for step {step} "
+                f"({detail}); the newest checkpoint is {self.trainer.checkpointer.newest()}"
+            ) from None
+
+    # ------------------------------------------------------------------ the run's end
+    def summary(self) -> dict[str, Any]:
+        """The ledger's lines at the end (said by the leading group) and its totals, for fit's result."""
+        for line in self.ledger.at_end(self.trainer.progress.global_step):
+            self.trainer.report.line(line)
+        ledger = self.ledger
+        return {
+            "ft_skipped_samples": ledger.skipped_samples,
+            "ft_skipped_group_steps": ledger.skipped_group_steps,
+            "ft_uncommitted_steps": ledger.uncommitted_steps,
+            "ft_rejoins": ledger.rejoins,
+        }
+
+    def plan_line(self) -> str:
+        """The plan's line: the groups, and what a lost group costs (the batch and LR stay set for all)."""
+        runtime, groups = self.runtime, self.groups.groups
+        config = self.trainer.config
+        return (
+            f"fault tolerance (torchft): replica group {runtime.replica_id} of {groups}, each {runtime.world_size} "
+            f"process{'es' if runtime.world_size > 1 else ''} on its own 1/{groups} of every step's data; a step "
+            f"commits with at least {config.ft_min_replicas} live group{'s' if config.ft_min_replicas > 1 else ''}. "
+            f"The effective batch and LR stay set for all {groups} groups: while one is lost its share is "
+            f"skipped and a step averages the live groups' samples at the same LR; a group started again heals "
+            f"from a live peer"
+        )
+
+
+class ReplicatedStep(TrainStep):
+    """The run's training step under --fault-tolerance: the quorum joined first, torchft's DDP averaging the
+    gradients over the live groups in backward, and torchft's optimizer wrapper stepping only a committed step
+    (the schedule and the step count move on either way, in every group alike)."""
+
+    def __init__(self, step: TrainStep, replicas: Replicas):
+        self.__dict__.update(vars(step))  # the same step, as the trainer built it
+        groups = replicas.groups
+        wrapped = groups.wrap(self.model)
+        self.wrapped, self.no_sync = wrapped, wrapped.no_sync  # torchft's DDP; its no_sync is DDP's
+        self.optimizer = groups.gated(self.optimizer)
+        self.replicas = replicas
+
+    def __call__(self, batches: Any, window_samples: int, sizes: list[int]) -> None:
+        group_samples = window_samples * self.replicas.runtime.world_size
+        self.replicas.step_starts(group_samples)
+        super().__call__(batches, window_samples, sizes)
+        self.replicas.step_ends(group_samples)
+
+
+def join(trainer: Any) -> Replicas | None:
+    """--fault-tolerance: the trainer's step made a ReplicatedStep and its state shared with healing peers; None
+    without it."""
+    if trainer.runtime.replicas is None:
+        return None
+    replicas = Replicas(trainer)
+    trainer.step = ReplicatedStep(trainer.step, replicas)
+    return replicas

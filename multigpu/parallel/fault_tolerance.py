@@ -1,0 +1,235 @@
+"""--fault-tolerance: replica groups that outlive each other's loss, through torchft (docs/fault-tolerance.md).
+
+The model is replicated over --ft-replica-groups groups, each a run of its own (one process here; torchrun's
+group of processes, each with its own Runtime, inside it). torchft's Lighthouse keeps the quorum of the live
+groups; each group's `Manager` asks it for the quorum at every step's start, averages the gradients over the
+groups in it (torchft's DistributedDataParallel, over torchft's process group: gloo on the CPU, NCCL on GPUs) and
+lets the optimizer step only when the step's all-reduce succeeded everywhere in the group (`should_commit`,
+through torchft's optimizer wrapper). A group that dies is left out of the next quorum once its heartbeats stop,
+and the others commit on; one that comes back is sent the trainer's state by a live peer (the state callbacks
+the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
+
+The quorum is taken synchronously at the step's start (torchft's `use_async_quorum=False`): a peer's state is
+then always read between two steps, never half-way through one, and a healed group trains the very step it
+joined in. This module knows torchft and the process layout; what the trainer sends and says is the engine's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from multigpu.config import TrainConfig
+from multigpu.errors import UsageError
+
+# torchft logs every quorum and commit from its Rust core at INFO, several lines a step: only its warnings are
+# shown, unless RUST_LOG asks for more. Read when torchft's core loads, so set before the import.
+os.environ.setdefault("RUST_LOG", "warn")
+
+try:
+    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft.optim import OptimizerWrapper
+except ModuleNotFoundError as missing:  # the [ft] extra is not installed
+    if missing.name != "torchft":
+        raise
+    torchft_missing = True
+else:
+    torchft_missing = False
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# A group's name at the Lighthouse: torchft reads the number at its end as the group's number.
+REPLICA_PREFIX = "multigpu_"
+# torchft's Python loggers print a traceback for every all-reduce a lost peer breaks; the trainer says it in
+# one line instead (multigpu/engine/replicas.py).
+logging.getLogger("torchft").setLevel(logging.CRITICAL)
+# torchft's transfer of a peer's state reads it from a read-only buffer, which torch warns of once; its tensors are
+# copied as they are loaded.
+warnings.filterwarnings(
+    "ignore", "The given buffer is not writable", UserWarning, "torch.distributed._serialization"
+)
+
+
+def lighthouse_address(config: TrainConfig) -> str:
+    """--ft-lighthouse, else $TORCHFT_LIGHTHOUSE; the one line that asks for it when neither is given."""
+    address = config.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise UsageError(
+            f"--fault-tolerance needs torchft's Lighthouse: give its address with --ft-lighthouse "
+            f"http://HOST:29510 or {LIGHTHOUSE_ENV} (bash launch_multi_gpu.sh --fault-tolerance "
+            f"--replica-groups N starts one with the groups)"
+        )
+    return address
+
+
+def _quorum_recorder(base: type) -> type:
+    """torchft's process group `base`, also noting the live groups of each quorum it is configured for."""
+
+    class Recorded(base):  # a class made at run time, from torchft's
+        quorum_ranks: list[int] = []
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            # The quorum's members, each as its group number x group size + this rank's place in its group.
+            self.quorum_ranks = list(global_ranks or [])
+            super().configure(
+                store_addr,
+                replica_id,
+                rank,
+                world_size,
+                quorum_id,
+                group_rank,
+                group_world_size,
+                global_ranks,
+            )
+
+    Recorded.__name__ = Recorded.__qualname__ = f"Recorded{base.__name__}"
+    return Recorded
+
+
+class ReplicaGroups:
+    """This process's replica group among the run's, and torchft's Manager over them."""
+
+    def __init__(
+        self,
+        manager: Any,
+        process_group: Any,
+        groups: int,
+        replica_id: int,
+        group_size: int,
+        store: Any = None,
+    ):
+        self.manager, self.process_group = manager, process_group
+        self.groups, self.replica_id, self.group_size = groups, replica_id, group_size
+        self.store = store  # the group's store, which torchft's clients connect to: kept alive with them
+
+    def live_groups(self) -> list[int]:
+        """The groups of the current quorum, ascending (this one included once it is in)."""
+        return sorted({rank // self.group_size for rank in self.process_group.quorum_ranks})
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+        """torchft's DDP around the module: its gradients averaged over the quorum's groups in backward."""
+        return DistributedDataParallel(self.manager, model)
+
+    def gated(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """torchft's optimizer wrapper: `step()` steps `optimizer` only when the step may commit."""
+        return _CommitGated(self.manager, optimizer)
+
+    def start_quorum(self) -> None:
+        """Join the quorum of the step about to start, synchronously: a group behind its peers takes a live peer's
+        state here, through the callbacks given to `share_state`."""
+        self.manager.start_quorum()
+
+    @property
+    def committed_steps(self) -> int:
+        """The steps this group committed (torchft's own count; a healed group takes its peer's)."""
+        return self.manager.current_step()
+
+    def set_committed_steps(self, steps: int) -> None:
+        """Where a run resumed from a checkpoint stands, for the next quorum to compare the groups by."""
+        self.manager.load_state_dict({"step": steps, "batches_committed": self.manager.batches_committed()})
+
+    def error(self) -> Exception | None:
+        """Why the current step cannot commit (a peer lost in its all-reduce), or None."""
+        return self.manager.errored()
+
+    def share_state(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """What a live group sends a healing peer under `key` (`state()`, read between two steps) and how the
+        healing group takes it in (`load`)."""
+        self.manager.register_state_dict_fn(key, load, state)
+
+    def close(self) -> None:
+        """Leave the Lighthouse and stop torchft's servers (idempotent)."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+
+if not torchft_missing:
+
+    class _CommitGated(OptimizerWrapper):
+        """torchft's optimizer wrapper, whose `step()` commits only what every group of the quorum computed. The
+        quorum is joined at the step's start (ReplicaGroups.start_quorum), not in `zero_grad`, which the trainer
+        calls at a step's end."""
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.optim.zero_grad(set_to_none)
+
+
+def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
+    """Join the run's replica groups as group --ft-replica-id: torchft's Manager, with its server for this group,
+    connected to the Lighthouse; `runtime` (multigpu/parallel/distributed.py's Runtime, which calls this from its
+    set-up) then names the groups and holds them. UsageError (one line) without
+    torchft, without a Lighthouse that answers, or for a group of another shape than one process."""
+    if torchft_missing:
+        raise UsageError(
+            "--fault-tolerance needs torchft: pip install 'multigpu[ft]' (or pip install torchft), or run "
+            "without --fault-tolerance"
+        )
+    if runtime.mode != "none" or runtime.world_size != 1:
+        raise UsageError(
+            f"--fault-tolerance trains one process per replica group, and this group is {runtime.describe()}: "
+            f"start each group as one process (--multi-gpu none; on GPUs give each group its own with "
+            f"CUDA_VISIBLE_DEVICES); docs/fault-tolerance.md says which groups of several processes work"
+        )
+    address = lighthouse_address(config)
+    timeout = timedelta(seconds=config.dist_timeout)
+    # One process per group: the group's own store, for torchft's Manager and its server to find each other; the
+    # other groups reach it, when this group leads a quorum, at this host's name.
+    host = socket.gethostname()
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    backend = ProcessGroupNCCL if runtime.device.type == "cuda" else ProcessGroupGloo
+    process_group = _quorum_recorder(backend)(timeout=timeout)
+    try:
+        manager = Manager(
+            pg=process_group,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.ft_min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timedelta(seconds=min(10.0, config.dist_timeout)),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=store.port,
+            lighthouse_addr=address,
+            replica_id=f"{REPLICA_PREFIX}{config.ft_replica_id}",
+        )
+    except RuntimeError as error:
+        if "connect" not in str(error):
+            raise
+        raise UsageError(
+            f"--fault-tolerance: no torchft Lighthouse answers at {address} ({_first_clause(error)}): start "
+            f"one (torchft_lighthouse --min_replicas 1), or let bash launch_multi_gpu.sh --fault-tolerance "
+            f"--replica-groups N start it with the groups; or give its address with --ft-lighthouse or "
+            f"{LIGHTHOUSE_ENV}"
+        ) from None
+    groups, replica_id = config.ft_replica_groups, config.ft_replica_id
+    assert groups is not None and replica_id is not None  # TrainConfig refuses --fault-tolerance without them
+    replicas = ReplicaGroups(manager, process_group, groups, replica_id, 1, store)
+    atexit.register(replicas.close)
+    runtime.join_replica_groups(replicas.groups, replicas.replica_id, replicas)
+    return replicas
+
+
+def _first_clause(error: Exception) -> str:
+    """torchft's connection error, up to its advice: 'failed to connect to http://... within timeout of 10s'."""
+    return str(error).split(";")[0].strip()

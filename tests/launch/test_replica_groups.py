@@ -1,0 +1,142 @@
+"""bash launch_multi_gpu.sh --fault-tolerance (multigpu/launch/replica_groups.py): torchft's Lighthouse and the
+replica groups on this machine, their verdict when every group is lost, and the SLURM job of one group per node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import PYTHON, REPO, cli_command, cli_env
+
+LAUNCHER = REPO / "launch_multi_gpu.sh"
+TINY_RUN = [
+    "--mode",
+    "flatten",
+    "--image-shape",
+    "1,4,4",
+    "--train-size",
+    "256",
+    "--val-size",
+    "16",
+    "--no-progress",
+]
+
+
+def launch(args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """The launcher on this CPU-only machine, unattended."""
+    environment = cli_env({"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", **env})
+    return subprocess.run(
+        ["bash", str(LAUNCHER), *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+    )
+
+
+def test_every_group_lost_ends_the_run_with_1_and_resume_auto_continues_it_without_torchft(tmp_path):
+    """Both groups SIGKILLed after step 6 (torchrun restarts neither): the launcher's exit status is 1, its line
+    names the newest checkpoint (step 4, written by group 0 while both trained), which a plain run continues."""
+    save_dir = tmp_path / "run"
+    run = [*TINY_RUN, "--save-every-steps", "4", "--dist-timeout", "10"]
+    lost = launch(
+        [
+            "--fault-tolerance",
+            "--replica-groups",
+            "2",
+            "--max-restarts",
+            "0",
+            "--yes",
+            "--save-dir",
+            str(save_dir),
+            "--epochs",
+            "2",
+            "--batch-size",
+            "8",
+            "--",
+            *run,
+        ],
+        timeout=300,
+        MULTIGPU_FAULT_INJECT="0:6",
+    )
+    assert lost.returncode == 1, lost.stdout + lost.stderr
+    assert "[group 0] replica group" not in lost.stdout  # both trained every step until the kill
+    newest = save_dir / "step-000000004.pt"
+    assert (
+        f"every replica group ended without finishing the run (group 0: exit 137, group 1: exit 137): the newest "
+        f"checkpoint is {newest}" in lost.stderr
+    ), lost.stderr
+    resumed = subprocess.run(
+        cli_command(
+            [*run, "--epochs", "2", "--batch-size", "8", "--save-dir", str(save_dir), "--resume", "auto"]
+        ),
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {newest}: epoch 1, step 4, 64 samples into the epoch" in resumed.stdout
+    assert "resuming 2 ranks' checkpoint with 1" in resumed.stdout  # the groups' data shares, now one process
+    assert "done:" in resumed.stdout
+
+
+def test_the_slurm_job_runs_one_group_per_node_and_the_lighthouse_on_the_first(tmp_path):
+    save_dir = tmp_path / "shared" / "run"
+    job = launch(
+        [
+            "--fault-tolerance",
+            "--replica-groups",
+            "3",
+            "--slurm",
+            "--gpus",
+            "1",
+            "--yes",
+            "--dry-run",
+            "--save-dir",
+            str(save_dir),
+            "--",
+            "--ft-min-replicas",
+            "2",
+        ]
+    )
+    assert job.returncode == 0, job.stderr
+    script = job.stdout
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=1\n" in script
+    assert "export TORCHFT_LIGHTHOUSE=http://$LIGHTHOUSE_HOST:29510" in script
+    assert f"{os.path.dirname(PYTHON)}/torchft_lighthouse --min_replicas 2 --bind '[::]:29510'" in script
+    assert (
+        "--max_restarts=3" in script
+        and "--fault-tolerance --ft-replica-groups 3 --ft-min-replicas 2" in script
+    )
+    assert '--ft-replica-id "$SLURM_NODEID" --ft-lighthouse "$TORCHFT_LIGHTHOUSE"' in script
+    assert "srun --kill-on-bad-exit=0 --nodes=3" in script
+    assert "Plan: fault tolerance (torchft), 3 replica groups of one GPU, one per node" in job.stderr
+    assert not save_dir.exists()  # a dry run writes nothing
+
+
+def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
+    for args, refusal in (
+        (["--replica-groups", "2"], "--replica-groups is for --fault-tolerance; add --fault-tolerance"),
+        (
+            ["--fault-tolerance", "--gpus", "2"],
+            "--gpus with --fault-tolerance: each replica group is one process",
+        ),
+        (
+            ["--fault-tolerance", "--replica-groups", "3"],
+            "--replica-groups 3: more processes than this machine's",
+        ),
+        (
+            ["--fault-tolerance", "--", "--ft-replica-id", "1"],
+            "--ft-replica-id after -- is the launcher's to set",
+        ),
+    ):
+        refused = launch(["--yes", "--dry-run", *args])
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert refusal in refused.stderr and len(refused.stderr.strip().splitlines()[-1:]) == 1, (
+            refused.stderr
+        )

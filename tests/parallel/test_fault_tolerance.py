@@ -1,0 +1,215 @@
+"""--fault-tolerance (multigpu/parallel/fault_tolerance.py, multigpu/engine/replicas.py): replica groups that
+outlive each other's loss, proved with real processes, a real SIGKILL and a real torchft Lighthouse (one, shared:
+tests/conftest.py's `lighthouse`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from conftest import (
+    LIGHTHOUSE_HEARTBEAT_MS,
+    PYTHON,
+    REPO,
+    cli_command,
+    cli_env,
+    config_for,
+    free_port,
+)
+from multigpu.data.device_data import DeviceData
+from multigpu.data.feed import batch_sizes, training_data
+from multigpu.engine.replicas import Ledger
+from multigpu.errors import UsageError
+from multigpu.parallel.distributed import Runtime
+
+DIST_TIMEOUT = 10.0  # seconds: a step whose all-reduce hangs waits this long before torchft gives up on it
+
+
+@pytest.mark.slow
+def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_one_can_die_next(
+    lighthouse, tmp_path
+):
+    """Group 1 SIGKILLed after step 6: group 0 commits the next step alone within the stall bound; group 1 started
+    again heals from group 0 (no checkpoint read) and at its first commit every parameter and optimizer tensor is
+    torch.equal in both groups, step counters too; then group 0 is killed and group 1 trains on alone, leads and
+    writes the run's checkpoints. The run's lines say it, once each."""
+    raw = tmp_path / "raw.json"
+    done = subprocess.run(
+        [
+            PYTHON,
+            str(REPO / "benchmarks" / "fault_tolerance.py"),
+            "--tiny",
+            "--second-kill",
+            "--lighthouse",
+            lighthouse,
+            "--heartbeat-ms",
+            str(LIGHTHOUSE_HEARTBEAT_MS),
+            "--kill-at",
+            "6",
+            "--save-every",
+            "4",
+            "--step-seconds",
+            "0.02",
+            "--dist-timeout",
+            str(DIST_TIMEOUT),
+            "--json",
+            str(raw),
+            "--folder",
+            str(tmp_path),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ft = json.loads(raw.read_text())["fault_tolerance"]
+    group0, group1 = ft["group_output"]
+    killed = ft["kill_after_step"]
+    assert ft["next_commit_live_groups"] == [0]
+    assert ft["kill_to_next_commit_seconds"] < ft["stall_bound_seconds"], ft
+    assert len(ft["uncommitted_steps"]) <= 1  # at most the step the kill broke
+    assert ft["healed_at"] == ft["rejoined_step"] and ft["rejoined_live_groups"] == [0, 1]
+    assert (
+        ft["at_rejoin"]["all_equal"] and ft["at_rejoin"]["tensors_compared"] == 24
+    )  # 6 weights, 2 moments + step
+    assert len(set(ft["at_rejoin"]["steps"])) == 1 and len(set(ft["at_rejoin"]["committed_steps"])) == 1
+    lost = f"replica group 1 lost at step {killed + 1}: its 1/2 of the data skipped until it rejoined at step"
+    assert group0.count(lost) == 1, group0
+    assert f"replica group 1 joined at step {ft['healed_at']}: healed from replica group 0" in group1
+    second = ft["second_kill"]
+    assert second["next_commit_live_groups"] == [1] and second["leads_after"]
+    assert torch.load(second["checkpoint"], weights_only=True)["global_step"] > second["kill_after_step"]
+    assert "replica group 0 is not in the quorum of step" in group1
+    assert ft["exit_statuses"] == [-9, 0]  # group 0 killed; group 1 stopped cleanly by SIGTERM at the end
+
+
+def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_2(tmp_path):
+    """No torchft installed, or no Lighthouse at the address: one line each, exit 2, nothing trained."""
+    args = [
+        "--fault-tolerance",
+        "--ft-replica-groups",
+        "2",
+        "--ft-replica-id",
+        "0",
+        "--ft-lighthouse",
+        f"http://127.0.0.1:{free_port()}",
+        "--save-dir",
+        str(tmp_path / "run"),
+        "--mode",
+        "flatten",
+        "--dist-timeout",
+        "2",
+    ]
+    without_torchft = [
+        PYTHON,
+        "-c",
+        "import sys; sys.modules['torchft'] = None; import main_multi_gpu; sys.exit(main_multi_gpu.main(sys.argv[1:]))",
+        *args,
+    ]
+    runs = [
+        subprocess.Popen(
+            command, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command in (without_torchft, cli_command(args))
+    ]
+    (missing_out, missing), (unreachable_out, unreachable) = (run.communicate(timeout=120) for run in runs)
+    assert [run.returncode for run in runs] == [2, 2], (missing, unreachable)
+    assert missing.strip().splitlines() == [
+        "error: --fault-tolerance needs torchft: pip install 'multigpu[ft]' (or pip install torchft), or run without "
+        "--fault-tolerance"
+    ]
+    lines = [line for line in unreachable.strip().splitlines() if "Warning" not in line]
+    assert len(lines) == 1 and "no torchft Lighthouse answers at http://127.0.0.1:" in lines[0], unreachable
+    assert not (tmp_path / "run" / "last.pt").exists() and "step" not in missing_out + unreachable_out
+
+
+def test_each_process_reads_its_own_share_over_every_group_and_without_groups_its_rank_share(tmp_path):
+    """The sampler is sharded over groups x ranks (group 1's rank 1 of 2 is data rank 3 of 4), and without
+    --fault-tolerance a rank's share is its rank's, as it always was; the effective batch counts every group."""
+    data = TensorDataset(torch.randn(64, 16), torch.randint(4, (64,)))
+    config = config_for(tmp_path, 2, data_on_device="off")
+    plain = Runtime("ddp", torch.device("cpu"), rank=1, local_rank=1, world_size=2)
+    grouped = Runtime("ddp", torch.device("cpu"), 1, 1, 2, replica_groups=2, replica_id=1, leads=False)
+    shares = {}
+    for name, runtime in (("plain", plain), ("grouped", grouped)):
+        on_device = DeviceData(data, config, runtime.device, runtime.world_size, None, False)
+        sampler = training_data(data, config, runtime, 8, None, on_device).sampler
+        shares[name] = (sampler.rank, sampler.num_replicas, batch_sizes(config, runtime).effective)
+    assert shares == {"plain": (1, 2, 16), "grouped": (3, 4, 32)}
+    assert (plain.is_main, grouped.is_main, plain.replicas) == (False, False, None)
+
+
+def test_the_ledger_says_each_absence_once_and_counts_what_it_cost():
+    ledger = Ledger(groups=3)
+    assert ledger.observe([0, 1, 2], 1, 8) == []
+    said = ledger.observe([0, 2], 2, 8) + ledger.observe([0, 2], 3, 8)
+    assert said == ["replica group 1 is not in the quorum of step 2: training on with 2 of 3 groups"]
+    assert ledger.observe([0, 1, 2], 4, 8) == [
+        "replica group 1 lost at step 2: its 1/3 of the data skipped until it rejoined at step 4 (2 steps)"
+    ]
+    ledger.observe([1, 2], 5, 8)
+    assert ledger.uncommitted(5, 16, RuntimeError("Connection closed by peer\ntrace")) == (
+        "step 5 not committed (Connection closed by peer): the weights stay as they were, its data is skipped"
+    )
+    assert ledger.at_end(5)[0] == (
+        "replica group 0 lost at step 5: its 1/3 of the data skipped until the run's end at step 5 (1 steps)"
+    )
+    assert (
+        ledger.skipped_group_steps,
+        ledger.skipped_samples,
+        ledger.uncommitted_samples,
+        ledger.rejoins,
+    ) == (
+        3,
+        24,
+        16,
+        1,
+    )
+
+
+def test_the_lighthouse_address_comes_from_the_flag_or_the_environment(monkeypatch):
+    from multigpu.config import TrainConfig
+    from multigpu.parallel.fault_tolerance import LIGHTHOUSE_ENV, lighthouse_address
+
+    config = TrainConfig(fault_tolerance=True, ft_replica_groups=2, ft_replica_id=1, save_dir="run")
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    with pytest.raises(UsageError, match="needs torchft's Lighthouse: give its address with --ft-lighthouse"):
+        lighthouse_address(config)
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://node0:29510")
+    assert lighthouse_address(config) == "http://node0:29510"
+    config.ft_lighthouse = "http://other:1"
+    assert lighthouse_address(config) == "http://other:1"
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--ft-replica-groups", "2"], "--ft-replica-groups is for --fault-tolerance"),
+        (["--fault-tolerance"], "--fault-tolerance needs --ft-replica-groups N"),
+        (["--fault-tolerance", "--ft-replica-groups", "2", "--ft-replica-id", "2"], "must be below"),
+        (["--fault-tolerance", "--ft-replica-groups", "2", "--ft-replica-id", "0"], "needs --save-dir"),
+        (
+            [
+                "--fault-tolerance",
+                "--ft-replica-groups",
+                "2",
+                "--ft-replica-id",
+                "0",
+                "--save-dir",
+                "r",
+                "--autotune",
+            ],
+            "--autotune tries settings in each group",
+        ),
+    ],
+)
+def test_fault_tolerance_settings_are_checked_with_the_config(flags, refusal):
+    from multigpu.config import parse_config
+
+    with pytest.raises(UsageError, match=refusal):
+        parse_config(flags)
