@@ -87,18 +87,6 @@ SLURM (writes <save-dir>/launch_slurm.sbatch and prints it):
   --account A             account to charge
   --cpus-per-task C       CPUs per node (default: 5 per GPU, 1 per CPU process)
   --submit                also submit it with sbatch and print the job id
-Fault tolerance (torchft; docs/fault-tolerance.md):
-  --fault-tolerance       train as replica groups that outlive each other's loss:
-                          a torchft Lighthouse and --replica-groups groups of one
-                          process each (on GPUs one GPU each) on this machine, or
-                          with --slurm one group per node, the Lighthouse on the
-                          first; a lost group's share of the data is skipped until
-                          torchrun restarts it (--max-restarts, default 3) and it
-                          heals from a live peer (not with --k8s or --ray, which
-                          restart lost workers themselves)
-  --replica-groups N      how many replica groups (default 2)
-  --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
-                          from there upward)
 Kubernetes (writes <save-dir>/trainjob.yaml, a Kubeflow Trainer TrainJob, and prints it):
   --k8s                   a TrainJob on the runtime torch-distributed instead of a
                           run: --nnodes N pods with --gpus G GPUs each (0: --nproc
@@ -115,6 +103,17 @@ Ray (runs main_multi_gpu.py --ray-workers N; see docs/launcher.md, "Ray"):
   --ray-address ADDR      HOST:PORT of the Ray head, or auto (default: RAY_ADDRESS,
                           else a new local Ray instance)
   --ray-max-failures K    let Ray restart the workers after up to K failures
+Fault tolerance (torchft; docs/fault-tolerance.md):
+  --fault-tolerance       train as replica groups that outlive each other's loss:
+                          a torchft Lighthouse and --replica-groups groups of one
+                          process each (on GPUs one GPU each) on this machine, or
+                          with --slurm one group per node, the Lighthouse on the
+                          first; a lost group's share of the data is skipped until
+                          torchrun restarts it (--max-restarts, default 3) and it
+                          heals from a live peer
+  --replica-groups N      how many replica groups (default 2)
+  --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
+                          from there upward)
 Behaviour:
   -y, --yes               ask nothing: defaults for what no flag sets, no confirmation
   --dry-run               print the command (or script) and exit; writes nothing
@@ -172,9 +171,9 @@ parse_args() {
             --dry-run) DRY_RUN=1; continue ;;
             --submit) SUBMIT=1; continue ;;
             --slurm) SET[slurm]=1; continue ;;
-            --fault-tolerance) SET[fault-tolerance]=1; continue ;;
             --k8s) SET[k8s]=1; continue ;;
             --ray) SET[ray]=1; continue ;;
+            --fault-tolerance) SET[fault-tolerance]=1; continue ;;
             --oversubscribe) SET[oversubscribe]=1; continue ;;
         esac
         # Every other option takes a value, as "--opt value" or "--opt=value".
@@ -185,8 +184,7 @@ parse_args() {
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
                 --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | --image | \
-                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | \
-                --lighthouse-port) key=${name#--} ;;
+                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -523,10 +521,10 @@ run_here() {
 write_job() {
     rules "$1" || die_usage "${RULES[error]}"
     show_plan
-    local file=${RULES[job-file]}
-    printf '%s' "${RULES[job-text]}"
+    local file=${RULES[script-file]}
+    printf '%s' "${RULES[script]}"
     ((DRY_RUN)) && exit 0
-    save_file "$file" < <(printf '%s' "${RULES[job-text]}")
+    save_file "$file" < <(printf '%s' "${RULES[script]}")
     say "Saved as $file"
     ((SUBMIT)) || return 0
     confirm "Submit it?"
@@ -547,8 +545,9 @@ submit_k8s() {
     say "Applied; follow it with: kubectl get trainjob ${RULES[job-name]}"
 }
 
-# A cluster engine's flag (--slurm, --k8s, --ray): its job asks no mode or device question (ddp, --gpus per node).
-cluster_job() { [[ -n ${SET[slurm]:-}${SET[k8s]:-}${SET[ray]:-} ]]; }
+# A cluster engine's flag (--slurm, --k8s, --ray), or --fault-tolerance (one process per group): no mode or device
+# question (ddp, --gpus per node).
+no_device_questions() { [[ -n ${SET[slurm]:-}${SET[k8s]:-}${SET[ray]:-}${SET[fault-tolerance]:-} ]]; }
 
 main() {
     parse_args "$@"
@@ -557,7 +556,7 @@ main() {
     rules check || die_usage "${RULES[error]}"
     decide_asking
     show_devices
-    if ! cluster_job && [[ -z ${SET[fault-tolerance]:-} ]]; then  # fault tolerance: one process per group
+    if ! no_device_questions; then
         [[ -n ${SET[multi-gpu]:-} ]] || ask_mode
         ask_devices
     fi

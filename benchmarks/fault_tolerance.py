@@ -166,7 +166,7 @@ def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> s
 
 
 def group_command(
-    timeline: Path, step_seconds: float, trainer: list[str], torchrun: list[str] = ()
+    timeline: Path, step_seconds: float, trainer: list[str], torchrun: Sequence[str] = ()
 ) -> list[str]:
     script = [str(Path(__file__).resolve()), "group", "--timeline", str(timeline)]
     script += ["--step-seconds", str(step_seconds), "--", *trainer]

@@ -51,7 +51,6 @@ def rank_main(kind: str, group: int, steps: int, lighthouse: str, out: str) -> N
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    manager_holder: list = []
 
     def state() -> dict:
         return {
@@ -78,7 +77,7 @@ def rank_main(kind: str, group: int, steps: int, lighthouse: str, out: str) -> N
         lighthouse_addr=lighthouse,
         replica_id=f"groups_{group}",
     )
-    manager_holder.append(manager)
+    trained: torch.nn.Module
     if kind == "ddp":
         trained = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -87,12 +86,12 @@ def rank_main(kind: str, group: int, steps: int, lighthouse: str, out: str) -> N
 
         replicate = ManagedProcessGroup(manager)
         replicate.register("dp_replicate")
-        fully_shard(model, mesh=init_device_mesh("cpu", (GROUP_SIZE,)))
+        sharded = fully_shard(model, mesh=init_device_mesh("cpu", (GROUP_SIZE,)))
 
         def all_reduce_hook(output: torch.Tensor) -> None:
             dist.all_reduce(output, group=replicate, op=dist.ReduceOp.AVG)
 
-        model.set_all_reduce_hook(all_reduce_hook)
+        sharded.set_all_reduce_hook(all_reduce_hook)
         trained = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(group * GROUP_SIZE + rank)

@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -457,6 +458,18 @@ class Context:
     gpt_runs: dict[tuple[str, ...], dict[str, Any]] = field(
         default_factory=dict
     )  # gpt_run's, by its extra flags
+    runs: dict[str, Any] = field(default_factory=dict)  # shared_run's, by name
+    runs_lock: threading.Lock = field(
+        default_factory=threading.Lock
+    )  # rows side by side (--jobs) share them too
+
+    def shared_run(self, name: str, make: Callable[[], Any]) -> Any:
+        """make()'s result, made once per check: rows that read the same run share it (a row beside the one making
+        it waits for it)."""
+        with self.runs_lock:
+            if name not in self.runs:
+                self.runs[name] = make()
+            return self.runs[name]
 
     def sizes(self, check: str) -> Any:
         return SIZES["dry" if self.dry_run else "gpu"][check]
@@ -691,8 +704,14 @@ def loss_figure(scalars: dict[str, list[tuple[int, float]]]) -> tuple[str, dict[
     return figure, {"losses": losses, "steps": steps, "samples_per_sec": rate}, loss_problems(losses)
 
 
+def train_bf16(ctx: Context) -> tuple[dict[str, list[tuple[int, float]]], str]:
+    """The "train" sizes in bf16 on one device, trained once: the bf16 row reads its loss, telemetry its time split."""
+    return ctx.shared_run("train-bf16", lambda: train(ctx, "train-bf16", ["--amp", "bf16"]))
+
+
 def precision_row(ctx: Context, amp: str) -> Verdict:
-    figure, raw, problems = loss_figure(train(ctx, f"train-{amp}", ["--amp", amp])[0])
+    scalars = train_bf16(ctx)[0] if amp == "bf16" else train(ctx, f"train-{amp}", ["--amp", amp])[0]
+    figure, raw, problems = loss_figure(scalars)
     return judge(ctx, figure, raw, problems, needs_cuda=False)
 
 
@@ -1360,7 +1379,7 @@ def row_batch_size_auto(ctx: Context) -> Verdict:
 @row("telemetry")
 def row_telemetry(ctx: Context) -> Verdict:
     """The time split, memory and FLOP rate in TensorBoard, and the end-of-run line that sums them up."""
-    scalars, stdout = train(ctx, "telemetry", ["--amp", "bf16"])
+    scalars, stdout = train_bf16(ctx)
     kinds = ("data_wait", "copy", "compute") if ctx.cuda else ("data_wait", "compute")
     shares = {kind: values(scalars, f"time/{kind}_frac") for kind in kinds}
     sums = [sum(parts) for parts in zip(*shares.values())]

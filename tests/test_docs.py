@@ -6,6 +6,10 @@ docs/), run: documentation that cannot rot.
   an earlier one (a save-dir, a sweep dir, an output file) fails here; then,
   as a reader who comes back, the commands that write a named output
   (`--output`, `--save-dir`, `--sweep-dir`) once more, which must work again.
+  A command an earlier block already ran as written runs once (QUICK_REFERENCE
+  repeats README's launcher and modes: the same run again, into a new run-N
+  folder, proves nothing the first did not); a repeat within a block, a page's
+  own "again", runs.
   Each guide block runs in a fresh clone of its own.
 - `bash` blocks run as written, on the CPU, with less data and one epoch through
   MULTIGPU_TEST_ARGS (test-only flags the trainer reads before the command
@@ -243,10 +247,25 @@ def learning_failure(block: Block, command: str, output: str) -> str | None:
     return None
 
 
+def first_runs(blocks: list[Block]) -> list[Block]:
+    """The blocks without the commands an earlier block has (run as written by then, in the same clone); a
+    command repeated within its own block stays."""
+    ran: set[tuple[str, str]] = set()
+    kept = []
+    for block in blocks:
+        kept.append(
+            dataclasses.replace(block, commands=[c for c in block.commands if (block.lang, c) not in ran])
+        )
+        ran.update((block.lang, command) for command in block.commands)
+    return kept
+
+
 def run_blocks(blocks: list[Block], again: bool = False) -> list[str]:
-    """Run the blocks' commands in order in one fresh clone, as a reader would; the failures, described.
-    `again`: then run every command that writes a named output a second time, in order, as a reader who
-    comes back to the document does (the others write new folders of their own each time)."""
+    """Run the blocks' commands in order in one fresh clone, as a reader would (each command once:
+    `first_runs`); the failures, described. `again`: then run every command that writes a named output a second
+    time, in order, as a reader who comes back to the document does (the others write new folders of their own
+    each time)."""
+    blocks = first_runs(blocks)
     folder, failures = fresh_clone(), []
     started = time.monotonic()
     for block in blocks:
@@ -346,6 +365,17 @@ def test_every_documented_command_runs(tmp_path: Path) -> None:
         sum(len(block.commands) for block in reader + guide) >= 15
     )  # the parser found the documents' commands
     assert checkout_state() == before, "a documented command wrote into the checkout"
+
+
+def test_a_command_an_earlier_block_ran_runs_once_and_a_repeat_within_a_block_runs_again() -> None:
+    readme = Block("README.md:1", "bash", ["python train.py", "bash launch.sh"])
+    reference = Block("QUICK_REFERENCE.md:1", "bash", ["python train.py", "sweep", "sweep"])
+    dry_run = Block("QUICK_REFERENCE.md:9", "sh", ["bash launch.sh"])  # another command: run with --dry-run
+    assert [block.commands for block in first_runs([readme, reference, dry_run])] == [
+        ["python train.py", "bash launch.sh"],
+        ["sweep", "sweep"],
+        ["bash launch.sh"],
+    ]
 
 
 def test_documented_commands_name_no_fixed_rendezvous_port() -> None:

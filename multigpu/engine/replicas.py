@@ -5,8 +5,9 @@ a lost group did not train.
 torchft's Manager, its process group and the Lighthouse are multigpu/parallel/fault_tolerance.py's. Here:
 
 - `ReplicatedStep`: the run's TrainStep, with the quorum joined at each step's start (the first step's at fit
-  start, where a group behind its peers heals) and torchft's DDP and optimizer wrapper in place of the module's
-  own, so the optimizer steps only when the step may commit.
+  start, where a group behind its peers heals), the gradients averaged over the live groups by torchft's Manager
+  after the backward, and torchft's optimizer wrapper around the optimizer, so that it steps only when the step
+  may commit.
 - A heal sends what a checkpoint holds (model, optimizer, schedule, step, data position, callbacks' state), read
   between two steps and copied, in the checkpoint's own format; each group keeps its own random stream (seeded
   by its data rank), so the groups' dropout and augmentation stay independent.
@@ -24,7 +25,6 @@ from typing import Any
 from multigpu.engine import state
 from multigpu.errors import TrainingStopped
 from multigpu.loop.step import TrainStep
-from multigpu.parallel.wrapping import as_ddp
 
 # Where the trainer's state travels among torchft's state callbacks.
 STATE_KEY = "multigpu"
@@ -231,16 +231,13 @@ class Replicas:
 
 
 class ReplicatedStep(TrainStep):
-    """The run's training step under --fault-tolerance: the quorum joined first, torchft's DDP averaging the
-    gradients over the live groups in backward, and torchft's optimizer wrapper stepping only a committed step
-    (the schedule and the step count move on either way, in every group alike)."""
+    """The run's training step under --fault-tolerance: the quorum joined first, the gradients averaged over the
+    live groups after the backward (before clipping, as DDP's are), and torchft's optimizer wrapper stepping only a
+    committed step (the schedule and the step count move on either way, in every group alike)."""
 
     def __init__(self, step: TrainStep, replicas: Replicas):
         self.__dict__.update(vars(step))  # the same step, as the trainer built it
-        groups = replicas.groups
-        self.wrapped = groups.wrap(self.model)
-        self.no_sync = as_ddp(self.wrapped).no_sync  # torchft's DDP is torch's, averaging over the quorum
-        self.optimizer = groups.gated(self.optimizer)
+        self.optimizer = replicas.groups.gated(self.optimizer)
         self.replicas = replicas
 
     def __call__(self, batches: Any, window_samples: int, sizes: list[int]) -> None:
@@ -248,6 +245,10 @@ class ReplicatedStep(TrainStep):
         self.replicas.step_starts(group_samples)
         super().__call__(batches, window_samples, sizes)
         self.replicas.step_ends(group_samples)
+
+    def _optimizer_step(self) -> None:
+        self.replicas.groups.average_gradients(self.model.parameters())
+        super()._optimizer_step()
 
 
 def join(trainer: Any) -> Replicas | None:

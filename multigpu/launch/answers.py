@@ -297,6 +297,10 @@ def engine_of(s: Settings) -> Engine | None:
         raise UsageError(
             f"give one of {named[0].flag} and {named[1].flag}: each starts the run on its own cluster"
         )
+    if named and named[0] is not SLURM and s.fault_tolerance:
+        raise UsageError(
+            f"--fault-tolerance runs its replica groups here or with --slurm, not with {named[0].flag}"
+        )
     return named[0] if named else None
 
 

@@ -68,9 +68,7 @@ def check_job(s: Settings, nodes: Nodes, config: TrainConfig, engine: Engine) ->
             f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
             f"global rank 0, which writes the checkpoints, may be on any node"
         )
-    assert (
-        config.save_dir is not None
-    )  # settled by launch_rules.check before (its set:save-dir), or refused above
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     check_save_dir(config.save_dir)
 
 
@@ -82,13 +80,8 @@ class Job:
     nodes: Nodes
     mesh: tuple[int, int] | None
     config: TrainConfig
+    save_dir: str  # the config's, settled
     cpus: int  # per node: --cpus-per-task, else 5 per GPU (the process and its 4 loader workers), 1 per CPU process
-
-    @property
-    def save_dir(self) -> str:
-        """--save-dir: settled before a job is planned (launch_rules.check's set:save-dir), or refused."""
-        assert self.config.save_dir is not None  # checked by check_job
-        return self.config.save_dir
 
     @property
     def gpus(self) -> int:
@@ -115,7 +108,8 @@ def settle_job(s: Settings, devices: Devices, check: Callable[[Settings, Nodes, 
     mesh = settle_mesh(s, devices, nodes)
     config = training_config(s, devices)
     check(s, nodes, config)
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     gpus = devices.count if devices.on_gpu else 0
     cpus = whole("cpus_per_task", s.cpus_per_task, 1) or devices.count * (5 if gpus else 1)
     settle_training(s, config)
-    return Job(devices, nodes, mesh, config, cpus)
+    return Job(devices, nodes, mesh, config, config.save_dir, cpus)

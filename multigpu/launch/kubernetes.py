@@ -71,7 +71,7 @@ def k8s_devices(s: Settings) -> Devices:
 def check_k8s_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a TrainJob needs beyond a run here: its own resuming, and with several pods a volume they share."""
     check_job(s, nodes, config, KUBERNETES)
-    assert config.save_dir is not None  # checked by check_job
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     if nodes.count > 1 and s.k8s_pvc is None:
         raise UsageError(
             f"--nnodes {nodes.count} needs --k8s-pvc NAME: a volume every pod mounts at --save-dir (ReadWriteMany), "
@@ -108,9 +108,9 @@ def kubernetes(s: Settings) -> Iterator[tuple[str, str]]:
             "  no --k8s-pvc: the checkpoints stay in the pod and go with it; a restarted pod starts over",
         )
     yield "save-dir", job.save_dir
-    yield "job-file", file
+    yield "script-file", file
     yield "job-name", job_name(job.save_dir)
-    yield "job-text", trainjob_yaml(s, job)
+    yield "script", trainjob_yaml(s, job)
 
 
 def job_name(save_dir: str) -> str:

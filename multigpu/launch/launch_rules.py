@@ -74,7 +74,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     engine = engine_of(s)
     config_of: Callable[[Settings], TrainConfig] = training_config
     if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
-        devices, nodes = replica_groups.settle(s)  # here, or under SLURM; refused with the other engines
+        devices, nodes = replica_groups.settle(s)
         config_of = replica_groups.group_config
     else:
         nodes = nodes_of(s, mode)
@@ -89,7 +89,7 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
         check_k8s_job(s, nodes, config)
     elif engine is RAY:
         check_ray_job(s, nodes, config)
-    assert config.save_dir is not None  # settled above, or refused by the engine's check
+    assert config.save_dir is not None  # settled above, or refused by the job's check
     check_save_dir(config.save_dir)
     settle_mesh(s, devices, nodes)
     if not engine and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
@@ -208,17 +208,13 @@ def ray_plan(s: Settings) -> Iterator[tuple[str, str]]:
 
 
 STEPS = {"check": check, "plan": plan, "slurm": slurm, "k8s": kubernetes, "ray": ray_plan}
-# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py), here or as a SLURM
-# job. Kubernetes and Ray restart lost workers themselves: their steps are check's, which refuses them
-# (replica_groups.settle) in one line.
+# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py); not on Kubernetes
+# or Ray (engine_of says so)
 FAULT_TOLERANT_STEPS = {
-    "check": check,
+    **STEPS,
     "plan": lambda s: replica_groups.plan(s, settle_save_dir),
     "slurm": replica_groups.slurm,
-    "k8s": check,
-    "ray": check,
 }
-ENGINE_STEPS = ("slurm", "k8s", "ray")  # each step named as the Settings field of its engine's flag
 
 
 def parse(argv: Sequence[str]) -> tuple[str, Settings]:
@@ -239,8 +235,6 @@ def parse(argv: Sequence[str]) -> tuple[str, Settings]:
 
 
 def records(step: str, s: Settings) -> Iterator[str]:
-    if step in ENGINE_STEPS:
-        setattr(s, step, "1")  # an engine's step is that engine's job, as if its flag were given
     for key, value in (FAULT_TOLERANT_STEPS if s.fault_tolerance else STEPS)[step](s):
         yield f"{key}={value}"
 

@@ -107,23 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _whole(flag: str, text: str | None, minimum: int, maximum: int | None = None) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{flag} must be a whole number, got {text!r}") from None
-    if value < minimum or (maximum is not None and value > maximum):
-        allowed = f"at least {minimum}" if maximum is None else f"{minimum} or {maximum}"
-        raise UsageError(f"{flag} must be {allowed}, got {value}")
-    return value
-
-
 def parse(argv: Sequence[str]) -> tuple[RayOptions, list[str]]:
     """The Ray options and the training flags left over. UsageError for a Ray flag out of range."""
     args, rest = build_parser().parse_known_args(list(argv))
-    workers = _whole("--ray-workers", args.ray_workers, 1)
+    workers = whole("ray_workers", args.ray_workers, 1)
     if workers is None:
         given = next(arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in FLAGS)
         raise UsageError(f"{given} is for a run on Ray: add --ray-workers N (the number of workers)")
@@ -132,8 +119,8 @@ def parse(argv: Sequence[str]) -> tuple[RayOptions, list[str]]:
     options = RayOptions(
         workers=workers,
         address=args.ray_address,
-        gpus_per_worker=_whole("--ray-gpus-per-worker", args.ray_gpus_per_worker, 0, 1),
-        max_failures=_whole("--ray-max-failures", args.ray_max_failures, 0) or 0,
+        gpus_per_worker=whole("ray_gpus_per_worker", args.ray_gpus_per_worker, 0, 1),
+        max_failures=whole("ray_max_failures", args.ray_max_failures, 0) or 0,
     )
     return options, rest
 
@@ -195,16 +182,22 @@ def check_reachable(address: str) -> None:
     answers at for minutes before it fails."""
     if address == "auto":
         return  # ray.init reads this machine's running cluster, and says at once when there is none
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        raise UsageError(f"--ray-address {address}: expected HOST:PORT of the Ray head, e.g. 10.0.0.1:6379")
+    host, port = host_and_port(address)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+        socket.create_connection((host, port), timeout=CONNECT_SECONDS).close()
     except OSError as error:
         raise UsageError(
             f"--ray-address {address}: no Ray cluster answers there ({error.strerror or error}); start one "
             f"with `ray start --head`, or leave --ray-address out for a local one"
         ) from None
+
+
+def host_and_port(address: str) -> tuple[str, int]:
+    """--ray-address HOST:PORT (or ray://HOST:PORT, Ray Client's), or UsageError."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not (host and sep and port.isdigit()):
+        raise UsageError(f"--ray-address {address}: expected HOST:PORT of the Ray head, e.g. 10.0.0.1:6379")
+    return host.strip("[]"), int(port)
 
 
 def connect(ray: Any, options: RayOptions) -> str:
@@ -303,8 +296,8 @@ def fit(
     except TrainingFailedError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(
-            f"error: Ray stopped the run after {options.max_failures + 1} failed attempt(s) ({first}); "
-            f"continue it with the same command and --resume auto",
+            f"error: the run on Ray failed and Ray gave up on it (--ray-max-failures {options.max_failures}): "
+            f"{first}; the same command with --resume auto continues from the newest checkpoint",
             file=sys.stderr,
             flush=True,
         )
@@ -339,11 +332,7 @@ def check_ray_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     check_job(s, nodes, config, RAY)
     whole("ray_max_failures", s.ray_max_failures, 0)
     if s.ray_address is not None and s.ray_address != "auto":
-        host, sep, port = s.ray_address.removeprefix("ray://").rpartition(":")
-        if not (host and sep and port.isdigit()):
-            raise UsageError(
-                f"--ray-address {s.ray_address}: expected HOST:PORT of the Ray head, e.g. 10.0.0.1:6379"
-            )
+        host_and_port(s.ray_address)
 
 
 def ray_where(s: Settings) -> str:

@@ -30,10 +30,9 @@ if __package__ in (None, ""):  # run as a file: make the repository importable, 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from multigpu.checkpoints import run_folders  # noqa: E402
-from multigpu.config import DEFAULT_SAVE_ROOT, flag, parse_config  # noqa: E402
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config  # noqa: E402
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.launch.answers import (  # noqa: E402
-    SLURM,
     TORCHRUN,
     TRAINER,
     Devices,
@@ -41,7 +40,6 @@ from multigpu.launch.answers import (  # noqa: E402
     Settings,
     check_save_dir,
     cores_here,
-    engine_of,
     given_trainer_options,
     omp_threads,
     plural,
@@ -255,12 +253,6 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
     if not s.fault_tolerance:
         named = "--replica-groups" if s.replica_groups is not None else "--lighthouse-port"
         raise UsageError(f"{named} is for --fault-tolerance; add --fault-tolerance (or drop {named})")
-    engine = engine_of(s)
-    if engine is not None and engine is not SLURM:  # Kubernetes and Ray restart lost workers themselves
-        raise UsageError(
-            f"--fault-tolerance with {engine.flag}: the replica groups run on this machine or as a SLURM job "
-            f"(--slurm); {engine.name} restarts lost workers itself, from the newest checkpoint: drop one of the two"
-        )
     groups = whole("replica_groups", s.replica_groups, 1) or DEFAULT_GROUPS
     whole("lighthouse_port", s.lighthouse_port, 1, 65535)
     owned = [name for name in FT_OWNED if name in given_trainer_options(s.trainer_args)]
@@ -306,7 +298,7 @@ def group_argv(s: Settings, devices: Devices, groups: int) -> list[str]:
     ]
 
 
-def group_config(s: Settings) -> Any:
+def group_config(s: Settings) -> TrainConfig:
     """The TrainConfig of group 0, by the trainer's own parser: --fault-tolerance's refusals included (before the
     save-dir is settled, as if it were the default root)."""
     devices, nodes = settle(s)
@@ -349,7 +341,8 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
     devices, nodes = settle(s)
     yield from settle_save_dir(s, group_config(s))
     config = group_config(s)
-    check_save_dir(config.save_dir)
+    save_dir = _named(config)
+    check_save_dir(save_dir)
     settle_training(s, config)
     argv = group_argv(s, devices, nodes.count)
     port, note = lighthouse_port(s)
@@ -358,7 +351,7 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         shown(s.python),
         shown(TORCHRUN),
         "--log-file",
-        os.path.join(config.save_dir, "torchrun.log"),
+        os.path.join(save_dir, "torchrun.log"),
         "--standalone",
         "--nproc_per_node=1",
         f"--max_restarts={restarts}",
@@ -373,7 +366,7 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         "--min-replicas",
         str(config.ft_min_replicas),
         "--save-dir",
-        config.save_dir,
+        save_dir,
         "--lighthouse-port",
         str(port),
         "--threads",
@@ -386,8 +379,14 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         yield "plan", line
     if note:
         yield "plan", f"  {note}"
-    yield "save-dir", config.save_dir
+    yield "save-dir", save_dir
     yield "command", quoted(supervisor)
+
+
+def _named(config: TrainConfig) -> str:
+    """The save-dir of a group's config: always named (--fault-tolerance needs it; group_config names one)."""
+    assert config.save_dir is not None
+    return config.save_dir
 
 
 def slurm(s: Settings) -> Any:
@@ -401,7 +400,8 @@ def slurm(s: Settings) -> Any:
             f"--fault-tolerance --slurm needs --save-dir on storage every node shares (e.g. /shared/run1): the "
             f"{nodes.count} groups resume from and write to it"
         )
-    check_save_dir(config.save_dir)
+    save_dir = _named(config)
+    check_save_dir(save_dir)
     settle_training(s, config)
     argv = group_argv(s, devices, nodes.count)
     port = whole("lighthouse_port", s.lighthouse_port, 1, 65535) or LIGHTHOUSE_PORT
@@ -409,11 +409,11 @@ def slurm(s: Settings) -> Any:
         s, devices, nodes, config, f"one per node, the Lighthouse on the first (port {port})"
     ):
         yield "plan", line
-    script = os.path.join(config.save_dir, "launch_slurm.sbatch")
-    yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
-    yield "save-dir", config.save_dir
-    yield "job-file", script
-    yield "job-text", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
+    script = os.path.join(save_dir, "launch_slurm.sbatch")
+    yield "plan", f"  job script {script}; its output in {save_dir}/slurm-<job id>.out"
+    yield "save-dir", save_dir
+    yield "script-file", script
+    yield "script", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
 
 
 def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[str], config: Any) -> str:

@@ -48,9 +48,7 @@ def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
     """What a SLURM job needs beyond a run here: its own resuming, a --save-dir every node sees, and one its
     output path can name."""
     check_job(s, nodes, config, SLURM)
-    assert (
-        config.save_dir is not None
-    )  # settled by launch_rules.check before (its set:save-dir), or refused above
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     if re.search(r"\s", config.save_dir):
         raise UsageError(
             f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
@@ -62,18 +60,17 @@ def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     s.slurm = "1"
     job = settle_job(s, slurm_devices(s), check_slurm_job)
     config = job.config
-    assert config.save_dir is not None  # checked by check_slurm_job
     yield (
         "plan",
         f"Plan: SLURM job, {plural(job.nodes.count, 'node')} x {job.what}, {job.layout} with c10d rendezvous on "
         f"the first node",
     )
     yield from training_plan(s, config, job.devices, job.nodes)
-    script = os.path.join(config.save_dir, "launch_slurm.sbatch")
-    yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
-    yield "save-dir", config.save_dir
-    yield "job-file", script
-    yield "job-text", slurm_script(s, job.nodes, job.gpus, job.procs, job.cpus, config)
+    script = os.path.join(job.save_dir, "launch_slurm.sbatch")
+    yield "plan", f"  job script {script}; its output in {job.save_dir}/slurm-<job id>.out"
+    yield "save-dir", job.save_dir
+    yield "script-file", script
+    yield "script", slurm_script(s, job.nodes, job.gpus, job.procs, job.cpus, config)
 
 
 def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, config: TrainConfig) -> str:

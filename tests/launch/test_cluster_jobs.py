@@ -4,6 +4,8 @@ the trainer's own. Asked in this process (the rule set imports no torch: millise
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from multigpu.errors import UsageError
@@ -76,9 +78,12 @@ def test_fault_tolerance_is_refused_by_the_engines_that_restart_workers_themselv
     for args in ([step], ["check", f"--{step}", "1"]):
         assert launch_rules.main([*args, "--fault-tolerance", "1", "--save-dir", "/shared/run1"]) == 2
         answer = capsys.readouterr().out
-        assert answer.startswith(f"error=--fault-tolerance with --{step}: ") and answer.count("\0") == 1, (
-            answer
-        )
+        assert (
+            answer.startswith(
+                f"error=--fault-tolerance runs its replica groups here or with --slurm, not with --{step}"
+            )
+            and answer.count("\0") == 1
+        ), answer
 
 
 @pytest.mark.parametrize(
@@ -94,6 +99,13 @@ def test_bad_ray_launcher_flags_are_one_line(args: list[str], message: str) -> N
     with pytest.raises(UsageError, match=message) as refused:
         plan_of("ray", "--gpus", "0", *args)
     assert "\n" not in str(refused.value)
+
+
+def test_the_ray_command_quotes_a_save_dir_as_the_command_of_a_run_here() -> None:
+    awkward = "run 'one' \"two\" $(id)"
+    for step, devices in (("plan", ["--gpus", "2"]), ("ray", ["--gpus", "0", "--nproc", "2"])):
+        command = shlex.split(plan_of(step, *devices, "--save-dir", awkward)["command"][0])
+        assert command[command.index("--save-dir") + 1] == awkward, step
 
 
 def test_the_ray_command_names_its_workers_and_the_training_flags() -> None:

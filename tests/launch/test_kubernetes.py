@@ -66,7 +66,7 @@ def kubernetes_expands(word: str, env: dict[str, str]) -> str:
 def test_the_trainjob_is_kubeflows_own_model_with_no_key_lost(nodes: int, gpus: int) -> None:
     args = ["--nnodes", str(nodes), "--gpus", str(gpus), "--save-dir", "/runs/exp1", "--k8s-pvc", "runs"]
     records = rule_set(*args, "--multi-gpu", "fsdp", "--image", "ghcr.io/you/multigpu-train:1.0")
-    written = yaml.safe_load(records["job-text"])
+    written = yaml.safe_load(records["script"])
     job = models.TrainerV1alpha1TrainJob.from_dict(written)
     assert job.to_dict() == written  # every key is the API's: none dropped on the way in
     trainer = job.spec.trainer
@@ -102,7 +102,7 @@ def test_the_trainjob_is_kubeflows_own_model_with_no_key_lost(nodes: int, gpus: 
 def test_a_save_dir_no_shell_or_yaml_reads_right_reaches_the_trainer_exactly(tmp_path: Path) -> None:
     save_dir = f"/runs/{AWKWARD}"
     records = rule_set("--gpus", "0", "--save-dir", save_dir, "--k8s-pvc", "runs")
-    job = yaml.safe_load(records["job-text"])
+    job = yaml.safe_load(records["script"])
     command = [kubernetes_expands(word, {"PET_NODE_RANK": "1"}) for word in job["spec"]["trainer"]["command"]]
     assert command[command.index("--save-dir") + 1] == save_dir  # $(id) and $PET_NODE_RANK unexpanded
     assert command[command.index("--log-file") + 1] == f"{save_dir}/torchrun-node1.log"  # the one reference
@@ -112,7 +112,7 @@ def test_a_save_dir_no_shell_or_yaml_reads_right_reaches_the_trainer_exactly(tmp
         == save_dir
     )
     assert job["metadata"]["name"] == "multigpu-run-one-two-id-pet-node-rank"
-    assert records["job-file"] == f"{save_dir}/trainjob.yaml"
+    assert records["script-file"] == f"{save_dir}/trainjob.yaml"
 
 
 @pytest.mark.parametrize(
@@ -128,6 +128,10 @@ def test_a_save_dir_no_shell_or_yaml_reads_right_reaches_the_trainer_exactly(tmp
         (["--k8s-pvc", "Runs!"], "--k8s-pvc 'Runs!': not a PersistentVolumeClaim name"),
         (["--node-rank", "1"], "--node-rank is Kubernetes's to decide; leave it out with --k8s"),
         (["--slurm", "1"], "give one of --slurm and --k8s"),
+        (
+            ["--fault-tolerance", "1"],
+            "--fault-tolerance runs its replica groups here or with --slurm, not with --k8s",
+        ),
         (
             ["--", "--resume", "last.pt"],
             "--resume after -- with --k8s: every pod continues with --resume auto",

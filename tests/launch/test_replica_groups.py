@@ -136,11 +136,11 @@ def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
         ),
         (
             ["--fault-tolerance", "--k8s"],
-            "--fault-tolerance with --k8s: the replica groups run on this machine",
+            "--fault-tolerance runs its replica groups here or with --slurm, not with --k8s",
         ),
         (
             ["--fault-tolerance", "--ray"],
-            "--fault-tolerance with --ray: the replica groups run on this machine",
+            "--fault-tolerance runs its replica groups here or with --slurm, not with --ray",
         ),
     ):
         refused = launch(["--yes", "--dry-run", *args])
