@@ -5,9 +5,9 @@ group of processes, each with its own Runtime, inside it). torchft's Lighthouse 
 groups; each group's `Manager` asks it for the quorum at every step's start, averages the gradients over the
 groups in it (the Manager's all-reduce of the step's gradients, over torchft's process group: gloo on the CPU,
 NCCL on GPUs) and lets the optimizer step only when the step's all-reduce succeeded everywhere in the group
-(`should_commit`, through torchft's optimizer wrapper). A group that dies is left out of the next quorum once its heartbeats stop,
-and the others commit on; one that comes back is sent the trainer's state by a live peer (the state callbacks
-the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
+(`should_commit`, through torchft's optimizer wrapper). A group that dies is left out of the next quorum once
+its heartbeats stop, and the others commit on; one that comes back is sent the trainer's state by a live peer
+(the state callbacks the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
 
 The quorum is taken synchronously at the step's start (torchft's `use_async_quorum=False`): a peer's state is
 then always read between two steps, never half-way through one, and a healed group trains the very step it
