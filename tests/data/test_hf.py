@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDS, IdModel, assert_ok, config_for, read_ids, run_cli, run_ranks, write_id_files
+from conftest import (
+    SHARDS,
+    IdModel,
+    assert_ok,
+    config_for,
+    fork_loader_workers,
+    read_ids,
+    run_cli,
+    run_ranks,
+    write_id_files,
+)
 from multigpu.errors import UsageError
 
 datasets = pytest.importorskip(
@@ -33,6 +43,8 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
     from data.hf import hf_datasets
     from train_multi_gpu import MultiGPUTrainer
 
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
     results = {}
     for kind, workers in CASES:
         run = tmp / f"{kind}-{workers}"

@@ -27,6 +27,7 @@ from conftest import (
     SplitIds,
     cli_env,
     config_for,
+    fork_loader_workers,
     free_port,
     read_ids,
     run_ranks,
@@ -72,15 +73,6 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
                 counts[slot] = n
         layers.append({"slots": len(counts), "counts": counts})
     assert sorted(seen) == list(range(EPOCH))
-
-
-def fork_loader_workers() -> None:
-    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
-    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
-    machine longer than the hang watchdog's 30 s."""
-    import multiprocessing
-
-    multiprocessing.set_start_method("fork", force=True)
 
 
 # ---------------------------------------------------------------- what a stream splits by itself
