@@ -141,7 +141,7 @@ def _hugging_face(dataset: Any, rank: int, world_size: int, joins: bool) -> tupl
 
 def _by_files(dataset: Any, node: Any) -> bool:
     """Whether split_dataset_by_node gives each node whole files (else every world_size-th example)."""
-    strategy = getattr(node, "strategy", "auto")  # datasets before 4 split by files where they divide
+    strategy = getattr(node, "strategy", "auto")  # older datasets have no strategy: they split as auto does
     files = dataset._ex_iterable.num_shards
     return strategy == "shards" or (strategy == "auto" and files % node.world_size == 0)
 
