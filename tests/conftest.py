@@ -618,6 +618,15 @@ def _rank_entry(
             dist.destroy_process_group()
 
 
+def fork_loader_workers() -> None:
+    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
+    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
+    machine longer than the hang watchdog's 30 s."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+
+
 def run_ranks(
     fn: Callable, world_size: int, tmp_path: Path, *args: Any, join_group: bool = True
 ) -> list[Any]:
