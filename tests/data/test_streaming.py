@@ -678,6 +678,9 @@ def evaluate_stream(rank: int, world: int, tmp: Path, workers: int, by_shard: bo
     """One rank's evaluation of IdStream (its ids go to eval<rank>), without training."""
     from train_multi_gpu import MultiGPUTrainer
 
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
+
     config = config_for(tmp, world, num_workers=workers, eval_batch_size=5)
     model = IdModel(eval_ids_file=tmp / f"eval{rank}")
     with MultiGPUTrainer(model, IdStream(), IdStream(shards_itself=by_shard), config) as trainer:
