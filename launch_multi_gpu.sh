@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# launch_multi_gpu.sh: start main_multi_gpu.py on the devices this machine has, or write a SLURM job.
+# launch_multi_gpu.sh: start main_multi_gpu.py on the devices this machine has, or write a SLURM job or a
+# Kubernetes TrainJob, or run it on Ray.
 #
 # It finds the GPUs (or offers CPU training), asks only what it cannot guess,
 # prints the exact command, saves it as <save-dir>/launch_command.sh and runs it.
@@ -7,7 +8,7 @@
 #
 # This script keeps the conversation and runs the command. Every check of a
 # value and every number shown (effective batch, LR, the command, the SLURM
-# script) comes from multigpu/launch/launch_rules.py, which asks the trainer's own
+# script, the TrainJob) comes from multigpu/launch/launch_rules.py, which asks the trainer's own
 # TrainConfig: the launcher cannot accept what the trainer would refuse.
 #
 # Streams: the conversation goes to stderr and the command line (or SLURM
@@ -86,6 +87,22 @@ SLURM (writes <save-dir>/launch_slurm.sbatch and prints it):
   --account A             account to charge
   --cpus-per-task C       CPUs per node (default: 5 per GPU, 1 per CPU process)
   --submit                also submit it with sbatch and print the job id
+Kubernetes (writes <save-dir>/trainjob.yaml, a Kubeflow Trainer TrainJob, and prints it):
+  --k8s                   a TrainJob on the runtime torch-distributed instead of a
+                          run: --nnodes N pods with --gpus G GPUs each (0: --nproc
+                          CPU processes), one torchrun per pod, --resume auto
+  --image IMAGE           the container image holding this repository as its
+                          working directory (default: multigpu-train:latest)
+  --k8s-pvc NAME          mount the PersistentVolumeClaim NAME at --save-dir (an
+                          absolute path) in every pod; needed with --nnodes > 1
+  --cpus-per-task C       CPUs per pod (default: 5 per GPU, 1 per CPU process)
+  --submit                also apply it with kubectl
+Ray (runs main_multi_gpu.py --ray-workers N; see docs/launcher.md, "Ray"):
+  --ray                   train as Ray Train workers: --gpus G workers with a GPU
+                          each, or --gpus 0 and --nproc N CPU workers (gloo)
+  --ray-address ADDR      HOST:PORT of the Ray head, or auto (default: RAY_ADDRESS,
+                          else a new local Ray instance)
+  --ray-max-failures K    let Ray restart the workers after up to K failures
 Fault tolerance (torchft; docs/fault-tolerance.md):
   --fault-tolerance       train as replica groups that outlive each other's loss:
                           a torchft Lighthouse and --replica-groups groups of one
@@ -154,6 +171,8 @@ parse_args() {
             --dry-run) DRY_RUN=1; continue ;;
             --submit) SUBMIT=1; continue ;;
             --slurm) SET[slurm]=1; continue ;;
+            --k8s) SET[k8s]=1; continue ;;
+            --ray) SET[ray]=1; continue ;;
             --fault-tolerance) SET[fault-tolerance]=1; continue ;;
             --oversubscribe) SET[oversubscribe]=1; continue ;;
         esac
@@ -164,8 +183,8 @@ parse_args() {
             --scale-lr) key=lr-scaling ;;
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
-                --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | \
-                --replica-groups | --lighthouse-port) key=${name#--} ;;
+                --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | --image | \
+                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -468,15 +487,16 @@ confirm() {
     done
 }
 
-# --- the run, or the SLURM job ----------------------------------------------------------------
+# --- the run, or the cluster job ----------------------------------------------------------------
 
 show_plan() {
     say ""
     printf '%s\n' "${PLAN[@]}" >&2
 }
 
+# run_here [STEP]: the command of STEP (plan: a run here; ray: the training on Ray), printed, saved and run.
 run_here() {
-    rules plan || die_usage "${RULES[error]}"
+    rules "${1:-plan}" || die_usage "${RULES[error]}"
     show_plan
     say "Command:"
     printf '%s\n' "${RULES[command]}"
@@ -496,21 +516,38 @@ run_here() {
     eval "exec env ${RULES[command]}"
 }
 
-write_slurm_job() {
-    rules slurm || die_usage "${RULES[error]}"
+# write_job STEP: a cluster engine's job file (slurm: the sbatch script; k8s: the TrainJob), printed and saved;
+# with --submit handed to the engine by submit_STEP.
+write_job() {
+    rules "$1" || die_usage "${RULES[error]}"
     show_plan
-    local file=${RULES[script-file]} job
+    local file=${RULES[script-file]}
     printf '%s' "${RULES[script]}"
     ((DRY_RUN)) && exit 0
     save_file "$file" < <(printf '%s' "${RULES[script]}")
     say "Saved as $file"
     ((SUBMIT)) || return 0
     confirm "Submit it?"
-    command -v sbatch >/dev/null || die "sbatch not found: submit $file from a SLURM login node"
-    job=$(sbatch --parsable "$file") || die "sbatch refused $file (its message is above)"
+    "submit_$1" "$file"
+}
+
+submit_slurm() {
+    local job
+    command -v sbatch >/dev/null || die "sbatch not found: submit $1 from a SLURM login node"
+    job=$(sbatch --parsable "$1") || die "sbatch refused $1 (its message is above)"
     say "Submitted job ${job%%;*}; its output: ${RULES[save-dir]}/slurm-${job%%;*}.out"
     printf '%s\n' "${job%%;*}"
 }
+
+submit_k8s() {
+    command -v kubectl >/dev/null || die_usage "kubectl not found: apply $1 with kubectl where the cluster is reachable"
+    kubectl apply -f "$1" >&2 || die "kubectl refused $1 (its message is above)"
+    say "Applied; follow it with: kubectl get trainjob ${RULES[job-name]}"
+}
+
+# A cluster engine's flag (--slurm, --k8s, --ray), or --fault-tolerance (one process per group): no mode or device
+# question (ddp, --gpus per node).
+no_device_questions() { [[ -n ${SET[slurm]:-}${SET[k8s]:-}${SET[ray]:-}${SET[fault-tolerance]:-} ]]; }
 
 main() {
     parse_args "$@"
@@ -519,13 +556,21 @@ main() {
     rules check || die_usage "${RULES[error]}"
     decide_asking
     show_devices
-    if [[ -z ${SET[slurm]:-} && -z ${SET[fault-tolerance]:-} ]]; then  # fault tolerance: one process per group
+    if ! no_device_questions; then
         [[ -n ${SET[multi-gpu]:-} ]] || ask_mode
         ask_devices
     fi
     ask_training
     ask_save_dir
-    if [[ -n ${SET[slurm]:-} ]]; then write_slurm_job; else run_here; fi
+    if [[ -n ${SET[slurm]:-} ]]; then
+        write_job slurm
+    elif [[ -n ${SET[k8s]:-} ]]; then
+        write_job k8s
+    elif [[ -n ${SET[ray]:-} ]]; then
+        run_here ray
+    else
+        run_here
+    fi
 }
 
 main "$@"

@@ -269,9 +269,8 @@ class HFStream(IterableDataset):
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         by_example = world_size > 1 and not self.ranks_join and not self.equal_files
         try:
-            if (
-                by_example
-            ):  # every worker's files are read by each rank: ranks keep every world-size-th example
+            # By example: each rank reads every one of its workers' files and keeps every world-size-th row.
+            if by_example:
                 for index, example in enumerate(self.stream):
                     if index % world_size == rank:
                         yield self.samples(example)

@@ -108,10 +108,11 @@ def _hugging_face(dataset: Any, rank: int, world_size: int, joins: bool) -> tupl
                 f"a Hugging Face stream of {_shards(dataset)} shard(s), split over ranks by example (ranks "
                 f"cannot join here: whole files per rank would leave the longer files' tails untrained)",
             )
-        if world_size > 1:
-            from datasets.distributed import split_dataset_by_node
+        if world_size == 1:
+            return dataset, Split(True, True, f"a Hugging Face stream of {_shards(dataset)} shard(s)")
+        from datasets.distributed import split_dataset_by_node
 
-            dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+        dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
         return dataset, Split(
             True,
             True,
@@ -140,7 +141,7 @@ def _hugging_face(dataset: Any, rank: int, world_size: int, joins: bool) -> tupl
 
 def _by_files(dataset: Any, node: Any) -> bool:
     """Whether split_dataset_by_node gives each node whole files (else every world_size-th example)."""
-    strategy = getattr(node, "strategy", "auto")  # datasets before 4 split by files where they divide
+    strategy = getattr(node, "strategy", "auto")  # older datasets have no strategy: they split as auto does
     files = dataset._ex_iterable.num_shards
     return strategy == "shards" or (strategy == "auto" and files % node.world_size == 0)
 

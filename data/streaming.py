@@ -412,7 +412,8 @@ class TrainStream:
                 report(longer)
         self.shard.pass_number += 1
         self.shard.skip, self.shard.rotate = None, 0
-        self.counts, self.next_worker, self.steps_in_pass, self.uneven_in_pass = {}, 0, 0, 0
+        self.counts, self.next_worker, self.steps_in_pass = {}, 0, 0
+        self.uneven_in_pass = 0
         self._batches, self.first_batches = None, {}
 
     def _longer_line(self, samples: list[int]) -> str | None:

@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
 # --float8's emulation ([float8]), the guide's site ([docs]), the side-by-side with transformers' Trainer
-# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]) and --fault-tolerance ([ft]); [lint]
-# brings ruff and mypy.
-bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft,lint
+# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]), --fault-tolerance ([ft]), --ray-workers
+# ([ray]) and the TrainJob of --k8s read through Kubeflow Trainer's API model ([k8s]); [lint] brings ruff and mypy.
+bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft,ray,k8s,lint
 # First, and failing fast: the lint, the format and the types, each checking what pyproject.toml names
 # ([tool.ruff], [tool.mypy]). Seconds with mypy's cache (.mypy_cache); its first run takes about a minute.
 echo "ruff check, ruff format --check, mypy..." >&2

@@ -67,6 +67,7 @@ HEAVIEST_FILES = {
     "test_examples.py": 150,
     "test_main_multi_gpu.py": 140,
     "test_resume.py": 120,
+    "launch/test_ray_train.py": 190,  # a Ray instance and four drivers on it (measured on a busy machine)
     "launch/test_slurm.py": 105,
     "data/test_hf.py": 105,
     "data/test_streaming.py": 95,
@@ -622,6 +623,15 @@ def _rank_entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def fork_loader_workers() -> None:
+    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
+    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
+    machine longer than the hang watchdog's 30 s."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
 
 
 def run_ranks(

@@ -483,6 +483,12 @@ def test_help_lists_every_flag() -> None:
         "--cpus-per-task",
         "--submit",
         "--oversubscribe",
+        "--k8s",
+        "--image",
+        "--k8s-pvc",
+        "--ray",
+        "--ray-address",
+        "--ray-max-failures",
     ]:
         assert re.search(rf"^\s+(-\w, |--[\w-]+ \w+, )*{re.escape(flag)}\b", result.stdout, re.M), flag
 

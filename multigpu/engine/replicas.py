@@ -5,8 +5,9 @@ a lost group did not train.
 torchft's Manager, its process group and the Lighthouse are multigpu/parallel/fault_tolerance.py's. Here:
 
 - `ReplicatedStep`: the run's TrainStep, with the quorum joined at each step's start (the first step's at fit
-  start, where a group behind its peers heals) and torchft's DDP and optimizer wrapper in place of the module's
-  own, so the optimizer steps only when the step may commit.
+  start, where a group behind its peers heals), the gradients averaged over the live groups by torchft's Manager
+  after the backward, and torchft's optimizer wrapper around the optimizer, so that it steps only when the step
+  may commit.
 - A heal sends what a checkpoint holds (model, optimizer, schedule, step, data position, callbacks' state), read
   between two steps and copied, in the checkpoint's own format; each group keeps its own random stream (seeded
   by its data rank), so the groups' dropout and augmentation stay independent.
@@ -41,7 +42,6 @@ class Ledger:
     uncommitted_steps: int = 0  # steps no group applied (an all-reduce a lost peer broke)
     uncommitted_samples: int = 0
     rejoins: int = 0  # lost groups that came back (each healed from a live peer)
-    said: list[str] = field(default_factory=list)  # what the run said of it, for the summary
 
     def observe(self, live: list[int], step: int, group_samples: int) -> list[str]:
         """The quorum of `step`: who is lost since when, who is back; the lines that say so. `group_samples`: one
@@ -87,12 +87,10 @@ class Ledger:
 
     def _absence(self, group: int, step: int, until: str) -> str:
         since = self.missing_since.pop(group)
-        line = (
+        return (
             f"replica group {group} lost at step {since}: its 1/{self.groups} of the data skipped until {until} "
             f"({step - since} steps)"
         )
-        self.said.append(line)
-        return line
 
 
 class Replicas:
@@ -230,16 +228,13 @@ class Replicas:
 
 
 class ReplicatedStep(TrainStep):
-    """The run's training step under --fault-tolerance: the quorum joined first, torchft's DDP averaging the
-    gradients over the live groups in backward, and torchft's optimizer wrapper stepping only a committed step
-    (the schedule and the step count move on either way, in every group alike)."""
+    """The run's training step under --fault-tolerance: the quorum joined first, the gradients averaged over the
+    live groups after the backward (before clipping, as DDP's are), and torchft's optimizer wrapper stepping only a
+    committed step (the schedule and the step count move on either way, in every group alike)."""
 
     def __init__(self, step: TrainStep, replicas: Replicas):
         self.__dict__.update(vars(step))  # the same step, as the trainer built it
-        groups = replicas.groups
-        wrapped = groups.wrap(self.model)
-        self.wrapped, self.no_sync = wrapped, wrapped.no_sync  # torchft's DDP; its no_sync is DDP's
-        self.optimizer = groups.gated(self.optimizer)
+        self.optimizer = replicas.groups.gated(self.optimizer)
         self.replicas = replicas
 
     def __call__(self, batches: Any, window_samples: int, sizes: list[int]) -> None:
@@ -247,6 +242,10 @@ class ReplicatedStep(TrainStep):
         self.replicas.step_starts(group_samples)
         super().__call__(batches, window_samples, sizes)
         self.replicas.step_ends(group_samples)
+
+    def _optimizer_step(self) -> None:
+        self.replicas.groups.average_gradients(self.model.parameters())
+        super()._optimizer_step()
 
 
 def join(trainer: Any) -> Replicas | None:

@@ -80,6 +80,12 @@ class Settings:
     time: str | None = None
     account: str | None = None
     cpus_per_task: str | None = None
+    k8s: str | None = None  # "1": write a Kubernetes TrainJob (multigpu/launch/kubernetes.py)
+    image: str | None = None
+    k8s_pvc: str | None = None
+    ray: str | None = None  # "1": the command runs the training on Ray (multigpu/launch/ray_train.py)
+    ray_address: str | None = None
+    ray_max_failures: str | None = None
     oversubscribe: str | None = None  # "1": more CPU processes than cores, as the user asked
     fault_tolerance: str | None = (
         None  # "1": replica groups under torchft (multigpu/launch/replica_groups.py)
@@ -267,6 +273,37 @@ def devices_of(s: Settings, mode: str | None) -> Devices:
     return Devices(mode, count, ids, bool(found))
 
 
+@dataclass(frozen=True)
+class Engine:
+    """A cluster engine that starts the processes on nodes it chooses: what the launcher writes or runs for it."""
+
+    flag: str  # the launcher's flag: --slurm, --k8s, --ray
+    name: str  # in the user's words: SLURM, Kubernetes, Ray
+    # What goes on with --resume auto by itself after a restart ("the job script continues"), and the restart
+    # ("a requeue"); None: the user's own flags (Ray: multigpu/launch/ray_train.py).
+    resumes: str | None
+    restart: str | None
+
+
+SLURM = Engine("--slurm", "SLURM", "the job script continues", "a requeue")
+KUBERNETES = Engine("--k8s", "Kubernetes", "every pod continues", "a restarted pod")
+RAY = Engine("--ray", "Ray", None, None)
+
+
+def engine_of(s: Settings) -> Engine | None:
+    """The cluster engine the flags name (one at most), or None for a run on this machine."""
+    named = [engine for engine, on in ((SLURM, s.slurm), (KUBERNETES, s.k8s), (RAY, s.ray)) if on]
+    if len(named) > 1:
+        raise UsageError(
+            f"give one of {named[0].flag} and {named[1].flag}: each starts the run on its own cluster"
+        )
+    if named and named[0] is not SLURM and s.fault_tolerance:
+        raise UsageError(
+            f"--fault-tolerance runs its replica groups here or with --slurm, not with {named[0].flag}"
+        )
+    return named[0] if named else None
+
+
 @dataclass
 class Nodes:
     """Several machines: torchrun's c10d rendezvous, hosted by node 0 (or SLURM's first node)."""
@@ -286,10 +323,21 @@ def nodes_of(s: Settings, mode: str | None) -> Nodes:
         master_addr=s.master_addr,
     )
     rank = whole("node_rank", s.node_rank, 0)
-    if s.slurm:
+    engine = engine_of(s)
+    if engine is RAY:
+        for name in ("nnodes", "node_rank", "master_addr", "master_port", "max_restarts"):
+            if getattr(s, name) is not None:
+                raise UsageError(
+                    f"--{flag(name)}: Ray places the workers on its nodes and restarts them itself; leave it out "
+                    f"with --ray (the workers: --gpus, or --nproc; restarts: --ray-max-failures)"
+                )
+        return nodes
+    if engine is not None:
         for name in ("node_rank", "master_addr"):
             if getattr(s, name) is not None:
-                raise UsageError(f"--{flag(name)} is SLURM's to decide; leave it out with --slurm")
+                raise UsageError(
+                    f"--{flag(name)} is {engine.name}'s to decide; leave it out with {engine.flag}"
+                )
         return nodes
     if nodes.count > 1:
         if mode not in (None, *PROCESS_PER_DEVICE):

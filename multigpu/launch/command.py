@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from multigpu.config import AUTO, FIELDS, TrainConfig
@@ -113,6 +113,14 @@ def lr_text(s: Settings, config: TrainConfig, devices: Devices, nodes: Nodes) ->
     total = effective_batch(replace(config, batch_size=batch), devices_per_step(devices, nodes))
     lr = scaled_lr(config.lr, config.lr_scaling, total, config.lr_base_batch)
     return f"lr {lr!r} = {s.lr} x {config.lr_scaling}({total}/{config.lr_base_batch})"
+
+
+def training_plan(
+    s: Settings, config: TrainConfig, devices: Devices, nodes: Nodes
+) -> Iterator[tuple[str, str]]:
+    """The plan's lines of epochs, effective batch and LR: the same for a run here and every cluster engine."""
+    yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
+    yield "plan", f"  {lr_text(s, config, devices, nodes)}"
 
 
 def device_phrase(devices: Devices, nodes: Nodes) -> str:

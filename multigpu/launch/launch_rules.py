@@ -10,10 +10,11 @@ LR the trainer will not use. It imports no torch, so a call takes milliseconds.
     python -m multigpu.launch.launch_rules STEP [--SETTING VALUE ...] [-- TRAINER ARGS]
 
 STEP is `check` (validate what is known so far; give the questions' defaults),
-`plan` (the command, the plan lines and the rendezvous port) or `slurm` (also
-the SLURM job script). SETTINGs are the launcher's flags, by their names
-(`--epochs 3`), plus what the launcher found (`--found-gpus 0,1`, `--python`).
-The answer is NUL-terminated KEY=VALUE records, the last `ok=1`, or
+`plan` (the command, the plan lines and the rendezvous port), `slurm` (also
+the SLURM job script), `k8s` (the Kubernetes TrainJob, multigpu/launch/kubernetes.py)
+or `ray` (the command that trains on Ray, multigpu/launch/ray_train.py).
+SETTINGs are the launcher's flags, by their names (`--epochs 3`), plus what the
+launcher found (`--found-gpus 0,1`, `--python`). The answer is NUL-terminated KEY=VALUE records, the last `ok=1`, or
 `error=ONE LINE` with exit status 2.
 """
 
@@ -30,14 +31,20 @@ from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.launch import replica_groups
 from multigpu.launch.answers import (
+    KUBERNETES,
     PROCESS_PER_DEVICE,
+    RAY,
+    SLURM,
     TRAINING,
+    Devices,
+    Engine,
     Settings,
     apply_gpu_choice,
     check_save_dir,
     cores_here,
     default_cpu_processes,
     devices_of,
+    engine_of,
     mesh_phrase,
     mode_of,
     nodes_of,
@@ -51,10 +58,12 @@ from multigpu.launch.command import (
     command,
     device_phrase,
     effective_batch_text,
-    lr_text,
     quoted,
     torchrun_log,
+    training_plan,
 )
+from multigpu.launch.kubernetes import check_k8s_job, k8s_devices, kubernetes
+from multigpu.launch.ray_train import check_ray_job, ray_command, ray_devices, ray_where
 from multigpu.launch.slurm import check_slurm_job, slurm, slurm_devices
 
 
@@ -62,28 +71,33 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     """Validate what is known so far; give the normalised settings ("set:" records) and the questions' defaults."""
     mode = mode_of(s)
     apply_gpu_choice(s)
+    engine = engine_of(s)
     config_of: Callable[[Settings], TrainConfig] = training_config
     if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
         devices, nodes = replica_groups.settle(s)
         config_of = replica_groups.group_config
     else:
         nodes = nodes_of(s, mode)
-        devices = slurm_devices(s) if s.slurm else devices_of(s, mode)
+        devices = job_devices_of(s, engine) if engine else devices_of(s, mode)
     config = config_of(s)
-    if not (s.slurm and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
+    if not (engine and nodes.count > 1):  # several nodes need a --save-dir they all share: said below
         yield from settle_save_dir(s, config)
         config = config_of(s)
-    if s.slurm:
+    if engine is SLURM:
         check_slurm_job(s, nodes, config)
-    assert config.save_dir is not None  # settled above, or refused by check_slurm_job
+    elif engine is KUBERNETES:
+        check_k8s_job(s, nodes, config)
+    elif engine is RAY:
+        check_ray_job(s, nodes, config)
+    assert config.save_dir is not None  # settled above, or refused by the job's check
     check_save_dir(config.save_dir)
     settle_mesh(s, devices, nodes)
-    if not s.slurm and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
+    if not engine and devices.mode in PROCESS_PER_DEVICE and (nodes.port is not None or nodes.count > 1):
         rendezvous_port(s, nodes)  # a port the user named must be free before anything is asked
     # The settings as the launcher should keep them: the mode by its name, the GPU answer as a count or ids.
     if mode is not None:
         yield "set:multi-gpu", mode
-    if s.gpu_ids is not None and not s.slurm:
+    if s.gpu_ids is not None and not engine:
         yield "set:gpu-ids", devices.ids or ""
     for name in ("gpus", *TRAINING):
         if getattr(s, name) is not None:
@@ -94,6 +108,15 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     yield "default-processes", str(default_cpu_processes())
     yield "lr-base-batch", str(config.lr_base_batch)
     yield "effective-batch", effective_batch_text(config, devices, nodes)
+
+
+def job_devices_of(s: Settings, engine: Engine) -> Devices:
+    """The devices per node (per worker on Ray) of a cluster job, with its engine's own checks."""
+    if engine is SLURM:
+        return slurm_devices(s)
+    if engine is KUBERNETES:
+        return k8s_devices(s)
+    return ray_devices(s)
 
 
 def settle_save_dir(s: Settings, config: TrainConfig) -> Iterator[tuple[str, str]]:
@@ -136,8 +159,7 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
             "plan",
             f"  --oversubscribe: {plural(devices.count, 'process')} share {plural(cores_here(), 'CPU core')}",
         )
-    yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
-    yield "plan", f"  {lr_text(s, config, devices, nodes)}"
+    yield from training_plan(s, config, devices, nodes)
     yield "plan", f"  checkpoints and launch_command.sh in {config.save_dir}/"
     if devices.mode in PROCESS_PER_DEVICE:
         yield "plan", f"  torchrun's own messages go to {torchrun_log(config.save_dir, nodes)}"
@@ -155,10 +177,41 @@ def plan(s: Settings) -> Iterator[tuple[str, str]]:
     yield "command", quoted(command(s, devices, nodes, port, config))
 
 
-STEPS = {"check": check, "plan": plan, "slurm": slurm}
-# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py)
+def ray_plan(s: Settings) -> Iterator[tuple[str, str]]:
+    """The command that trains on Ray (main_multi_gpu.py --ray-workers N) and what it will do."""
+    s.ray = "1"
+    devices = ray_devices(s)
+    nodes = nodes_of(s, devices.mode)
+    settle_mesh(s, devices, nodes)
+    yield from settle_save_dir(s, training_config(s, devices))
+    config = training_config(s, devices)
+    check_ray_job(s, nodes, config)
+    assert config.save_dir is not None  # settled just above
+    settle_training(s, config)
+    each = "1 GPU each" if devices.on_gpu else "1 CPU each, gloo"
+    yield (
+        "plan",
+        f"Plan: Ray, {plural(devices.count, 'worker')} ({each}), {devices.mode.upper()}, on {ray_where(s)}",
+    )
+    yield from training_plan(s, config, devices, nodes)
+    yield (
+        "plan",
+        f"  checkpoints and launch_command.sh in {config.save_dir}/, Ray's own files in {config.save_dir}/ray/",
+    )
+    restarts = s.ray_max_failures or "0"
+    yield (
+        "plan",
+        f"  Ray restarts the workers after up to {restarts} failure(s), each from the newest checkpoint",
+    )
+    yield "save-dir", config.save_dir
+    yield "command", quoted(ray_command(s, devices))
+
+
+STEPS = {"check": check, "plan": plan, "slurm": slurm, "k8s": kubernetes, "ray": ray_plan}
+# --fault-tolerance: the Lighthouse and the replica groups (multigpu/launch/replica_groups.py); not on Kubernetes
+# or Ray (engine_of says so)
 FAULT_TOLERANT_STEPS = {
-    "check": check,
+    **STEPS,
     "plan": lambda s: replica_groups.plan(s, settle_save_dir),
     "slurm": replica_groups.slurm,
 }

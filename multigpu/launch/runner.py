@@ -21,7 +21,7 @@ from multigpu.data import build_datasets
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import console
 from multigpu.models import build_model
-from multigpu.parallel.distributed import Runtime, gather_objects, setup, teardown
+from multigpu.parallel.distributed import Runtime, gather_objects, is_distributed, setup, teardown
 from multigpu.resilience.preemption import PeerLost, agent_store, error_detail, is_peer_failure, restart_count
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
 from train_multi_gpu import MultiGPUTrainer
@@ -30,13 +30,15 @@ from train_multi_gpu import MultiGPUTrainer
 def run(config: TrainConfig, callbacks: Sequence[Any] = ()) -> dict:
     """Set up devices, data and model, train with `callbacks` (multigpu/loop/callbacks.py) beside the flags' own,
     and return the final metrics."""
+    group_before = is_distributed()  # Ray's (multigpu/launch/ray_train.py): joined here, ended by its maker
     runtime = setup(config)  # --float8 is refused there, before any data is read, where the device has none
     try:
         return _train(config, runtime, callbacks)
     finally:
         # After _train returned, so the trainer and its DDP wrapper (which hold the process group)
         # are gone first: a group still referenced at interpreter exit can abort the process.
-        teardown()
+        if not group_before:
+            teardown()
 
 
 def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> dict:

@@ -13,26 +13,18 @@ from collections.abc import Iterator
 from multigpu.config import TrainConfig
 from multigpu.errors import HANG_EXIT_STATUS, UsageError
 from multigpu.launch.answers import (
-    CPU_PROCESSES,
-    PROCESS_PER_DEVICE,
+    SLURM,
     TORCHRUN,
     TRAINER,
     Devices,
     Nodes,
     Settings,
-    check_save_dir,
-    given_trainer_options,
-    mesh_phrase,
     mode_of,
-    nodes_of,
     plural,
-    settle_mesh,
-    settle_training,
     trainer_flags,
-    training_config,
-    whole,
 )
-from multigpu.launch.command import effective_batch_text, lr_text, quoted
+from multigpu.launch.cluster_jobs import check_job, job_devices, settle_job
+from multigpu.launch.command import quoted, training_plan
 
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 
@@ -43,80 +35,42 @@ SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 def slurm_devices(s: Settings) -> Devices:
     """Per node for --slurm: --gpus asks SLURM for that many GPUs; 0 (or none here, by default) runs
     --nproc CPU processes (gloo)."""
-    gpus = whole("gpus", s.gpus, 0)
-    if gpus is None:
-        gpus = len(s.found)
-    nproc = whole("nproc", s.nproc, 1)
-    if gpus and nproc is not None and nproc != gpus:
-        raise UsageError(f"--nproc {nproc} with --gpus {gpus}: on GPU nodes there is one process per GPU")
-    if s.gpu_ids is not None:
-        raise UsageError("--gpu-ids is SLURM's to decide; give --gpus (per node) with --slurm")
-    if s.multi_gpu not in (None, *PROCESS_PER_DEVICE):
-        raise UsageError("--slurm runs --multi-gpu ddp or fsdp (one process per GPU on every node)")
+    devices = job_devices(s, SLURM)
     for name, pattern in (("partition", SLURM_NAME), ("account", SLURM_NAME), ("time", SLURM_TIME)):
         value = getattr(s, name)
         if value is not None and not pattern.fullmatch(value):
             example = "04:00:00 or 1-12:00:00" if name == "time" else "gpu"
             raise UsageError(f"--{name} {value!r}: not a SLURM {name} (e.g. {example})")
-    return Devices(mode_of(s) or "ddp", gpus or nproc or CPU_PROCESSES, None, gpus > 0)
+    return devices
 
 
 def check_slurm_job(s: Settings, nodes: Nodes, config: TrainConfig) -> None:
-    """What a SLURM job needs beyond a run here: its own resuming, and a --save-dir every node sees."""
-    given = given_trainer_options(s.trainer_args)
-    if "resume" in given:
-        raise UsageError(
-            "--resume after -- with --slurm: the job script continues with --resume auto by itself"
-        )
-    if "overwrite" in given:
-        raise UsageError(
-            "--overwrite after -- with --slurm: the job continues its --save-dir with --resume auto "
-            "(a requeue must not start over); give a new --save-dir instead"
-        )
-    if nodes.count > 1 and s.save_dir is None:
-        raise UsageError(
-            f"--nnodes {nodes.count} needs --save-dir on storage every node shares (e.g. /shared/run1): "
-            f"global rank 0, which writes the checkpoints, may be on any node"
-        )
-    assert (
-        config.save_dir is not None
-    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
+    """What a SLURM job needs beyond a run here: its own resuming, a --save-dir every node sees, and one its
+    output path can name."""
+    check_job(s, nodes, config, SLURM)
+    assert config.save_dir is not None  # settled by launch_rules.check before (its set:save-dir)
     if re.search(r"\s", config.save_dir):
         raise UsageError(
             f"--save-dir {config.save_dir!r}: SLURM's output path cannot hold spaces; choose another"
         )
-    check_save_dir(config.save_dir)
 
 
 def slurm(s: Settings) -> Iterator[tuple[str, str]]:
     """The plan and the job script for --slurm."""
     s.slurm = "1"
-    devices = slurm_devices(s)
-    gpus, procs = (devices.count if devices.on_gpu else 0), devices.count
-    nodes = nodes_of(s, "ddp")
-    mesh = settle_mesh(s, devices, nodes)
-    config = training_config(s, devices)
-    check_slurm_job(s, nodes, config)
-    assert (
-        config.save_dir is not None
-    )  # settled by launch_rules.check before (its set:save-dir), or refused by check_slurm_job
-    cpus = whole("cpus_per_task", s.cpus_per_task, 1) or procs * (5 if gpus else 1)
-    settle_training(s, config)
-    what = plural(gpus, "GPU") if gpus else f"{plural(procs, 'CPU process')} (gloo)"
+    job = settle_job(s, slurm_devices(s), check_slurm_job)
+    config = job.config
     yield (
         "plan",
-        (
-            f"Plan: SLURM job, {plural(nodes.count, 'node')} x {what}, {devices.mode.upper()}"
-            f"{mesh_phrase(mesh, nodes, devices)} with c10d rendezvous on the first node"
-        ),
+        f"Plan: SLURM job, {plural(job.nodes.count, 'node')} x {job.what}, {job.layout} with c10d rendezvous on "
+        f"the first node",
     )
-    yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
-    yield "plan", f"  {lr_text(s, config, devices, nodes)}"
-    script = os.path.join(config.save_dir, "launch_slurm.sbatch")
-    yield "plan", f"  job script {script}; its output in {config.save_dir}/slurm-<job id>.out"
-    yield "save-dir", config.save_dir
+    yield from training_plan(s, config, job.devices, job.nodes)
+    script = os.path.join(job.save_dir, "launch_slurm.sbatch")
+    yield "plan", f"  job script {script}; its output in {job.save_dir}/slurm-<job id>.out"
+    yield "save-dir", job.save_dir
     yield "script-file", script
-    yield "script", slurm_script(s, nodes, gpus, procs, cpus, config)
+    yield "script", slurm_script(s, job.nodes, job.gpus, job.procs, job.cpus, config)
 
 
 def slurm_script(s: Settings, nodes: Nodes, gpus: int, procs: int, cpus: int, config: TrainConfig) -> str:

@@ -3,11 +3,11 @@
 The model is replicated over --ft-replica-groups groups, each a run of its own (one process here; torchrun's
 group of processes, each with its own Runtime, inside it). torchft's Lighthouse keeps the quorum of the live
 groups; each group's `Manager` asks it for the quorum at every step's start, averages the gradients over the
-groups in it (torchft's DistributedDataParallel, over torchft's process group: gloo on the CPU, NCCL on GPUs) and
-lets the optimizer step only when the step's all-reduce succeeded everywhere in the group (`should_commit`,
-through torchft's optimizer wrapper). A group that dies is left out of the next quorum once its heartbeats stop,
-and the others commit on; one that comes back is sent the trainer's state by a live peer (the state callbacks
-the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
+groups in it (the Manager's all-reduce of the step's gradients, over torchft's process group: gloo on the CPU,
+NCCL on GPUs) and lets the optimizer step only when the step's all-reduce succeeded everywhere in the group
+(`should_commit`, through torchft's optimizer wrapper). A group that dies is left out of the next quorum once
+its heartbeats stop, and the others commit on; one that comes back is sent the trainer's state by a live peer
+(the state callbacks the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
 
 The quorum is taken synchronously at the step's start (torchft's `use_async_quorum=False`): a peer's state is
 then always read between two steps, never half-way through one, and a healed group trains the very step it
@@ -21,11 +21,13 @@ import logging
 import os
 import socket
 import warnings
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
@@ -35,7 +37,7 @@ from multigpu.errors import UsageError
 os.environ.setdefault("RUST_LOG", "warn")
 
 try:
-    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.optim import OptimizerWrapper
 except ModuleNotFoundError as missing:  # the [ft] extra is not installed
     if missing.name != "torchft":
@@ -123,9 +125,18 @@ class ReplicaGroups:
         """The groups of the current quorum, ascending (this one included once it is in)."""
         return sorted({rank // self.group_size for rank in self.process_group.quorum_ranks})
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-        """torchft's DDP around the module: its gradients averaged over the quorum's groups in backward."""
-        return DistributedDataParallel(self.manager, model)
+    def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
+        """The parameters' gradients averaged over the quorum's groups, in one all-reduce of them all flattened,
+        through the Manager (`Manager.allreduce`): an all-reduce that a lost group breaks is noted there, and the
+        step then does not commit. (torchft 0.2.0's DistributedDataParallel does the same from DDP's gradient
+        hook, but its hook fails an assertion on such an all-reduce, which would end the surviving group too.)"""
+        grads = [param.grad for param in parameters if param.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        self.manager.allreduce(flat).wait()
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
 
     def gated(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """torchft's optimizer wrapper: `step()` steps `optimizer` only when the step may commit."""

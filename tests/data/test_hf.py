@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDS, IdModel, assert_ok, config_for, read_ids, run_cli, run_ranks, write_id_files
+from conftest import (
+    SHARDS,
+    IdModel,
+    assert_ok,
+    config_for,
+    fork_loader_workers,
+    read_ids,
+    run_cli,
+    run_ranks,
+    write_id_files,
+)
 from multigpu.errors import UsageError
 
 datasets = pytest.importorskip(
@@ -33,6 +43,8 @@ def _train(rank: int, world: int, tmp: Path) -> dict[str, dict]:
     from data.hf import hf_datasets
     from train_multi_gpu import MultiGPUTrainer
 
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
     results = {}
     for kind, workers in CASES:
         run = tmp / f"{kind}-{workers}"
@@ -226,6 +238,32 @@ def test_bad_rows_are_one_line_naming_file_and_row_and_the_checkpoints_are_kept(
     code = main_multi_gpu.main([*run, "--resume", "auto", "--epochs", "2"])
     assert_one_line(code, capsys.readouterr().err, f"error: --data-files: {where}")
     assert_untouched(save_dir, before)
+
+
+def test_streamed_files_of_unequal_length_are_split_by_example_where_ranks_cannot_join(tmp_path, monkeypatch):
+    """--dataset hf --streaming, files of 53, 71, 9 and 40 rows at 2 ranks x 2 loader workers, as each rank's
+    trainer reads them (the ranks one after the other, RANK and WORLD_SIZE as torchrun sets them): under fsdp,
+    where the ranks that run out cannot join, every rank keeps one row in two of its workers' files, 87 and 86
+    rows; under ddp each takes whole files, 62 and 111, and the ranks join at the uneven end. Every row once."""
+    from data.hf import hf_datasets
+    from multigpu.config import TrainConfig
+    from multigpu.data import build_loader
+    from multigpu.data.streaming import TrainStream
+    from multigpu.parallel.distributed import Runtime
+
+    folder = write_id_files(tmp_path / "files", "jsonl", (53, 71, 9, 40))
+    config = TrainConfig(dataset="hf", data_files=str(folder / "*.jsonl"), streaming=True, mode="flatten")
+    train, _, _, _ = hf_datasets(config, keep=("id",))
+    for mode, cannot_join, shares in (("fsdp", "fsdp", [87, 86]), ("ddp", None, [62, 111])):
+        ids = []
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            runtime = Runtime(mode, torch.device("cpu"), rank, rank, 2)
+            stream = TrainStream(train, runtime, 16, 1, 0, 2, 0, None, build_loader, cannot_join=cannot_join)
+            ids.append([i for _, _, batch in stream.loader for i in batch["id"].tolist()])
+        assert [len(rank_ids) for rank_ids in ids] == shares, mode
+        assert sorted(ids[0] + ids[1]) == list(range(173)), mode
 
 
 def test_validation_files_are_read_in_their_own_format(tmp_path):

@@ -27,6 +27,7 @@ from conftest import (
     SplitIds,
     cli_env,
     config_for,
+    fork_loader_workers,
     free_port,
     read_ids,
     run_ranks,
@@ -73,15 +74,6 @@ def test_a_resume_at_another_layout_continues_every_slot_exactly():
                 counts[slot] = n
         layers.append({"slots": len(counts), "counts": counts})
     assert sorted(seen) == list(range(EPOCH))
-
-
-def fork_loader_workers() -> None:
-    """In a rank of run_ranks (a forkserver's child): loader workers fork, as they do under torchrun. Else they
-    start from a forkserver of the rank's own, each loader's importing torch (and datasets) afresh: on a busy
-    machine longer than the hang watchdog's 30 s."""
-    import multiprocessing
-
-    multiprocessing.set_start_method("fork", force=True)
 
 
 # ---------------------------------------------------------------- what a stream splits by itself
@@ -365,7 +357,8 @@ def test_a_stream_that_knows_its_rank_outside_iter_and_unequal_files_train_every
     write_id_files(tmp_path / "files", "jsonl", UNEQUAL_FILES)
     mode = "ddp" if world > 1 else "none"
     cases = [("rank in __init__", 0, mode), ("rank in __init__", 2, mode)]
-    cases += [("hf", 0, mode), ("hf split by node", 2, mode)] if hf else []
+    if hf and world > 1:  # at 1 rank every file is the rank's own
+        cases += [("hf", 0, mode), ("hf split by node", 2, mode)]
     ranks = (
         run_ranks(train_two_passes, world, tmp_path, tmp_path, cases)
         if world > 1
@@ -684,6 +677,9 @@ def test_a_resume_reaches_max_steps_on_an_endless_stream_with_the_uninterrupted_
 def evaluate_stream(rank: int, world: int, tmp: Path, workers: int, by_shard: bool) -> dict[str, float]:
     """One rank's evaluation of IdStream (its ids go to eval<rank>), without training."""
     from train_multi_gpu import MultiGPUTrainer
+
+    if world > 1:  # a rank of run_ranks; one rank runs in pytest's process
+        fork_loader_workers()
 
     config = config_for(tmp, world, num_workers=workers, eval_batch_size=5)
     model = IdModel(eval_ids_file=tmp / f"eval{rank}")

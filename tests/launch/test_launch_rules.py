@@ -11,11 +11,9 @@ from conftest import PYTHON, cli_env
 PROBE = """
 import sys
 from multigpu.launch import launch_rules
-codes = [
-    launch_rules.main(["check"]),
-    launch_rules.main(["plan"]),
-    launch_rules.main(["slurm", "--save-dir", "shared"]),
-]
+steps = [["check"], ["plan"], ["slurm", "--save-dir", "shared"], ["k8s", "--save-dir", "shared"]]
+steps.append(["ray", "--gpus", "0"])
+codes = [launch_rules.main(step) for step in steps]
 print(codes, "torch" in sys.modules, file=sys.stderr)
 """
 
@@ -25,4 +23,4 @@ def test_each_step_of_the_launchers_rules_runs_without_importing_torch(tmp_path:
         [PYTHON, "-c", PROBE], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert probe.returncode == 0, probe.stderr
-    assert probe.stderr.strip().splitlines()[-1] == "[0, 0, 0] False", probe.stderr
+    assert probe.stderr.strip().splitlines()[-1] == "[0, 0, 0, 0, 0] False", probe.stderr

@@ -134,6 +134,14 @@ def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
             ["--fault-tolerance", "--", "--ft-replica-id", "1"],
             "--ft-replica-id after -- is the launcher's to set",
         ),
+        (
+            ["--fault-tolerance", "--k8s"],
+            "--fault-tolerance runs its replica groups here or with --slurm, not with --k8s",
+        ),
+        (
+            ["--fault-tolerance", "--ray"],
+            "--fault-tolerance runs its replica groups here or with --slurm, not with --ray",
+        ),
     ):
         refused = launch(["--yes", "--dry-run", *args])
         assert refused.returncode == 2, (args, refused.stderr)

@@ -90,7 +90,7 @@ def train_uneven(rank: int, world: int, tmp: Path) -> dict[str, Any]:
                 "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
                 "moments": moments,
                 "steps": summary["global_step"],
-                "uneven": trainer.step.uneven_steps,
+                "uneven": getattr(trainer.step, "uneven_steps", 0),
             }
     return results
 
