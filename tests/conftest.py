@@ -576,12 +576,17 @@ def _received_fd(passed: Any) -> int:
     return passed.detach()
 
 
-def threads_as_the_environment_says() -> None:
-    """torch's threads as OMP_NUM_THREADS says, as a fresh process reads it: the server imported torch under its
-    own environment, so a forked rank ran 2 threads, not the 1 its variable asks for, and two ranks' spinning
-    threads on 2 busy cores made their steps 4-10 times slower."""
+def as_a_fresh_process() -> None:
+    """What a fresh process started with this environment has, in a rank forked from the preloaded server: torch's
+    threads as OMP_NUM_THREADS says (the server imported torch under its own environment, so a forked rank ran 2
+    threads, not the 1 its variable asks for, and two ranks' spinning threads on 2 busy cores made their steps
+    4-10 times slower), and multiprocessing's default start method (the server's forkserver was inherited: each
+    rank's loader workers started a Python of their own, without the settings the rank had made)."""
+    import multiprocessing
+
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _rank_entry(
@@ -604,7 +609,7 @@ def _rank_entry(
         os.dup2(received, fd)
         os.close(received)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
-    threads_as_the_environment_says()
+    as_a_fresh_process()
     skip_the_collection_at_exit()  # as the trainer's commands do: a second less per rank at exit
     try:
         if world_size > 1 and join_group:
@@ -784,7 +789,7 @@ def _worker_entry(
     os.environ.update(parent["environ"])
     if nproc is not None:
         os.environ.update(torchruns_variables(rank, nproc, parent["port"]))
-    threads_as_the_environment_says()
+    as_a_fresh_process()
     os.chdir(parent["cwd"])
     sys.path[:] = parent["path"]
     sys.argv = command

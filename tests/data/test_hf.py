@@ -101,6 +101,8 @@ def test_streamed_files_give_every_sample_once_over_ranks_and_workers(tmp_path, 
 
 @pytest.mark.slow
 def test_map_style_files_train_and_a_streamed_run_learns_under_torchrun(tmp_path):
+    from conftest import run_cli_forked
+
     folder = write_id_files(tmp_path / "jsonl", "jsonl")
     args = [
         "--dataset",
@@ -124,7 +126,8 @@ def test_map_style_files_train_and_a_streamed_run_learns_under_torchrun(tmp_path
         "--no-progress",
     ]
     for extra, nproc in (([], None), (["--streaming", "--num-workers", "2"], 2)):
-        result = run_cli([*args, *extra, "--save-dir", str(tmp_path / f"run{nproc}")], nproc=nproc)
+        argv = [*args, *extra, "--save-dir", str(tmp_path / f"run{nproc}")]
+        result = run_cli(argv, nproc=nproc) if nproc else run_cli_forked(argv)  # forked: no Python start
         assert_ok(result)
         assert "data hf: 201 train / 37 val samples" in result.stdout
         accuracy = float(re.search(r"done: best val acc ([\d.]+)", result.stdout).group(1))
@@ -289,10 +292,12 @@ def test_validation_files_are_read_in_their_own_format(tmp_path):
 def test_fewer_samples_than_ranks_is_refused_in_one_line(tmp_path):
     """One file of one row, streamed at 2 ranks: rank 1 gets no sample, and would only ever join rank 0's steps;
     the run says so in one line (rank 0's), exit 2, on both ranks, and writes no checkpoint."""
-    from conftest import run_cli_ranks
+    import main_multi_gpu
+    from conftest import run_forked_workers
 
     write_id_files(tmp_path / "files", "jsonl", (1,))
-    results = run_cli_ranks(
+    results = run_forked_workers(
+        main_multi_gpu.main,
         [
             "--dataset",
             "hf",
@@ -314,6 +319,7 @@ def test_fewer_samples_than_ranks_is_refused_in_one_line(tmp_path):
             str(tmp_path / "ckpt"),
         ],
         2,
+        tmp_path,
     )
     assert [result.returncode for result in results] == [2, 2], [result.stderr[-2000:] for result in results]
     assert results[0].stderr.splitlines() == [
@@ -378,11 +384,13 @@ def test_a_bad_row_that_one_rank_meets_is_that_ranks_one_line(tmp_path):
     """Two files at 2 ranks: split_dataset_by_node gives each rank one; rank 1's has broken JSON at row 7, met in
     its loader worker mid-epoch. Rank 1 says so in one line naming the file and row, exit 2; rank 0, left
     waiting for it in the step's collective, says it lost rank 1, exit 1."""
-    from conftest import run_cli_ranks
+    import main_multi_gpu
+    from conftest import run_forked_workers
 
     folder = write_id_files(tmp_path / "files", "jsonl", (12, 11))
     where = _break_json(folder)
-    results = run_cli_ranks(
+    results = run_forked_workers(
+        main_multi_gpu.main,
         [
             "--dataset",
             "hf",
@@ -406,6 +414,7 @@ def test_a_bad_row_that_one_rank_meets_is_that_ranks_one_line(tmp_path):
             str(tmp_path / "ckpt"),
         ],
         2,
+        tmp_path,
     )
     assert results[1].returncode == 2 and results[1].stderr.splitlines() == [
         f"error: rank 1: --data-files: {where}; fix or remove it (--resume auto then continues from the last "
