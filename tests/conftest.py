@@ -782,9 +782,13 @@ def _worker_entry(
     parent: dict[str, Any],
 ) -> None:
     import atexit
+    import multiprocessing.util
     import threading
 
-    atexit._clear()  # the server's own handlers are not this worker's
+    # The server's at-exit handlers are not this worker's. A fresh process registers multiprocessing's first, so
+    # it ends its own children last.
+    atexit._clear()
+    atexit.register(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
     os.environ.clear()
     os.environ.update(parent["environ"])
     if nproc is not None:

@@ -31,7 +31,7 @@ from conftest import (
     config_for,
     contents,
     image_folder,
-    run_cli,
+    run_cli_forked,
     run_ranks,
     tiny_model,
 )
@@ -48,7 +48,8 @@ def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues
     tmp_path,
 ):
     # README's first command, then one with another LR.
-    first, second = run_cli(QUICK, cwd=tmp_path), run_cli([*QUICK, "--lr", "0.01"], cwd=tmp_path)
+    first = run_cli_forked(QUICK, cwd=tmp_path)
+    second = run_cli_forked([*QUICK, "--lr", "0.01"], cwd=tmp_path)
     assert_ok(first)
     assert_ok(second)
     # Said in the first lines (after the model line), before anything is trained.
@@ -61,7 +62,7 @@ def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues
         (runs / run / name).exists() for run in ("run-1", "run-2") for name in ("last.pt", "best.pt", "tb")
     )
     other = contents(runs / "run-2")
-    resumed = run_cli(
+    resumed = run_cli_forked(
         [*QUICK[:-1], "2", "--resume", "auto"], cwd=tmp_path
     )  # run-1's command, 2 epochs in all
     assert_ok(resumed)
@@ -77,9 +78,9 @@ def test_without_save_dir_each_run_gets_its_own_folder_and_resume_auto_continues
 @pytest.mark.slow
 def test_an_overwrite_run_sigkilled_before_its_first_save_is_put_back_by_the_next_start(tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
-    assert_ok(run_cli([*QUICK, "--save-dir", str(save_dir)]))
+    assert_ok(run_cli_forked([*QUICK, "--save-dir", str(save_dir)]))
     before = contents(save_dir)
-    killed = run_cli([*QUICK, "--save-dir", str(save_dir), "--overwrite"], env={FAULT_ENV: "0:3"})
+    killed = run_cli_forked([*QUICK, "--save-dir", str(save_dir), "--overwrite"], env={FAULT_ENV: "0:3"})
     assert killed.returncode == -9 and not (save_dir / "best.pt").exists()
     (kept,) = save_dir.glob(".replaced-*")  # what the killed run set aside: nothing could put it back
     # The next start puts it back before anything else, and --resume auto continues the old run (here finished).
@@ -417,12 +418,12 @@ def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_n
     """The same command again, --resume auto added (a requeued job that had finished): one line, exit 0, and the
     checkpoints and TensorBoard event files stay byte for byte as they were."""
     save_dir = tmp_path / "ckpt"
-    first = run_cli([*QUICK, "--save-dir", str(save_dir)])
+    first = run_cli_forked([*QUICK, "--save-dir", str(save_dir)])
     assert_ok(first)
     best = checkpoint.load(str(save_dir / "best.pt"))["best_value"]
     before = contents(save_dir)
     assert any(name.parts[0] == "tb" for name in before)  # the event file is among what must stay as it was
-    again = run_cli([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"])
+    again = run_cli_forked([*QUICK, "--save-dir", str(save_dir), "--resume", "auto"])
     assert_ok(again)
     assert again.stdout.splitlines()[1:] == [
         f"run in {save_dir} is already complete: 1 epochs, best val_acc {best:.4f}; nothing to train (raise "
