@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from multigpu import safe_files
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, OneLineParser, TrainConfig, parse_config
 from multigpu.errors import UsageError
@@ -398,9 +399,12 @@ def _attempt(run_dir: str, rank: int) -> int:
     said: list[int | None] = [None]
     if rank == 0:
         path = os.path.join(run_dir, "attempts")
-        with open(path, "a+") as file:
-            file.seek(0)
-            said[0] = len(file.read().splitlines())
+        safe_files.refuse_link(path)
+        said[0] = 0
+        if os.path.exists(path):
+            with open(path) as earlier:
+                said[0] = len(earlier.read().splitlines())
+        with safe_files.open_no_follow(path, "a") as file:
             file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n")
     dist.broadcast_object_list(said, src=0)
     return int(said[0] or 0)

@@ -33,6 +33,7 @@ from multigpu.checkpoints import run_folders  # noqa: E402
 from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config  # noqa: E402
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.launch.answers import (  # noqa: E402
+    REPO,
     TORCHRUN,
     TRAINER,
     Devices,
@@ -445,6 +446,8 @@ def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[
         TRAINER,
         *argv,
     ]
+    # The group's status goes through safe_files, which never writes through a link planted at its name.
+    status_writer = ["env", f"PYTHONPATH={REPO}", s.python, "-m", "multigpu.safe_files", "write"]
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}: fault tolerance (torchft),
 # {nodes.count} replica groups, one per node ({"one GPU" if on_gpu else "one CPU process"} each), the Lighthouse
@@ -472,7 +475,8 @@ run_group() {{
     env OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK" {quoted(group)} \
         --ft-replica-id "$SLURM_NODEID" --ft-lighthouse "$TORCHFT_LIGHTHOUSE" \
         2>&1 | sed -u "s/^/[group $SLURM_NODEID] /"
-    echo "${{PIPESTATUS[0]}}" > "$SAVE_DIR/.group-$SLURM_NODEID.status"
+    status=${{PIPESTATUS[0]}}
+    echo "$status" | {quoted(status_writer)} "$SAVE_DIR/.group-$SLURM_NODEID.status"
 }}
 export -f run_group
 rm -f "$SAVE_DIR"/.group-*.status

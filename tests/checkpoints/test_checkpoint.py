@@ -252,7 +252,7 @@ def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, content, why):
 @pytest.mark.slow
 def test_the_start_probe_writes_real_bytes_so_a_full_disk_is_refused(tmp_path):
     probe = (
-        "import sys; from multigpu import checkpoint; checkpoint.check_writable(sys.argv[1]); "
+        "import sys; from multigpu.checkpoints import checkpoint; checkpoint.check_writable(sys.argv[1]); "
         "print(checkpoint.room_shortfall(sys.argv[1], 2 * 2**20, 2 * 2**20, 'one checkpoint'))"
     )
     run = functools.partial(
