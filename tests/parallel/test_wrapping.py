@@ -3,12 +3,13 @@ trains to, compiled checkpoints keep plain keys, and a run resumes compiled or n
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import blobs, config_for, needs_compiler, run_ranks, tiny_model
+from conftest import PYTHON, REPO, blobs, cli_env, config_for, needs_compiler, run_ranks, tiny_model
 from multigpu.data import SyntheticImages
 from multigpu.models import build_model
 from multigpu.parallel.wrapping import uncompiled
@@ -118,3 +119,17 @@ def test_uncompiled_runs_a_compiled_module_eagerly_so_the_start_probes_compile_n
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
     model(torch.randn(16, 4))  # training's batch: the first compile, at its own shape
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_run_of_an_uncompiled_model_never_imports_dynamo():
+    """Importing dynamo only to set its stance cost every run 1.7 s of start: uncompiled() leaves it alone when
+    nothing was compiled (compiling imports it)."""
+    probe = (
+        "import sys, torch\n"
+        "from multigpu.parallel.wrapping import uncompiled\n"
+        "with uncompiled():\n"
+        "    torch.nn.Linear(4, 2)(torch.randn(8, 4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([PYTHON, "-c", probe], cwd=REPO, env=cli_env(), capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr
