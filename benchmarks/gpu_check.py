@@ -1014,7 +1014,7 @@ def row_fsdp(ctx: Context) -> Verdict:
             "--device",
             "cuda" if ctx.cuda else "cpu",
             "--processes",
-            ",".join(map(str, sorted({1, nproc}))),
+            str(nproc),  # the row compares ddp and fsdp at N processes: one world size is enough
             "--json",
             str(memory),
         ],

@@ -11,7 +11,7 @@ which also holds torch itself, DDP's gradient buckets and fsdp's gathered blocks
     python benchmarks/memory_scaling.py                 # 50M parameters, N = 1, 2, 3 (CPU, gloo)
     python benchmarks/memory_scaling.py --small         # a tiny model: what CI runs
                                                         # (tests/benchmarks/test_memory_scaling.py)
-    python benchmarks/memory_scaling.py --device cuda --processes 1,2   # GPUs, NCCL (gpu_check.sh's fsdp row)
+    python benchmarks/memory_scaling.py --device cuda --processes 2     # GPUs, NCCL (gpu_check.sh's fsdp row)
     python benchmarks/memory_scaling.py --mesh          # ddp and the meshes 1x4, 2x2, 4x1 at 4 processes
 
 --mesh: the same memory count for ddp and fsdp's meshes (replicate x shard) of 4 processes, then each mesh's

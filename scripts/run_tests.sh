@@ -17,16 +17,19 @@ echo "ruff check, ruff format --check, mypy..." >&2
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
+# Both tiers run in worker processes, each taking whole test files (pytest-xdist's loadfile: a file's fixtures
+# are made once). Three for the full run on two cores: its tests wait on processes, servers and restarts a good
+# part of the time (with two, the cores were busy 85% of it), and the third fills those waits: 22 min 18 s
+# against 27 min 6 s in two, on the same machine and tests. The quick tier's tests are mostly in-process: two.
+# TEST_WORKERS=0 runs every test in pytest's own process, one after the other.
+tier=(--durations=15)
+workers=${TEST_WORKERS:-3}
 if [ "${1:-}" = "--quick" ]; then
     shift
-    exec .venv/bin/python -m pytest -q -m "not slow" --durations=10 "$@"
+    tier=(-m "not slow" --durations=10)
+    workers=${TEST_WORKERS:-2}
 fi
-# The full run in two worker processes, each taking whole test files (pytest-xdist's loadfile: a file's fixtures
-# are made once): with the ranks forked from a preloaded server (tests/conftest.py run_ranks) one process kept
-# 1.35 of the 2 cores busy, and the suite took 24 min 26 s there against 20 min 45 s in two. TEST_WORKERS=0 runs
-# every test in pytest's own process, one after the other (as the quick tier does).
-workers=${TEST_WORKERS:-2}
 if [ "$workers" = "0" ]; then
-    exec .venv/bin/python -m pytest -q --durations=15 "$@"
+    exec .venv/bin/python -m pytest -q "${tier[@]}" "$@"
 fi
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=15 "$@"
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "${tier[@]}" "$@"

@@ -57,20 +57,24 @@ TINY = [
     str(DIST_TIMEOUT),
 ]
 
-# The files that take minutes (their tests' seconds together, measured with --durations=0 on the 2-core
-# machine), started first: under pytest-xdist's --dist loadfile a worker that takes one of them last would run
+# The files that take minutes (their tests' seconds together, measured with --durations=0 in three workers on the
+# 2-core machine), started first: under pytest-xdist's --dist loadfile a worker that takes one of them last would run
 # on alone at the end while the other waits. Only the order changes; a stale figure costs time, never a result.
 HEAVIEST_FILES = {
-    "test_docs.py": 500,
-    "test_train_multi_gpu.py": 250,
-    "benchmarks/test_gpu_check.py": 220,
-    "test_examples.py": 150,
-    "test_main_multi_gpu.py": 140,
-    "test_resume.py": 120,
-    "launch/test_ray_train.py": 190,  # a Ray instance and four drivers on it (measured on a busy machine)
-    "launch/test_slurm.py": 105,
-    "data/test_hf.py": 105,
-    "data/test_streaming.py": 95,
+    "test_docs.py": 600,
+    "benchmarks/test_gpu_check.py": 270,
+    "test_examples.py": 260,
+    "test_main_multi_gpu.py": 200,
+    "data/test_streaming.py": 160,
+    "resilience/test_watchdog.py": 150,
+    "test_resume.py": 150,
+    "test_launch_multi_gpu.py": 150,
+    "checkpoints/test_sharded.py": 150,
+    "launch/test_ray_train.py": 145,  # a Ray instance and four drivers on it
+    "data/test_device_data.py": 135,
+    "data/test_hf.py": 115,
+    "test_sweep_multi_gpu.py": 105,
+    "test_bad_input.py": 100,
 }
 
 
