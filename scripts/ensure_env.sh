@@ -23,9 +23,7 @@ if ! { [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ];
     echo "setting up .venv (torch, torchvision, tensorboard, tqdm, pytest)..." >&2
     "$python_bin" -m venv .venv
     # pip's log goes to a file (this machine's pip config adds pages of warnings); shown only if it fails.
-    # --no-compile: Python compiles a module's bytecode when it is first imported; compiling every file of
-    # every package at install took a third of the set-up (58 s -> 39 s for requirements.txt alone).
-    if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt \
+    if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt \
             > .venv/pip-install.log 2>&1; then
         cat .venv/pip-install.log >&2
         echo "error: installing requirements.txt failed (log above, also in .venv/pip-install.log)" >&2
@@ -45,7 +43,7 @@ extras_stamp=.venv/.extras.sha256
 wanted_extras=$(echo "$wanted $extras" | sha256sum | cut -d' ' -f1)
 [ "$(cat "$extras_stamp" 2>/dev/null)" = "$wanted_extras" ] && exit 0
 echo "adding the extras [$extras] to .venv..." >&2
-if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-build-isolation -e ".[$extras]" \
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[$extras]" \
         >> .venv/pip-install.log 2>&1; then
     tail -20 .venv/pip-install.log >&2
     echo "error: installing the extras [$extras] into .venv failed (log in .venv/pip-install.log)" >&2
