@@ -43,8 +43,11 @@ extras_stamp=.venv/.extras.sha256
 wanted_extras=$(echo "$wanted $extras" | sha256sum | cut -d' ' -f1)
 [ "$(cat "$extras_stamp" 2>/dev/null)" = "$wanted_extras" ] && exit 0
 echo "adding the extras [$extras] to .venv..." >&2
-if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[$extras]" \
-        >> .venv/pip-install.log 2>&1; then
+# The extras without their bytecode compiled at install (Ray, transformers, MLflow, W&B, the docs' site: most of
+# the set-up's time): a process compiles what it imports, and keeps it unless PYTHONDONTWRITEBYTECODE is set
+# (scripts/run_tests.sh unsets it). The framework's own requirements above stay compiled for every run.
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-build-isolation \
+        -e ".[$extras]" >> .venv/pip-install.log 2>&1; then
     tail -20 .venv/pip-install.log >&2
     echo "error: installing the extras [$extras] into .venv failed (log in .venv/pip-install.log)" >&2
     exit 1

@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 # ([hf-trainer]), the sweep's --search with its plots ([search], [plots]), --fault-tolerance ([ft]), --ray-workers
 # ([ray]) and the TrainJob of --k8s read through Kubeflow Trainer's API model ([k8s]); [lint] brings ruff and mypy.
 bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft,ray,k8s,lint
+# Bytecode kept once compiled, whatever this machine's default: the extras are installed without it
+# (scripts/ensure_env.sh), and the tests start hundreds of processes that import them.
+unset PYTHONDONTWRITEBYTECODE
 # First, and failing fast: the lint, the format and the types, each checking what pyproject.toml names
 # ([tool.ruff], [tool.mypy]). Seconds with mypy's cache (.mypy_cache); its first run takes about a minute.
 echo "ruff check, ruff format --check, mypy..." >&2
