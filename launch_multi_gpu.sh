@@ -105,12 +105,14 @@ Ray (runs main_multi_gpu.py --ray-workers N; see docs/launcher.md, "Ray"):
   --ray-max-failures K    let Ray restart the workers after up to K failures
 Fault tolerance (torchft; docs/fault-tolerance.md):
   --fault-tolerance       train as replica groups that outlive each other's loss:
-                          a torchft Lighthouse and --replica-groups groups of one
-                          process each (on GPUs one GPU each) on this machine, or
-                          with --slurm one group per node, the Lighthouse on the
-                          first; a lost group's share of the data is skipped until
-                          torchrun restarts it (--max-restarts, default 3) and it
-                          heals from a live peer
+                          a torchft Lighthouse and --replica-groups groups on this
+                          machine, each one process, or with --gpus P a torchrun
+                          job of P processes (GPUs, or CPU processes) training
+                          with --multi-gpu ddp (default) or fsdp; with --slurm one
+                          group per node, the Lighthouse on the first; a lost
+                          group's share of the data is skipped until torchrun
+                          restarts it (--max-restarts, default 3) and it heals
+                          from a live peer
   --replica-groups N      how many replica groups (default 2)
   --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
                           from there upward)

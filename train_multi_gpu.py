@@ -222,7 +222,10 @@ class MultiGPUTrainer:
         # How long a rank waits for the others' word on a stop signal, or for a lost peer's last collective.
         wait_seconds = min(self.config.dist_timeout, 10.0)
         try:
-            with stops_handled(self.stop, rt.rank, rt.world_size, wait_seconds, replica.after_losing_a_peer):
+            peer_lost = replica.after_losing_a_peer
+            with stops_handled(
+                self.stop, rt.rank, rt.world_size, wait_seconds, peer_lost, rt.leave_replica_groups
+            ):
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 # A finished run, resumed: said in one line, nothing written.
                 if self.resume() and self._trained():

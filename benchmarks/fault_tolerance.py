@@ -2,13 +2,15 @@
 
 The same run twice, each process killed by SIGKILL (as a lost node's are) once it has finished step --kill-at:
 
-- fault tolerance: 2 replica groups x 1 process, gloo, a torchft Lighthouse on 127.0.0.1. Group 1 is killed;
-  group 0 goes on alone. Measured: the time from the kill to group 0's next committed step, beside its bound
-  (--dist-timeout for a step whose all-reduce hangs, plus the Lighthouse's heartbeat timeout and one quorum tick
-  before a quorum leaves the lost group out); the steps no group committed. Group 1 is started again and heals
-  from group 0: the time from its start to its first committed step, and, at that step, whether every parameter
-  and optimizer tensor is torch.equal in both groups and their step counters match. With --second-kill, group 0
-  is then killed too, and group 1 must train on alone, lead, and write the run's checkpoints.
+- fault tolerance: 2 replica groups x 1 process (x --group-size processes, each group a torchrun job of
+  --group-mode ddp or fsdp), gloo, a torchft Lighthouse on 127.0.0.1. Group 1 is killed (its last rank, which
+  ends its torchrun job); group 0 goes on alone. Measured: the time from the kill to group 0's next committed
+  step, beside its bound (--dist-timeout for a step whose all-reduce hangs, plus the Lighthouse's heartbeat
+  timeout and one quorum tick before a quorum leaves the lost group out); the steps no group committed. Group
+  1 is started again and heals from group 0: the time from its start to its first committed step, and, at that
+  step, whether every parameter and optimizer tensor is torch.equal in both groups and their step counters
+  match. With --second-kill, group 0 is then killed too, and group 1 must train on alone, lead, and write the
+  run's checkpoints.
 - restart from checkpoint: one torchrun job of 2 processes (DDP, the same data-parallel width) with
   --max-restarts 1 and a checkpoint every --save-every steps; rank 1 is killed, torchrun restarts both, and they
   resume from the newest checkpoint. Measured: the steps lost (trained again) and the time from the kill until
@@ -16,6 +18,7 @@ The same run twice, each process killed by SIGKILL (as a lost node's are) once i
 
     python benchmarks/fault_tolerance.py                       # both, the figures of docs/measured.md
     python benchmarks/fault_tolerance.py --tiny --second-kill  # the fault-tolerance side only, as the tests run it
+    python benchmarks/fault_tolerance.py --tiny --group-size 2 --group-mode fsdp   # groups of 2 processes
     python benchmarks/fault_tolerance.py group --timeline F -- TRAINER FLAGS   # one process (the driver's)
 """
 
@@ -102,13 +105,22 @@ class Timeline:
                 state = {
                     "step": step,
                     "committed_steps": replicas.groups.committed_steps,
-                    "model": trainer.model.state_dict(),
-                    "optimizer": trainer.optimizer.state_dict(),
+                    "model": local(trainer.model.state_dict()),
+                    "optimizer": local(trainer.optimizer.state_dict()),
                 }
                 torch.save(state, f"{self.path}.step{step}.pt")
             self.full = full
         if self.step_seconds:
             time.sleep(self.step_seconds)
+
+
+def local(state: Any) -> Any:
+    """`state` with each fsdp DTensor as this rank's own shard (its counterpart in another group holds the same)."""
+    if isinstance(state, dict):
+        return {key: local(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [local(value) for value in state]
+    return state.to_local() if hasattr(state, "to_local") else state
 
 
 def group_main(argv: Sequence[str]) -> int:
@@ -206,6 +218,17 @@ def median_step_seconds(entries: list[dict[str, Any]]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def compare_ranks(pairs: Sequence[tuple[Path, Path]]) -> dict[str, Any]:
+    """compare_dumps of each rank's pair (rank r of one group, rank r of the other), summed up."""
+    each = [compare_dumps(*pair) for pair in pairs]
+    return {
+        "tensors_compared": sum(one["tensors_compared"] for one in each),
+        "all_equal": all(one["all_equal"] for one in each),
+        "steps": sorted({step for one in each for step in one["steps"]}),
+        "committed_steps": sorted({step for one in each for step in one["committed_steps"]}),
+    }
+
+
 def compare_dumps(first: Path, second: Path) -> dict[str, Any]:
     """Whether two groups' dumps at the same step hold equal tensors (torch.equal) and step counters."""
     import torch
@@ -246,33 +269,46 @@ def fault_tolerance_run(args: argparse.Namespace, folder: Path) -> dict[str, Any
         "--save-every-steps",
         str(args.save_every),
     ]
-    timelines = [folder / f"ft-group{group}.jsonl" for group in range(2)]
+    ranks = range(args.group_size)
+    timelines = [[folder / f"ft-group{group}-rank{rank}.jsonl" for rank in ranks] for group in range(2)]
+    leaders = [timelines[group][0] for group in range(2)]  # each group's rank 0
+    last_ranks = [timelines[group][-1] for group in range(2)]  # the process killed in each group
 
     def launch(group: int) -> subprocess.Popen:
-        command = group_command(
-            timelines[group], args.step_seconds, [*trainer, "--ft-replica-id", str(group)]
-        )
-        return start(command, folder / f"ft-group{group}.log")
+        return start(group_run(args, folder, group, trainer), folder / f"ft-group{group}.log")
 
     groups = [launch(0), launch(1)]
     try:
-        killed_after, killed = kill_after(timelines[1], args.kill_at, groups)
+        killed_after, killed = kill_after(last_ranks[1], args.kill_at, groups)
         back = wait_for(
-            lambda: first_after(timelines[0], killed, without=1), "group 0's next commit", groups[:1]
+            lambda: first_after(leaders[0], killed, without=1), "group 0's next commit", groups[:1]
         )
-        before = [entry for entry in read(timelines[0]) if entry.get("time", 0) < killed]
-        uncommitted = [entry["step"] for entry in read(timelines[0]) if entry.get("committed") is False]
+        before = [entry for entry in read(leaders[0]) if entry.get("time", 0) < killed]
+        uncommitted = [entry["step"] for entry in read(leaders[0]) if entry.get("committed") is False]
+        groups[1].wait(timeout=WAIT_SECONDS)  # a torchrun job ends its other processes when one dies
         restarted = time.time()
         groups[1] = launch(1)
 
         def started_again() -> list[dict[str, Any]]:
-            return [e for e in read(timelines[1]) if e.get("event") == "start" and e["time"] > restarted]
+            return [e for e in read(leaders[1]) if e.get("event") == "start" and e["time"] > restarted]
 
         healed = wait_for(started_again, "group 1's start after its restart", groups)[0]
-        rejoined = wait_for(lambda: first_after(timelines[1], restarted), "group 1's first commit", groups)
-        dumps = [Path(f"{timeline}.step{rejoined['step']}.pt") for timeline in timelines]
-        wait_for(lambda: all(dump.exists() for dump in dumps), "both groups' state at the rejoin", groups)
+        rejoined = wait_for(lambda: first_after(leaders[1], restarted), "group 1's first commit", groups)
+        dumps = [
+            (
+                Path(f"{timelines[0][rank]}.step{rejoined['step']}.pt"),
+                Path(f"{timelines[1][rank]}.step{rejoined['step']}.pt"),
+            )
+            for rank in ranks
+        ]
+        wait_for(
+            lambda: all(dump.exists() for pair in dumps for dump in pair),
+            "both groups' state at the rejoin",
+            groups,
+        )
         result = {
+            "group_size": args.group_size,
+            "group_mode": args.group_mode if args.group_size > 1 else "none",
             "kill_after_step": killed_after,
             "normal_step_seconds": median_step_seconds(before),
             "kill_to_next_commit_seconds": back["time"] - killed,
@@ -284,10 +320,12 @@ def fault_tolerance_run(args: argparse.Namespace, folder: Path) -> dict[str, Any
             "healed_at": healed["healed_at"],
             "rejoined_step": rejoined["step"],
             "rejoined_live_groups": rejoined["live"],
-            "at_rejoin": compare_dumps(*dumps),
+            "at_rejoin": compare_ranks(dumps),
         }
         if args.second_kill:
-            result["second_kill"] = second_kill(args, timelines, groups, rejoined["step"] + 2, save_dir)
+            result["second_kill"] = second_kill(
+                args, leaders, last_ranks, groups, rejoined["step"] + 2, save_dir
+            )
         for process in groups:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)  # a clean stop: the leading group saves last.pt
@@ -302,16 +340,32 @@ def fault_tolerance_run(args: argparse.Namespace, folder: Path) -> dict[str, Any
             lighthouse.terminate()
 
 
+def group_run(args: argparse.Namespace, folder: Path, group: int, trainer: list[str]) -> list[str]:
+    """Replica group `group`'s command: one process, or a torchrun job of --group-size processes (no restarts:
+    the driver starts it again)."""
+    timeline = folder / f"ft-group{group}-rank{{rank}}.jsonl"
+    flags = [*trainer, "--ft-replica-id", str(group)]
+    if args.group_size == 1:
+        return group_command(timeline, args.step_seconds, flags)
+    torchrun = ["--standalone", f"--nproc_per_node={args.group_size}", "--max-restarts=0"]
+    return group_command(timeline, args.step_seconds, [*flags, "--multi-gpu", args.group_mode], torchrun)
+
+
 def second_kill(
-    args: argparse.Namespace, timelines: list[Path], groups: list[subprocess.Popen], step: int, save_dir: Path
+    args: argparse.Namespace,
+    leaders: list[Path],
+    last_ranks: list[Path],
+    groups: list[subprocess.Popen],
+    step: int,
+    save_dir: Path,
 ) -> dict[str, Any]:
     """Group 0 killed after the heal: group 1 must commit on alone, lead, and write the run's checkpoints."""
-    killed_after, killed = kill_after(timelines[0], step, groups)
-    back = wait_for(lambda: first_after(timelines[1], killed, without=0), "group 1's next commit", groups[1:])
+    killed_after, killed = kill_after(last_ranks[0], step, groups)
+    back = wait_for(lambda: first_after(leaders[1], killed, without=0), "group 1's next commit", groups[1:])
     saved = wait_for(
         lambda: [
             entry
-            for entry in read(timelines[1])
+            for entry in read(leaders[1])
             if entry.get("time", 0) > killed and entry["step"] % args.save_every == 0 and entry["leads"]
         ],
         "a checkpoint step of group 1 alone",
@@ -417,7 +471,8 @@ def table(ft: dict[str, Any], restart: dict[str, Any] | None, args: argparse.Nam
     header = [
         "",
         f"restart from checkpoint (torchrun --max-restarts 1, a checkpoint every {args.save_every} steps)",
-        "--fault-tolerance (2 replica groups x 1 process, torchft)",
+        f"--fault-tolerance (2 replica groups x {args.group_size} process{'es' if args.group_size > 1 else ''}, "
+        f"torchft)",
     ]
     return markdown_table(header, rows)
 
@@ -441,6 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--second-kill", action="store_true", help="then kill group 0 too (the tests' check)")
     parser.add_argument(
         "--tiny", action="store_true", help="the fault-tolerance run only (no restart baseline)"
+    )
+    parser.add_argument("--group-size", type=int, default=1, help="processes per replica group (torchrun)")
+    parser.add_argument(
+        "--group-mode", choices=["ddp", "fsdp"], default="ddp", help="--multi-gpu within a group of several"
     )
     parser.add_argument("--json", help="also write the raw figures here")
     parser.add_argument("--folder", help="keep the runs' files here (default: a temporary folder)")

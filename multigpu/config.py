@@ -123,9 +123,10 @@ class TrainConfig:
     )
     fault_tolerance: bool = _opt(
         False,
-        "train as one of --ft-replica-groups replica groups that outlive each other's loss (torchft): each "
-        "step commits with the groups alive, a lost group's share of the data is skipped until it rejoins "
-        "and heals from a live peer, without a checkpoint read (docs/fault-tolerance.md; needs torchft: "
+        "train as one of --ft-replica-groups replica groups that outlive each other's loss (torchft), each "
+        "one process or a torchrun job of --multi-gpu ddp or fsdp: each step commits with the groups alive, "
+        "a lost group's share of the data is skipped until it rejoins and heals from a live peer, without a "
+        "checkpoint read (docs/fault-tolerance.md; needs torchft: "
         "pip install '.[ft]', and its Lighthouse)",
         group="devices",
     )
@@ -442,8 +443,8 @@ class TrainConfig:
         "file: rank 0 writes one file (last.pt); safetensors: the same as "
         "last.safetensors, without pickle (the trainer state as JSON in its header); "
         "sharded: a folder (last/) where every process writes its own shards in parallel, "
-        "which resumes at any number of processes; auto: sharded under --multi-gpu fsdp, "
-        "else file",
+        "which resumes at any number of processes; auto: sharded under --multi-gpu fsdp "
+        "(file under --fault-tolerance), else file",
         ["auto", "file", "safetensors", "sharded"],
         group="output",
     )
@@ -761,9 +762,10 @@ class TrainConfig:
         return list(dict.fromkeys(name.strip() for name in self.logger.split(",") if name.strip()))
 
     def sharded_checkpoints(self) -> bool:
-        """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp)."""
+        """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp, but for
+        --fault-tolerance's replica groups, whose leading group writes one file)."""
         return self.checkpoint_format == "sharded" or (
-            self.checkpoint_format == "auto" and self.multi_gpu == "fsdp"
+            self.checkpoint_format == "auto" and self.multi_gpu == "fsdp" and not self.fault_tolerance
         )
 
     def image_dims(self) -> tuple[int, int, int]:

@@ -1253,3 +1253,16 @@ def lighthouse() -> Iterator[str]:
 
 
 LIGHTHOUSE_HEARTBEAT_MS = 1000  # the shared Lighthouse's heartbeat timeout
+
+
+def regression_set(size: int, seed: int, target_shape: tuple[int, ...] = (1,)) -> TensorDataset:
+    """A regression set: 20 random inputs, the target twice the first plus 0.1 (shaped `target_shape`)."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, 20, generator=generator)
+    return TensorDataset(inputs, inputs[:, :1].reshape(size, *target_shape) * 2 + 0.1)
+
+
+def regression_model() -> torch.nn.Module:
+    """A linear regressor of regression_set's inputs, the same start in every process."""
+    torch.manual_seed(0)
+    return torch.nn.Linear(20, 1)

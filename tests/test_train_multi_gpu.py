@@ -22,6 +22,8 @@ from conftest import (
     cli_env,
     config_for,
     read_scalars,
+    regression_model,
+    regression_set,
     run_ranks,
     thread_names,
     tiny_model,
@@ -137,7 +139,6 @@ def test_ddp_ranks_end_with_identical_weights(tmp_path):
 
 # ---------------------------------------------------------------- best checkpoint, evaluation batch, lifecycle
 def test_best_checkpoint_follows_the_monitored_metric_in_its_direction(tmp_path):
-    from test_metrics import regression_model, regression_set
 
     for mode, pick in (("auto", min), ("max", max)):  # auto: val_loss, lower is better; max overrides it
         config = config_for(tmp_path / mode, 1, epochs=3, monitor_mode=mode, lr=0.002)

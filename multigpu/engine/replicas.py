@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -108,14 +109,22 @@ class Replicas:
         self.groups.share_state(STATE_KEY, self._send, self._receive)
 
     # ------------------------------------------------------------------ heals
+    def _things(self) -> dict[str, Any]:
+        """What a heal sends and loads: the checkpoint's things less this group's random stream. A sharded model's
+        and optimizer's state as this rank's own shards, which its counterpart in the healing group holds too:
+        no collective runs while torchft serves it."""
+        things = {name: thing for name, thing in self.trainer.stateful().items() if name != "rng"}
+        if things["optimizer"].sharded:
+            things["model"] = things["model"].as_shards()
+            things["optimizer"] = things["optimizer"].as_shards()
+        return things
+
     def _send(self) -> dict[str, Any]:
-        """What a healing peer takes: the checkpoint's contents less this group's random stream, copied (torchft
-        serves it while this group trains on), and the ledger."""
-        trainer = self.trainer
-        things = {name: thing for name, thing in trainer.stateful().items() if name != "rng"}
+        """What a healing peer takes, copied (torchft serves it while this group trains on): the trainer's state
+        and the ledger."""
         return copy.deepcopy(
             {
-                "trainer": trainer.checkpointer.state_of(things),
+                "trainer": self.trainer.checkpointer.state_of(self._things()),
                 "ledger": asdict(self.ledger),
                 "from_group": self.groups.replica_id,
             }
@@ -124,10 +133,11 @@ class Replicas:
     def _receive(self, sent: dict[str, Any]) -> None:
         """A live peer's state, loaded into this group's live objects (in the quorum, between two steps)."""
         saved = sent["trainer"]
+        things = self._things()
         if saved["global_step"] == 0:  # torchft's first sync of a fresh run: the same start for every group
-            self.trainer.model.load_state_dict(saved["model"])
+            things["model"].load_state_dict(saved["model"])
             return
-        state.load(self.trainer, saved, f"the state of replica group {sent['from_group']}")
+        state.load(self.trainer, saved, f"the state of replica group {sent['from_group']}", things)
         self.ledger = Ledger(**sent["ledger"])
         self.healed_from = sent["from_group"]
 
@@ -141,12 +151,13 @@ class Replicas:
         self._lead(self.groups.live_groups())
         if self.healed_from is not None:
             progress = self.trainer.progress
-            print(
+            healed = (
                 f"replica group {self.groups.replica_id} joined at step {progress.global_step + 1}: healed from "
                 f"replica group {self.healed_from} in {time.perf_counter() - started:.2f}s (model, optimizer, LR "
-                f"schedule, data position; no checkpoint read)",
-                flush=True,
+                f"schedule, data position; no checkpoint read)"
             )
+            if self.runtime.rank == 0:  # the group's other ranks healed alike
+                print(healed, flush=True)
             self.trainer.report.purge_step = self.healed_at = progress.global_step + 1
             return True
         resumed = state.resume(self.trainer)
@@ -192,13 +203,22 @@ class Replicas:
         """torchft's quorum for `step` (a heal included); a quorum that cannot form ends the run in one line."""
         self.healed_from = None
         try:
-            self.groups.start_quorum()
+            with self.waiting_for(f"the quorum of step {step}"):
+                self.groups.start_quorum()
         except Exception as error:  # the Lighthouse is gone, or too few groups are alive for too long
             detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise TrainingStopped(
                 f"replica group {self.groups.replica_id}: no quorum of live replica groups for step {step} "
                 f"({detail}); the newest checkpoint is {self.trainer.checkpointer.newest()}"
             ) from None
+
+    def waiting_for(self, what: str) -> AbstractContextManager[None]:
+        """A block in which this rank waits for `what` from the other processes: a stop request there ends the
+        process at once, so that its group leaves the quorum and the live groups train on (torchrun's SIGTERM
+        after a process of the group died: the dead one never joins what the others wait for)."""
+        rank = f"rank {self.runtime.rank} of " if self.runtime.world_size > 1 else ""
+        waiting = f"{rank}replica group {self.groups.replica_id} waits for {what}"
+        return self.trainer.stop.exits_while(waiting)
 
     # ------------------------------------------------------------------ the run's end
     def summary(self) -> dict[str, Any]:
@@ -244,8 +264,10 @@ class ReplicatedStep(TrainStep):
         self.replicas.step_ends(group_samples)
 
     def _optimizer_step(self) -> None:
-        self.replicas.groups.average_gradients(self.model.parameters())
-        super()._optimizer_step()
+        step = self.replicas.trainer.progress.global_step + 1
+        with self.replicas.waiting_for(f"the commit of step {step}"):
+            self.replicas.groups.average_gradients(self.model.parameters())
+            super()._optimizer_step()
 
 
 def join(trainer: Any) -> Replicas | None:

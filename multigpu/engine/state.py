@@ -320,12 +320,12 @@ class Resumable(Protocol):
     def steps_done_in_epoch(self) -> int: ...
 
 
-def load(run: Resumable, saved: dict[str, Any], path: str) -> None:
+def load(run: Resumable, saved: dict[str, Any], path: str, things: dict[str, Any] | None = None) -> None:
     """A checkpoint (a file's state, or a sharded folder's at `path`) into the live run; this run's LR and
     weight decay hold from the next step, the schedule continuing at the same point of training in this run's
-    steps (docs/sweeps.md, "Resume")."""
+    steps (docs/sweeps.md, "Resume"). `things`: what `saved` holds, when not the whole of `run.stateful()`."""
     built = group_settings(run.optimizer)  # this run's LR and weight decay, which the checkpoint's replace
-    run.checkpointer.load_into(run.stateful(), saved, path)
+    run.checkpointer.load_into(things or run.stateful(), saved, path)
     place = (
         run.progress.epoch * run.steps_per_epoch + run.steps_done_in_epoch()
     )  # the samples seen, in our steps

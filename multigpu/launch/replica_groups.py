@@ -236,8 +236,6 @@ DEFAULT_RESTARTS = 3  # torchrun restarts a group's process this often: each tim
 # The trainer flags the launcher sets for each group; a copy after -- would contradict them.
 FT_OWNED = ("fault_tolerance", "ft_replica_groups", "ft_replica_id", "ft_lighthouse", "multi_gpu")
 NOT_FOR_GROUPS = (
-    "gpus",
-    "nproc",
     "gpu_ids",
     "nnodes",
     "node_rank",
@@ -246,11 +244,13 @@ NOT_FOR_GROUPS = (
     "dp_replicate",
     "dp_shard",
 )
+GROUP_MODES = ("ddp", "fsdp")  # a group of several processes: the model replicated or sharded within it
 
 
 def settle(s: Settings) -> tuple[Devices, Nodes]:
-    """--fault-tolerance's layout, checked: --replica-groups groups of one process each (one GPU each where there
-    are GPUs). As the batch and LR arithmetic sees them: one process per 'node', the groups as the nodes."""
+    """--fault-tolerance's layout, checked: --replica-groups groups, each one process or a torchrun job of --gpus
+    processes (one GPU each, or CPU processes) that replicate (ddp) or shard (fsdp) the model within the group. As
+    the batch and LR arithmetic sees them: the groups as the nodes, a group's processes as each node's."""
     if not s.fault_tolerance:
         named = "--replica-groups" if s.replica_groups is not None else "--lighthouse-port"
         raise UsageError(f"{named} is for --fault-tolerance; add --fault-tolerance (or drop {named})")
@@ -262,36 +262,65 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
             f"--{flag(owned[0])} after -- is the launcher's to set with --fault-tolerance; leave it out"
         )
     for name in NOT_FOR_GROUPS:
-        if getattr(s, name) is not None and not (s.slurm and name == "gpus"):
+        if getattr(s, name) is not None:
             raise UsageError(
-                f"--{flag(name)} with --fault-tolerance: each replica group is one process (one GPU each); "
-                f"--replica-groups N says how many"
+                f"--{flag(name)} with --fault-tolerance: each replica group is one process or one torchrun job "
+                f"on one machine, and the groups are the replicas; --replica-groups N says how many"
             )
-    if s.multi_gpu not in (None, "none", "single"):
+    on_gpu = _groups_on_gpu(s)
+    per_group = _processes_per_group(s, on_gpu)
+    mode = _group_mode(s, per_group)
+    processes = groups * per_group
+    if not s.slurm and on_gpu and processes > len(s.found):
         raise UsageError(
-            f"--multi-gpu {s.multi_gpu} with --fault-tolerance: each replica group is one process, which the "
-            f"groups replicate (--multi-gpu none); docs/fault-tolerance.md says which groups of several work"
+            f"--replica-groups {groups} of {plural(per_group, 'GPU')}: {processes} GPUs, and "
+            f"{plural(len(s.found), 'GPU')} were found here"
         )
-    gpus = whole("gpus", s.gpus, 0, 1) if s.slurm else None  # a SLURM job's nodes: one GPU each, or none
-    on_gpu = bool(s.found) if gpus is None else gpus == 1
-    if not s.slurm and on_gpu and groups > len(s.found):
+    if not s.slurm and not on_gpu and processes > cores_here() and not s.oversubscribe:
         raise UsageError(
-            f"--replica-groups {groups}: each group takes one GPU, and {plural(len(s.found), 'GPU')} "
-            f"were found here"
-        )
-    if not s.slurm and not on_gpu and groups > cores_here() and not s.oversubscribe:
-        raise UsageError(
-            f"--replica-groups {groups}: more processes than this machine's {plural(cores_here(), 'CPU core')}, "
-            f"which they would only share; give at most {cores_here()}, or add --oversubscribe"
+            f"--replica-groups {groups} of {plural(per_group, 'process')}: more processes than this machine's "
+            f"{plural(cores_here(), 'CPU core')}, which they would only share; give fewer, or add --oversubscribe"
         )
     restarts = whole("max_restarts", s.max_restarts, 0)
-    return Devices("ddp", 1, None, on_gpu), Nodes(count=groups, max_restarts=restarts)
+    return Devices(mode, per_group, None, on_gpu), Nodes(count=groups, max_restarts=restarts)
+
+
+def _groups_on_gpu(s: Settings) -> bool:
+    """Whether the groups train on GPUs: those found here, or a SLURM job's --gpus per node (0: CPU nodes)."""
+    gpus = whole("gpus", s.gpus, 0) if s.slurm else None
+    return bool(s.found) if gpus is None else gpus > 0
+
+
+def _processes_per_group(s: Settings, on_gpu: bool) -> int:
+    """Each group's processes, as the launcher counts a node's: --gpus (GPUs, or CPU processes without GPUs;
+    --nproc is the same; a SLURM job's CPU nodes: --gpus 0 and --nproc); 1 by default."""
+    if s.nproc is not None and s.gpus is not None and s.nproc != s.gpus and not (s.slurm and not on_gpu):
+        raise UsageError("give --gpus or --nproc, not both")
+    given = "gpus" if s.gpus is not None and (on_gpu or not s.slurm) else "nproc"
+    return whole(given, getattr(s, given), 1) or 1
+
+
+def _group_mode(s: Settings, per_group: int) -> str:
+    """How a group's processes share the model: --multi-gpu ddp (the default) or fsdp; one process: none."""
+    if per_group == 1:
+        if s.multi_gpu not in (None, "none", "single"):
+            raise UsageError(
+                f"--multi-gpu {s.multi_gpu} with --fault-tolerance and groups of one process: give each group "
+                f"several with --gpus P (CPU processes without GPUs), or leave --multi-gpu out"
+            )
+        return "none"
+    if s.multi_gpu in (None, *GROUP_MODES):
+        return s.multi_gpu or "ddp"
+    raise UsageError(
+        f"--multi-gpu {s.multi_gpu} with --fault-tolerance: a replica group of several processes trains with "
+        f"--multi-gpu ddp (the default) or fsdp"
+    )
 
 
 def group_argv(s: Settings, devices: Devices, groups: int) -> list[str]:
     """The trainer flags of every group; each adds its --ft-replica-id and --ft-lighthouse."""
     return [
-        *trainer_flags(s, Devices("none", 1, None, devices.on_gpu)),
+        *trainer_flags(s, devices),
         "--fault-tolerance",
         "--ft-replica-groups",
         str(groups),
@@ -323,14 +352,22 @@ def lighthouse_port(s: Settings) -> tuple[int, str]:
     )
 
 
+def group_text(devices: Devices) -> str:
+    """What one replica group is, in the plan's words."""
+    backend = "" if devices.on_gpu else " (gloo)"
+    if devices.count == 1:
+        return f"one {devices.unit}{backend}"
+    return f"{plural(devices.count, devices.unit)} with --multi-gpu {devices.mode}{backend}"
+
+
 def plan_lines(s: Settings, devices: Devices, nodes: Nodes, config: Any, where: str) -> list[str]:
     restarts = DEFAULT_RESTARTS if nodes.max_restarts is None else nodes.max_restarts
-    each = "one GPU" if devices.on_gpu else "one CPU process (gloo)"
+    each = group_text(devices)
     return [
         f"Plan: fault tolerance (torchft), {nodes.count} replica groups of {each}, {where}",
         f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)} (all groups)",
         f"  {lr_text(s, config, devices, nodes)}",
-        f"  a lost group's share of the data is skipped while the others train on; torchrun restarts its process "
+        f"  a lost group's share of the data is skipped while the others train on; torchrun restarts the group "
         f"(up to {restarts} times) and it heals from a live peer",
         f"  checkpoints (written by the lowest live group) and launch files in {config.save_dir}/",
     ]
@@ -354,7 +391,7 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         "--log-file",
         os.path.join(save_dir, "torchrun.log"),
         "--standalone",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={devices.count}",
         f"--max_restarts={restarts}",
         shown(TRAINER),
         *argv,
@@ -371,8 +408,8 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         "--lighthouse-port",
         str(port),
         "--threads",
-        str(omp_threads(cores_here(), nodes.count)),
-        *(["--devices", ",".join(s.found[: nodes.count])] if devices.on_gpu else []),
+        str(omp_threads(cores_here(), nodes.count * devices.count)),
+        *(["--devices", group_devices(s.found, nodes.count, devices.count)] if devices.on_gpu else []),
         "--",
         *group,
     ]
@@ -382,6 +419,11 @@ def plan(s: Settings, settle_save_dir: Any) -> Any:
         yield "plan", f"  {note}"
     yield "save-dir", save_dir
     yield "command", quoted(supervisor)
+
+
+def group_devices(found: Sequence[str], groups: int, per_group: int) -> str:
+    """Each group's CUDA_VISIBLE_DEVICES, ';' between the groups: '0,1;2,3'."""
+    return ";".join(",".join(found[group * per_group : (group + 1) * per_group]) for group in range(groups))
 
 
 def _named(config: TrainConfig) -> str:
@@ -414,16 +456,17 @@ def slurm(s: Settings) -> Any:
     yield "plan", f"  job script {script}; its output in {save_dir}/slurm-<job id>.out"
     yield "save-dir", save_dir
     yield "script-file", script
-    yield "script", slurm_script(s, nodes, devices.on_gpu, port, argv, config)
+    yield "script", slurm_script(s, nodes, devices, port, argv, config)
 
 
-def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[str], config: Any) -> str:
+def slurm_script(s: Settings, nodes: Nodes, devices: Devices, port: int, argv: list[str], config: Any) -> str:
     """The sbatch script: the Lighthouse on the first node, then one task per node, each a replica group (a
-    torchrun of one process, restarted --max-restarts times) numbered by $SLURM_NODEID; a failed group ends
-    nothing else. The job succeeds when some group finished the run."""
+    torchrun of the group's processes, restarted --max-restarts times) numbered by $SLURM_NODEID; a failed group
+    ends nothing else. The job succeeds when some group finished the run."""
+    per_group = devices.count
     directives = ["--job-name=multigpu-ft", f"--nodes={nodes.count}", "--ntasks-per-node=1"]
-    directives += ["--gpus-per-node=1"] if on_gpu else []
-    cpus = whole("cpus_per_task", s.cpus_per_task, 1) or (5 if on_gpu else 1)
+    directives += [f"--gpus-per-node={per_group}"] if devices.on_gpu else []
+    cpus = whole("cpus_per_task", s.cpus_per_task, 1) or (5 * per_group if devices.on_gpu else per_group)
     directives.append(f"--cpus-per-task={cpus}")
     directives += [
         f"--{name}={getattr(s, name)}" for name in ("partition", "time", "account") if getattr(s, name)
@@ -441,7 +484,7 @@ def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[
         s.python,
         TORCHRUN,
         "--standalone",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={per_group}",
         f"--max_restarts={restarts}",
         TRAINER,
         *argv,
@@ -450,8 +493,7 @@ def slurm_script(s: Settings, nodes: Nodes, on_gpu: bool, port: int, argv: list[
     status_writer = ["env", f"PYTHONPATH={REPO}", s.python, "-m", "multigpu.safe_files", "write"]
     return f"""#!/bin/bash
 # SLURM job written by launch_multi_gpu.sh on {time.strftime("%Y-%m-%d %H:%M:%S")}: fault tolerance (torchft),
-# {nodes.count} replica groups, one per node ({"one GPU" if on_gpu else "one CPU process"} each), the Lighthouse
-# on the first node.
+# {nodes.count} replica groups, one per node ({group_text(devices)} each), the Lighthouse on the first node.
 # A group whose process dies is restarted by its torchrun (up to {restarts} times) and heals from a live peer;
 # a lost node's group is left out while the others train on. Submitting it again continues the run.
 # Submit: sbatch {shlex.quote(os.path.join(config.save_dir, "launch_slurm.sbatch"))}
@@ -498,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--lighthouse-port", type=int, default=LIGHTHOUSE_PORT)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS)
-    parser.add_argument("--devices", default="", help="comma-separated: group I's CUDA_VISIBLE_DEVICES")
+    parser.add_argument("--devices", default="", help="each group's CUDA_VISIBLE_DEVICES, ';' between groups")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each group")
     args = parser.parse_args(argv[:cut])
     command = argv[cut + 1 :]
@@ -514,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.exit_code
     print(f"torchft Lighthouse at {address} (min {args.min_replicas} live groups per step)", flush=True)
     try:
-        devices = [device for device in args.devices.split(",") if device]
+        devices = [device for device in args.devices.split(";") if device]
         # The groups start beside it: each takes seconds to reach its first call, which waits for it meanwhile.
         return supervise(
             command,

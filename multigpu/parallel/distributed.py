@@ -67,6 +67,12 @@ class Runtime:
         self.data_rank = replica_id * self.world_size + self.rank
         self.data_ranks = groups * self.world_size
 
+    def leave_replica_groups(self) -> None:
+        """--fault-tolerance: leave the quorum at once (this group lost a process), so that the live groups do not
+        wait for this one; nothing without it."""
+        if self.replicas is not None:
+            self.replicas.close()
+
     @property
     def is_main(self) -> bool:
         """Rank 0 (of the leading replica group): the one process that prints, logs and writes files."""

@@ -1,13 +1,15 @@
 """--fault-tolerance: replica groups that outlive each other's loss, through torchft (docs/fault-tolerance.md).
 
-The model is replicated over --ft-replica-groups groups, each a run of its own (one process here; torchrun's
-group of processes, each with its own Runtime, inside it). torchft's Lighthouse keeps the quorum of the live
-groups; each group's `Manager` asks it for the quorum at every step's start, averages the gradients over the
-groups in it (the Manager's all-reduce of the step's gradients, over torchft's process group: gloo on the CPU,
-NCCL on GPUs) and lets the optimizer step only when the step's all-reduce succeeded everywhere in the group
-(`should_commit`, through torchft's optimizer wrapper). A group that dies is left out of the next quorum once
-its heartbeats stop, and the others commit on; one that comes back is sent the trainer's state by a live peer
-(the state callbacks the trainer registers, multigpu/engine/replicas.py) and trains on from where that peer is.
+The model is replicated over --ft-replica-groups groups, each a run of its own: one process, or a torchrun job
+whose processes replicate (ddp) or shard (fsdp) the model among themselves, each with its own Runtime.
+torchft's Lighthouse keeps the quorum of the live groups; each group's `Manager` (one on every rank: rank r of
+each group all-reduces with rank r of the others, which holds the same shard) asks it for the quorum at every
+step's start, averages the gradients over the groups in it (the Manager's all-reduce of the step's gradients,
+over torchft's process group: gloo on the CPU, NCCL on GPUs) and lets the optimizer step only when the step's
+all-reduce succeeded everywhere in the group (`should_commit`, through torchft's optimizer wrapper). A group
+that dies is left out of the next quorum once its heartbeats stop, and the others commit on; one that comes
+back is sent the trainer's state by a live peer (the state callbacks the trainer registers,
+multigpu/engine/replicas.py) and trains on from where that peer is.
 
 The quorum is taken synchronously at the step's start (torchft's `use_async_quorum=False`): a peer's state is
 then always read between two steps, never half-way through one, and a healed group trains the very step it
@@ -57,6 +59,11 @@ logging.getLogger("torchft").setLevel(logging.CRITICAL)
 warnings.filterwarnings(
     "ignore", "The given buffer is not writable", UserWarning, "torch.distributed._serialization"
 )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an fsdp gradient (a DTensor), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def lighthouse_address(config: TrainConfig) -> str:
@@ -129,8 +136,9 @@ class ReplicaGroups:
         """The parameters' gradients averaged over the quorum's groups, in one all-reduce of them all flattened,
         through the Manager (`Manager.allreduce`): an all-reduce that a lost group breaks is noted there, and the
         step then does not commit. (torchft 0.2.0's DistributedDataParallel does the same from DDP's gradient
-        hook, but its hook fails an assertion on such an all-reduce, which would end the surviving group too.)"""
-        grads = [param.grad for param in parameters if param.grad is not None]
+        hook, but its hook fails an assertion on such an all-reduce, which would end the surviving group too.)
+        Under fsdp each rank averages its own shards (a DTensor's local tensor), as its counterparts hold the same."""
+        grads = [_local(param.grad) for param in parameters if param.grad is not None]
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
@@ -184,27 +192,20 @@ if not torchft_missing:
 
 
 def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
-    """Join the run's replica groups as group --ft-replica-id: torchft's Manager, with its server for this group,
-    connected to the Lighthouse; `runtime` (multigpu/parallel/distributed.py's Runtime, which calls this from its
-    set-up) then names the groups and holds them. UsageError (one line) without
-    torchft, without a Lighthouse that answers, or for a group of another shape than one process."""
+    """Join the run's replica groups as group --ft-replica-id: torchft's Manager on every rank of this group (rank
+    0's runs the group's torchft server), connected to the Lighthouse; `runtime` (multigpu/parallel/distributed.py's
+    Runtime, which calls this from its set-up) then names the groups and holds them. UsageError (one line)
+    without torchft, without a Lighthouse that answers, or for a group that is not one process or a torchrun
+    job of ddp or fsdp."""
     if torchft_missing:
         raise UsageError(
             "--fault-tolerance needs torchft: pip install 'multigpu[ft]' (or pip install torchft), or run "
             "without --fault-tolerance"
         )
-    if runtime.mode != "none" or runtime.world_size != 1:
-        raise UsageError(
-            f"--fault-tolerance trains one process per replica group, and this group is {runtime.describe()}: "
-            f"start each group as one process (--multi-gpu none; on GPUs give each group its own with "
-            f"CUDA_VISIBLE_DEVICES); docs/fault-tolerance.md says which groups of several processes work"
-        )
+    _check_group_layout(runtime)
     address = lighthouse_address(config)
     timeout = timedelta(seconds=config.dist_timeout)
-    # One process per group: the group's own store, for torchft's Manager and its server to find each other; the
-    # other groups reach it, when this group leads a quorum, at this host's name.
-    host = socket.gethostname()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    host, port, store = _group_store(timeout)
     backend = ProcessGroupNCCL if runtime.device.type == "cuda" else ProcessGroupGloo
     process_group = _quorum_recorder(backend)(timeout=timeout)
     try:
@@ -217,10 +218,10 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timedelta(seconds=min(10.0, config.dist_timeout)),
-            rank=0,
-            world_size=1,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
             store_addr=host,
-            store_port=store.port,
+            store_port=port,
             lighthouse_addr=address,
             replica_id=f"{REPLICA_PREFIX}{config.ft_replica_id}",
         )
@@ -235,10 +236,48 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
         ) from None
     groups, replica_id = config.ft_replica_groups, config.ft_replica_id
     assert groups is not None and replica_id is not None  # TrainConfig refuses --fault-tolerance without them
-    replicas = ReplicaGroups(manager, process_group, groups, replica_id, 1, store)
+    replicas = ReplicaGroups(manager, process_group, groups, replica_id, runtime.world_size, store)
     atexit.register(replicas.close)
     runtime.join_replica_groups(replicas.groups, replicas.replica_id, replicas)
     return replicas
+
+
+def _check_group_layout(runtime: Any) -> None:
+    """A replica group is one process (--multi-gpu none) or a torchrun job of ddp or fsdp: the model replicated
+    or sharded over the group's processes, and replicated across the groups. fsdp's own hybrid mesh would
+    replicate twice; dp's one process drives several GPUs that a group's rank r could not pair with its
+    counterparts'."""
+    if runtime.mode == "dp":
+        raise UsageError(
+            "--fault-tolerance with --multi-gpu dp: a replica group trains on one device per process; start "
+            "each group as a torchrun job of --multi-gpu ddp (or fsdp), or as one process"
+        )
+    replicate, shard = runtime.mesh_shape
+    if runtime.mode == "fsdp" and replicate > 1:
+        raise UsageError(
+            f"--fault-tolerance with fsdp's hybrid mesh (replicate {replicate} x shard {shard}): the replica "
+            f"groups are the model's replicas, so a group shards over all of its processes; drop --dp-replicate "
+            f'and --dp-shard (docs/fault-tolerance.md, "Groups of several processes")'
+        )
+
+
+def _group_store(timeout: timedelta) -> tuple[str, int, Any]:
+    """The group's own store, served by its rank 0 (None elsewhere), and its host and port: torchft's Manager on
+    each rank finds the group's torchft server there, and the other groups reach it, when this group leads a
+    quorum, at the host's name. A new one per torchrun attempt, so that a restarted group never reads a dead
+    attempt's address (torchrun's own store keeps them); its address reaches the group's other ranks through the
+    group's process group."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    store = None
+    if not several or dist.get_rank() == 0:
+        store = dist.TCPStore(
+            socket.gethostname(), 0, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+    address: list[Any] = [(socket.gethostname(), store.port) if store is not None else None]
+    if several:
+        dist.broadcast_object_list(address, src=0)
+    host, port = address[0]
+    return host, port, store
 
 
 def _first_clause(error: Exception) -> str:

@@ -28,6 +28,10 @@ from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import published
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How long a wait for other processes may go on after a stop request before the process ends (exits_while): a
+# quorum or a commit of live groups takes milliseconds to a quorum tick; one the lost process never joins
+# would take a timeout, while the Lighthouse keeps waiting for this group.
+EXIT_GRACE_SECONDS = 1.0
 
 
 class StopRequest:
@@ -51,6 +55,8 @@ class StopRequest:
         self._lock = threading.RLock()  # the handler and the watcher; a handler may interrupt itself
         self._pipe: _WakeupPipe | None = None  # while installed
         self._previous_fd = -1
+        self._waiting_for: str | None = None  # inside `exits_while`: what this process waits for
+        self._exit_timer: threading.Timer | None = None  # ends the process if that wait outlasts its grace
 
     def install(self) -> None:
         """Make SIGTERM and SIGINT set the flag, and start watching for a second one (main thread only, as
@@ -73,6 +79,40 @@ class StopRequest:
         with self._lock:
             os.close(self._pipe.write)  # the watcher reads the pipe's end and closes the reading end
             self._pipe = None
+
+    @contextlib.contextmanager
+    def exits_while(self, waiting_for: str, grace: float = EXIT_GRACE_SECONDS) -> Iterator[None]:
+        """Within this block, a wait on other processes (`waiting_for` says which), a stop request that is still
+        waiting `grace` seconds later ends the process, saying so, instead of at the next step's end: under
+        --fault-tolerance, torchrun's SIGTERM to a replica group whose process died finds the others waiting for
+        a quorum or a commit that the dead one never joins (docs/fault-tolerance.md). A wait that ends in time
+        (a stop request to every group alike) stops cleanly, as anywhere else."""
+        self._waiting_for = waiting_for
+        if self.signal_name is not None:  # arrived before the wait began: the wait has its grace too
+            self._exit_if_still_waiting(grace)
+        try:
+            yield
+        finally:
+            self._waiting_for = None
+            timer, self._exit_timer = self._exit_timer, None
+            if timer is not None:
+                timer.cancel()
+
+    def _exit_if_still_waiting(self, grace: float = EXIT_GRACE_SECONDS) -> None:
+        waiting_for, signal_name = self._waiting_for, self.signal_name
+        timer = threading.Timer(grace, self._exit_now, args=(waiting_for, signal_name, grace))
+        timer.daemon = True
+        self._exit_timer = timer
+        timer.start()
+
+    def _exit_now(self, waiting_for: str, signal_name: str, grace: float) -> None:
+        if self._waiting_for != waiting_for:  # the wait ended meanwhile
+            return
+        line = (
+            f"{signal_name} while {waiting_for} (still after {grace:g} s): exiting now without a checkpoint\n"
+        )
+        os.write(2, line.encode())
+        os._exit(128 + signal.Signals[signal_name])
 
     def _disown(self) -> None:
         """In a forked child: the pipe is the parent's, and no watcher runs here."""
@@ -127,6 +167,8 @@ class StopRequest:
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
         self._first_at = now
+        if self._waiting_for is not None and self._exit_timer is None:
+            self._exit_if_still_waiting()
 
     @property
     def requested(self) -> bool:
@@ -286,13 +328,15 @@ def stops_handled(
     world_size: int,
     wait_seconds: float,
     on_peer_lost: Callable[[], None] = lambda: None,
+    before_roll_call: Callable[[], None] = lambda: None,
 ) -> Iterator[None]:
     """SIGTERM/SIGINT set `stop` (checked at the trainer's sync points), and a collective that fails
     because another rank died or hung becomes one line on every survivor (PeerLost, exit 1).
 
     `on_peer_lost` runs after that line and before the handlers are put back: torchrun SIGTERMs the
     survivors as soon as it sees a worker die, and what runs here (rank 0's save of the last completed
-    step) must not be cut off by it."""
+    step) must not be cut off by it. `before_roll_call` runs first, before the roll call's seconds: what
+    others must not wait for (a replica group leaving the quorum, docs/fault-tolerance.md)."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
         previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
@@ -303,6 +347,7 @@ def stops_handled(
         if world_size == 1 or not is_peer_failure(error):
             raise
         BEAT.wait_if_hang_declared()  # the hang watchdog is ending the run: its report says it
+        before_roll_call()
         missing = lost_ranks(rank, world_size, wait_seconds)
         if missing == []:  # every rank answered the roll call: the collective failed for another reason
             raise

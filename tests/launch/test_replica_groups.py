@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import PYTHON, REPO, cli_command, cli_env
 
@@ -85,25 +86,25 @@ def test_every_group_lost_ends_the_run_with_1_and_resume_auto_continues_it_witho
     assert "done:" in resumed.stdout
 
 
+def three_groups_on_slurm_nodes(gpus: int, save_dir: Path) -> list[str]:
+    """The launcher's flags for a dry run of a SLURM job of 3 replica groups, one per node of `gpus` GPUs."""
+    return [
+        "--fault-tolerance",
+        "--replica-groups",
+        "3",
+        "--slurm",
+        "--gpus",
+        str(gpus),
+        "--yes",
+        "--dry-run",
+        "--save-dir",
+        str(save_dir),
+    ]
+
+
 def test_the_slurm_job_runs_one_group_per_node_and_the_lighthouse_on_the_first(tmp_path):
     save_dir = tmp_path / "shared" / "run"
-    job = launch(
-        [
-            "--fault-tolerance",
-            "--replica-groups",
-            "3",
-            "--slurm",
-            "--gpus",
-            "1",
-            "--yes",
-            "--dry-run",
-            "--save-dir",
-            str(save_dir),
-            "--",
-            "--ft-min-replicas",
-            "2",
-        ]
-    )
+    job = launch([*three_groups_on_slurm_nodes(gpus=1, save_dir=save_dir), "--", "--ft-min-replicas", "2"])
     assert job.returncode == 0, job.stderr
     script = job.stdout
     assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=1\n" in script
@@ -119,16 +120,68 @@ def test_the_slurm_job_runs_one_group_per_node_and_the_lighthouse_on_the_first(t
     assert not save_dir.exists()  # a dry run writes nothing
 
 
+def test_groups_of_several_processes_are_torchrun_jobs_here_and_on_each_slurm_node(tmp_path):
+    """--gpus P (CPU processes here, --nproc the same; GPUs on a SLURM job's nodes) per replica group: each group
+    a torchrun job of P processes, with --multi-gpu ddp by default or fsdp; the batch counts every group's."""
+    here = launch(
+        [
+            "--fault-tolerance",
+            "--replica-groups",
+            "2",
+            "--nproc",
+            "2",
+            "--oversubscribe",
+            "--multi-gpu",
+            "fsdp",
+            "--yes",
+            "--dry-run",
+            "--save-dir",
+            str(tmp_path / "here"),
+            "--batch-size",
+            "8",
+        ]
+    )
+    assert here.returncode == 0, here.stderr
+    assert "2 replica groups of 2 processes with --multi-gpu fsdp (gloo)" in here.stderr
+    assert "effective batch 32 = 8 per process x 4 processes" in here.stderr
+    assert (
+        "--standalone --nproc_per_node=2 --max_restarts=3 main_multi_gpu.py --multi-gpu fsdp" in here.stdout
+    )
+    job = launch(three_groups_on_slurm_nodes(gpus=4, save_dir=tmp_path / "shared" / "run"))
+    assert job.returncode == 0, job.stderr
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=4\n" in job.stdout
+    assert "#SBATCH --cpus-per-task=20" in job.stdout
+    assert "--nproc_per_node=4 --max_restarts=3" in job.stdout and "--multi-gpu ddp" in job.stdout
+    assert "3 replica groups of 4 GPUs with --multi-gpu ddp, one per node" in job.stderr
+
+
 def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
     for args, refusal in (
         (["--replica-groups", "2"], "--replica-groups is for --fault-tolerance; add --fault-tolerance"),
         (
-            ["--fault-tolerance", "--gpus", "2"],
-            "--gpus with --fault-tolerance: each replica group is one process",
+            ["--fault-tolerance", "--gpus", "2", "--nproc", "3"],
+            "give --gpus or --nproc, not both",
         ),
         (
             ["--fault-tolerance", "--replica-groups", "3"],
-            "--replica-groups 3: more processes than this machine's",
+            "--replica-groups 3 of 1 process: more processes than this machine's",
+        ),
+        (
+            ["--fault-tolerance", "--gpus", "2"],
+            "--replica-groups 2 of 2 processes: more processes than this machine's",
+        ),
+        (
+            ["--fault-tolerance", "--multi-gpu", "fsdp"],
+            "--multi-gpu fsdp with --fault-tolerance and groups of one process: give each group several",
+        ),
+        (
+            ["--fault-tolerance", "--nproc", "2", "--oversubscribe", "--multi-gpu", "dp"],
+            "--multi-gpu dp with --fault-tolerance: a replica group of several processes trains with --multi-gpu "
+            "ddp (the default) or fsdp",
+        ),
+        (
+            ["--fault-tolerance", "--nnodes", "2"],
+            "--nnodes with --fault-tolerance: each replica group is one process or one torchrun job on one machine",
         ),
         (
             ["--fault-tolerance", "--", "--ft-replica-id", "1"],

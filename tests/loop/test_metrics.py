@@ -7,24 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
-from conftest import blobs, config_for, run_ranks, tiny_model
+from conftest import blobs, config_for, regression_model, regression_set, run_ranks, tiny_model
 from multigpu.loop import metrics
 from train_multi_gpu import MultiGPUTrainer
 
 PRIME = 101  # not a multiple of 2 or 3 or of the batch: ranks get unequal shares, the last batch is short
-
-
-def regression_set(size: int, seed: int, target_shape: tuple[int, ...] = (1,)) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(size, 20, generator=generator)
-    return TensorDataset(inputs, inputs[:, :1].reshape(size, *target_shape) * 2 + 0.1)
-
-
-def regression_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Linear(20, 1)
 
 
 def confidence(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,12 +31,18 @@ DIST_TIMEOUT = 10.0  # seconds: a step whose all-reduce hangs waits this long be
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "group_size, group_mode",
+    [(1, "none"), (2, "ddp"), (2, "fsdp")],
+    ids=["1-process-groups", "2-process-ddp-groups", "2-process-fsdp-groups"],
+)
 def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_one_can_die_next(
-    lighthouse, tmp_path
+    lighthouse, tmp_path, group_size, group_mode
 ):
-    """Group 1 SIGKILLed after step 6: group 0 commits the next step alone within the stall bound; group 1 started
-    again heals from group 0 (no checkpoint read) and at its first commit every parameter and optimizer tensor is
-    torch.equal in both groups, step counters too; then group 0 is killed and group 1 trains on alone, leads and
+    """Group 1 SIGKILLed after step 6 (its last process: a torchrun job then ends the group's others): group 0
+    commits the next step alone within the stall bound; group 1 started again heals from group 0 (no checkpoint
+    read) and at its first commit every parameter and optimizer tensor is torch.equal in both groups, rank by rank
+    (fsdp: each rank's shards), step counters too; then group 0 is killed and group 1 trains on alone, leads and
     writes the run's checkpoints. The run's lines say it, once each."""
     raw = tmp_path / "raw.json"
     done = subprocess.run(
@@ -56,6 +63,9 @@ def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_on
             "0.02",
             "--dist-timeout",
             str(DIST_TIMEOUT),
+            "--group-size",
+            str(group_size),
+            *(["--group-mode", group_mode] if group_size > 1 else []),
             "--json",
             str(raw),
             "--folder",
@@ -68,29 +78,32 @@ def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_on
     )
     assert done.returncode == 0, done.stdout + done.stderr
     ft = json.loads(raw.read_text())["fault_tolerance"]
+    assert (ft["group_size"], ft["group_mode"]) == (group_size, group_mode)
     group0, group1 = ft["group_output"]
     killed = ft["kill_after_step"]
     assert ft["next_commit_live_groups"] == [0]
     assert ft["kill_to_next_commit_seconds"] < ft["stall_bound_seconds"], ft
     assert len(ft["uncommitted_steps"]) <= 1  # at most the step the kill broke
     assert ft["healed_at"] == ft["rejoined_step"] and ft["rejoined_live_groups"] == [0, 1]
-    assert (
-        ft["at_rejoin"]["all_equal"] and ft["at_rejoin"]["tensors_compared"] == 24
-    )  # 6 weights, 2 moments + step
-    assert len(set(ft["at_rejoin"]["steps"])) == 1 and len(set(ft["at_rejoin"]["committed_steps"])) == 1
+    # 6 weights, 2 moments + step, on each rank
+    assert ft["at_rejoin"]["all_equal"] and ft["at_rejoin"]["tensors_compared"] == 24 * group_size
+    assert len(ft["at_rejoin"]["steps"]) == 1 and len(ft["at_rejoin"]["committed_steps"]) == 1
     lost = f"replica group 1 lost at step {killed + 1}: its 1/2 of the data skipped until it rejoined at step"
     assert group0.count(lost) == 1, group0
-    assert f"replica group 1 joined at step {ft['healed_at']}: healed from replica group 0" in group1
+    assert group1.count(f"replica group 1 joined at step {ft['healed_at']}: healed from replica group 0") == 1
     second = ft["second_kill"]
     assert second["next_commit_live_groups"] == [1] and second["leads_after"]
     assert torch.load(second["checkpoint"], weights_only=True)["global_step"] > second["kill_after_step"]
     assert "replica group 0 is not in the quorum of step" in group1
-    assert ft["exit_statuses"] == [-9, 0]  # group 0 killed; group 1 stopped cleanly by SIGTERM at the end
+    assert "stopped by SIGTERM at step" in group1  # group 1 stopped cleanly at the end and wrote last.pt
+    # Group 0 killed; group 1 stopped by SIGTERM. A torchrun job exits 1 for both: its process killed, or it
+    # was told to stop (torchrun's SignalException).
+    assert ft["exit_statuses"] == ([-9, 0] if group_size == 1 else [1, 1])
 
 
-def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_2(tmp_path):
-    """No torchft installed, or no Lighthouse at the address: one line each, exit 2, nothing trained."""
-    args = [
+def group_0_without_a_lighthouse(save_dir: Path) -> list[str]:
+    """The flags of replica group 0 of 2, its Lighthouse at a free port, where none answers."""
+    return [
         "--fault-tolerance",
         "--ft-replica-groups",
         "2",
@@ -99,12 +112,15 @@ def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_
         "--ft-lighthouse",
         f"http://127.0.0.1:{free_port()}",
         "--save-dir",
-        str(tmp_path / "run"),
+        str(save_dir),
         "--mode",
         "flatten",
-        "--dist-timeout",
-        "2",
     ]
+
+
+def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_2(tmp_path):
+    """No torchft installed, or no Lighthouse at the address: one line each, exit 2, nothing trained."""
+    args = [*group_0_without_a_lighthouse(tmp_path / "run"), "--dist-timeout", "2"]
     without_torchft = [
         PYTHON,
         "-c",
@@ -126,6 +142,23 @@ def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_
     lines = [line for line in unreachable.strip().splitlines() if "Warning" not in line]
     assert len(lines) == 1 and "no torchft Lighthouse answers at http://127.0.0.1:" in lines[0], unreachable
     assert not (tmp_path / "run" / "last.pt").exists() and "step" not in missing_out + unreachable_out
+
+
+def test_a_group_with_a_hybrid_fsdp_mesh_of_its_own_is_refused_in_one_line(tmp_path):
+    """The replica groups are the replicas: a group of 2 processes whose fsdp mesh replicates again is refused in
+    one line (exit 2 from each process), before any Lighthouse is asked or anything written."""
+    hybrid = ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "1"]
+    args = [*hybrid, *group_0_without_a_lighthouse(tmp_path / "run")]
+    refused = subprocess.run(
+        cli_command(args, nproc=2), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    line = (
+        "error: --fault-tolerance with fsdp's hybrid mesh (replicate 2 x shard 1): the replica groups are the "
+        "model's replicas"
+    )
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr
+    assert "exitcode  : 2" in refused.stderr  # each process's own status: bad input
+    assert not any((tmp_path / "run").glob("*.pt"))
 
 
 def test_each_process_reads_its_own_share_over_every_group_and_without_groups_its_rank_share(tmp_path):

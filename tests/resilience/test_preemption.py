@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from conftest import run_ranks
+from conftest import PYTHON, REPO, cli_env, run_ranks
 from multigpu.resilience.preemption import PeerLost, StopRequest, stops_handled
 from multigpu.resilience.watchdog import Watchdog
 
@@ -73,3 +74,54 @@ def test_a_rank_waiting_in_another_collective_is_alive_and_not_named_lost(tmp_pa
     lost, seconds = run_ranks(_lose_a_rank_while_another_waits_elsewhere, 3, tmp_path, str(tmp_path))[0]
     assert lost == [1] and seconds < 8  # not the whole wait for a rank that will not answer in time
     assert "rank 0: lost contact with rank 1, which died or hung" in capfd.readouterr().err
+
+
+WAITS_FOR_A_QUORUM = """
+import sys, threading
+from multigpu.resilience.preemption import StopRequest
+stop = StopRequest()
+stop.install()
+seconds = {"inside": 60, "ends in time": 0.5, "outside": 1.5}[sys.argv[1]]
+if sys.argv[1] == "outside":
+    print("waiting", flush=True)
+    threading.Event().wait(seconds)
+else:
+    with stop.exits_while("rank 0 of replica group 1 waits for the quorum of step 7"):
+        print("waiting", flush=True)
+        threading.Event().wait(seconds)  # as torchft's quorum future is waited for
+    threading.Event().wait(1.5)  # past the grace: the process was not ended
+print("after the wait, requested:", stop.requested, flush=True)
+"""
+
+
+def test_a_stop_request_while_waiting_for_other_processes_ends_the_process_at_once_elsewhere_it_waits(
+    tmp_path,
+):
+    """StopRequest.exits_while: a SIGTERM inside the block (a wait a lost process never ends) whose wait is still
+    on a second later exits with its line and status 128 + 15; a wait that ends within that second, or a SIGTERM
+    outside the block, only sets the flag, and the process goes on to stop cleanly."""
+    results = {}
+    for where in ("inside", "ends in time", "outside"):
+        process = subprocess.Popen(
+            [PYTHON, "-c", WAITS_FOR_A_QUORUM, where],
+            cwd=REPO,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        assert process.stdout.readline() == "waiting\n"
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        results[where] = (process.returncode, out, err, time.monotonic() - sent)
+    status, _, err, seconds = results["inside"]
+    assert status == 128 + signal.SIGTERM and 1 <= seconds < 10, results
+    assert err == (
+        "SIGTERM while rank 0 of replica group 1 waits for the quorum of step 7 (still after 1 s): exiting now "
+        "without a checkpoint\n"
+    )
+    for where in ("ends in time", "outside"):
+        status, out, err, _ = results[where]
+        assert status == 0 and out == "after the wait, requested: True\n" and err == "", results
