@@ -75,6 +75,7 @@ HEAVIEST_FILES = {
     "data/test_hf.py": 115,
     "test_sweep_multi_gpu.py": 105,
     "test_bad_input.py": 100,
+    "parallel/test_fault_tolerance.py": 100,  # three kill-and-heal scenarios, one of 2 and two of 4 processes
 }
 
 
