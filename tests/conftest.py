@@ -43,6 +43,7 @@ PYTHON = sys.executable
 SHARED_DATA = REPO.parent / "shared" / "data"
 DIST_TIMEOUT = 60  # seconds: a hung collective fails within this
 RUN_TIMEOUT = 300  # seconds: no single CLI run in the suite should come near this
+AFTER_A_RANK_FAILED = 30  # seconds run_ranks waits for the other ranks' results once one rank failed
 
 # Small runs: a few seconds each on 2 CPU cores.
 TINY = [
@@ -709,6 +710,8 @@ def run_ranks(
             results[rank] = None if value is None else pickle.loads(value)
             if error:
                 errors.append(f"rank {rank} failed:\n{error}")
+                # The test has failed: the others, maybe waiting on the failed rank, get a short while to report.
+                deadline = min(deadline, time.monotonic() + AFTER_A_RANK_FAILED)
     finally:
         for process in processes:
             process.join(10)

@@ -5,6 +5,7 @@ tests/conftest.py's `lighthouse`)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -88,8 +89,12 @@ def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_on
     # 6 weights, 2 moments + step, on each rank
     assert ft["at_rejoin"]["all_equal"] and ft["at_rejoin"]["tensors_compared"] == 24 * group_size
     assert len(ft["at_rejoin"]["steps"]) == 1 and len(ft["at_rejoin"]["committed_steps"]) == 1
-    lost = f"replica group 1 lost at step {killed + 1}: its 1/2 of the data skipped until it rejoined at step"
-    assert group0.count(lost) == 1, group0
+    # Lost from the step after the kill's, or the one after that when the process was already in it (in its
+    # quorum: that step's all-reduce broke, or group 0 committed it alone).
+    lost = re.findall(
+        r"replica group 1 lost at step (\d+): its 1/2 of the data skipped until it rejoined", group0
+    )
+    assert len(lost) == 1 and int(lost[0]) in (killed + 1, killed + 2), group0
     assert group1.count(f"replica group 1 joined at step {ft['healed_at']}: healed from replica group 0") == 1
     second = ft["second_kill"]
     assert second["next_commit_live_groups"] == [1] and second["leads_after"]
