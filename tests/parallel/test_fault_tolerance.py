@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -102,8 +103,14 @@ def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_on
     assert "replica group 0 is not in the quorum of step" in group1
     assert "stopped by SIGTERM at step" in group1  # group 1 stopped cleanly at the end and wrote last.pt
     # Group 0 killed; group 1 stopped by SIGTERM. A torchrun job exits 1 for both: its process killed, or it
-    # was told to stop (torchrun's SignalException).
-    assert ft["exit_statuses"] == ([-9, 0] if group_size == 1 else [1, 1])
+    # was told to stop (torchrun's SignalException); group 0's may still be ending its other process when the
+    # driver stops the run, and then ends by that SIGTERM itself.
+    if group_size == 1:
+        assert ft["exit_statuses"] == [-9, 0]
+    else:
+        assert ft["exit_statuses"][0] in (1, -signal.SIGTERM) and ft["exit_statuses"][1] == 1, ft[
+            "exit_statuses"
+        ]
 
 
 def group_0_without_a_lighthouse(save_dir: Path) -> list[str]:
