@@ -115,7 +115,8 @@ class Timeline:
 
 
 def local(state: Any) -> Any:
-    """`state` with each fsdp DTensor as this rank's own shard (its counterpart in another group holds the same)."""
+    """`state` with each fsdp DTensor as this rank's own shard (its counterpart in another group holds the
+    same)."""
     if isinstance(state, dict):
         return {key: local(value) for key, value in state.items()}
     if isinstance(state, list):
@@ -471,8 +472,8 @@ def table(ft: dict[str, Any], restart: dict[str, Any] | None, args: argparse.Nam
     header = [
         "",
         f"restart from checkpoint (torchrun --max-restarts 1, a checkpoint every {args.save_every} steps)",
-        f"--fault-tolerance (2 replica groups x {args.group_size} process{'es' if args.group_size > 1 else ''}, "
-        f"torchft)",
+        f"--fault-tolerance (2 replica groups x {args.group_size} "
+        f"process{'es' if args.group_size > 1 else ''}, torchft)",
     ]
     return markdown_table(header, rows)
 

@@ -762,8 +762,8 @@ class TrainConfig:
         return list(dict.fromkeys(name.strip() for name in self.logger.split(",") if name.strip()))
 
     def sharded_checkpoints(self) -> bool:
-        """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp, but for
-        --fault-tolerance's replica groups, whose leading group writes one file)."""
+        """Whether checkpoints are folders of every rank's shards (--checkpoint-format; auto: under fsdp, but
+        for --fault-tolerance's replica groups, whose leading group writes one file)."""
         return self.checkpoint_format == "sharded" or (
             self.checkpoint_format == "auto" and self.multi_gpu == "fsdp" and not self.fault_tolerance
         )

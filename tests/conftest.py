@@ -710,7 +710,8 @@ def run_ranks(
             results[rank] = None if value is None else pickle.loads(value)
             if error:
                 errors.append(f"rank {rank} failed:\n{error}")
-                # The test has failed: the others, maybe waiting on the failed rank, get a short while to report.
+                # The test has failed: the others, maybe waiting on the failed rank, get a short while to
+                # report.
                 deadline = min(deadline, time.monotonic() + AFTER_A_RANK_FAILED)
     finally:
         for process in processes:

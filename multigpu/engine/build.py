@@ -80,9 +80,9 @@ def hang_watchdog(
     """--hang-timeout's watchdog, started (None with 0): rank 0's saves the last completed step through
     `save_last_step` when it decides (docs/hangs.md, "When a run hangs")."""
     seconds = config.watchdog_seconds
-    # --fault-tolerance: a step that waits for a lost group is torchft's to end (its process-group timeout, then a
-    # quorum without it), not a hang to stop this group for; a process lost within a group ends that group's
-    # torchrun job, and the group heals when started again.
+    # --fault-tolerance: a step that waits for a lost group is torchft's to end (its process-group timeout,
+    # then a quorum without it), not a hang to stop this group for; a process lost within a group ends that
+    # group's torchrun job, and the group heals when started again.
     if not seconds or runtime.replicas is not None:
         return None
     BEAT.restart()

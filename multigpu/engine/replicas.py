@@ -110,9 +110,9 @@ class Replicas:
 
     # ------------------------------------------------------------------ heals
     def _things(self) -> dict[str, Any]:
-        """What a heal sends and loads: the checkpoint's things less this group's random stream. A sharded model's
-        and optimizer's state as this rank's own shards, which its counterpart in the healing group holds too:
-        no collective runs while torchft serves it."""
+        """What a heal sends and loads: the checkpoint's things less this group's random stream. A sharded
+        model's and optimizer's state as this rank's own shards, which its counterpart in the healing group
+        holds too: no collective runs while torchft serves it."""
         things = {name: thing for name, thing in self.trainer.stateful().items() if name != "rng"}
         if things["optimizer"].sharded:
             things["model"] = things["model"].as_shards()
@@ -120,8 +120,8 @@ class Replicas:
         return things
 
     def _send(self) -> dict[str, Any]:
-        """What a healing peer takes, copied (torchft serves it while this group trains on): the trainer's state
-        and the ledger."""
+        """What a healing peer takes, copied (torchft serves it while this group trains on): the trainer's
+        state and the ledger."""
         return copy.deepcopy(
             {
                 "trainer": self.trainer.checkpointer.state_of(self._things()),

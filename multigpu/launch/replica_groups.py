@@ -34,6 +34,7 @@ from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config  
 from multigpu.errors import UsageError  # noqa: E402
 from multigpu.launch.answers import (  # noqa: E402
     REPO,
+    SLURM,
     TORCHRUN,
     TRAINER,
     Devices,
@@ -41,6 +42,7 @@ from multigpu.launch.answers import (  # noqa: E402
     Settings,
     check_save_dir,
     cores_here,
+    devices_of,
     given_trainer_options,
     omp_threads,
     plural,
@@ -49,6 +51,7 @@ from multigpu.launch.answers import (  # noqa: E402
     trainer_flags,
     whole,
 )
+from multigpu.launch.cluster_jobs import job_devices  # noqa: E402
 from multigpu.launch.command import effective_batch_text, lr_text, quoted, shown  # noqa: E402
 
 LIGHTHOUSE_PORT = 29510  # torchft's own default
@@ -248,9 +251,10 @@ GROUP_MODES = ("ddp", "fsdp")  # a group of several processes: the model replica
 
 
 def settle(s: Settings) -> tuple[Devices, Nodes]:
-    """--fault-tolerance's layout, checked: --replica-groups groups, each one process or a torchrun job of --gpus
-    processes (one GPU each, or CPU processes) that replicate (ddp) or shard (fsdp) the model within the group. As
-    the batch and LR arithmetic sees them: the groups as the nodes, a group's processes as each node's."""
+    """--fault-tolerance's layout, checked: --replica-groups groups, each one process or a torchrun job of
+    --gpus processes (one GPU each, or CPU processes) that replicate (ddp) or shard (fsdp) the model within
+    the group. As the batch and LR arithmetic sees them: the groups as the nodes, a group's processes as each
+    node's."""
     if not s.fault_tolerance:
         named = "--replica-groups" if s.replica_groups is not None else "--lighthouse-port"
         raise UsageError(f"{named} is for --fault-tolerance; add --fault-tolerance (or drop {named})")
@@ -264,11 +268,12 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
     for name in NOT_FOR_GROUPS:
         if getattr(s, name) is not None:
             raise UsageError(
-                f"--{flag(name)} with --fault-tolerance: each replica group is one process or one torchrun job "
-                f"on one machine, and the groups are the replicas; --replica-groups N says how many"
+                f"--{flag(name)} with --fault-tolerance: each replica group is one process or one torchrun "
+                f"job on one machine, and the groups are the replicas; --replica-groups N says how many"
             )
-    on_gpu = _groups_on_gpu(s)
-    per_group = _processes_per_group(s, on_gpu)
+    devices = _group_devices(s)
+    per_group = devices.count
+    on_gpu = devices.on_gpu
     mode = _group_mode(s, per_group)
     processes = groups * per_group
     if not s.slurm and on_gpu and processes > len(s.found):
@@ -278,26 +283,20 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
         )
     if not s.slurm and not on_gpu and processes > cores_here() and not s.oversubscribe:
         raise UsageError(
-            f"--replica-groups {groups} of {plural(per_group, 'process')}: more processes than this machine's "
-            f"{plural(cores_here(), 'CPU core')}, which they would only share; give fewer, or add --oversubscribe"
+            f"--replica-groups {groups} of {plural(per_group, 'process')}: more processes than this "
+            f"machine's {plural(cores_here(), 'CPU core')}, which they would only share; give fewer, or add "
+            f"--oversubscribe"
         )
     restarts = whole("max_restarts", s.max_restarts, 0)
     return Devices(mode, per_group, None, on_gpu), Nodes(count=groups, max_restarts=restarts)
 
 
-def _groups_on_gpu(s: Settings) -> bool:
-    """Whether the groups train on GPUs: those found here, or a SLURM job's --gpus per node (0: CPU nodes)."""
-    gpus = whole("gpus", s.gpus, 0) if s.slurm else None
-    return bool(s.found) if gpus is None else gpus > 0
-
-
-def _processes_per_group(s: Settings, on_gpu: bool) -> int:
-    """Each group's processes, as the launcher counts a node's: --gpus (GPUs, or CPU processes without GPUs;
-    --nproc is the same; a SLURM job's CPU nodes: --gpus 0 and --nproc); 1 by default."""
-    if s.nproc is not None and s.gpus is not None and s.nproc != s.gpus and not (s.slurm and not on_gpu):
-        raise UsageError("give --gpus or --nproc, not both")
-    given = "gpus" if s.gpus is not None and (on_gpu or not s.slurm) else "nproc"
-    return whole(given, getattr(s, given), 1) or 1
+def _group_devices(s: Settings) -> Devices:
+    """One group's devices, by the launcher's own rules for a node's (--gpus, or --nproc, the same; a SLURM
+    job's CPU nodes: --gpus 0 and --nproc); one process, on a GPU where there are GPUs, unless given."""
+    if s.gpus is None and s.nproc is None:
+        return Devices("none", 1, None, bool(s.found))
+    return job_devices(s, SLURM) if s.slurm else devices_of(s, "ddp")
 
 
 def _group_mode(s: Settings, per_group: int) -> str:
@@ -305,8 +304,8 @@ def _group_mode(s: Settings, per_group: int) -> str:
     if per_group == 1:
         if s.multi_gpu not in (None, "none", "single"):
             raise UsageError(
-                f"--multi-gpu {s.multi_gpu} with --fault-tolerance and groups of one process: give each group "
-                f"several with --gpus P (CPU processes without GPUs), or leave --multi-gpu out"
+                f"--multi-gpu {s.multi_gpu} with --fault-tolerance and groups of one process: give each "
+                f"group several with --gpus P (CPU processes without GPUs), or leave --multi-gpu out"
             )
         return "none"
     if s.multi_gpu in (None, *GROUP_MODES):
@@ -367,8 +366,8 @@ def plan_lines(s: Settings, devices: Devices, nodes: Nodes, config: Any, where: 
         f"Plan: fault tolerance (torchft), {nodes.count} replica groups of {each}, {where}",
         f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)} (all groups)",
         f"  {lr_text(s, config, devices, nodes)}",
-        f"  a lost group's share of the data is skipped while the others train on; torchrun restarts the group "
-        f"(up to {restarts} times) and it heals from a live peer",
+        f"  a lost group's share of the data is skipped while the others train on; torchrun restarts the "
+        f"group (up to {restarts} times) and it heals from a live peer",
         f"  checkpoints (written by the lowest live group) and launch files in {config.save_dir}/",
     ]
 
@@ -461,8 +460,8 @@ def slurm(s: Settings) -> Any:
 
 def slurm_script(s: Settings, nodes: Nodes, devices: Devices, port: int, argv: list[str], config: Any) -> str:
     """The sbatch script: the Lighthouse on the first node, then one task per node, each a replica group (a
-    torchrun of the group's processes, restarted --max-restarts times) numbered by $SLURM_NODEID; a failed group
-    ends nothing else. The job succeeds when some group finished the run."""
+    torchrun of the group's processes, restarted --max-restarts times) numbered by $SLURM_NODEID; a failed
+    group ends nothing else. The job succeeds when some group finished the run."""
     per_group = devices.count
     directives = ["--job-name=multigpu-ft", f"--nodes={nodes.count}", "--ntasks-per-node=1"]
     directives += [f"--gpus-per-node={per_group}"] if devices.on_gpu else []

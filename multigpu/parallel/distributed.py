@@ -68,8 +68,8 @@ class Runtime:
         self.data_ranks = groups * self.world_size
 
     def leave_replica_groups(self) -> None:
-        """--fault-tolerance: leave the quorum at once (this group lost a process), so that the live groups do not
-        wait for this one; nothing without it."""
+        """--fault-tolerance: leave the quorum at once (this group lost a process), so that the live groups do
+        not wait for this one; nothing without it."""
         if self.replicas is not None:
             self.replicas.close()
 

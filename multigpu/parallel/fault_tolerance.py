@@ -137,7 +137,8 @@ class ReplicaGroups:
         through the Manager (`Manager.allreduce`): an all-reduce that a lost group breaks is noted there, and the
         step then does not commit. (torchft 0.2.0's DistributedDataParallel does the same from DDP's gradient
         hook, but its hook fails an assertion on such an all-reduce, which would end the surviving group too.)
-        Under fsdp each rank averages its own shards (a DTensor's local tensor), as its counterparts hold the same."""
+        Under fsdp each rank averages its own shards (a DTensor's local tensor), as its counterparts hold the
+        same."""
         grads = [_local(param.grad) for param in parameters if param.grad is not None]
         if not grads:
             return
@@ -192,11 +193,11 @@ if not torchft_missing:
 
 
 def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
-    """Join the run's replica groups as group --ft-replica-id: torchft's Manager on every rank of this group (rank
-    0's runs the group's torchft server), connected to the Lighthouse; `runtime` (multigpu/parallel/distributed.py's
-    Runtime, which calls this from its set-up) then names the groups and holds them. UsageError (one line)
-    without torchft, without a Lighthouse that answers, or for a group that is not one process or a torchrun
-    job of ddp or fsdp."""
+    """Join the run's replica groups as group --ft-replica-id: torchft's Manager on every rank of this group
+    (rank 0's runs the group's torchft server), connected to the Lighthouse; `runtime`
+    (multigpu/parallel/distributed.py's Runtime, which calls this from its set-up) then names the groups and
+    holds them. UsageError (one line) without torchft, without a Lighthouse that answers, or for a group that
+    is not one process or a torchrun job of ddp or fsdp."""
     if torchft_missing:
         raise UsageError(
             "--fault-tolerance needs torchft: pip install 'multigpu[ft]' (or pip install torchft), or run "
@@ -205,7 +206,7 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
     _check_group_layout(runtime)
     address = lighthouse_address(config)
     timeout = timedelta(seconds=config.dist_timeout)
-    host, port, store = _group_store(timeout)
+    host, port, store = _group_store(runtime, timeout)
     backend = ProcessGroupNCCL if runtime.device.type == "cuda" else ProcessGroupGloo
     process_group = _quorum_recorder(backend)(timeout=timeout)
     try:
@@ -243,9 +244,9 @@ def join(config: TrainConfig, runtime: Any) -> ReplicaGroups:
 
 
 def _check_group_layout(runtime: Any) -> None:
-    """A replica group is one process (--multi-gpu none) or a torchrun job of ddp or fsdp: the model replicated
-    or sharded over the group's processes, and replicated across the groups. fsdp's own hybrid mesh would
-    replicate twice; dp's one process drives several GPUs that a group's rank r could not pair with its
+    """A replica group is one process (--multi-gpu none) or a torchrun job of ddp or fsdp: the model
+    replicated or sharded over the group's processes, and replicated across the groups. fsdp's own hybrid mesh
+    would replicate twice; dp's one process drives several GPUs that a group's rank r could not pair with its
     counterparts'."""
     if runtime.mode == "dp":
         raise UsageError(
@@ -256,25 +257,24 @@ def _check_group_layout(runtime: Any) -> None:
     if runtime.mode == "fsdp" and replicate > 1:
         raise UsageError(
             f"--fault-tolerance with fsdp's hybrid mesh (replicate {replicate} x shard {shard}): the replica "
-            f"groups are the model's replicas, so a group shards over all of its processes; drop --dp-replicate "
-            f'and --dp-shard (docs/fault-tolerance.md, "Groups of several processes")'
+            f"groups are the model's replicas, so a group shards over all of its processes; drop "
+            f'--dp-replicate and --dp-shard (docs/fault-tolerance.md, "Groups of several processes")'
         )
 
 
-def _group_store(timeout: timedelta) -> tuple[str, int, Any]:
-    """The group's own store, served by its rank 0 (None elsewhere), and its host and port: torchft's Manager on
-    each rank finds the group's torchft server there, and the other groups reach it, when this group leads a
-    quorum, at the host's name. A new one per torchrun attempt, so that a restarted group never reads a dead
-    attempt's address (torchrun's own store keeps them); its address reaches the group's other ranks through the
-    group's process group."""
-    several = dist.is_initialized() and dist.get_world_size() > 1
+def _group_store(runtime: Any, timeout: timedelta) -> tuple[str, int, Any]:
+    """The group's own store, served by its rank 0 (None elsewhere), and its host and port: torchft's Manager
+    on each rank finds the group's torchft server there, and the other groups reach it, when this group leads
+    a quorum, at the host's name. A new one per torchrun attempt, so that a restarted group never reads a dead
+    attempt's address (torchrun's own store keeps them); its address reaches the group's other ranks through
+    the group's process group."""
     store = None
-    if not several or dist.get_rank() == 0:
+    if runtime.rank == 0:
         store = dist.TCPStore(
             socket.gethostname(), 0, is_master=True, wait_for_workers=False, timeout=timeout
         )
     address: list[Any] = [(socket.gethostname(), store.port) if store is not None else None]
-    if several:
+    if runtime.world_size > 1:
         dist.broadcast_object_list(address, src=0)
     host, port = address[0]
     return host, port, store

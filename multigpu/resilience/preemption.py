@@ -81,35 +81,36 @@ class StopRequest:
             self._pipe = None
 
     @contextlib.contextmanager
-    def exits_while(self, waiting_for: str, grace: float = EXIT_GRACE_SECONDS) -> Iterator[None]:
-        """Within this block, a wait on other processes (`waiting_for` says which), a stop request that is still
-        waiting `grace` seconds later ends the process, saying so, instead of at the next step's end: under
-        --fault-tolerance, torchrun's SIGTERM to a replica group whose process died finds the others waiting for
-        a quorum or a commit that the dead one never joins (docs/fault-tolerance.md). A wait that ends in time
-        (a stop request to every group alike) stops cleanly, as anywhere else."""
+    def exits_while(self, waiting_for: str) -> Iterator[None]:
+        """Within this block, a wait on other processes (`waiting_for` says which), a stop request that is
+        still waiting EXIT_GRACE_SECONDS later ends the process, saying so, instead of at the next step's end:
+        under --fault-tolerance, torchrun's SIGTERM to a replica group whose process died finds the others
+        waiting for a quorum or a commit that the dead one never joins (docs/fault-tolerance.md). A wait that
+        ends in time (a stop request to every group alike) stops cleanly, as anywhere else."""
         self._waiting_for = waiting_for
         if self.signal_name is not None:  # arrived before the wait began: the wait has its grace too
-            self._exit_if_still_waiting(grace)
+            self._exit_if_still_waiting()
         try:
             yield
         finally:
             self._waiting_for = None
-            timer, self._exit_timer = self._exit_timer, None
-            if timer is not None:
-                timer.cancel()
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()
+            self._exit_timer = None
 
-    def _exit_if_still_waiting(self, grace: float = EXIT_GRACE_SECONDS) -> None:
-        waiting_for, signal_name = self._waiting_for, self.signal_name
-        timer = threading.Timer(grace, self._exit_now, args=(waiting_for, signal_name, grace))
-        timer.daemon = True
-        self._exit_timer = timer
-        timer.start()
+    def _exit_if_still_waiting(self) -> None:
+        """Start the timer that ends the process unless the current wait ends within its grace."""
+        arrived = (self._waiting_for, self.signal_name)  # what the timer's line says, should it fire
+        self._exit_timer = threading.Timer(EXIT_GRACE_SECONDS, self._exit_now, args=arrived)
+        self._exit_timer.daemon = True
+        self._exit_timer.start()
 
-    def _exit_now(self, waiting_for: str, signal_name: str, grace: float) -> None:
+    def _exit_now(self, waiting_for: str, signal_name: str) -> None:
         if self._waiting_for != waiting_for:  # the wait ended meanwhile
             return
         line = (
-            f"{signal_name} while {waiting_for} (still after {grace:g} s): exiting now without a checkpoint\n"
+            f"{signal_name} while {waiting_for} (still after {EXIT_GRACE_SECONDS:g} s): exiting now "
+            f"without a checkpoint\n"
         )
         os.write(2, line.encode())
         os._exit(128 + signal.Signals[signal_name])

@@ -121,8 +121,9 @@ def test_under_ddp_two_ranks_on_the_device_train_bit_identically_to_the_loader(t
 
 
 class SlowRows(TensorDataset):
-    """A TensorDataset whose loader is slow: each sample read through it takes 6 ms, 48 ms a batch of 8 (the device
-    gathers without reading samples): a gap that a busy 2-core machine's noise (tens of ms a step) does not hide."""
+    """A TensorDataset whose loader is slow: each sample read through it takes 6 ms, 48 ms a batch of 8 (the
+    device gathers without reading samples): a gap that a busy 2-core machine's noise (tens of ms a step) does
+    not hide."""
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         time.sleep(0.006)
@@ -130,8 +131,8 @@ class SlowRows(TensorDataset):
 
 
 def slow_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches gathered on the device take 48 ms more each: the loader's way is the faster one (as SlowRows, a gap
-    beyond a busy machine's noise)."""
+    """Batches gathered on the device take 48 ms more each: the loader's way is the faster one (as SlowRows, a
+    gap beyond a busy machine's noise)."""
     gather = device_data.DeviceBatches._gather
 
     def slower(self: Any, index: Any) -> Any:

@@ -121,8 +121,9 @@ def test_the_slurm_job_runs_one_group_per_node_and_the_lighthouse_on_the_first(t
 
 
 def test_groups_of_several_processes_are_torchrun_jobs_here_and_on_each_slurm_node(tmp_path):
-    """--gpus P (CPU processes here, --nproc the same; GPUs on a SLURM job's nodes) per replica group: each group
-    a torchrun job of P processes, with --multi-gpu ddp by default or fsdp; the batch counts every group's."""
+    """--gpus P (CPU processes here, --nproc the same; GPUs on a SLURM job's nodes) per replica group: each
+    group a torchrun job of P processes, with --multi-gpu ddp by default or fsdp; the batch counts every
+    group's."""
     here = launch(
         [
             "--fault-tolerance",
@@ -176,12 +177,13 @@ def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
         ),
         (
             ["--fault-tolerance", "--nproc", "2", "--oversubscribe", "--multi-gpu", "dp"],
-            "--multi-gpu dp with --fault-tolerance: a replica group of several processes trains with --multi-gpu "
-            "ddp (the default) or fsdp",
+            "--multi-gpu dp with --fault-tolerance: a replica group of several processes trains with "
+            "--multi-gpu ddp (the default) or fsdp",
         ),
         (
             ["--fault-tolerance", "--nnodes", "2"],
-            "--nnodes with --fault-tolerance: each replica group is one process or one torchrun job on one machine",
+            "--nnodes with --fault-tolerance: each replica group is one process or one torchrun job on one "
+            "machine",
         ),
         (
             ["--fault-tolerance", "--", "--ft-replica-id", "1"],

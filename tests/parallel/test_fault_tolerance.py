@@ -42,10 +42,10 @@ def test_a_killed_group_is_left_out_then_heals_from_a_live_peer_and_the_other_on
     lighthouse, tmp_path, group_size, group_mode
 ):
     """Group 1 SIGKILLed after step 6 (its last process: a torchrun job then ends the group's others): group 0
-    commits the next step alone within the stall bound; group 1 started again heals from group 0 (no checkpoint
-    read) and at its first commit every parameter and optimizer tensor is torch.equal in both groups, rank by rank
-    (fsdp: each rank's shards), step counters too; then group 0 is killed and group 1 trains on alone, leads and
-    writes the run's checkpoints. The run's lines say it, once each."""
+    commits the next step alone within the stall bound; group 1 started again heals from group 0 (no
+    checkpoint read) and at its first commit every parameter and optimizer tensor is torch.equal in both
+    groups, rank by rank (fsdp: each rank's shards), step counters too; then group 0 is killed and group 1
+    trains on alone, leads and writes the run's checkpoints. The run's lines say it, once each."""
     raw = tmp_path / "raw.json"
     done = subprocess.run(
         [
@@ -157,16 +157,16 @@ def test_fault_tolerance_without_torchft_or_its_lighthouse_is_one_line_and_exit_
 
 
 def test_a_group_with_a_hybrid_fsdp_mesh_of_its_own_is_refused_in_one_line(tmp_path):
-    """The replica groups are the replicas: a group of 2 processes whose fsdp mesh replicates again is refused in
-    one line (exit 2 from each process), before any Lighthouse is asked or anything written."""
+    """The replica groups are the replicas: a group of 2 processes whose fsdp mesh replicates again is refused
+    in one line (exit 2 from each process), before any Lighthouse is asked or anything written."""
     hybrid = ["--multi-gpu", "fsdp", "--dp-replicate", "2", "--dp-shard", "1"]
     args = [*hybrid, *group_0_without_a_lighthouse(tmp_path / "run")]
     refused = subprocess.run(
         cli_command(args, nproc=2), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
     )
     line = (
-        "error: --fault-tolerance with fsdp's hybrid mesh (replicate 2 x shard 1): the replica groups are the "
-        "model's replicas"
+        "error: --fault-tolerance with fsdp's hybrid mesh (replicate 2 x shard 1): the replica groups are "
+        "the model's replicas"
     )
     assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr
     assert "exitcode  : 2" in refused.stderr  # each process's own status: bad input

@@ -97,9 +97,9 @@ print("after the wait, requested:", stop.requested, flush=True)
 def test_a_stop_request_while_waiting_for_other_processes_ends_the_process_at_once_elsewhere_it_waits(
     tmp_path,
 ):
-    """StopRequest.exits_while: a SIGTERM inside the block (a wait a lost process never ends) whose wait is still
-    on a second later exits with its line and status 128 + 15; a wait that ends within that second, or a SIGTERM
-    outside the block, only sets the flag, and the process goes on to stop cleanly."""
+    """StopRequest.exits_while: a SIGTERM inside the block (a wait a lost process never ends) whose wait is
+    still on a second later exits with its line and status 128 + 15; a wait that ends within that second, or a
+    SIGTERM outside the block, only sets the flag, and the process goes on to stop cleanly."""
     results = {}
     for where in ("inside", "ends in time", "outside"):
         process = subprocess.Popen(
@@ -119,8 +119,8 @@ def test_a_stop_request_while_waiting_for_other_processes_ends_the_process_at_on
     status, _, err, seconds = results["inside"]
     assert status == 128 + signal.SIGTERM and 1 <= seconds < 10, results
     assert err == (
-        "SIGTERM while rank 0 of replica group 1 waits for the quorum of step 7 (still after 1 s): exiting now "
-        "without a checkpoint\n"
+        "SIGTERM while rank 0 of replica group 1 waits for the quorum of step 7 (still after 1 s): exiting "
+        "now without a checkpoint\n"
     )
     for where in ("ends in time", "outside"):
         status, out, err, _ = results[where]
