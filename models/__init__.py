@@ -13,7 +13,7 @@ from .gpt import GPT, TransformerBlock
 from .mlp import MLP
 from .resnet import resnet
 
-__all__ = ["MODELS", "TEXT_MODELS", "GPT", "TransformerBlock", "build_model"]
+__all__ = ["MODELS", "TEXT_MODELS", "GPT", "TransformerBlock", "build_model", "fresh_weights_note"]
 
 # name -> builder(input shape, class count, the run's config: the sizes of --model gpt, --model hf's folder)
 MODELS: dict[str, Callable[[tuple[int, ...], int, TrainConfig], nn.Module]] = {
@@ -32,6 +32,9 @@ TEXT_MODELS = (
     "gpt",
     "hf",
 )  # models of tokens (--dataset text, --text-column); the others take images or vectors
+
+# The attribute where models/hf.py notes the weights a model folder lacked (their names), for the plan line.
+FRESH_WEIGHTS = "weights_not_in_folder"
 
 # Height and width below which a model's layers leave nothing (the others take any size).
 MIN_IMAGE_SIZE = {"cnn": SmallCNN.MIN_SIZE}
@@ -52,6 +55,16 @@ def _transformers_model(classes: int, config: TrainConfig) -> nn.Module:
     from .hf import hf_model
 
     return hf_model(classes, config)
+
+
+def fresh_weights_note(model: nn.Module, shown: int = 3) -> str:
+    """The plan line's words for the weights a model folder did not hold, which transformers initialised fresh
+    (models/hf.py): "; initialised fresh, not in --model-path: score.weight"; empty for every other model."""
+    names = list(getattr(model, FRESH_WEIGHTS, ()))
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"; initialised fresh, not in --model-path: {', '.join(names[:shown])}{more}"
 
 
 def _check_image_input(name: str, input_shape: tuple[int, ...]) -> None:

@@ -20,7 +20,7 @@ from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import console
-from multigpu.models import build_model
+from multigpu.models import build_model, fresh_weights_note
 from multigpu.parallel.distributed import Runtime, gather_objects, is_distributed, setup, teardown
 from multigpu.resilience.preemption import PeerLost, agent_store, error_detail, is_peer_failure, restart_count
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
@@ -61,7 +61,8 @@ def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> d
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
         print(
-            f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
+            f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters"
+            f"{fresh_weights_note(model)}); "
             f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples",
             flush=True,
         )
