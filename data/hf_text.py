@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
+from . import tokenizer_check
 from .hf import (
     Files,
     HFStream,
@@ -165,8 +166,19 @@ def _token_samples(
     table = load_files(datasets, files, config.streaming)
     first = first_row(table, files)
     check_columns(config, first)
+    texts = tokenizer_check.first_texts(table, tokenize.column, config.streaming)
+    tokenizer_check.check_first_rows(tokenize.tokenizer, texts, _tokenizer_flag(config), flag)
     try:
         tokens = table.map(tokenize, batched=True, remove_columns=list(first), **_processes(table, config))
+    except Exception as error:  # noqa: BLE001 -- a row the tokenizer cannot take: named by file and row
+        raise UsageError(files.bad_row(None, error)) from None
+    if not config.streaming:  # a stream's rows are tokenized as they are read: its first rows were checked
+        column = table.data.column(tokenize.column)
+        ended = tokenize.end is not None
+        tokenizer_check.check_rows_kept(
+            column, tokens.data.column("input_ids"), ended, _tokenizer_flag(config), flag
+        )
+    try:
         if tokenize.packed:
             tokens = tokens.map(GroupTexts(config.block_size), batched=True, **_processes(tokens, config))
     except Exception as error:  # noqa: BLE001 -- a row the tokenizer cannot take: named by file and row

@@ -4,6 +4,7 @@ AutoModelForCausalLM and AutoTokenizer load and generate from; bad input is one 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -14,7 +15,7 @@ import torch
 
 import main_multi_gpu
 import predict_multi_gpu
-from conftest import assert_ok, assert_one_line, run_cli
+from conftest import assert_ok, assert_one_line, contents, run_cli
 
 EPOCHS = 3
 
@@ -204,3 +205,149 @@ def test_bad_input_is_one_line_and_exit_2(tiny_lm, tmp_path, capsys, name):
         ]
     )
     assert_one_line(code, capsys.readouterr().err, expected)
+
+
+# ---------------------------------------------------------------- folders that would train the wrong thing
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The save-dir of an earlier (tiny, synthetic) run: its last.pt and best.pt must come through every refusal
+    byte for byte."""
+    save_dir = tmp_path_factory.mktemp("earlier") / "run"
+    tiny = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--no-progress"]
+    assert main_multi_gpu.main([*tiny, "--save-dir", str(save_dir)]) == 0
+    return save_dir
+
+
+def _model_copy(tiny_lm: Path, tmp: Path) -> Path:
+    shutil.copytree(tiny_lm / "model", tmp / "model")
+    return tmp / "model"
+
+
+def _an_encoder(tiny_lm: Path, tmp: Path) -> list[str]:
+    """A BertModel.save_pretrained folder (with the tiny model's tokenizer): AutoModelForCausalLM makes it a
+    BertLMHeadModel that sees every token, under a head the folder lacks."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=150,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(config).save_pretrained(tmp / "bert")
+    AutoTokenizer.from_pretrained(tiny_lm / "model").save_pretrained(tmp / "bert")
+    return ["--model-path", str(tmp / "bert")]
+
+
+def _no_tokenizer(tiny_lm: Path, tmp: Path) -> list[str]:
+    """The model folder without its tokenizer's files: transformers builds a placeholder of 1 token."""
+    folder = _model_copy(tiny_lm, tmp)
+    for path in folder.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            path.unlink()
+    return ["--model-path", str(folder)]
+
+
+def _truncated_weights(tiny_lm: Path, tmp: Path) -> list[str]:
+    weights = _model_copy(tiny_lm, tmp) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return ["--model-path", str(tmp / "model")]
+
+
+def _larger_vocabulary(tiny_lm: Path, tmp: Path) -> list[str]:
+    """config.json says 200 tokens, the weights hold 150 (the tokenizer's 150 fit either)."""
+    folder = _model_copy(tiny_lm, tmp)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
+    return ["--model-path", str(folder)]
+
+
+def _most_rows_unread(tiny_lm: Path, tmp: Path) -> list[str]:
+    """The first 32 rows in English, 100 more in Greek, and a tokenizer of English letters without an unknown
+    token (the tokenizers library then drops what it does not know): the Greek rows become no token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rows = (tiny_lm / "train.jsonl").read_text().splitlines()[:32]
+    rows += [json.dumps({"text": "η γρήγορη αλεπού πηδά πάνω από τον σκύλο", "label": 0})] * 100
+    (tmp / "mixed.jsonl").write_text("\n".join(rows) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [json.loads(row)["text"] for row in rows[:32]]
+    tokenizer.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=100, special_tokens=["<|endoftext|>"])
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        tmp / "tok"
+    )
+    return [
+        *("--model-path", str(tiny_lm / "model"), "--tokenizer", str(tmp / "tok")),
+        *("--data-files", str(tmp / "mixed.jsonl")),
+    ]
+
+
+WRONG_FOLDERS = {
+    "an encoder under the causal-LM objective": (
+        _an_encoder,
+        "BertLMHeadModel is not a causal language model (position 0's logits change when token 7 changes: "
+        "it sees the tokens it is to predict), and --model hf trains a causal LM",
+    ),
+    "a folder without its tokenizer": (
+        _no_tokenizer,
+        "its tokenizer encodes the first 32 rows of --data-files (3,449 characters) to 0 tokens, 32 of 32 rows "
+        "to none: it does not read this text",
+    ),
+    "a tokenizer that makes nothing of most rows": (
+        _most_rows_unread,
+        "its tokenizer encodes 100 of the 132 rows with text in --data-files to no token, and training would "
+        "drop them",
+    ),
+    "a truncated model.safetensors": (
+        _truncated_weights,
+        "its weights do not load (Error while deserializing header: incomplete metadata, file not fully "
+        "covered); a truncated or damaged file?",
+    ),
+    "a config.json whose vocabulary the weights contradict": (
+        _larger_vocabulary,
+        "its weights do not fit its config.json: transformer.wte.weight is 150x32 in the weights, 200x32 as "
+        "the config builds it",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_FOLDERS)
+def test_a_folder_that_would_train_the_wrong_thing_is_one_line_and_exit_2_with_nothing_saved_changed(
+    tiny_lm, earlier_run, tmp_path, capsys, name
+):
+    make, expected = WRONG_FOLDERS[name]
+    save_dir = tmp_path / "run"
+    shutil.copytree(earlier_run, save_dir)
+    flags = make(tiny_lm, tmp_path)
+    before = {path: hashlib.sha256(data).hexdigest() for path, data in contents(save_dir).items()}
+    code = main_multi_gpu.main(
+        [
+            *("--dataset", "hf", "--data-files", str(tiny_lm / "train.jsonl"), "--text-column", "text"),
+            *("--model", "hf", "--no-progress", "--save-dir", str(save_dir), *flags),
+        ]
+    )
+    assert_one_line(code, capsys.readouterr().err, expected)
+    assert {path: hashlib.sha256(data).hexdigest() for path, data in contents(save_dir).items()} == before
+
+
+def test_the_plan_line_names_the_weights_a_folder_lacks(tiny_lm, tmp_path, capsys):
+    """A causal LM's folder as a classifier: its new head, which transformers initialises fresh, is named."""
+    code = main_multi_gpu.main(
+        [
+            *("--dataset", "hf", "--data-files", str(tiny_lm / "val.jsonl"), "--text-column", "text"),
+            *("--label-column", "label", "--model-path", str(tiny_lm / "model"), "--max-steps", "1"),
+            *("--no-progress", "--save-dir", str(tmp_path / "run")),
+        ]
+    )
+    assert code == 0
+    assert re.search(
+        r"^model hf \([\d,]+ parameters; initialised fresh, not in --model-path: score\.weight\); data hf: ",
+        capsys.readouterr().out,
+        re.M,
+    )
