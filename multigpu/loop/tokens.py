@@ -240,10 +240,12 @@ def _summed(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor] | None:
 
 
 def token_accuracy(shift: bool) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Accuracy over the counted tokens: (right, counted) of (B, T, V) scores against (B, T) token ids, the
-    ignore index left out, the scores of position t against the target t + 1 where the model shifts."""
+    """Accuracy over the counted tokens: (right, counted) of (B, T, V) scores against (B, T) token ids, or of
+    torch's own layout, (B, V, T) (`classes_last`), as the loss reads both; the ignore index left out, the scores
+    of position t against the target t + 1 where the model shifts."""
 
     def metric(scores: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = classes_last(scores, targets)
         if shift:
             scores, targets = scores[..., :-1, :], targets[..., 1:]
         counted = targets.ne(IGNORE_INDEX)
@@ -252,6 +254,18 @@ def token_accuracy(shift: bool) -> Callable[[torch.Tensor, torch.Tensor], tuple[
 
     metric.__name__ = "acc"
     return metric
+
+
+def classes_last(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`scores` with the class dimension last: (B, V, T, ...) scores against (B, T, ...) targets, the layout
+    `nn.CrossEntropyLoss` takes, moved to (B, T, ..., V); scores already so (their leading dimensions are the
+    targets' shape, which decides where both fit) as they are."""
+    sequence = scores.dim() == targets.dim() + 1 and scores.dim() > 2
+    if not sequence or scores.shape[:-1] == targets.shape:
+        return scores
+    if scores.shape[0] == targets.shape[0] and scores.shape[2:] == targets.shape[1:]:
+        return scores.movedim(1, -1)
+    return scores
 
 
 def token_loss_sum(

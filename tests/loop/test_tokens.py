@@ -314,3 +314,28 @@ def test_a_stream_is_weighted_by_tokens_from_its_first_batch(tmp_path):
             assert trainer.weighting.mode == "tokens"
             weights[batch] = full_weights(trainer)
     assert max_difference(weights[16], weights[8]) <= TOLERANCE
+
+
+class ClassesFirstLM(PairLM):
+    """PairLM's scores in torch's own layout for a sequence, (B, V, T): what nn.CrossEntropyLoss takes with
+    (B, T) targets."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).transpose(1, 2)
+
+
+def test_scores_with_the_classes_in_dimension_1_are_read_as_torch_reads_them_by_the_loss_and_the_accuracy(
+    tmp_path,
+):
+    data = UnevenTokens(45, 1, as_pairs=True)
+    results = []
+    for model in (PairLM(), ClassesFirstLM()):
+        torch.manual_seed(0)
+        model.load_state_dict(model_of("default_loss").state_dict())  # the same weights, either layout
+        config = config_for(tmp_path / type(model).__name__, 1, eval_batch_size=7)
+        with MultiGPUTrainer(model, UnevenTokens(SAMPLES, 0, as_pairs=True), data, config) as trainer:
+            results.append(trainer.evaluate())
+    loss, accuracy = per_token_loss("default_loss", UnevenTokens(45, 1))
+    for result in results:
+        assert result["loss"] == pytest.approx(loss, rel=1e-5) and result["acc"] == pytest.approx(accuracy)
+    assert results[0]["count"] == results[1]["count"] == 45 and results[0]["tokens"] == results[1]["tokens"]
