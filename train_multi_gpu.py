@@ -226,6 +226,7 @@ class MultiGPUTrainer:
             with stops_handled(
                 self.stop, rt.rank, rt.world_size, wait_seconds, peer_lost, rt.leave_replica_groups
             ):
+                self.report.check_trackers()  # a --logger tracker not there: one line in seconds, not a wait
                 self.checkpointer.claim()  # this run owns the save-dir until fit returns
                 # A finished run, resumed: said in one line, nothing written.
                 if self.resume() and self._trained():

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from multigpu.config import TrainConfig
-from multigpu.errors import TrainingStopped
+from multigpu.errors import TrainingStopped, UsageError
 from multigpu.loop.metrics import COUNTS
 from multigpu.monitoring.meters import Interval
 from multigpu.monitoring.trackers import Trackers
+from multigpu.parallel.distributed import gather_objects
 
 
 class Reporter:
@@ -51,6 +52,13 @@ class Reporter:
         self.last_val: dict[str, float] | None = None
         if first_line:  # where the run saves, said first (checkpoints/run_folders.py's run_folder)
             self.line(first_line)
+
+    def check_trackers(self) -> None:
+        """Before training: rank 0 tries each --logger tracker's store, within seconds (tracker_probe); every
+        rank stops with its refusal (UsageError), so nothing waits on a tracker that is not there."""
+        refusal = next(filter(None, gather_objects(self.trackers.refusal())), None)
+        if refusal is not None:
+            raise UsageError(refusal)
 
     def import_writer_in_background(self) -> None:
         """Load TensorBoard's modules (40-60 ms) beside the first steps, whose kernels release the interpreter lock,

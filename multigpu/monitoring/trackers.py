@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 from multigpu import safe_files
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
+from multigpu.monitoring import tracker_probe
 
 CSV_FILE = "metrics.csv"
 CSV_HEADER = ["step", "name", "value"]
@@ -58,6 +59,14 @@ def check_installed(config: TrainConfig) -> None:
                 f"{'ies, which are' if len(missing) > 1 else 'y, which is'} not installed: "
                 f"pip install '.[{extra}]' (or leave {name} out of --logger)"
             )
+
+
+def mlflow_uri(config: TrainConfig) -> str:
+    """MLFLOW_TRACKING_URI, else MLflow's database store in the save-dir, which its client and `mlflow ui` read
+    as they are (its file store they open only when MLFLOW_ALLOW_FILE_STORE says yes, since MLflow 3.7)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
+        os.path.join(config.save_dir or ".", MLFLOW_DB)
+    )
 
 
 def _database_store() -> bool:
@@ -122,16 +131,11 @@ class MlflowTracker:
     def __init__(self, config: TrainConfig, run_id: str | None, purge_step: int | None):
         from mlflow.tracking import MlflowClient
 
-        # MLflow's database store, which its client and `mlflow ui` read as they are (its file store they open
-        # only when MLFLOW_ALLOW_FILE_STORE says yes, since MLflow 3.7).
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
-            os.path.join(config.save_dir or ".", MLFLOW_DB)
-        )
-        with _quiet(
-            "mlflow.store.db.utils"
-        ):  # its lines on creating the database's tables say nothing to the user
-            self.client = MlflowClient(tracking_uri=uri)
-            self.run_id = run_id if run_id is not None else self._new_run(config)
+        uri = mlflow_uri(config)
+        tracker_probe.bound_mlflow_requests()  # a server lost mid-run: seconds, then left off
+        # Its lines on creating the database's tables, and its error logs, are quieted by Trackers._guarded.
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = run_id if run_id is not None else self._new_run(config)
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
 
@@ -248,15 +252,16 @@ def _run_name(config: TrainConfig) -> str:
 
 
 @contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    """`logger`'s INFO lines left out while the block runs (its warnings still shown)."""
+def _quiet(logger: str, level: int = logging.WARNING) -> Iterator[None]:
+    """`logger`'s lines below `level` left out while the block runs (by default its INFO lines: its warnings
+    still shown)."""
     quieted = logging.getLogger(logger)
-    level = quieted.level
-    quieted.setLevel(logging.WARNING)
+    previous = quieted.level
+    quieted.setLevel(level)
     try:
         yield
     finally:
-        quieted.setLevel(level)
+        quieted.setLevel(previous)
 
 
 def _read_logged(path: str) -> dict[str, Any]:
@@ -286,6 +291,11 @@ class Trackers:
         self.held: dict[
             str, int
         ] = {}  # of a resumed run: the last step it held before this run, not logged again
+
+    def refusal(self) -> str | None:
+        """The one line refusing a tracker that cannot be reached or written (tracker_probe: seconds at most),
+        or None; None where this rank logs nothing."""
+        return tracker_probe.refusal(self.config, mlflow_uri(self.config)) if self.names else None
 
     def state_dict(self) -> dict[str, str]:
         return dict(self.ids)
@@ -349,7 +359,8 @@ class Trackers:
         """`call`, or, when it fails, one line and the tracker off for the rest of the run: a tracker never
         stops training (TensorBoard and the checkpoints go on)."""
         try:
-            call()
+            with _quiet("mlflow", logging.CRITICAL):  # its error logs and tracebacks: the line below says it
+                call()
         except Exception as error:
             if self.open is not None:
                 self.open.pop(name, None)

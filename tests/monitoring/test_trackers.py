@@ -6,19 +6,37 @@ one warning and the run goes on."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import main_multi_gpu
-from conftest import REPO, TINY, blobs, config_for, read_scalars, run_cli_ranks, tiny_model
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line,
+    blobs,
+    cli_command,
+    config_for,
+    contents,
+    free_port,
+    read_scalars,
+    run_cli_ranks,
+    run_on_small_file_system,
+    tiny_model,
+)
+from multigpu.monitoring.tracker_probe import PROBE_SECONDS
 from multigpu.resilience.faults import FAULT_ENV
 from train_multi_gpu import MultiGPUTrainer
 
@@ -240,3 +258,80 @@ def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, cap
         f"'{tmp_path / 'ckpt' / 'metrics.csv'}'); it logs nothing more in this run, training goes on"
     ]
     assert [step for step, _ in read_scalars(tmp_path / "ckpt" / "tb")["train/loss"]] == list(range(1, 17))
+
+
+# ---------------------------------------------------------------- a tracker that is not there (tracker_probe.py)
+SMALL = ["--train-size", "64", "--val-size", "32", "--batch-size", "16", "--epochs", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The save-dir of a finished run, which an --overwrite run would set aside."""
+    save_dir = tmp_path_factory.mktemp("finished") / "run"
+    assert main_multi_gpu.main([*SMALL, "--mode", "flatten", "--save-dir", str(save_dir)]) == 0
+    return save_dir
+
+
+@pytest.fixture
+def earlier_run(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run's save-dir, for one test: its files must not move."""
+    shutil.copytree(finished, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_tracking_server_nobody_answers_at_is_refused_in_seconds_before_anything_is_set_aside(
+    earlier_run, capsys, monkeypatch
+):
+    """A real closed port: MLflow's client retried it for minutes, and W&B waits 90 s for its server."""
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"
+    before = contents(earlier_run)
+    run = [*SMALL, "--mode", "flatten", "--save-dir", str(earlier_run), "--overwrite"]
+    capsys.readouterr()
+    for logger, variable, expected in (
+        ("mlflow", "MLFLOW_TRACKING_URI", f"the MLflow tracking server at MLFLOW_TRACKING_URI={closed}"),
+        ("wandb", "WANDB_BASE_URL", f"W&B's server {closed}"),
+    ):
+        monkeypatch.setenv(variable, closed)
+        started = time.monotonic()
+        code = main_multi_gpu.main([*run, "--logger", f"tensorboard,{logger}"])
+        assert time.monotonic() - started < 10 * PROBE_SECONDS
+        assert_one_line(
+            code, capsys.readouterr().err, f"--logger {logger}: cannot reach {expected} (Connection "
+        )
+        assert contents(earlier_run) == before and not list(earlier_run.glob(".replaced-*"))
+
+
+def test_a_read_only_mlflow_store_is_refused_in_seconds_before_anything_is_set_aside(earlier_run, tmp_path):
+    """MLflow's SQLite store on a real read-only file system (a tmpfs remounted read-only, in a mount namespace
+    of this test's own)."""
+    pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
+    store = tmp_path / "store.db"
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        db.execute("CREATE TABLE runs (id)")
+        db.commit()
+    mount = tmp_path / "store"
+    mount.mkdir()
+    before = contents(earlier_run)
+    command = shlex.join(
+        [
+            *cli_command([*SMALL, "--mode", "flatten", "--logger", "mlflow"]),
+            *("--save-dir", str(earlier_run), "--overwrite"),
+        ]
+    )
+    script = (
+        f'cp "$1" {mount}/mlflow.db && mount -o remount,ro {mount} && '
+        f"MLFLOW_TRACKING_URI=sqlite:///{mount}/mlflow.db {command}"
+    )
+    started = time.monotonic()
+    refused = run_on_small_file_system("1m", mount, script, str(store))
+    took = time.monotonic() - started  # a Python start with torch, and the probe's seconds at most
+    assert_one_line(
+        refused.returncode,
+        refused.stderr,
+        f"--logger mlflow: cannot write MLflow's store {mount}/mlflow.db (attempt to write a readonly "
+        f"database); give a store this user can write",
+    )
+    assert took < 60, took
+    assert contents(earlier_run) == before and not list(earlier_run.glob(".replaced-*"))
