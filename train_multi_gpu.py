@@ -193,6 +193,8 @@ class MultiGPUTrainer:
         self.checkpointer = Checkpointer.at_start(
             self.config, rt, self.report, self.model, self.optimizer, self.total_steps
         )
+        # A second signal ends the process at once: --overwrite's files set aside are put back first.
+        self.stop.before_exiting_at_once(self.checkpointer.put_back_at_once)
         self.sync = parts.sync_points(self)
 
     @property

@@ -8,7 +8,9 @@ decision is taken on rank 0 and shared, so ranks never disagree
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from typing import Any, Protocol
 
@@ -24,6 +26,8 @@ from multigpu.resilience import faults, preemption
 
 # The thing whose state sits at the top of a one-file checkpoint (epoch, global_step, ...), not under its name.
 PROGRESS = "progress"
+# How long a process ending at once waits for a save in progress before it leaves --overwrite's copy aside.
+PUT_BACK_WAIT_SECONDS = 5.0
 # What a resumed run must share with its checkpoint: another value means another model, data or optimizer.
 MUST_MATCH_ON_RESUME = (
     "model",
@@ -55,6 +59,9 @@ class Checkpointer:
         # --overwrite's copy of the previous run, known on every rank (rank 0 moves the files): dropped at this
         # run's first save, put back if the run ends before it.
         self.set_aside: str | None = None
+        # Held while rank 0 writes over or drops that copy, and while a process ending at once puts it back
+        # (`put_back_at_once`, from the stop request's thread): the two never interleave.
+        self.moving = threading.Lock()
         # Set by the first fit()'s claim: the checkpoints there are then this trainer's own run, which a later
         # fit() of the same trainer continues, not another run's to refuse or set aside.
         self.claimed = False
@@ -408,14 +415,15 @@ class Checkpointer:
         also_as = None if also_as is None else also_as.removesuffix(".pt") + self.suffix
         path, failed_path, error = os.path.join(self.save_dir, name), "", ""
         if self.runtime.is_main:
-            for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
-                try:
-                    checkpoint.atomic_save(state, target, before_rename=self._save_fault(step))
-                except OSError as failure:
-                    failed_path, error = target, f"{failure.strerror or failure}"
-                    break
-                if target == path:
-                    self.last_saved = path
+            with self.moving if self.set_aside else contextlib.nullcontext():
+                for target in [path] + ([os.path.join(self.save_dir, also_as)] if also_as else []):
+                    try:
+                        checkpoint.atomic_save(state, target, before_rename=self._save_fault(step))
+                    except OSError as failure:
+                        failed_path, error = target, f"{failure.strerror or failure}"
+                        break
+                    if target == path:
+                        self.last_saved = path
         self._agree(path, failed_path, error, step)
         self._saved(path, step)
         return path
@@ -438,9 +446,34 @@ class Checkpointer:
         """`path` (of optimizer step `step`) is in place: the newest checkpoint, and --overwrite's set-aside run
         can go."""
         self.last_saved, self.saved_step = path, step
-        folder, self.set_aside = self.set_aside, None
-        if folder and self.runtime.is_main:
-            run_folders.drop_set_aside(folder)  # our first checkpoint is safely written
+        with self.moving:
+            folder, self.set_aside = self.set_aside, None
+            if folder and self.runtime.is_main:
+                run_folders.drop_set_aside(folder)  # our first checkpoint is safely written
+
+    def put_back_at_once(self) -> str | None:
+        """For a process that ends at once (a second SIGTERM or Ctrl-C, a wait that outlasted its grace): rank 0
+        puts --overwrite's set-aside files back, as `release` does when a run ends before its first checkpoint
+        (unless torchrun may restart it); the line that says so, or None. Called from the stop request's thread,
+        so it writes no line itself."""
+        if not self.set_aside or not self.runtime.is_main or preemption.restarts_left() > 0:
+            return None
+        if not self.moving.acquire(timeout=PUT_BACK_WAIT_SECONDS):  # a save in the middle of its writing
+            return (
+                f"--overwrite: the previous run's files are still in {self.set_aside}; the next run in "
+                f"--save-dir {self.save_dir} puts them back"
+            )
+        try:
+            folder, self.set_aside = self.set_aside, None
+            if folder is None:
+                return None
+            run_folders.put_back(folder)
+        finally:
+            self.moving.release()
+        return (
+            f"--overwrite: this run ended before its first checkpoint, so the previous run's files are back in "
+            f"--save-dir {self.save_dir}"
+        )
 
     def _save_sharded(self, stateful: dict[str, Any], name: str, also_as: str | None, step: int) -> str:
         """Every rank writes its shards into `<name>.tmp/`, rank 0 the rest; renamed to `name` (and linked as

@@ -57,6 +57,8 @@ class StopRequest:
         self._previous_fd = -1
         self._waiting_for: str | None = None  # inside `exits_while`: what this process waits for
         self._exit_timer: threading.Timer | None = None  # ends the process if that wait outlasts its grace
+        self._before_exit: list[Callable[[], str | None]] = []  # `before_exiting_at_once`'s
+        self.quiet = False  # set by `exit_at_once` without a line: this process ends without a word
 
     def install(self) -> None:
         """Make SIGTERM and SIGINT set the flag, and start watching for a second one (main thread only, as
@@ -69,6 +71,34 @@ class StopRequest:
         threading.Thread(
             target=self._watch, args=(self._pipe,), name="multigpu-stop-request", daemon=True
         ).start()
+
+    def before_exiting_at_once(self, undo: Callable[[], str | None]) -> None:
+        """`undo` runs, in the thread that ends the process, before a second signal (or a wait that outlasted
+        its grace) ends it at once: what must not be left half-done (--overwrite's files moved aside, put back).
+        It returns its line or None, and prints nothing itself: the main thread may be inside a print."""
+        self._before_exit.append(undo)
+
+    def exit_at_once(self, line: str | None, status: int, after: float = 0.0) -> None:
+        """End the process with `status` from any thread, when what the run waits for is gone for good (torchft's
+        Lighthouse): `line` said first; None ends it without a word, `after` seconds later (a rank other than 0,
+        whose rank 0 says it: torchrun's SIGTERM meanwhile, when rank 0 has ended, ends it quietly too)."""
+        if line is None:
+            self.quiet = True
+            time.sleep(after)  # in the calling thread (a watcher's), while rank 0 says it
+        self._exit_at_once(line or "", status)
+
+    def _exit_at_once(self, line: str, status: int) -> None:
+        """Say `line`, run the `before_exiting_at_once` callbacks (each said in its line), end the process."""
+        if not self.quiet:
+            os.write(2, line.encode())
+        for undo in self._before_exit:
+            try:
+                said = undo()
+            except Exception as error:  # noqa: BLE001 -- the process ends either way: said, not raised
+                said = f"could not undo before exiting ({error})"
+            if said:
+                os.write(2, f"{said}\n".encode())
+        os._exit(status)
 
     def uninstall(self) -> None:
         """Stop watching (call it after the handlers are put back): the wakeup fd as it was, the watcher ended."""
@@ -112,8 +142,7 @@ class StopRequest:
             f"{signal_name} while {waiting_for} (still after {EXIT_GRACE_SECONDS:g} s): exiting now "
             f"without a checkpoint\n"
         )
-        os.write(2, line.encode())
-        os._exit(128 + signal.Signals[signal_name])
+        self._exit_at_once(line, 128 + signal.Signals[signal_name])
 
     def _disown(self) -> None:
         """In a forked child: the pipe is the parent's, and no watcher runs here."""
@@ -163,9 +192,8 @@ class StopRequest:
                 and now - self._first_at < self.repeat_window
             ):
                 return
-            # os.write, not print: the main thread may be inside a print to the same stream.
-            os.write(2, f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n".encode())
-            os._exit(128 + signum)
+            line = f"second {signal.Signals(signum).name}: exiting now without a checkpoint\n"
+            self._exit_at_once(line, 128 + signum)  # os.write, not print: the main thread may be in a print
         self.signal_name = signal.Signals(signum).name
         self._first_at = now
         if self._waiting_for is not None and self._exit_timer is None:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from conftest import (
     REPO,
     RUN_TIMEOUT,
     TINY,
+    as_a_fresh_process,
     assert_ok,
     assert_untouched,
     blobs,
@@ -31,6 +33,7 @@ from conftest import (
     config_for,
     contents,
     image_folder,
+    preloaded_context,
     run_cli_forked,
     run_ranks,
     tiny_model,
@@ -430,3 +433,54 @@ def test_resuming_a_finished_run_says_it_is_complete_trains_nothing_and_writes_n
         f"--epochs to train further)"
     ], again.stdout  # after the model line: no plan, no "first step lr 0"
     assert contents(save_dir) == before
+
+
+def _overwrite_run_stuck_at_its_first_step(save_dir: str, errors: str, stuck: Any, heard: Any) -> None:
+    """An --overwrite run whose first step's end never returns (as a call into a tracker that never answered
+    did), in a process of its own: its stderr to the file `errors`; `stuck` set once it waits, `heard` once the
+    first stop request reached it (it waits on all the same)."""
+    as_a_fresh_process()
+    with open(errors, "w") as file:
+        os.dup2(file.fileno(), 2)
+    trainer = overwrite_run(Path(save_dir))
+
+    def never_returns(*args: Any) -> None:
+        stuck.set()
+        while not trainer.stop.requested:
+            threading.Event().wait(0.01)  # polling the flag the signal sets
+        heard.set()
+        threading.Event().wait()
+
+    trainer.optimizer.register_step_post_hook(never_returns)
+    trainer.fit()
+
+
+def test_a_second_signal_that_ends_an_overwrite_run_at_once_puts_the_previous_run_back(previous, tmp_path):
+    """The first Ctrl-C only asks for a stop at the next sync point, which a stuck step never reaches; the second
+    ends the process at once, and the files --overwrite set aside are back first, byte for byte."""
+    before = contents(previous)
+    context = preloaded_context()
+    stuck = context.Event()
+    heard = context.Event()
+    errors = tmp_path / "errors.txt"
+    run = context.Process(
+        target=_overwrite_run_stuck_at_its_first_step, args=(str(previous), str(errors), stuck, heard)
+    )
+    run.start()
+    try:
+        assert stuck.wait(RUN_TIMEOUT) and list(previous.glob(".replaced-*"))  # set aside while it runs
+        os.kill(run.pid, signal.SIGINT)
+        assert heard.wait(RUN_TIMEOUT)  # two signals sent at once would arrive as one
+        os.kill(run.pid, signal.SIGINT)
+        run.join(RUN_TIMEOUT)
+    finally:
+        if run.is_alive():
+            run.kill()
+            run.join()
+    assert run.exitcode == 128 + signal.SIGINT, errors.read_text()
+    assert errors.read_text().splitlines() == [
+        "second SIGINT: exiting now without a checkpoint",
+        f"--overwrite: this run ended before its first checkpoint, so the previous run's files are back in "
+        f"--save-dir {previous}",
+    ]
+    assert contents(previous) == before and not list(previous.glob(".replaced-*"))
