@@ -59,6 +59,8 @@ class ProgressState:
             "train_size": run.sampler.dataset_size,
             "monitor": run.monitor.name,
             "metrics": dict(run.metrics),
+            # The run's first losses, which the end's divergence check compares with after a resume too.
+            "learning": run.report.learning_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -73,6 +75,7 @@ class ProgressState:
             state.get("evaluated", True),
         )
         run.metrics = dict(state.get("metrics", {}))
+        run.report.load_learning_state(state.get("learning"))  # absent from checkpoints before it was kept
         run.sampler.seed = state.get("sampler_seed", run.sampler.seed)  # the epoch's order must not change
 
 

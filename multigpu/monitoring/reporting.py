@@ -53,6 +53,27 @@ class Reporter:
         if first_line:  # where the run saves, said first (checkpoints/run_folders.py's run_folder)
             self.line(first_line)
 
+    def learning_state(self) -> dict[str, Any]:
+        """Where this run started, as the end's check of whether it learned reads it (plan.no_learning_signs):
+        kept in the checkpoint, so that a resumed run (any engine: torchrun, Ray, a healed replica group) is
+        judged against its first recorded loss, not the first of its last segment."""
+        return {
+            "start_loss": self.start_loss,
+            "first_loss": self.first_loss,
+            "loss_intervals": self.loss_intervals,
+            "first_val": self.first_val,
+        }
+
+    def load_learning_state(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's `learning_state` (None: a checkpoint from before it was kept, the resumed segment's
+        own is used)."""
+        if not state:
+            return
+        self.start_loss = state.get("start_loss", self.start_loss)
+        self.first_loss = state.get("first_loss", self.first_loss)
+        self.loss_intervals = int(state.get("loss_intervals") or self.loss_intervals)
+        self.first_val = state.get("first_val", self.first_val)
+
     def check_trackers(self) -> None:
         """Before training: rank 0 tries each --logger tracker's store, within seconds (tracker_probe); every
         rank stops with its refusal (UsageError), so nothing waits on a tracker that is not there."""

@@ -161,6 +161,25 @@ def test_a_run_that_ended_where_it_started_says_so_with_the_lr_to_check(
     assert summaries[2]["did_not_learn"] == warning.split("(", 1)[1].split("): ")[0]  # what a sweep marks
 
 
+def test_after_a_resume_the_run_is_judged_from_its_first_recorded_loss_kept_in_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """A run that learned in its first 2 epochs and is resumed for 2 more at an LR too small to move it: its
+    second segment alone looks flat, but the run did learn. One that never moved is still told so."""
+    endings = {}
+    for name, first_lr in (("learned", 0.5), ("stayed", 1e-9)):
+        for epochs, lr in ((2, first_lr), (4, 1e-9)):
+            config = config_for(
+                tmp_path / name, 1, optimizer="sgd", lr=lr, epochs=epochs, log_every=2, resume="auto"
+            )
+            with MultiGPUTrainer(tiny_model(), blobs(64, 0), blobs(32, 1), config) as trainer:
+                endings[name] = trainer.fit()
+        endings[name]["out"] = capsys.readouterr().out.split("resumed from")[1]
+    assert "warning: the run" not in endings["learned"]["out"] and "did_not_learn" not in endings["learned"]
+    assert "warning: the run ended where it started (val loss" in endings["stayed"]["out"]
+    assert endings["stayed"]["did_not_learn"].startswith("val loss ")
+
+
 def slowly_learnable(size: int, seed: int) -> TensorDataset:
     """Ten classes whose centres lie close together (0.3 of the noise): learnable, but slowly."""
     centres = torch.randn(10, 16, generator=torch.Generator().manual_seed(1234)) * 0.3
