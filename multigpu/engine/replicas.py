@@ -23,9 +23,11 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from multigpu.checkpoints import run_settings
 from multigpu.engine import state
-from multigpu.errors import TrainingStopped
+from multigpu.errors import TrainingStopped, UsageError
 from multigpu.loop.step import TrainStep
+from multigpu.parallel.lighthouse_watch import LOST_SECONDS, LighthouseWatch
 
 # Where the trainer's state travels among torchft's state callbacks.
 STATE_KEY = "multigpu"
@@ -107,6 +109,11 @@ class Replicas:
         self.committed = False  # whether the last step committed
         self.committed_before = 0
         self.groups.share_state(STATE_KEY, self._send, self._receive)
+        # A Lighthouse that stops answering while a quorum is waited for ends the run in one line. (Imported
+        # here: torchft is imported only for a run with replica groups.)
+        from multigpu.parallel.fault_tolerance import lighthouse_address
+
+        self.lighthouse = LighthouseWatch(lighthouse_address(trainer.config), self._lost_lighthouse)
 
     # ------------------------------------------------------------------ heals
     def _things(self) -> dict[str, Any]:
@@ -133,6 +140,8 @@ class Replicas:
     def _receive(self, sent: dict[str, Any]) -> None:
         """A live peer's state, loaded into this group's live objects (in the quorum, between two steps)."""
         saved = sent["trainer"]
+        peer = sent["from_group"]
+        refuse_other_settings(saved.get("config") or {}, self.trainer.config, self.groups.replica_id, peer)
         things = self._things()
         if saved["global_step"] == 0:  # torchft's first sync of a fresh run: the same start for every group
             things["model"].load_state_dict(saved["model"])
@@ -203,14 +212,42 @@ class Replicas:
         """torchft's quorum for `step` (a heal included); a quorum that cannot form ends the run in one line."""
         self.healed_from = None
         try:
-            with self.waiting_for(f"the quorum of step {step}"):
+            with (
+                self.waiting_for(f"the quorum of step {step}"),
+                self.lighthouse.waiting(f"the quorum of step {step}"),
+            ):
                 self.groups.start_quorum()
+        except UsageError:  # a peer's settings that differ, met as it healed this group
+            raise
         except Exception as error:  # the Lighthouse is gone, or too few groups are alive for too long
+            lost = self.lighthouse.unreachable()
+            if lost is not None:
+                raise TrainingStopped(
+                    self._lost_lighthouse_line(f"the quorum of step {step}", lost)
+                ) from None
             detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise TrainingStopped(
                 f"replica group {self.groups.replica_id}: no quorum of live replica groups for step {step} "
                 f"({detail}); the newest checkpoint is {self.trainer.checkpointer.newest()}"
             ) from None
+
+    def _lost_lighthouse_line(self, what: str, why: str) -> str:
+        return (
+            f"replica group {self.groups.replica_id}: lost the Lighthouse at {self.lighthouse.address}: {why} "
+            f"while waiting for {what}; the newest checkpoint is {self.trainer.checkpointer.newest()}: start the "
+            f"Lighthouse again, then every group with the same command, and the run continues from it"
+        )
+
+    def _lost_lighthouse(self, what: str, why: str) -> None:
+        """The Lighthouse watch's word (its thread; the main thread is inside torchft's quorum, which waits on
+        for its timeout): rank 0 of the group says it and ends the process, the group's other ranks end quietly
+        a moment later. Checkpoints are written between steps, never during a quorum: the newest is whole."""
+        why = f"{why} for {LOST_SECONDS:g} s"
+        if self.runtime.rank == 0:
+            line = f"error: {self._lost_lighthouse_line(what, why)}\n"
+            self.trainer.stop.exit_at_once(line, TrainingStopped.exit_code)
+        else:
+            self.trainer.stop.exit_at_once(None, TrainingStopped.exit_code, after=2 * LOST_SECONDS)
 
     def waiting_for(self, what: str) -> AbstractContextManager[None]:
         """A block in which this rank waits for `what` from the other processes: a stop request there ends the
@@ -244,6 +281,20 @@ class Replicas:
             f"The effective batch and LR stay set for all {groups} groups: while one is lost its share is "
             f"skipped and a step averages the live groups' samples at the same LR; a group started again heals "
             f"from a live peer"
+        )
+
+
+def refuse_other_settings(peers: dict[str, Any], config: Any, group: int, peer: int) -> None:
+    """UsageError where this group (`config`) trains with other settings than the peer it heals from (`peers`,
+    its config as a checkpoint keeps it): the settings that decide what is learned, by the rule a resume's
+    --resume auto picks a run by (multigpu/checkpoints/run_settings.py). Groups that differ would average
+    gradients of different runs, and step them with different rules."""
+    differing = run_settings.differences(peers, config)
+    if differing:
+        raise UsageError(
+            f"replica group {group} was started with other settings than replica group {peer}, which it would "
+            f"heal from ({'; '.join(differing)}: group {peer}'s -> this group's): start every group with the "
+            f"same command"
         )
 
 

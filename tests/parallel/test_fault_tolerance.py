@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from conftest import (
     cli_env,
     config_for,
     free_port,
+    run_forked_workers,
 )
 from multigpu.data.device_data import DeviceData
 from multigpu.data.feed import batch_sizes, training_data
@@ -258,3 +260,51 @@ def test_fault_tolerance_settings_are_checked_with_the_config(flags, refusal):
 
     with pytest.raises(UsageError, match=refusal):
         parse_config(flags)
+
+
+@pytest.mark.slow
+def test_a_group_started_with_other_settings_than_its_peers_is_refused_in_one_line_as_it_joins(
+    lighthouse, tmp_path
+):
+    """Two groups started together, one with --lr 0.001, the other with --lr 0.01: the one that heals from the
+    other at the first quorum (torchft's first sync) would train another run's steps; it is refused in one line
+    naming the setting, exit 2, having trained nothing, and the other trains its own run to the end."""
+    import main_multi_gpu
+
+    save_dir = tmp_path / "run"
+    rates = {0: "0.001", 1: "0.01"}
+
+    def group(replica_id: int) -> list[str]:
+        return [
+            *("--fault-tolerance", "--ft-replica-groups", "2", "--ft-replica-id", str(replica_id)),
+            *("--ft-lighthouse", lighthouse, "--save-dir", str(save_dir), "--lr", rates[replica_id]),
+            *("--lr-scaling", "none", "--model", "mlp", "--mode", "flatten", "--image-shape", "1,4,4"),
+            *("--train-size", "2000", "--val-size", "32", "--batch-size", "4", "--max-steps", "40"),
+            *("--epochs", "1", "--no-progress", "--dist-timeout", str(DIST_TIMEOUT)),
+        ]
+
+    ended: dict[int, subprocess.CompletedProcess] = {}
+
+    def start(replica_id: int) -> None:
+        (ended[replica_id],) = run_forked_workers(
+            main_multi_gpu.main, group(replica_id), None, tmp_path / f"group{replica_id}"
+        )
+
+    starts = [threading.Thread(target=start, args=(replica_id,)) for replica_id in rates]
+    for thread in starts:
+        thread.start()
+    for thread in starts:
+        thread.join()
+    (refused,) = [replica_id for replica_id, result in ended.items() if result.returncode == 2]
+    trained = 1 - refused
+    lines = [line for line in ended[refused].stderr.splitlines() if "Warning" not in line]
+    assert len(lines) == 1 and "step" not in ended[refused].stdout, (
+        ended[refused].stdout + ended[refused].stderr
+    )
+    assert lines[0] == (
+        f"error: replica group {refused} was started with other settings than replica group {trained}, which it "
+        f"would heal from (lr: {rates[trained]} -> {rates[refused]}: group {trained}'s -> this group's): start "
+        f"every group with the same command"
+    )
+    assert ended[trained].returncode == 0, ended[trained].stdout[-3000:] + ended[trained].stderr
+    assert torch.load(save_dir / "last.pt", weights_only=True)["config"]["lr"] == float(rates[trained])
