@@ -40,6 +40,7 @@ from multigpu import safe_files
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, OneLineParser, TrainConfig, parse_config
 from multigpu.errors import UsageError
+from multigpu.launch import ray_output
 from multigpu.launch.answers import RAY, TRAINER, Devices, Nodes, Settings, trainer_flags, whole
 from multigpu.launch.cluster_jobs import check_job, job_devices
 from multigpu.launch.command import shown
@@ -157,7 +158,7 @@ def main(argv: Sequence[str]) -> int:
             if options.address is not None:
                 check_reachable(options.address)
             ray = import_ray()
-            return _run(ray, options, config, train_argv)
+            return _run(ray, options, config, train_argv, list(argv))
         except UsageError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return error.exit_code
@@ -208,8 +209,15 @@ def connect(ray: Any, options: RayOptions) -> str:
         **WORKER_ENV,
         **{name: value for name, value in os.environ.items() if name.startswith(PASSED_PREFIX)},
     }
+    # Ray's own lines kept to warnings, its noise where the run's lines say it better left out (ray_output.py).
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": ray_output.quiet_ray_worker}
     try:
-        ray.init(address=address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        ray.init(
+            address=address,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            logging_config=ray_output.ray_logging(ray),
+        )
     except ConnectionError as error:
         raise UsageError(f"--ray-address {address}: {error}") from None
     return f"the Ray cluster at {address}" if address else "a local Ray instance"
@@ -244,21 +252,29 @@ def settle_save_dir(config: TrainConfig, train_argv: list[str]) -> tuple[str, li
     return path, [*train_argv, "--save-dir", path]
 
 
-def _run(ray: Any, options: RayOptions, config: TrainConfig, train_argv: list[str]) -> int:
+def _run(ray: Any, options: RayOptions, config: TrainConfig, train_argv: list[str], argv: list[str]) -> int:
     where = connect(ray, options)
     try:
         gpus = gpus_per_worker(ray, options)
         save_dir, train_argv = settle_save_dir(config, train_argv)
-        return fit(options, gpus, config, save_dir, train_argv, where)
+        resume = ray_output.resume_command(shown(TRAINER), argv, save_dir, config.resume == "auto")
+        return fit(options, gpus, config, save_dir, train_argv, where, resume)
     finally:
         ray.shutdown()
 
 
 def fit(
-    options: RayOptions, gpus: int, config: TrainConfig, save_dir: str, train_argv: list[str], where: str
+    options: RayOptions,
+    gpus: int,
+    config: TrainConfig,
+    save_dir: str,
+    train_argv: list[str],
+    where: str,
+    resume: str,
 ) -> int:
-    """Run the workers through TorchTrainer; the workers' exit status (1 when Ray gave up after failures)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    """Run the workers through TorchTrainer; the workers' exit status (1 when Ray gave up after failures, said in
+    one line ending with `resume`, the command that continues the run)."""
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     run_id = f"multigpu-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -290,18 +306,13 @@ def fit(
             name=run_id,
             storage_path=storage,
             failure_config=FailureConfig(max_failures=options.max_failures),
+            logging_config=LoggingConfig(log_level=ray_output.RAY_TRAIN_LOG_LEVEL),
         ),
     )
     try:
         trainer.fit()
     except TrainingFailedError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(
-            f"error: the run on Ray failed and Ray gave up on it (--ray-max-failures {options.max_failures}): "
-            f"{first}; the same command with --resume auto continues from the newest checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(ray_output.failure_line(error, options.max_failures, resume), file=sys.stderr, flush=True)
         return 1
     return workers_status(run_dir, options.workers)
 
@@ -386,8 +397,8 @@ def train_on_worker(job: dict[str, Any]) -> None:
         GROUP_WORLD_SIZE=str(_nodes()),
     )
     status = train_from_argv(job["argv"])
-    if status not in FINAL_STATUSES:
-        raise RuntimeError(f"rank {rank} ended with exit status {status}")  # Ray restarts the group
+    if status not in FINAL_STATUSES:  # Ray restarts the group
+        raise RuntimeError(f"rank {rank} {ray_output.ENDED_WITH} {status}")
     _record(job["run_dir"], rank, status)
 
 

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -331,3 +332,34 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_ends_as_the_uninterrupt
     ), output[-4000:]
     assert output.count("done: best val acc") == 1
     assert_same_weights(save_dir, uninterrupted[0])
+    # Ray's and Ray Train's own lines kept to warnings; the resumed run judged from the run's first loss.
+    assert not re.search(r"Traceback|PlacementGroupCleaner|\(TrainController|warning: the run", output), (
+        output
+    )
+
+
+@pytest.mark.slow
+def test_a_worker_killed_without_restarts_is_one_line_naming_it_its_exit_and_the_resume_command(
+    ray_head: str, tmp_path: Path
+) -> None:
+    save_dir = tmp_path / "run"
+    result = on_ray(ray_head, *RUN, "--save-dir", str(save_dir), env={"MULTIGPU_FAULT_INJECT": "1:3"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    resume = shlex.join(
+        ["python", "main_multi_gpu.py", "--ray-workers", "2", "--ray-address", ray_head, *RUN]
+        + ["--save-dir", str(save_dir), "--resume", "auto"]
+    )
+    assert re.fullmatch(
+        r"error: the run on Ray failed: worker rank 1 \(pid \d+\) died: its process ended without an exit "
+        r"status of its own \((\w+, )?killed by a signal or the OOM killer, or crashed\) \(rank 0 ended after "
+        r"it\); Ray gave up on it \(--ray-max-failures 0\): continue from the newest checkpoint with: "
+        + re.escape(resume),
+        result.stderr.strip().splitlines()[-1],
+    ), result.stderr[-3000:]
+    # Besides rank 0's own two lines (the lost rank, its last step's checkpoint): at most Ray's own two warnings
+    # of a dead worker process, no traceback, no line of Ray Train's machinery.
+    assert len(result.stderr.strip().splitlines()) <= 5, result.stderr
+    assert not re.search(r"Traceback|PlacementGroupCleaner|\(TrainController", output), output
+    newest = max(save_dir.glob("step-*.pt"))  # rank 0 may or may not write step 3 before Ray ends it
+    assert torch.load(newest, weights_only=True)["global_step"] == int(newest.stem.split("-")[1])
