@@ -129,9 +129,9 @@ def check_causal(model: nn.Module, config: TrainConfig) -> None:
 def _sees_ahead(model: nn.Module) -> tuple[int, int] | None:
     """(the first position whose logits change, the last token, which was changed), or None for a causal model:
     no earlier position's logits change."""
-    settings = model.config  # type: ignore[union-attr]  # a transformers model's
+    settings: Any = model.config  # a transformers model's
     length = min(PROBE_TOKENS, getattr(settings, "max_position_embeddings", None) or PROBE_TOKENS)
-    vocabulary = settings.vocab_size
+    vocabulary = int(settings.vocab_size)
     device = next(model.parameters()).device
     ids = (torch.arange(length, device=device) % vocabulary)[None]
     changed = ids.clone()

@@ -321,6 +321,7 @@ WRONG_FOLDERS = {
 def test_a_folder_that_would_train_the_wrong_thing_is_one_line_and_exit_2_with_nothing_saved_changed(
     tiny_lm, earlier_run, tmp_path, capsys, name
 ):
+    """Refused before anything is read into a model or trained: even --overwrite moved nothing aside."""
     make, expected = WRONG_FOLDERS[name]
     save_dir = tmp_path / "run"
     shutil.copytree(earlier_run, save_dir)
@@ -329,7 +330,7 @@ def test_a_folder_that_would_train_the_wrong_thing_is_one_line_and_exit_2_with_n
     code = main_multi_gpu.main(
         [
             *("--dataset", "hf", "--data-files", str(tiny_lm / "train.jsonl"), "--text-column", "text"),
-            *("--model", "hf", "--no-progress", "--save-dir", str(save_dir), *flags),
+            *("--model", "hf", "--no-progress", "--save-dir", str(save_dir), "--overwrite", *flags),
         ]
     )
     assert_one_line(code, capsys.readouterr().err, expected)

@@ -38,6 +38,7 @@ class Run(Protocol):
     sampler: Any
     monitor: Monitor
     metrics: dict[str, float]
+    report: Any  # the Reporter: where the run started (its learning_state)
 
 
 class ProgressState:
