@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, Callable
 
 from multigpu import sweep
 from multigpu.launch import ray_train
-from multigpu.launch.runner import main_guarded, run, train_from_argv
 
-__all__ = ["cli", "main", "main_guarded", "run"]
+__all__ = ["cli", "main", "main_guarded", "run"]  # noqa: F822 -- the last two from __getattr__
 
 
 def main(argv: Sequence[str] | None = None, on_summary: Callable[[dict], None] | None = None) -> int:
@@ -36,7 +35,19 @@ def main(argv: Sequence[str] | None = None, on_summary: Callable[[dict], None] |
         return main_mixed(argv)
     if ray_train.requested(argv):
         return ray_train.main(argv)
+    from multigpu.launch.runner import train_from_argv
+
     return train_from_argv(argv, on_summary)
+
+
+def __getattr__(name: str) -> Any:
+    """`main_guarded` and `run`, the runner's, imported at their first use: a driver of Ray workers or of a sweep
+    never loads the trainer (only its workers do)."""
+    if name in ("main_guarded", "run"):
+        from multigpu.launch import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cli() -> None:

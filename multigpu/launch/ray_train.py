@@ -39,7 +39,7 @@ from typing import Any
 from multigpu import safe_files
 from multigpu.checkpoints import run_folders
 from multigpu.config import DEFAULT_SAVE_ROOT, OneLineParser, TrainConfig, parse_config
-from multigpu.errors import UsageError
+from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import ray_output
 from multigpu.launch.answers import RAY, TRAINER, Devices, Nodes, Settings, trainer_flags, whole
 from multigpu.launch.cluster_jobs import check_job, job_devices
@@ -159,7 +159,7 @@ def main(argv: Sequence[str]) -> int:
                 check_reachable(options.address)
             ray = import_ray()
             return _run(ray, options, config, train_argv, list(argv))
-        except UsageError as error:
+        except (UsageError, TrainingStopped) as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return error.exit_code
         except KeyboardInterrupt:
@@ -220,6 +220,12 @@ def connect(ray: Any, options: RayOptions) -> str:
         )
     except ConnectionError as error:
         raise UsageError(f"--ray-address {address}: {error}") from None
+    except Exception as error:  # noqa: BLE001 -- Ray's own start failed (a node that timed out starting, ...)
+        where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+        raise TrainingStopped(
+            f"{where} did not start ({ray_output.first_line(error)[:200]}); try again, or start Ray with "
+            f"`ray start --head` and give its address with --ray-address"
+        ) from None
     return f"the Ray cluster at {address}" if address else "a local Ray instance"
 
 
