@@ -14,8 +14,10 @@ the same run. A resumed run logs no step twice: TensorBoard and metrics.csv drop
 the steps past the checkpoint that a killed run logged, and MLflow and W&B, which
 cannot drop a point, get only the steps after the last one their run holds (noted
 in `<save-dir>/.trackers-logged.json` before the scalars that make it held are
-logged). A tracker that fails mid-run (network, disk) is said in one line and left
-off; training goes on (MULTI_GPU_GUIDE.md, "Experiment trackers").
+logged). A tracker that cannot be reached or written at the start is refused in
+one line within seconds (tracker_probe.py); one that fails mid-run (network,
+disk) is said in one line and left off; training goes on (MULTI_GPU_GUIDE.md,
+"Experiment trackers").
 """
 
 from __future__ import annotations
