@@ -45,6 +45,9 @@ LOGGED_FILE = ".trackers-logged.json"  # {tracker: {"run": id, "step": the last 
 LIBRARIES = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
 DATABASE_LIBRARIES = ("sqlalchemy", "alembic")  # what MLflow's database store needs beyond mlflow-skinny
 DEFAULT_PROJECT = "multigpu-trainer"  # W&B's project (and MLflow's run tag) when the environment names none
+# MLflow's loggers, quieted while a tracker is called (mlflow.store.db.utils sets a level of its own: its lines on
+# creating the database's tables say nothing to the user).
+QUIETED_LOGGERS = ("mlflow", "mlflow.store.db.utils")
 WANDB_FLUSH_SECONDS = 1.0  # how often W&B writes its run's file (x_transaction_log_flush_interval)
 
 
@@ -361,7 +364,11 @@ class Trackers:
         """`call`, or, when it fails, one line and the tracker off for the rest of the run: a tracker never
         stops training (TensorBoard and the checkpoints go on)."""
         try:
-            with _quiet("mlflow", logging.CRITICAL):  # its error logs and tracebacks: the line below says it
+            with contextlib.ExitStack() as quieted:
+                for (
+                    logger
+                ) in QUIETED_LOGGERS:  # their INFO lines, error logs and tracebacks: the line below says it
+                    quieted.enter_context(_quiet(logger, logging.CRITICAL))
                 call()
         except Exception as error:
             if self.open is not None:
