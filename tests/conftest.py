@@ -71,12 +71,13 @@ HEAVIEST_FILES = {
     "test_resume.py": 150,
     "test_launch_multi_gpu.py": 150,
     "checkpoints/test_sharded.py": 150,
-    "launch/test_ray_train.py": 145,  # a Ray instance and four drivers on it
+    "launch/test_ray_train.py": 180,  # a Ray instance and five drivers on it
     "data/test_device_data.py": 135,
     "data/test_hf.py": 115,
     "test_sweep_multi_gpu.py": 105,
     "test_bad_input.py": 100,
     "parallel/test_fault_tolerance.py": 100,  # three kill-and-heal scenarios, one of 2 and two of 4 processes
+    "parallel/test_lighthouse_watch.py": 45,  # two torchrun jobs of 2 processes and a Lighthouse killed
 }
 
 
