@@ -74,7 +74,9 @@ def merged_model(state: dict[str, Any], source: str) -> nn.Module:
     config = TrainConfig.from_dict(state["config"])
     if config.qlora:
         trained = lora.trainable_part(adapted, adapted.state_dict())
-        plain = dataclasses.replace(config, qlora=False)  # the same adapters, on the base's full-precision copy
+        plain = dataclasses.replace(
+            config, qlora=False
+        )  # the same adapters, on the base's full-precision copy
         adapted = lora.add_adapters(dequantized(lora.base_of(adapted), config), plain)
         lora.load_trainable_part(adapted, trained)
     with lora.peft_quiet():
@@ -91,7 +93,7 @@ def dequantized(model: nn.Module, config: TrainConfig) -> nn.Module:
     copy = type(model)(type(model.config).from_dict(settings))  # every weight replaced below
     state = {}
     for name, module in model.named_modules():
-        if type(module).__name__ == "Linear4bit":
+        if lora.is_four_bit(module):
             name = name.replace(".base_layer", "")  # the layer an adapter wraps, by the base's own name
             weight = dequantize_bnb_weight(module.weight).to(torch.float32)
             layer = copy.get_submodule(name)

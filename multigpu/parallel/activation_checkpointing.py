@@ -7,7 +7,8 @@ replays the same operations with the same random state.
 
 The engine is the model's own where it has one and torch's otherwise:
 
-- a transformers model (a PeftModel's base too): its `gradient_checkpointing_enable`, non-reentrant;
+- a transformers model (a PeftModel's base too): its own `activation_checkpointing_enable` (before transformers 5:
+  `gradient_checkpointing_enable`), non-reentrant;
 - any other model, and every model under fsdp: torch's `checkpoint_wrapper` around each block, the blocks
   `--fsdp-blocks` finds (multigpu/parallel/sharding.py), so under fsdp each FSDP unit is one checkpointed block,
   as torchtitan applies it. The wrapper's `_checkpoint_wrapped_module.` leaves the checkpoint's names as they
@@ -25,9 +26,12 @@ from multigpu.parallel import lora, sharding
 def checkpoint_activations(model: nn.Module, blocks: str | None, sharded: bool) -> str:
     """Make `model` recompute its blocks' activations in backward (in place); the plan's line that says how."""
     inner = lora.base_of(model)
-    enable = getattr(inner, "gradient_checkpointing_enable", None)
+    # transformers 5's name, and before it (its deprecated alias since) gradient_checkpointing_enable.
+    enable = getattr(inner, "activation_checkpointing_enable", None) or getattr(
+        inner, "gradient_checkpointing_enable", None
+    )
     if not sharded and callable(enable) and getattr(inner, "supports_gradient_checkpointing", False):
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable({"use_reentrant": False})
         if getattr(
             inner.config, "use_cache", False
         ):  # transformers warns at the first forward and sets it so

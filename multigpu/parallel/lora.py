@@ -85,7 +85,7 @@ def add_adapters(model: nn.Module, config: TrainConfig) -> nn.Module:
         return model
     if not config.lora_r:
         return model
-    if config.qlora and not any(type(module).__name__ == "Linear4bit" for module in model.modules()):
+    if config.qlora and not any(is_four_bit(module) for module in model.modules()):
         raise UsageError(
             f"--qlora trains adapters on a 4-bit base, and this {type(model).__name__}'s linear layers are not "
             f"4-bit: load it with transformers' BitsAndBytesConfig(load_in_4bit=True), as --model hf --qlora does"
@@ -174,12 +174,17 @@ def peft_quiet() -> Iterator[None]:
         yield
 
 
+def is_four_bit(module: nn.Module) -> bool:
+    """Whether `module` is bitsandbytes' 4-bit linear layer (peft's adapter around one has the same name)."""
+    return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+
+
 def keep_off_cpu_inference_packing(model: nn.Module) -> int:
     """Turn off bitsandbytes' CPU inference packing on every 4-bit layer (see the module's docstring); how many
     layers are 4-bit."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ == "Linear4bit":
+        if is_four_bit(module):
             module.support_avx512bf16_for_cpu = False
             count += 1
     return count

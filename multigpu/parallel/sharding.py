@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from multigpu.config import AUTO, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.parallel import lora
 
 # torch.distributed.fsdp and .checkpoint are imported where they are used: importing them costs about a third of
 # torch's own import time, which every run that does not shard (and every --help) would pay.
@@ -269,12 +270,12 @@ def module_state_dict(model: nn.Module, full: bool = True, trainable_only: bool 
     holds) or this rank's shards (what a sharded checkpoint holds); `trainable_only` leaves the frozen parameters
     out (a LoRA run's base: multigpu/parallel/lora.py)."""
     api = _state_dict_api()
-    return api.get_model_state_dict(
-        model,
-        options=api.StateDictOptions(
-            full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only
-        ),
+    options = api.StateDictOptions(
+        full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only
     )
+    state = api.get_model_state_dict(model, options=options)
+    # DCP leaves out the frozen parameters by their first name only: a tied one (GPT-2's lm_head) would stay.
+    return lora.trainable_part(model, state) if trainable_only else state
 
 
 def load_module_state_dict(
@@ -284,9 +285,7 @@ def load_module_state_dict(
     nn.Module.load_state_dict does: set_model_state_dict would fill a missing key with the live value.
     `trainable_only`: `state` holds the trainable parameters alone, and the frozen ones stay as they are."""
     api = _state_dict_api()
-    expected = api.get_model_state_dict(
-        model, options=api.StateDictOptions(ignore_frozen_params=trainable_only)
-    )
+    expected = module_state_dict(model, full=False, trainable_only=trainable_only)
     missing = [name for name in expected if name not in state]
     if missing:
         raise RuntimeError(
