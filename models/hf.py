@@ -13,7 +13,7 @@ for --model hf (models/__init__.py), so runs of the other models never import tr
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from typing import Any
 
 import torch
@@ -64,9 +64,13 @@ def four_bit(transformers: Any, config: TrainConfig) -> dict[str, Any]:
     this process's device (the one the run set up: bitsandbytes quantizes as it loads there)."""
     if not config.qlora:
         return {}
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UsageError("--qlora needs bitsandbytes, which is not installed: pip install '.[lora]'")
     lora.quiet_quantization_libraries()
+    try:
+        importlib.import_module("bitsandbytes")  # transformers imports it to load in 4-bit: it must import
+    except ImportError:
+        raise UsageError(
+            "--qlora needs bitsandbytes, which is not installed: pip install '.[lora]'"
+        ) from None
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +356,21 @@ def test_a_base_changed_since_training_is_refused_by_the_export(tiny_lm, tmp_pat
     assert "is not the one checkpoint" in capsys.readouterr().err
     assert hashlib.sha256((tmp_path / "ckpt" / "last.pt").read_bytes()).hexdigest() == digest
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_peft_or_bitsandbytes_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    from multigpu.models.hf import four_bit
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as where it is not installed: its import fails
+    with pytest.raises(UsageError) as no_peft:
+        MultiGPUTrainer(gpt2(), TokenDicts(SIZE, 0), None, config_for(tmp_path, 1, lora_r=4))
+    assert (
+        str(no_peft.value) == "--lora-r needs the peft library, which is not installed: pip install '.[lora]'"
+    )
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(UsageError) as no_bitsandbytes:
+        four_bit(None, TrainConfig(lora_r=4, qlora=True))
+    assert (
+        str(no_bitsandbytes.value)
+        == "--qlora needs bitsandbytes, which is not installed: pip install '.[lora]'"
+    )
