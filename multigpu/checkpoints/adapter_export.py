@@ -21,7 +21,6 @@ import importlib
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from multigpu.config import TrainConfig
 from multigpu.data.hf import import_transformers
@@ -37,7 +36,7 @@ def is_adapter_checkpoint(state: dict[str, Any]) -> bool:
     return "adapters" in state
 
 
-def adapted_model(state: dict[str, Any], source: str) -> nn.Module:
+def adapted_model(state: dict[str, Any], source: str) -> Any:
     """The run's PeftModel on the CPU as it was when checkpoint `source` (its `state`) was saved."""
     record = state["adapters"]
     config = TrainConfig.from_dict(state["config"])
@@ -68,7 +67,7 @@ def adapted_model(state: dict[str, Any], source: str) -> nn.Module:
     return adapted
 
 
-def merged_model(state: dict[str, Any], source: str) -> nn.Module:
+def merged_model(state: dict[str, Any], source: str) -> Any:
     """The run's model with its adapters folded into the base's weights: a plain transformers model in fp32."""
     adapted = adapted_model(state, source)
     config = TrainConfig.from_dict(state["config"])
@@ -83,7 +82,7 @@ def merged_model(state: dict[str, Any], source: str) -> nn.Module:
         return adapted.merge_and_unload()
 
 
-def dequantized(model: nn.Module, config: TrainConfig) -> nn.Module:
+def dequantized(model: Any, config: TrainConfig) -> Any:
     """A full-precision copy of the 4-bit `model` (its adapters' base): each 4-bit weight as bitsandbytes
     dequantizes it for its forward, in the layout of the model class's own layer (GPT-2's Conv1D transposed)."""
     from peft.utils.integrations import dequantize_bnb_weight

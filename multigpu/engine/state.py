@@ -133,6 +133,7 @@ def check_adapters(path: str, saved: dict[str, Any] | None, adapters: Adapters |
     if saved is None and adapters is None:
         return
     if adapters is None:
+        assert saved is not None  # returned above otherwise
         raise CheckpointError(
             f"checkpoint {path} holds LoRA adapters (r {saved['rank']} on {saved['layers']} layers) and this run "
             f"trains every weight: resume with the run's LoRA flags (or none, to take them from the checkpoint)"
@@ -329,6 +330,7 @@ class Resumable(Protocol):
     """What a resume reads and sets of the trainer (MultiGPUTrainer has it)."""
 
     config: Any
+    adapters: Adapters | None
     runtime: Any
     checkpointer: Checkpointer
     sampler: Any

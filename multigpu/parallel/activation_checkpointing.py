@@ -17,6 +17,8 @@ The engine is the model's own where it has one and torch's otherwise:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 from multigpu.errors import UsageError
@@ -25,7 +27,7 @@ from multigpu.parallel import lora, sharding
 
 def checkpoint_activations(model: nn.Module, blocks: str | None, sharded: bool) -> str:
     """Make `model` recompute its blocks' activations in backward (in place); the plan's line that says how."""
-    inner = lora.base_of(model)
+    inner: Any = lora.base_of(model)
     # transformers 5's name, and before it (its deprecated alias since) gradient_checkpointing_enable.
     enable = getattr(inner, "activation_checkpointing_enable", None) or getattr(
         inner, "gradient_checkpointing_enable", None

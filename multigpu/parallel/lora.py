@@ -185,7 +185,7 @@ def keep_off_cpu_inference_packing(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if is_four_bit(module):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # bitsandbytes reads it at each forward
             count += 1
     return count
 
@@ -256,7 +256,7 @@ def adapters_of(model: nn.Module, config: TrainConfig) -> Adapters | None:
     if not is_adapted(model):
         return None
     four_bit = keep_off_cpu_inference_packing(model)
-    layers = [module for module in model.modules() if hasattr(module, "lora_A") and len(module.lora_A)]
+    layers: list[Any] = [module for module in model.modules() if getattr(module, "lora_A", None)]
     ranks = sorted({rank for module in layers for rank in module.r.values()})
     return Adapters(
         rank=ranks[0] if len(ranks) == 1 else config.lora_r,

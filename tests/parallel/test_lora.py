@@ -87,7 +87,8 @@ def four_bit_gpt2(folder: Path) -> torch.nn.Module:
     from multigpu.models.hf import four_bit
 
     if not (folder / "config.json").exists():
-        tiny_gpt2().save_pretrained(folder)
+        model: Any = tiny_gpt2()
+        model.save_pretrained(folder)
     config = TrainConfig(lora_r=4, qlora=True)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, **four_bit(transformers, config)
