@@ -183,9 +183,10 @@ def keep_off_cpu_inference_packing(model: nn.Module) -> int:
     """Turn off bitsandbytes' CPU inference packing on every 4-bit layer (see the module's docstring); how many
     layers are 4-bit."""
     count = 0
-    for module in model.modules():
-        if is_four_bit(module):
-            setattr(module, "support_avx512bf16_for_cpu", False)  # bitsandbytes reads it at each forward
+    layer: Any
+    for layer in model.modules():
+        if is_four_bit(layer):
+            layer.support_avx512bf16_for_cpu = False  # bitsandbytes reads it at each forward
             count += 1
     return count
 
