@@ -598,6 +598,11 @@ class TrainConfig:
                 raise UsageError(
                     "--lora-targets names no layer: give all-linear, or module names such as q_proj,v_proj"
                 )
+            if self.float8:
+                raise UsageError(
+                    "--float8 trains the base's linear layers in float8, and --lora-r freezes them (its adapters "
+                    "are too small to gain): drop one of them"
+                )
             if self.ema_decay:
                 raise UsageError(
                     "--ema-decay keeps an average of every weight, a second copy of the frozen base of --lora-r: "

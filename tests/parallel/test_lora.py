@@ -285,6 +285,7 @@ def changed_copy(model_folder: Path, copy: Path) -> Path:
             ["--lora-r", "4", "--qlora", "--multi-gpu", "fsdp"],
             "--qlora's 4-bit base (bitsandbytes) cannot be",
         ),
+        (["--lora-r", "4", "--ema-decay", "0.9"], "--ema-decay keeps an average of every weight, a second copy"),
     ],
 )
 def test_bad_lora_settings_are_one_line_and_exit_2_with_nothing_written(
