@@ -309,8 +309,11 @@ def base_fingerprint(model: nn.Module) -> str:
     )
     for name, param in frozen:
         values = param.detach().reshape(-1)
-        picks = torch.linspace(0, max(0, values.numel() - 1), min(values.numel(), FINGERPRINT_SAMPLES))
-        sample = values[picks.long()].contiguous().cpu()
+        count = min(values.numel(), FINGERPRINT_SAMPLES)
+        # Evenly spread, first and last included, in integers: a float32 linspace rounds past the end of a
+        # tensor of 38.6M values (GPT-2's embedding).
+        picks = torch.arange(count, device=values.device) * (values.numel() - 1) // max(1, count - 1)
+        sample = values[picks].contiguous().cpu()
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
