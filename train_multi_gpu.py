@@ -37,6 +37,7 @@ from multigpu.loop.progress import Progress
 from multigpu.loop.tokens import default_loss, weighting_for
 from multigpu.monitoring import plan, reporting
 from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import Runtime, gather_objects, runtime_for, teardown, teardown_at_exit
 from multigpu.parallel.wrapping import prepare_model, wrapped_for_training
 from multigpu.resilience import faults, heartbeat
@@ -90,6 +91,8 @@ class MultiGPUTrainer:
         self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
         # A new run-N folder when --save-dir was not given.
         self.config, chosen = run_folders.run_folder(config, self.runtime)
+        # A resume of a LoRA run without the LoRA flags adapts the model as the checkpoint's run did.
+        self.config = run_folders.resumed_settings(self.config)
         self.device = self.runtime.device
         # Rank 0's console, progress bar and TensorBoard; the other ranks stay quiet.
         self.report = reporting.Reporter(self.config, self.runtime.is_main, chosen)
@@ -112,8 +115,10 @@ class MultiGPUTrainer:
         self.amp = Amp.resolved(config.amp, self.device, self.runtime.mode == "fsdp", self.report.line)
         # Its forward signature is read once, here.
         self.forward = forward_fn or fitted_forward(model)
-        # --float8, --sync-bn, --channels-last, --compile
+        # --float8, --sync-bn, --lora-r, --activation-checkpointing, --channels-last, --compile
         self.model = prepare_model(model, config, self.runtime, self.report.line)
+        # --lora-r: the adapters' numbers and the frozen base's fingerprint, read while every rank holds it whole.
+        self.adapters = lora.adapters_of(self.model, config)
         # Cross-entropy, over token ids too.
         self.loss_fn = loss_fn if loss_fn is not None else default_loss()
         # Means over samples or over tokens (--loss-weighting, multigpu/loop/tokens.py), read off the first

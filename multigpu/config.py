@@ -330,6 +330,35 @@ class TrainConfig:
         "and save the choice in the checkpoint (a resume reuses it)",
         group="model",
     )
+    lora_r: int = _opt(
+        0,
+        "fine-tune LoRA adapters of this rank instead of every weight (peft; pip install '.[lora]'): the "
+        "base stays frozen and bit-identical, only the adapters train and are checkpointed (0: off)",
+        group="model",
+    )
+    lora_alpha: float | None = _opt(
+        None, "--lora-r: the adapters' scale numerator (scale alpha/r; default: 2 x --lora-r)", group="model"
+    )
+    lora_dropout: float = _opt(0.0, "--lora-r: dropout on the adapters' input", group="model")
+    lora_targets: str = _opt(
+        "all-linear",
+        "--lora-r: the layers that get adapters: all-linear (every linear layer but the output head), or "
+        "comma-separated module names as peft matches them, e.g. q_proj,v_proj",
+        group="model",
+    )
+    qlora: bool = _opt(
+        False,
+        "--lora-r on a 4-bit base: --model hf loads its linear layers in NF4 (bitsandbytes through "
+        "transformers), computing in --amp's dtype; one device or ddp, not fsdp",
+        group="model",
+    )
+    activation_checkpointing: bool = _opt(
+        False,
+        "recompute each block's activations in backward instead of keeping them: less memory for a "
+        "third more compute, the same numbers (transformers models: their gradient checkpointing; others: "
+        "torch's checkpoint wrapper around each block, as --fsdp-blocks finds them)",
+        group="model",
+    )
     # --- optimisation ----------------------------------------------------
     epochs: int = _opt(3, "training epochs", group="optimisation")
     max_steps: int = _opt(
@@ -451,9 +480,10 @@ class TrainConfig:
     export_on_end: str | None = _opt(
         None,
         "when training ends, write best's weights (last's without validation) "
-        "beside the checkpoints: safetensors (best-weights.safetensors) or hf (a "
-        "transformers model's own folder, best-hf/)",
-        ["safetensors", "hf"],
+        "beside the checkpoints: safetensors (best-weights.safetensors), hf (a "
+        "transformers model's own folder, best-hf/; a LoRA run's adapters merged into its base) or "
+        "adapter (a LoRA run's PEFT adapter folder, best-adapter/)",
+        ["safetensors", "hf", "adapter"],
         group="output",
     )
     logger: str = _opt(
@@ -554,11 +584,45 @@ class TrainConfig:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
         self._check_text_pairing()
         self._check_fault_tolerance()
+        self._check_lora()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
             raise UsageError(
                 f"--logger takes a comma list of {', '.join(LOGGERS)}; got {unknown[0]!r} in {self.logger!r}"
             )
+
+    def _check_lora(self) -> None:
+        """UsageError where a setting that needs LoRA adapters comes without --lora-r."""
+        if self.lora_r:
+            if not self.lora_targets.strip(" ,"):
+                raise UsageError(
+                    "--lora-targets names no layer: give all-linear, or module names such as q_proj,v_proj"
+                )
+            if self.float8:
+                raise UsageError(
+                    "--float8 trains the base's linear layers in float8, and --lora-r freezes them (its adapters "
+                    "are too small to gain): drop one of them"
+                )
+            if self.ema_decay:
+                raise UsageError(
+                    "--ema-decay keeps an average of every weight, a second copy of the frozen base of --lora-r: "
+                    "drop one of them"
+                )
+            if self.qlora and self.multi_gpu == "fsdp":
+                raise UsageError(
+                    "--qlora's 4-bit base (bitsandbytes) cannot be sharded by FSDP2: use --multi-gpu ddp, or "
+                    "--lora-r without --qlora under --multi-gpu fsdp"
+                )
+            return
+        if self.qlora:
+            raise UsageError(
+                "--qlora trains LoRA adapters on a 4-bit base: give --lora-r R too (e.g. --lora-r 8)"
+            )
+
+    @property
+    def lora_scale_alpha(self) -> float:
+        """--lora-alpha, or its default: twice --lora-r."""
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_r
 
     def _check_text_pairing(self) -> None:
         """UsageError where --dataset text, --data-file and --model gpt are not given together: character windows
@@ -895,6 +959,7 @@ RANGES = {
             "steps_per_epoch",
             "max_steps",
             "clip_grad_norm",
+            "lora_r",
             "early_stop_patience",
             "early_stop_min_delta",
             "hang_timeout",
@@ -910,6 +975,8 @@ RANGES = {
     "ft_min_replicas": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
+    "lora_alpha": Range(0, low_allowed=False),
+    "lora_dropout": Range(0, 0.99),
     "ema_decay": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
     # overflows torch's store timeout (milliseconds).

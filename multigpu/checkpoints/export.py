@@ -9,6 +9,9 @@
 - `hf` (a folder): a transformers model's own `save_pretrained` folder, loadable by
   `AutoModel...from_pretrained(OUT)`; with `--tokenizer FOLDER` that folder's tokenizer
   too, so `AutoTokenizer.from_pretrained(OUT)` loads it (--export-on-end hf adds the run's).
+- `adapter` (a folder): a LoRA run's adapters as peft saves them, for `PeftModel.from_pretrained(base, OUT)`.
+  A LoRA checkpoint's `hf` and `safetensors` are its adapters merged into its base
+  (multigpu/checkpoints/adapter_export.py).
 
 The format follows OUT's name unless `--format` says it. From a file or a sharded
 folder alike; one process reads the whole model (docs/checkpoints.md, "Weights in and out").
@@ -30,14 +33,15 @@ from typing import Any
 import torch
 
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint, run_folders, sharded, tensor_files, weights
+from multigpu.checkpoints import adapter_export, checkpoint, run_folders, sharded, tensor_files, weights
 from multigpu.checkpoints.weights import INDEX_SUFFIX
 from multigpu.config import OneLineParser
 from multigpu.data.hf import last_line
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import gather_objects
 
-FORMATS = ("pt", "safetensors", "hf")
+FORMATS = ("pt", "safetensors", "hf", "adapter")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
 
 
@@ -79,6 +83,13 @@ def export(
     if kind == "pt":
         return _export_pt(source, out, dtype) + replaced(earlier)
     state = sharded.load_whole(source, keys=("model",))
+    if adapter_export.is_adapter_checkpoint(state):
+        return _export_adapters(state, source, out, kind, max_bytes, dtype, tokenizer) + replaced(earlier)
+    if kind == adapter_export.ADAPTER:
+        raise UsageError(
+            f"--format adapter writes a LoRA run's adapters, and checkpoint {source} trained every weight: use "
+            f"--format hf or safetensors"
+        )
     tensors, which = weights.weights_of(state)
     tensors = in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
     info = state.get("model_info", {})
@@ -109,10 +120,43 @@ def export(
     )
 
 
+def _export_adapters(
+    state: dict[str, Any],
+    source: str,
+    out: str,
+    kind: str,
+    max_bytes: int,
+    dtype: str | None,
+    tokenizer: str | None,
+) -> str:
+    """A LoRA checkpoint's export: its adapters as a PEFT folder, or merged into its base (hf, safetensors)."""
+    checkpoint.check_writable(os.path.dirname(os.path.abspath(out.rstrip("/"))), flag="OUT")
+    record = state["adapters"]
+    what = (
+        f"the LoRA adapters (r {record['rank']} on {record['layers']} layers) of {source} "
+        f"(step {state['global_step']})"
+    )
+    if kind == adapter_export.ADAPTER:
+        written = save_folder(adapter_export.adapted_model(state, source), out, max_bytes, None)
+        return f"exported {what} to {out}, a PEFT adapter folder: {_size(written)}"
+    merged = adapter_export.merged_model(state, source)
+    to_dtype = weights.DTYPES[dtype] if dtype else None
+    if kind == "hf":
+        written = save_folder(merged, out, max_bytes, to_dtype, tokenizer)
+    else:
+        tensors = in_dtype(merged.state_dict(), to_dtype)
+        written = write_safetensors(tensors, out, max_bytes, weights.tied_names(merged))
+    return f"exported {what}, merged into its base {record['base']}, to {out}: {_size(written)}"
+
+
+def _size(written: list[str]) -> str:
+    return checkpoint.megabytes(sum(os.path.getsize(path) for path in written if os.path.isfile(path)))
+
+
 def existing_outputs(out: str, kind: str) -> list[str]:
     """What an export to `out` would replace: the file, a non-empty folder (hf), or for safetensors also the
     shards and index of a sharded export of that name."""
-    if kind == "hf" and os.path.isdir(out) and not os.path.islink(out.rstrip("/")):
+    if kind in ("hf", adapter_export.ADAPTER) and os.path.isdir(out) and not os.path.islink(out.rstrip("/")):
         return [out] if os.listdir(out) else []
     found = [out.rstrip("/")] if os.path.lexists(out.rstrip("/")) else []
     if kind == "safetensors" and out.endswith(tensor_files.SUFFIX):
@@ -172,7 +216,8 @@ def _export_pt(source: str, out: str, dtype: str | None) -> str:
     )
 
 
-END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --export-on-end's, in the save-dir
+# --export-on-end's, in the save-dir
+END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf", "adapter": "best-adapter"}
 
 
 # ---------------------------------------------------------------- writing weights
@@ -296,7 +341,15 @@ def write_hf(
 ) -> list[str]:
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
     files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
-    model = rebuild_hf(info, weights)
+    return save_folder(rebuild_hf(info, weights), out, max_bytes, dtype, tokenizer)
+
+
+def save_folder(
+    model: Any, out: str, max_bytes: int, dtype: torch.dtype | None, tokenizer: str | None = None
+) -> list[str]:
+    """`model`'s own `save_pretrained` folder at `out` (a transformers model's, or a PeftModel's adapter folder),
+    with `tokenizer`'s files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place
+    whole; the files written."""
     transformers = transformers_module("--format hf")
     transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
     saved_tokenizer = (
@@ -307,7 +360,10 @@ def write_hf(
     tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
     if os.path.lexists(tmp):
         safe_files.remove(tmp)
-    model.save_pretrained(tmp, max_shard_size=max_bytes)
+    if lora.is_adapted(model):
+        model.save_pretrained(tmp)  # peft's adapter folder: the adapters alone, one small file
+    else:
+        model.save_pretrained(tmp, max_shard_size=max_bytes)
     if saved_tokenizer is not None:
         saved_tokenizer.save_pretrained(tmp)
     safe_files.replace_folder(tmp, out.rstrip("/"))
@@ -338,6 +394,17 @@ class ExportOnEnd:
             raise UsageError(
                 "--export-on-end hf writes a transformers model's own folder, and this model is not a "
                 "transformers PreTrainedModel: use --export-on-end safetensors"
+            )
+        adapters = trainer.adapters
+        if self.kind == adapter_export.ADAPTER and adapters is None:
+            raise UsageError(
+                "--export-on-end adapter writes a LoRA run's adapters, and this run trains every weight: give "
+                "--lora-r R, or --export-on-end hf or safetensors"
+            )
+        if adapters is not None and adapters.base is None:
+            raise UsageError(
+                f"--export-on-end {self.kind} of a LoRA run rebuilds the model from its base's folder, and this "
+                f"run's base was not loaded from one: train from a model folder (--model hf --model-path)"
             )
         # Rank 0 writes the export, so it looks; every rank learns its verdict and stops alike.
         refusal = gather_objects(self._refusal(trainer) if trainer.runtime.is_main else None)[0]
@@ -400,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ..."
     )
-    parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf)")
+    parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf; a LoRA run's: also adapter)")
     parser.add_argument("--format", choices=FORMATS, help="default: from OUT's name")
     parser.add_argument(
         "--max-shard-size",

@@ -48,6 +48,7 @@ class PlanFacts:
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
     replicas: str = ""  # --fault-tolerance: the replica groups and what a lost one costs
+    adapters: str = ""  # --lora-r: what trains (multigpu/parallel/lora.py)
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -95,6 +96,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
         f"batch {config.batch_size} per device x {rt.devices_per_step * rt.replica_groups} devices x "
         f"{config.grad_accum_steps} accumulation = {run.effective_batch} effective ({batch_rule})",
         f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
+        *([run.adapters] if run.adapters else []),
         *_frozen(run),
         *([run.data] if run.data else []),
         *([run.loss] if run.loss else []),
