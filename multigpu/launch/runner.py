@@ -65,7 +65,7 @@ def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> d
             f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples",
             flush=True,
         )
-        for line in data.warnings:
+        for line in [*data.notes, *data.warnings]:
             print(line, flush=True)
     return MultiGPUTrainer(
         model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn, callbacks=callbacks
