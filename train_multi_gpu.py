@@ -27,7 +27,7 @@ from multigpu.config import AUTO, TrainConfig
 from multigpu.data import streaming
 from multigpu.data.device_data import DeviceData
 from multigpu.data.feed import batch_sizes, training_data
-from multigpu.engine import build, parts, replicas, state, summary
+from multigpu.engine import build, eval_only, parts, replicas, state, summary
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, fitted_forward
 from multigpu.loop.metrics import COUNTS, MetricsSpec, Monitor
@@ -321,6 +321,15 @@ class MultiGPUTrainer:
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
         return self.evaluator.run(self._eval_model(), dataset, self.eval_batch)  # type: ignore[return-value]
+
+    def evaluate_saved(self) -> dict[str, Any]:
+        """--eval-only: load the saved weights (--init-from, --resume, or --model-path's own), evaluate the
+        validation set, say it in one line and write <save-dir>/eval.json; nothing trains, no checkpoint is
+        written (multigpu/engine/eval_only.py). Every rank calls it."""
+        try:
+            return eval_only.evaluate_saved(self)
+        finally:
+            self.report.close()
 
     def predict(
         self,
