@@ -539,8 +539,8 @@ class TrainConfig:
     )
     early_stop_patience: int = _opt(
         0,
-        "stop after this many evaluated epochs in a row without a better --monitor "
-        "value (0: off); best.pt keeps the best epoch",
+        "stop after this many evaluations in a row (epochs, and --eval-every-steps' ones) without a better "
+        "--monitor value (0: off); best.pt keeps the best one",
         group="output",
     )
     early_stop_min_delta: float = _opt(
