@@ -89,7 +89,7 @@ def export(
                 f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
                 f"another model (or was saved before it recorded its class): use --format safetensors"
             )
-        written = write_hf(
+        written, padding = write_hf(
             info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer
         )
     else:
@@ -98,6 +98,7 @@ def export(
                 f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, got {out}"
             )
         written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+        padding = ""
         remove_stale(
             earlier, written
         )  # the other layout's files (one file, or shards) would shadow the new one
@@ -105,7 +106,7 @@ def export(
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
     return (
         f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
-        f"{checkpoint.megabytes(size)}{replaced(earlier)}"
+        f"{checkpoint.megabytes(size)}{replaced(earlier)}{padding}"
     )
 
 
@@ -293,9 +294,11 @@ def write_hf(
     max_bytes: int,
     dtype: torch.dtype | None,
     tokenizer: str | None = None,
-) -> list[str]:
+) -> tuple[list[str], str]:
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
-    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
+    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole; and the
+    words of the export's line on the tokenizer's padding token (given the end-of-text token where it had none,
+    so that tokenizer(..., padding=True) works on the export as it did in the run)."""
     model = rebuild_hf(info, weights)
     transformers = transformers_module("--format hf")
     transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
@@ -308,10 +311,17 @@ def write_hf(
     if os.path.lexists(tmp):
         safe_files.remove(tmp)
     model.save_pretrained(tmp, max_shard_size=max_bytes)
+    padding = ""
     if saved_tokenizer is not None:
+        if saved_tokenizer.pad_token is None and saved_tokenizer.eos_token is not None:
+            saved_tokenizer.pad_token = saved_tokenizer.eos_token
+            padding = (
+                f"; its tokenizer pads with its end-of-text token {saved_tokenizer.eos_token} (it had no "
+                f"padding token)"
+            )
         saved_tokenizer.save_pretrained(tmp)
     safe_files.replace_folder(tmp, out.rstrip("/"))
-    return sorted(os.path.join(out, name) for name in os.listdir(out))
+    return sorted(os.path.join(out, name) for name in os.listdir(out)), padding
 
 
 def _tokenizer_of(transformers: Any, folder: str) -> Any:
