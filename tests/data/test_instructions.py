@@ -14,11 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import CHAT_TEMPLATE, config_for, instruction_files, read_scalars
+import main_multi_gpu
+from conftest import (
+    CHAT_TEMPLATE,
+    assert_one_line,
+    assert_untouched,
+    config_for,
+    contents,
+    instruction_files,
+    read_scalars,
+)
 from multigpu.config import parse_config
 from multigpu.data import build_datasets
 from multigpu.data.instructions import assistant_spans
-from multigpu.errors import UsageError
 from multigpu.models import build_model
 from train_multi_gpu import MultiGPUTrainer
 
@@ -169,6 +177,12 @@ BAD = {  # name: (the files, given the instruction data and a scratch folder; th
         "prompt",
         "--prompt-column prompt: the files' columns are messages; name the column that holds each sample's prompt",
     ),
+    "a missing messages column": (
+        lambda data, tmp: data / "prompt.jsonl",
+        "messages",
+        "--messages-column messages: the files' columns are prompt, completion; name the column that holds "
+        "each sample's messages",
+    ),
     "messages that are no list of role and content": (
         lambda data, tmp: _written(tmp, [{"messages": [{"role": "user", "text": "the fox ."}]}]),
         "messages",
@@ -179,6 +193,12 @@ BAD = {  # name: (the files, given the instruction data and a scratch folder; th
         lambda data, tmp: data / "chat.jsonl",
         "messages",
         "makes no assistant token countable in the first 16 conversation(s)",
+    ),
+    "--loss-on assistant on plain text": (
+        lambda data, tmp: data / "prompt.jsonl",
+        "text",
+        "--loss-on assistant counts the assistant tokens of --messages-column data, and this run's data is "
+        "plain text (--text-column prompt): give --loss-on all (or leave it out)",
     ),
 }
 
@@ -191,18 +211,27 @@ def _written(folder: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("name", BAD)
-def test_what_cannot_train_is_refused_in_one_line(tiny_lm, data, tmp_path, name):
+def test_what_cannot_train_is_one_line_exit_2_and_nothing_saved_changes(
+    tiny_lm, data, tmp_path, capsys, name
+):
     files, kind, message = BAD[name]
-    flags = _flags(tiny_lm, files(data, tmp_path), kind)
+    if kind == "text":
+        flags = _flags(tiny_lm, files(data, tmp_path), "prompt")[:4]
+        flags += ["--text-column", "prompt", "--model-path", str(tiny_lm / "model"), "--loss-on", "assistant"]
+    else:
+        flags = _flags(tiny_lm, files(data, tmp_path), kind)
     if name == "a template with no assistant turn":  # one that renders the users' messages alone
         template = tmp_path / "user-only.jinja"
         template.write_text(
             "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }} {% endif %}{% endfor %}"
         )
         flags[flags.index("--chat-template") + 1] = str(template)
-    with pytest.raises(UsageError) as refused:
-        build_datasets(parse_config(flags))
-    assert message in str(refused.value) and "\n" not in str(refused.value)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"an earlier run's checkpoint")
+    before = contents(tmp_path / "run")
+    code = main_multi_gpu.main([*flags, "--no-progress", "--save-dir", str(tmp_path / "run")])
+    assert_one_line(code, capsys.readouterr().err, message)
+    assert_untouched(tmp_path / "run", before)
 
 
 def test_many_rows_that_count_nothing_are_said_once_with_their_count(tiny_lm, data, tmp_path):
@@ -215,25 +244,3 @@ def test_many_rows_that_count_nothing_are_said_once_with_their_count(tiny_lm, da
         "warning: --data-files: 10 of 40 rows (25%) have no assistant turn that counts (--loss-on assistant): "
         "they train nothing"
     ]
-
-
-def test_loss_on_assistant_is_refused_for_plain_text():
-    with pytest.raises(
-        UsageError,
-        match="--loss-on assistant counts the assistant tokens of --messages-column data, "
-        "and this run's data is plain text",
-    ):
-        parse_config(
-            [
-                "--dataset",
-                "hf",
-                "--data-files",
-                "t.jsonl",
-                "--text-column",
-                "text",
-                "--model-path",
-                "m",
-                "--loss-on",
-                "assistant",
-            ]
-        )
