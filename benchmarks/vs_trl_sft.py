@@ -35,8 +35,10 @@ computes each contender's validation loss: the mean over the completion tokens o
 
 Every contender runs in fresh processes (torchrun for 2, gloo on the CPU), in an order reversed every other round;
 the table gives medians (ranges) over the rounds and the load average. Exit status: 0 when the counted tokens are
-equal, ours/TRL >= 1.0 and the validation losses within 1e-4 at every process count, 1 when not, 2 on bad
-arguments.
+equal and ours/TRL >= 1.0 at every process count, 1 when not, 2 on bad arguments. Where the rows are at most
+1000 (--tiny's 240), TRL's best-fit-decreasing windows are ours, in the same order: both train the same weights,
+and the validation losses agree (the tests hold them to 1e-4); above, TRL packs each of datasets.map's batches of
+1000 rows alone, and its windows differ.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -68,7 +69,7 @@ CONTENDERS = ("ours", "trl")
 NAMES = {"ours": "this project", "trl": "TRL SFTTrainer"}
 SEED = 0
 LR, WEIGHT_DECAY = 1e-3, 0.0
-MIN_RATIO, MAX_LOSS_GAP = 1.0, 1e-4  # the target: ours/TRL at least this, the same training (validation loss)
+MIN_RATIO = 1.0  # the target: ours/TRL at least this at every process count
 
 
 # ------------------------------------------------------------------ the workload, alike for both
@@ -78,7 +79,7 @@ def write_workload(args, folder: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from examples.tiny_language_model import texts, train_tokenizer
+    from examples.tiny_language_model import prompt_completion, texts, train_tokenizer
 
     rows = {"train": texts(args.rows, seed=1), "val": texts(args.val_rows, seed=2)}
     for name, chosen in rows.items():
@@ -101,12 +102,6 @@ def write_workload(args, folder: Path) -> None:
     )
     GPT2LMHeadModel(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-
-
-def prompt_completion(text: str) -> dict[str, str]:
-    """A text's first sentence as the prompt, the rest as the completion."""
-    sentences = [sentence.strip() for sentence in re.findall(r"[^.]+\.", text)]
-    return {"prompt": sentences[0], "completion": " " + (" ".join(sentences[1:]) or "the end .")}
 
 
 def adamw(params) -> Any:
@@ -361,8 +356,6 @@ def rows_for(nproc: int, per_round: dict[str, list[dict]], counted: dict[str, in
             ]
         )
     missed = [f"{nproc} process(es): ours/TRL {ratio:.2f} < {MIN_RATIO}"] if ratio < MIN_RATIO else []
-    if abs(gap) > MAX_LOSS_GAP:
-        missed.append(f"{nproc} process(es): |val loss difference| {abs(gap):.1e} > {MAX_LOSS_GAP}")
     return rows, missed
 
 
@@ -429,7 +422,7 @@ def main() -> int:
             json.dumps({"counted": counted, "windows": windows, "rounds": raw}, indent=1)
         )
     print(
-        "target met: equal counted tokens, ours/TRL >= 1.0 and |val loss difference| <= 1e-4 at every process count"
+        "target met: equal counted tokens, and ours/TRL >= 1.0 at every process count"
         if not missed
         else "target missed: " + "; ".join(missed),
         flush=True,
@@ -453,7 +446,9 @@ def notes(args, counts: list[int], load: tuple[float, float], windows: dict[str,
         f"tokens/s: rank 0's, the epoch's counted tokens over the steps after the first {args.warmup}, median "
         f"(range) of {args.rounds} interleaved round(s); ours/TRL: the median of the rounds' ratios",
         f"val loss: per completion token over {args.val_rows} held-out rows, each alone, after the epoch; the "
-        f"difference: the largest over the rounds (the same windows in the same order train the same weights)",
+        f"difference: the largest over the rounds. The same windows in the same order train the same weights "
+        f"(up to 1000 rows); above, TRL packs each of datasets.map's batches of 1000 rows alone, and its windows "
+        f"differ from ours, which are packed over the whole set",
         f"command: python benchmarks/vs_trl_sft.py {' '.join(sys.argv[1:])}".rstrip(),
     ]
 

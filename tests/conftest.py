@@ -1219,49 +1219,15 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/tiny_language_model.py's folder, made offline once per session: model/ (a transformers GPT-2 of 1
     layer, width 32 and 64 positions, untrained, with a BPE tokenizer of 150 tokens that has an end-of-text token
-    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line.
+    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line,
+    and the same texts as instruction data: sft.jsonl and sft-val.jsonl ({"prompt", "completion"}), chat.jsonl and
+    chat-val.jsonl ({"messages"}), chat_template.jinja (no {% generation %} markers).
     Read it, never change it: copy what a test changes. Skips where the [hf] extra is not installed."""
     for library in ("transformers", "tokenizers", "datasets"):
         pytest.importorskip(library, reason="the [hf] extra is not installed: bash scripts/ensure_env.sh hf")
     from examples.tiny_language_model import write_tiny_language_model
 
     return write_tiny_language_model(tmp_path_factory.mktemp("tiny-lm"))
-
-
-# A chat template of plain words and no {% generation %} markers: the assistant's turns are found by rendering.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} says {{ message['content'] }} <|endoftext|> {% endfor %}"
-    "{% if add_generation_prompt %}assistant says {% endif %}"
-)
-
-
-def instruction_files(tiny_lm: Path, folder: Path) -> Path:
-    """Instruction data made of tiny_lm's texts, in `folder` (returned): prompt.jsonl and prompt-val.jsonl, one
-    {"prompt": a text's first sentence, "completion": " " + the rest (" the end ." where there is none)} a line,
-    chat.jsonl and chat-val.jsonl, one {"messages": [user, assistant, ...]} a line (the sentences in turn, ending
-    with the assistant's), and template.jinja (CHAT_TEMPLATE)."""
-    import re
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for source, name in (("train", ""), ("val", "-val")):
-        texts = [json.loads(line)["text"] for line in (tiny_lm / f"{source}.jsonl").read_text().splitlines()]
-        sentences = [re.findall(r"[^.]+\.", text) for text in texts]
-        prompts = [
-            {
-                "prompt": each[0].strip(),
-                "completion": " " + (" ".join(s.strip() for s in each[1:]) or "the end ."),
-            }
-            for each in sentences
-        ]
-        chats = []
-        for each in sentences:
-            turns = [s.strip() for s in each] + (["the end ."] if len(each) % 2 else [])
-            roles = ["user", "assistant"] * (len(turns) // 2)
-            chats.append({"messages": [{"role": r, "content": c} for r, c in zip(roles, turns)]})
-        (folder / f"prompt{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
-        (folder / f"chat{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chats))
-    (folder / "template.jinja").write_text(CHAT_TEMPLATE)
-    return folder
 
 
 class TokenDicts(torch.utils.data.Dataset):

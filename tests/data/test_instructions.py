@@ -1,8 +1,8 @@
 """Instruction data (data/instructions.py): prompt/completion rows count their completion's tokens alone, chat rows
 their assistant turns' alone under a template without {% generation %} markers (the counts equal the hand
 count), a step on prompt/completion data has the loss and gradient of the completion tokens alone, and what
-cannot train is refused or said once (instruction_files of tests/conftest.py: the tiny model's texts as prompts,
-completions and conversations)."""
+cannot train is refused or said once (tests/conftest.py's tiny_lm: the tiny model's texts as prompts,
+completions and conversations too, and a chat template of plain words)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import main_multi_gpu
-from conftest import (
-    CHAT_TEMPLATE,
-    assert_one_line,
-    assert_untouched,
-    config_for,
-    contents,
-    instruction_files,
-    read_scalars,
-)
+from conftest import assert_one_line, assert_untouched, config_for, contents, read_scalars
+from examples.tiny_language_model import CHAT_TEMPLATE
 from multigpu.config import parse_config
 from multigpu.data import build_datasets
 from multigpu.data.instructions import assistant_spans
@@ -37,7 +30,7 @@ def _flags(tiny_lm: Path, files: Path, kind: str, *extra: str) -> list[str]:
     columns = (
         ["--prompt-column", "prompt", "--completion-column", "completion"]
         if kind == "prompt"
-        else ["--messages-column", "messages", "--chat-template", str(files.parent / "template.jinja")]
+        else ["--messages-column", "messages", "--chat-template", str(files.parent / "chat_template.jinja")]
     )
     return [
         "--dataset",
@@ -65,15 +58,16 @@ def _tokenizer(tiny_lm: Path):
 
 
 @pytest.fixture(scope="module")
-def data(tiny_lm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return instruction_files(tiny_lm, tmp_path_factory.mktemp("instructions"))
+def data(tiny_lm: Path) -> Path:
+    """The tiny model's folder: its texts as sft.jsonl (prompt/completion) and chat.jsonl (messages) too."""
+    return tiny_lm
 
 
 @pytest.mark.parametrize("packing", ["--packing=documents", "--pad-to-batch"])
 def test_completion_only_counts_the_completions_and_their_end_of_text(tiny_lm, data, packing):
-    spec = build_datasets(parse_config(_flags(tiny_lm, data / "prompt.jsonl", "prompt", packing)))
+    spec = build_datasets(parse_config(_flags(tiny_lm, data / "sft.jsonl", "prompt", packing)))
     tokenizer = _tokenizer(tiny_lm)
-    rows = [json.loads(line) for line in (data / "prompt.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (data / "sft.jsonl").read_text().splitlines()]
     by_hand = sum(len(tokenizer(row["completion"])["input_ids"]) + 1 for row in rows)  # and the end-of-text
     train = spec.train
     if packing == "--pad-to-batch":  # a text a sample: count the padded batches' labels
@@ -84,7 +78,7 @@ def test_completion_only_counts_the_completions_and_their_end_of_text(tiny_lm, d
         "text: columns prompt then completion then the end-of-text token; loss on"
     )
     everything = build_datasets(
-        parse_config(_flags(tiny_lm, data / "prompt.jsonl", "prompt", "--loss-on", "all"))
+        parse_config(_flags(tiny_lm, data / "sft.jsonl", "prompt", "--loss-on", "all"))
     )
     assert _counted(everything.train) > by_hand
 
@@ -125,7 +119,7 @@ def test_a_turn_ends_where_a_template_closes_the_conversation_after_its_last_mes
 
 
 def test_a_step_trains_on_the_completion_tokens_alone(tiny_lm, data, tmp_path):
-    lines = (data / "prompt.jsonl").read_text().splitlines()[:12]
+    lines = (data / "sft.jsonl").read_text().splitlines()[:12]
     (tmp_path / "few.jsonl").write_text("\n".join(lines) + "\n")
     config = parse_config(_flags(tiny_lm, tmp_path / "few.jsonl", "prompt"))
     spec = build_datasets(config)
@@ -178,7 +172,7 @@ BAD = {  # name: (the files, given the instruction data and a scratch folder; th
         "--prompt-column prompt: the files' columns are messages; name the column that holds each sample's prompt",
     ),
     "a missing messages column": (
-        lambda data, tmp: data / "prompt.jsonl",
+        lambda data, tmp: data / "sft.jsonl",
         "messages",
         "--messages-column messages: the files' columns are prompt, completion; name the column that holds "
         "each sample's messages",
@@ -195,7 +189,7 @@ BAD = {  # name: (the files, given the instruction data and a scratch folder; th
         "makes no assistant token countable in the first 16 conversation(s)",
     ),
     "--loss-on assistant on plain text": (
-        lambda data, tmp: data / "prompt.jsonl",
+        lambda data, tmp: data / "sft.jsonl",
         "text",
         "--loss-on assistant counts the assistant tokens of --messages-column data, and this run's data is "
         "plain text (--text-column prompt): give --loss-on all (or leave it out)",
@@ -205,7 +199,7 @@ BAD = {  # name: (the files, given the instruction data and a scratch folder; th
 
 def _written(folder: Path, rows: list[dict]) -> Path:
     """`rows` as folder/bad.jsonl, the chat template beside them."""
-    (folder / "template.jinja").write_text(CHAT_TEMPLATE)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (folder / "bad.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder / "bad.jsonl"
 
