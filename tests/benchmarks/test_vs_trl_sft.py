@@ -1,7 +1,8 @@
 """benchmarks/vs_trl_sft.py at its tiny size: this project and TRL's SFTTrainer count the same completion tokens
-per epoch and, trained on the same packed windows in the same order (240 rows: one of TRL's map batches), end with
-the same validation loss (within 1e-4); no timing is asserted (the exit status 1 of a missed speed target is allowed, a missed count or loss is
-not). One process: two are the same code under torchrun, measured in benchmarks/results/vs_trl_sft_cpu.md."""
+per epoch and, trained on the same packed windows in the same order (240 rows: one of TRL's map batches), end
+with the same validation loss (within 1e-4); no timing is asserted (the exit status 1 of a missed speed target is
+allowed, a missed count is not). One process: two are the same code under torchrun, measured in
+benchmarks/results/vs_trl_sft_cpu.md."""
 
 from __future__ import annotations
 
