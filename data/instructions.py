@@ -48,9 +48,7 @@ def check_columns(config: TrainConfig, example: dict[str, Any]) -> None:
     try:
         InstructionRows(config)(example)
     except ValueError as error:
-        flag, column = (
-            _columns(config)[-1] if config.messages_column else ("prompt-column", config.prompt_column)
-        )
+        flag, column = _columns(config)[0]
         raise UsageError(f"--{flag} {column}: the first row's {error}") from None
 
 
