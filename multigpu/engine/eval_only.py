@@ -5,7 +5,7 @@ The weights: --init-from PATH (a checkpoint, a .safetensors file or a Hugging Fa
 reads it), --resume PATH (a checkpoint, or a folder's newest good one; auto: --save-dir's), or else --model hf's
 --model-path folder itself. The model is wrapped for its mode as for training (fsdp: sharded, each rank reading
 the parts it holds) and evaluated exactly as an epoch's end evaluates it (multigpu/loop/evaluation.py). One line
-says the results, and rank 0 writes them to <save-dir>/eval.json (docs/checkpoints.md, "Evaluating saved
+says the results, and rank 0 writes them to <save-dir>/eval.json (docs/language-models.md, "Evaluating saved
 weights").
 """
 
