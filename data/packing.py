@@ -26,7 +26,7 @@ comes, the same way (PackRows).
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +83,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     first."""
     leaves = 1 << max(1, capacity).bit_length()
     tree = [0] * (2 * leaves)
-    room: dict[int, list[int]] = defaultdict(list)
+    room: dict[int, deque[int]] = defaultdict(deque)
     bins: list[list[int]] = []
     for item in np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist():
         length = int(lengths[item])
@@ -91,7 +91,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
             continue
         left = _least_room(tree, leaves, length)
         if left:
-            chosen = room[left].pop(0)
+            chosen = room[left].popleft()
             if not room[left]:
                 _set_room(tree, leaves, left, 0)
         else:
