@@ -80,7 +80,8 @@ def test_one_process_gives_the_mean_over_each_text_alone(tiny_lm, tmp_path, by_h
     written = _evaluated(tmp_path / "eval")
     assert written["val_loss"] == pytest.approx(by_hand[layout], abs=1e-5)
     assert written["val_perplexity"] == pytest.approx(math.exp(by_hand[layout]), rel=1e-5)
-    assert (written["samples"] == 80) == (layout == "--pad-to-batch")  # the 80 texts, or fewer windows of them
+    padded = layout == "--pad-to-batch"
+    assert (written["samples"] == 80) == padded  # the 80 texts, or fewer windows of them
     assert f"eval of --model-path {tiny_lm / 'model'}: val loss" in capsys.readouterr().out
 
 
