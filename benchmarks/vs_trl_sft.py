@@ -50,7 +50,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_common import (  # noqa: E402
     RESULT,
+    StepEnds,
     alternating_rounds,
     benchmark_parser,
     machine_line,
@@ -239,16 +239,6 @@ def validation_loss(model, folder: Path) -> float:
 
 
 # ------------------------------------------------------------------ the contenders (in the worker processes)
-class StepEnds:
-    """perf_counter at the end of every optimizer step: the project's callback, and TRL's (the same signature)."""
-
-    def __init__(self):
-        self.at: list[float] = []
-
-    def on_step_end(self, *unused: Any, **also_unused: Any) -> None:
-        self.at.append(time.perf_counter())
-
-
 def run_ours(args, folder: Path, world: int, ends: StepEnds, scratch: str) -> Any:
     """The command line's path: its data set, its model, MultiGPUTrainer; returns the trained module."""
     import torch
