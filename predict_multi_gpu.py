@@ -267,7 +267,9 @@ def load_model(
     """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
     when it was trained with --ema-decay."""
     torch.manual_seed(config.seed)  # a LoRA checkpoint's frozen base is the one its run built from --seed
-    model = lora.add_adapters(build_model(config.model_name, data.input_shape, data.num_classes, config), config)
+    model = lora.add_adapters(
+        build_model(config.model_name, data.input_shape, data.num_classes, config), config
+    )
     try:
         if lora.is_adapted(model):  # --lora-r: the adapters alone, on the base their fingerprint names
             check_adapters(path, state.get("adapters"), lora.adapters_of(model, config))

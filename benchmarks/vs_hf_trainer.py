@@ -67,7 +67,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,6 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_common import (  # noqa: E402
     RESULT,
+    StepEnds,
     alternating_rounds,
     benchmark_parser,
     machine_line,
@@ -180,17 +180,6 @@ def validation_loss(model, data: PackedWindows) -> float:
 
 
 # ------------------------------------------------------------------ the contenders (in the worker processes)
-class StepEnds:
-    """perf_counter at the end of every optimizer step, for the project's callbacks and, with the signature
-    Hugging Face's TrainerCallback has, for its callbacks too (kept cheap: one append)."""
-
-    def __init__(self):
-        self.at: list[float] = []
-
-    def on_step_end(self, *unused: Any, **also_unused: Any) -> None:
-        self.at.append(time.perf_counter())
-
-
 def run_ours(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
     """MultiGPUTrainer with its defaults but the workload's, writing under `scratch`; returns the trained
     module."""

@@ -22,13 +22,24 @@ import torch.nn as nn
 from multigpu.config import TrainConfig
 from multigpu.data.hf import import_transformers, last_line
 from multigpu.data.hf_text import load_tokenizer, model_config
+from multigpu.data.packing import keep_documents_apart, packing_of
 from multigpu.errors import UsageError
 from multigpu.parallel import lora
 from multigpu.precision import resolve_dtype
 
 
 def hf_model(num_classes: int, config: TrainConfig) -> nn.Module:
-    """--model hf for `num_classes` classes (a classifier's; a language model keeps its own vocabulary)."""
+    """--model hf for `num_classes` classes (a classifier's; a language model keeps its own vocabulary); a causal
+    language model fed packed documents (--packing documents, data/packing.py) keeps each document to itself."""
+    model = _loaded(num_classes, config)
+    packed = not config.text_classification and not config.pad_to_batch
+    if packed and packing_of(config, model_config(config)) == "documents":
+        keep_documents_apart(model)
+    return model
+
+
+def _loaded(num_classes: int, config: TrainConfig) -> nn.Module:
+    """The model of --model-path's folder, or built from --model-config."""
     transformers = import_transformers("--model hf")
     settings = model_config(config)
     auto = transformers.AutoModelForCausalLM

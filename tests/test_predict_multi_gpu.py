@@ -201,7 +201,9 @@ def test_a_lora_checkpoint_predicts_with_its_adapters_on_the_base_its_run_built(
     capsys.readouterr()
     best = str(tmp_path / "run" / "best.pt")
     assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "logits.pt")]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith("the same as training recorded in this checkpoint")
+    assert (
+        capsys.readouterr().out.splitlines()[-1].endswith("the same as training recorded in this checkpoint")
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))

@@ -100,7 +100,7 @@ def export(
                 f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
                 f"another model (or was saved before it recorded its class): use --format safetensors"
             )
-        written = write_hf(
+        written, padding = write_hf(
             info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer
         )
     else:
@@ -109,6 +109,7 @@ def export(
                 f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, got {out}"
             )
         written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+        padding = ""
         remove_stale(
             earlier, written
         )  # the other layout's files (one file, or shards) would shadow the new one
@@ -116,7 +117,7 @@ def export(
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
     return (
         f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
-        f"{checkpoint.megabytes(size)}{replaced(earlier)}"
+        f"{checkpoint.megabytes(size)}{replaced(earlier)}{padding}"
     )
 
 
@@ -137,16 +138,17 @@ def _export_adapters(
         f"(step {state['global_step']})"
     )
     if kind == adapter_export.ADAPTER:
-        written = save_folder(adapter_export.adapted_model(state, source), out, max_bytes, None)
+        written, _ = save_folder(adapter_export.adapted_model(state, source), out, max_bytes, None)
         return f"exported {what} to {out}, a PEFT adapter folder: {_size(written)}"
     merged = adapter_export.merged_model(state, source)
     to_dtype = weights.DTYPES[dtype] if dtype else None
+    padding = ""
     if kind == "hf":
-        written = save_folder(merged, out, max_bytes, to_dtype, tokenizer)
+        written, padding = save_folder(merged, out, max_bytes, to_dtype, tokenizer)
     else:
         tensors = in_dtype(merged.state_dict(), to_dtype)
         written = write_safetensors(tensors, out, max_bytes, weights.tied_names(merged))
-    return f"exported {what}, merged into its base {record['base']}, to {out}: {_size(written)}"
+    return f"exported {what}, merged into its base {record['base']}, to {out}: {_size(written)}{padding}"
 
 
 def _size(written: list[str]) -> str:
@@ -338,18 +340,21 @@ def write_hf(
     max_bytes: int,
     dtype: torch.dtype | None,
     tokenizer: str | None = None,
-) -> list[str]:
+) -> tuple[list[str], str]:
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
-    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
+    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole; and the
+    words of the export's line on the tokenizer's padding token (save_folder)."""
     return save_folder(rebuild_hf(info, weights), out, max_bytes, dtype, tokenizer)
 
 
 def save_folder(
     model: Any, out: str, max_bytes: int, dtype: torch.dtype | None, tokenizer: str | None = None
-) -> list[str]:
+) -> tuple[list[str], str]:
     """`model`'s own `save_pretrained` folder at `out` (a transformers model's, or a PeftModel's adapter folder),
     with `tokenizer`'s files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place
-    whole; the files written."""
+    whole: the files written, and the words of the export's line on the tokenizer's padding token (given the
+    end-of-text token where it had none, so that tokenizer(..., padding=True) works on the export as it did in
+    the run)."""
     transformers = transformers_module("--format hf")
     transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
     saved_tokenizer = (
@@ -364,10 +369,17 @@ def save_folder(
         model.save_pretrained(tmp)  # peft's adapter folder: the adapters alone, one small file
     else:
         model.save_pretrained(tmp, max_shard_size=max_bytes)
+    padding = ""
     if saved_tokenizer is not None:
+        if saved_tokenizer.pad_token is None and saved_tokenizer.eos_token is not None:
+            saved_tokenizer.pad_token = saved_tokenizer.eos_token
+            padding = (
+                f"; its tokenizer pads with its end-of-text token {saved_tokenizer.eos_token} (it had no "
+                f"padding token)"
+            )
         saved_tokenizer.save_pretrained(tmp)
     safe_files.replace_folder(tmp, out.rstrip("/"))
-    return sorted(os.path.join(out, name) for name in os.listdir(out))
+    return sorted(os.path.join(out, name) for name in os.listdir(out)), padding
 
 
 def _tokenizer_of(transformers: Any, folder: str) -> Any:

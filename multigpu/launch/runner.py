@@ -69,11 +69,12 @@ def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> d
             f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples",
             flush=True,
         )
-        for line in data.warnings:
+        for line in [*data.notes, *data.warnings]:
             print(line, flush=True)
-    return MultiGPUTrainer(
+    trainer = MultiGPUTrainer(
         model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn, callbacks=callbacks
-    ).fit()
+    )
+    return trainer.evaluate_saved() if config.eval_only else trainer.fit()
 
 
 def train_from_argv(

@@ -77,7 +77,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
     if not run.steps_per_epoch:  # a stream without __len__: its passes' steps are counted as they come
         steps_left = None
         length = f"an epoch is one pass of the stream (no __len__: steps unknown), {config.epochs} epochs"
-    warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
+    warmup_steps = config.warmup_length(run.steps_per_epoch)
     schedule = (
         f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
         if run.builtin_schedule
@@ -131,7 +131,7 @@ def _lr_range(run: PlanFacts, steps_left: int | None) -> str:
     if (
         run.builtin_schedule
     ):  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
-        warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
+        warmup_steps = run.config.warmup_length(run.steps_per_epoch)
         steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
     assert steps is not None  # unknown returned above, or found just above
     peak = peak_lr(run.scheduler, max(1, steps))
