@@ -345,6 +345,8 @@ def load_initial(model: torch.nn.Module, path: str, strict: bool, say: Callable[
     source = open_source(path)
     try:
         targets = model.state_dict()
+        if lora.is_adapted(model):  # a LoRA run starts its adapters from the file; its base is --model-path's
+            targets = lora.trainable_part(model, targets)
         found, missing, unexpected, mismatched = _match(model, targets, source)
         if targets and not found:  # strict or not: a fine-tune from nothing would be a run from scratch
             raise _refusal(

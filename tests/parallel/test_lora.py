@@ -391,3 +391,15 @@ def test_the_fingerprint_reads_every_tensor_to_its_last_value_and_tells_bases_ap
         module.big[-1] = 1
     assert lora.base_fingerprint(module) != before
     assert lora.base_fingerprint(module) == lora.base_fingerprint(module)
+
+
+def test_init_from_a_lora_checkpoint_starts_a_lora_run_from_its_adapters(tmp_path):
+    from multigpu.checkpoints.weights import load_initial
+
+    trained = train(tmp_path, 1, "none")["weights"]
+    said: list[str] = []
+    fresh = lora.add_adapters(gpt2(), TrainConfig(lora_r=4, seed=1))
+    load_initial(fresh, str(tmp_path / "ckpt" / "last.pt"), True, said.append)
+    assert said[0].startswith(f"--init-from {tmp_path / 'ckpt' / 'last.pt'}: 16 tensors loaded")
+    loaded = adapter_part(fresh.state_dict())
+    assert all(torch.equal(loaded[name], trained[name]) for name in adapter_part(trained))
