@@ -65,6 +65,10 @@ Training (main_multi_gpu.py's flags of the same names):
                           (batch-size x devices x grad-accum-steps)
   --scale-lr ...          the same
   --save-dir DIR          checkpoints, launch_command.sh, torchrun.log
+  --lora-r R              a language model folder (-- --model hf --model-path DIR):
+                          train LoRA adapters of rank R, the base frozen (asked
+                          when not given; 0: every weight)
+  --qlora                 with --lora-r: the base's linear layers in 4-bit NF4
 Multi-node (ddp or fsdp; torchrun's c10d rendezvous, hosted by node 0):
   --nnodes N              number of machines (default 1)
   --node-rank R           this machine's number, 0..N-1 (required with --nnodes > 1)
@@ -176,6 +180,7 @@ parse_args() {
             --k8s) SET[k8s]=1; continue ;;
             --ray) SET[ray]=1; continue ;;
             --fault-tolerance) SET[fault-tolerance]=1; continue ;;
+            --qlora) SET[qlora]=1; continue ;;
             --oversubscribe) SET[oversubscribe]=1; continue ;;
         esac
         # Every other option takes a value, as "--opt value" or "--opt=value".
@@ -186,7 +191,8 @@ parse_args() {
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
                 --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | --image | \
-                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port) key=${name#--} ;;
+                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port | \
+                --lora-r) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -450,6 +456,15 @@ ask_training() {
     fi
 }
 
+# A language model folder (-- --model hf --model-path FOLDER): LoRA adapters or every weight, and a 4-bit base.
+ask_adapters() {
+    [[ -n ${RULES[ask-lora]:-} ]] || return 0
+    local default_qlora=${RULES[default-qlora]}
+    ask "LoRA adapters' rank, e.g. 8 (0: fine-tune every weight)" "${RULES[default-lora-r]}" lora-r
+    [[ ${SET[lora-r]} != 0 && -z ${SET[qlora]:-} ]] || return 0
+    ask "Load the base in 4-bit, QLoRA (yes/no)" "$default_qlora" qlora
+}
+
 # A --save-dir that holds another run's checkpoints: continue it, a new folder beside it, or
 # overwrite it (the trainer keeps the old files aside until the new run saves). --yes: a new folder.
 ask_save_dir() {
@@ -563,6 +578,7 @@ main() {
         ask_devices
     fi
     ask_training
+    ask_adapters
     ask_save_dir
     if [[ -n ${SET[slurm]:-} ]]; then
         write_job slurm

@@ -32,6 +32,7 @@ from multigpu.checkpoints import checkpoint, run_folders, sharded
 from multigpu.config import FIELDS, OneLineParser, TrainConfig, field_kind, flag
 from multigpu.data import TORCHVISION_SETS, build_datasets
 from multigpu.data.unlabeled import UnlabeledImages
+from multigpu.engine.state import check_adapters
 from multigpu.errors import UsageError
 from multigpu.loop.amp import Amp, resolve_dtype
 from multigpu.loop.callbacks import ema_weights
@@ -39,6 +40,7 @@ from multigpu.loop.evaluation import Evaluator
 from multigpu.loop.forward import fitted_forward
 from multigpu.loop.prediction import Predictor, written_whole
 from multigpu.models import TEXT_MODELS, build_model
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import Runtime, barrier, setup, teardown
 
 OUTPUT_KINDS = (".csv", ".pt")
@@ -264,9 +266,16 @@ def load_model(
 ) -> nn.Module:
     """The checkpoint's model on this process's device (DataParallel over the GPUs in dp mode): its EMA weights
     when it was trained with --ema-decay."""
-    model = build_model(config.model_name, data.input_shape, data.num_classes, config)
+    torch.manual_seed(config.seed)  # a LoRA checkpoint's frozen base is the one its run built from --seed
+    model = lora.add_adapters(
+        build_model(config.model_name, data.input_shape, data.num_classes, config), config
+    )
     try:
-        model.load_state_dict(ema_weights(state) or state["model"])
+        if lora.is_adapted(model):  # --lora-r: the adapters alone, on the base their fingerprint names
+            check_adapters(path, state.get("adapters"), lora.adapters_of(model, config))
+            lora.load_trainable_part(model, state["model"])
+        else:
+            model.load_state_dict(ema_weights(state) or state["model"])
     except RuntimeError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         raise checkpoint.CheckpointError(

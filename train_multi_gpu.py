@@ -27,7 +27,7 @@ from multigpu.config import AUTO, TrainConfig
 from multigpu.data import streaming
 from multigpu.data.device_data import DeviceData
 from multigpu.data.feed import batch_sizes, training_data
-from multigpu.engine import build, parts, replicas, state, summary
+from multigpu.engine import build, eval_only, parts, replicas, state, summary
 from multigpu.loop.amp import Amp
 from multigpu.loop.forward import ForwardFn, fitted_forward
 from multigpu.loop.metrics import COUNTS, MetricsSpec, Monitor
@@ -37,6 +37,7 @@ from multigpu.loop.progress import Progress
 from multigpu.loop.tokens import default_loss, weighting_for
 from multigpu.monitoring import plan, reporting
 from multigpu.monitoring.meters import IntervalMeter, LoggedScalars
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import Runtime, gather_objects, runtime_for, teardown, teardown_at_exit
 from multigpu.parallel.wrapping import prepare_model, wrapped_for_training
 from multigpu.resilience import faults, heartbeat
@@ -90,6 +91,8 @@ class MultiGPUTrainer:
         self._close_at_exit = teardown_at_exit(self) if self.owns_process_group else None
         # A new run-N folder when --save-dir was not given.
         self.config, chosen = run_folders.run_folder(config, self.runtime)
+        # A resume of a LoRA run without the LoRA flags adapts the model as the checkpoint's run did.
+        self.config = run_folders.resumed_settings(self.config)
         self.device = self.runtime.device
         # Rank 0's console, progress bar and TensorBoard; the other ranks stay quiet.
         self.report = reporting.Reporter(self.config, self.runtime.is_main, chosen)
@@ -112,8 +115,10 @@ class MultiGPUTrainer:
         self.amp = Amp.resolved(config.amp, self.device, self.runtime.mode == "fsdp", self.report.line)
         # Its forward signature is read once, here.
         self.forward = forward_fn or fitted_forward(model)
-        # --float8, --sync-bn, --channels-last, --compile
+        # --float8, --sync-bn, --lora-r, --activation-checkpointing, --channels-last, --compile
         self.model = prepare_model(model, config, self.runtime, self.report.line)
+        # --lora-r: the adapters' numbers and the frozen base's fingerprint, read while every rank holds it whole.
+        self.adapters = lora.adapters_of(self.model, config)
         # Cross-entropy, over token ids too.
         self.loss_fn = loss_fn if loss_fn is not None else default_loss()
         # Means over samples or over tokens (--loss-weighting, multigpu/loop/tokens.py), read off the first
@@ -248,7 +253,8 @@ class MultiGPUTrainer:
                     while not self._trained() and not self._stopping_early():
                         if self.progress.evaluated and not self._run_epoch():
                             return self._stop_for_signal()
-                        if not self._evaluate_and_save():
+                        # Evaluated already where --eval-every-steps' evaluation stopped the epoch early.
+                        if not self.progress.evaluated and not self._evaluate_and_save():
                             return self._stop_for_signal()
             result = summary.finish(self, started)  # the done line, hparams, what fit returns
             self.callbacks.call("on_fit_end", self)  # --export-on-end's export, among others
@@ -290,6 +296,12 @@ class MultiGPUTrainer:
                 BEAT.phase = heartbeat.CHECKPOINT
                 self.checkpointer.save_step(self.stateful(), progress.global_step)
                 self.callbacks.call("on_save", self)
+            if self._evaluation_due(last or reached):  # --eval-every-steps, inside the epoch
+                if not self._evaluate_and_save(every_steps=True):
+                    return False
+                if self._stopping_early():  # the epoch ends here, evaluated (fit's loop then ends)
+                    self.report.end_epoch()
+                    return True
             if (
                 progress.global_step == self.die_at_step
             ):  # test-only: SIGKILL (a lost worker), SIGSTOP (a hang)
@@ -308,6 +320,12 @@ class MultiGPUTrainer:
         self.callbacks.call("on_epoch_end", self)
         return True
 
+    def _evaluation_due(self, epoch_ends: bool) -> bool:
+        """Whether --eval-every-steps evaluates after this step: every N optimizer steps, but not where the
+        epoch's (or --max-steps') own evaluation follows at once."""
+        every = self.config.eval_every_steps
+        return bool(every) and self.progress.global_step % every == 0 and not epoch_ends
+
     def _trained(self) -> bool:
         return self.progress.finished(self.config.epochs, self.config.max_steps)
 
@@ -324,6 +342,15 @@ class MultiGPUTrainer:
         if dataset is None:
             raise ValueError("evaluate() needs a dataset: none given and the trainer has no val_dataset")
         return self.evaluator.run(self._eval_model(), dataset, self.eval_batch)  # type: ignore[return-value]
+
+    def evaluate_saved(self) -> dict[str, Any]:
+        """--eval-only: load the saved weights (--init-from, --resume, or --model-path's own), evaluate the
+        validation set, say it in one line and write <save-dir>/eval.json; nothing trains, no checkpoint is
+        written (multigpu/engine/eval_only.py). Every rank calls it."""
+        try:
+            return eval_only.evaluate_saved(self)
+        finally:
+            self.report.close()
 
     def predict(
         self,
@@ -349,9 +376,10 @@ class MultiGPUTrainer:
             return self.eval_model
         return self.step.wrapped if self.runtime.mode == "dp" else self.model
 
-    def _evaluate_and_save(self) -> bool:
-        """Evaluate the epoch just trained, log it, save last (and best on a new best). False when a stop
-        signal came during evaluation: the epoch's training is saved, unevaluated."""
+    def _evaluate_and_save(self, every_steps: bool = False) -> bool:
+        """Evaluate the epoch just trained (`every_steps`: the steps so far, for --eval-every-steps), log it, save
+        last (and best on a new best). False when a stop signal came during evaluation: the epoch's training is
+        saved, unevaluated."""
         progress = self.progress
         BEAT.phase = heartbeat.EVALUATION
         if self.val_dataset is not None:
@@ -362,7 +390,12 @@ class MultiGPUTrainer:
             # mid_epoch: --max-steps ended the epoch there.
             mid_epoch = progress.samples_in_epoch > 0
             self.report.epoch_metrics(
-                progress.epoch, self.config.epochs, result, progress.global_step, mid_epoch=mid_epoch
+                progress.epoch,
+                self.config.epochs,
+                result,
+                progress.global_step,
+                mid_epoch=mid_epoch,
+                why="--eval-every-steps" if every_steps else "--max-steps",
             )
         progress.evaluated = True
         best = self.monitor.new_best(self.metrics, progress.best_value)

@@ -8,6 +8,7 @@ import csv
 import datetime
 import os
 import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -87,6 +88,17 @@ def run_worker(
     if done.returncode or not lines:
         sys.exit(f"{label} at {nproc} process(es) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(lines[0][len(RESULT) :])
+
+
+class StepEnds:
+    """perf_counter at the end of every optimizer step: the project's callback (on_step_end(trainer)), and, with
+    the signature Hugging Face's TrainerCallback has, a Trainer's too (kept cheap: one append)."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+
+    def on_step_end(self, *unused: Any, **also_unused: Any) -> None:
+        self.at.append(time.perf_counter())
 
 
 def cpu_name() -> str:

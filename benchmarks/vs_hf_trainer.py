@@ -4,6 +4,7 @@
     python benchmarks/vs_hf_trainer.py                   # 1 process and DDP over 2; 9 rounds; 60 steps
     python benchmarks/vs_hf_trainer.py --nproc 2 --rounds 5 --steps 100
     python benchmarks/vs_hf_trainer.py --tiny            # CI: 1 process (or --nproc), 1 layer, 6 steps, one round
+    python benchmarks/vs_hf_trainer.py --lora-r 8        # LoRA: both train the same peft adapters, the base frozen
 
 The workload: a GPT-2 (transformers.GPT2LMHeadModel) built from a config, no download: --layers blocks of width
 --embd, --heads heads, a vocabulary of --vocab and a context of --block, dropout off (the two frameworks draw
@@ -37,6 +38,11 @@ What is matched, so that after the same steps both have the same weights:
   process on this shared 2-core machine waited on each other whenever it got less than its two cores, and runs
   were 2-13x slower at random; 0: the cores over the processes).
 
+With --lora-r R both train LoRA adapters of rank R (alpha 2R) on every linear layer but the head, the base
+frozen: the same PeftModel, made by one function for both (multigpu/parallel/lora.py's add_adapters: peft's
+get_peft_model, the adapters' random start seeded alike); the project's run gets --lora-r, Hugging Face's Trainer
+the PeftModel (as TRL's SFTTrainer gets one from peft_config), AdamW over the adapters on both.
+
 Measured alike on rank 0: a timestamp at each optimizer step's end (a TrainerCallback's on_step_end; the project's
 callback on_step_end); tokens/s = the tokens of the steps after the first --warmup / the time from the end of
 step --warmup to the end of the last. After training rank 0 computes the per-token validation loss of the trained
@@ -61,7 +67,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,6 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_common import (  # noqa: E402
     RESULT,
+    StepEnds,
     alternating_rounds,
     benchmark_parser,
     machine_line,
@@ -174,17 +180,6 @@ def validation_loss(model, data: PackedWindows) -> float:
 
 
 # ------------------------------------------------------------------ the contenders (in the worker processes)
-class StepEnds:
-    """perf_counter at the end of every optimizer step, for the project's callbacks and, with the signature
-    Hugging Face's TrainerCallback has, for its callbacks too (kept cheap: one append)."""
-
-    def __init__(self):
-        self.at: list[float] = []
-
-    def on_step_end(self, *unused: Any, **also_unused: Any) -> None:
-        self.at.append(time.perf_counter())
-
-
 def run_ours(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
     """MultiGPUTrainer with its defaults but the workload's, writing under `scratch`; returns the trained
     module."""
@@ -199,6 +194,7 @@ def run_ours(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any
         progress=False,
         seed=SEED,
         save_dir=scratch,
+        lora_r=args.lora_r,
     )
     trainer = MultiGPUTrainer(model, data, None, config, optimizer=adamw, callbacks=[ends])
     trainer.fit()
@@ -232,11 +228,16 @@ def run_hf(model, data, args, world: int, ends: StepEnds, scratch: str) -> Any:
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
     )
+    if args.lora_r:  # the project's own run adds the same adapters itself (run_ours)
+        from multigpu.config import TrainConfig
+        from multigpu.parallel.lora import add_adapters
+
+        model = add_adapters(model, TrainConfig(lora_r=args.lora_r, seed=SEED))
     trainer = Trainer(
         model=model,
         args=training,
         train_dataset=data,
-        optimizers=(adamw(model.parameters()), None),
+        optimizers=(adamw([p for p in model.parameters() if p.requires_grad]), None),
         callbacks=[Ends()],
     )
     trainer.train()
@@ -304,6 +305,7 @@ def workload_flags(args) -> list[str]:
         "vocab",
         "block",
         "val_windows",
+        "lora_r",
     )
     return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
@@ -378,7 +380,7 @@ def main() -> int:
         missed += miss
     header = ["processes", "contender", "tokens/s", "ours/HF", "val loss", "val loss difference (ours - HF)"]
     write_markdown(
-        Path(args.output) if args.output else default_output(),
+        Path(args.output) if args.output else default_output(args.lora_r),
         "This project against Hugging Face's Trainer (benchmarks/vs_hf_trainer.py)",
         header,
         rows,
@@ -408,7 +410,12 @@ def notes(args, counts: list[int], untrained: float, load: tuple[float, float]) 
         f"GPT-2 of {args.layers} layer(s), width {args.embd}, {args.heads} heads, vocabulary {args.vocab}, "
         f"context {args.block} (from a config, seed 0, dropout off); packed windows of {args.block} tokens, "
         f"batch {args.batch} per process, {args.steps} steps, AdamW lr {LR:g} weight decay {WEIGHT_DECAY:g}, "
-        f"constant LR, no clipping, fp32, {threads}",
+        f"constant LR, no clipping, fp32, {threads}"
+        + (
+            f"; LoRA r {args.lora_r} (alpha {2 * args.lora_r}) on every linear layer but the head"
+            if args.lora_r
+            else ""
+        ),
         f"tokens/s: rank 0's, steps {args.warmup + 1}-{args.steps} (the first {args.warmup} are warm-up), "
         f"median (range) of {args.rounds} interleaved round(s); ours/HF: the median of the rounds' ratios",
         f"val loss: per token over {args.val_windows} held-out windows after the last step (before "
@@ -417,12 +424,11 @@ def notes(args, counts: list[int], untrained: float, load: tuple[float, float]) 
     ]
 
 
-def default_output() -> Path:
+def default_output(lora_r: int) -> Path:
     import torch
 
-    return (
-        REPO / "benchmarks" / "results" / f"vs_hf_trainer_{'gpu' if torch.cuda.is_available() else 'cpu'}.md"
-    )
+    kind = f"{'_lora' if lora_r else ''}_{'gpu' if torch.cuda.is_available() else 'cpu'}"
+    return REPO / "benchmarks" / "results" / f"vs_hf_trainer{kind}.md"
 
 
 def parse_args() -> argparse.Namespace:
@@ -432,7 +438,7 @@ def parse_args() -> argparse.Namespace:
         steps=60,
         batch=8,
         log_every=10,
-        output_help="Markdown file (default benchmarks/results/vs_hf_trainer_<cpu|gpu>.md)",
+        output_help="Markdown file (default benchmarks/results/vs_hf_trainer[_lora]_<cpu|gpu>.md)",
     )
     parser.add_argument("--warmup", type=int, default=10, help="the first steps, left out of tokens/s")
     parser.add_argument(
@@ -447,6 +453,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--block", type=int, default=128, help="tokens per window, the model's context")
     parser.add_argument("--val-windows", type=int, default=64)
+    parser.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on both sides (0: every weight)",
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="1 layer, 6 steps, one round, 1 process unless --nproc (CI)"
     )

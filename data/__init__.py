@@ -48,6 +48,9 @@ class DataSpec:
     num_classes: int  # of a text set: its vocabulary size
     warnings: list[str] = field(default_factory=list)  # one line each, printed by rank 0 before training
     collate_fn: Callable | None = None  # how samples become a batch (None: torch's default; padded text pads)
+    notes: list[str] = field(
+        default_factory=list
+    )  # the plan's lines on the data, printed by rank 0 before training
 
 
 class Flattened(Dataset):
@@ -78,12 +81,12 @@ def build_datasets(config: TrainConfig, download_allowed: bool = True) -> DataSp
         train, val, vocabulary = text_datasets(config.data_file, config.block_size)
         return DataSpec(train, val, (config.block_size,), vocabulary)
     if (
-        name == "hf" and config.text_column is not None
+        name == "hf" and config.text_kind is not None
     ):  # text as a transformers model's tokens (data/hf_text.py)
         from .hf_text import hf_text_datasets
 
-        train, val, shape, classes, collate_fn = hf_text_datasets(config)
-        return DataSpec(train, val, shape, classes, collate_fn=collate_fn)  # type: ignore[arg-type]  # val: as below
+        train, val, shape, classes, collate_fn, notes = hf_text_datasets(config)
+        return DataSpec(train, val, shape, classes, collate_fn=collate_fn, notes=notes)  # type: ignore[arg-type]  # val: as below
     if name == "hf":  # local files through Hugging Face datasets (data/hf.py)
         from .hf import hf_datasets
 

@@ -10,18 +10,19 @@ Tokenized by `datasets.map(batched=True)`, cached in datasets' cache folder besi
 several processes for larger files (a process per ROWS_PER_PROCESS rows, at most one per core); rank 0
 tokenizes first and the other ranks find its cache (multigpu/launch/runner.py). Then:
 
-- a causal language model (the default): the token stream packed as Hugging Face's run_clm groups it: each
-  text followed by the end-of-text token (where the tokenizer has one), the ids of each map batch (1000 texts)
-  joined, the remainder past the last whole window dropped, cut into --block-size windows. A sample is
-  {"input_ids", "labels" (the same ids: the model shifts them itself), "attention_mask" (ones)}. With
-  --pad-to-batch each text is a sample of its own, {"input_ids"} of at most --block-size tokens, and PadBatch
-  pads each batch and adds the labels;
+- a causal language model (the default): each text followed by the end-of-text token (where the tokenizer has
+  one), packed into --block-size windows by data/packing.py (--packing documents: whole texts, each attending
+  to itself alone; stream: the texts joined and cut, as run_clm groups them), the same windows whatever the
+  number of map processes. With --pad-to-batch each text is a sample of its own, {"input_ids"} of at most
+  --block-size tokens, and PadBatch pads each batch and adds the labels. Prompt/completion and chat data
+  (--prompt-column, --messages-column) are texts with labels, -100 where a token does not count
+  (data/instructions.py);
 - a classifier (--num-classes or --label-column given): each text a sample {"input_ids", "labels": its class},
   at most --block-size tokens, padded per batch.
 
---streaming maps the files' stream the same way as it is read (data/hf.py splits it over ranks and workers).
-A packed stream's windows are not counted before they are read: its epoch is one pass of steps unknown until
-it ends (give --max-steps or --steps-per-epoch for a schedule that needs them).
+--streaming maps the files' stream the same way as it is read (data/hf.py splits it over ranks and workers),
+each map batch packed as it comes. A packed stream's windows are not counted before they are read: its epoch is
+one pass of steps unknown until it ends (give --max-steps or --steps-per-epoch for a schedule that needs them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.utils.data import Dataset
 from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 
-from . import tokenizer_check
+from . import instructions, tokenizer_check
 from .hf import (
     Files,
     HFStream,
@@ -51,31 +52,37 @@ from .hf import (
     last_line,
     load_files,
 )
+from .packing import PackedWindows, PackRows, TokenColumns, packing_of, window_sample
 
 ROWS_PER_PROCESS = 1000  # datasets.map's batch: a process started for fewer rows costs more than it saves
 
 
 def hf_text_datasets(
     config: TrainConfig,
-) -> tuple[Dataset, Dataset | None, tuple[int, ...], int, Callable | None]:
+) -> tuple[Dataset, Dataset | None, tuple[int, ...], int, Callable | None, list[str]]:
     """(train, val or None, a sample's shape (--block-size,), the vocabulary (a classifier's: its classes), the
-    collate_fn that pads each batch or None for packed windows) of --dataset hf --text-column."""
+    collate_fn that pads each batch or None for packed windows, the plan's lines on the text and its windows) of
+    --dataset hf --text-column, --prompt-column/--completion-column or --messages-column."""
     datasets = import_datasets()
     model = model_config(config)
     tokenizer = load_tokenizer(config)
     check_fit(config, len(tokenizer), model)
     packed = not config.text_classification and not config.pad_to_batch
     collate_fn = None if packed else PadBatch(padding_id(config, tokenizer))
-    tokenize = Tokenize(tokenizer, config, packed)
+    words = instructions.TextWords(config, packing_of(config, model) if packed else None, tokenizer)
+    if config.text_kind == "text":
+        tokenize: Callable = Tokenize(tokenizer, config, packed)
+    else:
+        tokenize = instructions.tokenize_for(config, tokenizer, packed)
     assert config.data_files is not None  # --dataset hf without it is refused in TrainConfig
-    train, table = _token_samples(datasets, "--data-files", config.data_files, config, tokenize)
+    train, table = _token_samples(datasets, "--data-files", config.data_files, config, tokenize, words)
     val = (
-        _token_samples(datasets, "--val-files", config.val_files, config, tokenize)[0]
+        _token_samples(datasets, "--val-files", config.val_files, config, tokenize, words)[0]
         if config.val_files
         else None
     )
     classes = class_count(config, table) if config.text_classification else len(tokenizer)
-    return train, val, (config.block_size,), classes, collate_fn
+    return train, val, (config.block_size,), classes, collate_fn, words.lines(train, collate_fn)
 
 
 def model_config(config: TrainConfig) -> Any:
@@ -159,40 +166,78 @@ def padding_id(config: TrainConfig, tokenizer: Any) -> int:
 
 
 def _token_samples(
-    datasets: Any, flag: str, patterns: str, config: TrainConfig, tokenize: Tokenize
+    datasets: Any,
+    flag: str,
+    patterns: str,
+    config: TrainConfig,
+    tokenize: Callable,
+    words: instructions.TextWords,
 ) -> tuple[Dataset, Any]:
     """The samples of one flag's files, and the files as read (a label column's class names are there)."""
-    files = Files(flag, *files_of(patterns, flag), rows=TextRows(config))
+    files = Files(flag, *files_of(patterns, flag), rows=_row_check(config))
     table = load_files(datasets, files, config.streaming)
     first = first_row(table, files)
     check_columns(config, first)
-    texts = tokenizer_check.first_texts(table, tokenize.column, config.streaming)
-    tokenizer_check.check_first_rows(tokenize.tokenizer, texts, _tokenizer_flag(config), flag)
+    packing, validation = words.packing, flag == "--val-files"
+    if config.text_kind == "text":  # instruction rows are checked by instructions.check_first_rows
+        _check_first_rows(config, tokenize, table, flag)
     try:
+        if (
+            config.text_kind != "text"
+        ):  # a template that counts nothing is refused before the files are mapped
+            instructions.check_first_rows(config, tokenize, _first_rows(table, instructions.CHECKED_ROWS))
         tokens = table.map(tokenize, batched=True, remove_columns=list(first), **_processes(table, config))
+        if packing is not None and config.streaming:
+            tokens = tokens.map(PackRows(packing, config.block_size, words.pad_id, validation), batched=True)
+    except UsageError:
+        raise
     except Exception as error:  # noqa: BLE001 -- a row the tokenizer cannot take: named by file and row
         raise UsageError(files.bad_row(None, error)) from None
-    if not config.streaming:  # a stream's rows are tokenized as they are read: its first rows were checked
-        column = table.data.column(tokenize.column)
-        ended = tokenize.end is not None
-        tokenizer_check.check_rows_kept(
-            column, tokens.data.column("input_ids"), ended, _tokenizer_flag(config), flag
-        )
-    try:
-        if tokenize.packed:
-            tokens = tokens.map(GroupTexts(config.block_size), batched=True, **_processes(tokens, config))
-    except Exception as error:  # noqa: BLE001 -- a row the tokenizer cannot take: named by file and row
-        raise UsageError(files.bad_row(None, error)) from None
-    samples = TokenSamples(tokenize.packed)
+    if config.text_kind == "text" and not config.streaming:  # a stream is tokenized as it is read
+        _check_rows_kept(config, tokenize, table, tokens, flag)
     if config.streaming:  # a padded text is one sample; packed windows are not counted before they are read
-        rows = [None if tokenize.packed else count_rows(files.kind, [path]) for path in files.paths]
-        return HFStream(tokens, samples, rows, files), table
+        rows = [None if packing else count_rows(files.kind, [path]) for path in files.paths]
+        return HFStream(tokens, window_sample if packing else TokenSamples(), rows, files), table
+    if config.text_kind != "text" and not validation:
+        uncounted = instructions.uncounted_rows(TokenColumns.of_table(tokens))
+        words.warnings += instructions.uncounted_warning(config, flag, len(tokens), uncounted)
+    if packing is not None:
+        tokens = PackedWindows.of(tokens, packing, config.block_size, words.pad_id, keep_remainder=validation)
     if len(tokens) == 0:
         raise UsageError(
             f"{flag}: {', '.join(files.paths)} hold fewer tokens than one window of --block-size "
             f"{config.block_size}; give more text or a smaller --block-size"
         )
-    return HFTable(tokens, samples, files), table
+    if packing is not None:
+        return tokens, table
+    return HFTable(tokens, TokenSamples(), files), table
+
+
+def _check_first_rows(config: TrainConfig, tokenize: Any, table: Any, flag: str) -> None:
+    """UsageError where the tokenizer makes (almost) nothing of the files' first rows (data/tokenizer_check.py)."""
+    texts = _first_rows(table, tokenizer_check.FIRST_ROWS)[tokenize.column]
+    words = [text for text in texts if isinstance(text, str)]
+    tokenizer_check.check_first_rows(tokenize.tokenizer, words, _tokenizer_flag(config), flag)
+
+
+def _check_rows_kept(config: TrainConfig, tokenize: Any, table: Any, tokens: Any, flag: str) -> None:
+    """UsageError where most of a tokenized table's rows with text became no token (data/tokenizer_check.py)."""
+    texts = table.data.column(tokenize.column)
+    ended = tokenize.end is not None  # each text's ids end in an end-of-text token the tokenizer did not make
+    tokenizer_check.check_rows_kept(
+        texts, tokens.data.column("input_ids"), ended, _tokenizer_flag(config), flag
+    )
+
+
+def _row_check(config: TrainConfig) -> Callable[[dict[str, Any]], None]:
+    """What each row as read must pass: text in --text-column, or the instruction columns' own."""
+    return TextRows(config) if config.text_kind == "text" else instructions.InstructionRows(config)
+
+
+def _first_rows(table: Any, count: int) -> dict[str, list]:
+    """The first `count` rows of a table or a stream, as a map batch (a dict of columns)."""
+    rows = list(itertools.islice(iter(table), count))
+    return {name: [row[name] for row in rows] for name in rows[0]}
 
 
 def _processes(table: Any, config: TrainConfig) -> dict[str, Any]:
@@ -206,7 +251,9 @@ def _processes(table: Any, config: TrainConfig) -> dict[str, Any]:
 
 def check_columns(config: TrainConfig, example: dict[str, Any]) -> None:
     """UsageError where the files' first row has no text in --text-column (or, for a classifier, no class id in
-    --label-column)."""
+    --label-column), or lacks the columns of prompt/completion or chat data (data/instructions.py)."""
+    if config.text_kind != "text":
+        return instructions.check_columns(config, example)
     if config.text_column not in example:
         raise UsageError(
             f"--text-column {config.text_column}: the files' columns are {', '.join(example)}; name "
@@ -267,43 +314,21 @@ class Tokenize:
         return {"input_ids": ids, "labels": batch[self.label_column]}
 
 
-class GroupTexts:
-    """datasets.map's function that packs (run_clm's group_texts): a batch's token ids joined and cut into
-    windows of `block_size`, the remainder past the last whole window dropped."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        joined = list(itertools.chain.from_iterable(batch["input_ids"]))
-        whole = len(joined) - len(joined) % self.block_size
-        return {
-            "input_ids": [
-                joined[start : start + self.block_size] for start in range(0, whole, self.block_size)
-            ]
-        }
-
-
 class TokenSamples:
-    """A tokenized row as the trainer's sample (the module docstring): a packed window with its labels and
-    attention mask, a padded text's ids (PadBatch adds the rest), or a classifier's ids and class."""
-
-    def __init__(self, packed: bool):
-        self.packed = packed
+    """A tokenized row as the trainer's sample (the module docstring): a padded text's ids (PadBatch adds the
+    rest), with the labels of an instruction row (-100 where a token does not count) or a classifier's class."""
 
     def __call__(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
         ids = torch.tensor(example["input_ids"], dtype=torch.long)
         if "labels" in example:
             return {"input_ids": ids, "labels": torch.tensor(example["labels"], dtype=torch.long)}
-        if not self.packed:
-            return {"input_ids": ids}
-        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+        return {"input_ids": ids}
 
 
 class PadBatch:
     """The collate_fn of padded texts: each batch padded at the end to its longest sample, input_ids with the
-    padding token and attention_mask 0 there; a causal language model's labels are its ids with -100 (no loss)
-    there, a classifier's its samples' classes."""
+    padding token and attention_mask 0 there; a causal language model's labels are its ids (an instruction row's
+    own labels) with -100 (no loss) there, a classifier's its samples' classes."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -317,8 +342,12 @@ class PadBatch:
         for row, sample in enumerate(samples):
             input_ids[row, : len(sample["input_ids"])] = sample["input_ids"]
             attention_mask[row, : len(sample["input_ids"])] = 1
-        if "labels" in samples[0]:
+        if "labels" in samples[0] and samples[0]["labels"].dim() == 0:  # a classifier's: one class a text
             labels = torch.stack([sample["labels"] for sample in samples])
+        elif "labels" in samples[0]:  # an instruction row's: its own, -100 on the padding too
+            labels = torch.full_like(input_ids, -100)
+            for row, sample in enumerate(samples):
+                labels[row, : len(sample["labels"])] = sample["labels"]
         else:
             labels = input_ids.masked_fill(attention_mask == 0, -100)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -15,7 +15,6 @@ nothing of the text"):
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from multigpu.errors import UsageError
@@ -24,14 +23,6 @@ FIRST_ROWS = 32
 # A real tokenizer gives a token per 1 to 10 characters (a byte-level one at most one per byte); a text's
 # characters over a hundred times its tokens is a tokenizer that reads none of it.
 CHARACTERS_PER_TOKEN = 100
-
-
-def first_texts(table: Any, column: str, streaming: bool) -> list[str]:
-    """The texts of the first FIRST_ROWS rows of `table` (a stream's are read from its start)."""
-    if streaming:
-        rows = itertools.islice(iter(table), FIRST_ROWS)
-        return [row[column] for row in rows if isinstance(row.get(column), str)]
-    return [text for text in table[:FIRST_ROWS][column] if isinstance(text, str)]
 
 
 def check_first_rows(tokenizer: Any, texts: list[str], tokenizer_flag: str, files_flag: str) -> None:

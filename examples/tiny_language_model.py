@@ -6,7 +6,11 @@ writes lm-data/model/, a transformers GPT-2 of 1 layer, width 32 and 64 position
 (untrained) with a BPE tokenizer of about 150 tokens that the `tokenizers` library trains on the text, saved
 beside it as a PreTrainedTokenizerFast; and lm-data/train.jsonl and lm-data/val.jsonl, one {"text": ...,
 "label": ...} a line: sentences of a small grammar, whose next word is easy to learn, and 1 where the text
-tells of a fox, else 0 (a class for --num-classes 2). A folder that is there already is kept.
+tells of a fox, else 0 (a class for --num-classes 2). The same texts as instruction data: lm-data/sft.jsonl and
+lm-data/sft-val.jsonl, {"prompt": a text's first sentence, "completion": " " + the rest} a line; lm-data/chat.jsonl
+and lm-data/chat-val.jsonl, {"messages": the sentences as user and assistant turns} a line; and
+lm-data/chat_template.jinja, a chat template of plain words without {% generation %} markers (the tokenizer has
+none of its own). A folder that is there already is kept.
 Then (docs/language-models.md):
 
     python main_multi_gpu.py --dataset hf --data-files lm-data/train.jsonl --val-files lm-data/val.jsonl \\
@@ -89,13 +93,50 @@ def write_model(folder: Path, tokenizer) -> None:
     tokenizer.save_pretrained(folder)
 
 
+# A chat template of plain words: each message as "ROLE says CONTENT" and the end-of-text token, no {% generation %}
+# markers (the assistant's turns are found by rendering; docs/language-models.md, "Instruction data").
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} says {{ message['content'] }} "
+    + END
+    + " {% endfor %}"
+    "{% if add_generation_prompt %}assistant says {% endif %}"
+)
+
+
+def sentences_of(text: str) -> list[str]:
+    """A text's sentences, each ending in its full stop."""
+    return [sentence.strip() + " ." for sentence in text.split(" .") if sentence.strip()]
+
+
+def prompt_completion(text: str) -> dict[str, str]:
+    """The text's first sentence as the prompt, the rest as the completion (" the end ." where there is none)."""
+    sentences = sentences_of(text)
+    return {"prompt": sentences[0], "completion": " " + (" ".join(sentences[1:]) or "the end .")}
+
+
+def conversation(text: str) -> dict[str, list[dict[str, str]]]:
+    """The text's sentences as turns of a user and an assistant, the assistant's last."""
+    turns = sentences_of(text)
+    turns += ["the end ."] if len(turns) % 2 else []
+    roles = ["user", "assistant"] * (len(turns) // 2)
+    return {"messages": [{"role": role, "content": turn} for role, turn in zip(roles, turns)]}
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+
 def write_tiny_language_model(folder: Path) -> Path:
     """`folder`/model/ (the model and its tokenizer), `folder`/train.jsonl (400 texts) and `folder`/val.jsonl
-    (80); `folder` itself."""
+    (80), the same texts as instruction data (sft*.jsonl, chat*.jsonl and chat_template.jinja); `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     train, val = texts(400, seed=0), texts(80, seed=1)
     write_jsonl(folder / "train.jsonl", train)
     write_jsonl(folder / "val.jsonl", val)
+    for suffix, rows in (("", train), ("-val", val)):
+        write_rows(folder / f"sft{suffix}.jsonl", [prompt_completion(text) for text in rows])
+        write_rows(folder / f"chat{suffix}.jsonl", [conversation(text) for text in rows])
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     write_model(folder / "model", train_tokenizer(train))
     return folder
 

@@ -211,6 +211,44 @@ class TrainConfig:
         "into --block-size windows; a classifier's samples are always padded",
         group="data",
     )
+    prompt_column: str | None = _opt(
+        None,
+        "--dataset hf: the column of each sample's prompt, with --completion-column: one text, prompt then "
+        "completion then the end-of-text token, tokenized for --model hf (docs/language-models.md)",
+        group="data",
+    )
+    completion_column: str | None = _opt(
+        None, "--dataset hf with --prompt-column: the column of each sample's completion", group="data"
+    )
+    messages_column: str | None = _opt(
+        None,
+        "--dataset hf: the column of each sample's conversation, a list of {role, content} messages "
+        "rendered with the tokenizer's chat template (or --chat-template) and tokenized for --model hf",
+        group="data",
+    )
+    chat_template: str | None = _opt(
+        None,
+        "--messages-column: a file holding the Jinja chat template to render the conversations with "
+        "(default: the tokenizer's own)",
+        group="data",
+    )
+    loss_on: str = _opt(
+        "auto",
+        "the tokens whose prediction counts in the loss, the others' labels -100: completion (the "
+        "completions of --prompt-column data), assistant (the assistant turns of --messages-column data), "
+        "all; auto: completion for prompt/completion data, assistant for messages, all for plain text",
+        ["auto", "completion", "assistant", "all"],
+        group="data",
+    )
+    packing: str = _opt(
+        "auto",
+        "a causal language model's texts in --block-size windows: documents (whole texts packed together, "
+        "each attending only to itself: position_ids restart at each text; a text longer than the "
+        "window is cut into pieces), stream (the texts joined and cut, as run_clm packs); auto: "
+        "documents where the model's attention takes it, else stream",
+        ["auto", "documents", "stream"],
+        group="data",
+    )
     download: bool = _opt(
         False, "download torchvision data sets that are missing from --data-dir", group="data"
     )
@@ -330,6 +368,35 @@ class TrainConfig:
         "and save the choice in the checkpoint (a resume reuses it)",
         group="model",
     )
+    lora_r: int = _opt(
+        0,
+        "fine-tune LoRA adapters of this rank instead of every weight (peft; pip install '.[lora]'): the "
+        "base stays frozen and bit-identical, only the adapters train and are checkpointed (0: off)",
+        group="model",
+    )
+    lora_alpha: float | None = _opt(
+        None, "--lora-r: the adapters' scale numerator (scale alpha/r; default: 2 x --lora-r)", group="model"
+    )
+    lora_dropout: float = _opt(0.0, "--lora-r: dropout on the adapters' input", group="model")
+    lora_targets: str = _opt(
+        "all-linear",
+        "--lora-r: the layers that get adapters: all-linear (every linear layer but the output head), or "
+        "comma-separated module names as peft matches them, e.g. q_proj,v_proj",
+        group="model",
+    )
+    qlora: bool = _opt(
+        False,
+        "--lora-r on a 4-bit base: --model hf loads its linear layers in NF4 (bitsandbytes through "
+        "transformers), computing in --amp's dtype; one device or ddp, not fsdp",
+        group="model",
+    )
+    activation_checkpointing: bool = _opt(
+        False,
+        "recompute each block's activations in backward instead of keeping them: less memory for a "
+        "third more compute, the same numbers (transformers models: their gradient checkpointing; others: "
+        "torch's checkpoint wrapper around each block, as --fsdp-blocks finds them)",
+        group="model",
+    )
     # --- optimisation ----------------------------------------------------
     epochs: int = _opt(3, "training epochs", group="optimisation")
     max_steps: int = _opt(
@@ -368,6 +435,9 @@ class TrainConfig:
     )
     warmup_epochs: float = _opt(
         0.0, "linear LR warm-up length in epochs (may be fractional)", group="optimisation"
+    )
+    warmup_steps: int = _opt(
+        0, "linear LR warm-up length in optimizer steps, instead of --warmup-epochs", group="optimisation"
     )
     lr_step_epochs: float = _opt(30.0, "--lr-schedule step: epochs between LR decays", group="optimisation")
     lr_gamma: float = _opt(0.1, "--lr-schedule step: factor applied at each decay", group="optimisation")
@@ -437,6 +507,18 @@ class TrainConfig:
     save_every_steps: int = _opt(
         0, "also save a step checkpoint every N optimizer steps (0: only at epoch ends)", group="output"
     )
+    eval_every_steps: int = _opt(
+        0,
+        "also evaluate every N optimizer steps (validation, best.pt and early stopping, as at an "
+        "epoch's end; 0: only at epoch ends)",
+        group="output",
+    )
+    eval_only: bool = _opt(
+        False,
+        "evaluate the validation set with saved weights (--init-from PATH, --resume PATH, or --model-path's "
+        "own) and write <save-dir>/eval.json: no training, no checkpoint",
+        group="output",
+    )
     keep_last: int = _opt(3, "step checkpoints to keep", group="output")
     checkpoint_format: str = _opt(
         "auto",
@@ -451,9 +533,10 @@ class TrainConfig:
     export_on_end: str | None = _opt(
         None,
         "when training ends, write best's weights (last's without validation) "
-        "beside the checkpoints: safetensors (best-weights.safetensors) or hf (a "
-        "transformers model's own folder, best-hf/)",
-        ["safetensors", "hf"],
+        "beside the checkpoints: safetensors (best-weights.safetensors), hf (a "
+        "transformers model's own folder, best-hf/; a LoRA run's adapters merged into its base) or "
+        "adapter (a LoRA run's PEFT adapter folder, best-adapter/)",
+        ["safetensors", "hf", "adapter"],
         group="output",
     )
     logger: str = _opt(
@@ -486,8 +569,8 @@ class TrainConfig:
     )
     early_stop_patience: int = _opt(
         0,
-        "stop after this many evaluated epochs in a row without a better --monitor "
-        "value (0: off); best.pt keeps the best epoch",
+        "stop after this many evaluations in a row (epochs, and --eval-every-steps' ones) without a better "
+        "--monitor value (0: off); best.pt keeps the best one",
         group="output",
     )
     early_stop_min_delta: float = _opt(
@@ -547,18 +630,56 @@ class TrainConfig:
             "data_on_device",
             "float8",
             "loss_weighting",
+            "loss_on",
+            "packing",
         ]:
             choices = FIELDS[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise UsageError(f"--{flag(name)} must be one of {', '.join(choices)}; got {value!r}")
         self._check_text_pairing()
+        self._check_instructions()
+        self._check_run_kind()
         self._check_fault_tolerance()
+        self._check_lora()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
             raise UsageError(
                 f"--logger takes a comma list of {', '.join(LOGGERS)}; got {unknown[0]!r} in {self.logger!r}"
             )
+
+    def _check_lora(self) -> None:
+        """UsageError where a setting that needs LoRA adapters comes without --lora-r."""
+        if self.lora_r:
+            if not self.lora_targets.strip(" ,"):
+                raise UsageError(
+                    "--lora-targets names no layer: give all-linear, or module names such as q_proj,v_proj"
+                )
+            if self.float8:
+                raise UsageError(
+                    "--float8 trains the base's linear layers in float8, and --lora-r freezes them (its adapters "
+                    "are too small to gain): drop one of them"
+                )
+            if self.ema_decay:
+                raise UsageError(
+                    "--ema-decay keeps an average of every weight, a second copy of the frozen base of --lora-r: "
+                    "drop one of them"
+                )
+            if self.qlora and self.multi_gpu == "fsdp":
+                raise UsageError(
+                    "--qlora's 4-bit base (bitsandbytes) cannot be sharded by FSDP2: use --multi-gpu ddp, or "
+                    "--lora-r without --qlora under --multi-gpu fsdp"
+                )
+            return
+        if self.qlora:
+            raise UsageError(
+                "--qlora trains LoRA adapters on a 4-bit base: give --lora-r R too (e.g. --lora-r 8)"
+            )
+
+    @property
+    def lora_scale_alpha(self) -> float:
+        """--lora-alpha, or its default: twice --lora-r."""
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_r
 
     def _check_text_pairing(self) -> None:
         """UsageError where --dataset text, --data-file and --model gpt are not given together: character windows
@@ -570,7 +691,16 @@ class TrainConfig:
             )
         hf_only = [
             name
-            for name in ("data_files", "val_files", "streaming", "input_column", "text_column")
+            for name in (
+                "data_files",
+                "val_files",
+                "streaming",
+                "input_column",
+                "text_column",
+                "prompt_column",
+                "completion_column",
+                "messages_column",
+            )
             if getattr(self, name)
         ]
         if self.dataset != "hf" and hf_only:
@@ -598,6 +728,84 @@ class TrainConfig:
                 "--async-checkpoint writes sharded checkpoints in the background, and this run writes "
                 "one file from rank 0: add --checkpoint-format sharded, or drop --async-checkpoint"
             )
+
+    def _check_instructions(self) -> None:
+        """UsageError where the columns of --model hf's text do not go together, or --loss-on, --chat-template or
+        --packing asks for what this data has not (docs/language-models.md, "Instruction data")."""
+        if (self.prompt_column is None) != (self.completion_column is None):
+            given, missing = (
+                ("--prompt-column", "--completion-column")
+                if self.prompt_column
+                else ("--completion-column", "--prompt-column")
+            )
+            raise UsageError(
+                f"{given} needs {missing}: prompt/completion data is one text of the two columns, the "
+                f"prompt then the completion"
+            )
+        kinds = [
+            name
+            for name, given in (
+                ("--text-column", self.text_column),
+                ("--prompt-column", self.prompt_column),
+                ("--messages-column", self.messages_column),
+            )
+            if given
+        ]
+        if len(kinds) > 1:
+            raise UsageError(
+                f"{' and '.join(kinds)} name two kinds of text: give one of --text-column, --prompt-column "
+                f"with --completion-column, and --messages-column"
+            )
+        if self.chat_template and not self.messages_column:
+            raise UsageError(
+                "--chat-template renders the conversations of --messages-column: add --messages-column "
+                "COLUMN (or drop --chat-template)"
+            )
+        if self.text_kind is not None and self.text_classification and self.text_kind != "text":
+            raise UsageError(
+                f"--num-classes and --label-column make a classifier of --text-column's texts, and "
+                f"{kinds[0]} is a language model's data: drop them, or classify a --text-column"
+            )
+        fits = {"completion": "prompt", "assistant": "messages"}
+        if self.loss_on in fits and self.text_kind != fits[self.loss_on]:
+            data = {"prompt": "--prompt-column/--completion-column", "messages": "--messages-column"}
+            raise UsageError(
+                f"--loss-on {self.loss_on} counts the {self.loss_on} tokens of {data[fits[self.loss_on]]} "
+                f"data, and this run's data is {self._text_words()}: give --loss-on all (or leave it out)"
+            )
+        if self.pad_to_batch and self.packing != "auto":
+            raise UsageError(
+                f"--pad-to-batch pads each text instead of packing, and --packing {self.packing} packs: "
+                f"give one of them"
+            )
+
+    def _text_words(self) -> str:
+        """This run's data in words, for --loss-on's refusal."""
+        return {
+            "text": f"plain text (--text-column {self.text_column})",
+            "prompt": "prompt/completion",
+            "messages": "messages",
+        }.get(self.text_kind or "", f"--dataset {self.dataset}'s samples")
+
+    def _check_run_kind(self) -> None:
+        """UsageError where --eval-only has no weights to evaluate or no validation set, or both warm-ups are
+        given."""
+        if self.warmup_steps and self.warmup_epochs:
+            raise UsageError(
+                f"--warmup-steps {self.warmup_steps} and --warmup-epochs {_number(self.warmup_epochs)} both set "
+                f"the warm-up: give one of them"
+            )
+        if not self.eval_only:
+            return
+        pretrained = self.model_name == "hf" and self.model_path is not None
+        if not (self.init_from or self.resume or pretrained):
+            raise UsageError(
+                "--eval-only evaluates saved weights, and this run names none: give --init-from PATH (a "
+                "checkpoint, a .safetensors file or a Hugging Face folder) or --resume PATH (a checkpoint "
+                "of this run)"
+            )
+        if self.dataset == "hf" and not self.val_files:
+            raise UsageError("--eval-only evaluates the validation set: give --val-files GLOB")
 
     def _check_fault_tolerance(self) -> None:
         """UsageError where the --ft-* flags come without --fault-tolerance, or it lacks what every replica group
@@ -667,10 +875,11 @@ class TrainConfig:
                     f"--{flag(hf_model_only[0])} is for --model hf, and this run's model is "
                     f"{self.model_name}; add --model hf (or drop --{flag(hf_model_only[0])})"
                 )
-            if self.text_column is not None:
+            if self.text_kind is not None:
+                column = {"text": "text", "prompt": "prompt", "messages": "messages"}[self.text_kind]
                 raise UsageError(
-                    f"--text-column gives tokens, which only --model hf reads, and this run's model is "
-                    f"{self.model_name}: use --model hf --model-path FOLDER (or drop --text-column)"
+                    f"--{column}-column gives tokens, which only --model hf reads, and this run's model is "
+                    f"{self.model_name}: use --model hf --model-path FOLDER (or drop --{column}-column)"
                 )
             return
         if self.dataset != "hf":
@@ -678,8 +887,11 @@ class TrainConfig:
                 f"--model hf reads text files through --dataset hf --text-column COLUMN, and this run's "
                 f"data set is {self.dataset}; add --dataset hf --data-files GLOB --text-column text"
             )
-        if self.text_column is None:
-            raise UsageError("--model hf needs --text-column COLUMN: the files' column of text it trains on")
+        if self.text_kind is None:
+            raise UsageError(
+                "--model hf needs --text-column COLUMN (the files' column of text it trains on), or "
+                "--prompt-column P --completion-column C, or --messages-column M"
+            )
         if (self.model_path is None) == (self.model_config is None):
             given = "both" if self.model_path else "neither"
             raise UsageError(
@@ -785,9 +997,30 @@ class TrainConfig:
         """The model to build: --model, or the default for --dataset text, --text-column or --mode."""
         if self.model is not None:
             return self.model
-        if self.dataset == "hf" and self.text_column is not None:
+        if self.dataset == "hf" and self.text_kind is not None:
             return "hf"
         return "gpt" if self.dataset == "text" else "mlp" if self.mode == "flatten" else "cnn"
+
+    @property
+    def text_kind(self) -> str | None:
+        """What --dataset hf's rows hold for --model hf: "text" (--text-column), "prompt" (--prompt-column and
+        --completion-column), "messages" (--messages-column), or None (numbers or images)."""
+        if self.text_column is not None:
+            return "text"
+        if self.prompt_column is not None or self.completion_column is not None:
+            return "prompt"
+        return "messages" if self.messages_column is not None else None
+
+    @property
+    def loss_target(self) -> str:
+        """--loss-on, auto resolved: completion for prompt/completion data, assistant for messages, else all."""
+        if self.loss_on != "auto":
+            return self.loss_on
+        return {"prompt": "completion", "messages": "assistant"}.get(self.text_kind or "", "all")
+
+    def warmup_length(self, steps_per_epoch: int) -> int:
+        """The warm-up's optimizer steps: --warmup-steps, else --warmup-epochs of `steps_per_epoch`."""
+        return self.warmup_steps or round(self.warmup_epochs * steps_per_epoch)
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -890,11 +1123,14 @@ RANGES = {
         for name in (
             "num_workers",
             "save_every_steps",
+            "eval_every_steps",
+            "warmup_steps",
             "warmup_epochs",
             "weight_decay",
             "steps_per_epoch",
             "max_steps",
             "clip_grad_norm",
+            "lora_r",
             "early_stop_patience",
             "early_stop_min_delta",
             "hang_timeout",
@@ -910,6 +1146,8 @@ RANGES = {
     "ft_min_replicas": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
+    "lora_alpha": Range(0, low_allowed=False),
+    "lora_dropout": Range(0, 0.99),
     "ema_decay": Range(0, 1),
     # Below a second, a process group cannot even form (torch fails with pages of C++ frames); longer than 1e9 s
     # overflows torch's store timeout (milliseconds).

@@ -103,8 +103,11 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
     if config.model_name != "gpt":
         for name in ("n_layer", "n_head", "n_embd"):
             yield name, f"it sizes --model gpt, and this run's model is {config.model_name}"
-    if config.text_column is not None:
+    if config.text_kind is not None:
         yield from _unused_by_hf_text(config)
+    if config.eval_only:
+        for name in ("eval_every_steps", "save_every_steps", "export_on_end", "early_stop_patience"):
+            yield name, "--eval-only trains nothing: it evaluates and writes eval.json"
     if config.multi_gpu != "fsdp":
         for name in (
             "fsdp_blocks",
@@ -141,7 +144,7 @@ def _unused(config: TrainConfig, facts: RunFacts) -> Iterator[tuple[str, str]]:
 def _unused_by_hf_text(config: TrainConfig) -> Iterator[tuple[str, str]]:
     """What --text-column leaves unused: its samples are tokens, not numbers or images; a classifier pads."""
     for name in ("input_column", "image_shape", "mode"):
-        yield name, "--text-column gives tokens of text (--block-size of them), not numbers or images"
+        yield name, "--model hf's text gives tokens (--block-size of them), not numbers or images"
     if config.text_classification:
         yield (
             "pad_to_batch",

@@ -8,9 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests cover --dataset hf and weights in and out ([hf]), --logger mlflow and wandb ([mlflow], [wandb]),
 # --float8's emulation ([float8]), the guide's site ([docs]), the side-by-side with transformers' Trainer
-# ([hf-trainer]), the sweep's --search with its plots ([search], [plots]), --fault-tolerance ([ft]), --ray-workers
-# ([ray]) and the TrainJob of --k8s read through Kubeflow Trainer's API model ([k8s]); [lint] brings ruff and mypy.
-bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,search,plots,ft,ray,k8s,lint
+# ([hf-trainer]) and TRL's SFTTrainer ([trl]), the sweep's --search with its plots ([search], [plots]),
+# --fault-tolerance ([ft]), --ray-workers ([ray]), the TrainJob of --k8s read through Kubeflow Trainer's API model
+# ([k8s]) and --lora-r, --qlora ([lora]); [lint] brings ruff and mypy.
+bash scripts/ensure_env.sh hf,mlflow,wandb,float8,docs,hf-trainer,trl,search,plots,ft,ray,k8s,lora,lint
 # Bytecode kept once compiled, whatever this machine's default: the extras are installed without it
 # (scripts/ensure_env.sh), and the tests start hundreds of processes that import them.
 unset PYTHONDONTWRITEBYTECODE

@@ -1220,7 +1220,9 @@ def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/tiny_language_model.py's folder, made offline once per session: model/ (a transformers GPT-2 of 1
     layer, width 32 and 64 positions, untrained, with a BPE tokenizer of 150 tokens that has an end-of-text token
-    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line.
+    and no padding token), train.jsonl (400 texts) and val.jsonl (80), one {"text": ..., "label": 0 or 1} a line,
+    and the same texts as instruction data: sft.jsonl and sft-val.jsonl ({"prompt", "completion"}), chat.jsonl and
+    chat-val.jsonl ({"messages"}), chat_template.jinja (no {% generation %} markers).
     Read it, never change it: copy what a test changes. Skips where the [hf] extra is not installed."""
     for library in ("transformers", "tokenizers", "datasets"):
         pytest.importorskip(library, reason="the [hf] extra is not installed: bash scripts/ensure_env.sh hf")

@@ -59,6 +59,16 @@ def test_old_launchers_local_rank_flag_is_tolerated():
         ),
         ({"batch_size": 6.5}, r"must be an int or 'auto', got 6.5 \(float\)"),
         ({"compile": 1}, r"TrainConfig compile \(--compile\) must be a bool, got 1 \(int\)"),
+        (
+            {"warmup_steps": 10, "warmup_epochs": 0.5},
+            "--warmup-steps 10 and --warmup-epochs 0.5 both set the warm-up: give one of them",
+        ),
+        ({"packing": "greedy"}, "--packing must be one of auto, documents, stream"),
+        (
+            {"dataset": "hf", "data_files": "t.jsonl", "model_path": "m", "prompt_column": "p"},
+            "--prompt-column needs --completion-column",
+        ),
+        ({"chat_template": "t.jinja"}, "--chat-template renders the conversations of --messages-column"),
     ],
 )
 def test_invalid_values_are_usage_errors_naming_the_flag(values, message):

@@ -102,7 +102,7 @@ UNUSED = {
     ),
     "image-shape with a text column": (
         [*HF_TEXT, "--image-shape", "3,8,8"],
-        "--image-shape 3,8,8 has no effect: --text-column gives tokens of text",
+        "--image-shape 3,8,8 has no effect: --model hf's text gives tokens",
         ["--image-shape", "3,8,8"],
     ),
     "pad-to-batch with a classifier": (

@@ -38,6 +38,8 @@ def _fine_tune(tiny_lm: Path, save_dir: Path, nproc: int | None = None) -> list[
         str(tiny_lm / "model"),
         "--block-size",
         "32",
+        "--packing",
+        "stream",
         "--batch-size",
         "16",
         "--epochs",
@@ -54,6 +56,10 @@ def _fine_tune(tiny_lm: Path, save_dir: Path, nproc: int | None = None) -> list[
     result = run_cli(args, nproc=nproc)
     assert_ok(result)
     assert f"exported the trained weights of {save_dir / 'best.pt'}" in result.stdout, result.stdout
+    assert (
+        "its tokenizer pads with its end-of-text token <|endoftext|> (it had no padding token)"
+        in result.stdout
+    )
     return [float(loss) for loss in re.findall(r"^epoch \d+/\d+: val loss ([\d.]+)", result.stdout, re.M)]
 
 
@@ -91,14 +97,20 @@ def _loss_per_token(folder: Path, tiny_lm: Path) -> float:
             str(tiny_lm / "model"),
             "--block-size",
             "32",
+            "--packing",
+            "stream",
+            "--val-files",
+            str(tiny_lm / "val.jsonl"),
         ]
     )
-    val = build_datasets(config).train
-    windows = torch.stack([val[index]["input_ids"] for index in range(len(val))])
+    val = build_datasets(config).val  # as the run cut it: the last window padded, its padding -100
+    windows = {name: torch.stack([val[i][name] for i in range(len(val))]) for name in val[0]}
     with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(folder)(input_ids=windows).logits
+        logits = AutoModelForCausalLM.from_pretrained(folder)(
+            input_ids=windows["input_ids"], attention_mask=windows["attention_mask"]
+        ).logits
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)
+        logits[:, :-1].reshape(-1, logits.shape[-1]), windows["labels"][:, 1:].reshape(-1)
     ).item()
 
 
@@ -112,6 +124,10 @@ def test_a_model_folder_fine_tunes_on_jsonl_and_its_export_generates(tiny_lm, tm
         path.name for path in exported.iterdir()
     }
     _loads_and_generates(exported)
+    from transformers import AutoTokenizer
+
+    padded = AutoTokenizer.from_pretrained(exported)(["the fox", "the quick brown fox"], padding=True)
+    assert padded["attention_mask"][0][-1] == 0  # the shorter text padded: the export has a padding token
     # The loss the run printed is the mean over tokens: the exported (best) weights give it again here.
     assert _loss_per_token(exported, tiny_lm) == pytest.approx(min(losses), abs=2e-4)
 

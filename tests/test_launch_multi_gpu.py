@@ -1172,3 +1172,65 @@ def test_with_yes_a_save_dir_with_checkpoints_gives_way_to_a_new_folder(tmp_path
     assert (tmp_path / "old" / "best.pt").read_bytes() == b"a better model" and not (
         tmp_path / "old-2"
     ).exists()
+
+
+# ---------------------------------------------------------------- LoRA (--lora-r, --qlora)
+LANGUAGE_MODEL = [
+    "--",
+    "--dataset",
+    "hf",
+    "--data-files",
+    "lm/train.jsonl",
+    "--text-column",
+    "text",
+    "--model",
+    "hf",
+]
+
+
+@pytest.mark.parametrize(
+    "answers, flags",
+    [
+        ("8\nyes\n", "--lora-r 8 --qlora "),
+        ("4\n\n", "--lora-r 4 --dataset"),
+        ("\n", "--save-dir checkpoints/run-1 --dataset"),
+    ],
+    ids=["qlora", "lora", "every weight"],
+)
+def test_a_language_model_folder_is_asked_about_lora_and_the_answers_are_the_commands(
+    tmp_path: Path, answers: str, flags: str
+) -> None:
+    result = launch(
+        [*LANGUAGE_MODEL, "--model-path", "lm/model"],
+        launcher_env(),
+        cwd=tmp_path,
+        input=f"none\n1\n8\n\n\n{answers}n\n",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "LoRA adapters' rank, e.g. 8 (0: fine-tune every weight) [0]: " in result.stderr
+    assert ("Load the base in 4-bit, QLoRA (yes/no) [no]: " in result.stderr) == (
+        flags != "--save-dir checkpoints/run-1 --dataset"
+    )
+    assert flags in result.stdout
+
+
+def test_lora_is_not_asked_of_other_models_nor_where_given(tmp_path: Path) -> None:
+    untrained = launch(
+        [*LANGUAGE_MODEL, "--model-config", "lm/model", "--tokenizer", "lm"],
+        launcher_env(),
+        cwd=tmp_path,
+        input="none\n1\n8\n\n\nn\n",
+    )
+    given = launch(
+        ["--dry-run", "--lora-r", "2", "--qlora", "--gpus", "1", *LANGUAGE_MODEL, "--model-path", "lm/model"],
+        launcher_env(),
+        cwd=tmp_path,
+    )
+    for result in (untrained, given):
+        assert result.returncode == 0, result.stderr
+        assert "LoRA adapters' rank" not in result.stderr
+    assert (
+        "  LoRA adapters of rank 2 train, the base frozen, the base's linear layers in 4-bit NF4 (QLoRA)"
+        in given.stderr
+    )
+    assert "--lora-r 2 --qlora " in given.stdout

@@ -191,6 +191,21 @@ BAD_INPUT = {
 }
 
 
+def test_a_lora_checkpoint_predicts_with_its_adapters_on_the_base_its_run_built(tmp_path, capsys):
+    """A LoRA run's checkpoint holds its adapters alone: the base is the built-in GPT its --seed builds again,
+    checked against the checkpoint's fingerprint, and the loss is the one training recorded."""
+    pytest.importorskip("peft", reason="the [lora] extra (peft) is not installed")
+    text = tiny_text(tmp_path / "tiny.txt")
+    run = [*TINY_GPT, "--data-file", str(text), "--epochs", "1", "--batch-size", "16", "--no-progress"]
+    assert main_multi_gpu.main([*run, "--lora-r", "4", "--save-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    best = str(tmp_path / "run" / "best.pt")
+    assert predict_multi_gpu.main(["--checkpoint", best, "--output", str(tmp_path / "logits.pt")]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[-1].endswith("the same as training recorded in this checkpoint")
+    )
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_line_exit_2_and_an_earlier_output_is_kept(case, trained, tmp_path, capsys):
     (tmp_path / "cut.pt").write_bytes(trained.read_bytes()[: trained.stat().st_size // 2])

@@ -399,3 +399,38 @@ def test_max_steps_ends_mid_epoch_on_its_schedule_and_a_resume_reaches_it_bit_id
         assert resumed.fit()["global_step"] == 13
         for name, tensor in resumed.model.state_dict().items():
             assert torch.equal(tensor, whole.model.state_dict()[name]), name
+
+
+def _fitted_regression(config, validation: bool = True) -> dict:
+    """fit() of the regression model on 64 samples (8 steps an epoch at batch 8), 30 validation samples."""
+    val = regression_set(30, 1) if validation else None
+    trainer = MultiGPUTrainer(
+        regression_model(), regression_set(64, 0), val, config, loss_fn=torch.nn.functional.mse_loss
+    )
+    return trainer.fit()
+
+
+def test_eval_every_steps_evaluates_and_keeps_the_best_inside_epochs_too(tmp_path):
+    config = config_for(tmp_path, 1, epochs=2, eval_every_steps=3, lr=0.002)
+    summary = _fitted_regression(config)
+    losses = read_scalars(Path(config.tensorboard_dir))["val/loss"]
+    assert [step for step, _ in losses] == [3, 6, 8, 9, 12, 15, 16]  # every 3 steps, and each epoch's end
+    best = checkpoint.load(str(Path(config.save_dir) / "best.pt"))
+    assert best["best_value"] == summary["best"] == pytest.approx(min(value for _, value in losses), rel=1e-6)
+    assert best["global_step"] == min(losses, key=lambda logged: logged[1])[0]
+
+
+def test_early_stopping_counts_the_evaluations_inside_an_epoch(tmp_path, capsys):
+    config = config_for(tmp_path, 1, epochs=3, eval_every_steps=2, lr=0.0, early_stop_patience=2)
+    summary = _fitted_regression(config)  # lr 0: the first evaluation's loss never improves
+    assert summary["global_step"] == 6 and summary["epochs"] == 0  # stopped at the third, inside epoch 1
+    assert [step for step, _ in read_scalars(Path(config.tensorboard_dir))["val/loss"]] == [2, 4, 6]
+    assert "epoch 1/3 at step 6 (--eval-every-steps): val loss" in capsys.readouterr().out
+    assert checkpoint.load(str(Path(config.save_dir) / "last.pt"))["global_step"] == 6
+
+
+def test_warmup_steps_raise_the_lr_linearly_over_that_many_steps(tmp_path):
+    config = config_for(tmp_path, 1, epochs=1, warmup_steps=4, lr=0.01, lr_schedule="constant", log_every=1)
+    _fitted_regression(config, validation=False)
+    rates = [value for _, value in read_scalars(Path(config.tensorboard_dir))["train/lr"]]
+    assert rates == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01, 0.01, 0.01])

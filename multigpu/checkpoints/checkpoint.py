@@ -26,6 +26,7 @@ from multigpu.checkpoints import run_folders, tensor_files
 from multigpu.checkpoints.dcp_metadata import check_complete
 from multigpu.checkpoints.run_folders import newest_first, resumable_files
 from multigpu.errors import CheckpointError, UsageError
+from multigpu.parallel import lora
 
 # 2: records the optimizer/scheduler classes and the monitored metric (best.pt may follow any metric).
 FORMAT_VERSION = 2
@@ -359,9 +360,12 @@ def estimate_size(
 ) -> int:
     """About how many bytes one checkpoint of `model` takes: its state (`model_copies` times: 2 with an EMA's
     average), plus the optimizer's per-parameter state (created at the first step, so counted from the
-    optimizer's kind: 2 tensors for Adam-like optimizers, 1 for SGD with momentum), plus a little for the rest."""
-    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer's kind: 2 tensors for Adam-like optimizers, 1 for SGD with momentum, of the parameters that train),
+    plus a little for the rest. A LoRA run's checkpoint holds its adapters alone (multigpu/parallel/lora.py)."""
+    state = model.state_dict()
+    kept = lora.trainable_part(model, state) if lora.is_adapted(model) else state
+    model_bytes = sum(t.numel() * t.element_size() for t in kept.values() if torch.is_tensor(t))
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if optimizer is None:
         slots = 0
     elif isinstance(optimizer, torch.optim.SGD):

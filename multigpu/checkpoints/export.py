@@ -9,6 +9,9 @@
 - `hf` (a folder): a transformers model's own `save_pretrained` folder, loadable by
   `AutoModel...from_pretrained(OUT)`; with `--tokenizer FOLDER` that folder's tokenizer
   too, so `AutoTokenizer.from_pretrained(OUT)` loads it (--export-on-end hf adds the run's).
+- `adapter` (a folder): a LoRA run's adapters as peft saves them, for `PeftModel.from_pretrained(base, OUT)`.
+  A LoRA checkpoint's `hf` and `safetensors` are its adapters merged into its base
+  (multigpu/checkpoints/adapter_export.py).
 
 The format follows OUT's name unless `--format` says it. From a file or a sharded
 folder alike; one process reads the whole model (docs/checkpoints.md, "Weights in and out").
@@ -30,14 +33,15 @@ from typing import Any
 import torch
 
 from multigpu import safe_files
-from multigpu.checkpoints import checkpoint, run_folders, sharded, tensor_files, weights
+from multigpu.checkpoints import adapter_export, checkpoint, run_folders, sharded, tensor_files, weights
 from multigpu.checkpoints.weights import INDEX_SUFFIX
 from multigpu.config import OneLineParser
 from multigpu.data.hf import last_line
 from multigpu.errors import TrainingStopped, UsageError
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import gather_objects
 
-FORMATS = ("pt", "safetensors", "hf")
+FORMATS = ("pt", "safetensors", "hf", "adapter")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
 
 
@@ -79,6 +83,13 @@ def export(
     if kind == "pt":
         return _export_pt(source, out, dtype) + replaced(earlier)
     state = sharded.load_whole(source, keys=("model",))
+    if adapter_export.is_adapter_checkpoint(state):
+        return _export_adapters(state, source, out, kind, max_bytes, dtype, tokenizer) + replaced(earlier)
+    if kind == adapter_export.ADAPTER:
+        raise UsageError(
+            f"--format adapter writes a LoRA run's adapters, and checkpoint {source} trained every weight: use "
+            f"--format hf or safetensors"
+        )
     tensors, which = weights.weights_of(state)
     tensors = in_dtype(tensors, weights.DTYPES[dtype] if dtype else None)
     info = state.get("model_info", {})
@@ -89,7 +100,7 @@ def export(
                 f"--format hf writes a transformers model's own folder, and checkpoint {source} holds "
                 f"another model (or was saved before it recorded its class): use --format safetensors"
             )
-        written = write_hf(
+        written, padding = write_hf(
             info["hf"], tensors, out, max_bytes, weights.DTYPES[dtype] if dtype else None, tokenizer
         )
     else:
@@ -98,6 +109,7 @@ def export(
                 f"--format safetensors writes a .safetensors file: name OUT like model.safetensors, got {out}"
             )
         written = write_safetensors(tensors, out, max_bytes, info.get("tied", {}))
+        padding = ""
         remove_stale(
             earlier, written
         )  # the other layout's files (one file, or shards) would shadow the new one
@@ -105,14 +117,48 @@ def export(
     files = written[0] if len(written) == 1 else f"{out} ({len(written)} files)"
     return (
         f"exported {which} of {source} (step {state['global_step']}, {len(tensors)} tensors) to {files}: "
-        f"{checkpoint.megabytes(size)}{replaced(earlier)}"
+        f"{checkpoint.megabytes(size)}{replaced(earlier)}{padding}"
     )
+
+
+def _export_adapters(
+    state: dict[str, Any],
+    source: str,
+    out: str,
+    kind: str,
+    max_bytes: int,
+    dtype: str | None,
+    tokenizer: str | None,
+) -> str:
+    """A LoRA checkpoint's export: its adapters as a PEFT folder, or merged into its base (hf, safetensors)."""
+    checkpoint.check_writable(os.path.dirname(os.path.abspath(out.rstrip("/"))), flag="OUT")
+    record = state["adapters"]
+    what = (
+        f"the LoRA adapters (r {record['rank']} on {record['layers']} layers) of {source} "
+        f"(step {state['global_step']})"
+    )
+    if kind == adapter_export.ADAPTER:
+        written, _ = save_folder(adapter_export.adapted_model(state, source), out, max_bytes, None)
+        return f"exported {what} to {out}, a PEFT adapter folder: {_size(written)}"
+    merged = adapter_export.merged_model(state, source)
+    to_dtype = weights.DTYPES[dtype] if dtype else None
+    padding = ""
+    if kind == "hf":
+        written, padding = save_folder(merged, out, max_bytes, to_dtype, tokenizer)
+    else:
+        tensors = in_dtype(merged.state_dict(), to_dtype)
+        written = write_safetensors(tensors, out, max_bytes, weights.tied_names(merged))
+    return f"exported {what}, merged into its base {record['base']}, to {out}: {_size(written)}{padding}"
+
+
+def _size(written: list[str]) -> str:
+    return checkpoint.megabytes(sum(os.path.getsize(path) for path in written if os.path.isfile(path)))
 
 
 def existing_outputs(out: str, kind: str) -> list[str]:
     """What an export to `out` would replace: the file, a non-empty folder (hf), or for safetensors also the
     shards and index of a sharded export of that name."""
-    if kind == "hf" and os.path.isdir(out) and not os.path.islink(out.rstrip("/")):
+    if kind in ("hf", adapter_export.ADAPTER) and os.path.isdir(out) and not os.path.islink(out.rstrip("/")):
         return [out] if os.listdir(out) else []
     found = [out.rstrip("/")] if os.path.lexists(out.rstrip("/")) else []
     if kind == "safetensors" and out.endswith(tensor_files.SUFFIX):
@@ -172,7 +218,8 @@ def _export_pt(source: str, out: str, dtype: str | None) -> str:
     )
 
 
-END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf"}  # --export-on-end's, in the save-dir
+# --export-on-end's, in the save-dir
+END_NAMES = {"safetensors": "best-weights.safetensors", "hf": "best-hf", "adapter": "best-adapter"}
 
 
 # ---------------------------------------------------------------- writing weights
@@ -293,10 +340,21 @@ def write_hf(
     max_bytes: int,
     dtype: torch.dtype | None,
     tokenizer: str | None = None,
-) -> list[str]:
+) -> tuple[list[str], str]:
     """The model's own `save_pretrained` folder (config.json and safetensors) at `out`, with `tokenizer`'s
-    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole."""
-    model = rebuild_hf(info, weights)
+    files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place whole; and the
+    words of the export's line on the tokenizer's padding token (save_folder)."""
+    return save_folder(rebuild_hf(info, weights), out, max_bytes, dtype, tokenizer)
+
+
+def save_folder(
+    model: Any, out: str, max_bytes: int, dtype: torch.dtype | None, tokenizer: str | None = None
+) -> tuple[list[str], str]:
+    """`model`'s own `save_pretrained` folder at `out` (a transformers model's, or a PeftModel's adapter folder),
+    with `tokenizer`'s files where a tokenizer folder is named, written into `<out>.tmp` and renamed into place
+    whole: the files written, and the words of the export's line on the tokenizer's padding token (given the
+    end-of-text token where it had none, so that tokenizer(..., padding=True) works on the export as it did in
+    the run)."""
     transformers = transformers_module("--format hf")
     transformers.utils.logging.disable_progress_bar()  # a bar for one file says nothing
     saved_tokenizer = (
@@ -307,11 +365,21 @@ def write_hf(
     tmp = out.rstrip("/") + safe_files.TMP_SUFFIX
     if os.path.lexists(tmp):
         safe_files.remove(tmp)
-    model.save_pretrained(tmp, max_shard_size=max_bytes)
+    if lora.is_adapted(model):
+        model.save_pretrained(tmp)  # peft's adapter folder: the adapters alone, one small file
+    else:
+        model.save_pretrained(tmp, max_shard_size=max_bytes)
+    padding = ""
     if saved_tokenizer is not None:
+        if saved_tokenizer.pad_token is None and saved_tokenizer.eos_token is not None:
+            saved_tokenizer.pad_token = saved_tokenizer.eos_token
+            padding = (
+                f"; its tokenizer pads with its end-of-text token {saved_tokenizer.eos_token} (it had no "
+                f"padding token)"
+            )
         saved_tokenizer.save_pretrained(tmp)
     safe_files.replace_folder(tmp, out.rstrip("/"))
-    return sorted(os.path.join(out, name) for name in os.listdir(out))
+    return sorted(os.path.join(out, name) for name in os.listdir(out)), padding
 
 
 def _tokenizer_of(transformers: Any, folder: str) -> Any:
@@ -338,6 +406,17 @@ class ExportOnEnd:
             raise UsageError(
                 "--export-on-end hf writes a transformers model's own folder, and this model is not a "
                 "transformers PreTrainedModel: use --export-on-end safetensors"
+            )
+        adapters = trainer.adapters
+        if self.kind == adapter_export.ADAPTER and adapters is None:
+            raise UsageError(
+                "--export-on-end adapter writes a LoRA run's adapters, and this run trains every weight: give "
+                "--lora-r R, or --export-on-end hf or safetensors"
+            )
+        if adapters is not None and adapters.base is None:
+            raise UsageError(
+                f"--export-on-end {self.kind} of a LoRA run rebuilds the model from its base's folder, and this "
+                f"run's base was not loaded from one: train from a model folder (--model hf --model-path)"
             )
         # Rank 0 writes the export, so it looks; every rank learns its verdict and stops alike.
         refusal = gather_objects(self._refusal(trainer) if trainer.runtime.is_main else None)[0]
@@ -400,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "checkpoint", help="a checkpoint: last.pt, best.safetensors, a sharded folder (best/) ..."
     )
-    parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf)")
+    parser.add_argument("out", help="OUT.pt, OUT.safetensors, or a folder (hf; a LoRA run's: also adapter)")
     parser.add_argument("--format", choices=FORMATS, help="default: from OUT's name")
     parser.add_argument(
         "--max-shard-size",

@@ -358,3 +358,34 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         for number in caught:
             signal.raise_signal(number)
+
+
+def resumed_settings(config: TrainConfig) -> TrainConfig:
+    """`config` with the settings a resume takes from its checkpoint (run_settings.FROM_THE_CHECKPOINT: a LoRA
+    run's adapters) where the command left them out. Read before the model is built, from the checkpoint the
+    resume will find: --resume PATH's, else the save-dir's newest (--resume auto, a torchrun restart, a
+    replica group's start). Reads no tensor."""
+    if not run_settings.taken_from_the_checkpoint(config):
+        return config
+    source = _resume_source(config)
+    saved = run_settings.saved_settings(settings_file(source)) if source else None
+    return run_settings.with_saved_adapters(config, saved)
+
+
+def _resume_source(config: TrainConfig) -> str | None:
+    """The checkpoint a resume of `config` reads first, or None where it starts afresh."""
+    resume = config.resume or ("auto" if config.fault_tolerance or restart_count() > 0 else None)
+    if resume is None:
+        return None
+    if resume != "auto":
+        if os.path.isdir(resume) and not os.path.exists(os.path.join(resume, SHARDED_STATE_FILE)):
+            return next(iter(resumable_files(resume)), None)
+        return resume
+    folder = config.save_dir
+    if folder is None:
+        try:
+            continued = run_to_continue(DEFAULT_SAVE_ROOT, config)
+        except UsageError:  # none matches: the run folder's own choice says so in its line
+            return None
+        folder = continued[0] if continued else None
+    return next(iter(resumable_files(folder)), None) if folder else None

@@ -12,6 +12,7 @@ in the pickle becomes an inert placeholder, so no code in the file runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -38,6 +39,9 @@ MAY_DIFFER = (
 )
 # How one start of a run goes, never a setting of the run: a resume does not report them as changed.
 START_ONLY = ("resume", "overwrite", "allow_low_disk")
+# What a resume takes from its checkpoint where the command leaves them all out: a LoRA checkpoint holds the
+# adapters alone, which fit only a model adapted as the run's was (multigpu/parallel/lora.py).
+FROM_THE_CHECKPOINT = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "qlora")
 
 
 class _Inert:
@@ -108,8 +112,11 @@ def saved_settings(path: str) -> dict[str, Any] | None:
 def differences(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     """The settings that decide what a run learns where `config` differs from the run's `saved` ones, as
     "name: saved -> command"; empty when the command continues that run (epochs may differ)."""
+    taken = taken_from_the_checkpoint(config)
     names = [
-        name for name, f in FIELDS.items() if f.metadata["group"] in RUN_GROUPS and name not in MAY_DIFFER
+        name
+        for name, f in FIELDS.items()
+        if f.metadata["group"] in RUN_GROUPS and name not in MAY_DIFFER and name not in taken
     ]
     if config.batch_size == AUTO:  # found at start: any batch the run settled on may be what auto finds again
         names.remove("batch_size")
@@ -128,3 +135,19 @@ def _changes(saved: dict[str, Any], config: TrainConfig, names: list[str]) -> li
         for name in names
         if name in saved and saved[name] != getattr(config, name)
     ]
+
+
+def taken_from_the_checkpoint(config: TrainConfig) -> tuple[str, ...]:
+    """FROM_THE_CHECKPOINT where `config` gives none of them (else none: the command's own hold)."""
+    return () if set(FROM_THE_CHECKPOINT) & config.fields_given else FROM_THE_CHECKPOINT
+
+
+def with_saved_adapters(config: TrainConfig, saved: dict[str, Any] | None) -> TrainConfig:
+    """`config` with the LoRA settings of the `saved` config of the checkpoint it resumes, where the command gave
+    none of them (its flags, `given`, kept)."""
+    taken = taken_from_the_checkpoint(config)
+    if not taken or not saved or not saved.get("lora_r"):
+        return config
+    adopted = dataclasses.replace(config, **{name: saved[name] for name in taken if name in saved})
+    adopted.given = config.given  # type: ignore[misc]  # set per instance on purpose, as parse_config does
+    return adopted

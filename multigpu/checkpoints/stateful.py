@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from multigpu import rng
-from multigpu.parallel import sharding
+from multigpu.parallel import lora, sharding
 from multigpu.parallel.distributed import Runtime, gather_objects
 
 
@@ -38,26 +38,33 @@ class ModelState:
     """The model's weights and buffers, keyed by parameter name (torch.compile's and DDP's wrappers add nothing).
 
     An unsharded model's whole state is torch's own `state_dict()`: the same keys and tensors that
-    get_model_state_dict would give, without the import; a sharded model, or its shards, go through it."""
+    get_model_state_dict would give, without the import; a sharded model, or its shards, go through it.
+    `trainable_only` (a LoRA run: multigpu/parallel/lora.py): the trainable parameters and the buffers alone,
+    the frozen base left to the folder it was loaded from."""
 
-    def __init__(self, model: torch.nn.Module, full: bool = True):
+    def __init__(self, model: torch.nn.Module, full: bool = True, trainable_only: bool = False):
         self.model, self.full = getattr(model, "_orig_mod", model), full
+        self.trainable_only = trainable_only
         self.plain = full and not sharding.is_sharded(self.model)
 
     def as_shards(self) -> ModelState:
         """The same model, as each rank's shards (for DCP)."""
-        return ModelState(self.model, full=False)
+        return ModelState(self.model, full=False, trainable_only=self.trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.plain and self.trainable_only:
+            return lora.trainable_part(self.model, self.model.state_dict())
         if self.plain:
             return self.model.state_dict()
-        return sharding.module_state_dict(self.model, self.full)
+        return sharding.module_state_dict(self.model, self.full, self.trainable_only)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.plain:
+        if self.plain and self.trainable_only:
+            lora.load_trainable_part(self.model, state)
+        elif self.plain:
             self.model.load_state_dict(state)
         else:
-            sharding.load_module_state_dict(self.model, state, self.full)
+            sharding.load_module_state_dict(self.model, state, self.full, self.trainable_only)
 
 
 class OptimizerState:

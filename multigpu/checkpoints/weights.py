@@ -24,6 +24,7 @@ import torch
 from multigpu.checkpoints import checkpoint, tensor_files
 from multigpu.errors import UsageError
 from multigpu.loop.callbacks import ema_weights
+from multigpu.parallel import lora
 
 INDEX_SUFFIX = ".safetensors.index.json"  # Hugging Face's name for the index of a sharded safetensors file
 HF_WEIGHTS = ("model.safetensors", "model" + INDEX_SUFFIX, "pytorch_model.bin")  # a Hugging Face folder's
@@ -61,7 +62,7 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
 def hf_model(model: torch.nn.Module) -> dict[str, Any] | None:
     """A transformers model's class and config (plain JSON), what `--format hf` rebuilds it from; None for
     any other model."""
-    model = getattr(model, "_orig_mod", model)
+    model = lora.base_of(getattr(model, "_orig_mod", model))  # a LoRA run's: the model its adapters are in
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
@@ -344,6 +345,8 @@ def load_initial(model: torch.nn.Module, path: str, strict: bool, say: Callable[
     source = open_source(path)
     try:
         targets = model.state_dict()
+        if lora.is_adapted(model):  # a LoRA run starts its adapters from the file; its base is --model-path's
+            targets = lora.trainable_part(model, targets)
         found, missing, unexpected, mismatched = _match(model, targets, source)
         if targets and not found:  # strict or not: a fine-tune from nothing would be a run from scratch
             raise _refusal(

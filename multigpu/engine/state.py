@@ -20,10 +20,11 @@ from multigpu.checkpoints import checkpoint
 from multigpu.checkpoints.checkpointer import PROGRESS, Checkpointer
 from multigpu.checkpoints.stateful import ModelState, OptimizerState, RngState, Saved, ScalerState
 from multigpu.checkpoints.weights import ModelInfo
-from multigpu.errors import UsageError
+from multigpu.errors import CheckpointError, UsageError
 from multigpu.loop.metrics import Monitor
 from multigpu.loop.optim import group_settings, keep_run_settings, schedule_rule
 from multigpu.loop.progress import Progress
+from multigpu.parallel.lora import Adapters
 from multigpu.resilience.heartbeat import BACKWARD, BEAT, CONSISTENT_PHASES
 
 
@@ -101,8 +102,10 @@ def contents(run: Any, known_rng: Saved | None) -> dict[str, Any]:
     """What a checkpoint of `run` (the trainer) holds, each thing with state_dict()/load_state_dict(), in the
     order the checkpointer saves and loads them. `known_rng`: every rank's RNG states known without a
     collective (rank 0's save alone); else gathered."""
+    adapters = run.adapters  # --lora-r: the adapters alone, their base recorded by its fingerprint
     return {
-        "model": ModelState(run.model),
+        **({"adapters": adapters} if adapters is not None else {}),
+        "model": ModelState(run.model, trainable_only=adapters is not None),
         "model_info": ModelInfo(run.model),  # ties, a transformers config
         "optimizer": OptimizerState(run.model, run.optimizer),
         "scheduler": run.scheduler,
@@ -126,6 +129,32 @@ def identity(config: Any, sampler: Any, optimizer: torch.optim.Optimizer, schedu
         "optimizer_class": type(optimizer).__name__,
         "scheduler_class": type(scheduler).__name__,
     }
+
+
+def check_adapters(path: str, saved: dict[str, Any] | None, adapters: Adapters | None) -> None:
+    """CheckpointError where the checkpoint's LoRA adapters do not fit this run: one of them trains adapters
+    and the other every weight, or the adapters were trained on another base (its fingerprint differs)."""
+    if saved is None and adapters is None:
+        return
+    if adapters is None:
+        assert saved is not None  # returned above otherwise
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters (r {saved['rank']} on {saved['layers']} layers) and this run "
+            f"trains every weight: resume with the run's LoRA flags (or none, to take them from the checkpoint)"
+        )
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint {path} trained every weight and this run trains LoRA adapters: start from its weights "
+            f"with --init-from {path} in a new --save-dir, or drop --lora-r to resume it"
+        )
+    if saved["fingerprint"] != adapters.fingerprint:
+        theirs = saved["base"] or "the model its run built"
+        ours = adapters.base or "the model built"
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters of another base model ({theirs}, fingerprint "
+            f"{saved['fingerprint']}) than this run's ({ours}, fingerprint {adapters.fingerprint}): resume with "
+            f"the base it was trained on, or start a new --save-dir"
+        )
 
 
 def already_complete(path: str, progress: Progress, monitor: str | None, has_validation: bool) -> str:
@@ -305,6 +334,7 @@ class Resumable(Protocol):
     """What a resume reads and sets of the trainer (MultiGPUTrainer has it)."""
 
     config: Any
+    adapters: Adapters | None
     runtime: Any
     checkpointer: Checkpointer
     sampler: Any
@@ -365,6 +395,7 @@ def resume(run: Resumable) -> bool:
         return False
     path, saved = found
     run.checkpointer.check(path, saved, identity(run.config, run.sampler, run.optimizer, run.scheduler))
+    check_adapters(path, saved.get("adapters"), run.adapters)
     load(run, saved, path)
     progress = run.progress
     if progress.finished(run.config.epochs, run.config.max_steps):

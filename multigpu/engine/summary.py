@@ -103,6 +103,7 @@ def plan_facts(run: Any) -> plan.PlanFacts:
         run.stream.plan_line() if run.stream is not None else run.on_device.line,  # a stream: how it is split
         loss_line(run.weighting),
         run.replicas.plan_line() if run.replicas is not None else "",
+        run.adapters.plan_line() if run.adapters is not None else "",
     )
 
 

@@ -51,6 +51,9 @@ PROCESS_PER_DEVICE = ("ddp", "fsdp")
 TRAINING = ("epochs", "batch_size", "lr", "lr_scaling", "save_dir")
 
 
+ADAPTERS = ("lora_r", "qlora")  # a language model folder's LoRA question, and 4-bit's (adapter_flags)
+
+
 MESH = ("dp_replicate", "dp_shard")  # fsdp's device mesh, passed on as the trainer's flags of the same names
 
 
@@ -92,6 +95,8 @@ class Settings:
     )
     replica_groups: str | None = None
     lighthouse_port: str | None = None
+    lora_r: str | None = None  # LoRA adapters' rank (asked when the model is a language model folder)
+    qlora: str | None = None  # "1" or yes: the base in 4-bit; no: not
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable
@@ -162,7 +167,27 @@ def trainer_flags(s: Settings, devices: Devices | None) -> list[str]:
     for name in (*MESH, *TRAINING):
         if getattr(s, name) is not None:
             argv += [f"--{flag(name)}", getattr(s, name)]
-    return argv
+    return argv + adapter_flags(s)
+
+
+YES = ("1", "y", "yes", "true")
+
+
+def adapter_flags(s: Settings) -> list[str]:
+    """--lora-r and --qlora as the launcher's flags or answers gave them (--lora-r 0, every weight, says nothing)."""
+    if s.qlora is not None and s.qlora.lower() not in (*YES, "n", "no", "false", "0"):
+        raise UsageError(f"--qlora: answer yes or no, got {s.qlora!r}")
+    argv = ["--lora-r", s.lora_r] if s.lora_r not in (None, "0") else []
+    return argv + (["--qlora"] if s.qlora is not None and s.qlora.lower() in YES else [])
+
+
+def asks_about_adapters(s: Settings, config: TrainConfig) -> bool:
+    """Whether the launcher asks about LoRA: a language model folder fine-tunes (--model hf --model-path, not a
+    classifier), and no --lora-r was given, to the launcher or after --."""
+    language_model = (
+        config.model_name == "hf" and config.model_path is not None and not config.text_classification
+    )
+    return language_model and s.lora_r is None and "lora_r" not in given_trainer_options(s.trainer_args)
 
 
 def settle_mesh(s: Settings, devices: Devices, nodes: Nodes) -> tuple[int, int] | None:

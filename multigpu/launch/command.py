@@ -121,6 +121,9 @@ def training_plan(
     """The plan's lines of epochs, effective batch and LR: the same for a run here and every cluster engine."""
     yield "plan", f"  epochs {config.epochs}; effective batch {effective_batch_text(config, devices, nodes)}"
     yield "plan", f"  {lr_text(s, config, devices, nodes)}"
+    if config.lora_r:
+        four_bit = ", the base's linear layers in 4-bit NF4 (QLoRA)" if config.qlora else ""
+        yield "plan", f"  LoRA adapters of rank {config.lora_r} train, the base frozen{four_bit}"
 
 
 def device_phrase(devices: Devices, nodes: Nodes) -> str:

@@ -31,6 +31,7 @@ from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.launch import replica_groups
 from multigpu.launch.answers import (
+    ADAPTERS,
     KUBERNETES,
     PROCESS_PER_DEVICE,
     RAY,
@@ -40,6 +41,7 @@ from multigpu.launch.answers import (
     Engine,
     Settings,
     apply_gpu_choice,
+    asks_about_adapters,
     check_save_dir,
     cores_here,
     default_cpu_processes,
@@ -99,13 +101,17 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
         yield "set:multi-gpu", mode
     if s.gpu_ids is not None and not engine:
         yield "set:gpu-ids", devices.ids or ""
-    for name in ("gpus", *TRAINING):
+    for name in ("gpus", *TRAINING, *ADAPTERS):
         if getattr(s, name) is not None:
             yield f"set:{flag(name)}", getattr(s, name)
     defaults = parse_config([])
     for name in TRAINING:
         yield f"default-{flag(name)}", str(getattr(defaults, name))
     yield "default-processes", str(default_cpu_processes())
+    if asks_about_adapters(s, config):
+        yield "ask-lora", "1"
+        yield "default-lora-r", "0"
+        yield "default-qlora", "no"
     yield "lr-base-batch", str(config.lr_base_batch)
     yield "effective-batch", effective_batch_text(config, devices, nodes)
 

@@ -16,11 +16,13 @@ from typing import Any, Callable
 
 import torch
 
+from multigpu.checkpoints import run_folders
 from multigpu.config import TrainConfig, parse_config
 from multigpu.data import build_datasets
 from multigpu.errors import TrainingStopped, UsageError
 from multigpu.launch import console
 from multigpu.models import build_model, fresh_weights_note
+from multigpu.parallel import lora
 from multigpu.parallel.distributed import Runtime, gather_objects, is_distributed, setup, teardown
 from multigpu.resilience.preemption import PeerLost, agent_store, error_detail, is_peer_failure, restart_count
 from multigpu.tuning.gc_pauses import skip_the_collection_at_exit
@@ -42,6 +44,8 @@ def run(config: TrainConfig, callbacks: Sequence[Any] = ()) -> dict:
 
 
 def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> dict:
+    # A resume of a LoRA run without the LoRA flags: the base is loaded as the checkpoint's run loaded it (4-bit).
+    config = run_folders.resumed_settings(config)
     # Rank 0 downloads (if asked) while the others wait, then they read its files. Its refusal (no files
     # there, say) reaches them through that wait, so they stop with it quietly instead of losing rank 0.
     refusal = None
@@ -61,16 +65,16 @@ def _train(config: TrainConfig, runtime: Runtime, callbacks: Sequence[Any]) -> d
     model = build_model(config.model_name, data.input_shape, data.num_classes, config)
     if runtime.is_main:
         print(
-            f"model {config.model_name} ({sum(p.numel() for p in model.parameters()):,} parameters"
-            f"{fresh_weights_note(model)}); "
+            f"model {config.model_name} ({lora.parameter_count(model):,} parameters{fresh_weights_note(model)}); "
             f"data {config.dataset}: {_samples(data.train)} train / {_samples(data.val)} val samples",
             flush=True,
         )
-        for line in data.warnings:
+        for line in [*data.notes, *data.warnings]:
             print(line, flush=True)
-    return MultiGPUTrainer(
+    trainer = MultiGPUTrainer(
         model, data.train, data.val, config, runtime=runtime, collate_fn=data.collate_fn, callbacks=callbacks
-    ).fit()
+    )
+    return trainer.evaluate_saved() if config.eval_only else trainer.fit()
 
 
 def train_from_argv(

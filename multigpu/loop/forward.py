@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from multigpu.data.batches import sample_batch
 from multigpu.errors import UsageError
+from multigpu.parallel import lora
 
 LABEL_KEYS = ("labels", "label", "targets", "target", "y")  # where a dict batch keeps its targets
 TARGET_PARAMETERS = ("targets", "labels", "target", "y")  # a forward parameter that takes the targets
@@ -149,13 +150,16 @@ class ModelForward:
 
 
 def plain_module(model: Any) -> Any:
-    """The module inside DDP, DataParallel and torch.compile's wrapper."""
+    """The module inside DDP, DataParallel and torch.compile's wrapper, and the model a PeftModel adapts (--lora-r:
+    its forward, its loss and whether it shifts labels are that model's)."""
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
         if inner is None and isinstance(
             model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
         ):
             inner = model.module
+        if inner is None and lora.is_adapted(model):
+            inner = lora.base_of(model)
         if inner is None:
             return model
         model = inner

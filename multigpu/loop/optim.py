@@ -63,12 +63,12 @@ def users_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, lr_factor_:
 def lr_factor(step: int, config: TrainConfig, steps_per_epoch: int, steps_offset: int = 0) -> float:
     """Multiplier of the base LR at optimizer step `step` (0-based) of this run's count.
 
-    Linear warm-up over warmup_epochs, then cosine to 0 / step decay / constant.
+    Linear warm-up over warmup_steps (or warmup_epochs), then cosine to 0 / step decay / constant.
     Everything is counted in optimizer steps, so gradient accumulation does not
     stretch or squeeze the schedule. `steps_offset`: how far a resume placed the
     schedule ahead of the optimizer steps taken (TrainConfig.planned_steps).
     """
-    warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+    warmup_steps = config.warmup_length(steps_per_epoch)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if config.lr_schedule == "constant":

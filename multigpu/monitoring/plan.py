@@ -48,6 +48,7 @@ class PlanFacts:
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
     replicas: str = ""  # --fault-tolerance: the replica groups and what a lost one costs
+    adapters: str = ""  # --lora-r: what trains (multigpu/parallel/lora.py)
 
 
 def plan_lines(run: PlanFacts) -> list[str]:
@@ -76,7 +77,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
     if not run.steps_per_epoch:  # a stream without __len__: its passes' steps are counted as they come
         steps_left = None
         length = f"an epoch is one pass of the stream (no __len__: steps unknown), {config.epochs} epochs"
-    warmup_steps = round(config.warmup_epochs * run.steps_per_epoch)
+    warmup_steps = config.warmup_length(run.steps_per_epoch)
     schedule = (
         f"schedule {config.lr_schedule}{_why_schedule(run)}, warm-up {warmup_steps} steps"
         if run.builtin_schedule
@@ -95,6 +96,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
         f"batch {config.batch_size} per device x {rt.devices_per_step * rt.replica_groups} devices x "
         f"{config.grad_accum_steps} accumulation = {run.effective_batch} effective ({batch_rule})",
         f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",
+        *([run.adapters] if run.adapters else []),
         *_frozen(run),
         *([run.data] if run.data else []),
         *([run.loss] if run.loss else []),
@@ -129,7 +131,7 @@ def _lr_range(run: PlanFacts, steps_left: int | None) -> str:
     if (
         run.builtin_schedule
     ):  # it only falls after its warm-up: the peak is at the warm-up's end at the latest
-        warmup_steps = round(run.config.warmup_epochs * run.steps_per_epoch)
+        warmup_steps = run.config.warmup_length(run.steps_per_epoch)
         steps = min(steps if steps is not None else 1, max(0, warmup_steps - run.progress.global_step) + 1)
     assert steps is not None  # unknown returned above, or found just above
     peak = peak_lr(run.scheduler, max(1, steps))

@@ -204,16 +204,22 @@ class Reporter:
             self.line(f"step {step}: loss {loss:.4f}, lr {lr:.3g}, {per_sec:.0f} samples/s{tokens}")
 
     def epoch_metrics(
-        self, epoch: int, epochs: int, result: dict[str, float], step: int, mid_epoch: bool = False
+        self,
+        epoch: int,
+        epochs: int,
+        result: dict[str, float],
+        step: int,
+        mid_epoch: bool = False,
+        why: str = "--max-steps",
     ) -> None:
-        """An epoch's validation results: `val/<name>` scalars and one line (`mid_epoch`: --max-steps ended
-        training inside epoch `epoch` + 1, at `step`)."""
+        """An epoch's validation results: `val/<name>` scalars and one line (`mid_epoch`: inside epoch `epoch` +
+        1, at `step`, where `why` evaluated: --max-steps ended training there, or --eval-every-steps)."""
         values = {name: value for name, value in result.items() if name not in COUNTS}
         self.first_val, self.last_val = self.first_val or values, values
         self.scalars({f"val/{name}": value for name, value in values.items()}, step)
         shown = ", ".join(f"val {name} {value:.4f}" for name, value in values.items())
         where = (
-            f"epoch {epoch + 1}/{epochs} to step {step} (--max-steps)"
+            f"epoch {epoch + 1}/{epochs} {'to' if why == '--max-steps' else 'at'} step {step} ({why})"
             if mid_epoch
             else f"epoch {epoch}/{epochs}"
         )

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from multigpu.config import AUTO, TrainConfig
 from multigpu.errors import UsageError
+from multigpu.parallel import lora
 
 # torch.distributed.fsdp and .checkpoint are imported where they are used: importing them costs about a third of
 # torch's own import time, which every run that does not shard (and every --help) would pay.
@@ -264,23 +265,33 @@ def _state_dict_api() -> Any:
     return api
 
 
-def module_state_dict(model: nn.Module, full: bool = True) -> dict[str, Any]:
+def module_state_dict(model: nn.Module, full: bool = True, trainable_only: bool = False) -> dict[str, Any]:
     """A sharded model's state keyed by parameter name: whole on rank 0's CPU (`full`, what a one-file checkpoint
-    holds) or this rank's shards (what a sharded checkpoint holds)."""
+    holds) or this rank's shards (what a sharded checkpoint holds); `trainable_only` leaves the frozen parameters
+    out (a LoRA run's base: multigpu/parallel/lora.py)."""
     api = _state_dict_api()
-    return api.get_model_state_dict(
-        model, options=api.StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = api.StateDictOptions(
+        full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only
     )
+    state = api.get_model_state_dict(model, options=options)
+    # DCP leaves out the frozen parameters by their first name only: a tied one (GPT-2's lm_head) would stay.
+    return lora.trainable_part(model, state) if trainable_only else state
 
 
-def load_module_state_dict(model: nn.Module, state: dict[str, Any], full: bool = True) -> None:
+def load_module_state_dict(
+    model: nn.Module, state: dict[str, Any], full: bool = True, trainable_only: bool = False
+) -> None:
     """Load `state` (whole, or this rank's shards) into a sharded model, refusing one that lacks keys as
-    nn.Module.load_state_dict does: set_model_state_dict would fill a missing key with the live value."""
+    nn.Module.load_state_dict does: set_model_state_dict would fill a missing key with the live value.
+    `trainable_only`: `state` holds the trainable parameters alone, and the frozen ones stay as they are."""
     api = _state_dict_api()
-    missing = [name for name in api.get_model_state_dict(model) if name not in state]
+    expected = module_state_dict(model, full=False, trainable_only=trainable_only)
+    missing = [name for name in expected if name not in state]
     if missing:
         raise RuntimeError(
             f"Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
-    api.set_model_state_dict(model, state, options=api.StateDictOptions(full_state_dict=full))
+    api.set_model_state_dict(
+        model, state, options=api.StateDictOptions(full_state_dict=full, strict=not trainable_only)
+    )

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 
 from multigpu.config import TrainConfig
-from multigpu.parallel import collective_check, float8, sharding
+from multigpu.errors import UsageError
+from multigpu.parallel import activation_checkpointing, collective_check, float8, lora, sharding
 from multigpu.parallel.distributed import Runtime
 from multigpu.parallel.gradient_nodes import hold_gradient_nodes
 from multigpu.resilience.heartbeat import BEAT
@@ -29,7 +30,8 @@ def prepare_model(
     --compile compiles the module in place (`module.compile()`, the order
     torch's documentation gives for DDP: compile the module, then wrap it), so
     its state_dict keeps plain keys and checkpoints load compiled or not.
-    What fsdp cannot do is refused first; --float8 converts before --compile compiles.
+    What fsdp cannot do is refused first; --float8 converts before --compile compiles; --lora-r's adapters
+    (multigpu/parallel/lora.py) and --activation-checkpointing come before the module moves to its device.
     """
     nn = torch.nn
     if runtime.mode == "fsdp":
@@ -40,6 +42,18 @@ def prepare_model(
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # keeps weights, buffers and train/eval flags
     elif config.sync_bn:
         say("--sync-bn needs DDP on CUDA devices; keeping per-device BatchNorm")
+    # --lora-r: the base frozen, adapters beside its linear layers; then --activation-checkpointing around the
+    # blocks, which hold the adapters by now.
+    if config.qlora and runtime.mode == "dp":
+        raise UsageError(
+            "--qlora's 4-bit base cannot be copied to each GPU by nn.DataParallel: run it under torchrun "
+            "(--multi-gpu ddp) or on one device (--multi-gpu none)"
+        )
+    model = lora.add_adapters(model, config)
+    if config.activation_checkpointing:
+        say(
+            activation_checkpointing.checkpoint_activations(model, config.fsdp_blocks, runtime.mode == "fsdp")
+        )
     model = model.to(runtime.device)
     if config.channels_last:
         model = model.to(

@@ -213,7 +213,7 @@ def test_a_one_file_checkpoint_exports_its_plain_state_dict(one_file_run, tmp_pa
         (
             ["{ckpt}/best.pt", "{tmp}/out.bin"],
             "cannot tell the format from OUT {tmp}/out.bin: name it .pt, "
-            ".safetensors or a folder (hf), or give --format pt|safetensors|hf",
+            ".safetensors or a folder (hf), or give --format pt|safetensors|hf|adapter",
         ),
         (
             ["{ckpt}/best.pt", "{tmp}/hf"],

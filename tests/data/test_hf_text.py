@@ -56,7 +56,7 @@ def _token_stream(tiny_lm: Path) -> list[int]:
 
 
 def test_packed_windows_are_the_token_stream_cut_into_block_size_windows(tiny_lm):
-    spec, _ = _spec(tiny_lm)
+    spec, _ = _spec(tiny_lm, "--packing", "stream")
     stream = _token_stream(tiny_lm)
     assert len(spec.train) == len(stream) // BLOCK  # the remainder dropped
     sample = spec.train[3]
@@ -102,8 +102,8 @@ def test_a_classifier_pads_each_text_with_its_class(tiny_lm):
 
 
 def test_a_stream_is_tokenized_and_packed_as_it_is_read(tiny_lm):
-    windows, _ = _spec(tiny_lm)
-    stream, _ = _spec(tiny_lm, "--streaming")
+    windows, _ = _spec(tiny_lm, "--packing", "stream")
+    stream, _ = _spec(tiny_lm, "--streaming", "--packing", "stream")
     read = [sample["input_ids"].tolist() for sample in stream.train]
     assert read == [windows.train[i]["input_ids"].tolist() for i in range(len(windows.train))]
     padded, _ = _spec(tiny_lm, "--streaming", "--pad-to-batch")
@@ -120,7 +120,7 @@ def test_a_stream_is_tokenized_and_packed_as_it_is_read(tiny_lm):
         ),
         (
             [{"text": "the fox ."}],
-            [],
+            ["--packing", "stream"],
             "hold fewer tokens than one window of --block-size 32; give more text or a smaller",
         ),
         ([{"body": "the fox ."}], [], "--text-column text: the files' columns are body; name the column"),
