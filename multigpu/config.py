@@ -942,11 +942,13 @@ def field_is_optional(f: dataclasses.Field) -> bool:
 
 
 def _checked_type(f: dataclasses.Field, value: Any) -> Any:
-    """`value` as the field's type (an int is accepted for a float, a word where the field has words),
-    or UsageError naming the field."""
+    """`value` as the field's type (an int is accepted for a float, a word where the field has words; None is
+    "not set", the field's default where None is not a value of its own), or UsageError naming the field."""
     optional = field_is_optional(f)
     kind = field_kind(f)
     words = f.metadata["words"]
+    if value is None and not optional:
+        return f.default  # TrainConfig(max_steps=None) as a caller writes "not set": the flag's default
     if (value is None and optional) or (isinstance(value, str) and value in words):
         return value
     if isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool)):
