@@ -82,3 +82,26 @@ def test_the_launchers_own_flags_after_the_separator_are_refused_on_every_way_an
     tail = " ".join(usage.split("Everything after --")[1].split("Exit status")[0].split())
     assert all(f"--{flag(name)}" in tail for name in LAUNCHER_OWNED), tail
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_launcher_writes_the_metric_flags_new_name_that_torchrun_passes_on(tmp_path, monkeypatch):
+    """`bash launch_multi_gpu.sh --yes -- --monitor val_loss`: torchrun would refuse --monitor as an abbreviation of
+    its --monitor-interval; the command the launcher runs says --monitor-metric, and torchrun's parser hands it to
+    the trainer."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from multigpu.launch import launch_rules
+
+    monkeypatch.chdir(tmp_path)
+    step, settings = launch_rules.parse(
+        ["plan", "--nproc", "2", "--", "--monitor", "val_loss", "--monitor=val_acc"]
+    )
+    command = next(record for record in launch_rules.records(step, settings) if record.startswith("command="))
+    words = shlex.split(command.removeprefix("command="))
+    torchrun_argv = words[
+        words.index("--log-file") + 2 :
+    ]  # multigpu/launch/torchrun.py's: torchrun's own argv
+    args = get_args_parser().parse_args(torchrun_argv)
+    assert args.training_script_args[-3:] == ["--monitor-metric", "val_loss", "--monitor-metric=val_acc"]

@@ -273,5 +273,5 @@ def test_the_objective_is_the_runs_monitor_and_main_multi_gpu_takes_the_search_f
     assert (plan.objective, plan.lower_is_better) == ("val_acc", False)
     plan = build_search_plan(options, ["--epochs", "2"])
     assert (plan.objective, plan.lower_is_better) == ("val_loss", True)
-    assert plan.train_argv[-2:] == ["--monitor", "val_loss"]  # the runs' best.pt follows the objective
+    assert plan.train_argv[-2:] == ["--monitor-metric", "val_loss"]  # the runs' best.pt follows the objective
     assert list(tmp_path.iterdir()) == []  # planning writes nothing
