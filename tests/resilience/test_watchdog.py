@@ -4,6 +4,7 @@ one of them misbehaving; each run ends by itself within the hang timeout plus a 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
     )  # rank 0's watchdog ended the stopped rank: torchrun did not wait
     text = report(save_dir)
     assert "rank 1 does not respond (stopped, frozen or dead)" in text.splitlines()[1]
+    # where it was: its last heartbeat if it is as recent as step 3, else the step 3 it took with rank 0
+    assert re.search(r"rank 1 .*(last heard at step [3-9]|completed step 3 with the others)", text), text
     assert "rank 0 waits in DDP's gradient all-reduce (backward)" in text
     assert (
         "in _forward_backward" in text.split("--- rank 0")[1]
