@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import blobs, config_for, tiny_gpt2, tiny_model
+from conftest import blobs, config_for, tiny_model
 from multigpu.data.batches import batch_size, concat, split, to_device
 from multigpu.loop.forward import (
     BatchMismatch,
@@ -190,20 +190,3 @@ def test_split_cuts_every_tensor_in_consecutive_parts_and_concat_joins_them_back
         concat([torch.tensor(1.0), torch.tensor(2.0)])
     with pytest.raises(ValueError, match="values that differ between batches"):
         concat(["first", "second"])
-
-
-def test_a_transformers_model_builds_no_key_value_cache_in_training_and_its_config_stays():
-    """A transformers causal LM's config asks for a key/value cache at every forward (use_cache, for generation):
-    a training or evaluation forward has no use for it (Hugging Face's Trainer turns it off too; it cost this
-    project's GPT-2 steps about 15% of their CPU time). It is turned off per call, and the config, saved with
-    the model, is left as it was."""
-    model = tiny_gpt2()
-    assert model.config.use_cache
-    ids = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))
-    forward = fitted_forward(model)
-    for batch in ({"input_ids": ids, "labels": ids}, (ids, ids)):
-        outputs, targets = forward(model, batch)
-        assert outputs.past_key_values is None and targets is ids
-    assert model.config.use_cache  # untouched
-    assert model(ids).past_key_values is not None  # what the model's own call builds
-    assert fitted_forward(tiny_model()).no_cache == {}  # a model of no such config: nothing added
