@@ -20,6 +20,7 @@ from torch.distributed.run import get_args_parser
 from conftest import TINY, cli_command, cli_env, event_files
 
 STOPPED_WITHIN = 30  # seconds from the agent's death to the last worker's exit, on a loaded 2-core machine
+CHILDREN_LISTED = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 def torchrun_options() -> list[str]:
@@ -91,7 +92,7 @@ def orphaned(tmp_path_factory):
     return save_dir, log_dir, stopped_after, before, (tmp / "output.txt").read_text()
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the workers from Linux's /proc")
+@pytest.mark.skipif(not CHILDREN_LISTED, reason="reads the workers from Linux's /proc/PID/task/TID/children")
 def test_workers_whose_agent_was_killed_stop_within_seconds_with_the_newest_checkpoint(orphaned):
     save_dir, _, stopped_after, before, output = orphaned
     assert stopped_after < STOPPED_WITHIN, f"the workers trained on for {stopped_after:.0f} s\n{output}"
@@ -102,7 +103,7 @@ def test_workers_whose_agent_was_killed_stop_within_seconds_with_the_newest_chec
     assert newest_step(save_dir) <= stopped_at
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the workers from Linux's /proc")
+@pytest.mark.skipif(not CHILDREN_LISTED, reason="reads the workers from Linux's /proc/PID/task/TID/children")
 def test_the_trainers_flags_that_torchruns_options_start_with_reach_the_trainer(orphaned):
     """--monitor-metric (a name no torchrun option starts with, where --monitor was ambiguous) and --log-dir
     (torchrun's own option too) after the script's name went to the trainer, not to torchrun."""
