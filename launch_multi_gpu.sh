@@ -126,6 +126,9 @@ Behaviour:
   -h, --help              this help
 Everything after -- goes to main_multi_gpu.py unchanged, e.g.
   bash $PROG --gpus 2 --epochs 10 -- --dataset cifar10 --amp bf16
+but for the trainer flags this launcher sets (--multi-gpu, --gpu-ids, --epochs,
+--batch-size, --lr, --lr-scaling, --save-dir, --dp-replicate, --dp-shard):
+give them before --, where they count in the batch and LR shown.
 
 Exit status: the run's (0 done or stopped cleanly by a signal, 1 failed,
 2 bad input, 3 hung: see SAVE_DIR/hang_report.txt); 2 for a bad flag here,

@@ -1,6 +1,6 @@
 """Command line: a trained checkpoint's predictions over a data set, in dataset order, on any devices.
 
-    python predict_multi_gpu.py --checkpoint checkpoints/best.pt --output predictions.csv
+    python predict_multi_gpu.py --checkpoint checkpoints/run-1/best.pt --output checkpoints/run-1/predictions.csv
     torchrun --nproc_per_node=4 predict_multi_gpu.py --checkpoint checkpoints/best.pt --output logits.pt
     python predict_multi_gpu.py --checkpoint checkpoints/best.pt --imagefolder photos/ --output p.csv --topk 3
 

@@ -404,6 +404,7 @@ def main() -> None:
         "the framework's objects to the end of the last optimizer step, on rank 0; accuracy: medians, on 512 "
         "held-out samples after the run",
         *([f"--autotune chose: {'; '.join(chosen)}"] if chosen else []),
+        *_autotune_gains(raw),
         *[f"{NAMES[name]}: not installed, skipped" for name in asked if name not in contenders],
     ]
     device = "gpu" if _cuda() else "cpu"
@@ -441,6 +442,24 @@ def _row(steps: int, nproc: int, args, per_round: list[dict], contenders: list[s
     )
     config = f"DDP, {nproc} processes" if nproc > 1 else "1 process"
     return [f"{steps} steps per rank", config, *cells, f"{loop:.0f}", accuracy]
+
+
+def _autotune_gains(raw: dict[str, list[dict]]) -> list[str]:
+    """--autotune against the same trainer without it, round by round (both contenders measured): the figure
+    docs/speed.md's "--autotune" gives, median (range) of the rounds' ratios of samples/s."""
+    lines = []
+    for key, per_round in raw.items():
+        ratios = [
+            measured["autotune"]["samples_per_sec"] / measured["trainer"]["samples_per_sec"]
+            for measured in per_round
+            if "autotune" in measured and "trainer" in measured
+        ]
+        if ratios:
+            lines.append(
+                f"{key}: --autotune x{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) the "
+                f"same trainer without it, samples/s, median (range) of the rounds' ratios"
+            )
+    return lines
 
 
 def _cuda() -> bool:

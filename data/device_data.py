@@ -20,6 +20,7 @@ pass an epoch); a stream (IterableDataset) has no index to gather by and keeps i
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -271,6 +272,20 @@ class DeviceBatches:
                 self.generator.manual_seed(_key(self.seed, sampler.rank, epoch, place))  # type: ignore[union-attr]  # set with augment
                 batch[0] = self.augment(batch[0], self.generator)
             yield batch[0] if self.bare else batch
+
+    def batch_seconds(self, clock: Callable[[], float], repeats: int = 3) -> float:
+        """What a batch costs on the device, by `clock` (the autotuner's): the median of `repeats` gathers (and
+        augmentations) of a batch of the set's first rows, leaving the epoch's batches and generator alone."""
+        index = torch.arange(min(self.batch_size, len(self.columns[0])), device=self.device)
+        generator = torch.Generator(device=self.device)
+        times = []
+        for _ in range(repeats):
+            started = clock()
+            batch = self._gather(index)
+            if self.augment is not None:
+                self.augment(batch[0], generator)
+            times.append(clock() - started)
+        return statistics.median(times)
 
     def _gather(self, index: torch.Tensor) -> list[torch.Tensor]:
         if not self.arrays:

@@ -72,6 +72,10 @@ class TrainingData:
             self.sampler.start_at(epoch, samples_in_epoch)
             self._epoch.iterator = iter(self.loader)
 
+    def device_step_seconds(self, clock: Callable[[], float]) -> float:
+        """What a step's batches cost on the device, by `clock`: the loader's way can save at most that."""
+        return self.ways[True].batch_seconds(clock) * self.grad_accum_steps
+
     def steps_done(self, epoch: int, samples_in_epoch: int) -> int:
         """Optimizer steps of the epoch already taken, `samples_in_epoch` into it; also points the sampler at the
         rest."""

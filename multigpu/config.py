@@ -557,12 +557,12 @@ class TrainConfig:
         None,
         "validation metric that picks best.pt, e.g. val_loss, val_acc, val_mse "
         "(default: val_acc when accuracy is computed, else val_loss; val_loss for a loss "
-        "over tokens)",
+        "over tokens); --monitor, its old name, works where torchrun does not read the command",
         group="output",
     )
     monitor_mode: str = _opt(
         "auto",
-        "whether a lower (min) or higher (max) --monitor is better; auto: lower for "
+        "whether a lower (min) or higher (max) --monitor-metric is better; auto: lower for "
         "losses and errors (loss, mse, mae), higher otherwise",
         ["auto", "min", "max"],
         group="output",
@@ -570,11 +570,13 @@ class TrainConfig:
     early_stop_patience: int = _opt(
         0,
         "stop after this many evaluations in a row (epochs, and --eval-every-steps' ones) without a better "
-        "--monitor value (0: off); best.pt keeps the best one",
+        "--monitor-metric value (0: off); best.pt keeps the best one",
         group="output",
     )
     early_stop_min_delta: float = _opt(
-        0.0, "--early-stop-patience: the least change of --monitor that counts as better", group="output"
+        0.0,
+        "--early-stop-patience: the least change of --monitor-metric that counts as better",
+        group="output",
     )
 
     # Not a field (no flag, not saved): the fields the command line named, whatever their values, as parse_config
@@ -600,7 +602,7 @@ class TrainConfig:
             )
         if self.monitor is not None and not self.monitor.startswith("val_"):
             raise UsageError(
-                f"--monitor names a validation metric such as val_loss or val_acc; got {self.monitor!r}"
+                f"--{flag('monitor')} names a validation metric such as val_loss or val_acc; got {self.monitor!r}"
             )
         if self.ema_decay == 1:
             raise UsageError(
@@ -1180,11 +1182,13 @@ def field_is_optional(f: dataclasses.Field) -> bool:
 
 
 def _checked_type(f: dataclasses.Field, value: Any) -> Any:
-    """`value` as the field's type (an int is accepted for a float, a word where the field has words),
-    or UsageError naming the field."""
+    """`value` as the field's type (an int is accepted for a float, a word where the field has words; None is
+    "not set", the field's default where None is not a value of its own), or UsageError naming the field."""
     optional = field_is_optional(f)
     kind = field_kind(f)
     words = f.metadata["words"]
+    if value is None and not optional:
+        return f.default  # TrainConfig(max_steps=None) as a caller writes "not set": the flag's default
     if (value is None and optional) or (isinstance(value, str) and value in words):
         return value
     if isinstance(value, _KINDS[kind]) and (kind == "bool" or not isinstance(value, bool)):
@@ -1212,9 +1216,28 @@ def _number_or_word(kind: Callable[[str], Any], words: Sequence[str]) -> Callabl
     return parse
 
 
+# Flags spelt otherwise than their field. torchrun's parser reads every word of its command line, the script's
+# flags too, and takes a prefix of two of its options for an ambiguous abbreviation and refuses the run: --monitor
+# (of --monitor-interval and --monitor_interval). So the metric's flag is --monitor-metric, a name no torchrun option
+# starts with; --monitor, its old name, still works where torchrun does not read the command (python, the launcher,
+# which writes --monitor-metric in the command it runs).
+FLAG_NAMES = {"monitor": "monitor-metric"}
+FLAG_ALIASES = {"monitor": ("--monitor",)}
+
+
 def flag(name: str) -> str:
-    """The CLI flag (without dashes) of a config field: batch_size -> batch-size."""
-    return name.replace("_", "-")
+    """The CLI flag (without dashes) of a config field: batch_size -> batch-size, monitor -> monitor-metric."""
+    return FLAG_NAMES.get(name, name.replace("_", "-"))
+
+
+def canonical_flags(argv: Sequence[str]) -> list[str]:
+    """`argv` with each flag's old name (--monitor, --monitor=X) as its own name: what torchrun can pass on."""
+    old_names = {alias: f"--{flag(name)}" for name, aliases in FLAG_ALIASES.items() for alias in aliases}
+    canonical = []
+    for word in argv:
+        name, equals, value = word.partition("=")
+        canonical.append(old_names[name] + equals + value if name in old_names else word)
+    return canonical
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -1287,6 +1310,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         words = f.metadata["words"]
         group.add_argument(
             option,
+            *FLAG_ALIASES.get(f.name, ()),
+            dest=f.name,
             type=_number_or_word(kind, words) if words else kind,
             default=f.default,
             choices=f.metadata["choices"],

@@ -76,6 +76,16 @@ def test_invalid_values_are_usage_errors_naming_the_flag(values, message):
         TrainConfig(**values)
 
 
+def test_none_means_not_set_for_every_field():
+    """TrainConfig(max_steps=None) is a caller's "not set": every field given None is its default (or None where
+    None is a value of its own), as the command line without the flag gives."""
+    for f in dataclasses.fields(TrainConfig):
+        config = TrainConfig(**{f.name: None})
+        assert getattr(config, f.name) == f.default, f.name
+        assert config == TrainConfig(), f.name
+    assert TrainConfig(max_steps=None, epochs=2).planned_steps(10) == 20  # no step limit: every epoch
+
+
 def test_batch_size_is_a_number_or_auto_in_the_dataclass_and_on_the_command_line():
     assert TrainConfig(batch_size=64).batch_size == 64 and TrainConfig(batch_size="auto").batch_size == "auto"
     assert parse_config(["--batch-size", "auto"]).batch_size == "auto"

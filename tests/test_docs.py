@@ -267,6 +267,7 @@ def run_blocks(blocks: list[Block], again: bool = False) -> list[str]:
     each time)."""
     blocks = first_runs(blocks)
     folder, failures = fresh_clone(), []
+    cloned = files_in(folder)
     started = time.monotonic()
     for block in blocks:
         env = environment(block)
@@ -283,12 +284,40 @@ def run_blocks(blocks: list[Block], again: bool = False) -> list[str]:
             if problem:
                 failures.append(f"{block.where}: run a second time: {problem}")
                 break
+    stray = unignored(files_in(folder) - cloned)
+    if stray and not failures:
+        failures.append(
+            f"{blocks[0].where}..: the commands left {', '.join(stray[:6])} in the checkout, where `git status` "
+            f"lists them: write them under checkpoints/ or runs/ (ignored)"
+        )
     subprocess.run(["rm", "-rf", str(folder)], check=False)
     print(
         f"{blocks[0].where}..: {sum(len(block.commands) for block in blocks)} command(s) in "
         f"{time.monotonic() - started:.1f}s"
     )  # with -s
     return failures
+
+
+def files_in(folder: Path) -> set[str]:
+    """The files under `folder` (its .venv aside), relative to it."""
+    return {
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if not path.is_dir() and path.relative_to(folder).parts[0] != ".venv"
+    }
+
+
+def unignored(names: set[str]) -> list[str]:
+    """Those of `names` (paths in the checkout) that the checkout's .gitignore does not ignore: `git status` would
+    list them as new files of the user's."""
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin", "-z"],
+        cwd=REPO,
+        input="\0".join(sorted(names)),
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
+    return sorted(names - set(ignored))
 
 
 def run_command(block: Block, command: str, folder: Path, env: dict[str, str]) -> str | None:
@@ -464,6 +493,21 @@ def test_a_fresh_clone_holds_the_tracked_files_only(tmp_path: Path) -> None:
         ) == ["docs/page.md", "pyproject.toml", "requirements.txt"]
     finally:
         shutil.rmtree(clone)
+
+
+def test_the_files_documented_commands_leave_are_checked_against_gitignore(tmp_path: Path) -> None:
+    """README's `--save-dir trained` and `--output top3.csv` left both in the checkout, listed by `git status` as
+    the user's new files: what a run of the documented commands leaves outside checkpoints/ and runs/ fails it."""
+    for name in (
+        "README.md",
+        "checkpoints/run-1/last.pt",
+        "runs/demo/train.log",
+        "trained/train.log",
+        "top3.csv",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    assert unignored(files_in(tmp_path) - {"README.md"}) == ["top3.csv", "trained/train.log"]
 
 
 def mkdocs_hooks() -> Any:

@@ -207,6 +207,8 @@ def _file_kind(path: str) -> str | None:
         return "the file is empty"
     if tensor_files.is_safetensors(path):  # first: its header's length may begin with the pickle mark, 0x80
         return SAFETENSORS_KIND
+    if path.endswith(tensor_files.SUFFIX) and not head.startswith(TORCH_SAVE_MAGIC):
+        return SAFETENSORS_KIND  # one cut short within its header: safetensors' reader says what is wrong
     if head.startswith(TORCH_SAVE_MAGIC):
         return None
     try:

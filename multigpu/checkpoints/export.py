@@ -204,7 +204,13 @@ def _export_pt(source: str, out: str, dtype: str | None) -> str:
             "--dtype converts weights for --format safetensors or hf; a .pt checkpoint keeps the "
             "run's own, to resume from"
         )
-    if not checkpoint.is_sharded(source) and not tensor_files.is_safetensors(source):
+    if not os.path.isdir(source) and not source.endswith(tensor_files.SUFFIX):
+        checkpoint.load(source)  # a missing file, or one that is no checkpoint, is refused for what it is
+        raise UsageError(
+            f"{source} is a .pt checkpoint already, and --format pt (OUT {out}) makes one of a sharded checkpoint "
+            f"folder or a safetensors checkpoint; for its weights name OUT .safetensors or a folder (hf)"
+        )
+    if os.path.isdir(source) and not checkpoint.is_sharded(source):
         raise UsageError(
             f"{source} is not a sharded checkpoint folder (last/, best/, step-N/ of a run with "
             f"--checkpoint-format sharded): name one"

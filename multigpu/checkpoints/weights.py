@@ -134,8 +134,8 @@ def open_source(path: str) -> Source:
         return _folder_source(path)
     if path.endswith(".json"):
         return _index_source(path)
-    if tensor_files.is_safetensors(path):
-        return _safetensors_source(path, [path])
+    if tensor_files.is_safetensors(path) or checkpoint._file_kind(path) == checkpoint.SAFETENSORS_KIND:
+        return _safetensors_source(path, [path])  # one cut short too: safetensors' reader says what is wrong
     return _torch_file_source(path)
 
 

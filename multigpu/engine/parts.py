@@ -169,6 +169,7 @@ def autotuner(run: Run) -> autotune.Autotuner | None:
         lambda setting: build.use_setting(run, setting),
         run.report.line,
         data=run.on_device.measured,
+        data_cost=run.data.device_step_seconds,
     )
 
 

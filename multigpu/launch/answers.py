@@ -147,14 +147,19 @@ def given_trainer_options(args: Sequence[str]) -> set[str]:
 
 def training_config(s: Settings, devices: Devices | None = None) -> TrainConfig:
     """The TrainConfig the command will give the trainer, checked by the trainer's own parser and rules."""
+    refuse_launcher_owned(s)
+    argv = trainer_flags(s, devices)
+    return parse_config(argv + s.trainer_args)
+
+
+def refuse_launcher_owned(s: Settings) -> None:
+    """UsageError for a trainer flag after -- that the launcher sets from its own flag (every way of launching)."""
     owned = [name for name in LAUNCHER_OWNED if name in given_trainer_options(s.trainer_args)]
     if owned:
         raise UsageError(
             f"--{flag(owned[0])} after -- would override the launcher's setting; give it before -- "
             f"(see --help)"
         )
-    argv = trainer_flags(s, devices)
-    return parse_config(argv + s.trainer_args)
 
 
 def trainer_flags(s: Settings, devices: Devices | None) -> list[str]:

@@ -43,8 +43,15 @@ RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRuntime for t
 # The image that holds this repository as its working directory (docs/launcher.md, "Kubernetes", builds it).
 DEFAULT_IMAGE = "multigpu-train:latest"
 NODE = "node"  # the torch-distributed runtime's replicated job and its container
-MANAGER = "launch_multi_gpu.sh"  # who owns the runtime patch (the volume), in Kubeflow Trainer's terms
+MANAGER = "launch_multi_gpu.sh"  # who owns the runtime patch (the volumes), in Kubeflow Trainer's terms
 VOLUME = "save-dir"
+SHM_VOLUME = (
+    "dshm"  # /dev/shm: a container's default is 64 MB, and DataLoader workers pass batches through it
+)
+# Memory a pod asks for: per GPU its process, its 4 loader workers and the pinned batches and CPU copies of the
+# weights a save makes; per CPU process (gloo) the process alone. /dev/shm, memory-backed, counts within it.
+MEMORY_GIB_PER_GPU = 16
+MEMORY_GIB_PER_CPU_PROCESS = 2
 FILE_NAME = "trainjob.yaml"
 # A container image reference: registry/name:tag or @digest; no spaces, quotes or shell characters.
 IMAGE = re.compile(r"^[a-z0-9][A-Za-z0-9._/:@-]*$")
@@ -138,7 +145,7 @@ def container_command(s: Settings, job: Job) -> list[str]:
 
 def trainjob(s: Settings, job: Job) -> dict[str, Any]:
     """The TrainJob as a dict, in the API's field names (kubeflow-trainer-api's TrainerV1alpha1TrainJob)."""
-    resources: dict[str, Any] = {"requests": {"cpu": str(job.cpus)}}
+    resources: dict[str, Any] = {"requests": {"cpu": str(job.cpus), "memory": f"{memory_gib(job)}Gi"}}
     if job.gpus:
         resources["limits"] = {"nvidia.com/gpu": str(job.gpus)}
     trainer = {
@@ -149,9 +156,11 @@ def trainjob(s: Settings, job: Job) -> dict[str, Any]:
         "env": [{"name": "OMP_NUM_THREADS", "value": str(max(1, job.cpus // job.procs))}],
         "command": container_command(s, job),
     }
-    spec: dict[str, Any] = {"runtimeRef": {"name": RUNTIME}, "trainer": trainer}
-    if s.k8s_pvc:
-        spec["runtimePatches"] = [save_dir_volume(s.k8s_pvc, job.save_dir)]
+    spec: dict[str, Any] = {
+        "runtimeRef": {"name": RUNTIME},
+        "trainer": trainer,
+        "runtimePatches": [pod_volumes(s.k8s_pvc, job)],
+    }
     return {
         "apiVersion": API_VERSION,
         "kind": "TrainJob",
@@ -160,12 +169,25 @@ def trainjob(s: Settings, job: Job) -> dict[str, Any]:
     }
 
 
-def save_dir_volume(claim: str, save_dir: str) -> dict[str, Any]:
-    """The runtime patch that mounts the claim at --save-dir in every pod's training container."""
-    pod = {
-        "volumes": [{"name": VOLUME, "persistentVolumeClaim": {"claimName": claim}}],
-        "containers": [{"name": NODE, "volumeMounts": [{"name": VOLUME, "mountPath": save_dir}]}],
-    }
+def memory_gib(job: Job) -> int:
+    """The memory a pod requests, in GiB (MEMORY_GIB_PER_GPU, MEMORY_GIB_PER_CPU_PROCESS)."""
+    return job.gpus * MEMORY_GIB_PER_GPU if job.gpus else job.procs * MEMORY_GIB_PER_CPU_PROCESS
+
+
+def pod_volumes(claim: str | None, job: Job) -> dict[str, Any]:
+    """The runtime patch of every pod's training container: a memory-backed /dev/shm of a quarter of the pod's
+    memory, and with --k8s-pvc the claim mounted at --save-dir."""
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": SHM_VOLUME,
+            "emptyDir": {"medium": "Memory", "sizeLimit": f"{max(1, memory_gib(job) // 4)}Gi"},
+        }
+    ]
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if claim:
+        volumes.append({"name": VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": VOLUME, "mountPath": job.save_dir})
+    pod = {"volumes": volumes, "containers": [{"name": NODE, "volumeMounts": mounts}]}
     replicated = {"name": NODE, "template": {"spec": {"template": {"spec": pod}}}}
     return {
         "manager": MANAGER,

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from multigpu.checkpoints import run_folders
-from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, flag, parse_config
+from multigpu.config import DEFAULT_SAVE_ROOT, TrainConfig, canonical_flags, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.launch import replica_groups
 from multigpu.launch.answers import (
@@ -226,7 +226,8 @@ FAULT_TOLERANT_STEPS = {
 def parse(argv: Sequence[str]) -> tuple[str, Settings]:
     if "--" in argv:
         cut = list(argv).index("--")
-        argv, trainer_args = list(argv[:cut]), list(argv[cut + 1 :])
+        # --monitor as --monitor-metric: torchrun would refuse the command for its own --monitor-interval
+        argv, trainer_args = list(argv[:cut]), canonical_flags(argv[cut + 1 :])
     else:
         argv, trainer_args = list(argv), []
     parser = argparse.ArgumentParser(prog="launch_rules", add_help=False, allow_abbrev=False)

@@ -47,6 +47,7 @@ from multigpu.launch.answers import (  # noqa: E402
     omp_threads,
     plural,
     port_is_free,
+    refuse_launcher_owned,
     settle_training,
     trainer_flags,
     whole,
@@ -265,6 +266,7 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
         raise UsageError(
             f"--{flag(owned[0])} after -- is the launcher's to set with --fault-tolerance; leave it out"
         )
+    refuse_launcher_owned(s)  # --epochs, --batch-size ... after --: refused as a plain launch refuses them
     for name in NOT_FOR_GROUPS:
         if getattr(s, name) is not None:
             raise UsageError(

@@ -65,6 +65,13 @@ class ModelForward:
         )
         self.required = [p.name for p in named if p.default is p.empty and p.name != self.target]
         self.checked = self.signature is None
+        # A transformers model builds a key/value cache at every forward unless told not to (its config's
+        # use_cache, on by default for generation): a training step has no use for it, and Hugging Face's
+        # Trainer turns it off too. Given per call, so the model's own config (and its saved config.json) stays.
+        uses_cache = hasattr(getattr(plain_module(model), "config", None), "use_cache")
+        self.no_cache = (
+            {"use_cache": False} if uses_cache and ("use_cache" in self.names or self.every_key) else {}
+        )
 
     def __call__(self, model: Any, batch: Any) -> tuple[Any, Any]:
         if (
@@ -78,8 +85,8 @@ class ModelForward:
             inputs, targets = batch
             if type(inputs) is torch.Tensor or not isinstance(inputs, Mapping) or not self.spreads(inputs):
                 if self.target is None or targets is None:
-                    return model(inputs), targets
-                return model(inputs, **{self.target: targets}), targets
+                    return model(inputs, **self.no_cache), targets
+                return model(inputs, **{self.target: targets}, **self.no_cache), targets
             return model(**self.keywords(inputs, targets)), targets
         if isinstance(batch, Mapping):
             targets = next((batch[key] for key in LABEL_KEYS if key in batch), None)
@@ -107,6 +114,8 @@ class ModelForward:
         )
         if self.target is not None and targets is not None and self.target not in kwargs:
             kwargs[self.target] = targets
+        if self.no_cache and "use_cache" not in kwargs:
+            kwargs.update(self.no_cache)
         return kwargs
 
     def check(self, batch: Any) -> None:

@@ -97,10 +97,12 @@ def diagnose(
     hybrid mesh's shape, whose coordinates the report gives beside each rank."""
     stuck, waiting, ddp = {}, {}, world_size > 1
     stuck.update({rank: f"{SILENT}; it never published a heartbeat" for rank in silent if rank not in beats})
+    # The steps the responding ranks completed: every rank takes part in every step, the silent ones too.
+    together = max((beat["step"] for rank, beat in beats.items() if rank not in silent), default=0)
     for rank, beat in sorted(beats.items()):
         waits = where_waiting(beat, ddp)
         if rank in silent:
-            stuck[rank] = f"{SILENT}; last heard at step {beat['step']} in {beat['phase']}"
+            stuck[rank] = f"{SILENT}; {_last_heard(beat, together)}"
         elif waits is None:
             stuck[rank] = f"stuck in {beat['phase']} at step {beat['step']}, at {beat['code']}"
         else:
@@ -128,6 +130,18 @@ def diagnose(
         "step": step,
         "mesh": mesh,
     }
+
+
+def _last_heard(beat: dict[str, Any], together: int) -> str:
+    """Where a silent rank was last: its last heartbeat, or, when that is older than the `together` steps it took
+    with the others (it went silent within a publishing interval of fast steps), those steps."""
+    heard = f"step {beat['step']} in {beat['phase']}"
+    if beat["step"] >= together:
+        return f"last heard at {heard}"
+    return (
+        f"it completed step {together} with the others and went silent after it (its last heartbeat, older, "
+        f"said {heard})"
+    )
 
 
 def headline(verdict: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from multigpu.errors import TrainingStopped
 from multigpu.resilience import hang_report
+from multigpu.resilience.agent_death import stop_when_the_agent_dies
 from multigpu.resilience.heartbeat import BEAT
 from multigpu.resilience.watchdog import published
 
@@ -370,6 +371,7 @@ def stops_handled(
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
         previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         stop.install()
+        stop_when_the_agent_dies()  # torchrun's agent killed: its workers stop as on its SIGTERM
     try:
         yield
     except RuntimeError as error:

@@ -31,6 +31,7 @@ from multigpu.errors import HANG_EXIT_STATUS, TrainingStopped
 from multigpu.resilience import hang_report
 from multigpu.resilience.heartbeat import BEAT, main_thread_stack
 
+LOOK_EVERY_AT_MOST = 5.0  # seconds between two looks of the watchdog at most (a few per --hang-timeout below)
 PREFIX = "multigpu/hang/"  # in the attempt's own store (multigpu/resilience/preemption.py restart_safe_store)
 
 # A DataLoader worker is a fork of its rank (Linux's default): forked while this thread is inside torch or the
@@ -88,7 +89,9 @@ class Watchdog:
             if store is not None
             else (dist.distributed_c10d._get_default_store() if dist.is_initialized() else dist.HashStore())
         )
-        self.interval = min(1.0, max(0.2, timeout / 5))  # a few looks per timeout, at most one a second
+        # A few looks per timeout, not more often than every LOOK_EVERY_AT_MOST seconds: each look takes the GIL
+        # from the training thread (on a busy machine, a wait for a time slice each time it takes it back).
+        self.interval = min(LOOK_EVERY_AT_MOST, max(0.2, timeout / 5))
         self.beats = (
             0  # this thread's own counter: whether the thread is alive, whatever the main thread does
         )
@@ -131,10 +134,18 @@ class Watchdog:
 
     def _tick(self) -> None:
         self.beats += 1
-        self.store.set(
-            f"{PREFIX}hb/{self.rank}",
-            json.dumps({**BEAT.snapshot(group_sequence_number()), "beat": self.beats}),
-        )
+        beat = {**BEAT.snapshot(group_sequence_number()), "beat": self.beats}
+        if self.world_size > 1:  # alone, no other rank reads it or asks anything: no store round trips
+            self._exchange(beat)
+        now = time.monotonic()
+        self._read_heartbeats(now, {self.rank: beat} if self.world_size == 1 else None)
+        if self._decides(now) and self._no_rank_moved(now):
+            self._decide(now)
+
+    def _exchange(self, beat: dict[str, Any]) -> None:
+        """Publish this rank's heartbeat to the other ranks, and answer what they ask: its stack for a hang
+        report, a verdict to leave on, a mismatch --debug-collectives found."""
+        self.store.set(f"{PREFIX}hb/{self.rank}", json.dumps(beat))
         if not self.answered and self.store.check([PREFIX + "stacks-wanted"]):
             self.store.set(f"{PREFIX}stack/{self.rank}", main_thread_stack())
             self.answered = True
@@ -146,15 +157,13 @@ class Watchdog:
             BEAT.hang_declared = True
             self.store.set(f"{PREFIX}mismatch-seen/{self.rank}", "1")
             os._exit(TrainingStopped.exit_code)
-        now = time.monotonic()
-        self._read_heartbeats(now)
-        if self._decides(now) and self._no_rank_moved(now):
-            self._decide(now)
 
-    def _read_heartbeats(self, now: float) -> None:
+    def _read_heartbeats(self, now: float, beats: dict[int, dict[str, Any]] | None = None) -> None:
+        """Every rank's latest heartbeat (`beats`, else as published to the store), and since when it has not
+        moved."""
         for rank in range(self.world_size):  # not published yet: its clock runs from the first look
             self.seen.setdefault(rank, (None, now, None, now))
-        for rank, beat in published(self.store, self.world_size).items():
+        for rank, beat in (beats if beats is not None else published(self.store, self.world_size)).items():
             position = (
                 beat["step"],
                 beat["phase"],

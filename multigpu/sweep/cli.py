@@ -237,12 +237,19 @@ def _run_search(options: SweepOptions, train_argv: list[str]) -> int:
     from multigpu.sweep.study import require_optuna
 
     require_optuna()
+    from multigpu.sweep import journal  # it needs Optuna
+
     plan = build_search_plan(options, train_argv)
     options = dataclasses.replace(options, sweep_dir=plan.sweep_dir)  # the one chosen when none was given
     records.check_fingerprint(plan.sweep_dir, plan.fingerprint)
     if options.slurm:
         return _write_slurm_script(plan.sweep_dir, options, train_argv, options.trials, "trials")
     with records.exclusive(plan.sweep_dir, options.shard):
+        # Before the study is opened: damage refused, a cut-short record set aside; alone (one shard, whose lock
+        # this holds), the journal's locks a killed driver left are its own.
+        repaired = journal.check(plan.sweep_dir, alone=not options.sharded)
+        if repaired:
+            print(repaired, file=sys.stderr, flush=True)
         found = _slots(options)
         search = Search(plan, options, records.read_results(plan.sweep_dir), len(found[0]))
         resumed = search.resume()

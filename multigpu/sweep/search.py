@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from multigpu.config import TrainConfig, parse_config
+from multigpu.config import TrainConfig, flag, parse_config
 from multigpu.errors import UsageError
 from multigpu.loop.metrics import Monitor
 from multigpu.sweep.options import SweepOptions
@@ -43,7 +43,7 @@ from multigpu.sweep.study import (
     trial_seed,
 )
 
-DEFAULT_OBJECTIVE = "val_loss"  # without --monitor: the runs' best.pt follows the search's objective
+DEFAULT_OBJECTIVE = "val_loss"  # without --monitor-metric: the runs' best.pt follows the search's objective
 # Drivers sharing the study count its trials and ask for one under DIR/.ask.lock (Optuna's link lock), one at a time.
 ASK_LOCK = ".ask"
 
@@ -92,7 +92,7 @@ def build_search_plan(options: SweepOptions, train_argv: Sequence[str]) -> Searc
     refuse_per_experiment_flags(train_argv)
     base = parse_config(train_argv)
     if base.monitor is None:
-        train_argv += ["--monitor", DEFAULT_OBJECTIVE]
+        train_argv += [f"--{flag('monitor')}", DEFAULT_OBJECTIVE]
         base = parse_config(train_argv)
     assert base.monitor is not None  # given, or set just above
     space = parse_space(options.space, train_argv)

@@ -10,10 +10,12 @@ run given the chosen settings directly ends with, within floating-point rounding
   shared out over the local processes;
 - under --data-on-device auto, where the training set can be on the device: the batches gathered there (each
   setting above) against the loader's (the fastest of them again, with the loader), the same batches either
-  way. Without --autotune this is the only trial (docs/speed.md, "Data on the device");
+  way; the loader's is not tried where a step's batches cost less on the device than the BETTER_BY it would
+  have to save. Without --autotune this is the only trial (docs/speed.md, "Data on the device");
 - torch.compile of the fastest of those, only when the planned steps left could repay a compile: at that
   speed, compiled steps EXPECTED_GAIN faster would save at least the EXPECTED_COMPILE_SECONDS a compile takes
-  (compile_worth_trying); and only where a compiler is there and --compile/--no-compile was not given. It is
+  (compile_worth_trying; on the CPU, that much longer for a process that got less of its cores in the trials);
+  and only where a compiler is there and --compile/--no-compile was not given. It is
   kept only if the steps it saves over the rest of the run pay back the compile time it measured.
 The line that ends the trials says whether compile was tried and why, and whether it was kept.
 
@@ -47,6 +49,11 @@ EXPECTED_GAIN = (
     0.10  # compiled steps this much faster: the saving a compile is weighed against before it is tried
 )
 BETTER_BY = 0.03  # a setting replaces the one as given only when it is this much faster (not on noise)
+# A process that got less of its cores than this in the trials (other jobs on them) expects a compile that much
+# slower too: the measured steps are. On 2 cores other jobs kept busy, resnet18's steps took 15 s instead of 0.8,
+# and its compile, tried on the strength of those steps, 280 s (docs/speed.md, "--autotune").
+FULL_CPU_SHARE = 0.9
+MIN_CPU_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -85,17 +92,28 @@ def can_compile(device: torch.device) -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
 
-def compile_worth_trying(steps_left: int, step_seconds: float, device: torch.device) -> tuple[bool, str]:
+def compile_worth_trying(
+    steps_left: int, step_seconds: float, device: torch.device, cpu_share: float = 1.0
+) -> tuple[bool, str]:
     """Whether the planned steps left, at `step_seconds` each, could repay a compile, and why, in words: the
-    time compiled steps EXPECTED_GAIN faster would save against EXPECTED_COMPILE_SECONDS."""
-    saving, cost = steps_left * step_seconds * EXPECTED_GAIN, EXPECTED_COMPILE_SECONDS[device.type]
+    time compiled steps EXPECTED_GAIN faster would save against EXPECTED_COMPILE_SECONDS, for a process that
+    has its cores. `cpu_share`: the share of its threads' time the process got in the trials on the CPU (other
+    jobs on the cores): the measured steps are that much slower, and so would a compile be."""
+    share = 1.0 if cpu_share >= FULL_CPU_SHARE else max(MIN_CPU_SHARE, cpu_share)
+    saving, cost = steps_left * step_seconds * EXPECTED_GAIN, EXPECTED_COMPILE_SECONDS[device.type] / share
     enough = saving >= cost
+    busy = f" on cores this process had {share:.0%} of" if share < FULL_CPU_SHARE else ""
     return enough, (
         f"compile {'tried' if enough else 'not tried'}: the {steps_left:,} steps left at "
         f"{step_seconds * 1000:.1f} ms would save {saving:,.0f} s if compiled steps were "
         f"{EXPECTED_GAIN:.0%} faster, {'at least' if enough else 'less than'} the {cost:.0f} s a "
-        f"compile is expected to take"
+        f"compile is expected to take{busy}"
     )
+
+
+def cpu_share(cpu_seconds: float, wall_seconds: float, threads: int) -> float:
+    """The share of `threads` cores' time a process got: its CPU seconds over the wall seconds they spanned."""
+    return cpu_seconds / max(1e-9, wall_seconds * max(1, min(threads, os.cpu_count() or 1)))
 
 
 def why_not_compile(runtime: Runtime, given: frozenset) -> str | None:
@@ -141,15 +159,22 @@ def make_autotuner(
     apply: Callable[[Setting], None],
     say: Callable[[str], None],
     data: bool = False,
+    data_cost: Callable[[Callable[[], float]], float] | None = None,
 ) -> Autotuner:
     """The run's autotuner: its settings as given first, then what may be tried for its model and mode
     (`given`: the flags the user set, which are not tried otherwise); `apply` switches the live run to a
     setting. `data`: --data-on-device auto measures the data on the device against the loader, alone without
-    --autotune. Rank 0's list is every rank's, so all ranks switch at the same steps."""
+    --autotune; `data_cost(clock)`: what a step's batches cost on the device. Rank 0's list is every rank's, so
+    all ranks switch at the same steps."""
     as_given = Setting(config.channels_last, torch.get_num_threads(), config.compile and runtime.mode != "dp")
     if not config.autotune:
         return Autotuner(
-            [dataclasses.replace(as_given, data_on_device=True)], apply, runtime, say, only_data=True
+            [dataclasses.replace(as_given, data_on_device=True)],
+            apply,
+            runtime,
+            say,
+            only_data=True,
+            data_cost=data_cost,
         )
     convolutions = any(parameter.dim() == 4 for parameter in model.parameters())
     tune_layout = "channels_last" not in given and runtime.mode != "fsdp"  # fsdp: the shards keep theirs
@@ -159,7 +184,7 @@ def make_autotuner(
             why_not_compile(runtime, given),
         )
     )[0]
-    return Autotuner(trials, apply, runtime, say, no_compile)
+    return Autotuner(trials, apply, runtime, say, no_compile, data_cost=data_cost)
 
 
 class Autotuner:
@@ -174,8 +199,13 @@ class Autotuner:
         say: Callable[[str], None],
         no_compile: str | None = None,
         only_data: bool = False,
+        data_cost: Callable[[Callable[[], float]], float] | None = None,
     ):
         self.trials, self.apply, self.runtime, self.say = trials, apply, runtime, say
+        self.data_cost = (
+            data_cost  # what a step's batches cost on the device, by a clock (the loader saves <= it)
+        )
+        self.data_note = ""  # why the loader's way was not tried, for the line
         self.only_data = only_data  # --data-on-device auto without --autotune: the data's two ways alone
         self.tries_data = trials[0].data_on_device is not None  # the loader's way, after the settings above
         self.flag = "--data-on-device auto" if only_data else "--autotune"
@@ -186,6 +216,9 @@ class Autotuner:
         self.medians: list[float] = []  # of the trials done, in order
         self._times: list[float] = []
         self._last = 0.0
+        self._trials_began: tuple[float, float] | None = (
+            None  # wall and CPU clocks at the first trial's start
+        )
         self._compile_seconds = 0.0
         self._first_step = 1
         self.finished: Callable[[], None] = lambda: None  # set by start: stop calling on_step_end
@@ -255,6 +288,16 @@ class Autotuner:
         self.apply(setting)
         self._times = []
         self._last = self._now()
+        if self._trials_began is None:
+            self._trials_began = (time.perf_counter(), time.process_time())
+
+    def _cpu_share(self, threads: int) -> float:
+        """The share of `threads` cores this process got since the trials began (1 on CUDA: its steps are the
+        GPU's)."""
+        if self.runtime.device.type != "cpu" or self._trials_began is None:
+            return 1.0
+        wall, cpu = self._trials_began
+        return cpu_share(time.process_time() - cpu, time.perf_counter() - wall, threads)
 
     def _now(self) -> float:
         if self.runtime.device.type == "cuda":  # only during the trials: the step's kernels must be done
@@ -279,17 +322,41 @@ class Autotuner:
         steps_left = trainer.total_steps - trainer.progress.global_step
         times = self._slowest_rank()  # one gather per decision: every rank calls it at the same step
         fastest = self._fastest(times)
-        if self.tries_data and all(setting.data_on_device for setting in self.trials):
+        if self._loader_may_win(fastest[1]):
             self.trials.append(dataclasses.replace(fastest[0], data_on_device=False))  # the loader's way
             self._begin(self.trials[-1])
             return
         if not self.trials[-1].compiled and self.compile_allowed:
-            worth, self.compile_note = compile_worth_trying(steps_left, fastest[1], self.runtime.device)
+            share = min(gather_objects(self._cpu_share(fastest[0].threads)))  # the rank with the least
+            worth, self.compile_note = compile_worth_trying(
+                steps_left, fastest[1], self.runtime.device, share
+            )
             if worth:
                 self.trials.append(dataclasses.replace(fastest[0], compiled=True))
                 self._begin(self.trials[-1])
                 return
         self._choose(trainer, times, fastest, steps_left)
+
+    def _loader_may_win(self, step_seconds: float) -> bool:
+        """Whether the loader's way is still to be tried, on the fastest setting: not once tried, nor where a
+        step's batches cost less on the device (the slowest rank's, by the trials' clock) than the BETTER_BY of
+        the fastest step the loader would have to save, since the step's compute is the same either way."""
+        if (
+            not self.tries_data
+            or self.data_note
+            or not all(setting.data_on_device for setting in self.trials)
+        ):
+            return False
+        if self.data_cost is None:
+            return True
+        cost = max(gather_objects(self.data_cost(self._now)))
+        if cost >= BETTER_BY * step_seconds:
+            return True
+        self.data_note = (
+            f"the loader's way not tried: a step's batches take {cost * 1000:.2f} ms on the device, less than "
+            f"the {BETTER_BY:.0%} of a {step_seconds * 1000:.1f} ms step that it would have to save"
+        )
+        return False
 
     def _slowest_rank(self) -> list[float]:
         """Each trial's step time on the slowest rank: a DDP step waits for all of them."""
@@ -332,8 +399,9 @@ class Autotuner:
             "tried": {self.words(setting): time_ for setting, time_ in zip(self.trials, times)},
         }
         as_given = "the data on the device" if self.only_data else "the settings as given"
+        notes = "".join(f"; {note}" for note in (self.data_note, self.compile_note) if note)
         self.say(
             f"{self.flag}: {self.words(chosen)}, x{times[0] / chosen_time:.2f} {as_given} (median step "
             f"{chosen_time * 1000:.1f} ms vs {times[0] * 1000:.1f} ms; steps {self._first_step}-{step} "
-            f"measured, ms per step: {tried}){'; ' + self.compile_note if self.compile_note else ''}"
+            f"measured, ms per step: {tried}){notes}"
         )

@@ -43,6 +43,11 @@ def test_every_contender_trains_and_is_in_the_table_or_skipped_in_one_line(tmp_p
         len(table[0].split(" | ")) == 2 + (len(installed) - 1) + 2
     )  # length, config, ratios, loop, accuracies
     assert "--autotune chose: " in output.read_text()
+    ratio = only["autotune"]["samples_per_sec"] / only["trainer"]["samples_per_sec"]  # the one round's
+    assert (
+        f"24 steps, 2 process(es): --autotune x{ratio:.3f} ({ratio:.3f}-{ratio:.3f}) the same trainer without it"
+        in output.read_text()
+    )
 
 
 def test_a_224_px_workload_repeats_a_pool_of_distinct_images_to_the_run_length():

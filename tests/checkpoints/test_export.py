@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 import main_multi_gpu
 from conftest import assert_untouched, config_for, contents, run_ranks
 from multigpu.checkpoints import checkpoint, export, sharded, weights
+from multigpu.errors import CheckpointError, UsageError
 from multigpu.models import GPT
 from train_multi_gpu import MultiGPUTrainer
 
@@ -386,3 +387,50 @@ def test_export_on_end_over_an_earlier_export_is_refused_unless_overwrite_or_the
     assert main_multi_gpu.main([*args, "--max-steps", "2", "--resume", "auto"]) == 0
     assert f"(replaced the earlier {earlier})" in capfd.readouterr().out
     assert set(safetensors.load_file(str(earlier))) == set(first)
+
+
+def test_a_pt_checkpoint_given_for_a_pt_export_is_refused_for_what_it_is_and_nothing_changes(
+    one_file_run, tmp_path, capsys
+):
+    """`python -m multigpu.export base/best.pt base/last.pt --overwrite`: the source is a .pt checkpoint already (not
+    "not a sharded checkpoint folder"), and the run's last.pt is left as it was."""
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("best.pt", "last.pt"):
+        (base / name).write_bytes((one_file_run / name).read_bytes())
+    before = contents(base)
+    assert export.main([str(base / "best.pt"), str(base / "last.pt"), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {base / 'best.pt'} is a .pt checkpoint already, and --format pt (OUT {base / 'last.pt'}) makes one "
+        f"of a sharded checkpoint folder or a safetensors checkpoint; for its weights name OUT .safetensors or a "
+        f"folder (hf)\n"
+    )
+    assert_untouched(base, before)
+    (base / "notes.pt").write_text("my notes\n")  # a file that is no checkpoint: refused for what it is
+    assert export.main([str(base / "notes.pt"), str(tmp_path / "out.pt")]) == 2
+    assert "refused: not a checkpoint (it holds text" in capsys.readouterr().err
+
+
+def test_a_safetensors_file_cut_within_its_header_is_called_truncated_wherever_it_is_read(tmp_path, capsys):
+    """A .safetensors file cut short before its header's end (a checkpoint's header is long) was read as a torch.save
+    file and called "not a file written by torch.save"; safetensors' own reader now says what is wrong."""
+    whole = tmp_path / "whole.safetensors"
+    safetensors.save_file(
+        {f"layer{i}.weight": torch.zeros(2) for i in range(100)}, str(whole), metadata={"note": "x" * 500}
+    )
+    data = whole.read_bytes()
+    for size in (1, 9, 100, 2000):
+        cut = tmp_path / f"cut{size}.safetensors"
+        cut.write_bytes(data[:size])
+        for out in ("out.safetensors", "out.pt"):
+            assert export.main([str(cut), str(tmp_path / out)]) == 2
+            said = capsys.readouterr().err
+            assert (
+                said.startswith(f"error: checkpoint {cut} refused: truncated or corrupt (")
+                and "\n" == said[-1]
+            )
+        with pytest.raises(CheckpointError, match="refused: truncated or corrupt"):
+            checkpoint.load(str(cut))
+        with pytest.raises(UsageError, match=f"--init-from {cut} cannot be read as safetensors"):
+            weights.open_source(str(cut))
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out.pt").exists()

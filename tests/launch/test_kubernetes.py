@@ -11,7 +11,9 @@ again continue from the volume's save-dir.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -77,7 +79,8 @@ def test_the_trainjob_is_kubeflows_own_model_with_no_key_lost(nodes: int, gpus: 
         "torch-distributed",
     )
     assert (trainer.num_nodes, trainer.num_proc_per_node) == (nodes, procs)
-    resources = {"requests": {"cpu": str(5 * gpus if gpus else procs)}}
+    memory = 16 * gpus if gpus else 2 * procs  # GiB: per GPU, or per CPU process
+    resources = {"requests": {"cpu": str(5 * gpus if gpus else procs), "memory": f"{memory}Gi"}}
     if gpus:
         resources["limits"] = {"nvidia.com/gpu": str(gpus)}
     assert job.to_dict()["spec"]["trainer"]["resourcesPerNode"] == resources
@@ -94,8 +97,12 @@ def test_the_trainjob_is_kubeflows_own_model_with_no_key_lost(nodes: int, gpus: 
     assert trainer_args[-2:] == ["--resume", "auto"]
     patch = job.spec.runtime_patches[0].training_runtime_spec.template.spec.replicated_jobs[0]
     pod = patch.template.spec.template.spec
-    assert pod.volumes[0].persistent_volume_claim.claim_name == "runs"
-    assert pod.containers[0].name == "node" and pod.containers[0].volume_mounts[0].mount_path == "/runs/exp1"
+    # /dev/shm memory-backed (a container's default is 64 MB: DataLoader workers pass their batches through it)
+    shm, claim = pod.volumes
+    assert (shm.empty_dir.medium, shm.empty_dir.to_dict()["sizeLimit"]) == ("Memory", f"{memory // 4}Gi")
+    assert claim.persistent_volume_claim.claim_name == "runs"
+    mounts = {mount.name: mount.mount_path for mount in pod.containers[0].volume_mounts}
+    assert pod.containers[0].name == "node" and mounts == {shm.name: "/dev/shm", claim.name: "/runs/exp1"}
     assert records["job-name"] == job.metadata.name == "multigpu-exp1"
 
 
@@ -108,7 +115,7 @@ def test_a_save_dir_no_shell_or_yaml_reads_right_reaches_the_trainer_exactly(tmp
     assert command[command.index("--log-file") + 1] == f"{save_dir}/torchrun-node1.log"  # the one reference
     mount = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     assert (
-        mount["template"]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
+        mount["template"]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][-1]["mountPath"]
         == save_dir
     )
     assert job["metadata"]["name"] == "multigpu-run-one-two-id-pet-node-rank"
@@ -286,3 +293,45 @@ def test_two_pods_train_as_torchrun_on_two_nodes_and_resume_from_the_volume_afte
     weights, expected = final_weights(save_dir), final_weights(reference)
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions as Docker reads them: continued lines joined, comments dropped."""
+    joined = re.sub(
+        r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    )
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
+        for line in joined.splitlines()
+        if line.strip()
+    ]
+
+
+def test_the_dockerfile_builds_the_image_the_trainjob_runs_from_this_repository() -> None:
+    """No Docker daemon here: the Dockerfile read as Docker reads it. Its working directory is the repository
+    (the TrainJob's command names multigpu/launch/torchrun.py and main_multi_gpu.py relative to it), its Python
+    is one the project supports, it installs requirements.txt's pins, and .dockerignore leaves out environments,
+    data and runs but nothing the command runs."""
+    instructions = dockerfile_instructions((REPO / "Dockerfile").read_text())
+    kinds = [kind for kind, _ in instructions]
+    assert kinds[0] == "FROM" and kinds.count("FROM") == 1
+    python = re.fullmatch(r"python:(3)\.(\d+)-slim", instructions[0][1])
+    assert python and (3, int(python.group(2))) >= (3, 9)  # pyproject.toml's requires-python
+    workdir = dict(instructions)["WORKDIR"]
+    assert workdir.startswith("/")
+    copies = [args.split() for kind, args in instructions if kind == "COPY"]
+    assert all((REPO / source).exists() for sources in copies for source in sources[:-1])
+    runs = [args for kind, args in instructions if kind == "RUN"]
+    assert any("pip install -r requirements.txt" in run for run in runs)
+    assert copies[-1] == [".", "."] and kinds.index("RUN") < kinds.index(
+        "COPY", kinds.index("RUN")
+    )  # deps first
+    job = yaml.safe_load(rule_set("--gpus", "0", "--save-dir", "/runs/exp1")["script"])
+    command = job["spec"]["trainer"]["command"]
+    needed = [command[1], command[command.index("main_multi_gpu.py")]]
+    assert all((REPO / path).is_file() for path in needed), needed
+    ignored = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    assert {".venv", "datasets", "checkpoints", "runs"} <= set(ignored)
+    assert not any(fnmatch.fnmatch(path, pattern) for path in needed for pattern in ignored)
+    docs = (REPO / "docs" / "launcher.md").read_text()
+    assert "`docker build -t ghcr.io/you/multigpu-train:1.0 .`" in docs

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from conftest import config_for, full_weights, run_ranks
+from conftest import config_for, full_weights, run_ranks, tiny_gpt2, tiny_model
+from multigpu.loop.forward import fitted_forward
 from multigpu.loop.tokens import IGNORE_INDEX, SequenceCrossEntropy, are_tokens, targets_in
 from train_multi_gpu import MultiGPUTrainer
 
@@ -339,3 +340,21 @@ def test_scores_with_the_classes_in_dimension_1_are_read_as_torch_reads_them_by_
     for result in results:
         assert result["loss"] == pytest.approx(loss, rel=1e-5) and result["acc"] == pytest.approx(accuracy)
     assert results[0]["count"] == results[1]["count"] == 45 and results[0]["tokens"] == results[1]["tokens"]
+
+
+def test_a_transformers_model_builds_no_key_value_cache_in_training_and_its_config_stays():
+    """(Here, where transformers is imported anyway; multigpu/loop/forward.py's ModelForward.) A transformers causal
+    LM's config asks for a key/value cache at every forward (use_cache, for generation):
+    a training or evaluation forward has no use for it (Hugging Face's Trainer turns it off too; it cost this
+    project's GPT-2 steps about 15% of their CPU time). It is turned off per call, and the config, saved with
+    the model, is left as it was."""
+    model = tiny_gpt2()
+    assert model.config.use_cache
+    ids = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))
+    forward = fitted_forward(model)
+    for batch in ({"input_ids": ids, "labels": ids}, (ids, ids)):
+        outputs, targets = forward(model, batch)
+        assert outputs.past_key_values is None and targets is ids
+    assert model.config.use_cache  # untouched
+    assert model(ids).past_key_values is not None  # what the model's own call builds
+    assert fitted_forward(tiny_model()).no_cache == {}  # a model of no such config: nothing added

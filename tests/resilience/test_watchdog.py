@@ -4,6 +4,7 @@ one of them misbehaving; each run ends by itself within the hang timeout plus a 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ def test_a_stopped_rank_is_named_its_peer_saved_and_resume_continues(tmp_path):
     )  # rank 0's watchdog ended the stopped rank: torchrun did not wait
     text = report(save_dir)
     assert "rank 1 does not respond (stopped, frozen or dead)" in text.splitlines()[1]
+    # where it was: its last heartbeat if it is as recent as step 3, else the step 3 it took with rank 0
+    assert re.search(r"rank 1 .*(last heard at step [3-9]|completed step 3 with the others)", text), text
     assert "rank 0 waits in DDP's gradient all-reduce (backward)" in text
     assert (
         "in _forward_backward" in text.split("--- rank 0")[1]
@@ -133,3 +136,50 @@ def test_slow_is_not_stuck_a_run_under_cpu_load_with_a_short_timeout_finishes(tm
         ranks = scenario("plain", tmp_path, "--hang-timeout", "2", "--epochs", "1")
     assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr
     assert not (tmp_path / "hang_report.txt").exists()
+
+
+class CountingStore:
+    """A store that counts the calls made to it (each a GIL hand-off from the watchdog's thread's C++ call)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store, self.calls = dist.HashStore(), 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def test_a_lone_process_watchdog_looks_without_store_round_trips_and_at_most_every_5_seconds(tmp_path):
+    """Each look took the GIL from the training thread 6 times over (the store's calls release it): a one-process
+    GPT-2 step's thread waited for it back 35-57 times in 50 steps where Hugging Face's Trainer's waited 6, and on a
+    busy machine each wait is a time slice lost. Alone, the watchdog reads its own heartbeat; every rank looks at
+    most every 5 s with the default --hang-timeout (300 s), still every 0.6 s with a 3 s one."""
+    from multigpu.resilience.heartbeat import BEAT
+    from multigpu.resilience.watchdog import Watchdog
+
+    store = CountingStore()
+    alone = Watchdog(0, 1, 300.0, str(tmp_path), "gloo", lambda verdict: "", store=store)
+    BEAT.restart()
+    for step in range(1, 4):
+        BEAT.step = step
+        alone._tick()
+    assert store.calls == 0 and alone.latest[0]["step"] == 3 and alone.beats == 3
+    assert alone.seen[0][0][0] == 3  # its position, as the decision reads it
+    pair = Watchdog(0, 2, 300.0, str(tmp_path), "gloo", lambda verdict: "", store=store)
+    pair._tick()
+    assert store.calls > 0 and pair.latest[0]["step"] == 3  # published for the other rank, and read back
+    assert (
+        alone.interval,
+        Watchdog(0, 1, 3.0, str(tmp_path), "gloo", lambda v: "", store=store).interval,
+    ) == (
+        5.0,
+        0.6,
+    )
+    BEAT.restart()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -273,5 +276,166 @@ def test_the_objective_is_the_runs_monitor_and_main_multi_gpu_takes_the_search_f
     assert (plan.objective, plan.lower_is_better) == ("val_acc", False)
     plan = build_search_plan(options, ["--epochs", "2"])
     assert (plan.objective, plan.lower_is_better) == ("val_loss", True)
-    assert plan.train_argv[-2:] == ["--monitor", "val_loss"]  # the runs' best.pt follows the objective
+    assert plan.train_argv[-2:] == ["--monitor-metric", "val_loss"]  # the runs' best.pt follows the objective
     assert list(tmp_path.iterdir()) == []  # planning writes nothing
+
+
+# A driver killed while it writes a record: Optuna's own append (through the sweep's storage, holding the journal's
+# link lock) SIGKILLs its process once half of the record's bytes are on disk.
+KILLED_MID_WRITE = """
+import builtins, os, signal, sys
+from multigpu.sweep.study import STUDY_NAME, storage
+
+journal = sys.argv[1]
+store = storage(journal)
+real_open = builtins.open
+
+
+class KilledMidWrite:
+    def __init__(self, file):
+        self.file = file
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def write(self, data):
+        self.file.write(data[: len(data) // 2])
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def opened(path, mode="r", *args, **kwargs):
+    file = real_open(path, mode, *args, **kwargs)
+    return KilledMidWrite(file) if path == journal and "a" in mode else file
+
+
+builtins.open = opened
+study = store.get_study_id_from_name(STUDY_NAME)
+store.set_trial_user_attr(store.get_trial_id_from_study_id_trial_number(study, 0), "note", "never written whole")
+"""
+
+
+def damaged_copy(reference: Path, tmp_path: Path) -> Path:
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(reference, sweep_dir, symlinks=True)
+    return sweep_dir
+
+
+def drive(sweep_dir: Path, capsys) -> tuple[int, str, str]:
+    """The same search command again, in this process (every trial has ended: nothing is trained)."""
+    from multigpu.sweep.cli import main
+
+    code = main(search_args(sweep_dir))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def sha256s(sweep_dir: Path) -> dict[str, str]:
+    """Every file's digest but the shard lock's owner record (each driver writes its pid there)."""
+    return {
+        str(path.relative_to(sweep_dir)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sweep_dir.rglob("*")
+        if path.is_file() and not path.is_symlink() and path.name != ".lock"
+    }
+
+
+@pytest.mark.slow
+def test_a_record_cut_short_by_a_sigkill_while_writing_is_set_aside_and_the_search_continues(
+    searched, tmp_path, capsys
+):
+    reference, _ = searched
+    sweep_dir = damaged_copy(reference, tmp_path)
+    journal = sweep_dir / "study.journal"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(journal)], env=cli_env(), timeout=RUN_TIMEOUT
+    )
+    assert killed.returncode == -9
+    damaged = journal.read_bytes()
+    assert not damaged.endswith(b"\n") and damaged.startswith((reference / "study.journal").read_bytes())
+    assert (sweep_dir / "study.journal.lock").is_symlink()  # the killed writer held the lock
+    results = (sweep_dir / "results.jsonl").read_bytes()
+
+    started = time.monotonic()
+    code, out, err = drive(sweep_dir, capsys)
+    assert code == 0, err
+    assert time.monotonic() - started < 25  # the left lock removed, not waited on for Optuna's 30 s
+    warnings = [line for line in err.splitlines() if line.strip()]
+    assert len(warnings) == 1 and "Traceback" not in err, err
+    backups = list(sweep_dir.glob("study.journal.partial-*"))
+    assert len(backups) == 1 and backups[0].read_bytes() == damaged
+    assert (
+        warnings[0].startswith(f"warning: {journal}: its last record was cut short (")
+        and str(backups[0]) in err
+    )
+    assert "removed the lock(s) it left: study.journal.lock" in warnings[0]
+    # the partial line, and only it, cut off (then the driver's opening of the study appended a record of its own)
+    repaired = journal.read_bytes()
+    assert repaired.startswith((reference / "study.journal").read_bytes()) and damaged not in repaired
+    assert all(json.loads(line) for line in repaired.splitlines())
+    assert (sweep_dir / "results.jsonl").read_bytes() == results  # nothing ran again
+    assert "search done: 3 trials ended" in out
+    assert decisions(sweep_dir) == decisions(reference)
+
+
+@pytest.mark.slow
+def test_a_journal_cut_by_truncate_is_set_aside_and_its_cut_trial_told_again(searched, tmp_path, capsys):
+    """`truncate -s -40`: the last record, the last trial's ending, loses its end; the trial is running again in
+    the journal Optuna reads, and the driver tells it again from its runs' results, running nothing."""
+    reference, _ = searched
+    sweep_dir = damaged_copy(reference, tmp_path)
+    journal = sweep_dir / "study.journal"
+    subprocess.run(["truncate", "-s", "-40", str(journal)], check=True, timeout=60)
+    assert load_study(sweep_dir).trials[-1].state.name == "RUNNING"  # Optuna skips the partial line
+    results = (sweep_dir / "results.jsonl").read_bytes()
+    code, out, err = drive(sweep_dir, capsys)
+    assert code == 0, err
+    assert len(err.strip().splitlines()) == 1 and "its last record was cut short (" in err, err
+    assert (sweep_dir / "results.jsonl").read_bytes() == results
+    assert decisions(sweep_dir) == decisions(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("garbage line", "line 5 is not a record Optuna writes (not JSON)"),
+        ("bytes overwritten mid-file", "is not a record Optuna writes (not JSON)"),
+        ("a record Optuna cannot replay", "is a record Optuna cannot replay (KeyError"),
+        (
+            "emptied",
+            "holds runs of trials its study.journal does not know (trial-0, trial-1, trial-2; a journal of ",
+        ),
+        (
+            "removed",
+            "holds runs of trials its study.journal does not know (trial-0, trial-1, trial-2; no journal)",
+        ),
+    ],
+)
+def test_a_damaged_journal_or_one_that_does_not_know_the_runs_is_one_line_and_nothing_changes(
+    searched, tmp_path, capsys, damage, expected
+):
+    reference, _ = searched
+    sweep_dir = damaged_copy(reference, tmp_path)
+    journal = sweep_dir / "study.journal"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    if damage == "garbage line":
+        journal.write_bytes(b"".join([*lines[:4], b"garbage\n", *lines[4:]]))
+    elif damage == "bytes overwritten mid-file":
+        with open(journal, "r+b") as file:
+            file.seek(len(journal.read_bytes()) // 2)
+            file.write(b"\xff" * 16)
+    elif damage == "a record Optuna cannot replay":
+        journal.write_bytes(b"".join([*lines, b'{"op_code": 5, "worker_id": "w"}\n']))
+    elif damage == "emptied":
+        subprocess.run(["truncate", "-s", "0", str(journal)], check=True, timeout=60)
+    else:
+        journal.unlink()
+    before = sha256s(sweep_dir)
+    code, _, err = drive(sweep_dir, capsys)
+    assert_one_line(code, err, expected)
+    assert "nothing was changed" in err
+    assert sha256s(sweep_dir) == before  # nothing appended, rerun or summarized

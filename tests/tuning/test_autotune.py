@@ -86,8 +86,8 @@ def test_autotune_tries_the_settings_on_training_steps_and_prints_saves_and_reus
     # whether compile was tried and why: steps of milliseconds could never repay a compile
     assert re.search(
         rf"\); compile not tried: (the {STEPS - 5 * len(tuner.trials)} steps left at [\d.]+ ms would "
-        rf"save [\d,]+ s if compiled steps were 10% faster, less than the 60 s a compile is expected "
-        rf"to take|no C\+\+ compiler \(g\+\+\) here)$",
+        rf"save [\d,]+ s if compiled steps were 10% faster, less than the [\d,]+ s a compile is expected "
+        rf"to take( on cores this process had \d+% of)?|no C\+\+ compiler \(g\+\+\) here)$",
         line,
     ), line
     assert (
@@ -200,7 +200,8 @@ def test_on_a_run_long_enough_compile_is_tried_last_and_kept_only_if_it_repays_i
     left = STEPS - 5 * (len(tuner.trials) - 1)  # at the decision; the compiled trial then takes 7 steps
     assert re.search(
         rf"; compile tried: the {left} steps left at [\d.]+ ms would save [\d,]+ s if compiled steps "
-        rf"were 10% faster, at least the 0 s a compile is expected to take; {kept}: it (saves|would "
+        rf"were 10% faster, at least the 0 s a compile is expected to take( on cores this process had \d+% "
+        rf"of)?; {kept}: it (saves|would "
         rf"save) [\d,]+ s over the {left - 7} steps left, its compile took [\d,]+ s$",
         line,
     ), line
@@ -223,3 +224,25 @@ def test_compile_is_tried_only_where_the_planned_steps_left_could_repay_it():
         "at least the 60 s a compile is expected to take",
     )
     assert not autotune.compile_worth_trying(100_000, 0.005, cpu)[0]  # the cnn's steps: never worth a compile
+
+
+def test_a_process_that_got_a_fraction_of_its_cores_expects_a_compile_that_much_slower():
+    """On 2 cores other jobs kept busy, resnet18's measured steps took 15 s instead of 0.8 s: 50 of them would
+    have repaid the 60 s a compile takes on free cores, and compile was tried, and took 280 s. The process had
+    16% of its cores' time in the trials (its CPU seconds over the wall seconds of its threads), and a compile
+    is expected to take that much longer too."""
+    cpu = torch.device("cpu")
+    share = autotune.cpu_share(cpu_seconds=337.0, wall_seconds=1078.0, threads=2)
+    assert share == pytest.approx(337.0 / 2156.0)
+    assert autotune.compile_worth_trying(50, 15.377, cpu, share) == (
+        False,
+        "compile not tried: the 50 steps left at 15377.0 ms would save 77 s if compiled steps were 10% faster, "
+        "less than the 384 s a compile is expected to take on cores this process had 16% of",
+    )
+    assert autotune.compile_worth_trying(50, 15.377, cpu)[0]  # as if it had its cores: tried
+    assert autotune.compile_worth_trying(1990, 0.8, cpu, 0.95) == autotune.compile_worth_trying(
+        1990, 0.8, cpu
+    )
+    assert autotune.compile_worth_trying(10, 1.0, cpu, 0.0)[1].endswith(
+        "the 1200 s a compile is expected to take on cores this process had 5% of"
+    )  # counted as 5% at the least
