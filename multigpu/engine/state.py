@@ -97,6 +97,7 @@ def contents(run: Any, known_rng: Saved | None) -> dict[str, Any]:
     """What a checkpoint of `run` (the trainer) holds, each thing with state_dict()/load_state_dict(), in the
     order the checkpointer saves and loads them. `known_rng`: every rank's RNG states known without a
     collective (rank 0's save alone); else gathered."""
+    semi_sync = getattr(getattr(run, "replicas", None), "semi_sync", None)  # --semi-sync's own state
     return {
         "model": ModelState(run.model),
         "model_info": ModelInfo(run.model),  # ties, a transformers config
@@ -108,8 +109,10 @@ def contents(run: Any, known_rng: Saved | None) -> dict[str, Any]:
         "rng": known_rng or run.rng_state,
         "trackers": run.report.trackers,  # their runs' ids
         **({"stream_state": run.stream} if run.stream is not None else {}),  # data/streaming.py
-        **({"autotune": run.autotune} if run.autotune is not None else {}),
-    }  # its choice, reused on resume
+        **({"autotune": run.autotune} if run.autotune is not None else {}),  # its choice, reused on resume
+        # the outer optimizer, the weights of the last sync, the place in the window
+        **({"semi_sync": semi_sync} if semi_sync is not None else {}),
+    }
 
 
 def identity(config: Any, sampler: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
