@@ -682,9 +682,9 @@ class TrainConfig:
                 raise UsageError(f"--fault-tolerance {why[name]}")
 
     def _check_semi_sync(self) -> None:
-        """UsageError where --semi-sync's flags come without it, or it comes without the replica groups it syncs
-        or the steps between syncs, or with a flag of the other method (docs/fault-tolerance.md, "Training
-        across slow links")."""
+        """UsageError where --semi-sync's flags come without it, or it comes without the replica groups it
+        syncs or the steps between syncs, or with a flag of the other method, or with fsdp
+        (docs/fault-tolerance.md, "Training across slow links")."""
         given = [name for name in SEMI_SYNC_FLAGS if getattr(self, name) != FIELDS[name].default]
         if self.semi_sync is None:
             if given:
@@ -701,13 +701,14 @@ class TrainConfig:
             )
         if self.sync_every is None:
             raise UsageError(
-                f"--semi-sync {self.semi_sync} needs --sync-every H: the steps each replica group trains on its "
-                f"own between two syncs (the bytes between groups fall H times)"
+                f"--semi-sync {self.semi_sync} needs --sync-every H: the steps each replica group trains on "
+                f"its own between two syncs (the bytes between groups fall H times)"
             )
         if self.multi_gpu == "fsdp":
             raise UsageError(
-                "--semi-sync with --multi-gpu fsdp: the outer state would be per shard, which the run's one-file "
-                "checkpoint does not hold; train each replica group with --multi-gpu ddp (or one process)"
+                "--semi-sync with --multi-gpu fsdp: the outer state would be per shard, which the run's "
+                "one-file checkpoint does not hold; train each replica group with --multi-gpu ddp (or one "
+                "process)"
             )
         diloco_only = [name for name in given if name not in ("sync_every",)]
         if self.semi_sync == "local-sgd" and diloco_only:

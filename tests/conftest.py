@@ -77,6 +77,7 @@ HEAVIEST_FILES = {
     "test_sweep_multi_gpu.py": 105,
     "test_bad_input.py": 100,
     "parallel/test_fault_tolerance.py": 100,  # three kill-and-heal scenarios, one of 2 and two of 4 processes
+    "parallel/test_semi_sync.py": 75,  # --semi-sync: DDP and 6 pairs of replica groups, a kill and a resume
 }
 
 

@@ -13,9 +13,8 @@ torchft's Manager, its process group and the Lighthouse are multigpu/parallel/fa
   by its data rank), so the groups' dropout and augmentation stay independent.
 - `Ledger`: which groups each quorum lacked from which step; said once when a group rejoins (or at the end) and
   totalled in the summary. The writer of the run's files is the lowest live group's rank 0 (`Runtime.leads`).
-- --semi-sync (multigpu/parallel/semi_sync.py, torchft's DiLoCo and LocalSGD): the plain TrainStep, no quorum per
-  step; at each step's end (`after_step`, the first on_step_end) a sync when one is due, in a quorum joined there,
-  where the ledger and the lead are updated as at each step without it.
+- --semi-sync: the plain TrainStep, and a sync every --sync-every steps (multigpu/engine/sync_windows.py).
+- The bytes this group sends the others, counted (multigpu/parallel/semi_sync.py's CountedManager) and said.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from multigpu.engine import state
+from multigpu.engine import state, sync_windows
 from multigpu.errors import TrainingStopped
 from multigpu.loop.step import TrainStep
 from multigpu.parallel import semi_sync
@@ -112,9 +111,8 @@ class Replicas:
         self.committed_before = 0
         # What this group sends the others, counted (`between groups` on the plan and done lines).
         self.groups.manager = semi_sync.CountedManager(self.groups.manager)
-        self.semi_sync: semi_sync.SemiSync | None = None  # --semi-sync's torchft DiLoCo or LocalSGD
+        self.semi_sync: sync_windows.SyncWindows | None = None  # --semi-sync's syncs
         self.first_step = 0  # where this group's training started (after a resume or heal)
-        self.position = (0, 0)  # (epoch, samples into it) at the last step's end: each step's samples
         self.groups.share_state(STATE_KEY, self._send, self._receive)
 
     # ------------------------------------------------------------------ heals
@@ -158,7 +156,7 @@ class Replicas:
         self._join_quorum(self.trainer.progress.global_step + 1)
         self.quorum_joined = True
         if self.semi_sync is not None:
-            self._wait_for_min_groups(started)
+            self.semi_sync.wait_for_min_groups(started)
         self._lead(self.groups.live_groups())
         if self.healed_from is not None:
             progress = self.trainer.progress
@@ -170,8 +168,8 @@ class Replicas:
             if self.runtime.rank == 0:  # the group's other ranks healed alike
                 print(healed, flush=True)
             self.trainer.report.purge_step = self.healed_at = progress.global_step + 1
-            if self.semi_sync is not None and self.semi_sync.peer_was_syncing:
-                self._sync(progress.global_step, self.semi_sync.finish_peer_sync)
+            if self.semi_sync is not None:
+                self.semi_sync.after_heal()
             self._training_starts()
             return True
         resumed = state.resume(self.trainer)
@@ -183,10 +181,10 @@ class Replicas:
         return resumed
 
     def _training_starts(self) -> None:
-        """Where this group's training starts: the steps and samples from here on are its own."""
-        progress = self.trainer.progress
-        self.first_step = progress.global_step
-        self.position = (progress.epoch, progress.samples_in_epoch)
+        """Where this group's training starts: the steps from here on are its own."""
+        self.first_step = self.trainer.progress.global_step
+        if self.semi_sync is not None:
+            self.semi_sync.starts()
 
     # ------------------------------------------------------------------ each step
     def step_starts(self, group_samples: int) -> None:
@@ -209,83 +207,13 @@ class Replicas:
         for line in lines:
             self.trainer.report.line(line)
 
-    # ------------------------------------------------------------------ --semi-sync
-    def start_semi_sync(self) -> None:
-        """--semi-sync: torchft's DiLoCo or LocalSGD on the trainer's model and (inner) optimizer, told of each
-        step's end before any callback (so that they see the synced weights)."""
-        trainer = self.trainer
-        semi_sync.check_device(trainer.config, trainer.device, trainer.model)
-        self.semi_sync = semi_sync.SemiSync(
-            trainer.config, self.groups.manager, trainer.model, trainer.optimizer
-        )
-        trainer._on_step_end = [self.after_step, *trainer._on_step_end]
-
-    def after_step(self, trainer: Any) -> None:
-        """A step's end under --semi-sync: a sync when one is due; TensorBoard's count of the bytes sent."""
-        assert self.semi_sync is not None
-        step = trainer.progress.global_step
-        if self.semi_sync.after_step(self._step_group_samples()):
-            self._sync(step, self._quorum_and_sync)
-        if step % trainer.config.log_every == 0:
-            self.log_bytes(step)
-
-    def _quorum_and_sync(self) -> bool:
-        """The quorum of a due sync (a healing group takes this group's state in it), then the sync."""
-        assert self.semi_sync is not None
-        step = self.trainer.progress.global_step
-        self.semi_sync.syncing = True
-        self._join_quorum(step)
-        if self.healed_from is not None:  # a sync the others committed and this group did not
-            raise TrainingStopped(
-                f"replica group {self.groups.replica_id} fell behind its peers at the sync of step {step} (they "
-                f"committed one it did not) and took a live peer's state mid-epoch: start it again with the same "
-                f"command, and it heals at its start"
-            )
-        with self.waiting_for(f"the sync of step {step}"):
-            return self.semi_sync.sync()
-
-    def _sync(self, step: int, sync: Any) -> None:
-        """Run `sync` (the sync of `step`, in this group's quorum), then say who was lost or is back and what did
-        not commit, as each step's quorum does without --semi-sync: a lost group's share of the whole window."""
-        assert self.semi_sync is not None
-        samples = self.semi_sync.window_group_samples
-        committed = sync()
-        live = self.groups.live_groups()
-        lines = self.ledger.observe(live, step, samples)
-        self._lead(live)
-        if not committed:
-            lines.append(self.ledger.uncommitted(step, samples * len(live), self.groups.error()))
-        for line in lines:
-            self.trainer.report.line(line)
-
-    def _wait_for_min_groups(self, started: float) -> None:
-        """At the start, before any state is taken: a quorum of at least --ft-min-replicas groups (a sync of fewer
-        would not commit, and a group that starts later heals only at the others' next sync)."""
-        config = self.trainer.config
-        step = self.trainer.progress.global_step + 1
-        while self.healed_from is None and len(self.groups.live_groups()) < config.ft_min_replicas:
-            if time.perf_counter() - started > config.dist_timeout:
-                raise TrainingStopped(
-                    f"replica group {self.groups.replica_id}: only groups {self.groups.live_groups()} joined "
-                    f"within --dist-timeout {config.dist_timeout:g} s, and --ft-min-replicas is "
-                    f"{config.ft_min_replicas}: start the others, or lower --ft-min-replicas"
-                )
-            self._join_quorum(step)
-
-    def _step_group_samples(self) -> int:
-        """This group's samples in the step just ended: the data position's move, a group's share of it."""
-        progress = self.trainer.progress
-        epoch, samples = self.position
-        self.position = (progress.epoch, progress.samples_in_epoch)
-        moved = progress.samples_in_epoch - (samples if epoch == progress.epoch else 0)
-        return moved // self.groups.groups
-
     def sent_per_step(self) -> float:
         """The bytes this rank sent to the other groups per step it trained."""
         steps = max(1, self.trainer.progress.global_step - self.first_step)
         return self.groups.manager.sent_bytes / steps
 
     def log_bytes(self, step: int) -> None:
+        """TensorBoard's perf/bytes_between_groups_per_step (at the --log-every steps)."""
         self.trainer.report.scalars({"perf/bytes_between_groups_per_step": self.sent_per_step()}, step)
 
     def between_groups(self) -> str:
@@ -337,13 +265,9 @@ class Replicas:
         """The ledger's lines at the end (said by the leading group) and its totals, for fit's result."""
         for line in self.ledger.at_end(self.trainer.progress.global_step):
             self.trainer.report.line(line)
-        semi = self.semi_sync
-        if semi is not None and semi.local_step:
-            self.trainer.report.line(
-                f"the run ended {semi.local_step} step{'s' if semi.local_step > 1 else ''} after its last sync: "
-                f"the groups' weights differ by them, and the checkpoint holds the leading group's (end on a "
-                f"multiple of --sync-every {semi.sync_every} for weights every group shares)"
-            )
+        ended_inside = self.semi_sync.end_line() if self.semi_sync is not None else None
+        if ended_inside:
+            self.trainer.report.line(ended_inside)
         ledger = self.ledger
         return {
             "ft_skipped_samples": ledger.skipped_samples,
@@ -407,5 +331,5 @@ def join(trainer: Any) -> Replicas | None:
     if trainer.config.semi_sync is None:
         trainer.step = ReplicatedStep(trainer.step, replicas)
     else:
-        replicas.start_semi_sync()
+        replicas.semi_sync = sync_windows.SyncWindows(replicas)
     return replicas

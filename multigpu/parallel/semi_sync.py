@@ -1,31 +1,31 @@
 """--semi-sync: replica groups that train on their own between syncs, through torchft's DiLoCo and LocalSGD
 (docs/fault-tolerance.md, "Training across slow links").
 
-Under --fault-tolerance alone the groups all-reduce every step's gradients (multigpu/parallel/fault_tolerance.py).
-With --semi-sync each group takes --sync-every (H) optimizer steps of its own inner optimizer, exchanging nothing,
-and then the groups sync:
+Under --fault-tolerance alone the groups all-reduce every step's gradients
+(multigpu/parallel/fault_tolerance.py). With --semi-sync each group takes --sync-every (H) optimizer steps of
+its own inner optimizer, exchanging nothing, and then the groups sync:
 
 - diloco (Douillard et al. 2023, arXiv 2311.08105): the groups' weight changes since the last sync (the outer
-  gradient) are averaged, and an outer SGD with Nesterov momentum (--outer-lr, --outer-momentum) steps the weights
-  of the last sync by them. With --fragments K (Streaming DiLoCo, arXiv 2501.18512) the model is cut into K
-  fragments of its blocks, and one fragment syncs every H/K steps in turn, so each syncs once every H steps and
-  the peak traffic is a K-th. --quantize-outer sends the outer gradients in 8 bits.
+  gradient) are averaged, and an outer SGD with Nesterov momentum (--outer-lr, --outer-momentum) steps the
+  weights of the last sync by them. With --fragments K (Streaming DiLoCo, arXiv 2501.18512) the model is cut
+  into K fragments of its blocks, and one fragment syncs every H/K steps in turn, so each syncs once every H
+  steps and the peak traffic is a K-th. --quantize-outer sends the outer gradients in 8 bits.
 - local-sgd (Lin et al. 2018, arXiv 1805.09767): the groups' weights are averaged.
 
 The algorithm is torchft's own (`torchft.local_sgd.DiLoCo` and `LocalSGD`: the outer gradients, the all-reduce
 through the Manager, the commit, the outer step, the weights restored when a sync fails). torchft drives them
-from hooks inside the inner optimizer's `step()`; here the trainer calls `after_step` once a step is over, so that
-a sync (and the quorum in which a healing group takes a live group's state) always falls between two steps,
-where the trainer's state is whole, as docs/fault-tolerance.md's heals need. The order of the syncs and of the
-fragments is torchft's (one fragment per sync, round-robin by the Manager's count of committed syncs).
+from hooks inside the inner optimizer's `step()`; here the trainer calls `after_step` once a step is over, so
+that a sync (and the quorum in which a healing group takes a live group's state) always falls between two
+steps, where the trainer's state is whole, as docs/fault-tolerance.md's heals need. The order of the syncs and
+of the fragments is torchft's (one fragment per sync, round-robin by the Manager's count of committed syncs).
 
-The Manager's step counts committed syncs plus one (`MANAGER_STEP_OFFSET`): a group that starts (step 0) is thereby
-always behind a live group (step 1 or more), whose quorums are only at its syncs, so it heals from that group and
-joins the very sync that group is in (`finish_peer_sync`), never the reverse.
+The Manager's step counts committed syncs plus one (`MANAGER_STEP_OFFSET`): a group that starts (step 0) is
+thereby always behind a live group (step 1 or more), whose quorums are only at its syncs, so it heals from
+that group and joins the very sync that group is in (`finish_peer_sync`), never the reverse.
 
-`CountedManager` counts the bytes of every all-reduce issued between the groups, under --fault-tolerance with or
-without --semi-sync, for the plan line, the done line and TensorBoard (`between groups: 1.2 MB per step (DDP:
-9.6 MB)`).
+`CountedManager` counts the bytes of every all-reduce issued between the groups, under --fault-tolerance with
+or without --semi-sync, for the plan line, the done line and TensorBoard (`between groups: 1.2 MB per step
+(DDP: 9.6 MB)`).
 """
 
 from __future__ import annotations
@@ -40,16 +40,17 @@ from multigpu.config import TrainConfig
 from multigpu.errors import UsageError
 from multigpu.parallel.sharding import find_blocks
 
-# A group at its start has Manager step 0; a live group's is its committed syncs plus this (see the docstring).
+# A group at its start has Manager step 0; a live group's is its committed syncs plus this (see the
+# docstring).
 MANAGER_STEP_OFFSET = 1
 
 
 # ---------------------------------------------------------------- bytes between the groups
 class CountedManager:
-    """torchft's Manager, counting what each all-reduce through it sends to the other groups: the tensor's bytes,
-    or for a quantized one the 8-bit buffer torchft sends (`quantized_bytes`). An all-reduce of a group alone in
-    its quorum sends nothing, and one after an error in the same step is not sent; neither is counted. Every other
-    attribute is the Manager's own."""
+    """torchft's Manager, counting what each all-reduce through it sends to the other groups: the tensor's
+    bytes, or for a quantized one the 8-bit buffer torchft sends (`quantized_bytes`). An all-reduce of a group
+    alone in its quorum sends nothing, and one after an error in the same step is not sent; neither is
+    counted. Every other attribute is the Manager's own."""
 
     def __init__(self, manager: Any):
         self.__dict__["manager"] = manager
@@ -77,10 +78,11 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def quantized_bytes(tensor: torch.Tensor, participants: int) -> int:
-    """The bytes of torchft's 8-bit buffer for `tensor` (torchft.quantization._prepare_quantize_fp8): each row, its
-    count padded to a multiple of the participants, as a 4-byte scale and one byte a value padded to 4 bytes; a
-    1-D tensor is one column."""
-    rows, columns = (tensor.shape[0], 1) if tensor.dim() == 1 else tuple(tensor.shape)
+    """The bytes of torchft's 8-bit buffer for `tensor` (torchft.quantization._prepare_quantize_fp8): each
+    row, its count padded to a multiple of the participants, as a 4-byte scale and one byte a value padded to
+    4 bytes; a 1-D tensor is one column."""
+    rows = tensor.shape[0]
+    columns = 1 if tensor.dim() == 1 else tensor.shape[1]
     padded_rows = math.ceil(rows / participants) * participants
     return padded_rows * (math.ceil(columns / 4) + 1) * 4
 
@@ -125,20 +127,21 @@ def plan_text(config: TrainConfig) -> str:
     steps = config.sync_every
     if config.semi_sync == "local-sgd":
         return (
-            f"semi-sync local-sgd (torchft): each replica group trains {steps} steps on its own, then the groups' "
-            f"weights are averaged"
+            f"semi-sync local-sgd (torchft): each replica group trains {steps} steps on its own, then the "
+            f"groups' weights are averaged"
         )
     momentum = f", Nesterov momentum {config.outer_momentum:g}" if config.outer_momentum else ""
     fragments = (
-        f"; the model in {config.fragments} fragments, one synced every {config.sync_every // config.fragments} "
-        f"steps in turn"
+        f"; the model in {config.fragments} fragments, one synced every "
+        f"{config.sync_every // config.fragments} steps in turn"
         if config.fragments > 1
         else ""
     )
     quantized = "; the outer gradients sent in 8 bits" if config.quantize_outer else ""
     return (
-        f"semi-sync diloco (torchft): each replica group trains {steps} steps on its own, then the groups' weight "
-        f"changes are averaged into an outer SGD step (lr {config.outer_lr:g}{momentum}){fragments}{quantized}"
+        f"semi-sync diloco (torchft): each replica group trains {steps} steps on its own, then the groups' "
+        f"weight changes are averaged into an outer SGD step (lr {config.outer_lr:g}{momentum})"
+        f"{fragments}{quantized}"
     )
 
 
@@ -153,19 +156,19 @@ class Fragment(nn.Module):
 
 def model_fragments(model: nn.Module, count: int) -> list[Fragment]:
     """The model's trained parameters cut into `count` fragments of consecutive blocks (multigpu/parallel/
-    sharding.py's blocks, as fsdp's units: transformer blocks, ResNet stages); a parameter outside every block goes
-    with the block before it (with the first block, before any), as torchtitan gives the embeddings to the first
-    fragment and the head to the last. Frozen parameters are in none: they never change, so nothing is sent for
-    them. UsageError (one line) for more fragments than blocks."""
+    sharding.py's blocks, as fsdp's units: transformer blocks, ResNet stages); a parameter outside every block
+    goes with the block before it (with the first block, before any), as torchtitan gives the embeddings to
+    the first fragment and the head to the last. Frozen parameters are in none: they never change, so nothing
+    is sent for them. UsageError (one line) for more fragments than blocks."""
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if count == 1:
         return [Fragment(trained)]
     blocks = find_blocks(model)
     if count > len(blocks):
+        kinds = ", ".join(sorted({type(block).__name__ for block in blocks})) or "none"
         raise UsageError(
-            f"--fragments {count}: this model has {len(blocks)} block{'s' if len(blocks) != 1 else ''} to cut it "
-            f"at ({', '.join(sorted({type(block).__name__ for block in blocks})) or 'none'}); give at most "
-            f"{max(1, len(blocks))}"
+            f"--fragments {count}: this model has {len(blocks)} block{'s' if len(blocks) != 1 else ''} to "
+            f"cut it at ({kinds}); give at most {max(1, len(blocks))}"
         )
     fragment_of = {
         id(parameter): index * count // len(blocks)
@@ -182,10 +185,10 @@ def model_fragments(model: nn.Module, count: int) -> list[Fragment]:
 
 # ---------------------------------------------------------------- the algorithm
 class SemiSync:
-    """torchft's DiLoCo or LocalSGD over this process's replica group and its counterparts in the others: told of
-    each finished optimizer step (`after_step`), it says when a sync is due and runs it (`sync`); its state (the
-    outer optimizer, the weights of the last sync, the place in the window) is checkpointed and sent to a healing
-    group with the trainer's."""
+    """torchft's DiLoCo or LocalSGD over this process's replica group and its counterparts in the others: told
+    of each finished optimizer step (`after_step`), it says when a sync is due and runs it (`sync`); its state
+    (the outer optimizer, the weights of the last sync, the place in the window) is checkpointed and sent to a
+    healing group with the trainer's."""
 
     def __init__(self, config: TrainConfig, manager: CountedManager, model: nn.Module, optimizer: Any):
         from torchft.local_sgd import DiLoCo, LocalSGD
@@ -227,17 +230,18 @@ class SemiSync:
             config.sync_every,
             pin_memory=False,
             should_quantize=config.quantize_outer,
-            # One all-reduce per fragment sync (a round trip, not one per tensor, over a slow link), its buffer
-            # the fragment's size (torchft's buckets of a fixed size can leave a tensor out: see the guide). Per
-            # tensor where quantized (torchft quantizes each row of a 2-D tensor, and a flat buffer is one
-            # column) or of mixed dtypes (the buffer has the first tensor's).
+            # One all-reduce per fragment sync (a round trip, not one per tensor, over a slow link), its
+            # buffer the fragment's size (torchft's buckets of a fixed size can leave a tensor out: see the
+            # guide). Per tensor where quantized (torchft quantizes each row of a 2-D tensor, and a flat
+            # buffer is one column) or of mixed dtypes (the buffer has the first tensor's).
             use_bucketization=not config.quantize_outer and len(dtypes) == 1,
             bucket_cap_mb=max(parameter_bytes(fragment) for fragment in fragments) / 2**20 + 1,
         )
 
     # ------------------------------------------------------------------ the schedule
     def after_step(self, group_samples: int) -> bool:
-        """An optimizer step is over (`group_samples`: this group's share of it): whether a sync is due now."""
+        """An optimizer step is over (`group_samples`: this group's share of it): whether a sync is due
+        now."""
         self.local_step += 1
         self.window_group_samples += group_samples
         return self.local_step >= self.steps_between_syncs
@@ -263,8 +267,9 @@ class SemiSync:
         return (self.manager.current_step() - MANAGER_STEP_OFFSET) % self.fragment_count
 
     def finish_peer_sync(self) -> bool:
-        """After a heal at this group's start from a group in a sync (`peer_was_syncing`): join that sync, with the
-        state it sent (the same outer gradients as its own), so that both end it with the same weights."""
+        """After a heal at this group's start from a group in a sync (`peer_was_syncing`): join that sync,
+        with the state it sent (the same outer gradients as its own), so that both end it with the same
+        weights."""
         self.peer_was_syncing = False
         return self.sync()
 
@@ -278,7 +283,8 @@ class SemiSync:
 
     # ------------------------------------------------------------------ checkpoint and heal
     def state_dict(self) -> dict[str, Any]:
-        """Where the window stands, and diloco's outer optimizers and weights of the last sync (per fragment)."""
+        """Where the window stands, and diloco's outer optimizers and weights of the last sync (per
+        fragment)."""
         state: dict[str, Any] = {
             "method": self.method,
             "fragments": self.fragment_count,
@@ -302,8 +308,9 @@ class SemiSync:
             return
         if (state["method"], state["fragments"]) != (self.method, self.fragment_count):
             raise ValueError(
-                f"it was trained with --semi-sync {state['method']} --fragments {state['fragments']}, this run "
-                f"uses --semi-sync {self.method} --fragments {self.fragment_count}: resume with the same ones"
+                f"it was trained with --semi-sync {state['method']} --fragments {state['fragments']}, this "
+                f"run uses --semi-sync {self.method} --fragments {self.fragment_count}: resume with the same "
+                f"ones"
             )
         self.local_step = state["local_step"]
         self.window_group_samples = state["window_group_samples"]
@@ -327,8 +334,9 @@ def check_device(config: TrainConfig, device: torch.device, model: nn.Module) ->
     if device.type != "cuda" or not torchft_manager.IS_TRITON_AVAILABLE:
         where = "without Triton" if device.type == "cuda" else f"on {device.type}"
         raise UsageError(
-            f"--quantize-outer needs torchft's quantized all-reduce, which runs on CUDA GPUs with Triton, and "
-            f"this run is {where}: drop --quantize-outer (the outer gradients then go in their own precision)"
+            f"--quantize-outer needs torchft's quantized all-reduce, which runs on CUDA GPUs with Triton, "
+            f"and this run is {where}: drop --quantize-outer (the outer gradients then go in their own "
+            f"precision)"
         )
     shaped = [name for name, parameter in model.named_parameters() if parameter.dim() > 2]
     if shaped:

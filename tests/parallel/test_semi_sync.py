@@ -1,6 +1,6 @@
-"""--semi-sync (multigpu/parallel/semi_sync.py, multigpu/engine/replicas.py): replica groups that train on their own
-between syncs through torchft's DiLoCo and LocalSGD, proved with real processes (forked from the preloaded server),
-a real SIGKILL and the session's torchft Lighthouse (tests/conftest.py's `lighthouse`)."""
+"""--semi-sync (multigpu/parallel/semi_sync.py, multigpu/engine/replicas.py): replica groups that train on
+their own between syncs through torchft's DiLoCo and LocalSGD, proved with real processes (forked from the
+preloaded server), a real SIGKILL and the session's torchft Lighthouse (tests/conftest.py's `lighthouse`)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from multigpu.config import parse_config
 from multigpu.errors import UsageError
 from multigpu.parallel import semi_sync
 
-# A tiny MLP (3 linear layers, the first two its blocks) on 256 synthetic samples: 16 steps an epoch with 2 groups
-# of batch 8.
+# A tiny MLP (3 linear layers, the first two its blocks) on 256 synthetic samples: 16 steps an epoch with 2
+# groups of batch 8.
 TRAINER = [
     "--mode",
     "flatten",
@@ -65,7 +65,10 @@ class SyncRecorder:
 
     def __init__(self, folder: str, hold_at: int, hold_file: str):
         rank = os.environ.get("RANK", "0")
-        self.folder, self.hold_at, self.hold_file, self.rank = Path(folder), hold_at, hold_file, rank
+        self.folder = Path(folder)
+        self.hold_at = hold_at
+        self.hold_file = hold_file
+        self.rank = rank
         self.sent = (0, 0)
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -92,11 +95,13 @@ class SyncRecorder:
         self._write({"event": "start", "step": trainer.progress.global_step, "healed_at": healed_at})
 
     def on_step_end(self, trainer: Any) -> None:
-        replicas, step = trainer.replicas, trainer.progress.global_step
+        replicas = trainer.replicas
+        step = trainer.progress.global_step
         manager = replicas.groups.manager
-        allreduces, sent = manager.allreduces - self.sent[0], manager.sent_bytes - self.sent[1]
+        allreduces = manager.allreduces - self.sent[0]
+        sent = manager.sent_bytes - self.sent[1]
         self.sent = (manager.allreduces, manager.sent_bytes)
-        synced = replicas.semi_sync.local_step == 0
+        synced = replicas.semi_sync.algorithm.local_step == 0
         self._write(
             {"step": step, "allreduces": allreduces, "bytes": sent, "live": replicas.groups.live_groups()}
         )
@@ -108,8 +113,9 @@ class SyncRecorder:
 
 def group_main(argv: list[str]) -> int:
     """One replica group: `--record FOLDER [--hold-at STEP --hold-file PATH] [--wait-first-quorum PATH]
-    [--mark-first-quorum PATH] -- TRAINER FLAGS`. Its first quorum (at its start) waits for the one file and then
-    writes the other, so that groups can be made to start together, or a group held until another asks."""
+    [--mark-first-quorum PATH] -- TRAINER FLAGS`. Its first quorum (at its start) waits for the one file and
+    then writes the other, so that groups can be made to start together, or a group held until another
+    asks."""
     from multigpu.launch.runner import train_from_argv
     from multigpu.parallel.fault_tolerance import ReplicaGroups
 
@@ -218,9 +224,9 @@ def equal_tensors(one: Any, two: Any) -> bool:
 
 # ---------------------------------------------------------------- exactness
 def test_local_sgd_and_diloco_syncing_every_step_with_plain_sgd_give_ddps_weights(lighthouse, tmp_path):
-    """--semi-sync local-sgd --sync-every 1 and diloco --sync-every 1 --outer-lr 1 --outer-momentum 0, inner SGD:
-    the same weights as DDP over 2 processes on the same data (max abs difference at most 1e-6), and the bytes
-    between groups per step are DDP's."""
+    """--semi-sync local-sgd --sync-every 1 and diloco --sync-every 1 --outer-lr 1 --outer-momentum 0, inner
+    SGD: the same weights as DDP over 2 processes on the same data (max abs difference at most 1e-6), and the
+    bytes between groups per step are DDP's."""
     import main_multi_gpu
 
     ddp_dir = tmp_path / "ddp"
@@ -249,21 +255,25 @@ def test_local_sgd_and_diloco_syncing_every_step_with_plain_sgd_give_ddps_weight
 
 
 # ---------------------------------------------------------------- a lost group, and its return
+@pytest.mark.slow
 def test_a_killed_group_heals_within_the_window_and_the_groups_are_identical_after_every_sync(
     lighthouse, tmp_path
 ):
-    """Streaming DiLoCo, H=4 in 2 fragments (one synced every 2 steps in turn). Group 1 is SIGKILLed after step 6;
-    group 0 syncs on alone. Started again, group 1 heals from group 0 in the sync group 0 is in: model, inner and
-    outer optimizer, the place in the window and the step, all equal; the two end that sync with the same weights,
-    and after every sync both groups hold bit-identical weights. One all-reduce between the groups per fragment
-    sync, at the staggered steps, carrying that fragment's bytes; nothing between syncs."""
+    """Streaming DiLoCo, H=4 in 2 fragments (one synced every 2 steps in turn). Group 1 is SIGKILLed after
+    step 6; group 0 syncs on alone. Started again, group 1 heals from group 0 in the sync group 0 is in:
+    model, inner and outer optimizer, the place in the window and the step, all equal; the two end that sync
+    with the same weights, and after every sync both groups hold bit-identical weights. One all-reduce between
+    the groups per fragment sync, at the staggered steps, carrying that fragment's bytes; nothing between
+    syncs."""
     flags = run_flags(
         lighthouse, tmp_path / "run", "--semi-sync", "diloco", "--sync-every", "4", "--fragments", "2"
     )
-    starting, asking = tmp_path / "group 1 starts", tmp_path / "group 1 asks again"
-    # Group 0 asks for its first quorum once group 1 does, and waits after step 10 until group 1, started again,
-    # asks for its first quorum. Group 1 never trains alone (--ft-min-replicas 2): it starts with group 0 or, if
-    # a busy machine delayed the heartbeats the Lighthouse judges by, heals from group 0 at its first sync.
+    starting = tmp_path / "group 1 starts"
+    asking = tmp_path / "group 1 asks again"
+    # Group 0 asks for its first quorum once group 1 does, and waits after step 10 until group 1, started
+    # again, asks for its first quorum. Group 1 never trains alone (--ft-min-replicas 2): it starts with group
+    # 0 or, if a busy machine delayed the heartbeats the Lighthouse judges by, heals from group 0 at its first
+    # sync.
     run0 = [*flags, "--max-steps", "16"]
     group0 = Group(tmp_path / "group0", 0, run0, hold=(10, asking), wait_first_quorum=starting)
     run1 = [*flags, "--ft-min-replicas", "2"]
@@ -280,17 +290,21 @@ def test_a_killed_group_heals_within_the_window_and_the_groups_are_identical_aft
     start = group1.records()[0]
     rejoined = start["step"]  # the sync group 1 joined: its first step is the one after
     assert start["healed_at"] == rejoined + 1 and rejoined in (10, 12), start
-    peer, healed = group0.dump(f"step{rejoined}"), group1.dump("healed")
-    assert equal_tensors(peer, healed)  # model, inner and outer optimizer, window, step, Manager step
+    peer = group0.dump(f"step{rejoined}")
+    assert equal_tensors(
+        peer, group1.dump("healed")
+    )  # model, inner and outer optimizer, window, step, Manager step
     assert peer["semi_sync"]["local_step"] == 0 and peer["step"] == rejoined
-    # After every sync both groups trained through, the fragment synced is bit-identical in both, and the other
-    # one (its own steps since its sync) is not: fragment 0 (the first block) at steps 2, 6, ..., 1 at 4, 8, ...
+    # After every sync both groups trained through, the fragment synced is bit-identical in both, and the
+    # other one (its own steps since its sync) is not: fragment 0 (the first block) at steps 2, 6, ..., 1 at
+    # 4, 8, ...
     synced_steps = [step for step in range(2, 17, 2) if (killed.folder / f"step{step}-rank0.pt").exists()]
     synced_steps += [step for step in range(rejoined + 2, 17, 2)]
     assert 6 in synced_steps and 16 in synced_steps, synced_steps
     for step in synced_steps:
         group1_dump = killed.dump(f"step{step}") if step <= 6 else group1.dump(f"step{step}")
-        one, two = group0.dump(f"step{step}")["model"], group1_dump["model"]
+        one = group0.dump(f"step{step}")["model"]
+        two = group1_dump["model"]
         synced = {name for name in one if name.startswith("net.1.")} if step % 4 == 2 else None
         synced = synced or {name for name in one if not name.startswith("net.1.")}
         assert all(torch.equal(one[name], two[name]) for name in synced), step
@@ -314,25 +328,29 @@ def test_a_killed_group_heals_within_the_window_and_the_groups_are_identical_aft
     assert f"replica group 1 joined at step {rejoined + 1}: healed from replica group 0" in group1.output()
 
 
+@pytest.mark.slow
 def test_groups_of_two_processes_hold_identical_weights_rank_by_rank_after_every_sync(lighthouse, tmp_path):
-    """2 groups x 2 processes (ddp within each): after every sync, rank r of each group holds the same weights."""
+    """2 groups x 2 processes (ddp within each): after every sync, rank r of each group holds the same
+    weights."""
     flags = run_flags(
         lighthouse, tmp_path / "run", "--semi-sync", "diloco", "--sync-every", "2", "--max-steps", "8"
     )
     groups = both_groups(tmp_path, [*flags, "--multi-gpu", "ddp", "--ft-min-replicas", "2"], nproc=2)
     for rank in range(2):
         for step in (2, 4, 6, 8):
-            one, two = (group.dump(f"step{step}", rank)["model"] for group in groups)
-            assert equal_tensors(one, two), (rank, step)
+            dumps = [group.dump(f"step{step}", rank)["model"] for group in groups]
+            assert equal_tensors(dumps[0], dumps[1]), (rank, step)
         for group in groups:  # nothing between the groups between syncs, one all-reduce at each
             sent = [(record["step"], record["allreduces"]) for record in group.records(rank)[1:]]
             assert sent == [(step, int(step % 2 == 0)) for step in range(1, 9)], sent
 
 
+@pytest.mark.slow
 def test_both_groups_killed_resume_exactly_where_an_uninterrupted_run_ends(lighthouse, tmp_path):
-    """DiLoCo with its outer momentum, inner SGD, a checkpoint every 4 steps; both groups SIGKILLed after step 6
-    and started again with the same command: they resume from step 4 (outer optimizer and window from the
-    checkpoint) and end with exactly the weights of the run that was never interrupted (max abs difference 0)."""
+    """DiLoCo with its outer momentum, inner SGD, a checkpoint every 4 steps; both groups SIGKILLed after step
+    6 and started again with the same command: they resume from step 4 (outer optimizer and window from the
+    checkpoint) and end with exactly the weights of the run that was never interrupted (max abs difference
+    0)."""
     semi = ["--semi-sync", "diloco", "--sync-every", "2", "--max-steps", "10", "--save-every-steps", "4"]
     weights = {}
     for name in ("uninterrupted", "interrupted"):
