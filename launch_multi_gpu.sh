@@ -114,6 +114,9 @@ Fault tolerance (torchft; docs/fault-tolerance.md):
                           restarts it (--max-restarts, default 3) and it heals
                           from a live peer
   --replica-groups N      how many replica groups (default 2)
+  --sync-every H          sync the groups every H steps (default 1: every step's
+                          gradients; more: DiLoCo, H times fewer bytes between
+                          them, for slow links; asked when not given)
   --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
                           from there upward)
 Behaviour:
@@ -186,7 +189,8 @@ parse_args() {
             --multi-gpu | --gpus | --nproc | --gpu-ids | --epochs | --batch-size | --lr | --lr-scaling | \
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
                 --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | --image | \
-                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port) key=${name#--} ;;
+                --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port | \
+                --sync-every) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -450,6 +454,15 @@ ask_training() {
     fi
 }
 
+# --fault-tolerance: how often the replica groups sync (1: every step's gradients; more: DiLoCo's syncs, for
+# slow links), unless said (--sync-every, or --semi-sync after --).
+ask_sync_every() {
+    [[ -n ${SET[fault-tolerance]:-} && -z ${SET[sync-every]:-} ]] || return 0
+    rules check || die_usage "${RULES[error]}"
+    [[ ${RULES[ask-sync-every]:-1} == 1 ]] || return 0
+    ask "Sync the replica groups every how many steps (1 = every step; more: DiLoCo, for slow links)" 1 sync-every
+}
+
 # A --save-dir that holds another run's checkpoints: continue it, a new folder beside it, or
 # overwrite it (the trainer keeps the old files aside until the new run saves). --yes: a new folder.
 ask_save_dir() {
@@ -563,6 +576,7 @@ main() {
         ask_devices
     fi
     ask_training
+    ask_sync_every
     ask_save_dir
     if [[ -n ${SET[slurm]:-} ]]; then
         write_job slurm

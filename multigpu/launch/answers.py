@@ -92,6 +92,7 @@ class Settings:
     )
     replica_groups: str | None = None
     lighthouse_port: str | None = None
+    sync_every: str | None = None  # --fault-tolerance: above 1, the trainer's --semi-sync diloco --sync-every
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable
