@@ -124,11 +124,12 @@ def between_groups_text(sent_per_step: float, ddp_per_step: float) -> str:
 
 def plan_text(config: TrainConfig) -> str:
     """The plan's line of --semi-sync: what each group does alone, and what a sync does."""
-    steps = config.sync_every
+    assert config.sync_every is not None  # TrainConfig refuses --semi-sync without it
+    steps = f"{config.sync_every} step{'s' if config.sync_every > 1 else ''}"
     if config.semi_sync == "local-sgd":
         return (
-            f"semi-sync local-sgd (torchft): each replica group trains {steps} steps on its own, then the "
-            f"groups' weights are averaged"
+            f"semi-sync local-sgd (torchft): each replica group trains {steps} on its own, then the groups' "
+            f"weights are averaged"
         )
     momentum = f", Nesterov momentum {config.outer_momentum:g}" if config.outer_momentum else ""
     fragments = (
@@ -139,7 +140,7 @@ def plan_text(config: TrainConfig) -> str:
     )
     quantized = "; the outer gradients sent in 8 bits" if config.quantize_outer else ""
     return (
-        f"semi-sync diloco (torchft): each replica group trains {steps} steps on its own, then the groups' "
+        f"semi-sync diloco (torchft): each replica group trains {steps} on its own, then the groups' "
         f"weight changes are averaged into an outer SGD step (lr {config.outer_lr:g}{momentum})"
         f"{fragments}{quantized}"
     )

@@ -132,7 +132,7 @@ def group_main(argv: list[str]) -> int:
                 Path(options["--mark-first-quorum"]).touch()
         start_quorum(groups)
 
-    ReplicaGroups.start_quorum = marked  # type: ignore[method-assign]  # in this test process only
+    ReplicaGroups.start_quorum = marked  # type: ignore[method-assign,assignment]  # in this test process only
     recorder = SyncRecorder(
         options["--record"], int(options.get("--hold-at", -1)), options.get("--hold-file", "")
     )
