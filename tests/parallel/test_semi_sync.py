@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import run_forked_workers
+from conftest import read_scalars, run_forked_workers
 from multigpu.config import parse_config
-from multigpu.errors import UsageError
 from multigpu.parallel import semi_sync
 
 # A tiny MLP (3 linear layers, the first two its blocks) on 256 synthetic samples: 16 steps an epoch with 2
@@ -331,7 +330,8 @@ def test_a_killed_group_heals_within_the_window_and_the_groups_are_identical_aft
 @pytest.mark.slow
 def test_groups_of_two_processes_hold_identical_weights_rank_by_rank_after_every_sync(lighthouse, tmp_path):
     """2 groups x 2 processes (ddp within each): after every sync, rank r of each group holds the same
-    weights."""
+    weights; TensorBoard's perf/bytes_between_groups_per_step is the model's bytes over H at each --log-every
+    step."""
     flags = run_flags(
         lighthouse, tmp_path / "run", "--semi-sync", "diloco", "--sync-every", "2", "--max-steps", "8"
     )
@@ -343,6 +343,9 @@ def test_groups_of_two_processes_hold_identical_weights_rank_by_rank_after_every
         for group in groups:  # nothing between the groups between syncs, one all-reduce at each
             sent = [(record["step"], record["allreduces"]) for record in group.records(rank)[1:]]
             assert sent == [(step, int(step % 2 == 0)) for step in range(1, 9)], sent
+    model_bytes = sum(tensor.numel() * 4 for tensor in groups[0].dump("step2")["model"].values())
+    logged = read_scalars(tmp_path / "run" / "tb")["perf/bytes_between_groups_per_step"]
+    assert logged == [(4, model_bytes / 2), (8, model_bytes / 2)], logged
 
 
 @pytest.mark.slow
@@ -368,24 +371,8 @@ def test_both_groups_killed_resume_exactly_where_an_uninterrupted_run_ends(light
     assert max_difference(weights["interrupted"], weights["uninterrupted"]) == 0
 
 
-# ---------------------------------------------------------------- bad input, and the plan's figures
-@pytest.mark.parametrize(
-    "flags, refusal",
-    [
-        (
-            ["--semi-sync", "diloco", "--sync-every", "4"],
-            "--semi-sync diloco syncs the replica groups of --fault-tolerance",
-        ),
-        (["--sync-every", "0"], "--sync-every must be at least 1, got 0"),
-        (["--outer-momentum", "1.5"], "--outer-momentum must be between 0 and 1, got 1.5"),
-        (["--sync-every", "4"], "--sync-every is for --semi-sync"),
-    ],
-)
-def test_semi_sync_settings_are_checked_with_the_config(flags, refusal):
-    with pytest.raises(UsageError, match=refusal):
-        parse_config(flags)
-
-
+# ---------------------------------------------------------------- bad input where the model and device are known
+# (the flags' own: tests/test_bad_input.py), and the plan's figures
 def test_more_fragments_than_blocks_and_quantizing_on_the_cpu_are_one_line_and_exit_2(lighthouse, tmp_path):
     """Refused where the model and the device are known: at the trainer's start, one line each, exit 2."""
     import main_multi_gpu
