@@ -320,6 +320,7 @@ def one_run(
             group_flags = [*flags, *method_flags(method, args, address), "--ft-replica-id", str(group)]
             commands.append(side.command([*scripts[group], *group_flags]))
     sent_before = link.sent_bytes()
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     processes = []
     for index, command in enumerate(commands):
@@ -344,6 +345,7 @@ def one_run(
         sys.exit(f"semi_sync.py: {method} failed (exit statuses {statuses}):\n{logs}")
     result = json.loads(summaries[0].read_text())
     result["process_seconds"] = seconds
+    result["load_average"] = [load_before, os.getloadavg()[0]]
     result["wire_bytes_per_step"] = None if sent is None else (sent - sent_before) / 2 / args.steps
     return result
 
@@ -381,6 +383,7 @@ def rows_of(results: dict[tuple[str, str], dict[str, Any]], args: argparse.Names
                 text_bytes(result["wire_bytes_per_step"]),
                 f"{result['val_loss']:.4f}",
                 f"{result['val_loss'] - ddp['val_loss']:+.4f}",
+                "-".join(f"{load:.0f}" for load in result.get("load_average", [])),
             ]
         )
     return rows
@@ -442,11 +445,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "on the wire",
         "val loss",
         "vs DDP",
+        "load average",
     ]
     params = 12 * args.n_layer * args.n_embd**2
     notes = [
         machine_line(),
-        f"load average {load_before:.1f} before, {load_after:.1f} after (the machine is shared)",
+        f"load average {load_before:.1f} before, {load_after:.1f} after, and at each run's start and end in the "
+        f"last column: the machine is shared with other jobs, whose load moves the times by tens of percent",
         f"--model gpt, {args.n_layer} layers, {args.n_head} heads, width {args.n_embd} (about {params / 1e6:.1f}M "
         f"parameters in its blocks), windows of {args.block_size} characters of this checkout's guide, "
         f"{args.batch_size} windows per group per step, {args.steps} steps; 2 replica groups of one process "

@@ -202,9 +202,8 @@ class SemiSync:
         self.steps_between_syncs = config.sync_every // config.fragments
         self.local_step = 0  # optimizer steps since the last sync (of any fragment)
         self.syncing = False  # in a sync's quorum: a healing group that takes this state joins the sync
-        self.peer_was_syncing = (
-            False  # the state loaded came from a group in a sync (a heal at this one's start)
-        )
+        # The state loaded came from a group in a sync (a heal at this one's start).
+        self.peer_was_syncing = False
         self.window_group_samples = 0  # this group's samples since the last sync (the ledger's count)
         self.saved_syncs = 0  # the committed syncs of the state loaded at the start (checkpoint)
         self.algorithm: Any
