@@ -118,6 +118,9 @@ Fault tolerance (torchft; docs/fault-tolerance.md):
                           restarts it (--max-restarts, default 3) and it heals
                           from a live peer
   --replica-groups N      how many replica groups (default 2)
+  --sync-every H          sync the groups every H steps (default 1: every step's
+                          gradients; more: DiLoCo, H times fewer bytes between
+                          them, for slow links; asked when not given)
   --lighthouse-port P     the Lighthouse's port (default 29510; here a free one
                           from there upward)
 Behaviour:
@@ -195,7 +198,7 @@ parse_args() {
                 --save-dir | --nnodes | --node-rank | --master-addr | --master-port | --max-restarts | \
                 --dp-replicate | --dp-shard | --partition | --time | --account | --cpus-per-task | --image | \
                 --k8s-pvc | --ray-address | --ray-max-failures | --replica-groups | --lighthouse-port | \
-                --lora-r) key=${name#--} ;;
+                --lora-r | --sync-every) key=${name#--} ;;
             *) die_usage "unknown option $opt (see --help)" ;;
         esac
         if [[ $opt == *=* ]]; then
@@ -468,6 +471,15 @@ ask_adapters() {
     ask "Load the base in 4-bit, QLoRA (yes/no)" "$default_qlora" qlora
 }
 
+# --fault-tolerance: how often the replica groups sync (1: every step's gradients; more: DiLoCo's syncs, for
+# slow links), unless said (--sync-every, or --semi-sync after --).
+ask_sync_every() {
+    [[ -n ${SET[fault-tolerance]:-} && -z ${SET[sync-every]:-} ]] || return 0
+    rules check || die_usage "${RULES[error]}"
+    [[ ${RULES[ask-sync-every]:-1} == 1 ]] || return 0
+    ask "Sync the replica groups every how many steps (1 = every step; more: DiLoCo, for slow links)" 1 sync-every
+}
+
 # A --save-dir that holds another run's checkpoints: continue it, a new folder beside it, or
 # overwrite it (the trainer keeps the old files aside until the new run saves). --yes: a new folder.
 ask_save_dir() {
@@ -582,6 +594,7 @@ main() {
     fi
     ask_training
     ask_adapters
+    ask_sync_every
     ask_save_dir
     if [[ -n ${SET[slurm]:-} ]]; then
         write_job slurm

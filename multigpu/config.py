@@ -148,6 +148,34 @@ class TrainConfig:
         "e.g. http://node0:29510 (default: $TORCHFT_LIGHTHOUSE)",
         group="devices",
     )
+    semi_sync: str | None = _opt(
+        None,
+        "--fault-tolerance: each replica group trains --sync-every steps on its own between syncs (torchft): "
+        "diloco averages the groups' weight changes into an outer Nesterov SGD step, local-sgd averages "
+        "their weights; --sync-every times fewer bytes between the groups, for slow links "
+        '(docs/fault-tolerance.md, "Training across slow links")',
+        ["diloco", "local-sgd"],
+        group="devices",
+    )
+    sync_every: int | None = _opt(
+        None, "--semi-sync: the steps each replica group trains on its own between two syncs", group="devices"
+    )
+    outer_lr: float = _opt(0.7, "--semi-sync diloco: the outer SGD's learning rate", group="devices")
+    outer_momentum: float = _opt(
+        0.9, "--semi-sync diloco: the outer SGD's Nesterov momentum (0: plain SGD)", group="devices"
+    )
+    fragments: int = _opt(
+        1,
+        "--semi-sync diloco: sync the model in this many fragments of its blocks, one every --sync-every/K "
+        "steps in turn, each once per --sync-every steps (Streaming DiLoCo)",
+        group="devices",
+    )
+    quantize_outer: bool = _opt(
+        False,
+        "--semi-sync diloco: all-reduce the outer gradients in 8 bits (torchft's quantized all-reduce: CUDA "
+        "GPUs with Triton)",
+        group="devices",
+    )
     # --- data ----------------------------------------------------------
     dataset: str = _opt(
         "synthetic",
@@ -644,6 +672,7 @@ class TrainConfig:
         self._check_run_kind()
         self._check_fault_tolerance()
         self._check_lora()
+        self._check_semi_sync()
         unknown = [name for name in self.loggers if name not in LOGGERS] or ([""] if not self.loggers else [])
         if unknown:
             raise UsageError(
@@ -862,6 +891,47 @@ class TrainConfig:
             if is_refused:
                 raise UsageError(f"--fault-tolerance {why[name]}")
 
+    def _check_semi_sync(self) -> None:
+        """UsageError where --semi-sync's flags come without it, or it comes without the replica groups it
+        syncs or the steps between syncs, or with a flag of the other method, or with fsdp
+        (docs/fault-tolerance.md, "Training across slow links")."""
+        given = [name for name in SEMI_SYNC_FLAGS if getattr(self, name) != FIELDS[name].default]
+        if self.semi_sync is None:
+            if given:
+                raise UsageError(
+                    f"--{flag(given[0])} is for --semi-sync; add --semi-sync diloco (or local-sgd), or drop "
+                    f"--{flag(given[0])}"
+                )
+            return
+        if not self.fault_tolerance:
+            raise UsageError(
+                f"--semi-sync {self.semi_sync} syncs the replica groups of --fault-tolerance: add "
+                f"--fault-tolerance --ft-replica-groups N --ft-replica-id I (bash launch_multi_gpu.sh "
+                f"--fault-tolerance --sync-every H starts them all), or drop --semi-sync"
+            )
+        if self.sync_every is None:
+            raise UsageError(
+                f"--semi-sync {self.semi_sync} needs --sync-every H: the steps each replica group trains on "
+                f"its own between two syncs (the bytes between groups fall H times)"
+            )
+        if self.multi_gpu == "fsdp":
+            raise UsageError(
+                "--semi-sync with --multi-gpu fsdp: the outer state would be per shard, which the run's "
+                "one-file checkpoint does not hold; train each replica group with --multi-gpu ddp (or one "
+                "process)"
+            )
+        diloco_only = [name for name in given if name not in ("sync_every",)]
+        if self.semi_sync == "local-sgd" and diloco_only:
+            raise UsageError(
+                f"--{flag(diloco_only[0])} is for --semi-sync diloco (its outer optimizer and fragments); "
+                f"local-sgd averages the groups' weights: drop --{flag(diloco_only[0])}"
+            )
+        if self.sync_every % self.fragments:
+            raise UsageError(
+                f"--fragments {self.fragments} syncs one fragment every --sync-every/{self.fragments} steps: "
+                f"give a --sync-every that {self.fragments} divides (got {self.sync_every})"
+            )
+
     def _check_hf_model(self) -> None:
         """UsageError where --model hf and what it reads are not given together: a transformers model, from
         --model-path or --model-config (one of them), reads the tokens of --dataset hf --text-column, which its
@@ -1059,6 +1129,8 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # --fault-tolerance's own settings: given without it, they would do nothing.
 FT_FLAGS = ("ft_replica_groups", "ft_replica_id", "ft_min_replicas", "ft_lighthouse")
+# --semi-sync's own settings (the same rule).
+SEMI_SYNC_FLAGS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "quantize_outer")
 
 
 @dataclass(frozen=True)
@@ -1146,6 +1218,10 @@ RANGES = {
     "ft_replica_groups": Range(1),
     "ft_replica_id": Range(0),
     "ft_min_replicas": Range(1),
+    "sync_every": Range(1),
+    "outer_lr": Range(0, low_allowed=False),
+    "outer_momentum": Range(0, 1),
+    "fragments": Range(1),
     "dp_shard": Range(-1),  # -1: the processes left (0 is refused before, in __post_init__)
     "momentum": Range(0, 1),
     "lora_alpha": Range(0, low_allowed=False),

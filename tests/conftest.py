@@ -78,6 +78,7 @@ HEAVIEST_FILES = {
     "test_bad_input.py": 100,
     "parallel/test_fault_tolerance.py": 100,  # three kill-and-heal scenarios, one of 2 and two of 4 processes
     "parallel/test_lighthouse_watch.py": 45,  # two torchrun jobs of 2 processes and a Lighthouse killed
+    "parallel/test_semi_sync.py": 75,  # --semi-sync: DDP and 6 pairs of replica groups, a kill and a resume
 }
 
 

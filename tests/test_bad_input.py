@@ -225,6 +225,14 @@ CLI = {
     "lr negative": Case(["--lr", "-0.1"], "--lr must not be negative, got -0.1"),
     "momentum nan": finite("--momentum", "nan"),
     "momentum above 1": Case(["--momentum", "1.5"], "--momentum must be between 0 and 1, got 1.5"),
+    "outer-momentum above 1": Case(
+        ["--outer-momentum", "1.5"], "--outer-momentum must be between 0 and 1, got 1.5"
+    ),
+    "sync-every zero": Case(["--sync-every", "0"], "--sync-every must be at least 1, got 0"),
+    "semi-sync without replica groups": Case(
+        ["--semi-sync", "diloco", "--sync-every", "8"],
+        "--semi-sync diloco syncs the replica groups of --fault-tolerance: add --fault-tolerance",
+    ),
     "lr-gamma negative": Case(["--lr-gamma", "-1"], "--lr-gamma must be positive, got -1.0"),
     "lr-gamma nan": finite("--lr-gamma", "nan"),
     "lr-gamma zero": Case(["--lr-gamma", "0"], "--lr-gamma must be positive"),

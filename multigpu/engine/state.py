@@ -103,6 +103,7 @@ def contents(run: Any, known_rng: Saved | None) -> dict[str, Any]:
     order the checkpointer saves and loads them. `known_rng`: every rank's RNG states known without a
     collective (rank 0's save alone); else gathered."""
     adapters = run.adapters  # --lora-r: the adapters alone, their base recorded by its fingerprint
+    semi_sync = getattr(getattr(run, "replicas", None), "semi_sync", None)  # --semi-sync's own state
     return {
         **({"adapters": adapters} if adapters is not None else {}),
         "model": ModelState(run.model, trainable_only=adapters is not None),
@@ -115,8 +116,10 @@ def contents(run: Any, known_rng: Saved | None) -> dict[str, Any]:
         "rng": known_rng or run.rng_state,
         "trackers": run.report.trackers,  # their runs' ids
         **({"stream_state": run.stream} if run.stream is not None else {}),  # data/streaming.py
-        **({"autotune": run.autotune} if run.autotune is not None else {}),
-    }  # its choice, reused on resume
+        **({"autotune": run.autotune} if run.autotune is not None else {}),  # its choice, reused on resume
+        # the outer optimizer, the weights of the last sync, the place in the window
+        **({"semi_sync": semi_sync} if semi_sync is not None else {}),
+    }
 
 
 def identity(config: Any, sampler: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:

@@ -50,10 +50,11 @@ def report_done(
     devices_per_step: int,
     telemetry: Telemetry,
     epoch_share: float | None = 0.0,
+    also: str = "",
 ) -> None:
     """The end-of-run lines and hparams; `result` gets `did_not_learn` (why) where the run shows it did not
     learn or ended at chance (a sweep marks such runs: multigpu/sweep/summary.py). `epoch_share`: of the epoch it
-    ended in (plan.trained)."""
+    ended in (plan.trained); `also`: the done line's last words (--fault-tolerance's bytes between groups)."""
     warning = plan.learning_warning(report, classes, optimizer, lr, config.lr_scaling)
     if warning:
         report.line(warning)
@@ -66,7 +67,7 @@ def report_done(
             result["monitor"],
             has_validation,
             devices_per_step,
-            telemetry.summary_text(result),
+            telemetry.summary_text(result) + (f"; {also}" if also else ""),
             epoch_share,
         )
     )
@@ -149,5 +150,6 @@ def finish(run: Any, started: float) -> dict[str, Any]:
         run.runtime.devices_per_step,
         run.telemetry,
         epoch_share if run.progress.samples_in_epoch else 0.0,
+        run.replicas.between_groups() if run.replicas is not None else "",
     )
     return result

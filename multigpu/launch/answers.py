@@ -97,6 +97,7 @@ class Settings:
     lighthouse_port: str | None = None
     lora_r: str | None = None  # LoRA adapters' rank (asked when the model is a language model folder)
     qlora: str | None = None  # "1" or yes: the base in 4-bit; no: not
+    sync_every: str | None = None  # --fault-tolerance: above 1, the trainer's --semi-sync diloco --sync-every
     found_gpus: str = ""  # GPU ids found on this machine, "0,1,2,3"; empty: none
     default_port: str = "29500"
     python: str = sys.executable

@@ -75,9 +75,12 @@ def check(s: Settings) -> Iterator[tuple[str, str]]:
     apply_gpu_choice(s)
     engine = engine_of(s)
     config_of: Callable[[Settings], TrainConfig] = training_config
-    if s.fault_tolerance or s.replica_groups or s.lighthouse_port:  # replica groups: the batch of all of them
+    if s.fault_tolerance or s.replica_groups or s.lighthouse_port or s.sync_every:  # replica groups
         devices, nodes = replica_groups.settle(s)
         config_of = replica_groups.group_config
+        yield "ask-sync-every", "1" if replica_groups.sync_every_asked(s) else "0"
+        if s.sync_every is not None:  # the answer, kept (checked with the group's flags below)
+            yield "set:sync-every", s.sync_every
     else:
         nodes = nodes_of(s, mode)
         devices = job_devices_of(s, engine) if engine else devices_of(s, mode)

@@ -257,7 +257,11 @@ def settle(s: Settings) -> tuple[Devices, Nodes]:
     the group. As the batch and LR arithmetic sees them: the groups as the nodes, a group's processes as each
     node's."""
     if not s.fault_tolerance:
-        named = "--replica-groups" if s.replica_groups is not None else "--lighthouse-port"
+        named = next(
+            f"--{flag(name)}"
+            for name in ("replica_groups", "lighthouse_port", "sync_every")
+            if getattr(s, name) is not None
+        )
         raise UsageError(f"{named} is for --fault-tolerance; add --fault-tolerance (or drop {named})")
     groups = whole("replica_groups", s.replica_groups, 1) or DEFAULT_GROUPS
     whole("lighthouse_port", s.lighthouse_port, 1, 65535)
@@ -325,8 +329,30 @@ def group_argv(s: Settings, devices: Devices, groups: int) -> list[str]:
         "--fault-tolerance",
         "--ft-replica-groups",
         str(groups),
+        *semi_sync_flags(s),
         *s.trainer_args,
     ]
+
+
+def semi_sync_flags(s: Settings) -> list[str]:
+    """--sync-every H (the launcher's question): above 1, the trainer's --semi-sync diloco --sync-every H
+    (docs/fault-tolerance.md, "Training across slow links"); the trainer's own --semi-sync after -- is the other
+    way to say it, not both."""
+    steps = whole("sync_every", s.sync_every, 1)
+    if steps is None:
+        return []
+    given = [name for name in ("semi_sync", "sync_every") if name in given_trainer_options(s.trainer_args)]
+    if given:
+        raise UsageError(
+            f"--sync-every {steps} and --{flag(given[0])} after --: say how the groups sync once, with the "
+            f"launcher's --sync-every H (DiLoCo) or the trainer's --semi-sync METHOD --sync-every H after --"
+        )
+    return ["--semi-sync", "diloco", "--sync-every", str(steps)] if steps > 1 else []
+
+
+def sync_every_asked(s: Settings) -> bool:
+    """Whether the launcher asks how often the groups sync: not when the trainer's flags after -- say it."""
+    return not {"semi_sync", "sync_every"} & set(given_trainer_options(s.trainer_args))
 
 
 def group_config(s: Settings) -> TrainConfig:
@@ -370,8 +396,17 @@ def plan_lines(s: Settings, devices: Devices, nodes: Nodes, config: Any, where: 
         f"  {lr_text(s, config, devices, nodes)}",
         f"  a lost group's share of the data is skipped while the others train on; torchrun restarts the "
         f"group (up to {restarts} times) and it heals from a live peer",
+        *([f"  {sync_text(config)}"] if config.semi_sync else []),
         f"  checkpoints (written by the lowest live group) and launch files in {config.save_dir}/",
     ]
+
+
+def sync_text(config: TrainConfig) -> str:
+    """The plan's line of --semi-sync: how often the groups sync, and what that saves."""
+    return (
+        f"the groups sync every {config.sync_every} steps (--semi-sync {config.semi_sync}): about "
+        f"{config.sync_every} times fewer bytes between them than every step's gradients"
+    )
 
 
 def plan(s: Settings, settle_save_dir: Any) -> Any:

@@ -47,7 +47,7 @@ class PlanFacts:
     loss: str = (
         ""  # how the loss averages, when that is worth a line: over tokens, or as --loss-weighting asked
     )
-    replicas: str = ""  # --fault-tolerance: the replica groups and what a lost one costs
+    replicas: str = ""  # --fault-tolerance: the replica groups, what a lost one costs, the bytes between them
     adapters: str = ""  # --lora-r: what trains (multigpu/parallel/lora.py)
 
 
@@ -92,7 +92,7 @@ def plan_lines(run: PlanFacts) -> list[str]:
     )
     return [
         rt.describe(),
-        *([run.replicas] if run.replicas else []),
+        *run.replicas.splitlines(),
         f"batch {config.batch_size} per device x {rt.devices_per_step * rt.replica_groups} devices x "
         f"{config.grad_accum_steps} accumulation = {run.effective_batch} effective ({batch_rule})",
         f"optimizer {type(run.optimizer).__name__}, {lr}; {schedule}, {length}; amp {run.amp}",

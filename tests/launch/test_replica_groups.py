@@ -203,3 +203,74 @@ def test_fault_tolerance_flags_that_do_not_fit_are_one_line_and_exit_2():
         assert refusal in refused.stderr and len(refused.stderr.strip().splitlines()[-1:]) == 1, (
             refused.stderr
         )
+
+
+def answered_at_a_terminal(args: list[str], answers: list[tuple[str, str]], timeout: float = 120) -> str:
+    """The launcher at a terminal (a pseudo-terminal), each answer typed once its prompt (a regex) shows; what the
+    terminal showed."""
+    import pty
+    import re
+    import select
+    import time
+
+    environment = cli_env({"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "TERM": "dumb"})
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the launcher, its stdin a terminal
+        os.chdir(REPO)
+        os.execvpe("bash", ["bash", str(LAUNCHER), *args], environment)
+    shown = ""
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([terminal], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(terminal, 4096).decode(errors="replace")
+                except OSError:  # the launcher ended
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if pending and re.search(pending[0][0], shown):
+                os.write(terminal, (pending.pop(0)[1] + "\n").encode())
+                shown += "\n"  # the prompt is matched once
+    finally:
+        os.close(terminal)
+        os.waitpid(pid, 0)
+    return shown.replace("\r", "")
+
+
+def test_the_launcher_asks_how_often_the_groups_sync_and_turns_an_answer_above_1_into_diloco():
+    """--fault-tolerance at a terminal: after the training questions, "Sync the replica groups every how many
+    steps (1 = every step ...)"; 8 makes the groups' command --semi-sync diloco --sync-every 8 and the plan says
+    it; 1 keeps every step's gradients. --sync-every gives it without the question; a second way of saying it
+    (the trainer's --semi-sync after --) or --sync-every without --fault-tolerance is one line, exit 2."""
+    for answer, flags in (("8", " --semi-sync diloco --sync-every 8\n"), ("", " --ft-replica-groups 2\n")):
+        shown = answered_at_a_terminal(
+            ["--fault-tolerance", "--dry-run"],
+            [
+                (r"Epochs \[\d+\]: $", "1"),
+                (r"Batch size per process \[\d+\]: $", ""),
+                (r"Base learning rate .*\]: $", ""),
+                (r"Scale the LR .*\]: $", ""),
+                (r"Sync the replica groups every how many steps \(1 = every step.*\[1\]: $", answer),
+            ],
+        )
+        assert shown.count("Sync the replica groups every how many steps") == 1, shown
+        assert flags in shown, shown
+        assert ("the groups sync every 8 steps (--semi-sync diloco)" in shown) == (answer == "8"), shown
+    given = launch(["--fault-tolerance", "--sync-every", "4", "--dry-run", "--", *TINY_RUN])
+    assert given.returncode == 0 and given.stdout.rstrip().endswith(
+        "--semi-sync diloco --sync-every 4 " + " ".join(TINY_RUN)
+    ), given
+    for args, refusal in (
+        (["--sync-every", "4"], "--sync-every is for --fault-tolerance; add --fault-tolerance"),
+        (["--fault-tolerance", "--sync-every", "0"], "--sync-every must be at least 1, got 0"),
+        (
+            ["--fault-tolerance", "--sync-every", "4", "--", "--semi-sync", "local-sgd", "--sync-every", "4"],
+            "--sync-every 4 and --semi-sync after --: say how the groups sync once",
+        ),
+    ):
+        refused = launch(["--dry-run", *args])
+        assert refused.returncode == 2 and refusal in refused.stderr, refused.stderr
