@@ -55,7 +55,9 @@ def test_cpu_dry_run_lists_every_row_and_none_fails(tmp_path: Path) -> None:
     # Two rows at a time: a dry-run row is mostly one process on one core, and this machine has two. The budget
     # is the loan's (a GPU machine's minutes), not this test's subject: a loaded CI machine took 1,200 s of rows
     # where a quiet one takes a third, and rows left without time would FAIL for the clock alone.
-    result = run_script("--cpu-dry-run", "--jobs", "2", "--budget", "1800", "--output", str(output), timeout=2000)
+    result = run_script(
+        "--cpu-dry-run", "--jobs", "2", "--budget", "1800", "--output", str(output), timeout=2000
+    )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     statuses = table_rows(output.read_text())
     assert list(statuses) == gpu_check.row_names()
