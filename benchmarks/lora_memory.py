@@ -12,7 +12,8 @@ examples/tiny_language_model.py's tokenizer, and a JSONL of that example's sente
 windows: `--lora-r 8` (alpha 16, every linear layer but the head), `--activation-checkpointing`, `--qlora`
 (bitsandbytes NF4; not under fsdp, which refuses it in one line), AdamW, fp32 (--amp as given), --steps
 optimizer steps. Peak memory per rank: on the CPU the process's peak resident set (VmHWM, torch and its
-libraries included: the row "imports only" shows what a process holds before it builds anything), on a GPU
+libraries included: the row "imports only" shows what a process holds before it builds anything; malloc made to
+give freed blocks back, so that it is the peak of live memory), on a GPU
 torch.cuda.max_memory_allocated; each rank reports its own at the end of training. Checkpoint: the bytes of
 last.pt (under fsdp the sharded folder last/).
 """
@@ -126,10 +127,17 @@ def run(
         **os.environ,
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // layout)),
         "PYTHONPATH": str(REPO),
+        # The peak of live memory, not of what malloc keeps: the trainer keeps freed CPU memory for the next
+        # step (multigpu/tuning/cpu_memory.py), and the heap's layout then sets the resident peak (activation
+        # checkpointing measured higher than without it that way). A fixed mmap threshold hands every block
+        # above 128 KiB back when freed, and a malloc tuned by the environment is left alone by the trainer.
+        "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
     }
     done = subprocess.run([*launcher, *script], capture_output=True, text=True, env=env, timeout=args.timeout)
-    if done.returncode == 2:  # refused (QLoRA under fsdp): the one line says why
-        return {"refused": done.stderr.strip().splitlines()[-1]}
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    # Refused (QLoRA under fsdp): exit 2 from one process, torchrun's own failure (1) around a rank's exit 2.
+    if refusal and (done.returncode == 2 or "exitcode  : 2" in done.stderr):
+        return {"refused": refusal[0]}
     if done.returncode != 0:
         sys.exit(f"the run {' '.join(flags)} at {layout} process(es) failed:\n{done.stdout}\n{done.stderr}")
     peaks = [json.loads((out / f"rank{rank}.json").read_text())["peak_bytes"] for rank in range(layout)]
@@ -205,7 +213,9 @@ def notes(args: argparse.Namespace) -> list[str]:
         f"{model} from its config, random weights; block {args.block}, batch {args.batch} per process, "
         f"{args.steps} optimizer steps, AdamW, --amp {args.amp}; LoRA r 8, alpha 16, every linear layer but the head",
         "peak memory: each rank's peak resident set (VmHWM) at the end of training, the whole process (torch and "
-        "its libraries too: see 'imports only'); checkpoint: last.pt, or under fsdp the sharded folder last/",
+        "its libraries too: see 'imports only'), with MALLOC_MMAP_THRESHOLD_=131072 so that freed blocks go back "
+        "to the kernel and the peak is that of live memory; checkpoint: last.pt, or under fsdp the sharded "
+        "folder last/",
         f"command: python benchmarks/lora_memory.py {' '.join(sys.argv[1:])}".rstrip(),
     ]
 

@@ -66,6 +66,9 @@ def _loaded(num_classes: int, config: TrainConfig) -> nn.Module:
             model = auto.from_config(settings, dtype=torch.float32)
         else:
             model = _from_folder(auto, settings, config, four_bit(transformers, config))
+            # Before any forward (the causality probe below is one): bitsandbytes' CPU packing of a 4-bit layer
+            # for inference breaks on small layers (multigpu/parallel/lora.py).
+            lora.keep_off_cpu_inference_packing(model)
     except ValueError as error:  # no such head for this kind of model
         raise UsageError(
             f"--model hf: transformers has no {auto.__name__} for a {settings.model_type} model "

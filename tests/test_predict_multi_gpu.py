@@ -48,9 +48,9 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
     image_folder(tmp_path / "photos", {"batch1": ["cat", "dog"], "batch0": ["x"]}, per_class=2)
     commands = guide_commands("predict_multi_gpu.py", page="docs/prediction.md")
     assert [(nproc, args[args.index("--output") + 1]) for nproc, args in commands] == [
-        (2, "predictions.csv"),
-        (2, "outputs.pt"),
-        (None, "photos.csv"),
+        (2, "runs/demo/predictions.csv"),
+        (2, "runs/demo/outputs.pt"),
+        (None, "runs/demo/photos.csv"),
     ]
     results = [run_cli(args, nproc=nproc, cwd=tmp_path, script=SCRIPT) for nproc, args in commands]
     for result in results:
@@ -64,7 +64,7 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
     assert len(metric_lines) == 1 and metric_lines[0].endswith(
         "the same as training recorded in this checkpoint"
     )
-    rows = read_csv(tmp_path / "predictions.csv")
+    rows = read_csv(tmp_path / "runs" / "demo" / "predictions.csv")
     assert [int(row["index"]) for row in rows] == list(range(100))  # one row per sample, in dataset order
     labels = validation_labels(state)
     assert [int(row["label"]) for row in rows] == labels
@@ -77,11 +77,11 @@ def test_the_guides_commands_predict_in_dataset_order_with_the_accuracy_training
         for row in rows
     )
 
-    outputs = torch.load(tmp_path / "outputs.pt", weights_only=True)
+    outputs = torch.load(tmp_path / "runs" / "demo" / "outputs.pt", weights_only=True)
     assert outputs.shape == (100, 10) and outputs.dtype == torch.float32
     assert outputs.argmax(1).tolist() == [int(row["predicted"]) for row in rows]
 
-    photos = read_csv(tmp_path / "photos.csv")
+    photos = read_csv(tmp_path / "runs" / "demo" / "photos.csv")
     assert list(photos[0]) == ["index", "file", "predicted", "probability"]  # no labels: no label column
     assert [row["file"] for row in photos] == [
         "batch0/x/0.png",

@@ -109,15 +109,15 @@ def saved_settings(path: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def differences(saved: dict[str, Any], config: TrainConfig) -> list[str]:
-    """The settings that decide what a run learns where `config` differs from the run's `saved` ones, as
-    "name: saved -> command"; empty when the command continues that run (epochs may differ)."""
+def differences(saved: dict[str, Any], config: TrainConfig, also: tuple[str, ...] = ()) -> list[str]:
+    """The settings that decide what a run learns (and `also` these) where `config` differs from the run's
+    `saved` ones, as "name: saved -> command"; empty when the command continues that run (epochs may differ)."""
     taken = taken_from_the_checkpoint(config)
     names = [
         name
         for name, f in FIELDS.items()
         if f.metadata["group"] in RUN_GROUPS and name not in MAY_DIFFER and name not in taken
-    ]
+    ] + list(also)
     if config.batch_size == AUTO:  # found at start: any batch the run settled on may be what auto finds again
         names.remove("batch_size")
     return _changes(saved, config, names)

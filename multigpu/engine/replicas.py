@@ -32,6 +32,9 @@ from multigpu.loop.step import TrainStep
 from multigpu.parallel import semi_sync
 from multigpu.parallel.lighthouse_watch import LOST_SECONDS, LighthouseWatch
 
+# How the groups sync (--semi-sync): settings of the devices' group that groups must still share, or their syncs
+# would average weight changes made under different rules.
+SYNC_SETTINGS = ("semi_sync", "sync_every", "outer_lr", "outer_momentum", "fragments", "quantize_outer")
 # Where the trainer's state travels among torchft's state callbacks.
 STATE_KEY = "multigpu"
 
@@ -341,7 +344,7 @@ def refuse_other_settings(peers: dict[str, Any], config: Any, group: int, peer: 
     its config as a checkpoint keeps it): the settings that decide what is learned, by the rule a resume's
     --resume auto picks a run by (multigpu/checkpoints/run_settings.py). Groups that differ would average
     gradients of different runs, and step them with different rules."""
-    differing = run_settings.differences(peers, config)
+    differing = run_settings.differences(peers, config, also=SYNC_SETTINGS)
     if differing:
         raise UsageError(
             f"replica group {group} was started with other settings than replica group {peer}, which it would "

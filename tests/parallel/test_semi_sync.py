@@ -275,14 +275,14 @@ def test_a_killed_group_heals_within_the_window_and_the_groups_are_identical_aft
     # sync.
     run0 = [*flags, "--max-steps", "16"]
     group0 = Group(tmp_path / "group0", 0, run0, hold=(10, asking), wait_first_quorum=starting)
-    run1 = [*flags, "--ft-min-replicas", "2"]
+    run1 = [*run0, "--ft-min-replicas", "2"]  # the same settings: a group with others is refused at join
     kill = {"MULTIGPU_FAULT_INJECT": "0:6"}
     killed = Group(tmp_path / "group1", 1, run1, env=kill, mark_first_quorum=starting)
     assert [done.returncode for done in killed.wait()] == [-9]
     deadline = time.monotonic() + HOLD_SECONDS
     while not any(record.get("live") == [0] for record in group0.records()) and time.monotonic() < deadline:
         time.sleep(0.05)  # until group 0 has trained alone (its sync of step 8 left group 1 out)
-    group1 = Group(tmp_path / "group1-again", 1, [*run1, "--max-steps", "16"], mark_first_quorum=asking)
+    group1 = Group(tmp_path / "group1-again", 1, run1, mark_first_quorum=asking)
     for group in (group0, group1):
         assert [done.returncode for done in group.wait()] == [0], group.done[0].stderr[-3000:]
 
