@@ -4,7 +4,7 @@ run's checkpoint size (docs/measured.md, "LoRA and QLoRA").
 
     python benchmarks/lora_memory.py                   # GPT-2 small (124M) from its config, block 256, batch 4
     python benchmarks/lora_memory.py --tiny            # a tiny GPT-2, one process only: a quick look
-    python benchmarks/lora_memory.py --device cuda --model-config FOLDER --batch 8   # a GPU, a model of yours
+    python benchmarks/lora_memory.py --model-config FOLDER --batch 8 --amp bf16   # on a GPU machine: its memory
 
 Every run is the trainer's own command line (main_multi_gpu.py, under torchrun for fsdp) on a model folder the
 benchmark writes once from the config (random weights: memory does not depend on their values) with
