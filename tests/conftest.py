@@ -784,6 +784,31 @@ def run_cli_forked(
         return run_forked_workers(main_multi_gpu.main, args, None, Path(folder), env, cwd, timeout=timeout)[0]
 
 
+def script_main(argv: list[str]) -> int:
+    """A script's whole run as `python SCRIPT ARGV` runs it, for run_forked_workers(script_main, ARGV,
+    script=SCRIPT), which sets sys.argv to [SCRIPT, *ARGV]: run as __main__, its directory first on the path;
+    its exit status."""
+    import runpy
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as end:
+        return end.code if isinstance(end.code, int) else int(end.code is not None)
+    return 0
+
+
+def run_script_forked(
+    script: Path, args: Sequence[str], nproc: int | None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` (nproc None), or its `nproc` ranks as torchrun starts them, forked from the preloaded
+    server (run_forked_workers): rank 0's output, and the worst exit status of any rank."""
+    with tempfile.TemporaryDirectory(prefix="script-") as folder:
+        ranks = run_forked_workers(script_main, args, nproc, Path(folder), env, script=script)
+    worst = next((rank.returncode for rank in ranks if rank.returncode != 0), 0)
+    return subprocess.CompletedProcess(ranks[0].args, worst, ranks[0].stdout, ranks[0].stderr)
+
+
 def _worker_entry(
     main: Callable[[list[str]], int],
     command: list[str],

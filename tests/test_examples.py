@@ -1,6 +1,10 @@
 """examples/: a user's own task on the trainer, run as a user would, in one process and under 2-process
 torchrun, killed mid-run and resumed to the same final weights as an uninterrupted run; and the ported clients
-whose model signatures need no forward_fn, each learning in one process and under torchrun."""
+whose model signatures need no forward_fn, each learning in one process and under torchrun.
+
+The runs that are not about how a process starts or ends (the one-process run, the uninterrupted reference) are
+forked from the preloaded server with the environment torchrun gives (conftest.run_script_forked); the killed run
+and its resume are real torchrun jobs."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_ok, read_scalars, run_cli
+from conftest import REPO, assert_ok, read_scalars, run_cli, run_script_forked
 from multigpu.checkpoints import checkpoint
 from multigpu.resilience.faults import FAULT_ENV
 
@@ -41,13 +45,15 @@ EXAMPLES = {  # script: (its own flags, the metric best.pt follows)
 }
 
 
-def run_example(name: str, save_dir: Path, *extra: str, nproc: int | None = None, fault: str = ""):
+def run_example(
+    name: str, save_dir: Path, *extra: str, nproc: int | None = None, fault: str = "", forked: bool = False
+):
     flags, _ = EXAMPLES[name]
+    args = [*SMALL, *flags, "--save-dir", str(save_dir), *extra]
+    if forked:
+        return run_script_forked(REPO / "examples" / name, args, nproc)
     return run_cli(
-        [*SMALL, *flags, "--save-dir", str(save_dir), *extra],
-        nproc=nproc,
-        script=REPO / "examples" / name,
-        env={FAULT_ENV: fault} if fault else None,
+        args, nproc=nproc, script=REPO / "examples" / name, env={FAULT_ENV: fault} if fault else None
     )
 
 
@@ -55,7 +61,7 @@ def run_example(name: str, save_dir: Path, *extra: str, nproc: int | None = None
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_under_torchrun(name, tmp_path):
     _, monitor = EXAMPLES[name]
-    single = run_example(name, tmp_path / "single")
+    single = run_example(name, tmp_path / "single", forked=True)
     assert_ok(single)
     best = checkpoint.load(str(tmp_path / "single" / "best.pt"))
     values = [value for _, value in read_scalars(tmp_path / "single" / "tb")[monitor.replace("_", "/", 1)]]
@@ -63,7 +69,7 @@ def test_example_trains_picks_its_best_checkpoint_and_resumes_bit_identically_un
         min(values) if monitor == "val_loss" else max(values), rel=1e-6
     )
 
-    assert_ok(run_example(name, tmp_path / "whole", nproc=2))
+    assert_ok(run_example(name, tmp_path / "whole", nproc=2, forked=True))
     killed = run_example(name, tmp_path / "resumed", nproc=2, fault="1:5")  # rank 1 dies after step 5
     assert killed.returncode != 0
     resumed = run_example(name, tmp_path / "resumed", "--resume", "auto", nproc=2)
