@@ -195,16 +195,16 @@ def run_to_continue(root: str, config: TrainConfig) -> tuple[str, str] | None:
 def newest_first(paths: list[str]) -> list[str]:
     """Most recently written first (a sharded folder when its marker was written). On an equal mtime (coarse
     file-system clocks) last.pt, written after the step checkpoint of the same step, and then the higher step
-    count as newer."""
-    return sorted(
-        paths,
-        key=lambda path: (
-            written_at(path),
-            os.path.basename(path).split(".")[0] == "last",
-            os.path.basename(path),
-        ),
-        reverse=True,
-    )
+    count as newer. A path gone by the time it is dated is left out: replica groups share one save-dir, and the
+    leading group prunes its old step checkpoints while a restarted group looks for the newest."""
+    dated = []
+    for path in paths:
+        try:
+            written = written_at(path)
+        except FileNotFoundError:
+            continue
+        dated.append((written, os.path.basename(path).split(".")[0] == "last", os.path.basename(path), path))
+    return [path for *_, path in sorted(dated, reverse=True)]
 
 
 def written_at(path: str) -> float:
