@@ -48,9 +48,9 @@ STAMPS = "stamps.json"
 # (phase, from stamp, to stamp): the driver's stamps, and the workers' (rank 0's) in "w:" names.
 PHASES = [
     ("Python's start", "launched", "driver started"),
-    ("the driver's imports: the project, ray, ray.train.torch", "driver started", "ray imported"),
-    ("ray.init: Ray's start", "ray imported", "ray started"),
-    ("the driver: the cluster's resources, the save-dir", "ray started", "fit called"),
+    ("the driver's imports: the project, ray, ray.train.torch", "driver started", "import_ray returned"),
+    ("ray.init: Ray's start", "import_ray returned", "connect returned"),
+    ("the driver: the cluster's resources, the save-dir", "connect returned", "fit called"),
     ("Ray Train: workers, placement group, process group", "fit called", "w:entered"),
     ("project in the worker: imports, data, model, wrap, first step", "w:entered", "w:first step"),
     ("training: the other optimizer steps", "w:first step", "w:last step"),
@@ -102,14 +102,14 @@ def drive(argv: list[str], stamps_file: str) -> int:
     ray_train.fit = stamped(ray_train.fit, "fit")
     ray_train.train_on_worker = timed_worker
     status = main_multi_gpu.main(argv)
-    stamps.update({"ray imported": stamps["import_ray returned"], "ray started": stamps["connect returned"]})
     Path(stamps_file).write_text(json.dumps(stamps))
     return status
 
 
 def one_ray_run(workers: int, folder: Path) -> dict[str, float]:
     """One run on a new local Ray instance: every stamp, in seconds since the driver was launched."""
-    save_dir, stamps_file = folder / "ray-run", folder / STAMPS
+    save_dir = folder / "ray-run"
+    stamps_file = folder / STAMPS
     command = [sys.executable, __file__, "--drive", str(stamps_file), "--", "--ray-workers", str(workers)]
     launched = time.time()
     # PYTHONPATH: Ray's workers import the project as the driver does (they inherit the raylet's environment).

@@ -65,12 +65,12 @@ HEAVIEST_FILES = {  # measured on 2026-11-29
     "test_docs.py": 1260,
     "benchmarks/test_gpu_check.py": 500,
     "data/test_streaming.py": 480,
+    "test_examples.py": 480,
     "test_main_multi_gpu.py": 455,
     "launch/test_ray_train.py": 385,  # a Ray instance and five drivers on it
     "checkpoints/test_sharded.py": 380,
     "resilience/test_watchdog.py": 380,
     "test_resume.py": 380,
-    "test_examples.py": 480,
     "test_launch_multi_gpu.py": 315,
     "test_sweep_multi_gpu.py": 250,
     "parallel/test_fault_tolerance.py": 230,  # three kill-and-heal scenarios, one of 2 and two of 4 processes

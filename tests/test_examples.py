@@ -50,11 +50,10 @@ def run_example(
 ):
     flags, _ = EXAMPLES[name]
     args = [*SMALL, *flags, "--save-dir", str(save_dir), *extra]
+    env = {FAULT_ENV: fault} if fault else None
     if forked:
-        return run_script_forked(REPO / "examples" / name, args, nproc)
-    return run_cli(
-        args, nproc=nproc, script=REPO / "examples" / name, env={FAULT_ENV: fault} if fault else None
-    )
+        return run_script_forked(REPO / "examples" / name, args, nproc, env)
+    return run_cli(args, nproc=nproc, script=REPO / "examples" / name, env=env)
 
 
 @pytest.mark.slow
