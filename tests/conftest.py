@@ -740,12 +740,14 @@ def run_forked_workers(
     cwd: Path = REPO,
     script: Path = REPO / "main_multi_gpu.py",
     timeout: float = RUN_TIMEOUT,
+    started: Callable[[list[Any]], None] | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """A script's `main(argv)` (its exit status) as `nproc` workers with the environment torchrun gives them, as
     run_cli_ranks runs the script (`nproc` None: one process without them, as `python SCRIPT ARGV` runs), but
     forked from run_ranks' preloaded server: no Python start of its own each. A worker ends as a process does
     (its threads joined, its at-exit handlers run, then main's status). Returns each worker's exit status (-N:
-    killed by signal N), output and errors, in rank order. `main` must be a module-level function."""
+    killed by signal N), output and errors, in rank order. `main` must be a module-level function. `started`
+    receives the started workers (their pids), for a test that signals them."""
     context = preloaded_context()
     tmp_path.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="workers-", dir=tmp_path))
@@ -759,6 +761,8 @@ def run_forked_workers(
     ]
     for worker in workers:
         worker.start()
+    if started is not None:
+        started(workers)
     deadline = time.monotonic() + timeout
     try:
         for worker in workers:

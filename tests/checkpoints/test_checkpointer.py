@@ -287,20 +287,27 @@ def test_resume_from_a_folder_continues_its_newest_checkpoint(previous, tmp_path
     assert f"resumed from {previous / 'last.pt'}: epoch 2, step 8" in capsys.readouterr().out
 
 
-# A user's script whose validation set sends SIGTERM to torchrun while rank 0 evaluates epoch 1 (once).
+# A user's script whose validation set sends SIGTERM to torchrun while rank 0 evaluates epoch 1 (once), and
+# holds that evaluation until torchrun has passed the signal on to rank 0: on a busy machine the evaluation's
+# other batches would otherwise end before it arrives.
 STOPPED_IN_EVALUATION = """
-import os, signal, sys, torch
+import os, signal, sys, time, torch
 from torch.utils.data import TensorDataset
 from main_multi_gpu import main_guarded
 from multigpu.config import parse_config
 from train_multi_gpu import MultiGPUTrainer
 
 class Validation(TensorDataset):
+    trainer = None  # set once built: its stop request is where the signal shows
+
     def __getitem__(self, index):
         marker = sys.argv[1]
         if os.environ["RANK"] == "0" and index == 40 and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getppid(), signal.SIGTERM)  # torchrun passes it to every worker
+            deadline = time.monotonic() + 60
+            while self.trainer.stop.signal_name is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # a signal's handler runs in this thread, between two instructions
         return super().__getitem__(index)
 
 def train(argv):
@@ -309,8 +316,9 @@ def train(argv):
     targets = (data[:, 0] > 0).long()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    with MultiGPUTrainer(model, TensorDataset(data[:128], targets[:128]), Validation(data[128:], targets[128:]),
-                         config) as trainer:
+    validation = Validation(data[128:], targets[128:])
+    with MultiGPUTrainer(model, TensorDataset(data[:128], targets[:128]), validation, config) as trainer:
+        validation.trainer = trainer
         trainer.fit()
 
 sys.exit(main_guarded(train, sys.argv[2:]))

@@ -5,11 +5,14 @@ tests/conftest.py's `lighthouse`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from conftest import (
     LIGHTHOUSE_HEARTBEAT_MS,
     PYTHON,
     REPO,
+    RUN_TIMEOUT,
     cli_command,
     cli_env,
     config_for,
@@ -267,8 +271,10 @@ def test_a_group_started_with_other_settings_than_its_peers_is_refused_in_one_li
     lighthouse, tmp_path
 ):
     """Two groups started together, one with --lr 0.001, the other with --lr 0.01: the one that heals from the
-    other at the first quorum (torchft's first sync) would train another run's steps; it is refused in one line
-    naming the setting, exit 2, having trained nothing, and the other trains its own run to the end."""
+    other (at the first quorum, torchft's first sync, or later, as it joins the other's run) would train another
+    run's steps; it is refused in one line naming the setting, exit 2, having trained nothing, and the other
+    trains its own run on until its SIGTERM. Neither run can end before the other has joined, so the test waits
+    for the events themselves (a group's end, the other's next quorum without it), never for the clock."""
     import main_multi_gpu
 
     save_dir = tmp_path / "run"
@@ -279,24 +285,39 @@ def test_a_group_started_with_other_settings_than_its_peers_is_refused_in_one_li
             *("--fault-tolerance", "--ft-replica-groups", "2", "--ft-replica-id", str(replica_id)),
             *("--ft-lighthouse", lighthouse, "--save-dir", str(save_dir), "--lr", rates[replica_id]),
             *("--lr-scaling", "none", "--model", "mlp", "--mode", "flatten", "--image-shape", "1,4,4"),
-            *("--train-size", "2000", "--val-size", "32", "--batch-size", "4", "--max-steps", "40"),
-            *("--epochs", "1", "--no-progress", "--dist-timeout", str(DIST_TIMEOUT)),
+            *("--train-size", "2000", "--val-size", "32", "--batch-size", "4", "--epochs", "1000"),
+            *("--no-progress", "--dist-timeout", str(DIST_TIMEOUT)),
         ]
 
     ended: dict[int, subprocess.CompletedProcess] = {}
+    workers: dict[int, Any] = {}
+    one_ended = threading.Event()
 
     def start(replica_id: int) -> None:
         (ended[replica_id],) = run_forked_workers(
-            main_multi_gpu.main, group(replica_id), None, tmp_path / f"group{replica_id}"
+            main_multi_gpu.main,
+            group(replica_id),
+            None,
+            tmp_path / f"group{replica_id}",
+            started=lambda started: workers.__setitem__(replica_id, started[0]),
         )
+        one_ended.set()
 
     starts = [threading.Thread(target=start, args=(replica_id,)) for replica_id in rates]
     for thread in starts:
         thread.start()
+    assert one_ended.wait(RUN_TIMEOUT)
+    (refused,) = ended
+    trained = 1 - refused
+    assert ended[refused].returncode == 2, ended[refused].stdout[-3000:] + ended[refused].stderr
+    # A stop signal inside a quorum that waits for the refused group's heartbeat to lapse would end the process
+    # without a checkpoint: signal the trained group once it has trained a step without its peer.
+    wait_for_line(
+        tmp_path / f"group{trained}", rf"replica group {refused} is not in the quorum of step ([2-9]|\d\d+):"
+    )
+    os.kill(workers[trained].pid, signal.SIGTERM)
     for thread in starts:
         thread.join()
-    (refused,) = [replica_id for replica_id, result in ended.items() if result.returncode == 2]
-    trained = 1 - refused
     lines = [line for line in ended[refused].stderr.splitlines() if "Warning" not in line]
     assert len(lines) == 1 and "step" not in ended[refused].stdout, (
         ended[refused].stdout + ended[refused].stderr
@@ -307,4 +328,17 @@ def test_a_group_started_with_other_settings_than_its_peers_is_refused_in_one_li
         f"every group with the same command"
     )
     assert ended[trained].returncode == 0, ended[trained].stdout[-3000:] + ended[trained].stderr
+    assert "stopped by SIGTERM at step" in ended[trained].stdout
     assert torch.load(save_dir / "last.pt", weights_only=True)["config"]["lr"] == float(rates[trained])
+
+
+def wait_for_line(folder: Path, pattern: str, timeout: float = RUN_TIMEOUT) -> None:
+    """Until a line matching `pattern` is in the output of the forked worker whose files are under `folder`
+    (run_forked_workers' rank0.out): the event a test waits for, read as the worker prints it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for output in folder.glob("workers-*/rank0.out"):
+            if re.search(pattern, output.read_text(), re.MULTILINE):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no line matching {pattern!r} under {folder} within {timeout:g} s")
