@@ -63,20 +63,20 @@ PHASES = [
 def timed_worker(job: dict[str, Any]) -> None:
     """The project's Ray worker with time stamps: entry, first and last optimizer step, end (rank 0 writes them)."""
     import torch.distributed as dist
+    from bench_common import StepEnds
 
     from multigpu.launch import ray_train, runner
 
     stamps = {"entered": time.time()}
-
-    class Steps:
-        def on_step_end(self, trainer: Any) -> None:
-            stamps.setdefault("first step", time.time())
-            stamps["last step"] = time.time()
-
+    # StepEnds reads perf_counter; this process's offset to the wall clock the driver's stamps read.
+    wall_clock_offset = time.time() - time.perf_counter()
+    steps = StepEnds()
     untimed = runner.train_from_argv
-    runner.train_from_argv = lambda argv: untimed(argv, callbacks=[Steps()])
+    runner.train_from_argv = lambda argv: untimed(argv, callbacks=[steps])
     ray_train.train_on_worker(job)
     stamps["done"] = time.time()
+    stamps["first step"] = steps.at[0] + wall_clock_offset
+    stamps["last step"] = steps.at[-1] + wall_clock_offset
     if dist.get_rank() == 0:
         Path(job["run_dir"], "worker-" + STAMPS).write_text(json.dumps(stamps))
 
@@ -112,8 +112,9 @@ def one_ray_run(workers: int, folder: Path) -> dict[str, float]:
     stamps_file = folder / STAMPS
     command = [sys.executable, __file__, "--drive", str(stamps_file), "--", "--ray-workers", str(workers)]
     launched = time.time()
-    # PYTHONPATH: Ray's workers import the project as the driver does (they inherit the raylet's environment).
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # PYTHONPATH: Ray's workers import the project and bench_common as the driver does (they inherit the raylet's
+    # environment).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks")])}
     subprocess.run(
         [*command, *TRAINING, "--save-dir", str(save_dir)],
         cwd=REPO,
@@ -165,21 +166,28 @@ def one_torchrun_run(workers: int, folder: Path) -> float:
     return time.time() - launched
 
 
+SIDES = {"on Ray": one_ray_run, "torchrun": one_torchrun_run, "Ray's floor": one_empty_run}
+
+
 def measure(workers: int, rounds: int) -> tuple[list[dict[str, float]], list[float], list[float]]:
-    """The project on Ray, the same training under torchrun, and Ray's floor, alternating, each in a folder of
-    its own."""
-    ray_runs, torchrun_runs, empty_runs = [], [], []
-    for round_number in range(rounds):
+    """The project on Ray, the same training under torchrun, and Ray's floor, in alternating rounds
+    (bench_common.alternating_rounds), each run in a folder of its own."""
+    from bench_common import alternating_rounds
+
+    def run(workload: str, side: str) -> Any:
         with tempfile.TemporaryDirectory(prefix="ray-startup-") as folder:
-            ray_runs.append(one_ray_run(workers, Path(folder)))
-            torchrun_runs.append(one_torchrun_run(workers, Path(folder)))
-            empty_runs.append(one_empty_run(workers, Path(folder)))
-        print(
-            f"round {round_number + 1}: on Ray {ray_runs[-1]['exited']:.1f} s, torchrun {torchrun_runs[-1]:.1f} s, "
-            f"Ray's floor {empty_runs[-1]:.1f} s",
-            flush=True,
-        )
-    return ray_runs, torchrun_runs, empty_runs
+            return SIDES[side](workers, Path(folder))
+
+    def describe(figures: Any) -> str:
+        total = figures["exited"] if isinstance(figures, dict) else figures
+        return f"{total:.1f} s"
+
+    results, _ = alternating_rounds(rounds, ["training"], list(SIDES), run, describe)
+    return (
+        results[("training", "on Ray")],
+        results[("training", "torchrun")],
+        results[("training", "Ray's floor")],
+    )
 
 
 def seconds(values: list[float]) -> str:
@@ -219,8 +227,9 @@ def report(
 
 
 def main() -> int:
+    # allow_abbrev=False: a prefix of a flag is refused, as bench_common.benchmark_parser refuses it.
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

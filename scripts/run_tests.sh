@@ -24,10 +24,9 @@ echo "ruff check, ruff format --check, mypy..." >&2
 # Both tiers run in worker processes, each taking whole test files (pytest-xdist's loadfile: a file's fixtures
 # are made once). Three for the full run on two cores: its tests wait on processes, servers and restarts a good
 # part of the time (with two, the cores were busy 85% of it), and the third fills those waits: 22 min 18 s
-# against 27 min 6 s in two, on the same machine and tests. Four took 20 min 17 s of pytest where three took
-# 34 min 21 s (a fresh clone, 2026-11-29), but the heavier load made tests that race the clock fail (a replica
-# group that joined after its peer had finished; a stop during evaluation): three until those are made
-# independent of load. The quick tier's tests are mostly in-process: two.
+# against 27 min 6 s in two, on the same machine and tests. Four took 20 min 17 s of pytest, three 21 min 20 s
+# (fresh clones of a quiet machine, 2026-11-29): three, the load CI has passed under. The quick tier's tests
+# are mostly in-process: two.
 # TEST_WORKERS=0 runs every test in pytest's own process, one after the other.
 tier=(--durations=15)
 workers=${TEST_WORKERS:-3}

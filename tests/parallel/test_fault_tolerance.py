@@ -294,12 +294,12 @@ def test_a_group_started_with_other_settings_than_its_peers_is_refused_in_one_li
     one_ended = threading.Event()
 
     def start(replica_id: int) -> None:
+        def keep(started: list[Any]) -> None:
+            workers[replica_id] = started[0]  # the one process of the group, to signal later
+
+        folder = tmp_path / f"group{replica_id}"
         (ended[replica_id],) = run_forked_workers(
-            main_multi_gpu.main,
-            group(replica_id),
-            None,
-            tmp_path / f"group{replica_id}",
-            started=lambda started: workers.__setitem__(replica_id, started[0]),
+            main_multi_gpu.main, group(replica_id), None, folder, started=keep
         )
         one_ended.set()
 
