@@ -349,10 +349,12 @@ def test_a_worker_killed_without_restarts_is_one_line_naming_it_its_exit_and_the
         ["python", "main_multi_gpu.py", "--ray-workers", "2", "--ray-address", ray_head, *RUN]
         + ["--save-dir", str(save_dir), "--resume", "auto"]
     )
+    # Ray ends the group at the first failure its poll of the workers finds: rank 0's own end (it stops on
+    # losing rank 1) is in Ray's failures, and so in the line, only when that poll came after it.
     assert re.fullmatch(
         r"error: the run on Ray failed: worker rank 1 \(pid \d+\) died: its process ended without an exit "
-        r"status of its own \((\w+, )?killed by a signal or the OOM killer, or crashed\) \(rank 0 ended after "
-        r"it\); Ray gave up on it \(--ray-max-failures 0\): continue from the newest checkpoint with: "
+        r"status of its own \((\w+, )?killed by a signal or the OOM killer, or crashed\)( \(rank 0 ended after "
+        r"it\))?; Ray gave up on it \(--ray-max-failures 0\): continue from the newest checkpoint with: "
         + re.escape(resume),
         result.stderr.strip().splitlines()[-1],
     ), result.stderr[-3000:]
