@@ -112,8 +112,8 @@ def one_ray_run(workers: int, folder: Path) -> dict[str, float]:
     stamps_file = folder / STAMPS
     command = [sys.executable, __file__, "--drive", str(stamps_file), "--", "--ray-workers", str(workers)]
     launched = time.time()
-    # PYTHONPATH: Ray's workers import the project and bench_common as the driver does (they inherit the raylet's
-    # environment).
+    # PYTHONPATH: Ray's workers import the project and bench_common as the driver does (they inherit the
+    # raylet's environment).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks")])}
     subprocess.run(
         [*command, *TRAINING, "--save-dir", str(save_dir)],

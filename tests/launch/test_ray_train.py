@@ -353,9 +353,9 @@ def test_a_worker_killed_without_restarts_is_one_line_naming_it_its_exit_and_the
     # losing rank 1) is in Ray's failures, and so in the line, only when that poll came after it.
     assert re.fullmatch(
         r"error: the run on Ray failed: worker rank 1 \(pid \d+\) died: its process ended without an exit "
-        r"status of its own \((\w+, )?killed by a signal or the OOM killer, or crashed\)( \(rank 0 ended after "
-        r"it\))?; Ray gave up on it \(--ray-max-failures 0\): continue from the newest checkpoint with: "
-        + re.escape(resume),
+        r"status of its own \((\w+, )?killed by a signal or the OOM killer, or crashed\)"
+        r"( \(rank 0 ended after it\))?; Ray gave up on it \(--ray-max-failures 0\): "
+        r"continue from the newest checkpoint with: " + re.escape(resume),
         result.stderr.strip().splitlines()[-1],
     ), result.stderr[-3000:]
     # Besides rank 0's own two lines (the lost rank, its last step's checkpoint): at most Ray's own two warnings
